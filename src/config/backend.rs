@@ -1,0 +1,213 @@
+//! How workers synchronise: `train.backend`, `train.topology` and `[train.compression]`.
+//!
+//! Backend-specific keys live beside `backend` (the seed configs put `topology` there); the validator
+//! rejects a key that belongs to another backend, so adding a backend never reshapes existing files.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The synchronisation algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum Backend {
+    /// Data parallel with gradient averaging by all-reduce, as PyTorch DDP (alias "allreduce").
+    #[default]
+    #[serde(rename = "pytorchddp", alias = "allreduce")]
+    PytorchDdp,
+    /// Decentralized data parallel: local optimizer steps, then parameter gossip over `topology` (Decent-DP).
+    #[serde(rename = "decentdp")]
+    DecentDp,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::PytorchDdp => "pytorchddp",
+            Backend::DecentDp => "decentdp",
+        }
+    }
+}
+
+/// Gossip topology for `backend = "decentdp"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum Topology {
+    /// One group of all ranks: a global parameter average every step.
+    #[default]
+    #[serde(rename = "complete")]
+    Complete,
+    /// Alternating pairs with the left and right neighbour (two rounds).
+    #[serde(rename = "ring")]
+    Ring,
+    /// One-peer exponential graph: round i pairs rank j with j + 2^i (alias "one-peer-exp").
+    #[serde(rename = "exp", alias = "one-peer-exp")]
+    Exp,
+    /// Intra-node averages alternating with one-peer exponential exchanges between nodes (uses the node layout).
+    #[serde(rename = "alternating-exp-ring")]
+    AlternatingExpRing,
+}
+
+impl Topology {
+    pub fn name(self) -> &'static str {
+        match self {
+            Topology::Complete => "complete",
+            Topology::Ring => "ring",
+            Topology::Exp => "exp",
+            Topology::AlternatingExpRing => "alternating-exp-ring",
+        }
+    }
+}
+
+/// The process engine that runs the workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum Engine {
+    /// N workers as threads of one process (`--workers N` or `train.workers`).
+    #[default]
+    #[serde(rename = "local")]
+    Local,
+    /// One process per rank, launched by mpirun or srun (cargo feature `mpi`).
+    #[serde(rename = "mpi")]
+    Mpi,
+    /// One process per GPU with NCCL collectives (cargo feature `cuda`).
+    #[serde(rename = "nccl")]
+    Nccl,
+}
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Local => "local",
+            Engine::Mpi => "mpi",
+            Engine::Nccl => "nccl",
+        }
+    }
+}
+
+/// Gradient compression for gradient-averaging backends, selected by `name`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "name", deny_unknown_fields)]
+pub enum Compression {
+    /// Per-tensor top-k sparsification with error feedback; values and indices are all-gathered.
+    #[serde(rename = "topk")]
+    TopK(TopKConfig),
+    /// Radius stable top-k: a mask re-selected every `interval` steps from the averaged gradient and shared
+    /// by all ranks, so other steps all-reduce only the selected values.
+    #[serde(rename = "radius")]
+    Radius(RadiusConfig),
+    /// PowerSGD low-rank compression (PyTorch's hook, or the one-all-reduce alternating variant).
+    #[serde(rename = "powersgd")]
+    PowerSgd(PowerSgdConfig),
+}
+
+impl Compression {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Compression::TopK(_) => "topk",
+            Compression::Radius(_) => "radius",
+            Compression::PowerSgd(_) => "powersgd",
+        }
+    }
+}
+
+/// Top-k options.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopKConfig {
+    /// Fraction of each tensor's entries sent per step, in (0, 1].
+    #[schemars(extend("exclusiveMinimum" = 0), range(max = 1.0))]
+    pub density: f64,
+    /// Keep what was not sent as a residual added to the next gradient.
+    pub error_feedback: bool,
+}
+
+impl Default for TopKConfig {
+    fn default() -> Self {
+        Self {
+            density: 0.01,
+            error_feedback: true,
+        }
+    }
+}
+
+/// How Radius trains before `threshold`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum WarmupMethod {
+    /// Dense all-reduce (the reference's only method).
+    #[default]
+    #[serde(rename = "dense", alias = "Dense")]
+    Dense,
+}
+
+/// Radius (stable top-k) options; defaults are the reference's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct RadiusConfig {
+    /// Fraction of each tensor's entries in the shared mask, in (0, 1].
+    #[schemars(extend("exclusiveMinimum" = 0), range(max = 1.0))]
+    pub density: f64,
+    /// Steps between mask re-selections.
+    #[schemars(range(min = 1))]
+    pub interval: u64,
+    /// Dense steps before compression starts.
+    pub threshold: u64,
+    /// Training before `threshold`.
+    pub warmup_method: WarmupMethod,
+    /// Widen each selected index by +-range neighbours.
+    pub range: u64,
+    /// Error feedback with the residual-is-gradient rule.
+    pub error_feedback: bool,
+    /// Run Adam inside the reducer (lr = 1) and hand its delta to an SGD outer optimizer.
+    pub correction: bool,
+}
+
+impl Default for RadiusConfig {
+    fn default() -> Self {
+        Self {
+            density: 0.01,
+            interval: 100,
+            threshold: 200,
+            warmup_method: WarmupMethod::Dense,
+            range: 50,
+            error_feedback: true,
+            correction: false,
+        }
+    }
+}
+
+/// PowerSGD options; defaults are PyTorch's `PowerSGDState`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct PowerSgdConfig {
+    /// Rank r of the approximation P Q^T.
+    #[schemars(range(min = 1))]
+    pub rank: usize,
+    /// Dense steps before compression starts; must be > 1 with error feedback or warm start.
+    pub start_iter: u64,
+    /// Compress an n x m matrix only if (n + m) * r * rate < n * m.
+    #[schemars(range(min = 0.0))]
+    pub min_compression_rate: f64,
+    /// Add the previous step's approximation error to the gradient.
+    pub error_feedback: bool,
+    /// Reuse Q from the previous step.
+    pub warm_start: bool,
+    /// Added to norms during Gram-Schmidt orthogonalization.
+    #[schemars(range(min = 0.0))]
+    pub orthogonalization_epsilon: f64,
+    /// Compress tensors of the same shape in one batched multiplication.
+    pub batch_same_shape: bool,
+    /// One all-reduce per step by alternating left and right multiplications (epfml reference).
+    pub single_allreduce: bool,
+}
+
+impl Default for PowerSgdConfig {
+    fn default() -> Self {
+        Self {
+            rank: 1,
+            start_iter: 1000,
+            min_compression_rate: 2.0,
+            error_feedback: true,
+            warm_start: true,
+            orthogonalization_epsilon: 0.0,
+            batch_same_shape: false,
+            single_allreduce: false,
+        }
+    }
+}

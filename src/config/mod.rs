@@ -1,0 +1,226 @@
+//! The experiment config: one TOML file, typed and validated. This is the only module that knows TOML.
+//!
+//! Loading runs in phases: parse (syntax errors with line:column), apply `--set` overrides, check the
+//! shape against the generated JSON Schema, deserialize into the typed [`Config`], check cross-field
+//! rules, and resolve the launch-dependent numbers into a [`Plan`].
+
+pub mod backend;
+pub mod error;
+pub mod log;
+pub mod lr;
+pub mod model;
+pub mod optim;
+pub mod resolve;
+pub mod train;
+pub mod tree;
+pub mod validate;
+
+use std::path::{Path, PathBuf};
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+pub use backend::{Backend, Compression, Engine, Topology};
+pub use error::{ConfigError, Problem};
+pub use log::LogConfig;
+pub use lr::{CosineSchedule, LrSchedule};
+pub use model::{Activation, ModelConfig};
+pub use optim::{AccumAdamWConfig, AdamWConfig, OptimConfig};
+pub use resolve::{LaunchEnv, Plan};
+pub use train::{Device, TrainConfig};
+
+/// A nanodist experiment: data, logging, training and model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+#[schemars(title = "nanodist experiment config")]
+pub struct Config {
+    /// Directory under which each run gets its own directory (metrics, checkpoints, resolved config).
+    pub log_dir: String,
+    /// Name of the dataset, used in run names and logs.
+    pub dataset: String,
+    /// Directory with train.bin and val.bin (nanoGPT uint16 tokens, as `nanodist prepare` writes them).
+    pub data_dir: String,
+    /// Training token sources with blend weights (default: data_dir/train.bin). A path ending in .bin is a
+    /// nanoGPT file; a path with a sibling .idx (or a prefix of one) is a Megatron indexed dataset.
+    pub train_data: Vec<DataSource>,
+    /// Validation token sources (default: data_dir/val.bin).
+    pub val_data: Vec<DataSource>,
+    /// Load token files into memory instead of memory-mapping them.
+    pub in_memory: bool,
+    /// Checkpoint to start from (a checkpoint directory or a run directory, whose newest valid checkpoint
+    /// is used). Without it, a run resumes from its own run directory when it has checkpoints.
+    pub checkpoint: Option<String>,
+    /// What to take from `checkpoint`: "full" (weights, optimizer, step, data position: a resume) or
+    /// "weights" (weights only: fine-tuning, or switching algorithm from a dense checkpoint).
+    pub checkpoint_mode: CheckpointMode,
+    /// Logging, evaluation and checkpointing.
+    pub log: LogConfig,
+    /// Training.
+    pub train: TrainConfig,
+    /// Model architecture.
+    pub model: ModelConfig,
+}
+
+/// One token source of a blend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DataSource {
+    /// A nanoGPT .bin file, or a Megatron dataset prefix (`<prefix>.bin` + `<prefix>.idx`).
+    pub path: String,
+    /// Relative sampling weight (normalised over the sources).
+    #[serde(default = "one")]
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub weight: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// What a `checkpoint` contributes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum CheckpointMode {
+    /// Weights, optimizer and reducer state, step, RNG and data position: an exact resume.
+    #[default]
+    #[serde(rename = "full")]
+    Full,
+    /// Weights only; training starts at step 0 with fresh optimizer state.
+    #[serde(rename = "weights")]
+    Weights,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            log_dir: "./log".into(),
+            dataset: "openwebtext".into(),
+            data_dir: "./data/openwebtext".into(),
+            train_data: Vec::new(),
+            val_data: Vec::new(),
+            in_memory: false,
+            checkpoint: None,
+            checkpoint_mode: CheckpointMode::Full,
+            log: LogConfig::default(),
+            train: TrainConfig::default(),
+            model: ModelConfig::default(),
+        }
+    }
+}
+
+/// The JSON Schema of the config, generated from the wire types and their doc comments.
+pub fn schema() -> serde_json::Value {
+    let mut schema = schemars::schema_for!(Config).to_value();
+    add_aliases(&mut schema);
+    schema
+}
+
+/// serde aliases are invisible to schemars; list them in the schema so editors accept them too.
+fn add_aliases(schema: &mut serde_json::Value) {
+    let aliases = [
+        ("Backend", "allreduce", "pytorchddp"),
+        ("Topology", "one-peer-exp", "exp"),
+        ("WarmupMethod", "Dense", "dense"),
+    ];
+    for (def, alias, of) in aliases {
+        if let Some(branches) = schema
+            .pointer_mut(&format!("/$defs/{def}/oneOf"))
+            .and_then(|v| v.as_array_mut())
+        {
+            branches.push(serde_json::json!({
+                "type": "string",
+                "const": alias,
+                "description": format!("Alias of \"{of}\"."),
+            }));
+        }
+    }
+}
+
+/// A loaded, validated config with its resolved plan.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub path: PathBuf,
+    pub config: Config,
+    pub plan: Plan,
+    /// Things accepted but worth saying once at start (flags without meaning here, degenerate topologies).
+    pub notes: Vec<String>,
+}
+
+/// Loads `path`, applies `--set` overrides, validates everything and resolves the plan for `launch`.
+pub fn load(path: &Path, overrides: &[String], launch: &LaunchEnv) -> Result<Loaded, ConfigError> {
+    let fail = |problems: Vec<Problem>| ConfigError {
+        file: path.display().to_string(),
+        problems,
+    };
+    let src = std::fs::read_to_string(path).map_err(|e| {
+        fail(vec![Problem {
+            path: String::new(),
+            origin: None,
+            message: format!("cannot read the file: {e}"),
+        }])
+    })?;
+    load_str(path, &src, overrides, launch)
+}
+
+/// As [`load`], for a document already in memory (`path` names it in messages).
+pub fn load_str(
+    path: &Path,
+    src: &str,
+    overrides: &[String],
+    launch: &LaunchEnv,
+) -> Result<Loaded, ConfigError> {
+    let fail = |problems: Vec<Problem>| ConfigError {
+        file: path.display().to_string(),
+        problems,
+    };
+    let (config, doc) = parse(src, overrides).map_err(fail)?;
+    let (plan, notes) = resolve::resolve(&config, &doc, launch).map_err(fail)?;
+    Ok(Loaded {
+        path: path.to_path_buf(),
+        config,
+        plan,
+        notes,
+    })
+}
+
+/// Parses and shape-checks a document with overrides (no cross-field rules).
+pub fn parse(src: &str, overrides: &[String]) -> Result<(Config, tree::Node), Vec<Problem>> {
+    let mut doc = tree::parse_document(src).map_err(|e| {
+        vec![Problem {
+            path: String::new(),
+            origin: Some(tree::Origin::File {
+                line: e.line,
+                col: e.col,
+            }),
+            message: format!("TOML syntax error: {}", e.message),
+        }]
+    })?;
+    let mut problems = Vec::new();
+    for arg in overrides {
+        if let Err(message) = tree::apply_override(&mut doc, arg) {
+            problems.push(Problem {
+                path: String::new(),
+                origin: None,
+                message,
+            });
+        }
+    }
+    problems.extend(validate::check_schema(&schema(), &doc));
+    if !problems.is_empty() {
+        return Err(problems);
+    }
+    let config = serde_json::from_value::<Config>(doc.value.to_json()).map_err(|e| {
+        vec![Problem {
+            path: String::new(),
+            origin: None,
+            message: format!("invalid config: {e}"),
+        }]
+    })?;
+    Ok((config, doc))
+}
+
+impl Config {
+    /// The resolved config as TOML, every default written out (saved in each run directory).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+}

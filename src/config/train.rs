@@ -1,0 +1,118 @@
+//! `[train]`: batch, steps, exit conditions and the synchronisation algorithm.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::backend::{Backend, Compression, Engine, Topology};
+use super::lr::LrSchedule;
+use super::optim::OptimConfig;
+
+/// The compute device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum Device {
+    #[default]
+    #[serde(rename = "cpu")]
+    Cpu,
+    /// One CUDA GPU per rank (cargo feature `cuda`).
+    #[serde(rename = "cuda")]
+    Cuda,
+    /// CUDA when available, else CPU.
+    #[serde(rename = "auto")]
+    Auto,
+}
+
+/// Training: batch arithmetic, duration, synchronisation and optimisation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Synchronisation algorithm: "pytorchddp" (alias "allreduce") or "decentdp".
+    pub backend: Backend,
+    /// Gossip topology; only with backend = "decentdp" (default "complete").
+    pub topology: Option<Topology>,
+    /// Overlap the gossip of step t with the computation of step t+1, as Decent-DP does; only with
+    /// backend = "decentdp" (default true).
+    pub overlap: Option<bool>,
+    /// Gradient bucket size in MB for the all-reduce; only with backend = "pytorchddp" (default 25).
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub bucket_size_mb: Option<f64>,
+    /// Gradient compression; only with backend = "pytorchddp".
+    pub compression: Option<Compression>,
+    /// Process engine: "local" threads, "mpi" processes or "nccl" GPUs.
+    pub engine: Engine,
+    /// World size of the local engine (overridden by --workers).
+    #[schemars(range(min = 1, max = 1024))]
+    pub workers: Option<usize>,
+    /// Ranks per simulated node for the local engine (default: all workers on one node); the node layout
+    /// matters for `topology = "alternating-exp-ring"`. Launchers (mpirun, srun) report the real layout.
+    #[schemars(range(min = 1))]
+    pub ranks_per_node: Option<usize>,
+    /// Compute device.
+    pub device: Device,
+    /// Compute threads per worker (default: cores / workers, at least 1).
+    #[schemars(range(min = 1))]
+    pub threads: Option<usize>,
+    /// Seconds a collective waits for a peer before failing with the missing rank's name.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub comm_timeout_secs: f64,
+    /// Random seed: model initialisation and the order of training and validation data.
+    pub seed: u64,
+    /// Sequences per optimizer step summed over all workers and accumulation steps.
+    #[schemars(range(min = 1, max = 16777216))]
+    pub global_batch_size: usize,
+    /// Sequences per worker per forward pass (default: global_batch_size / world size, no accumulation).
+    #[schemars(range(min = 1, max = 16777216))]
+    pub local_batch_size: Option<usize>,
+    /// Tokens per sequence (packed windows of the token stream).
+    #[schemars(range(min = 1, max = 1048576))]
+    pub context_length: usize,
+    /// Total optimizer steps of the run.
+    #[schemars(range(min = 1, max = 1_000_000_000_000_u64))]
+    pub n_steps: u64,
+    /// Clip the gradient to this global norm (0 disables clipping).
+    #[schemars(range(min = 0.0))]
+    pub grad_norm_clip: f64,
+    /// torch.compile in the reference; no meaning for nanodist (reported at start).
+    pub compile: bool,
+    /// Automatic mixed precision (bf16 compute); only meaningful on CUDA (reported at start on CPU).
+    pub amp: bool,
+    /// Stop after this many steps in this invocation (checkpoint first), as Megatron's --exit-interval.
+    #[schemars(range(min = 1))]
+    pub exit_interval: Option<u64>,
+    /// Save a checkpoint and exit after this many minutes of wall time in this invocation.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub exit_duration_mins: Option<f64>,
+    /// Optimizer.
+    pub optim: OptimConfig,
+    /// Learning-rate schedule.
+    pub lr_schedule: LrSchedule,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            backend: Backend::PytorchDdp,
+            topology: None,
+            overlap: None,
+            bucket_size_mb: None,
+            compression: None,
+            engine: Engine::Local,
+            workers: None,
+            ranks_per_node: None,
+            device: Device::Cpu,
+            threads: None,
+            comm_timeout_secs: 300.0,
+            seed: 42,
+            global_batch_size: 480,
+            local_batch_size: None,
+            context_length: 1024,
+            n_steps: 600_000,
+            grad_norm_clip: 1.0,
+            compile: false,
+            amp: false,
+            exit_interval: None,
+            exit_duration_mins: None,
+            optim: OptimConfig::default(),
+            lr_schedule: LrSchedule::default(),
+        }
+    }
+}

@@ -1,0 +1,532 @@
+//! Validation in two phases (ripgrep's habit): first the document's shape against the JSON Schema that
+//! the wire types generate (unknown keys, types, ranges, variants), then cross-field rules on the typed
+//! config. Every problem is collected; nothing stops at the first one.
+
+use serde_json::{Map, Value as J};
+
+use super::backend::{Backend, Topology};
+use super::error::Problem;
+use super::lr::LrSchedule;
+use super::tree::{find, Node, Value};
+use super::Config;
+
+/// Checks a document tree against a JSON Schema (the subset schemars emits).
+pub fn check_schema(schema: &J, doc: &Node) -> Vec<Problem> {
+    let mut walker = Walker {
+        root: schema,
+        problems: Vec::new(),
+        key_index: Vec::new(),
+    };
+    walker.index_keys(schema, "", 0);
+    walker.check(schema, doc, "");
+    walker.problems
+}
+
+struct Walker<'a> {
+    root: &'a J,
+    problems: Vec<Problem>,
+    /// Every key path the schema allows, to suggest where a misplaced key belongs.
+    key_index: Vec<String>,
+}
+
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+fn consts_of(branches: &[J]) -> Option<Vec<&str>> {
+    branches
+        .iter()
+        .map(|b| b.get("const").and_then(J::as_str))
+        .collect()
+}
+
+/// The closest candidate by edit distance, when it is close enough to be a plausible typo.
+pub fn suggest<'c>(word: &str, candidates: impl IntoIterator<Item = &'c str>) -> Option<&'c str> {
+    candidates
+        .into_iter()
+        .map(|c| (strsim::jaro_winkler(word, c), c))
+        .filter(|(score, _)| *score >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, c)| c)
+}
+
+impl<'a> Walker<'a> {
+    fn resolve(&self, mut schema: &'a J) -> &'a J {
+        for _ in 0..16 {
+            let Some(r) = schema.get("$ref").and_then(J::as_str) else {
+                break;
+            };
+            let name = r.trim_start_matches("#/$defs/");
+            match self.root.get("$defs").and_then(|d| d.get(name)) {
+                Some(s) => schema = s,
+                None => break,
+            }
+        }
+        schema
+    }
+
+    fn index_keys(&mut self, schema: &'a J, path: &str, depth: usize) {
+        if depth > 8 {
+            return;
+        }
+        let schema = self.resolve(schema);
+        if let Some(props) = schema.get("properties").and_then(J::as_object) {
+            for (k, sub) in props {
+                let p = join(path, k);
+                self.key_index.push(p.clone());
+                self.index_keys(sub, &p, depth + 1);
+            }
+        }
+        for kw in ["oneOf", "anyOf"] {
+            for b in schema.get(kw).and_then(J::as_array).into_iter().flatten() {
+                self.index_keys(b, path, depth + 1);
+            }
+        }
+    }
+
+    /// A key path in another section whose last segment is (nearly) `key`: a key put in the wrong table.
+    fn elsewhere(&self, key: &str) -> Option<String> {
+        let exact = self.key_index.iter().find(|k| k.rsplit('.').next() == Some(key));
+        exact.cloned().or_else(|| {
+            let leaves = self.key_index.iter().filter_map(|k| k.rsplit('.').next());
+            let leaf = suggest(key, leaves)?;
+            self.key_index
+                .iter()
+                .find(|k| k.rsplit('.').next() == Some(leaf))
+                .cloned()
+        })
+    }
+
+    fn problem(&mut self, path: &str, node: &Node, message: String) {
+        self.problems.push(Problem {
+            path: path.to_string(),
+            origin: Some(node.origin.clone()),
+            message,
+        });
+    }
+
+    fn check(&mut self, schema: &'a J, node: &Node, path: &str) {
+        let schema = self.resolve(schema);
+        for kw in ["oneOf", "anyOf"] {
+            if let Some(branches) = schema.get(kw).and_then(J::as_array) {
+                self.check_union(branches, node, path);
+                return;
+            }
+        }
+        if !self.check_type(schema, node, path) {
+            return;
+        }
+        match &node.value {
+            Value::Table(entries) => self.check_table(schema, entries, node, path),
+            Value::Array(items) => self.check_array(schema, items, node, path),
+            Value::Int(_) | Value::Float(_) => self.check_range(schema, node, path),
+            _ => {}
+        }
+        if let Some(c) = schema.get("const") {
+            if node.value.to_json() != *c {
+                self.problem(
+                    path,
+                    node,
+                    format!("found {}, allowed: {c}", node.value.describe()),
+                );
+            }
+        }
+        if let Some(options) = schema.get("enum").and_then(J::as_array) {
+            let found = node.value.to_json();
+            if !options.contains(&found) {
+                let names: Vec<&str> = options.iter().filter_map(J::as_str).collect();
+                self.enum_problem(path, node, &names);
+            }
+        }
+    }
+
+    fn enum_problem(&mut self, path: &str, node: &Node, allowed: &[&str]) {
+        let list: Vec<String> = allowed.iter().map(|s| format!("{s:?}")).collect();
+        let hint = match &node.value {
+            Value::Str(s) => suggest(s, allowed.iter().copied())
+                .map(|b| format!(" (did you mean {b:?}?)"))
+                .unwrap_or_default(),
+            _ => String::new(),
+        };
+        self.problem(
+            path,
+            node,
+            format!(
+                "found {}, allowed: {}{hint}",
+                node.value.describe(),
+                list.join(", ")
+            ),
+        );
+    }
+
+    fn check_union(&mut self, branches: &'a [J], node: &Node, path: &str) {
+        // TOML has no null: an optional value that is present must match the non-null branch.
+        let live: Vec<&'a J> = branches
+            .iter()
+            .map(|b| self.resolve(b))
+            .filter(|b| b.get("type").and_then(J::as_str) != Some("null"))
+            .collect();
+        if let [only] = live.as_slice() {
+            return self.check(only, node, path);
+        }
+        let owned: Vec<J> = live.iter().map(|b| (*b).clone()).collect();
+        // A closed set of strings, each documented.
+        if let Some(names) = consts_of(&owned) {
+            if !matches!(&node.value, Value::Str(s) if names.contains(&s.as_str())) {
+                self.enum_problem(path, node, &names);
+            }
+            return;
+        }
+        // A tagged union: the `name` key picks the variant, whose keys alone are then allowed.
+        let tags: Option<Vec<&str>> = live
+            .iter()
+            .map(|b| b.pointer("/properties/name/const").and_then(J::as_str))
+            .collect();
+        if let Some(tags) = tags {
+            let Value::Table(entries) = &node.value else {
+                return self.problem(
+                    path,
+                    node,
+                    format!("found {}, expected a table", node.value.describe()),
+                );
+            };
+            let Some(tag) = entries.iter().find(|e| e.key == "name") else {
+                let list: Vec<String> = tags.iter().map(|t| format!("{t:?}")).collect();
+                return self.problem(
+                    path,
+                    node,
+                    format!("missing key `name`: one of {}", list.join(", ")),
+                );
+            };
+            let chosen = match &tag.node.value {
+                Value::Str(s) => tags.iter().position(|t| t == s),
+                _ => None,
+            };
+            match chosen {
+                Some(i) => self.check(live[i], node, path),
+                None => self.enum_problem(&join(path, "name"), &tag.node, &tags),
+            }
+            return;
+        }
+        // General case: the first branch that matches wins; otherwise report the closest branch.
+        let mut best: Option<Vec<Problem>> = None;
+        for b in &live {
+            let saved = std::mem::take(&mut self.problems);
+            self.check(b, node, path);
+            let found = std::mem::replace(&mut self.problems, saved);
+            if found.is_empty() {
+                return;
+            }
+            if best.as_ref().is_none_or(|x| found.len() < x.len()) {
+                best = Some(found);
+            }
+        }
+        self.problems.extend(best.unwrap_or_default());
+    }
+
+    fn check_type(&mut self, schema: &J, node: &Node, path: &str) -> bool {
+        let types: Vec<&str> = match schema.get("type") {
+            Some(J::String(t)) => vec![t.as_str()],
+            Some(J::Array(ts)) => ts.iter().filter_map(J::as_str).collect(),
+            _ => return true,
+        };
+        let ok = types.iter().any(|t| {
+            matches!(
+                (*t, &node.value),
+                ("object", Value::Table(_))
+                    | ("array", Value::Array(_))
+                    | ("string", Value::Str(_))
+                    | ("integer", Value::Int(_))
+                    | ("number", Value::Int(_) | Value::Float(_))
+                    | ("boolean", Value::Bool(_))
+            )
+        });
+        if !ok {
+            let names: Vec<&str> = types
+                .iter()
+                .filter(|t| **t != "null")
+                .map(|t| match *t {
+                    "object" => "a table",
+                    "array" => "an array",
+                    "string" => "a string",
+                    "integer" => "an integer",
+                    "number" => "a number",
+                    "boolean" => "a boolean (true or false)",
+                    other => other,
+                })
+                .collect();
+            self.problem(
+                path,
+                node,
+                format!(
+                    "found {}, expected {}",
+                    node.value.describe(),
+                    names.join(" or ")
+                ),
+            );
+        }
+        ok
+    }
+
+    fn check_table(
+        &mut self,
+        schema: &'a J,
+        entries: &[super::tree::Entry],
+        node: &Node,
+        path: &str,
+    ) {
+        let props: Option<&'a Map<String, J>> = schema.get("properties").and_then(J::as_object);
+        let closed = schema.get("additionalProperties") == Some(&J::Bool(false));
+        for e in entries {
+            let p = join(path, &e.key);
+            match props.and_then(|p| p.get(&e.key)) {
+                Some(sub) => self.check(sub, &e.node, &p),
+                None if closed => {
+                    let allowed: Vec<&str> = props
+                        .into_iter()
+                        .flat_map(|p| p.keys().map(String::as_str))
+                        .collect();
+                    let mut msg = format!("unknown key `{}`", e.key);
+                    if let Some(s) = suggest(&e.key, allowed.iter().copied()) {
+                        msg.push_str(&format!(" (did you mean `{s}`?)"));
+                    } else if let Some(elsewhere) = self.elsewhere(&e.key) {
+                        msg.push_str(&format!(" (did you mean `{elsewhere}`?)"));
+                    }
+                    msg.push_str(&format!("; allowed here: {}", allowed.join(", ")));
+                    self.problems.push(Problem {
+                        path: p,
+                        origin: Some(e.key_origin.clone()),
+                        message: msg,
+                    });
+                }
+                None => {}
+            }
+        }
+        for req in schema
+            .get("required")
+            .and_then(J::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(J::as_str)
+        {
+            if !entries.iter().any(|e| e.key == req) {
+                self.problem(path, node, format!("missing required key `{req}`"));
+            }
+        }
+    }
+
+    fn check_array(&mut self, schema: &'a J, items: &[Node], node: &Node, path: &str) {
+        let n = items.len() as u64;
+        let min = schema.get("minItems").and_then(J::as_u64);
+        let max = schema.get("maxItems").and_then(J::as_u64);
+        let wrong = min.is_some_and(|m| n < m) || max.is_some_and(|m| n > m);
+        if wrong {
+            let expected = match (min, max) {
+                (Some(a), Some(b)) if a == b => format!("exactly {a}"),
+                (Some(a), Some(b)) => format!("{a} to {b}"),
+                (Some(a), None) => format!("at least {a}"),
+                (None, Some(b)) => format!("at most {b}"),
+                (None, None) => "another number of".into(),
+            };
+            self.problem(
+                path,
+                node,
+                format!("found an array of {n} item(s), expected {expected} item(s)"),
+            );
+        }
+        if let Some(item_schema) = schema.get("items") {
+            for (i, item) in items.iter().enumerate() {
+                self.check(item_schema, item, &format!("{path}[{i}]"));
+            }
+        }
+    }
+
+    fn check_range(&mut self, schema: &J, node: &Node, path: &str) {
+        let x = match node.value {
+            Value::Int(i) => i as f64,
+            Value::Float(f) => f,
+            _ => return,
+        };
+        if x.is_nan() {
+            return self.problem(path, node, "found nan, expected a number".into());
+        }
+        let bound = |k: &str| schema.get(k).and_then(J::as_f64);
+        let mut limits = Vec::new();
+        let mut bad = false;
+        if let Some(m) = bound("minimum") {
+            limits.push(format!(">= {m}"));
+            bad |= x < m;
+        }
+        if let Some(m) = bound("exclusiveMinimum") {
+            limits.push(format!("> {m}"));
+            bad |= x <= m;
+        }
+        if let Some(m) = bound("maximum") {
+            limits.push(format!("<= {m}"));
+            bad |= x > m;
+        }
+        if let Some(m) = bound("exclusiveMaximum") {
+            limits.push(format!("< {m}"));
+            bad |= x >= m;
+        }
+        if bad {
+            self.problem(
+                path,
+                node,
+                format!(
+                    "found {}, allowed: a value {}",
+                    node.value.describe(),
+                    limits.join(" and ")
+                ),
+            );
+        }
+    }
+}
+
+/// Cross-field rules on a config whose shape is already valid. `world` is the world size when known
+/// (`--workers`, the launcher, or `train.workers`), `local_world` the ranks per node when known.
+pub fn check_semantics(cfg: &Config, doc: &Node, world: usize, local_world: Option<usize>) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let mut add = |path: &str, message: String| {
+        // Point at the key when it was written, else at its table, else at nothing (a default).
+        let mut origin = None;
+        let mut p = path;
+        loop {
+            if let Some(n) = find(doc, p) {
+                origin = Some(n.origin.clone());
+                break;
+            }
+            match p.rfind('.') {
+                Some(i) => p = &p[..i],
+                None => break,
+            }
+        }
+        out.push(Problem {
+            path: path.to_string(),
+            origin,
+            message,
+        });
+    };
+
+    let m = &cfg.model;
+    if m.n_embd % m.n_heads != 0 {
+        add(
+            "model.n_heads",
+            format!(
+                "n_embd = {} is not divisible by n_heads = {}; pick n_heads among the divisors of n_embd",
+                m.n_embd, m.n_heads
+            ),
+        );
+    }
+    let t = &cfg.train;
+    let LrSchedule::Cosine(c) = &t.lr_schedule;
+    if c.warmup_steps >= t.n_steps {
+        add(
+            "train.lr_schedule.warmup_steps",
+            format!(
+                "warmup_steps = {} must be smaller than train.n_steps = {}",
+                c.warmup_steps, t.n_steps
+            ),
+        );
+    }
+    if c.eta_min > c.lr {
+        add(
+            "train.lr_schedule.eta_min",
+            format!("eta_min = {} is above the peak lr = {}", c.eta_min, c.lr),
+        );
+    }
+
+    // Keys that belong to one backend only.
+    let ddp_only: [(&str, bool); 2] = [
+        ("bucket_size_mb", t.bucket_size_mb.is_some()),
+        ("compression", t.compression.is_some()),
+    ];
+    let gossip_only: [(&str, bool); 2] = [
+        ("topology", t.topology.is_some()),
+        ("overlap", t.overlap.is_some()),
+    ];
+    let (foreign, owner): (&[(&str, bool)], &str) = match t.backend {
+        Backend::PytorchDdp => (&gossip_only, "decentdp"),
+        Backend::DecentDp => (&ddp_only, "pytorchddp"),
+    };
+    for (key, present) in foreign {
+        if *present {
+            add(
+                &format!("train.{key}"),
+                format!(
+                    "`{key}` belongs to backend = {owner:?}, but backend = {:?}",
+                    t.backend.name()
+                ),
+            );
+        }
+    }
+
+    // Batch arithmetic: global = local x world x accumulation.
+    let local = t.local_batch_size.unwrap_or(t.global_batch_size / world.max(1));
+    let per_step = local.saturating_mul(world);
+    if t.local_batch_size.is_none() && t.global_batch_size % world != 0 {
+        add(
+            "train.global_batch_size",
+            format!(
+                "global_batch_size = {} is not divisible by the world size {world}; set a global batch that is, \
+                 or set train.local_batch_size",
+                t.global_batch_size
+            ),
+        );
+    } else if local == 0 || per_step == 0 || t.global_batch_size % per_step != 0 {
+        add(
+            "train.local_batch_size",
+            format!(
+                "global_batch_size = {} is not divisible by local_batch_size ({local}) x world size ({world}) = {per_step}; \
+                 gradient accumulation steps must be a whole number",
+                t.global_batch_size
+            ),
+        );
+    }
+
+    if t.backend == Backend::DecentDp && world > 1 {
+        let topo = t.topology.unwrap_or_default();
+        if let Err(msg) = topology_fits(topo, world, local_world) {
+            add("train.topology", msg);
+        }
+    }
+    out
+}
+
+/// World-size constraints of each topology (those of the reference implementation).
+pub fn topology_fits(topo: Topology, world: usize, local_world: Option<usize>) -> Result<(), String> {
+    match topo {
+        Topology::Complete => Ok(()),
+        Topology::Ring if world % 2 != 0 => Err(format!(
+            "topology \"ring\" pairs neighbours in two rounds and needs an even world size, found {world}"
+        )),
+        Topology::Exp if !world.is_power_of_two() => Err(format!(
+            "topology \"exp\" (one-peer exponential) needs a power-of-two world size, found {world}"
+        )),
+        Topology::AlternatingExpRing => {
+            let Some(l) = local_world else {
+                return Err(
+                    "topology \"alternating-exp-ring\" needs the node layout (ranks per node), which the launcher \
+                     did not report"
+                        .into(),
+                );
+            };
+            let nodes = world / l.max(1);
+            if l == 0 || world % l != 0 || nodes < 2 || !nodes.is_power_of_two() {
+                Err(format!(
+                    "topology \"alternating-exp-ring\" needs a power-of-two number >= 2 of nodes with equal ranks per \
+                     node; found world size {world} with {l} rank(s) per node (with the local engine, set \
+                     train.ranks_per_node, e.g. --set train.ranks_per_node={})",
+                    (world / 2).max(1)
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        _ => Ok(()),
+    }
+}

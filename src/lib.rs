@@ -1,0 +1,5 @@
+//! nanodist: declarative GPT pre-training experiments with allreduce, gossip and compressed data
+//! parallelism, on Candle.
+
+pub mod config;
+pub mod error;

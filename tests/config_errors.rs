@@ -1,0 +1,162 @@
+//! Bad configs: each mistake is reported with its key path and line, all at once, never a panic.
+
+use std::path::Path;
+
+use nanodist::config::{self, ConfigError, LaunchEnv};
+use proptest::prelude::*;
+
+fn launch(workers: usize) -> LaunchEnv {
+    LaunchEnv {
+        workers_flag: Some(workers),
+        ..LaunchEnv::default()
+    }
+}
+
+fn errors(src: &str, set: &[&str], workers: usize) -> ConfigError {
+    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+    match config::load_str(Path::new("bad.toml"), src, &set, &launch(workers)) {
+        Ok(_) => panic!("config was accepted:\n{src}\n--set {set:?}"),
+        Err(e) => e,
+    }
+}
+
+/// (what is wrong, document, --set overrides, workers, key path, location, words the message must contain)
+type Case = (&'static str, &'static str, &'static [&'static str], usize, &'static str, &'static str, &'static [&'static str]);
+
+const CASES: &[Case] = &[
+    ("typo in top-level key", "log_dri = 'x'\n", &[], 1, "log_dri", "bad.toml:1:1", &["did you mean `log_dir`"]),
+    ("typo in section name", "[trian]\nseed = 1\n", &[], 1, "trian", "bad.toml:1:2", &["did you mean `train`"]),
+    ("typo in train key", "[train]\nn_step = 10\n", &[], 1, "train.n_step", "bad.toml:2:1", &["did you mean `n_steps`"]),
+    ("key in the wrong section", "[train]\nlr = 0.1\n", &[], 1, "train.lr", "bad.toml:2:1", &["train.lr_schedule.lr"]),
+    ("typo in optimizer key", "[train.optim]\nname = 'adamw'\nweight_decy = 0.1\n", &[], 1, "train.optim.weight_decy", "bad.toml:3:1", &["did you mean `weight_decay`"]),
+    ("variant field under another variant", "[train.optim]\nname = 'adamw'\naccum_steps = 8\n", &[], 1, "train.optim.accum_steps", "bad.toml:3:1", &["unknown key", "betas"]),
+    ("unknown optimizer", "[train.optim]\nname = 'adam'\n", &[], 1, "train.optim.name", "bad.toml:2:8", &["\"adamw\"", "\"accumadamw\""]),
+    ("optimizer without name", "[train.optim]\nbetas = [0.9, 0.95]\n", &[], 1, "train.optim", "bad.toml:1:1", &["missing key `name`"]),
+    ("unknown schedule", "[train.lr_schedule]\nname = 'linear'\n", &[], 1, "train.lr_schedule.name", "bad.toml:2:8", &["\"cosine\""]),
+    ("unknown backend", "[train]\nbackend = 'ddp'\n", &[], 1, "train.backend", "bad.toml:2:11", &["\"pytorchddp\"", "\"decentdp\""]),
+    ("unknown topology with suggestion", "[train]\nbackend = 'decentdp'\ntopology = 'rign'\n", &[], 1, "train.topology", "bad.toml:3:12", &["did you mean \"ring\""]),
+    ("topology under allreduce", "[train]\nbackend = 'pytorchddp'\ntopology = 'ring'\n", &[], 1, "train.topology", "bad.toml:3:12", &["belongs to backend = \"decentdp\""]),
+    ("bucket size under gossip", "[train]\nbackend = 'decentdp'\nbucket_size_mb = 25\n", &[], 1, "train.bucket_size_mb", "bad.toml:3:18", &["belongs to backend = \"pytorchddp\""]),
+    ("compression under gossip", "[train]\nbackend = 'decentdp'\n[train.compression]\nname = 'topk'\n", &[], 1, "train.compression", "bad.toml:3:1", &["belongs to backend"]),
+    ("unknown reducer", "[train.compression]\nname = 'qsgd'\n", &[], 1, "train.compression.name", "bad.toml:2:8", &["\"topk\"", "\"radius\"", "\"powersgd\""]),
+    ("powersgd key under topk", "[train.compression]\nname = 'topk'\nrank = 4\n", &[], 1, "train.compression.rank", "bad.toml:3:1", &["unknown key", "density"]),
+    ("density out of range", "[train.compression]\nname = 'topk'\ndensity = 1.5\n", &[], 1, "train.compression.density", "bad.toml:3:11", &["1.5", "<= 1"]),
+    ("zero density", "[train.compression]\nname = 'radius'\ndensity = 0.0\n", &[], 1, "train.compression.density", "bad.toml:3:11", &["> 0"]),
+    ("string for integer", "[train]\nn_steps = 'ten'\n", &[], 1, "train.n_steps", "bad.toml:2:11", &["string \"ten\"", "an integer"]),
+    ("float for integer", "[model]\nn_layers = 2.5\n", &[], 1, "model.n_layers", "bad.toml:2:12", &["float 2.5", "an integer"]),
+    ("negative integer", "[train]\nseed = -1\n", &[], 1, "train.seed", "bad.toml:2:8", &["-1", ">= 0"]),
+    ("zero layers", "[model]\nn_layers = 0\n", &[], 1, "model.n_layers", "bad.toml:2:12", &[">= 1"]),
+    ("string for boolean", "[model]\nbias = 'yes'\n", &[], 1, "model.bias", "bad.toml:2:8", &["a boolean"]),
+    ("beta out of range", "[train.optim]\nname = 'adamw'\nbetas = [0.9, 1.5]\n", &[], 1, "train.optim.betas[1]", "bad.toml:3:15", &["1.5", "< 1"]),
+    ("too many betas", "[train.optim]\nname = 'adamw'\nbetas = [0.9, 0.95, 0.99]\n", &[], 1, "train.optim.betas", "bad.toml:3:9", &["exactly 2"]),
+    ("betas not an array", "[train.optim]\nname = 'adamw'\nbetas = 0.9\n", &[], 1, "train.optim.betas", "bad.toml:3:9", &["an array"]),
+    ("negative learning rate", "[train.lr_schedule]\nname = 'cosine'\nlr = -0.1\n", &[], 1, "train.lr_schedule.lr", "bad.toml:3:6", &["> 0"]),
+    ("dropout above one", "[model]\ndropout = 1.2\n", &[], 1, "model.dropout", "bad.toml:2:11", &["<= 1"]),
+    ("section given as a value", "train = 3\n", &[], 1, "train", "bad.toml:1:9", &["a table"]),
+    ("heads do not divide width", "[model]\nn_embd = 100\nn_heads = 3\n", &[], 1, "model.n_heads", "bad.toml:3:11", &["not divisible"]),
+    ("warmup not below steps", "[train]\nn_steps = 100\n[train.lr_schedule]\nname = 'cosine'\nwarmup_steps = 100\n", &[], 1, "train.lr_schedule.warmup_steps", "bad.toml:5:16", &["smaller than train.n_steps = 100"]),
+    ("eta_min above lr", "[train.lr_schedule]\nname = 'cosine'\nlr = 1e-4\neta_min = 1e-3\n", &[], 1, "train.lr_schedule.eta_min", "bad.toml:4:11", &["above the peak"]),
+    ("global batch not divisible by local x world", "[train]\nglobal_batch_size = 480\nlocal_batch_size = 7\n", &[], 4, "train.local_batch_size", "bad.toml:3:20", &["480", "(7) x world size (4) = 28"]),
+    ("global batch not divisible by world", "[train]\nglobal_batch_size = 10\n", &[], 4, "train.global_batch_size", "bad.toml:2:21", &["not divisible by the world size 4"]),
+    ("ring with odd world", "[train]\nglobal_batch_size = 12\nbackend = 'decentdp'\ntopology = 'ring'\n", &[], 3, "train.topology", "bad.toml:4:12", &["even world size, found 3"]),
+    ("exp with non power of two", "[train]\nglobal_batch_size = 12\nbackend = 'decentdp'\ntopology = 'exp'\n", &[], 6, "train.topology", "bad.toml:4:12", &["power-of-two world size, found 6"]),
+    ("alternating-exp-ring on one node", "[train]\nglobal_batch_size = 8\nbackend = 'decentdp'\ntopology = 'alternating-exp-ring'\n", &[], 4, "train.topology", "bad.toml:4:12", &["ranks_per_node"]),
+    ("bad override value", "[train.optim]\nname = 'adamw'\n", &["train.optim.betas=[0.9, 2.0]"], 1, "train.optim.betas[1]", "--set train.optim.betas=[0.9, 2.0]", &["< 1"]),
+    ("override with unknown key", "", &["train.optimm.lr=1"], 1, "train.optimm", "--set train.optimm.lr=1", &["did you mean `optim`"]),
+    ("override with wrong type", "", &["train.n_steps=many"], 1, "train.n_steps", "--set train.n_steps=many", &["string \"many\""]),
+    ("unknown activation", "[model]\nactivation = 'relu'\n", &[], 1, "model.activation", "bad.toml:2:14", &["\"gelu\"", "\"gelu_tanh\""]),
+    ("unknown engine", "[train]\nengine = 'gloo'\n", &[], 1, "train.engine", "bad.toml:2:10", &["\"local\"", "\"mpi\"", "\"nccl\""]),
+    ("data source without path", "train_data = [{ weight = 1.0 }]\n", &[], 1, "train_data[0]", "bad.toml:1:15", &["missing required key `path`"]),
+    ("zero blend weight", "train_data = [{ path = 'a.bin', weight = 0 }]\n", &[], 1, "train_data[0].weight", "bad.toml:1:42", &["> 0"]),
+    ("workers flag with the mpi engine", "[train]\nengine = 'mpi'\n", &[], 2, "train.engine", "bad.toml", &["--workers applies to the local engine only"]),
+];
+
+#[test]
+fn every_bad_config_names_its_key_path_and_line() {
+    assert!(CASES.len() >= 30);
+    let mut seen = std::collections::HashSet::new();
+    for (what, src, set, workers, path, at, words) in CASES {
+        assert!(seen.insert(*what), "duplicate case {what}");
+        let err = errors(src, set, *workers);
+        let text = err.to_string();
+        let line = err
+            .problems
+            .iter()
+            .map(|p| p.render("bad.toml"))
+            .find(|l| l.contains(&format!(": {path}: ")))
+            .unwrap_or_else(|| panic!("{what}: no problem at {path}:\n{text}"));
+        assert!(line.starts_with(at), "{what}: expected location {at}, got:\n{line}");
+        for w in *words {
+            assert!(line.contains(w), "{what}: expected {w:?} in:\n{line}");
+        }
+    }
+}
+
+#[test]
+fn all_shape_errors_are_reported_together() {
+    let src = "[train]\nn_stepz = 1\nseed = 'x'\n[model]\nbias = 3\n";
+    let err = errors(src, &["log.eval_interval=0"], 1);
+    let paths: Vec<&str> = err.problems.iter().map(|p| p.path.as_str()).collect();
+    for p in ["train.n_stepz", "train.seed", "model.bias", "log.eval_interval"] {
+        assert!(paths.contains(&p), "{p} missing from {paths:?}");
+    }
+}
+
+#[test]
+fn syntax_errors_have_a_position() {
+    let err = errors("[train]\nseed = = 3\n", &[], 1);
+    let text = err.to_string();
+    assert!(text.contains("bad.toml:2:"), "{text}");
+    assert!(text.contains("TOML syntax error"), "{text}");
+}
+
+#[test]
+fn malformed_overrides_are_errors() {
+    for set in ["train.seed", "=3", "a..b=1", "train.seed.x=1"] {
+        let err = errors("[train]\nseed = 1\n", &[set], 1);
+        assert!(err.to_string().contains("--set"), "{set}: {err}");
+    }
+}
+
+#[test]
+fn one_worker_gossip_is_a_note_not_an_error() {
+    let src = "[train]\nbackend = 'decentdp'\ntopology = 'ring'\n";
+    let loaded = config::load_str(Path::new("ok.toml"), src, &[], &launch(1)).unwrap();
+    assert!(loaded.notes.iter().any(|n| n.contains("degenerates to local training")));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    /// Any TOML document (or garbage) loads or fails with a ConfigError; it never panics.
+    #[test]
+    fn random_toml_never_panics(doc in random_document()) {
+        let _ = config::load_str(Path::new("fuzz.toml"), &doc, &[], &launch(2));
+    }
+
+    #[test]
+    fn random_bytes_never_panic(doc in "\\PC{0,200}") {
+        let _ = config::load_str(Path::new("fuzz.toml"), &doc, &[], &launch(1));
+    }
+}
+
+/// Documents built from the config's real keys with random values of random types.
+fn random_document() -> impl Strategy<Value = String> {
+    let keys = prop::sample::select(vec![
+        "log_dir", "in_memory", "checkpoint", "log.eval_interval", "log.eval_steps", "train.backend",
+        "train.topology", "train.seed", "train.global_batch_size", "train.local_batch_size", "train.n_steps",
+        "train.optim.name", "train.optim.betas", "train.optim.accum_steps", "train.lr_schedule.name",
+        "train.lr_schedule.lr", "train.lr_schedule.warmup_steps", "train.compression.name",
+        "train.compression.density", "train.compression.rank", "model.n_layers", "model.n_heads",
+        "model.n_embd", "model.vocab_size", "model.dropout", "train_data", "nonsense.key",
+    ]);
+    let values = prop::sample::select(vec![
+        "0", "1", "-5", "3.5", "1e300", "nan", "inf", "true", "'ring'", "'adamw'", "'accumadamw'",
+        "'cosine'", "'topk'", "'powersgd'", "'decentdp'", "[0.9, 0.95]", "[]", "[[1]]", "{}",
+        "{ path = 'x' }", "[{ path = 'a', weight = -1 }]", "9223372036854775807", "'exp'",
+    ]);
+    prop::collection::vec((keys, values), 0..12).prop_map(|kvs| {
+        kvs.iter()
+            .map(|(k, v)| format!("{k} = {v}\n"))
+            .collect::<String>()
+    })
+}
