@@ -14,7 +14,8 @@ macro_rules! bad_input {
 /// Exit code for an error chain: 2 when any cause is bad input or a config error, else 1.
 pub fn exit_code(err: &anyhow::Error) -> i32 {
     let bad = err.chain().any(|e| {
-        e.downcast_ref::<BadInput>().is_some() || e.downcast_ref::<crate::config::ConfigError>().is_some()
+        e.downcast_ref::<BadInput>().is_some()
+            || e.downcast_ref::<crate::config::ConfigError>().is_some()
     });
     if bad {
         2

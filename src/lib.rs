@@ -2,4 +2,5 @@
 //! parallelism, on Candle.
 
 pub mod config;
+pub mod data;
 pub mod error;

@@ -7,9 +7,14 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 use nanodist::config::{self, resolve::format_duration, LaunchEnv};
+use nanodist::data::{self, OutputFormat, PrepareOptions, TokenizerKind};
 
 #[derive(Parser)]
-#[command(name = "nanodist", version, about = "Declarative GPT pre-training experiments: allreduce, gossip and compressed data parallelism")]
+#[command(
+    name = "nanodist",
+    version,
+    about = "Declarative GPT pre-training experiments: allreduce, gossip and compressed data parallelism"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -38,6 +43,32 @@ enum Command {
         #[arg(long, value_name = "TOKENS_PER_S")]
         tokens_per_s: Option<f64>,
     },
+    /// Tokenize text, directories of text or JSONL into train/val token files and meta.json.
+    Prepare {
+        /// Input files or directories (read recursively; .jsonl/.ndjson lines are documents, other files are
+        /// one document each).
+        #[arg(long, required = true, num_args = 1..)]
+        input: Vec<PathBuf>,
+        /// Output directory (train.bin, val.bin, meta.json).
+        #[arg(long)]
+        output: PathBuf,
+        #[arg(long, value_enum, default_value = "gpt2")]
+        tokenizer: TokenizerKind,
+        /// Fraction of documents drawn into the validation split.
+        #[arg(long, default_value_t = 0.0005)]
+        val_fraction: f64,
+        /// Seed of the train/val split.
+        #[arg(long, default_value_t = 2357)]
+        seed: u64,
+        #[arg(long, value_enum, default_value = "nanogpt")]
+        format: OutputFormat,
+        /// JSONL field holding the text.
+        #[arg(long, default_value = "text")]
+        json_key: String,
+        /// Tokenizer threads (default: all cores).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
     /// Print the config's JSON Schema (for editors: Taplo / Even Better TOML).
     Schema {
         /// Write to this file instead of stdout.
@@ -57,9 +88,8 @@ fn nanodist_data_vocab(path: &std::path::Path, set: &[String]) -> Option<(String
     let src = std::fs::read_to_string(path).ok()?;
     let (cfg, _) = config::parse(&src, set).ok()?;
     let meta = PathBuf::from(&cfg.data_dir).join("meta.json");
-    let text = std::fs::read_to_string(&meta).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    Some((meta.display().to_string(), v.get("vocab_size")?.as_u64()? as usize))
+    let m = data::Meta::read(&PathBuf::from(&cfg.data_dir)).ok()?;
+    Some((meta.display().to_string(), m.vocab_size))
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -77,16 +107,63 @@ fn run(cli: Cli) -> Result<()> {
                     format_duration(loaded.plan.run_seconds(tps))
                 ),
                 Some(tps) => {
-                    return Err(nanodist::bad_input!("--tokens-per-s must be positive, found {tps}"))
+                    return Err(nanodist::bad_input!(
+                        "--tokens-per-s must be positive, found {tps}"
+                    ))
                 }
                 None => println!("run time          pass --tokens-per-s N for an estimate"),
+            }
+            Ok(())
+        }
+        Command::Prepare {
+            input,
+            output,
+            tokenizer,
+            val_fraction,
+            seed,
+            format,
+            json_key,
+            threads,
+        } => {
+            let report = data::prepare(&PrepareOptions {
+                inputs: input,
+                output,
+                tokenizer,
+                val_fraction,
+                seed,
+                format,
+                json_key,
+                threads,
+                progress: true,
+            })?;
+            let m = &report.meta;
+            println!(
+                "{} tokenizer (vocab {}): train {} tokens in {} documents, val {} tokens in {} documents ({} split)",
+                m.tokenizer.name(),
+                m.vocab_size,
+                m.train.tokens,
+                m.train.documents,
+                m.val.tokens,
+                m.val.documents,
+                m.split
+            );
+            println!(
+                "{:.1} MB in {:.2} s: {:.2} MB/s",
+                m.input_bytes as f64 / 1e6,
+                report.seconds,
+                report.mb_per_s()
+            );
+            for f in &m.files {
+                println!("wrote {f}");
             }
             Ok(())
         }
         Command::Schema { output } => {
             let text = serde_json::to_string_pretty(&config::schema())? + "\n";
             match output {
-                Some(p) => std::fs::write(&p, text).with_context(|| format!("writing {}", p.display())),
+                Some(p) => {
+                    std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
+                }
                 None => {
                     print!("{text}");
                     Ok(())

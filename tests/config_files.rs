@@ -61,10 +61,18 @@ fn allreduce_seed_loads_with_reference_values() {
         panic!("adamw expected")
     };
     assert_eq!(o.betas, [0.9, 0.95]);
-    assert_eq!((c.model.n_layers, c.model.n_embd, c.model.vocab_size), (12, 768, 50304));
+    assert_eq!(
+        (c.model.n_layers, c.model.n_embd, c.model.vocab_size),
+        (12, 768, 50304)
+    );
     assert!(l.notes.iter().any(|n| n.contains("compile")));
     // 4 workers: 480 / (30 x 4) = 4 accumulation steps.
-    assert_eq!(load(&root().join("config/gpt2-small.toml"), 4, &[]).plan.accum_steps, 4);
+    assert_eq!(
+        load(&root().join("config/gpt2-small.toml"), 4, &[])
+            .plan
+            .accum_steps,
+        4
+    );
 }
 
 #[test]

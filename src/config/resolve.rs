@@ -30,7 +30,12 @@ impl LaunchEnv {
         };
         Self {
             workers_flag,
-            launcher_world: var(&["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE"]),
+            launcher_world: var(&[
+                "OMPI_COMM_WORLD_SIZE",
+                "PMI_SIZE",
+                "SLURM_NTASKS",
+                "WORLD_SIZE",
+            ]),
             launcher_local_world: var(&[
                 "OMPI_COMM_WORLD_LOCAL_SIZE",
                 "MPI_LOCALNRANKS",
@@ -76,7 +81,12 @@ impl fmt::Display for Plan {
         writeln!(f, "local batch       {} sequences", self.local_batch_size)?;
         writeln!(f, "accumulation      {} micro-steps", self.accum_steps)?;
         writeln!(f, "tokens per step   {}", self.tokens_per_step)?;
-        writeln!(f, "parameters        {} ({:.2}M)", self.n_params, self.n_params as f64 / 1e6)?;
+        writeln!(
+            f,
+            "parameters        {} ({:.2}M)",
+            self.n_params,
+            self.n_params as f64 / 1e6
+        )?;
         writeln!(f, "FLOPs per token   {:.3e}", self.flops_per_token as f64)?;
         write!(
             f,
@@ -101,7 +111,11 @@ pub fn format_duration(secs: f64) -> String {
     }
 }
 
-pub fn resolve(cfg: &Config, doc: &Node, launch: &LaunchEnv) -> Result<(Plan, Vec<String>), Vec<Problem>> {
+pub fn resolve(
+    cfg: &Config,
+    doc: &Node,
+    launch: &LaunchEnv,
+) -> Result<(Plan, Vec<String>), Vec<Problem>> {
     let t = &cfg.train;
     let mut problems = Vec::new();
     let mut notes = Vec::new();
@@ -122,7 +136,10 @@ pub fn resolve(cfg: &Config, doc: &Node, launch: &LaunchEnv) -> Result<(Plan, Ve
                     ),
                 });
             }
-            (launch.launcher_world.unwrap_or(1), launch.launcher_local_world)
+            (
+                launch.launcher_world.unwrap_or(1),
+                launch.launcher_local_world,
+            )
         }
     };
     problems.extend(validate::check_semantics(cfg, doc, world, local_world));
@@ -148,10 +165,14 @@ pub fn resolve(cfg: &Config, doc: &Node, launch: &LaunchEnv) -> Result<(Plan, Ve
         ));
     }
     if t.compile {
-        notes.push("train.compile = true has no meaning for nanodist (no torch.compile): ignored".into());
+        notes.push(
+            "train.compile = true has no meaning for nanodist (no torch.compile): ignored".into(),
+        );
     }
     if t.amp && t.device == super::train::Device::Cpu {
-        notes.push("train.amp = true: mixed precision applies to CUDA only; training in f32 on CPU".into());
+        notes.push(
+            "train.amp = true: mixed precision applies to CUDA only; training in f32 on CPU".into(),
+        );
     }
     let local = t.local_batch_size.unwrap_or(t.global_batch_size / world);
     let accum = t.global_batch_size / (local * world);

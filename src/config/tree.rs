@@ -102,10 +102,9 @@ impl LineIndex<'_> {
         }
         let before = &self.src[..offset];
         let line = before.matches('\n').count() + 1;
-        let col = before
-            .rfind('\n')
-            .map_or(before.chars().count(), |nl| before[nl + 1..].chars().count())
-            + 1;
+        let col = before.rfind('\n').map_or(before.chars().count(), |nl| {
+            before[nl + 1..].chars().count()
+        }) + 1;
         (line, col)
     }
 
@@ -159,7 +158,9 @@ fn convert(v: &Spanned<DeValue<'_>>, origin_at: &dyn Fn(usize) -> Origin) -> Nod
         DeValue::Float(x) => Value::Float(parse_float(x.as_str())),
         DeValue::Boolean(b) => Value::Bool(*b),
         DeValue::Datetime(d) => Value::Datetime(d.to_string()),
-        DeValue::Array(items) => Value::Array(items.iter().map(|n| convert(n, origin_at)).collect()),
+        DeValue::Array(items) => {
+            Value::Array(items.iter().map(|n| convert(n, origin_at)).collect())
+        }
         DeValue::Table(t) => Value::Table(
             t.iter()
                 .map(|(k, v)| Entry {
@@ -186,9 +187,9 @@ fn parse_float(s: &str) -> f64 {
 /// Applies one `--set KEY=VALUE` override. VALUE is read as a TOML value (`3e-4`, `true`, `[0.9, 0.95]`,
 /// `"text"`); anything that is not valid TOML is taken as a plain string (`--set train.backend=decentdp`).
 pub fn apply_override(root: &mut Node, arg: &str) -> Result<(), String> {
-    let (key, raw) = arg
-        .split_once('=')
-        .ok_or_else(|| format!("--set {arg}: expected KEY=VALUE, e.g. --set train.optim.lr=3e-4"))?;
+    let (key, raw) = arg.split_once('=').ok_or_else(|| {
+        format!("--set {arg}: expected KEY=VALUE, e.g. --set train.optim.lr=3e-4")
+    })?;
     let key = key.trim();
     let segments: Vec<&str> = key.split('.').map(str::trim).collect();
     if key.is_empty() || segments.iter().any(|s| s.is_empty()) {
@@ -270,7 +271,10 @@ mod tests {
     #[test]
     fn positions_are_one_based_lines_and_columns() {
         let doc = parse_document("a = 1\n[t]\n  b = [1, 2]\n").unwrap();
-        assert_eq!(find(&doc, "a").unwrap().origin, Origin::File { line: 1, col: 5 });
+        assert_eq!(
+            find(&doc, "a").unwrap().origin,
+            Origin::File { line: 1, col: 5 }
+        );
         assert_eq!(
             find(&doc, "t.b[1]").unwrap().origin,
             Origin::File { line: 3, col: 11 }
@@ -283,9 +287,16 @@ mod tests {
         apply_override(&mut doc, "train.seed=7").unwrap();
         apply_override(&mut doc, "train.optim.betas=[0.9, 0.99]").unwrap();
         apply_override(&mut doc, "train.backend=decentdp").unwrap();
-        assert!(matches!(find(&doc, "train.seed").unwrap().value, Value::Int(7)));
-        assert!(matches!(find(&doc, "train.optim.betas[1]").unwrap().value, Value::Float(x) if x == 0.99));
-        assert!(matches!(&find(&doc, "train.backend").unwrap().value, Value::Str(s) if s == "decentdp"));
+        assert!(matches!(
+            find(&doc, "train.seed").unwrap().value,
+            Value::Int(7)
+        ));
+        assert!(
+            matches!(find(&doc, "train.optim.betas[1]").unwrap().value, Value::Float(x) if x == 0.99)
+        );
+        assert!(
+            matches!(&find(&doc, "train.backend").unwrap().value, Value::Str(s) if s == "decentdp")
+        );
         assert!(apply_override(&mut doc, "train.seed.x=1").is_err());
         assert!(apply_override(&mut doc, "noequals").is_err());
         assert!(apply_override(&mut doc, "a..b=1").is_err());

@@ -90,7 +90,10 @@ impl<'a> Walker<'a> {
 
     /// A key path in another section whose last segment is (nearly) `key`: a key put in the wrong table.
     fn elsewhere(&self, key: &str) -> Option<String> {
-        let exact = self.key_index.iter().find(|k| k.rsplit('.').next() == Some(key));
+        let exact = self
+            .key_index
+            .iter()
+            .find(|k| k.rsplit('.').next() == Some(key));
         exact.cloned().or_else(|| {
             let leaves = self.key_index.iter().filter_map(|k| k.rsplit('.').next());
             let leaf = suggest(key, leaves)?;
@@ -389,7 +392,12 @@ impl<'a> Walker<'a> {
 
 /// Cross-field rules on a config whose shape is already valid. `world` is the world size when known
 /// (`--workers`, the launcher, or `train.workers`), `local_world` the ranks per node when known.
-pub fn check_semantics(cfg: &Config, doc: &Node, world: usize, local_world: Option<usize>) -> Vec<Problem> {
+pub fn check_semantics(
+    cfg: &Config,
+    doc: &Node,
+    world: usize,
+    local_world: Option<usize>,
+) -> Vec<Problem> {
     let mut out = Vec::new();
     let mut add = |path: &str, message: String| {
         // Point at the key when it was written, else at its table, else at nothing (a default).
@@ -466,7 +474,9 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize, local_world: Opti
     }
 
     // Batch arithmetic: global = local x world x accumulation.
-    let local = t.local_batch_size.unwrap_or(t.global_batch_size / world.max(1));
+    let local = t
+        .local_batch_size
+        .unwrap_or(t.global_batch_size / world.max(1));
     let per_step = local.saturating_mul(world);
     if t.local_batch_size.is_none() && t.global_batch_size % world != 0 {
         add(
@@ -498,7 +508,11 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize, local_world: Opti
 }
 
 /// World-size constraints of each topology (those of the reference implementation).
-pub fn topology_fits(topo: Topology, world: usize, local_world: Option<usize>) -> Result<(), String> {
+pub fn topology_fits(
+    topo: Topology,
+    world: usize,
+    local_world: Option<usize>,
+) -> Result<(), String> {
     match topo {
         Topology::Complete => Ok(()),
         Topology::Ring if world % 2 != 0 => Err(format!(

@@ -1,0 +1,13 @@
+//! Token data: tokenizers, `prepare`, file formats, sources and samplers.
+
+pub mod format;
+pub mod prepare;
+pub mod sampler;
+pub mod source;
+pub mod tokenizer;
+
+pub use format::TokenFile;
+pub use prepare::{prepare, Meta, OutputFormat, PrepareOptions, TokenizerKind};
+pub use sampler::{eval_batch, Batch, Sampler, SamplerState};
+pub use source::{open_source, Blend, Split};
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,293 @@
+//! Token data: prepare writes what it claims, formats round-trip, corrupt files are rejected, Python's
+//! nanoGPT-style files are read as they are.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use nanodist::data::{
+    self, open_source, OutputFormat, PrepareOptions, TokenFile, Tokenizer, TokenizerKind,
+};
+
+/// A corpus we make ourselves: numbered documents with varied words, one file each, plus a JSONL file.
+fn make_corpus(dir: &Path, n_docs: usize) -> Vec<String> {
+    let words = [
+        "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "über", "naïve", "🦀",
+    ];
+    let mut docs = Vec::new();
+    std::fs::create_dir_all(dir.join("texts/sub")).unwrap();
+    for i in 0..n_docs {
+        let doc: String = (0..(20 + i * 7 % 50))
+            .map(|j| words[(i * 31 + j * 17) % words.len()])
+            .collect::<Vec<_>>()
+            .join(if i % 3 == 0 { " " } else { "\n" });
+        let sub = if i % 2 == 0 { "texts" } else { "texts/sub" };
+        std::fs::write(dir.join(format!("{sub}/doc{i:03}.txt")), &doc).unwrap();
+        docs.push(doc);
+    }
+    docs
+}
+
+fn opts(inputs: Vec<PathBuf>, output: PathBuf) -> PrepareOptions {
+    PrepareOptions {
+        inputs,
+        output,
+        tokenizer: TokenizerKind::Gpt2,
+        val_fraction: 0.2,
+        seed: 7,
+        format: OutputFormat::Both,
+        json_key: "text".into(),
+        threads: Some(2),
+        progress: false,
+    }
+}
+
+fn read_all(f: &TokenFile) -> Vec<u32> {
+    let mut v = vec![0; f.len()];
+    f.read(0, &mut v);
+    v
+}
+
+#[test]
+fn prepare_writes_every_document_once_with_eot() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = make_corpus(dir.path(), 40);
+    let report = data::prepare(&opts(
+        vec![dir.path().join("texts")],
+        dir.path().join("out"),
+    ))
+    .unwrap();
+    let m = &report.meta;
+    assert_eq!(m.train.documents + m.val.documents, 40);
+    assert!(m.val.documents > 0 && m.train.documents > 0);
+    let expected: u64 = docs
+        .iter()
+        .map(|d| Tokenizer::Gpt2.encode(d).unwrap().len() as u64 + 1)
+        .sum();
+    assert_eq!(m.train.tokens + m.val.tokens, expected);
+
+    let out = dir.path().join("out");
+    let train = TokenFile::open_nanogpt(&out.join("train.bin"), false).unwrap();
+    let val = TokenFile::open_nanogpt(&out.join("val.bin"), true).unwrap();
+    let (t, v) = (read_all(&train), read_all(&val));
+    assert_eq!(t.len() as u64, m.train.tokens);
+    let eots = t.iter().chain(&v).filter(|&&x| x == 50256).count();
+    assert_eq!(eots, 40);
+    assert_eq!(*t.last().unwrap(), 50256);
+    // Every document appears whole in one split: decode each split's documents and compare as sets.
+    let mut seen: Vec<String> = t
+        .split(|&x| x == 50256)
+        .chain(v.split(|&x| x == 50256))
+        .filter(|d| !d.is_empty())
+        .map(|d| Tokenizer::Gpt2.decode(d).unwrap())
+        .collect();
+    let mut want = docs.clone();
+    seen.sort();
+    want.sort();
+    assert_eq!(seen, want);
+}
+
+#[test]
+fn output_is_deterministic_across_thread_counts_and_depends_on_seed() {
+    let dir = tempfile::tempdir().unwrap();
+    make_corpus(dir.path(), 30);
+    let input = vec![dir.path().join("texts")];
+    let mut a = opts(input.clone(), dir.path().join("a"));
+    a.threads = Some(1);
+    let mut b = opts(input.clone(), dir.path().join("b"));
+    b.threads = Some(2);
+    let mut c = opts(input, dir.path().join("c"));
+    c.seed = 8;
+    for o in [&a, &b, &c] {
+        data::prepare(o).unwrap();
+    }
+    let read = |d: &str, f: &str| std::fs::read(dir.path().join(d).join(f)).unwrap();
+    assert_eq!(read("a", "train.bin"), read("b", "train.bin"));
+    assert_eq!(read("a", "val.bin"), read("b", "val.bin"));
+    assert_ne!(read("a", "val.bin"), read("c", "val.bin"));
+}
+
+#[test]
+fn megatron_files_read_back_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    make_corpus(dir.path(), 25);
+    data::prepare(&opts(
+        vec![dir.path().join("texts")],
+        dir.path().join("out"),
+    ))
+    .unwrap();
+    let out = dir.path().join("out");
+    for split in ["train", "val"] {
+        let nano = TokenFile::open_nanogpt(&out.join(format!("{split}.bin")), false).unwrap();
+        for name in [
+            format!("{split}_text_document"),
+            format!("{split}_text_document.bin"),
+            format!("{split}_text_document.idx"),
+        ] {
+            let mega = open_source(&out.join(&name), false).unwrap();
+            assert_eq!(read_all(&mega), read_all(&nano), "{name}");
+            let docs = mega.documents.as_ref().unwrap();
+            assert_eq!(*docs.last().unwrap() as usize, mega.len());
+            // Each document ends with EOT.
+            let toks = read_all(&mega);
+            for w in docs.windows(2).filter(|w| w[1] > w[0]) {
+                assert_eq!(toks[w[1] as usize - 1], 50256);
+            }
+        }
+    }
+}
+
+#[test]
+fn handcrafted_corrupt_megatron_pairs_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    make_corpus(dir.path(), 10);
+    let mut o = opts(vec![dir.path().join("texts")], dir.path().join("out"));
+    o.format = OutputFormat::Megatron;
+    o.val_fraction = 0.0;
+    data::prepare(&o).unwrap();
+    let prefix = dir.path().join("out/train_text_document");
+    let bin = std::fs::read(prefix.with_extension("bin")).unwrap();
+    let idx = std::fs::read(prefix.with_extension("idx")).unwrap();
+    let check = |bin_bytes: &[u8], idx_bytes: &[u8], why: &str| {
+        let p = dir.path().join("bad");
+        std::fs::write(p.with_extension("bin"), bin_bytes).unwrap();
+        std::fs::write(p.with_extension("idx"), idx_bytes).unwrap();
+        let err = format!("{:#}", open_source(&p, false).unwrap_err());
+        assert!(err.contains(why), "{why}: {err}");
+        assert!(err.contains("bad."), "error must name the file: {err}");
+    };
+    check(&bin[..bin.len() - 2], &idx, "truncated or mismatched");
+    check(&bin, &idx[..idx.len() - 5], "truncated");
+    check(&bin, b"TNTIDX\x00\x00 legacy", "legacy");
+    let mut bad_ptr = idx.clone();
+    let s = u64::from_le_bytes(idx[18..26].try_into().unwrap()) as usize;
+    bad_ptr[34 + 4 * s + 8] ^= 0x10; // second pointer
+    check(&bin, &bad_ptr, "starts at byte");
+}
+
+#[test]
+fn odd_sized_and_out_of_vocab_nanogpt_files_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("odd.bin");
+    std::fs::write(&p, [1u8, 0, 2]).unwrap();
+    let err = format!("{:#}", TokenFile::open_nanogpt(&p, false).unwrap_err());
+    assert!(
+        err.contains("odd byte count") && err.contains("odd.bin"),
+        "{err}"
+    );
+    let p = dir.path().join("big.bin");
+    let toks: Vec<u8> = [5u16, 60000, 7]
+        .iter()
+        .flat_map(|t| t.to_le_bytes())
+        .collect();
+    std::fs::write(&p, toks).unwrap();
+    let f = TokenFile::open_nanogpt(&p, false).unwrap();
+    let err = format!("{:#}", f.check_vocab(50304).unwrap_err());
+    assert!(err.contains("token 60000 at position 1"), "{err}");
+    f.check_vocab(65536).unwrap();
+    let err = format!(
+        "{:#}",
+        open_source(&dir.path().join("missing.bin"), false).unwrap_err()
+    );
+    assert!(err.contains("missing.bin"), "{err}");
+}
+
+/// A nanoGPT-style file written by numpy, exactly as nanoGPT's prepare.py does, is read identically.
+#[test]
+fn nanogpt_file_written_by_python_is_read_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("py.bin");
+    let script = format!(
+        "import numpy as np\nids = [(i * 7919) % 50257 for i in range(10000)] + [50256]\n\
+         np.array(ids, dtype=np.uint16).tofile({:?})\n",
+        p.display().to_string()
+    );
+    let out = Command::new("python3").arg("-c").arg(&script).output();
+    match out {
+        Ok(o) if o.status.success() => {}
+        Ok(o) if String::from_utf8_lossy(&o.stderr).contains("No module named 'numpy'") => {
+            eprintln!("skipped: numpy not installed");
+            return;
+        }
+        other => panic!("python failed: {other:?}"),
+    }
+    let want: Vec<u32> = (0..10000u32)
+        .map(|i| (i * 7919) % 50257)
+        .chain([50256])
+        .collect();
+    for in_memory in [false, true] {
+        let f = TokenFile::open_nanogpt(&p, in_memory).unwrap();
+        assert_eq!(read_all(&f), want);
+    }
+}
+
+#[test]
+fn jsonl_inputs_use_the_json_key_and_report_bad_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("docs.jsonl");
+    let lines: Vec<String> = (0..30)
+        .map(|i| format!("{{\"body\": \"document number {i} ü\", \"id\": {i}}}"))
+        .collect();
+    std::fs::write(&p, lines.join("\n") + "\n\n").unwrap();
+    let mut o = opts(vec![p.clone()], dir.path().join("out"));
+    o.json_key = "body".into();
+    let m = data::prepare(&o).unwrap().meta;
+    assert_eq!(m.train.documents + m.val.documents, 30);
+
+    o.json_key = "text".into();
+    let err = format!("{:#}", data::prepare(&o).unwrap_err());
+    assert!(
+        err.contains("docs.jsonl:1") && err.contains("\"text\""),
+        "{err}"
+    );
+    std::fs::write(&p, "{\"body\": \"ok\"}\nnot json\n").unwrap();
+    o.json_key = "body".into();
+    let err = format!("{:#}", data::prepare(&o).unwrap_err());
+    assert!(err.contains("docs.jsonl:2"), "{err}");
+}
+
+#[test]
+fn one_document_falls_back_to_a_token_split_and_char_tokenizer_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("one.txt");
+    let text = "to be or not to be, that is the question. ".repeat(50);
+    std::fs::write(&p, &text).unwrap();
+    let mut o = opts(vec![p], dir.path().join("out"));
+    o.tokenizer = TokenizerKind::Char;
+    o.val_fraction = 0.1;
+    let m = data::prepare(&o).unwrap().meta;
+    assert_eq!(m.split, "tokens");
+    let total = text.chars().count() as u64 + 1;
+    assert_eq!(m.train.tokens + m.val.tokens, total);
+    assert_eq!(m.val.tokens, (total as f64 * 0.1).ceil() as u64);
+    assert_eq!(m.vocab_size, m.tokenizer.vocab_size());
+    let train = TokenFile::open_nanogpt(&dir.path().join("out/train.bin"), false).unwrap();
+    let text = m.tokenizer.decode(&read_all(&train)).unwrap();
+    assert!(text.starts_with("to be or not"));
+    // The Megatron index agrees with the truncated split.
+    let mega = open_source(&dir.path().join("out/val_text_document"), false).unwrap();
+    assert_eq!(mega.len() as u64, m.val.tokens);
+}
+
+#[test]
+fn cli_prepare_bad_input_exits_2() {
+    let exe = env!("CARGO_BIN_EXE_nanodist");
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(exe)
+        .args(["prepare", "--input", "/nonexistent/x.txt", "--output"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/x.txt"));
+    let bad = dir.path().join("latin1.txt");
+    std::fs::write(&bad, [b'a', 0xe9, b'b']).unwrap();
+    let out = Command::new(exe)
+        .args(["prepare", "--input"])
+        .arg(&bad)
+        .arg("--output")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not UTF-8"));
+}
