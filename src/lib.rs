@@ -1,6 +1,13 @@
 //! nanodist: declarative GPT pre-training experiments with allreduce, gossip and compressed data
 //! parallelism, on Candle.
 
+pub mod comm;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod generate;
+pub mod metrics;
+pub mod model;
+pub mod optim;
+pub mod sync;
+pub mod train;

@@ -69,6 +69,46 @@ enum Command {
         #[arg(long)]
         threads: Option<usize>,
     },
+    /// Train as the config says; resumes from the run directory's newest valid checkpoint.
+    Train {
+        #[command(flatten)]
+        args: ConfigArgs,
+    },
+    /// Loss and perplexity of a checkpoint on a token file (.bin / Megatron prefix) or raw text.
+    Eval {
+        /// Checkpoint directory, or a run directory (its newest valid checkpoint).
+        ckpt: PathBuf,
+        /// Token file, Megatron prefix, or a UTF-8 text file (tokenized with the checkpoint's tokenizer).
+        #[arg(long)]
+        data: PathBuf,
+        /// Sequences per batch.
+        #[arg(long, default_value_t = 8)]
+        batch_size: usize,
+        /// Evaluate at most this many tokens (consecutive windows from the start).
+        #[arg(long)]
+        max_tokens: Option<usize>,
+    },
+    /// Generate text from a checkpoint.
+    Sample {
+        /// Checkpoint directory, or a run directory (its newest valid checkpoint).
+        ckpt: PathBuf,
+        #[arg(long, default_value = "\n")]
+        prompt: String,
+        /// Tokens to generate.
+        #[arg(long, default_value_t = 200)]
+        max_new_tokens: usize,
+        /// Softmax temperature (> 0; lower is more conservative).
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f64,
+        /// Sample among the k most likely tokens (0: all).
+        #[arg(long, default_value_t = 200)]
+        top_k: usize,
+        #[arg(long, default_value_t = 1337)]
+        seed: u64,
+        /// Number of samples.
+        #[arg(long, default_value_t = 1)]
+        num_samples: usize,
+    },
     /// Print the config's JSON Schema (for editors: Taplo / Even Better TOML).
     Schema {
         /// Write to this file instead of stdout.
@@ -155,6 +195,79 @@ fn run(cli: Cli) -> Result<()> {
             );
             for f in &m.files {
                 println!("wrote {f}");
+            }
+            Ok(())
+        }
+        Command::Train { args } => {
+            let loaded = load(&args)?;
+            for note in &loaded.notes {
+                eprintln!("note: {note}");
+            }
+            eprintln!("{}", loaded.plan);
+            let summary = nanodist::train::run(&loaded)?;
+            let how = match &summary.exit {
+                nanodist::train::Exit::Finished => "finished".to_string(),
+                nanodist::train::Exit::ExitInterval => "stopped at train.exit_interval".to_string(),
+                nanodist::train::Exit::ExitDuration => {
+                    "stopped at train.exit_duration_mins".to_string()
+                }
+                nanodist::train::Exit::Signal(s) => {
+                    format!("stopped by {s} after saving a checkpoint")
+                }
+            };
+            println!(
+                "{how} at step {} (last val loss {}); run directory {}",
+                summary.step,
+                summary
+                    .last_val_loss
+                    .map_or("n/a".into(), |v| format!("{v:.4}")),
+                summary.run_dir.display()
+            );
+            Ok(())
+        }
+        Command::Eval {
+            ckpt,
+            data,
+            batch_size,
+            max_tokens,
+        } => {
+            let r = nanodist::generate::eval_file(&ckpt, &data, batch_size, max_tokens)?;
+            println!(
+                "{}: {} tokens in {} windows of {}: loss {:.4}, perplexity {:.2}",
+                data.display(),
+                r.tokens,
+                r.windows,
+                r.context,
+                r.loss,
+                r.loss.exp()
+            );
+            Ok(())
+        }
+        Command::Sample {
+            ckpt,
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            seed,
+            num_samples,
+        } => {
+            let prompt = prompt.replace("\\n", "\n");
+            for i in 0..num_samples {
+                let text = nanodist::generate::sample(
+                    &ckpt,
+                    &prompt,
+                    &nanodist::generate::SampleOptions {
+                        max_new_tokens,
+                        temperature,
+                        top_k,
+                        seed: seed + i as u64,
+                    },
+                )?;
+                println!("{text}");
+                if i + 1 < num_samples {
+                    println!("---------------");
+                }
             }
             Ok(())
         }

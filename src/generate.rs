@@ -1,0 +1,173 @@
+//! Using a trained model: `nanodist eval` (loss and perplexity on a file) and `nanodist sample`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use candle_core::{Device, IndexOp, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::bad_input;
+use crate::config::{self, Config, ConfigError};
+use crate::data::{open_source, TokenFile, Tokenizer};
+use crate::model::Gpt;
+use crate::train::checkpoint;
+
+/// A model restored from a checkpoint, with its config and tokenizer.
+pub struct Trained {
+    pub dir: PathBuf,
+    pub config: Config,
+    pub model: Gpt,
+    tokenizer: Option<Tokenizer>,
+}
+
+impl Trained {
+    /// The training data's tokenizer (needed for text in and out).
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            bad_input!(
+                "{}: the checkpoint does not record its tokenizer (its data had no meta.json); \
+                 use a token file",
+                self.dir.display()
+            )
+        })
+    }
+}
+
+pub fn load(ckpt: &Path) -> Result<Trained> {
+    let dir = checkpoint::require(ckpt)?;
+    let manifest = checkpoint::verify(&dir)?;
+    let (config, _) = config::parse(&manifest.config, &[]).map_err(|problems| ConfigError {
+        file: dir.join("manifest.json").display().to_string(),
+        problems,
+    })?;
+    let model = Gpt::new(&config.model, config.train.context_length, 0, &Device::Cpu)?;
+    let restored = checkpoint::restore(&dir, &model)?;
+    model.params.set_flat(&restored.params)?;
+    let tokenizer = manifest.tokenizer;
+    Ok(Trained {
+        dir,
+        config,
+        model,
+        tokenizer,
+    })
+}
+
+/// Result of `eval`.
+#[derive(Debug, Clone)]
+pub struct EvalResult {
+    pub loss: f64,
+    pub tokens: usize,
+    pub windows: usize,
+    pub context: usize,
+}
+
+/// Mean next-token loss over consecutive windows of the file (every token after the first is predicted
+/// once, with up to context_length - 1 tokens of context).
+pub fn eval_file(
+    ckpt: &Path,
+    data: &Path,
+    batch_size: usize,
+    max_tokens: Option<usize>,
+) -> Result<EvalResult> {
+    let tr = load(ckpt)?;
+    let t = tr.model.context_length;
+    let is_tokens = data.extension().is_some_and(|e| e == "bin" || e == "idx")
+        || PathBuf::from(format!("{}.idx", data.display())).is_file();
+    let tokens: Vec<u32> = if is_tokens {
+        let f: TokenFile = open_source(data, false)?;
+        f.check_vocab(tr.config.model.vocab_size)?;
+        let mut v = vec![0; f.len()];
+        f.read(0, &mut v);
+        v
+    } else {
+        let text =
+            std::fs::read_to_string(data).with_context(|| format!("reading {}", data.display()))?;
+        tr.tokenizer()?.encode_document(&text)?
+    };
+    let n = max_tokens.map_or(tokens.len(), |m| m.min(tokens.len()));
+    if n < 2 {
+        return Err(bad_input!(
+            "{}: fewer than 2 tokens to evaluate",
+            data.display()
+        ));
+    }
+    // Windows of up to t + 1 tokens, overlapping by one, so each target is predicted once.
+    let starts: Vec<usize> = (0..n - 1).step_by(t).collect();
+    let (mut total, mut count) = (0.0f64, 0usize);
+    for chunk in starts.chunks(batch_size.max(1)) {
+        for &s in chunk {
+            let len = t.min(n - 1 - s);
+            let x = Tensor::from_slice(&tokens[s..s + len], (1, len), &Device::Cpu)?;
+            let y = Tensor::from_slice(&tokens[s + 1..s + 1 + len], (1, len), &Device::Cpu)?;
+            total += tr.model.loss(&x, &y, None)?.to_scalar::<f32>()? as f64 * len as f64;
+            count += len;
+        }
+    }
+    Ok(EvalResult {
+        loss: total / count as f64,
+        tokens: count,
+        windows: starts.len(),
+        context: t,
+    })
+}
+
+pub struct SampleOptions {
+    pub max_new_tokens: usize,
+    pub temperature: f64,
+    pub top_k: usize,
+    pub seed: u64,
+}
+
+/// The prompt followed by `max_new_tokens` sampled tokens, decoded.
+pub fn sample(ckpt: &Path, prompt: &str, o: &SampleOptions) -> Result<String> {
+    if o.temperature <= 0.0 || o.temperature.is_nan() {
+        return Err(bad_input!(
+            "--temperature must be > 0, found {}",
+            o.temperature
+        ));
+    }
+    let tr = load(ckpt)?;
+    let tokenizer = tr.tokenizer()?;
+    let mut ids = tokenizer
+        .encode(prompt)
+        .map_err(|e| bad_input!("--prompt: {e}"))?;
+    if ids.is_empty() {
+        ids.push(tokenizer.eot());
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(o.seed);
+    let vocab = tokenizer.vocab_size();
+    let t = tr.model.context_length;
+    for _ in 0..o.max_new_tokens {
+        let ctx = &ids[ids.len().saturating_sub(t)..];
+        let x = Tensor::from_slice(ctx, (1, ctx.len()), &Device::Cpu)?;
+        let logits = tr
+            .model
+            .forward(&x, None)?
+            .i(ctx.len() - 1)?
+            .to_vec1::<f32>()?;
+        // Padded vocabulary entries beyond the tokenizer's are never sampled.
+        let mut scored: Vec<(usize, f64)> = logits[..vocab]
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i, l as f64 / o.temperature))
+            .collect();
+        if o.top_k > 0 && o.top_k < scored.len() {
+            scored.select_nth_unstable_by(o.top_k - 1, |a, b| b.1.total_cmp(&a.1));
+            scored.truncate(o.top_k);
+        }
+        let max = scored.iter().map(|s| s.1).fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scored.iter().map(|s| (s.1 - max).exp()).collect();
+        let mut u = rng.random::<f64>() * weights.iter().sum::<f64>();
+        let mut pick = scored[scored.len() - 1].0;
+        for (s, w) in scored.iter().zip(&weights) {
+            if u < *w {
+                pick = s.0;
+                break;
+            }
+            u -= w;
+        }
+        ids.push(pick as u32);
+    }
+    tokenizer.decode(&ids)
+}

@@ -1,0 +1,100 @@
+//! Typed metrics rows and their sinks: metrics.jsonl (the source for plots, comparisons and W&B) and
+//! the console.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::data::format::write_atomic;
+
+/// One logged step. Keys are a contract (plots, comparisons, W&B read them): add, do not rename.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    pub step: u64,
+    pub tokens: u64,
+    pub lr: f64,
+    pub train_loss: f64,
+    pub grad_norm: f64,
+    pub param_norm: f64,
+    pub tokens_per_s: f64,
+    pub ms_per_step: f64,
+    pub elapsed_s: f64,
+    pub comm_bytes: u64,
+    pub comm_ms: f64,
+    pub comm_frac: f64,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub val_loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub val_ppl: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub eval_train_loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub mfu: Option<f64>,
+}
+
+/// Appends rows to `metrics.jsonl`, one JSON object per line, flushed per row.
+pub struct JsonlSink {
+    path: PathBuf,
+    file: File,
+}
+
+impl JsonlSink {
+    /// Opens the file for appending. When resuming at `resume_step`, rows past it (written after that
+    /// checkpoint by a run that then died) are dropped first, so the file reads as one continuous run.
+    pub fn open(path: &Path, resume_step: Option<u64>) -> Result<Self> {
+        if let (Some(step), true) = (resume_step, path.exists()) {
+            let f = File::open(path).with_context(|| format!("reading {}", path.display()))?;
+            let mut kept = String::new();
+            for line in BufReader::new(f).lines() {
+                let line = line?;
+                let keep = serde_json::from_str::<serde_json::Value>(&line)
+                    .ok()
+                    .and_then(|v| v.get("step")?.as_u64())
+                    .is_some_and(|s| s <= step);
+                if keep {
+                    kept.push_str(&line);
+                    kept.push('\n');
+                }
+            }
+            write_atomic(path, kept.as_bytes())?;
+        }
+        let file = File::options()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    pub fn write(&mut self, row: &Row) -> Result<()> {
+        let mut line = serde_json::to_string(row)?;
+        line.push('\n');
+        self.file
+            .write_all(line.as_bytes())
+            .with_context(|| format!("writing {}", self.path.display()))
+    }
+
+    /// Makes the rows durable (called at checkpoints).
+    pub fn sync(&mut self) -> Result<()> {
+        self.file.sync_data()?;
+        Ok(())
+    }
+}
+
+/// Reads a metrics file (for tests and comparisons).
+pub fn read_rows(path: &Path) -> Result<Vec<Row>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| {
+            serde_json::from_str(l).with_context(|| format!("{}:{}", path.display(), i + 1))
+        })
+        .collect()
+}

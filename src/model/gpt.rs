@@ -1,0 +1,379 @@
+//! nanoGPT's GPT-2 in candle: token + position embeddings, pre-LayerNorm blocks with causal
+//! self-attention and a GELU MLP, final LayerNorm, and an lm head tied to the token embedding.
+//!
+//! Parameter names and layout follow Hugging Face's GPT2LMHeadModel, except that the four projection
+//! matrices are stored as nn.Linear ([out, in], as nanoGPT); checkpoints transpose them to HF's Conv1D
+//! orientation ([in, out]). Every op used here has a backward in candle: candle's fused layer_norm and
+//! softmax_last_dim do not, and a model built on them trains silently wrong.
+
+use anyhow::Result;
+use candle_core::{DType, Device, IndexOp, Tensor, D};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+
+use super::params::ParamSet;
+use crate::config::{Activation, ModelConfig};
+
+const LN_EPS: f64 = 1e-5;
+
+/// The model: hyper-parameters, context length and parameters.
+#[derive(Debug, Clone)]
+pub struct Gpt {
+    pub cfg: ModelConfig,
+    pub context_length: usize,
+    pub params: ParamSet,
+    device: Device,
+}
+
+/// HF GPT-2 parameter names of the four projections that HF stores transposed (Conv1D).
+pub fn is_conv1d(name: &str) -> bool {
+    name.ends_with("attn.c_attn.weight")
+        || name.ends_with("attn.c_proj.weight")
+        || name.ends_with("mlp.c_fc.weight")
+        || name.ends_with("mlp.c_proj.weight")
+}
+
+impl Gpt {
+    /// A freshly initialised model (nanoGPT's init): N(0, 0.02) weights and embeddings, residual
+    /// projections N(0, 0.02 / sqrt(2 n_layers)), zero biases, unit LayerNorm gains. Deterministic in `seed`.
+    pub fn new(
+        cfg: &ModelConfig,
+        context_length: usize,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Self> {
+        let (c, v, l) = (cfg.n_embd, cfg.vocab_size, cfg.n_layers);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut normal = |n: usize, std: f64| -> Vec<f32> {
+            let dist = Normal::new(0.0f32, std as f32).expect("positive std");
+            (0..n).map(|_| dist.sample(&mut rng)).collect()
+        };
+        let proj_std = 0.02 / (2.0 * l as f64).sqrt();
+        let mut items: Vec<(String, Vec<f32>, Vec<usize>)> = vec![
+            (
+                "transformer.wte.weight".into(),
+                normal(v * c, 0.02),
+                vec![v, c],
+            ),
+            (
+                "transformer.wpe.weight".into(),
+                normal(context_length * c, 0.02),
+                vec![context_length, c],
+            ),
+        ];
+        let ln = |items: &mut Vec<_>, prefix: String| {
+            items.push((format!("{prefix}.weight"), vec![1.0f32; c], vec![c]));
+            if cfg.bias {
+                items.push((format!("{prefix}.bias"), vec![0.0f32; c], vec![c]));
+            }
+        };
+        for i in 0..l {
+            let h = format!("transformer.h.{i}");
+            ln(&mut items, format!("{h}.ln_1"));
+            ln(&mut items, format!("{h}.ln_2"));
+            let linears = [
+                ("attn.c_attn", 3 * c, c, 0.02),
+                ("attn.c_proj", c, c, proj_std),
+                ("mlp.c_fc", 4 * c, c, 0.02),
+                ("mlp.c_proj", c, 4 * c, proj_std),
+            ];
+            for (name, out, inp, std) in linears {
+                items.push((
+                    format!("{h}.{name}.weight"),
+                    normal(out * inp, std),
+                    vec![out, inp],
+                ));
+                if cfg.bias {
+                    items.push((format!("{h}.{name}.bias"), vec![0.0f32; out], vec![out]));
+                }
+            }
+        }
+        ln(&mut items, "transformer.ln_f".into());
+        Ok(Self {
+            cfg: cfg.clone(),
+            context_length,
+            params: ParamSet::new(items, device)?,
+            device: device.clone(),
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn p(&self, name: &str) -> Result<&Tensor> {
+        self.params.get(name)
+    }
+
+    fn bias(&self, name: &str) -> Option<&Tensor> {
+        if self.cfg.bias {
+            self.params.get(name).ok()
+        } else {
+            None
+        }
+    }
+
+    /// y = x W^T (+ b) for x of shape (N, in).
+    fn linear(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
+        let w = self.p(&format!("{prefix}.weight"))?;
+        let y = x.matmul(&w.t()?)?;
+        Ok(match self.bias(&format!("{prefix}.bias")) {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+
+    /// LayerNorm over the last dim from differentiable primitives.
+    fn layer_norm(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let xc = x.broadcast_sub(&mean)?;
+        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+        let xn = xc.broadcast_div(&(var + LN_EPS)?.sqrt()?)?;
+        let y = xn.broadcast_mul(self.p(&format!("{prefix}.weight"))?)?;
+        Ok(match self.bias(&format!("{prefix}.bias")) {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+
+    fn attention(
+        &self,
+        x: &Tensor,
+        b: usize,
+        t: usize,
+        prefix: &str,
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        let (c, nh) = (self.cfg.n_embd, self.cfg.n_heads);
+        let hs = c / nh;
+        let qkv = self.linear(x, &format!("{prefix}.c_attn"))?; // (B*T, 3C)
+        let qkv = qkv.reshape((b, t, 3, nh, hs))?.permute((2, 0, 3, 1, 4))?; // (3, B, nh, T, hs)
+        let q = qkv.i(0)?.contiguous()?;
+        let k = qkv.i(1)?.contiguous()?;
+        let v = qkv.i(2)?.contiguous()?;
+        let att = (q.matmul(&k.t()?)? * (1.0 / (hs as f64).sqrt()))?; // (B, nh, T, T)
+        let att = att.broadcast_add(mask)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let y = att.matmul(&v)?; // (B, nh, T, hs)
+        let y = y.transpose(1, 2)?.reshape((b * t, c))?;
+        self.linear(&y, &format!("{prefix}.c_proj"))
+    }
+
+    fn mlp(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
+        let h = self.linear(x, &format!("{prefix}.c_fc"))?;
+        let h = match self.cfg.activation {
+            Activation::Gelu => h.gelu_erf()?,
+            Activation::GeluTanh => h.gelu()?,
+        };
+        self.linear(&h, &format!("{prefix}.c_proj"))
+    }
+
+    /// Logits (B*T, vocab) for token ids `x` of shape (B, T). `dropout` draws its masks from `rng`
+    /// when the model trains with dropout > 0.
+    pub fn forward(&self, x: &Tensor, mut dropout: Option<&mut ChaCha8Rng>) -> Result<Tensor> {
+        let (b, t) = x.dims2()?;
+        anyhow::ensure!(
+            t <= self.context_length,
+            "sequence of {t} tokens is longer than the model's context of {}",
+            self.context_length
+        );
+        let c = self.cfg.n_embd;
+        let wte = self.p("transformer.wte.weight")?;
+        let tok = wte.index_select(&x.flatten_all()?, 0)?; // (B*T, C)
+        let pos = self.p("transformer.wpe.weight")?.narrow(0, 0, t)?;
+        let mut h = tok
+            .reshape((b, t, c))?
+            .broadcast_add(&pos)?
+            .reshape((b * t, c))?;
+        let p = self.cfg.dropout;
+        let mut drop = |h: Tensor| -> Result<Tensor> {
+            match dropout.as_deref_mut() {
+                Some(rng) if p > 0.0 => dropout_mask(&h, p, rng),
+                _ => Ok(h),
+            }
+        };
+        h = drop(h)?;
+        let mask = causal_mask(t, &self.device)?;
+        for i in 0..self.cfg.n_layers {
+            let pre = format!("transformer.h.{i}");
+            let a = self.attention(
+                &self.layer_norm(&h, &format!("{pre}.ln_1"))?,
+                b,
+                t,
+                &format!("{pre}.attn"),
+                &mask,
+            )?;
+            h = (h + drop(a)?)?;
+            let m = self.mlp(
+                &self.layer_norm(&h, &format!("{pre}.ln_2"))?,
+                &format!("{pre}.mlp"),
+            )?;
+            h = (h + drop(m)?)?;
+        }
+        let h = self.layer_norm(&h, "transformer.ln_f")?;
+        Ok(h.matmul(&wte.t()?)?)
+    }
+
+    /// Mean cross-entropy of next-token targets `y` (B, T).
+    pub fn loss(&self, x: &Tensor, y: &Tensor, dropout: Option<&mut ChaCha8Rng>) -> Result<Tensor> {
+        let logits = self.forward(x, dropout)?;
+        Ok(candle_nn::loss::cross_entropy(&logits, &y.flatten_all()?)?)
+    }
+
+    /// Builds (x, y) tensors from a sampled batch.
+    pub fn batch_tensors(&self, batch: &crate::data::Batch) -> Result<(Tensor, Tensor)> {
+        let x = Tensor::from_slice(&batch.x, (batch.b, batch.t), &self.device)?;
+        let y = Tensor::from_slice(&batch.y, (batch.b, batch.t), &self.device)?;
+        Ok((x, y))
+    }
+}
+
+/// 0 on and below the diagonal, -inf above: added to attention scores.
+fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Tensor::from_vec(mask, (t, t), device)?)
+}
+
+/// Inverted dropout with a seeded mask (candle's dropout draws from an unseeded RNG).
+fn dropout_mask(x: &Tensor, p: f64, rng: &mut ChaCha8Rng) -> Result<Tensor> {
+    use rand::Rng;
+    let scale = (1.0 / (1.0 - p)) as f32;
+    let mask: Vec<f32> = (0..x.elem_count())
+        .map(|_| if rng.random::<f64>() < p { 0.0 } else { scale })
+        .collect();
+    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(DType::F32)?;
+    Ok(x.mul(&mask)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(bias: bool, activation: Activation) -> Gpt {
+        let cfg = ModelConfig {
+            n_layers: 2,
+            n_heads: 2,
+            n_embd: 8,
+            dropout: 0.0,
+            vocab_size: 11,
+            bias,
+            activation,
+        };
+        Gpt::new(&cfg, 6, 3, &Device::Cpu).unwrap()
+    }
+
+    fn batch(m: &Gpt) -> (Tensor, Tensor) {
+        let x: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
+        let y: Vec<u32> = (0..12).map(|i| (i * 5 % 11) as u32).collect();
+        (
+            Tensor::from_vec(x, (2, 6), m.device()).unwrap(),
+            Tensor::from_vec(y, (2, 6), m.device()).unwrap(),
+        )
+    }
+
+    /// Non-trivial weights: with nanoGPT's zero biases and unit gains some gradients vanish by symmetry.
+    fn perturb(m: &Gpt) {
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let dist = Normal::new(0.0f32, 0.3).unwrap();
+        let flat: Vec<f32> = m
+            .params
+            .to_flat()
+            .unwrap()
+            .iter()
+            .map(|v| v + dist.sample(&mut rng))
+            .collect();
+        m.params.set_flat(&flat).unwrap();
+    }
+
+    #[test]
+    fn every_parameter_gets_a_finite_nonzero_gradient() {
+        for (bias, act) in [(true, Activation::Gelu), (false, Activation::GeluTanh)] {
+            let m = tiny(bias, act);
+            perturb(&m);
+            let (x, y) = batch(&m);
+            let grads = m.loss(&x, &y, None).unwrap().backward().unwrap();
+            for p in &m.params.params {
+                let g = grads
+                    .get(p.var.as_tensor())
+                    .unwrap_or_else(|| panic!("{} has no gradient", p.name));
+                let v = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                assert!(
+                    v.iter().all(|x| x.is_finite()),
+                    "{}: non-finite gradient",
+                    p.name
+                );
+                assert!(v.iter().any(|x| *x != 0.0), "{}: all-zero gradient", p.name);
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let m = tiny(true, Activation::Gelu);
+        perturb(&m);
+        let (x, y) = batch(&m);
+        let grads = m.loss(&x, &y, None).unwrap().backward().unwrap();
+        let mut flat_g = vec![0.0f32; m.params.numel];
+        m.params.accumulate_grads(&grads, &mut flat_g).unwrap();
+        let base = m.params.to_flat().unwrap();
+        let loss_at = |flat: &[f32]| -> f64 {
+            m.params.set_flat(flat).unwrap();
+            m.loss(&x, &y, None).unwrap().to_scalar::<f32>().unwrap() as f64
+        };
+        let eps = 1e-2f32;
+        let mut checked = 0;
+        // A few coordinates of every parameter tensor.
+        for p in &m.params.params {
+            for k in [0, p.len / 2, p.len - 1] {
+                let i = p.offset + k;
+                let mut plus = base.clone();
+                plus[i] += eps;
+                let mut minus = base.clone();
+                minus[i] -= eps;
+                let fd = (loss_at(&plus) - loss_at(&minus)) / (2.0 * eps as f64);
+                let an = flat_g[i] as f64;
+                let tol = 2e-3 + 2e-2 * an.abs().max(fd.abs());
+                assert!(
+                    (fd - an).abs() < tol,
+                    "{}[{k}]: finite difference {fd}, backward {an}",
+                    p.name
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked >= 3 * m.params.params.len());
+    }
+
+    #[test]
+    fn init_is_deterministic_and_scaled_like_nanogpt() {
+        let a = tiny(true, Activation::Gelu).params.to_flat().unwrap();
+        let b = tiny(true, Activation::Gelu).params.to_flat().unwrap();
+        assert_eq!(a, b);
+        let cfg = ModelConfig {
+            n_layers: 8,
+            n_embd: 64,
+            n_heads: 4,
+            vocab_size: 512,
+            ..ModelConfig::default()
+        };
+        let m = Gpt::new(&cfg, 32, 1, &Device::Cpu).unwrap();
+        let std = |name: &str| {
+            let v = m
+                .params
+                .get(name)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
+        };
+        assert!((std("transformer.wte.weight") - 0.02).abs() < 0.001);
+        let proj = 0.02 / 16f64.sqrt();
+        assert!((std("transformer.h.3.mlp.c_proj.weight") - proj).abs() < 0.0005);
+        assert!((std("transformer.h.3.attn.c_attn.weight") - 0.02).abs() < 0.001);
+    }
+}

@@ -1,0 +1,7 @@
+//! The GPT model and its parameters.
+
+pub mod gpt;
+pub mod params;
+
+pub use gpt::Gpt;
+pub use params::{Param, ParamSet};

@@ -1,0 +1,382 @@
+//! AdamW (torch.optim.AdamW's single-tensor update, operation for operation) and Decent-DP's AccumAdamW.
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::config::OptimConfig;
+
+/// A parameter's range in the flat buffer and whether weight decay applies to it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Segment {
+    pub offset: usize,
+    pub len: usize,
+    pub decay: bool,
+}
+
+/// Optimizer state for checkpoints: the step count and named flat buffers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OptimState {
+    pub name: String,
+    pub step: u64,
+    #[serde(skip)]
+    pub buffers: Vec<(String, Vec<f32>)>,
+}
+
+pub trait Optimizer: Send {
+    /// One update of `params` with gradient `grads` at learning rate `lr`.
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64);
+    fn state(&self) -> OptimState;
+    fn load_state(&mut self, state: OptimState) -> Result<()>;
+}
+
+/// Builds the configured optimizer for a flat buffer laid out as `segments`.
+pub fn build(cfg: &OptimConfig, segments: Vec<Segment>, numel: usize) -> Box<dyn Optimizer> {
+    match cfg {
+        OptimConfig::AdamW(c) => Box::new(AdamW {
+            betas: c.betas,
+            eps: c.eps,
+            wd: c.weight_decay,
+            segments,
+            m: vec![0.0; numel],
+            v: vec![0.0; numel],
+            t: 0,
+        }),
+        OptimConfig::AccumAdamW(c) => Box::new(AccumAdamW {
+            betas: c.betas,
+            eps: c.eps,
+            wd: c.weight_decay,
+            k: c.accum_steps,
+            segments,
+            sm: vec![0.0; numel],
+            sv: vec![0.0; numel],
+            acc: vec![0.0; numel],
+            t: 0,
+        }),
+    }
+}
+
+pub struct AdamW {
+    betas: [f64; 2],
+    eps: f64,
+    wd: f64,
+    segments: Vec<Segment>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    t: u64,
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+        self.t += 1;
+        let [b1, b2] = self.betas;
+        let bc1 = 1.0 - b1.powi(self.t as i32);
+        let bc2_sqrt = (1.0 - b2.powi(self.t as i32)).sqrt();
+        let step_size = (lr / bc1) as f32;
+        let (one_minus_b1, b2f, one_minus_b2) = ((1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
+        let (bc2_sqrt, eps) = (bc2_sqrt as f32, self.eps as f32);
+        for s in &self.segments {
+            let decay = if s.decay {
+                (1.0 - lr * self.wd) as f32
+            } else {
+                1.0
+            };
+            let r = s.offset..s.offset + s.len;
+            let (p, g, m, v) = (
+                &mut params[r.clone()],
+                &grads[r.clone()],
+                &mut self.m[r.clone()],
+                &mut self.v[r],
+            );
+            for i in 0..p.len() {
+                p[i] *= decay; // decoupled weight decay first
+                m[i] += (g[i] - m[i]) * one_minus_b1; // exp_avg.lerp_(grad, 1 - beta1)
+                v[i] = v[i] * b2f + one_minus_b2 * g[i] * g[i]; // exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
+                let denom = v[i].sqrt() / bc2_sqrt + eps;
+                p[i] -= step_size * (m[i] / denom);
+            }
+        }
+    }
+
+    fn state(&self) -> OptimState {
+        OptimState {
+            name: "adamw".into(),
+            step: self.t,
+            buffers: vec![
+                ("exp_avg".into(), self.m.clone()),
+                ("exp_avg_sq".into(), self.v.clone()),
+            ],
+        }
+    }
+
+    fn load_state(&mut self, state: OptimState) -> Result<()> {
+        let [m, v] = take(
+            state,
+            "adamw",
+            ["exp_avg", "exp_avg_sq"],
+            self.m.len(),
+            &mut self.t,
+        )?;
+        self.m = m;
+        self.v = v;
+        Ok(())
+    }
+}
+
+/// Decent-DP's AccumAdamW (optim.py): moments committed every K steps from the running mean of the
+/// gradients, look-ahead moments in between, bias correction counted in commits.
+pub struct AccumAdamW {
+    betas: [f64; 2],
+    eps: f64,
+    wd: f64,
+    k: u64,
+    segments: Vec<Segment>,
+    /// Committed moments, stored pre-multiplied by beta1 / beta2 (as the reference).
+    sm: Vec<f32>,
+    sv: Vec<f32>,
+    /// Running mean of the gradients since the last commit.
+    acc: Vec<f32>,
+    t: u64,
+}
+
+impl Optimizer for AccumAdamW {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+        self.t += 1;
+        let [b1, b2] = self.betas;
+        let c = self.t.div_ceil(self.k) as i32;
+        let bc1 = 1.0 - b1.powi(c);
+        let bc2_sqrt = (1.0 - b2.powi(c)).sqrt() as f32;
+        let step_size = (lr / bc1) as f32;
+        let commit = self.t % self.k == 0;
+        let (ob1, ob2, b1f, b2f) = ((1.0 - b1) as f32, (1.0 - b2) as f32, b1 as f32, b2 as f32);
+        let (inv_k, eps) = (1.0 / self.k as f32, self.eps as f32);
+        for s in &self.segments {
+            let decay = if s.decay {
+                (1.0 - lr * self.wd) as f32
+            } else {
+                1.0
+            };
+            let r = s.offset..s.offset + s.len;
+            let p = &mut params[r.clone()];
+            let g = &grads[r.clone()];
+            let (sm, sv, acc) = (
+                &mut self.sm[r.clone()],
+                &mut self.sv[r.clone()],
+                &mut self.acc[r],
+            );
+            for i in 0..p.len() {
+                p[i] *= decay;
+                acc[i] += g[i] * inv_k;
+                let m = sm[i] + ob1 * g[i];
+                let v = sv[i] + ob2 * g[i] * g[i];
+                p[i] -= step_size * m / (v.sqrt() / bc2_sqrt + eps);
+                if commit {
+                    sm[i] = b1f * (sm[i] + ob1 * acc[i]);
+                    sv[i] = b2f * (sv[i] + ob2 * acc[i] * acc[i]);
+                    acc[i] = 0.0;
+                }
+            }
+        }
+    }
+
+    fn state(&self) -> OptimState {
+        OptimState {
+            name: "accumadamw".into(),
+            step: self.t,
+            buffers: vec![
+                ("committed_m".into(), self.sm.clone()),
+                ("committed_v".into(), self.sv.clone()),
+                ("grad_mean".into(), self.acc.clone()),
+            ],
+        }
+    }
+
+    fn load_state(&mut self, state: OptimState) -> Result<()> {
+        let [sm, sv, acc] = take(
+            state,
+            "accumadamw",
+            ["committed_m", "committed_v", "grad_mean"],
+            self.sm.len(),
+            &mut self.t,
+        )?;
+        (self.sm, self.sv, self.acc) = (sm, sv, acc);
+        Ok(())
+    }
+}
+
+/// Checks a saved state against this optimizer and returns its buffers in `names` order.
+fn take<const N: usize>(
+    state: OptimState,
+    kind: &str,
+    names: [&str; N],
+    numel: usize,
+    t: &mut u64,
+) -> Result<[Vec<f32>; N]> {
+    if state.name != kind {
+        bail!(
+            "the checkpoint holds {} state but the config's optimizer is {kind}; use checkpoint_mode = \"weights\" to switch optimizers",
+            state.name
+        );
+    }
+    let mut out: [Vec<f32>; N] = std::array::from_fn(|_| Vec::new());
+    let mut buffers = state.buffers;
+    for (slot, name) in out.iter_mut().zip(names) {
+        let i = buffers
+            .iter()
+            .position(|(n, _)| n == name)
+            .ok_or_else(|| anyhow::anyhow!("optimizer state has no buffer {name}"))?;
+        let (_, b) = buffers.swap_remove(i);
+        if b.len() != numel {
+            bail!(
+                "optimizer buffer {name} has {} values, the model {numel}",
+                b.len()
+            );
+        }
+        *slot = b;
+    }
+    *t = state.step;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{AccumAdamWConfig, AdamWConfig};
+
+    /// AdamW(lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1) on p = [1, -2] (decayed) and
+    /// q = [0.5] (not decayed) with gradients g_t = [0.1 t, -0.2], [0.3 / t], three steps, against the
+    /// algorithm as PyTorch's documentation states it (f64).
+    #[test]
+    fn adamw_matches_torch() {
+        let cfg = OptimConfig::AdamW(AdamWConfig {
+            betas: [0.9, 0.95],
+            eps: 1e-8,
+            weight_decay: 0.1,
+        });
+        let segs = vec![
+            Segment {
+                offset: 0,
+                len: 2,
+                decay: true,
+            },
+            Segment {
+                offset: 2,
+                len: 1,
+                decay: false,
+            },
+        ];
+        let mut opt = build(&cfg, segs, 3);
+        let mut p = vec![1.0f32, -2.0, 0.5];
+        for t in 1..=3 {
+            let g = [0.1 * t as f32, -0.2, 0.3 / t as f32];
+            opt.step(&mut p, &g, 0.1);
+        }
+        let want = reference_adamw(
+            &[1.0, -2.0, 0.5],
+            [true, true, false],
+            0.1,
+            0.9,
+            0.95,
+            1e-8,
+            0.1,
+        );
+        for (a, b) in p.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-6, "{p:?} vs {want:?}");
+        }
+    }
+
+    /// The AdamW algorithm of the PyTorch documentation, in f64.
+    fn reference_adamw(
+        p0: &[f64],
+        decay: [bool; 3],
+        lr: f64,
+        b1: f64,
+        b2: f64,
+        eps: f64,
+        wd: f64,
+    ) -> Vec<f32> {
+        let mut p = p0.to_vec();
+        let (mut m, mut v) = (vec![0.0; 3], vec![0.0; 3]);
+        for t in 1..=3 {
+            let g = [0.1 * t as f64, -0.2, 0.3 / t as f64];
+            for i in 0..3 {
+                if decay[i] {
+                    p[i] -= lr * wd * p[i];
+                }
+                m[i] = b1 * m[i] + (1.0 - b1) * g[i];
+                v[i] = b2 * v[i] + (1.0 - b2) * g[i] * g[i];
+                let mh = m[i] / (1.0 - b1.powi(t));
+                let vh = v[i] / (1.0 - b2.powi(t));
+                p[i] -= lr * mh / (vh.sqrt() + eps);
+            }
+        }
+        p.iter().map(|&x| x as f32).collect()
+    }
+
+    #[test]
+    fn accumadamw_follows_the_reference_recurrence() {
+        let cfg = OptimConfig::AccumAdamW(AccumAdamWConfig {
+            betas: [0.9, 0.98],
+            eps: 1e-8,
+            weight_decay: 0.0,
+            accum_steps: 2,
+        });
+        let mut opt = build(
+            &cfg,
+            vec![Segment {
+                offset: 0,
+                len: 1,
+                decay: true,
+            }],
+            1,
+        );
+        let mut p = vec![0.0f32];
+        let gs = [1.0f64, 3.0, -2.0, 0.5];
+        // f64 transcription of Decent-DP's optim.py.
+        let (b1, b2, k, lr, eps) = (0.9f64, 0.98f64, 2u64, 0.01f64, 1e-8f64);
+        let (mut sm, mut sv, mut acc, mut q) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+        for (i, &g) in gs.iter().enumerate() {
+            let t = i as u64 + 1;
+            opt.step(&mut p, &[g as f32], lr);
+            acc += g / k as f64;
+            let m = sm + (1.0 - b1) * g;
+            let v = sv + (1.0 - b2) * g * g;
+            let c = t.div_ceil(k) as i32;
+            q -= lr / (1.0 - b1.powi(c)) * m / (v.sqrt() / (1.0 - b2.powi(c)).sqrt() + eps);
+            if t % k == 0 {
+                sm = b1 * (sm + (1.0 - b1) * acc);
+                sv = b2 * (sv + (1.0 - b2) * acc * acc);
+                acc = 0.0;
+            }
+            assert!((p[0] as f64 - q).abs() < 1e-6, "step {t}: {} vs {q}", p[0]);
+        }
+    }
+
+    #[test]
+    fn state_round_trips_and_rejects_another_optimizer() {
+        let cfg = OptimConfig::AdamW(AdamWConfig::default());
+        let seg = vec![Segment {
+            offset: 0,
+            len: 2,
+            decay: true,
+        }];
+        let mut a = build(&cfg, seg.clone(), 2);
+        let mut p = vec![1.0f32, 2.0];
+        a.step(&mut p, &[0.5, -0.5], 0.01);
+        let mut b = build(&cfg, seg.clone(), 2);
+        b.load_state(a.state()).unwrap();
+        let mut p2 = p.clone();
+        a.step(&mut p, &[0.1, 0.2], 0.01);
+        b.step(&mut p2, &[0.1, 0.2], 0.01);
+        assert_eq!(p, p2);
+        let mut c = build(
+            &OptimConfig::AccumAdamW(AccumAdamWConfig::default()),
+            seg,
+            2,
+        );
+        assert!(c
+            .load_state(a.state())
+            .unwrap_err()
+            .to_string()
+            .contains("weights"));
+    }
+}

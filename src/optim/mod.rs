@@ -1,0 +1,48 @@
+//! Optimizers, learning-rate schedules and gradient clipping: pure functions of flat parameter,
+//! gradient and state buffers (name-sorted, as `model::ParamSet` lays them out).
+
+pub mod adamw;
+pub mod schedule;
+
+pub use adamw::{build, OptimState, Optimizer, Segment};
+pub use schedule::lr_at;
+
+/// Global L2 norm of a gradient (f64 accumulation).
+pub fn global_norm(g: &[f32]) -> f64 {
+    g.iter()
+        .map(|&x| (x as f64) * (x as f64))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+/// Returns the norm before clipping. `max_norm <= 0` disables clipping.
+pub fn clip_grad_norm(g: &mut [f32], max_norm: f64) -> f64 {
+    let norm = global_norm(g);
+    if max_norm > 0.0 {
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            let c = coef as f32;
+            g.iter_mut().for_each(|x| *x *= c);
+        }
+    }
+    norm
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clipping_scales_to_the_max_norm_and_reports_the_pre_clip_norm() {
+        let mut g = vec![3.0f32, 4.0];
+        assert_eq!(clip_grad_norm(&mut g, 1.0), 5.0);
+        assert!((global_norm(&g) - 1.0).abs() < 1e-6);
+        let mut g = vec![0.3f32, 0.4];
+        clip_grad_norm(&mut g, 1.0);
+        assert_eq!(g, vec![0.3, 0.4]);
+        let mut g = vec![30.0f32, 40.0];
+        clip_grad_norm(&mut g, 0.0);
+        assert_eq!(g, vec![30.0, 40.0]);
+    }
+}

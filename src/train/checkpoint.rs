@@ -1,0 +1,365 @@
+//! Checkpoints: `checkpoints/step_NNNNNNNN/` with the model in Hugging Face GPT-2 layout
+//! (`model.safetensors` + `config.json`), the optimizer state, and `manifest.json` (step, data and RNG
+//! positions, the resolved config, and the SHA-256 of every file). A checkpoint is written under a
+//! temporary name, every file fsynced, then renamed into place: a crash leaves either the complete new
+//! checkpoint or none, and the previous one intact. Loading verifies the checksums and falls back to the
+//! previous checkpoint when the newest is damaged.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use safetensors::tensor::{Dtype as StDtype, TensorView};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::bad_input;
+use crate::data::format::{commit, write_atomic};
+use crate::data::SamplerState;
+use crate::model::gpt::is_conv1d;
+use crate::model::Gpt;
+use crate::optim::OptimState;
+
+/// Everything besides tensors that a resume needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub step: u64,
+    pub tokens: u64,
+    pub elapsed_s: f64,
+    pub best_val_loss: Option<f64>,
+    pub samplers: Vec<SamplerState>,
+    pub dropout_word_pos: [u64; 2],
+    pub optimizer: OptimState,
+    /// The resolved config TOML of the run that wrote it.
+    pub config: String,
+    /// Training loss summed over the steps since the last metrics row, and their count: the next row's
+    /// mean then covers the same steps whether or not the run stopped in between.
+    #[serde(default)]
+    pub loss_window: (f64, u64),
+    /// The tokenizer of the training data (for `sample` and `eval` on raw text).
+    #[serde(default)]
+    pub tokenizer: Option<crate::data::Tokenizer>,
+    /// SHA-256 of each file in the directory.
+    pub files: BTreeMap<String, String>,
+}
+
+/// A checkpoint read back: manifest, flat parameters (model order) and optimizer state.
+pub struct Restored {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    pub params: Vec<f32>,
+    pub optimizer: OptimState,
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    let d = Sha256::digest(bytes);
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// The model's weights in HF GPT-2 layout: Conv1D matrices transposed to [in, out], zero biases when the
+/// model has none (HF GPT-2 always has them).
+pub fn hf_tensors(model: &Gpt, flat: &[f32]) -> Vec<(String, Vec<f32>, Vec<usize>)> {
+    let mut out = Vec::new();
+    for p in &model.params.params {
+        let v = &flat[p.offset..p.offset + p.len];
+        if is_conv1d(&p.name) {
+            let (rows, cols) = (p.shape[0], p.shape[1]);
+            let mut t = vec![0.0f32; v.len()];
+            for r in 0..rows {
+                for c in 0..cols {
+                    t[c * rows + r] = v[r * cols + c];
+                }
+            }
+            out.push((p.name.clone(), t, vec![cols, rows]));
+        } else {
+            out.push((p.name.clone(), v.to_vec(), p.shape.clone()));
+        }
+        if !model.cfg.bias {
+            if let Some(prefix) = p.name.strip_suffix(".weight") {
+                if prefix.contains(".ln_") || prefix.ends_with("ln_f") || is_conv1d(&p.name) {
+                    let n = if is_conv1d(&p.name) {
+                        p.shape[0]
+                    } else {
+                        p.len
+                    };
+                    out.push((format!("{prefix}.bias"), vec![0.0; n], vec![n]));
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn safetensors_bytes(
+    tensors: &[(String, Vec<f32>, Vec<usize>)],
+    meta: Option<BTreeMap<String, String>>,
+) -> Result<Vec<u8>> {
+    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, v, _)| f32_bytes(v)).collect();
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, _, s), b)| Ok((n.clone(), TensorView::new(StDtype::F32, s.clone(), b)?)))
+        .collect::<Result<_>>()?;
+    let meta = meta.map(|m| m.into_iter().collect());
+    Ok(safetensors::serialize(views, meta)?)
+}
+
+/// HF `config.json` for the model.
+fn hf_config(model: &Gpt) -> serde_json::Value {
+    let c = &model.cfg;
+    serde_json::json!({
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "n_embd": c.n_embd,
+        "n_layer": c.n_layers,
+        "n_head": c.n_heads,
+        "n_positions": model.context_length,
+        "n_ctx": model.context_length,
+        "vocab_size": c.vocab_size,
+        "layer_norm_epsilon": 1e-5,
+        "activation_function": match c.activation {
+            crate::config::Activation::Gelu => "gelu",
+            crate::config::Activation::GeluTanh => "gelu_new",
+        },
+        "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
+        "tie_word_embeddings": true,
+    })
+}
+
+/// Writes the model alone (best_model.safetensors), atomically.
+pub fn save_weights(path: &Path, model: &Gpt, flat: &[f32], step: u64) -> Result<()> {
+    let meta = BTreeMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("step".to_string(), step.to_string()),
+    ]);
+    write_atomic(
+        path,
+        &safetensors_bytes(&hf_tensors(model, flat), Some(meta))?,
+    )
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    Ok(())
+}
+
+/// Saves a checkpoint into `ckpt_dir/step_NNNNNNNN` and keeps only the newest `keep`.
+pub fn save(
+    ckpt_dir: &Path,
+    model: &Gpt,
+    flat: &[f32],
+    mut manifest: Manifest,
+    keep: usize,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(ckpt_dir)
+        .with_context(|| format!("creating {}", ckpt_dir.display()))?;
+    let name = format!("step_{:08}", manifest.step);
+    let dest = ckpt_dir.join(&name);
+    if dest.exists() && verify(&dest).is_ok() {
+        return Ok(dest); // this step is already saved (e.g. an exit right after an interval save)
+    }
+    let tmp = ckpt_dir.join(format!(".{name}.tmp{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    std::fs::create_dir_all(&tmp)?;
+    let model_meta = BTreeMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("step".to_string(), manifest.step.to_string()),
+    ]);
+    let optim_tensors: Vec<(String, Vec<f32>, Vec<usize>)> = manifest
+        .optimizer
+        .buffers
+        .iter()
+        .map(|(n, b)| (n.clone(), b.clone(), vec![b.len()]))
+        .collect();
+    let files: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "model.safetensors",
+            safetensors_bytes(&hf_tensors(model, flat), Some(model_meta))?,
+        ),
+        (
+            "optimizer.safetensors",
+            safetensors_bytes(&optim_tensors, None)?,
+        ),
+        ("config.json", serde_json::to_vec_pretty(&hf_config(model))?),
+    ];
+    for (file, bytes) in &files {
+        write_synced(&tmp.join(file), bytes)?;
+        manifest.files.insert(file.to_string(), sha256_hex(bytes));
+    }
+    write_synced(
+        &tmp.join("manifest.json"),
+        &serde_json::to_vec_pretty(&manifest)?,
+    )?;
+    if let Ok(d) = File::open(&tmp) {
+        let _ = d.sync_all();
+    }
+    if dest.exists() {
+        std::fs::remove_dir_all(&dest)?; // a damaged earlier attempt at this step
+    }
+    commit(&tmp, &dest)?;
+    for old in list(ckpt_dir).into_iter().skip(keep.max(1)) {
+        let _ = std::fs::remove_dir_all(old);
+    }
+    Ok(dest)
+}
+
+/// Checkpoint directories under `ckpt_dir`, newest first.
+pub fn list(ckpt_dir: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<(u64, PathBuf)> = std::fs::read_dir(ckpt_dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let p = e.ok()?.path();
+            let step = p
+                .file_name()?
+                .to_str()?
+                .strip_prefix("step_")?
+                .parse()
+                .ok()?;
+            p.is_dir().then_some((step, p))
+        })
+        .collect();
+    dirs.sort_by_key(|d| std::cmp::Reverse(d.0));
+    dirs.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Reads a manifest and checks every file's checksum.
+pub fn verify(dir: &Path) -> Result<Manifest> {
+    let mpath = dir.join("manifest.json");
+    let text = std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;
+    let manifest: Manifest = serde_json::from_slice(&text)
+        .map_err(|e| bad_input!("{}: not a nanodist manifest: {e}", mpath.display()))?;
+    if manifest.format != "nanodist-checkpoint" || manifest.version != 1 {
+        return Err(bad_input!(
+            "{}: unknown checkpoint format {} v{}",
+            mpath.display(),
+            manifest.format,
+            manifest.version
+        ));
+    }
+    for (file, want) in &manifest.files {
+        let p = dir.join(file);
+        let bytes = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
+        let got = sha256_hex(&bytes);
+        if &got != want {
+            return Err(bad_input!(
+                "{}: checksum mismatch ({} bytes; sha256 {got}, manifest says {want}): truncated or corrupt",
+                p.display(),
+                bytes.len()
+            ));
+        }
+    }
+    Ok(manifest)
+}
+
+/// Reads a verified checkpoint's tensors into the model's flat order.
+pub fn restore(dir: &Path, model: &Gpt) -> Result<Restored> {
+    let mut manifest = verify(dir)?;
+    let bytes = std::fs::read(dir.join("model.safetensors"))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad_input!("{}/model.safetensors: {e}", dir.display()))?;
+    let mut flat = vec![0.0f32; model.params.numel];
+    for p in &model.params.params {
+        let t = st.tensor(&p.name).map_err(|_| {
+            bad_input!(
+                "{}/model.safetensors has no tensor {} (a different architecture?)",
+                dir.display(),
+                p.name
+            )
+        })?;
+        let want: Vec<usize> = if is_conv1d(&p.name) {
+            vec![p.shape[1], p.shape[0]]
+        } else {
+            p.shape.clone()
+        };
+        if t.dtype() != StDtype::F32 || t.shape() != want.as_slice() {
+            return Err(bad_input!(
+                "{}/model.safetensors: {} is {:?} {:?}, the config's model needs F32 {want:?}",
+                dir.display(),
+                p.name,
+                t.dtype(),
+                t.shape()
+            ));
+        }
+        let v = bytes_f32(t.data());
+        let dst = &mut flat[p.offset..p.offset + p.len];
+        if is_conv1d(&p.name) {
+            let (rows, cols) = (p.shape[0], p.shape[1]);
+            for r in 0..rows {
+                for c in 0..cols {
+                    dst[r * cols + c] = v[c * rows + r];
+                }
+            }
+        } else {
+            dst.copy_from_slice(&v);
+        }
+    }
+    let obytes = std::fs::read(dir.join("optimizer.safetensors"))?;
+    let ost = safetensors::SafeTensors::deserialize(&obytes)
+        .map_err(|e| bad_input!("{}/optimizer.safetensors: {e}", dir.display()))?;
+    let mut optimizer = manifest.optimizer.clone();
+    optimizer.buffers = ost
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, bytes_f32(t.data())))
+        .collect();
+    manifest.optimizer.buffers.clear();
+    Ok(Restored {
+        dir: dir.to_path_buf(),
+        manifest,
+        params: flat,
+        optimizer,
+    })
+}
+
+/// The checkpoint to start from: `path` may be a checkpoint directory, a run directory, or a
+/// `checkpoints/` directory; damaged checkpoints are skipped (with a warning) for the previous one.
+pub fn find_latest(path: &Path) -> Result<Option<PathBuf>> {
+    if path.join("manifest.json").is_file() {
+        verify(path)?;
+        return Ok(Some(path.to_path_buf()));
+    }
+    let dir = if path.join("checkpoints").is_dir() {
+        path.join("checkpoints")
+    } else {
+        path.to_path_buf()
+    };
+    for cand in list(&dir) {
+        match verify(&cand) {
+            Ok(_) => return Ok(Some(cand)),
+            Err(e) => tracing::warn!("skipping damaged checkpoint {}: {e:#}", cand.display()),
+        }
+    }
+    Ok(None)
+}
+
+/// Checks that `path` names something a checkpoint can be read from.
+pub fn require(path: &Path) -> Result<PathBuf> {
+    if !path.exists() {
+        bail!(crate::error::BadInput(format!(
+            "checkpoint {}: no such file or directory",
+            path.display()
+        )));
+    }
+    find_latest(path)?
+        .ok_or_else(|| bad_input!("{}: no valid checkpoint found there", path.display()))
+}

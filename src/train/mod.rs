@@ -1,0 +1,464 @@
+//! The training loop. It reads like the algorithm: sample, forward/backward, reduce gradients, clip,
+//! step, mix; evaluate, checkpoint and exit on schedule. Everything that differs between algorithms
+//! sits behind `SyncBackend`; everything configurable was resolved before the loop starts.
+
+pub mod checkpoint;
+pub mod signals;
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::Device;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::bad_input;
+use crate::config::{CheckpointMode, Config, Device as DeviceCfg, Loaded};
+use crate::data::format::write_atomic;
+use crate::data::{eval_batch, Blend, Sampler, Split};
+use crate::metrics::{JsonlSink, Row};
+use crate::model::Gpt;
+use crate::optim::{self, Segment};
+use checkpoint::Manifest;
+use signals::StopFlag;
+
+/// A100 bf16 dense peak, nanoGPT's reference for MFU.
+const PEAK_FLOPS: f64 = 312e12;
+const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
+
+/// Why a run stopped.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Exit {
+    Finished,
+    ExitInterval,
+    ExitDuration,
+    Signal(&'static str),
+}
+
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub run_dir: PathBuf,
+    pub step: u64,
+    pub last_val_loss: Option<f64>,
+    pub exit: Exit,
+}
+
+/// The run directory: log_dir/<run_name | $SLURM_ARRAY_JOB_ID | $SLURM_JOB_ID | timestamp>.
+pub fn run_dir(cfg: &Config) -> PathBuf {
+    let name = cfg
+        .log
+        .run_name
+        .clone()
+        .or_else(|| std::env::var("SLURM_ARRAY_JOB_ID").ok())
+        .or_else(|| std::env::var("SLURM_JOB_ID").ok())
+        .unwrap_or_else(|| {
+            humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+                .to_string()
+                .replace(':', "-")
+        });
+    Path::new(&cfg.log_dir).join(name)
+}
+
+/// Mean loss of `steps` fixed evaluation batches of `split`.
+pub fn evaluate(
+    model: &Gpt,
+    data: &Blend,
+    split: Split,
+    seed: u64,
+    steps: u64,
+    b: usize,
+) -> Result<f64> {
+    let mut total = 0.0;
+    for i in 0..steps {
+        let batch = eval_batch(seed, split, i, data, b, model.context_length);
+        let (x, y) = model.batch_tensors(&batch)?;
+        total += model.loss(&x, &y, None)?.to_scalar::<f32>()? as f64;
+    }
+    Ok(total / steps as f64)
+}
+
+/// Trains as the loaded config says; returns when the run finishes or an exit condition saves and stops it.
+pub fn run(loaded: &Loaded) -> Result<Summary> {
+    let cfg = &loaded.config;
+    let plan = &loaded.plan;
+    let t = &cfg.train;
+    if t.device == DeviceCfg::Cuda {
+        return Err(bad_input!(
+            "train.device = \"cuda\": this nanodist was built without CUDA support; use device = \"cpu\""
+        ));
+    }
+    let mut sync = crate::sync::build(cfg, plan)?;
+    if let Some(n) = t.threads {
+        // Ignore the error when a pool already exists (tests run several trainings in one process).
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global();
+    }
+    let device = Device::Cpu;
+    let (ctx, local_b, accum) = (t.context_length, plan.local_batch_size, plan.accum_steps);
+
+    let run_dir = run_dir(cfg);
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+
+    let train_data = Blend::open(cfg, Split::Train, ctx + 1, cfg.model.vocab_size)?;
+    let tokenizer = crate::data::Meta::read(Path::new(&cfg.data_dir))
+        .ok()
+        .map(|m| m.tokenizer);
+    let val_data = Blend::open(cfg, Split::Val, ctx + 1, cfg.model.vocab_size)?;
+
+    let model = Gpt::new(&cfg.model, ctx, t.seed, &device)?;
+    let segments: Vec<Segment> = model
+        .params
+        .params
+        .iter()
+        .map(|p| Segment {
+            offset: p.offset,
+            len: p.len,
+            decay: p.decays(),
+        })
+        .collect();
+    let mut opt = optim::build(&t.optim, segments, model.params.numel);
+    let mut flat = model.params.to_flat()?;
+    let rank = sync.rank();
+    let mut sampler = Sampler::new(t.seed, rank);
+    let mut dropout_rng = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
+    dropout_rng.set_stream(rank as u64);
+    let (mut step, mut tokens, mut best_val, mut elapsed_before) =
+        (0u64, 0u64, None::<f64>, 0.0f64);
+    let mut loss_window = (0.0f64, 0u64);
+
+    // Resume: the run's own newest checkpoint first (a requeued job), else `checkpoint = ...`.
+    let own = checkpoint::find_latest(&run_dir.join("checkpoints"))?;
+    let (source, mode) = match (own, &cfg.checkpoint) {
+        (Some(dir), _) => (Some(dir), CheckpointMode::Full),
+        (None, Some(p)) => (
+            Some(checkpoint::require(Path::new(p))?),
+            cfg.checkpoint_mode,
+        ),
+        (None, None) => (None, CheckpointMode::Full),
+    };
+    if let Some(dir) = &source {
+        let r = checkpoint::restore(dir, &model)?;
+        flat = r.params;
+        if mode == CheckpointMode::Full {
+            opt.load_state(r.optimizer)?;
+            let m = &r.manifest;
+            (step, tokens, best_val, elapsed_before) =
+                (m.step, m.tokens, m.best_val_loss, m.elapsed_s);
+            loss_window = m.loss_window;
+            if let Some(s) = m.samplers.get(rank) {
+                sampler = Sampler::from_state(t.seed, s);
+            }
+            dropout_rng.set_word_pos(
+                ((m.dropout_word_pos[0] as u128) << 64) | m.dropout_word_pos[1] as u128,
+            );
+        }
+        model.params.set_flat(&flat)?;
+        eprintln!(
+            "resumed from {} ({}) at step {step}",
+            dir.display(),
+            if mode == CheckpointMode::Full {
+                "full state"
+            } else {
+                "weights only"
+            }
+        );
+    }
+    if step >= t.n_steps {
+        eprintln!("run already finished at step {step} of {}", t.n_steps);
+        return Ok(Summary {
+            run_dir,
+            step,
+            last_val_loss: best_val,
+            exit: Exit::Finished,
+        });
+    }
+
+    let mut metrics = JsonlSink::open(&run_dir.join("metrics.jsonl"), Some(step))?;
+    let stop = StopFlag::install()?;
+    let console = Console::new(t.n_steps, step);
+    let started = Instant::now();
+    let start_step = step;
+    let mut grads = vec![0.0f32; model.params.numel];
+    let mut window = Window::new(sync.comm_stats());
+    (window.loss_sum, window.loss_steps) = loss_window;
+    let mut eval_window = (Instant::now(), step);
+    let mut last_val = None;
+    let exit = loop {
+        let lr = optim::lr_at(&t.lr_schedule, step, t.n_steps);
+        grads.iter_mut().for_each(|g| *g = 0.0);
+        let mut loss_sum = 0.0f64;
+        for _ in 0..accum {
+            let batch = sampler.next_batch(&train_data, local_b, ctx);
+            let (x, y) = model.batch_tensors(&batch)?;
+            let loss = model.loss(&x, &y, Some(&mut dropout_rng))?;
+            loss_sum += loss.to_scalar::<f32>()? as f64;
+            // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
+            let g = (loss / accum as f64)?.backward()?;
+            model.params.accumulate_grads(&g, &mut grads)?;
+        }
+        sync.reduce_grads(&mut grads)?;
+        let grad_norm = optim::clip_grad_norm(&mut grads, t.grad_norm_clip);
+        opt.step(&mut flat, &grads, lr);
+        sync.after_step(&mut flat, step)?;
+        model.params.set_flat(&flat)?;
+        step += 1;
+        tokens += plan.tokens_per_step;
+        window.steps += 1;
+        window.loss_steps += 1;
+        window.loss_sum += loss_sum / accum as f64;
+
+        let eval_now = step % cfg.log.eval_interval == 0 || step == t.n_steps;
+        if step % cfg.log.log_interval == 0 || eval_now {
+            let mut losses = [(window.loss_sum / window.loss_steps as f64) as f32];
+            sync.mean_scalars(&mut losses)?;
+            let mut row = window.row(
+                step,
+                tokens,
+                lr,
+                losses[0] as f64,
+                grad_norm,
+                &flat,
+                plan.tokens_per_step,
+                sync.comm_stats(),
+            );
+            row.elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
+            row.mfu = Some(plan.flops_per_token as f64 * row.tokens_per_s / PEAK_FLOPS);
+            if eval_now {
+                // Train time counts training since the last evaluation, not the evaluation itself.
+                let (secs, steps) = (eval_window.0.elapsed().as_secs_f64(), step - eval_window.1);
+                let val = evaluate(
+                    &model,
+                    &val_data,
+                    Split::Val,
+                    t.seed,
+                    cfg.log.eval_steps,
+                    local_b,
+                )?;
+                let tr = evaluate(
+                    &model,
+                    &train_data,
+                    Split::Train,
+                    t.seed,
+                    cfg.log.eval_steps,
+                    local_b,
+                )?;
+                console.eval_line(
+                    step,
+                    val,
+                    tr,
+                    secs,
+                    steps,
+                    row.elapsed_s,
+                    row.tokens_per_s,
+                    row.mfu,
+                );
+                eval_window = (Instant::now(), step);
+                (row.val_loss, row.val_ppl, row.eval_train_loss) =
+                    (Some(val), Some(val.exp()), Some(tr));
+                last_val = Some(val);
+                if best_val.is_none_or(|b| val < b) {
+                    best_val = Some(val);
+                    checkpoint::save_weights(
+                        &run_dir.join("best_model.safetensors"),
+                        &model,
+                        &flat,
+                        step,
+                    )?;
+                }
+            } else {
+                console.progress(&row);
+            }
+            metrics.write(&row)?;
+            window = Window::new(sync.comm_stats());
+        }
+
+        let exit = if step >= t.n_steps {
+            Some(Exit::Finished)
+        } else if let Some(sig) = stop.received() {
+            Some(Exit::Signal(sig))
+        } else if t.exit_interval.is_some_and(|n| step - start_step >= n) {
+            Some(Exit::ExitInterval)
+        } else if t
+            .exit_duration_mins
+            .is_some_and(|m| started.elapsed().as_secs_f64() >= m * 60.0)
+        {
+            Some(Exit::ExitDuration)
+        } else {
+            None
+        };
+        let interval_save = cfg.log.ckpt_interval > 0 && step % cfg.log.ckpt_interval == 0;
+        if exit.is_some() || interval_save {
+            let manifest = Manifest {
+                format: "nanodist-checkpoint".into(),
+                version: 1,
+                step,
+                tokens,
+                elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
+                best_val_loss: best_val,
+                samplers: vec![sampler.state()],
+                dropout_word_pos: {
+                    let p = dropout_rng.get_word_pos();
+                    [(p >> 64) as u64, p as u64]
+                },
+                optimizer: opt.state(),
+                config: cfg.to_toml(),
+                loss_window: (window.loss_sum, window.loss_steps),
+                tokenizer: tokenizer.clone(),
+                files: Default::default(),
+            };
+            metrics.sync()?;
+            let dir = checkpoint::save(
+                &run_dir.join("checkpoints"),
+                &model,
+                &flat,
+                manifest,
+                cfg.log.keep_checkpoints as usize,
+            )?;
+            console.note(&format!("saved checkpoint {}", dir.display()));
+        }
+        if let Some(e) = exit {
+            break e;
+        }
+    };
+    console.finish();
+    Ok(Summary {
+        run_dir,
+        step,
+        last_val_loss: last_val,
+        exit,
+    })
+}
+
+/// Counters between two metrics rows.
+struct Window {
+    start: Instant,
+    /// Steps timed in this process (throughput).
+    steps: u64,
+    /// Steps whose loss is in `loss_sum` (restored across a resume).
+    loss_steps: u64,
+    loss_sum: f64,
+    comm: crate::comm::CommStats,
+}
+
+impl Window {
+    fn new(comm: crate::comm::CommStats) -> Self {
+        Self {
+            start: Instant::now(),
+            steps: 0,
+            loss_steps: 0,
+            loss_sum: 0.0,
+            comm,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn row(
+        &self,
+        step: u64,
+        tokens: u64,
+        lr: f64,
+        train_loss: f64,
+        grad_norm: f64,
+        params: &[f32],
+        tokens_per_step: u64,
+        comm: crate::comm::CommStats,
+    ) -> Row {
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        let comm_s = comm.seconds - self.comm.seconds;
+        Row {
+            step,
+            tokens,
+            lr,
+            train_loss,
+            grad_norm,
+            param_norm: optim::global_norm(params),
+            tokens_per_s: (tokens_per_step * self.steps) as f64 / secs,
+            ms_per_step: secs * 1e3 / self.steps as f64,
+            comm_bytes: comm.bytes_sent - self.comm.bytes_sent,
+            comm_ms: comm_s * 1e3,
+            comm_frac: comm_s / secs,
+            ..Row::default()
+        }
+    }
+}
+
+/// Console output: a progress bar on a terminal, plain lines otherwise (sbatch logs).
+struct Console {
+    bar: Option<indicatif::ProgressBar>,
+    n_steps: u64,
+}
+
+impl Console {
+    fn new(n_steps: u64, start: u64) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(n_steps);
+            if let Ok(style) =
+                indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} eta {eta}")
+            {
+                bar.set_style(style);
+            }
+            bar.set_position(start);
+            bar
+        });
+        Self { bar, n_steps }
+    }
+
+    fn progress(&self, r: &Row) {
+        let msg = format!(
+            "loss {:.4} lr {:.2e} {:.0} tok/s",
+            r.train_loss, r.lr, r.tokens_per_s
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(r.step);
+                bar.set_message(msg);
+            }
+            None => println!(
+                "step {}/{} | {msg} | {:.1} ms/step",
+                r.step, self.n_steps, r.ms_per_step
+            ),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn eval_line(
+        &self,
+        step: u64,
+        val: f64,
+        train: f64,
+        secs: f64,
+        steps: u64,
+        total: f64,
+        tps: f64,
+        mfu: Option<f64>,
+    ) {
+        // The seed runner's line, then throughput.
+        let line = format!(
+            "Step {step}, Val loss: {val:.4}, Train loss: {train:.4}, Train time: {secs:.2}s ({:.2}ms/step), \
+             Total train time: {total:.2}s, {tps:.0} tokens/s, MFU {:.4}%",
+            secs * 1e3 / steps.max(1) as f64,
+            mfu.unwrap_or(0.0) * 100.0
+        );
+        self.note(&line);
+        if let Some(bar) = &self.bar {
+            bar.set_position(step);
+        }
+    }
+
+    fn note(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => println!("{line}"),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! Training runs on tiny generated data: resume is bit-exact, damaged checkpoints fall back to the
+//! previous one, signals save before exiting, and the trained model evaluates and samples.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nanodist::config::{self, LaunchEnv};
+use nanodist::metrics::{read_rows, Row};
+use nanodist::train::{self, checkpoint, Exit};
+
+/// Token files from a small Markov chain over 48 symbols (learnable structure), plus meta.json.
+fn make_data(dir: &Path) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    for (name, n) in [("train.bin", 40_000), ("val.bin", 4_000)] {
+        let mut t = 0u16;
+        let bytes: Vec<u8> = (0..n)
+            .flat_map(|_| {
+                t = if rng.random::<f64>() < 0.8 {
+                    (t * 3 + 1) % 48
+                } else {
+                    rng.random_range(0..48)
+                };
+                t.to_le_bytes()
+            })
+            .collect();
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+}
+
+fn config_text(dir: &Path, extra: &str) -> String {
+    format!(
+        r#"log_dir = "{log}"
+data_dir = "{data}"
+[log]
+run_name = "run"
+eval_interval = 10
+eval_steps = 2
+log_interval = 2
+ckpt_interval = 5
+keep_checkpoints = 3
+[train]
+seed = 3
+global_batch_size = 4
+local_batch_size = 2
+context_length = 16
+n_steps = 20
+[train.optim]
+name = "adamw"
+[train.lr_schedule]
+name = "cosine"
+lr = 3e-3
+warmup_steps = 4
+eta_min = 3e-4
+[model]
+n_layers = 2
+n_heads = 2
+n_embd = 32
+vocab_size = 64
+dropout = 0.1
+bias = true
+{extra}
+"#,
+        log = dir.join("log").display(),
+        data = dir.display()
+    )
+}
+
+fn run(dir: &Path, extra: &str, set: &[&str]) -> train::Summary {
+    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+    let loaded = config::load_str(
+        Path::new("t.toml"),
+        &config_text(dir, extra),
+        &set,
+        &LaunchEnv::default(),
+    )
+    .unwrap();
+    train::run(&loaded).unwrap()
+}
+
+/// The parts of a row that must be identical between runs (not timings).
+fn numbers(r: &Row) -> (u64, u64, u64, u64, u64, u64, Option<u64>) {
+    (
+        r.step,
+        r.tokens,
+        r.lr.to_bits(),
+        r.train_loss.to_bits(),
+        r.grad_norm.to_bits(),
+        r.param_norm.to_bits(),
+        r.val_loss.map(f64::to_bits),
+    )
+}
+
+#[test]
+fn stopped_and_resumed_run_equals_uninterrupted_run_bit_for_bit() {
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    make_data(a.path());
+    make_data(b.path());
+    let full = run(a.path(), "", &[]);
+    assert_eq!((full.step, full.exit.clone()), (20, Exit::Finished));
+
+    // Stop at step 7 (between checkpoints: the exit path saves), then twice more, then finish.
+    let first = run(b.path(), "", &["train.exit_interval=7"]);
+    assert_eq!((first.step, first.exit), (7, Exit::ExitInterval));
+    assert_eq!(run(b.path(), "", &["train.exit_interval=6"]).step, 13);
+    let last = run(b.path(), "", &[]);
+    assert_eq!((last.step, last.exit.clone()), (20, Exit::Finished));
+
+    let rows_a = read_rows(&full.run_dir.join("metrics.jsonl")).unwrap();
+    let rows_b = read_rows(&last.run_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(rows_a.len(), rows_b.len());
+    for (x, y) in rows_a.iter().zip(&rows_b) {
+        assert_eq!(numbers(x), numbers(y), "rows differ at step {}", x.step);
+    }
+    let weights = |s: &train::Summary| {
+        let bytes = std::fs::read(
+            s.run_dir
+                .join("checkpoints/step_00000020/model.safetensors"),
+        )
+        .unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut named: Vec<(String, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.data().to_vec()))
+            .collect();
+        named.sort();
+        named
+    };
+    assert!(weights(&full) == weights(&last), "final weights differ");
+    assert!(
+        rows_a.last().unwrap().val_loss.unwrap() < rows_a[0].train_loss,
+        "the model should learn"
+    );
+    // Finished runs do nothing when started again.
+    assert_eq!(run(b.path(), "", &[]).step, 20);
+}
+
+#[test]
+fn damaged_newest_checkpoint_is_rejected_and_the_previous_one_used() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let s = run(d.path(), "", &["train.exit_interval=10"]);
+    let ckpts = s.run_dir.join("checkpoints");
+    let newest = ckpts.join("step_00000010");
+    let model = newest.join("model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let err = format!("{:#}", checkpoint::verify(&newest).unwrap_err());
+    assert!(
+        err.contains("checksum mismatch") && err.contains("model.safetensors"),
+        "{err}"
+    );
+    assert_eq!(
+        checkpoint::find_latest(&ckpts).unwrap().unwrap(),
+        ckpts.join("step_00000005")
+    );
+    // A leftover temporary directory from a killed save is not a checkpoint either.
+    std::fs::create_dir_all(ckpts.join(".step_00000015.tmp999")).unwrap();
+    let resumed = run(d.path(), "", &["train.exit_interval=3"]);
+    assert_eq!(resumed.step, 8, "resumed from step 5");
+}
+
+#[test]
+fn eval_and_sample_use_the_trained_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let s = run(d.path(), "", &[]);
+    let r = nanodist::generate::eval_file(&s.run_dir, &d.path().join("val.bin"), 4, Some(2000))
+        .unwrap();
+    assert_eq!(r.tokens, 1999);
+    let val = read_rows(&s.run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .last()
+        .unwrap()
+        .val_loss
+        .unwrap();
+    assert!(
+        (r.loss - val).abs() < 0.3,
+        "eval {} vs training's val loss {val}",
+        r.loss
+    );
+    assert!(r.loss < (48f64).ln(), "better than uniform");
+}
+
+fn wait_for(path: &Path, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if path.exists() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+#[test]
+fn sigusr1_and_sigterm_save_a_checkpoint_then_exit_cleanly() {
+    for sig in ["USR1", "TERM"] {
+        let d = tempfile::tempdir().unwrap();
+        make_data(d.path());
+        let cfg = d.path().join("t.toml");
+        std::fs::write(&cfg, config_text(d.path(), "")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_nanodist"))
+            .args(["train"])
+            .arg(&cfg)
+            .args([
+                "--set",
+                "train.n_steps=100000",
+                "--set",
+                "log.ckpt_interval=0",
+                "--set",
+                "log.eval_interval=1000",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let run_dir: PathBuf = d.path().join("log/run");
+        assert!(wait_for(
+            &run_dir.join("metrics.jsonl"),
+            Duration::from_secs(60)
+        ));
+        std::thread::sleep(Duration::from_millis(300));
+        let kill = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(kill.success());
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "exit {:?}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains(&format!("stopped by SIG{sig} after saving a checkpoint")),
+            "{stdout}"
+        );
+        let ckpt = checkpoint::find_latest(&run_dir)
+            .unwrap()
+            .expect("a checkpoint");
+        let m = checkpoint::verify(&ckpt).unwrap();
+        assert!(m.step > 0 && m.step < 100000);
+    }
+}
+
+#[test]
+fn missing_data_and_unimplemented_backends_are_clear_errors() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = d.path().join("t.toml");
+    std::fs::write(&cfg, config_text(d.path(), "")).unwrap();
+    let exe = env!("CARGO_BIN_EXE_nanodist");
+    let out = Command::new(exe).arg("train").arg(&cfg).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("train.bin"));
+    make_data(d.path());
+    let out = Command::new(exe)
+        .arg("train")
+        .arg(&cfg)
+        .args(["--set", "train.backend=decentdp"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("decentdp") && err.contains("implemented so far"),
+        "{err}"
+    );
+}
