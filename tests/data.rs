@@ -291,3 +291,68 @@ fn cli_prepare_bad_input_exits_2() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not UTF-8"));
 }
+
+/// Parquet shards with a `text` column (Hugging Face dataset layout), written with the parquet crate.
+#[cfg(feature = "parquet")]
+#[test]
+fn parquet_shards_are_read_by_column() {
+    use std::sync::Arc;
+
+    use parquet::basic::Compression;
+    use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use parquet::schema::parser::parse_message_type;
+
+    let dir = tempfile::tempdir().unwrap();
+    let shards = dir.path().join("shards");
+    std::fs::create_dir_all(&shards).unwrap();
+    let mut all = Vec::new();
+    for shard in 0..2 {
+        let docs: Vec<String> = (0..25)
+            .map(|i| format!("shard {shard} document {i}: naïve text 🦀"))
+            .collect();
+        let schema = Arc::new(
+            parse_message_type("message s { REQUIRED INT64 id; REQUIRED BYTE_ARRAY text (UTF8); }")
+                .unwrap(),
+        );
+        let props = Arc::new(
+            WriterProperties::builder()
+                .set_compression(Compression::SNAPPY)
+                .build(),
+        );
+        let file = std::fs::File::create(shards.join(format!("train-{shard:05}.parquet"))).unwrap();
+        let mut w = SerializedFileWriter::new(file, schema, props).unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        col.typed::<Int64Type>()
+            .write_batch(&(0..25).collect::<Vec<i64>>(), None, None)
+            .unwrap();
+        col.close().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let values: Vec<ByteArray> = docs.iter().map(|d| ByteArray::from(d.as_str())).collect();
+        col.typed::<ByteArrayType>()
+            .write_batch(&values, None, None)
+            .unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+        all.extend(docs);
+    }
+    let m = data::prepare(&opts(vec![shards.clone()], dir.path().join("out")))
+        .unwrap()
+        .meta;
+    assert_eq!(m.train.documents + m.val.documents, 50);
+    let expected: u64 = all
+        .iter()
+        .map(|d| Tokenizer::Gpt2.encode(d).unwrap().len() as u64 + 1)
+        .sum();
+    assert_eq!(m.train.tokens + m.val.tokens, expected);
+    let mut o = opts(vec![shards], dir.path().join("out2"));
+    o.json_key = "body".into();
+    let err = format!("{:#}", data::prepare(&o).unwrap_err());
+    assert!(
+        err.contains("train-00000.parquet: row 1") && err.contains("no column \"body\""),
+        "{err}"
+    );
+}

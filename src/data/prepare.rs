@@ -141,11 +141,14 @@ pub fn list_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-/// Streams documents: a text file is one document, a `.jsonl` line is one (its `json_key` string).
+/// Streams documents: a text file is one document, a `.jsonl` line is one (its `json_key` string), and
+/// so is a parquet row (its `json_key` column).
 struct Documents {
     files: std::vec::IntoIter<PathBuf>,
     json_key: String,
     current: Option<(PathBuf, usize, std::io::Lines<BufReader<File>>)>,
+    #[cfg(feature = "parquet")]
+    rows: Option<(PathBuf, usize, parquet::record::reader::RowIter<'static>)>,
 }
 
 impl Documents {
@@ -154,11 +157,27 @@ impl Documents {
             files: files.into_iter(),
             json_key: json_key.to_string(),
             current: None,
+            #[cfg(feature = "parquet")]
+            rows: None,
         }
     }
 
     fn next_doc(&mut self) -> Result<Option<String>> {
         loop {
+            #[cfg(feature = "parquet")]
+            if let Some((path, row_no, rows)) = &mut self.rows {
+                match rows.next() {
+                    Some(row) => {
+                        *row_no += 1;
+                        let row =
+                            row.map_err(|e| bad_input!("{}: row {row_no}: {e}", path.display()))?;
+                        return parquet_text(&row, &self.json_key)
+                            .map(Some)
+                            .map_err(|m| bad_input!("{}: row {row_no}: {m}", path.display()));
+                    }
+                    None => self.rows = None,
+                }
+            }
             if let Some((path, line_no, lines)) = &mut self.current {
                 match lines.next() {
                     Some(line) => {
@@ -193,10 +212,19 @@ impl Documents {
                         File::open(&path).with_context(|| format!("opening {}", path.display()))?;
                     self.current = Some((path, 0, BufReader::new(f).lines()));
                 }
+                #[cfg(feature = "parquet")]
+                "parquet" => {
+                    let f =
+                        File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+                    let reader = parquet::file::reader::SerializedFileReader::new(f)
+                        .map_err(|e| bad_input!("{}: not a parquet file: {e}", path.display()))?;
+                    self.rows = Some((path, 0, reader.into_iter()));
+                }
+                #[cfg(not(feature = "parquet"))]
                 "parquet" => {
                     return Err(bad_input!(
-                        "{}: parquet input is not built into this nanodist; convert it to JSONL \
-                         (e.g. pandas.read_parquet(...).to_json(orient='records', lines=True))",
+                        "{}: this nanodist was built without the `parquet` feature; rebuild with \
+                         `cargo build --release --features parquet`",
                         path.display()
                     ))
                 }
@@ -230,6 +258,20 @@ impl Documents {
             }
         }
         Ok(chunk)
+    }
+}
+
+/// The text of column `key` in a parquet row.
+#[cfg(feature = "parquet")]
+fn parquet_text(row: &parquet::record::Row, key: &str) -> std::result::Result<String, String> {
+    use parquet::record::Field;
+    let names: Vec<&String> = row.get_column_iter().map(|(n, _)| n).collect();
+    match row.get_column_iter().find(|(n, _)| *n == key) {
+        Some((_, Field::Str(s))) => Ok(s.clone()),
+        Some((_, other)) => Err(format!("column {key:?} is not a string: {other}")),
+        None => Err(format!(
+            "no column {key:?} (set it with --json-key); columns: {names:?}"
+        )),
     }
 }
 

@@ -271,18 +271,18 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
     Ok(manifest)
 }
 
-/// Reads a verified checkpoint's tensors into the model's flat order.
-pub fn restore(dir: &Path, model: &Gpt) -> Result<Restored> {
-    let mut manifest = verify(dir)?;
-    let bytes = std::fs::read(dir.join("model.safetensors"))?;
+/// Reads HF GPT-2 layout weights (`model.safetensors`, `best_model.safetensors`) into the model's
+/// flat order, checking names, dtypes and shapes against the model.
+pub fn read_hf_weights(path: &Path, model: &Gpt) -> Result<Vec<f32>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad_input!("{}/model.safetensors: {e}", dir.display()))?;
+        .map_err(|e| bad_input!("{}: {e}", path.display()))?;
     let mut flat = vec![0.0f32; model.params.numel];
     for p in &model.params.params {
         let t = st.tensor(&p.name).map_err(|_| {
             bad_input!(
-                "{}/model.safetensors has no tensor {} (a different architecture?)",
-                dir.display(),
+                "{} has no tensor {} (a different architecture?)",
+                path.display(),
                 p.name
             )
         })?;
@@ -293,8 +293,8 @@ pub fn restore(dir: &Path, model: &Gpt) -> Result<Restored> {
         };
         if t.dtype() != StDtype::F32 || t.shape() != want.as_slice() {
             return Err(bad_input!(
-                "{}/model.safetensors: {} is {:?} {:?}, the config's model needs F32 {want:?}",
-                dir.display(),
+                "{}: {} is {:?} {:?}, the config's model needs F32 {want:?}",
+                path.display(),
                 p.name,
                 t.dtype(),
                 t.shape()
@@ -313,6 +313,13 @@ pub fn restore(dir: &Path, model: &Gpt) -> Result<Restored> {
             dst.copy_from_slice(&v);
         }
     }
+    Ok(flat)
+}
+
+/// Reads a verified checkpoint's tensors into the model's flat order.
+pub fn restore(dir: &Path, model: &Gpt) -> Result<Restored> {
+    let mut manifest = verify(dir)?;
+    let flat = read_hf_weights(&dir.join("model.safetensors"), model)?;
     let obytes = std::fs::read(dir.join("optimizer.safetensors"))?;
     let ost = safetensors::SafeTensors::deserialize(&obytes)
         .map_err(|e| bad_input!("{}/optimizer.safetensors: {e}", dir.display()))?;
