@@ -42,8 +42,11 @@ pub fn load(ckpt: &Path) -> Result<Trained> {
         problems,
     })?;
     let model = Gpt::new(&config.model, config.train.context_length, 0, &Device::Cpu)?;
-    let restored = checkpoint::restore(&dir, &model)?;
-    model.params.set_flat(&restored.params)?;
+    // The model file holds the replicas' average (identical replicas for all-reduce).
+    model.params.set_flat(&checkpoint::read_hf_weights(
+        &dir.join("model.safetensors"),
+        &model,
+    )?)?;
     let tokenizer = manifest.tokenizer;
     Ok(Trained {
         dir,

@@ -263,13 +263,23 @@ fn missing_data_and_unimplemented_backends_are_clear_errors() {
     let out = Command::new(exe)
         .arg("train")
         .arg(&cfg)
-        .args(["--set", "train.backend=decentdp"])
+        .args(["--set", "train.engine=mpi"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("decentdp") && err.contains("implemented so far"),
+        err.contains("\"mpi\"") && err.contains("implemented so far"),
         "{err}"
+    );
+    let out = Command::new(exe)
+        .arg("train")
+        .arg(&cfg)
+        .args(["--set", "train.compression={ name = \"topk\" }"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("\"topk\" is validated but not implemented")
     );
 }

@@ -2,7 +2,7 @@
 """Benchmark: training tokens/s and peak RSS of nanodist vs PyTorch nanoGPT on the same CPU.
 
 Same model (nanoGPT's GPT-2, scripts/torch_parity.py), same batch and context, same thread count, same
-GPT-2-tokenized Shakespeare, AdamW. Runs alternate (nanodist, then PyTorch; erf-GELU and tanh-GELU for each)
+character-level Shakespeare (nanoGPT's shakespeare_char setting, which both configs below come from), AdamW. Runs alternate (nanodist, then PyTorch; erf-GELU and tanh-GELU for each)
 and the median of several runs is printed with the ratio. Each run trains `--steps` steps; the first
 `--warmup` steps are not timed.
 
@@ -21,8 +21,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = {
-    "cpu": dict(n_layers=4, n_heads=4, n_embd=128, context=64, batch=12, steps=40, warmup=10),
-    "medium": dict(n_layers=6, n_heads=6, n_embd=384, context=256, batch=8, steps=12, warmup=4),
+    "cpu": dict(n_layers=4, n_heads=4, n_embd=128, context=64, batch=12, steps=60, warmup=10),
+    "medium": dict(n_layers=6, n_heads=6, n_embd=384, context=256, batch=8, steps=16, warmup=4),
 }
 
 TORCH_RUN = r"""
@@ -33,7 +33,7 @@ from torch_parity import GPT
 cfg = json.loads(sys.argv[2])
 torch.set_num_threads(cfg["threads"])
 torch.manual_seed(0)
-model = GPT(dict(n_layers=cfg["n_layers"], n_heads=cfg["n_heads"], n_embd=cfg["n_embd"], vocab_size=50304,
+model = GPT(dict(n_layers=cfg["n_layers"], n_heads=cfg["n_heads"], n_embd=cfg["n_embd"], vocab_size=cfg["vocab"],
                  context_length=cfg["context"], bias=False, activation=cfg["activation"]))
 decay = [p for p in model.parameters() if p.dim() >= 2]
 no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -93,16 +93,18 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--configs", default="cpu,medium")
     args = ap.parse_args()
-    data_dir = os.path.join(ROOT, "data/shakespeare")
+    data_dir = os.path.join(ROOT, "data/shakespeare_char")
     subprocess.run([os.path.join(ROOT, "scripts/fetch_corpus.sh")], check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     exe = os.path.join(ROOT, "target/release/nanodist")
     if not os.path.exists(os.path.join(data_dir, "train.bin")):
         subprocess.run([exe, "prepare", "--input", os.path.join(ROOT, "data/corpus/shakespeare"), "--output",
-                        data_dir, "--val-fraction", "0.1"], check=True, stdout=subprocess.DEVNULL)
+                        data_dir, "--val-fraction", "0.1", "--tokenizer", "char"], check=True, stdout=subprocess.DEVNULL)
+    vocab = json.load(open(os.path.join(data_dir, "meta.json")))["vocab_size"]
     py = python_with_torch()
     env = {**os.environ, "RAYON_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
-    print(f"threads {args.threads}, median of {args.runs} runs, tokens/s after warm-up steps, peak RSS in MB")
+    print(f"threads {args.threads}, median of {args.runs} runs, tokens/s after warm-up steps, peak RSS in MB, "
+          f"char vocabulary of {vocab}", flush=True)
     print(f"{'config':<8} {'impl':<22} {'tokens/s':>10} {'RSS MB':>8} {'vs torch erf':>13} {'vs torch tanh':>14}")
     for name in args.configs.split(","):
         c = CONFIGS[name]
@@ -111,7 +113,7 @@ def main():
             for act in ("gelu", "gelu_tanh"):
                 with tempfile.TemporaryDirectory() as log:
                     sets = [f"model.n_layers={c['n_layers']}", f"model.n_heads={c['n_heads']}",
-                            f"model.n_embd={c['n_embd']}", "model.vocab_size=50304", f"model.activation={act}",
+                            f"model.n_embd={c['n_embd']}", f"model.vocab_size={vocab}", f"model.activation={act}",
                             f"train.context_length={c['context']}", f"train.global_batch_size={c['batch']}",
                             f"train.n_steps={c['steps']}", "train.lr_schedule.warmup_steps=2",
                             f"train.threads={args.threads}", f"log.log_interval={c['warmup']}",
@@ -126,7 +128,7 @@ def main():
                     rows = [json.loads(l) for l in open(os.path.join(log, "bench/metrics.jsonl"))]
                     tps = statistics.mean(r["tokens_per_s"] for r in rows[1:])
                     res.setdefault(("nanodist", act), []).append((tps, usage.ru_maxrss / 1024))
-                cfg = dict(c, activation=act, threads=args.threads, data=os.path.join(data_dir, "train.bin"))
+                cfg = dict(c, activation=act, threads=args.threads, vocab=vocab, data=os.path.join(data_dir, "train.bin"))
                 out, usage = run_measured([py, "-c", TORCH_RUN, ROOT, json.dumps(cfg)], env=env)
                 res.setdefault(("torch", act), []).append((json.loads(out)["tokens_per_s"], usage.ru_maxrss / 1024))
         med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
@@ -135,7 +137,7 @@ def main():
                 tps, rss = med[(impl, act)]
                 label = f"{impl} {'erf' if act == 'gelu' else 'tanh'}-GELU"
                 print(f"{name:<8} {label:<22} {tps:>10.0f} {rss:>8.0f} {tps / med[('torch', 'gelu')][0]:>13.2f} "
-                      f"{tps / med[('torch', 'gelu_tanh')][0]:>14.2f}")
+                      f"{tps / med[('torch', 'gelu_tanh')][0]:>14.2f}", flush=True)
 
 
 if __name__ == "__main__":

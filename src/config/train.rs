@@ -30,7 +30,7 @@ pub struct TrainConfig {
     /// Gossip topology; only with backend = "decentdp" (default "complete").
     pub topology: Option<Topology>,
     /// Overlap the gossip of step t with the computation of step t+1, as Decent-DP does; only with
-    /// backend = "decentdp" (default true).
+    /// backend = "decentdp" (default false: synchronous gossip; overlap is not implemented yet).
     pub overlap: Option<bool>,
     /// Gradient bucket size in MB for the all-reduce; only with backend = "pytorchddp" (default 25).
     #[schemars(extend("exclusiveMinimum" = 0))]

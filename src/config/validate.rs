@@ -473,6 +473,19 @@ pub fn check_semantics(
         }
     }
 
+    if let Some(super::backend::Compression::PowerSgd(p)) = &t.compression {
+        if p.start_iter <= 1 && (p.error_feedback || p.warm_start) {
+            add(
+                "train.compression.start_iter",
+                format!(
+                    "start_iter = {} must be > 1 when error_feedback or warm_start is on (as PyTorch's PowerSGDState \
+                     requires): their state is allocated during the dense steps before compression starts",
+                    p.start_iter
+                ),
+            );
+        }
+    }
+
     // Batch arithmetic: global = local x world x accumulation.
     let local = t
         .local_batch_size

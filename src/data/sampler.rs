@@ -1,11 +1,14 @@
-//! Batch sampling: random windows of context_length + 1 tokens. Every worker draws from its own
-//! ChaCha stream derived from (seed, rank); the stream position is the whole sampler state, so a
-//! checkpoint stores one number instead of replaying the RNG from step 0. Evaluation batch i is a pure
-//! function of (seed, split, i): eval losses are comparable across runs, world sizes and resumes.
+//! Batch sampling: random windows of context_length + 1 tokens.
+//!
+//! A window is a pure function of (seed, step, row of the step's global batch): row g draws from its own
+//! ChaCha stream g, at the position of the step. In micro-step m, worker r of N with local batch b takes
+//! rows (m N + r) b .. (m N + r + 1) b. So every worker reads its own streams, the data of a step is the
+//! same for any world size and accumulation (N workers x b == 1 worker x N*b == 1 worker x b with N
+//! accumulation steps), and a resumed run needs no sampler state beyond the step. Evaluation window k is likewise a pure function of
+//! (seed, split, k): eval losses are comparable across runs, world sizes and resumes.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
 
 use super::source::{Blend, Split};
 
@@ -18,77 +21,83 @@ pub struct Batch {
     pub y: Vec<u32>,
 }
 
-/// Per-rank training sampler.
+const TRAIN_KEY: u64 = 0x7472_6169_6e00_0000; // "train"
+const EVAL_KEY: u64 = 0x6576_616c_0000_0000; // "eval"
+/// ChaCha words consumed by one window draw (two u64: source pick and offset).
+const WORDS_PER_DRAW: u128 = 4;
+
+/// Training sampler.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     rng: ChaCha8Rng,
 }
 
-/// What a checkpoint keeps of a sampler.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SamplerState {
-    pub rank: u64,
-    /// ChaCha word position (128-bit, as two halves for JSON).
-    pub word_pos_hi: u64,
-    pub word_pos_lo: u64,
-}
-
-const TRAIN_KEY: u64 = 0x7472_6169_6e00_0000; // "train"
-const EVAL_KEY: u64 = 0x6576_616c_0000_0000; // "eval"
-
 impl Sampler {
-    pub fn new(seed: u64, rank: usize) -> Self {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ TRAIN_KEY);
-        rng.set_stream(rank as u64);
-        Self { rng }
-    }
-
-    pub fn state(&self) -> SamplerState {
-        let pos = self.rng.get_word_pos();
-        SamplerState {
-            rank: self.rng.get_stream(),
-            word_pos_hi: (pos >> 64) as u64,
-            word_pos_lo: pos as u64,
+    pub fn new(seed: u64) -> Self {
+        Self {
+            rng: ChaCha8Rng::seed_from_u64(seed ^ TRAIN_KEY),
         }
     }
 
-    pub fn from_state(seed: u64, s: &SamplerState) -> Self {
-        let mut sampler = Self::new(seed, s.rank as usize);
-        sampler
-            .rng
-            .set_word_pos(((s.word_pos_hi as u128) << 64) | s.word_pos_lo as u128);
-        sampler
-    }
-
-    /// The next training batch.
-    pub fn next_batch(&mut self, data: &Blend, b: usize, t: usize) -> Batch {
-        draw(&mut self.rng, data, b, t)
+    /// Rows `first_row..first_row + b` of the global batch of optimizer step `step`.
+    pub fn batch(&mut self, data: &Blend, step: u64, first_row: u64, b: usize, t: usize) -> Batch {
+        let mut out = Batch {
+            b,
+            t,
+            x: vec![0; b * t],
+            y: vec![0; b * t],
+        };
+        let mut window = vec![0u32; t + 1];
+        for row in 0..b {
+            self.rng.set_stream(first_row + row as u64);
+            self.rng.set_word_pos(step as u128 * WORDS_PER_DRAW);
+            draw_into(&mut self.rng, data, &mut window);
+            out.x[row * t..(row + 1) * t].copy_from_slice(&window[..t]);
+            out.y[row * t..(row + 1) * t].copy_from_slice(&window[1..]);
+        }
+        out
     }
 }
 
-/// Evaluation batch `index` of `split`: the same for every run with this seed.
-pub fn eval_batch(seed: u64, split: Split, index: u64, data: &Blend, b: usize, t: usize) -> Batch {
+/// Evaluation windows `first_window..first_window + b` of `split`: window k is the same for every run
+/// with this seed, whatever the batch size or world size that asks for it.
+pub fn eval_batch(
+    seed: u64,
+    split: Split,
+    first_window: u64,
+    data: &Blend,
+    b: usize,
+    t: usize,
+) -> Batch {
     let split_key = match split {
         Split::Train => 1,
         Split::Val => 2,
     };
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ EVAL_KEY ^ split_key);
-    rng.set_stream(index);
-    draw(&mut rng, data, b, t)
-}
-
-fn draw(rng: &mut ChaCha8Rng, data: &Blend, b: usize, t: usize) -> Batch {
-    let mut x = vec![0u32; b * t];
-    let mut y = vec![0u32; b * t];
+    let mut out = Batch {
+        b,
+        t,
+        x: vec![0; b * t],
+        y: vec![0; b * t],
+    };
     let mut window = vec![0u32; t + 1];
     for row in 0..b {
-        let f = &data.files[data.pick(rng.random::<f64>())];
-        let start = rng.random_range(0..=f.len() - (t + 1));
-        f.read(start, &mut window);
-        x[row * t..(row + 1) * t].copy_from_slice(&window[..t]);
-        y[row * t..(row + 1) * t].copy_from_slice(&window[1..]);
+        rng.set_stream(first_window + row as u64);
+        rng.set_word_pos(0);
+        draw_into(&mut rng, data, &mut window);
+        out.x[row * t..(row + 1) * t].copy_from_slice(&window[..t]);
+        out.y[row * t..(row + 1) * t].copy_from_slice(&window[1..]);
     }
-    Batch { b, t, x, y }
+    out
+}
+
+/// One window: a source by weight, then a uniform start (modulo of a 64-bit draw: the bias is below
+/// 2^-30 for any file under 2^34 tokens, and the draw always uses the same number of words).
+fn draw_into(rng: &mut ChaCha8Rng, data: &Blend, window: &mut [u32]) {
+    let u = (rng.random::<u64>() >> 11) as f64 / (1u64 << 53) as f64;
+    let f = &data.files[data.pick(u)];
+    let start = rng.random::<u64>() % (f.len() - window.len() + 1) as u64;
+    f.read(start as usize, window);
 }
 
 #[cfg(test)]
@@ -111,7 +120,7 @@ mod tests {
     fn targets_are_inputs_shifted_by_one() {
         let tokens: Vec<u16> = (0..1000).collect();
         let (_d, data) = blend(&tokens);
-        let batch = Sampler::new(1, 0).next_batch(&data, 4, 16);
+        let batch = Sampler::new(1).batch(&data, 0, 0, 4, 16);
         for r in 0..4 {
             for i in 0..16 {
                 assert_eq!(batch.y[r * 16 + i], batch.x[r * 16 + i] + 1);
@@ -120,29 +129,43 @@ mod tests {
     }
 
     #[test]
-    fn resumed_sampler_continues_the_same_stream() {
+    fn worker_slices_compose_the_global_batch_for_any_world_size() {
         let tokens: Vec<u16> = (0..5000).map(|i| (i * 7 % 5000) as u16).collect();
         let (_d, data) = blend(&tokens);
-        let mut a = Sampler::new(42, 3);
-        for _ in 0..5 {
-            a.next_batch(&data, 3, 8);
+        let mut s = Sampler::new(42);
+        let whole = s.batch(&data, 9, 0, 8, 8);
+        for world in [2usize, 4, 8] {
+            let b = 8 / world;
+            let mut x = Vec::new();
+            for rank in 0..world {
+                x.extend(Sampler::new(42).batch(&data, 9, (rank * b) as u64, b, 8).x);
+            }
+            assert_eq!(x, whole.x, "world {world}");
         }
-        let state = a.state();
-        let json = serde_json::to_string(&state).unwrap();
-        let mut b = Sampler::from_state(42, &serde_json::from_str(&json).unwrap());
-        assert_eq!(a.next_batch(&data, 3, 8), b.next_batch(&data, 3, 8));
+        assert_ne!(
+            s.batch(&data, 10, 0, 8, 8),
+            whole,
+            "each step draws new windows"
+        );
+        assert_ne!(
+            Sampler::new(43).batch(&data, 9, 0, 8, 8),
+            whole,
+            "the seed matters"
+        );
     }
 
     #[test]
-    fn ranks_draw_different_streams_and_eval_is_fixed() {
+    fn eval_batches_are_fixed() {
         let tokens: Vec<u16> = (0..5000).collect();
         let (_d, data) = blend(&tokens);
-        let r0 = Sampler::new(42, 0).next_batch(&data, 2, 8);
-        let r1 = Sampler::new(42, 1).next_batch(&data, 2, 8);
-        assert_ne!(r0, r1);
         let e1 = eval_batch(42, Split::Val, 5, &data, 2, 8);
         assert_eq!(e1, eval_batch(42, Split::Val, 5, &data, 2, 8));
-        assert_ne!(e1, eval_batch(42, Split::Val, 6, &data, 2, 8));
+        assert_eq!(
+            e1.x[8..],
+            eval_batch(42, Split::Val, 6, &data, 1, 8).x[..],
+            "window 6 is window 6"
+        );
+        assert_ne!(e1, eval_batch(42, Split::Val, 7, &data, 2, 8));
         assert_ne!(e1, eval_batch(42, Split::Train, 5, &data, 2, 8));
     }
 }

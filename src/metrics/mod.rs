@@ -33,6 +33,9 @@ pub struct Row {
     pub eval_train_loss: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub mfu: Option<f64>,
+    /// Gossip: mean distance of the replicas to their average, at evaluation.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub consensus_distance: Option<f64>,
 }
 
 /// Appends rows to `metrics.jsonl`, one JSON object per line, flushed per row.

@@ -1,11 +1,15 @@
 //! Sync backends: where the algorithms differ. Hooks: reduce gradients before the optimizer step
-//! (allreduce, compressed reducers), mix parameters after it (gossip).
+//! (allreduce, compressed reducers), mix parameters after it (gossip), and average the replicas before
+//! evaluation and checkpoints.
+
+pub mod topology;
 
 use anyhow::Result;
 
 use crate::bad_input;
-use crate::comm::{CommStats, Communicator, Solo};
+use crate::comm::{CommStats, Communicator};
 use crate::config::{Backend, Config, Engine, Plan};
+use topology::Round;
 
 pub trait SyncBackend: Send {
     fn name(&self) -> &'static str;
@@ -17,7 +21,31 @@ pub trait SyncBackend: Send {
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()>;
     /// Mean over workers of a few scalars (losses for logging).
     fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()>;
+    /// The global average of the replicas' parameters into `avg`; returns the consensus distance
+    /// (mean over ranks of ||x_i - avg||). Replicas themselves are left as they are.
+    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64>;
+    fn barrier(&mut self) -> Result<()>;
     fn comm_stats(&self) -> CommStats;
+}
+
+fn average_with(comm: &mut dyn Communicator, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
+    let n = comm.world_size();
+    avg.clear();
+    avg.extend_from_slice(params);
+    if n == 1 {
+        return Ok(0.0);
+    }
+    comm.all_reduce_sum(avg)?;
+    let inv = 1.0 / n as f32;
+    avg.iter_mut().for_each(|x| *x *= inv);
+    let mut dist = [params
+        .iter()
+        .zip(avg.iter())
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum::<f64>()
+        .sqrt() as f32];
+    comm.all_reduce_sum(&mut dist)?;
+    Ok(dist[0] as f64 / n as f64)
 }
 
 /// Data parallel by gradient averaging, as PyTorch DDP: buckets of the name-ordered flat gradient are
@@ -60,20 +88,101 @@ impl SyncBackend for AllReduce {
         Ok(())
     }
     fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
-        self.comm.all_reduce_sum(xs)?;
-        let inv = 1.0 / self.comm.world_size() as f32;
-        xs.iter_mut().for_each(|x| *x *= inv);
-        Ok(())
+        mean_scalars(self.comm.as_mut(), xs)
+    }
+    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
+        average_with(self.comm.as_mut(), params, avg)
+    }
+    fn barrier(&mut self) -> Result<()> {
+        self.comm.barrier()
     }
     fn comm_stats(&self) -> CommStats {
         self.comm.stats()
     }
 }
 
-/// The backend this build can run for `plan`, or a clear error naming what exists.
-pub fn build(cfg: &Config, plan: &Plan) -> Result<Box<dyn SyncBackend>> {
+fn mean_scalars(comm: &mut dyn Communicator, xs: &mut [f32]) -> Result<()> {
+    comm.all_reduce_sum(xs)?;
+    let inv = 1.0 / comm.world_size() as f32;
+    xs.iter_mut().for_each(|x| *x *= inv);
+    Ok(())
+}
+
+/// Decentralized data parallel (Decent-DP): each worker steps on its own gradient, then mixes its
+/// parameters with the group of this step's round of the topology.
+pub struct Gossip {
+    comm: Box<dyn Communicator>,
+    rounds: Vec<Round>,
+    buf: Vec<f32>,
+}
+
+impl Gossip {
+    pub fn new(comm: Box<dyn Communicator>, rounds: Vec<Round>) -> Self {
+        Self {
+            comm,
+            rounds,
+            buf: Vec::new(),
+        }
+    }
+}
+
+impl SyncBackend for Gossip {
+    fn name(&self) -> &'static str {
+        "decentdp"
+    }
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+    fn reduce_grads(&mut self, _grads: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
+    /// x_i <- w x_i + (1 - w) / (|R| - 1) * sum_{j != i} x_j, computed as Decent-DP does: the group
+    /// sums x_j (1 - w) / (|R| - 1) over all members, and the local copy is scaled by w - (1 - w) / (|R| - 1).
+    fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
+        let rank = self.comm.rank();
+        let round = &self.rounds[(step % self.rounds.len() as u64) as usize];
+        let Some(group) = round.iter().find(|g| g.ranks.contains(&rank)) else {
+            anyhow::bail!(
+                "rank {rank} is in no group of round {}",
+                step % self.rounds.len() as u64
+            );
+        };
+        let r = group.ranks.len();
+        if r == 1 {
+            return Ok(());
+        }
+        let other = ((1.0 - group.weight) / (r - 1) as f64) as f32;
+        let own = group.weight as f32 - other;
+        self.buf.clear();
+        self.buf.extend(params.iter().map(|x| x * other));
+        self.comm
+            .group_all_reduce_sum(&mut self.buf, &group.ranks)?;
+        for (p, b) in params.iter_mut().zip(&self.buf) {
+            *p = own * *p + b;
+        }
+        Ok(())
+    }
+    fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
+        mean_scalars(self.comm.as_mut(), xs)
+    }
+    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
+        average_with(self.comm.as_mut(), params, avg)
+    }
+    fn barrier(&mut self) -> Result<()> {
+        self.comm.barrier()
+    }
+    fn comm_stats(&self) -> CommStats {
+        self.comm.stats()
+    }
+}
+
+/// Checks that this build can run `plan` (before any worker starts), or names what exists.
+pub fn supported(cfg: &Config, plan: &Plan) -> Result<()> {
     const DONE: &str =
-        "implemented so far: backend \"pytorchddp\" with engine \"local\" and one worker";
+        "implemented so far: backends \"pytorchddp\" and \"decentdp\" on engine \"local\"";
     if plan.engine != Engine::Local {
         return Err(bad_input!(
             "train.engine = {:?} is validated but not implemented in this build; {DONE}",
@@ -86,17 +195,35 @@ pub fn build(cfg: &Config, plan: &Plan) -> Result<Box<dyn SyncBackend>> {
             c.name()
         ));
     }
-    match plan.backend {
-        Backend::PytorchDdp if plan.world_size == 1 => Ok(Box::new(AllReduce::new(
-            Box::new(Solo),
-            cfg.train.bucket_size_mb.unwrap_or(25.0),
-        ))),
-        Backend::PytorchDdp => Err(bad_input!(
-            "{} local workers: multi-worker engines are not implemented yet; {DONE}",
-            plan.world_size
-        )),
-        Backend::DecentDp => Err(bad_input!(
-            "backend \"decentdp\" is validated but not implemented yet; {DONE}"
-        )),
+    if cfg.train.backend == Backend::DecentDp && cfg.train.overlap == Some(true) {
+        return Err(bad_input!(
+            "train.overlap = true (gossip of step t during the computation of step t+1) is not implemented yet; \
+             set train.overlap = false for synchronous gossip"
+        ));
     }
+    Ok(())
+}
+
+/// The configured backend over `comm`.
+pub fn build(
+    cfg: &Config,
+    plan: &Plan,
+    comm: Box<dyn Communicator>,
+) -> Result<Box<dyn SyncBackend>> {
+    supported(cfg, plan)?;
+    Ok(match plan.backend {
+        Backend::PytorchDdp => Box::new(AllReduce::new(
+            comm,
+            cfg.train.bucket_size_mb.unwrap_or(25.0),
+        )),
+        Backend::DecentDp => {
+            let per_node = plan.local_world_size.unwrap_or(plan.world_size);
+            let rounds = topology::rounds(
+                cfg.train.topology.unwrap_or_default(),
+                plan.world_size,
+                per_node,
+            )?;
+            Box::new(Gossip::new(comm, rounds))
+        }
+    })
 }

@@ -1,6 +1,7 @@
 //! Checkpoints: `checkpoints/step_NNNNNNNN/` with the model in Hugging Face GPT-2 layout
-//! (`model.safetensors` + `config.json`), the optimizer state, and `manifest.json` (step, data and RNG
-//! positions, the resolved config, and the SHA-256 of every file). A checkpoint is written under a
+//! (`model.safetensors` + `config.json`; the average of the replicas), one `rank_R.safetensors` per rank
+//! (its parameters, optimizer buffers, and RNG position in the metadata), and `manifest.json`
+//! (step, the resolved config, and the SHA-256 of every file). A checkpoint is written under a
 //! temporary name, every file fsynced, then renamed into place: a crash leaves either the complete new
 //! checkpoint or none, and the previous one intact. Loading verifies the checksums and falls back to the
 //! previous checkpoint when the newest is damaged.
@@ -17,29 +18,24 @@ use sha2::{Digest, Sha256};
 
 use crate::bad_input;
 use crate::data::format::{commit, write_atomic};
-use crate::data::SamplerState;
 use crate::model::gpt::is_conv1d;
 use crate::model::Gpt;
 use crate::optim::OptimState;
 
-/// Everything besides tensors that a resume needs.
+/// What a checkpoint is: step, counters, the resolved config, and the checksum of every file. The
+/// per-rank state (parameters, optimizer buffers, dropout RNG position) is in `rank_R.safetensors`; the data
+/// position is the step itself (see `data::sampler`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     pub format: String,
     pub version: u32,
     pub step: u64,
     pub tokens: u64,
+    pub world_size: usize,
     pub elapsed_s: f64,
     pub best_val_loss: Option<f64>,
-    pub samplers: Vec<SamplerState>,
-    pub dropout_word_pos: [u64; 2],
-    pub optimizer: OptimState,
     /// The resolved config TOML of the run that wrote it.
     pub config: String,
-    /// Training loss summed over the steps since the last metrics row, and their count: the next row's
-    /// mean then covers the same steps whether or not the run stopped in between.
-    #[serde(default)]
-    pub loss_window: (f64, u64),
     /// The tokenizer of the training data (for `sample` and `eval` on raw text).
     #[serde(default)]
     pub tokenizer: Option<crate::data::Tokenizer>,
@@ -47,12 +43,30 @@ pub struct Manifest {
     pub files: BTreeMap<String, String>,
 }
 
-/// A checkpoint read back: manifest, flat parameters (model order) and optimizer state.
+/// One rank's share of a checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankState {
+    pub params: Vec<f32>,
+    pub optimizer: OptimState,
+    pub meta: RankMeta,
+}
+
+/// The small part of a rank's state, stored as JSON in its safetensors metadata.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankMeta {
+    pub rank: usize,
+    pub dropout_word_pos: [u64; 2],
+    /// Training loss summed over the steps since the last metrics row, and their count: the next row's
+    /// mean then covers the same steps whether or not the run stopped in between.
+    pub loss_window: (f64, u64),
+    pub optimizer: OptimState,
+}
+
+/// A checkpoint read back for one rank.
 pub struct Restored {
     pub dir: PathBuf,
     pub manifest: Manifest,
-    pub params: Vec<f32>,
-    pub optimizer: OptimState,
+    pub state: RankState,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -160,65 +174,84 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Saves a checkpoint into `ckpt_dir/step_NNNNNNNN` and keeps only the newest `keep`.
+/// Saves a checkpoint into `ckpt_dir/step_NNNNNNNN`, keeping only the newest `keep`. Every rank calls it
+/// at the same step: each writes its own `rank_R.safetensors`; rank 0 then writes the model (`avg`: the
+/// replicas' average, in HF layout), hashes every file, writes the manifest and renames the directory
+/// into place. Returns the directory.
 pub fn save(
+    sync: &mut dyn crate::sync::SyncBackend,
     ckpt_dir: &Path,
     model: &Gpt,
-    flat: &[f32],
+    state: &RankState,
+    avg: &[f32],
     mut manifest: Manifest,
     keep: usize,
 ) -> Result<PathBuf> {
-    std::fs::create_dir_all(ckpt_dir)
-        .with_context(|| format!("creating {}", ckpt_dir.display()))?;
+    let (rank, root) = (sync.rank(), sync.rank() == 0);
     let name = format!("step_{:08}", manifest.step);
     let dest = ckpt_dir.join(&name);
-    if dest.exists() && verify(&dest).is_ok() {
-        return Ok(dest); // this step is already saved (e.g. an exit right after an interval save)
+    let tmp = ckpt_dir.join(format!(".{name}.tmp"));
+    if root {
+        std::fs::create_dir_all(ckpt_dir)
+            .with_context(|| format!("creating {}", ckpt_dir.display()))?;
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)?; // left by a save that was killed
+        }
+        std::fs::create_dir_all(&tmp)?;
     }
-    let tmp = ckpt_dir.join(format!(".{name}.tmp{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)?;
+    sync.barrier()?;
+    let mut tensors = vec![(
+        "params".to_string(),
+        state.params.clone(),
+        vec![state.params.len()],
+    )];
+    for (n, b) in &state.optimizer.buffers {
+        tensors.push((format!("optim.{n}"), b.clone(), vec![b.len()]));
     }
-    std::fs::create_dir_all(&tmp)?;
-    let model_meta = BTreeMap::from([
-        ("format".to_string(), "pt".to_string()),
-        ("step".to_string(), manifest.step.to_string()),
-    ]);
-    let optim_tensors: Vec<(String, Vec<f32>, Vec<usize>)> = manifest
-        .optimizer
-        .buffers
-        .iter()
-        .map(|(n, b)| (n.clone(), b.clone(), vec![b.len()]))
-        .collect();
-    let files: Vec<(&str, Vec<u8>)> = vec![
-        (
-            "model.safetensors",
-            safetensors_bytes(&hf_tensors(model, flat), Some(model_meta))?,
-        ),
-        (
-            "optimizer.safetensors",
-            safetensors_bytes(&optim_tensors, None)?,
-        ),
-        ("config.json", serde_json::to_vec_pretty(&hf_config(model))?),
-    ];
-    for (file, bytes) in &files {
-        write_synced(&tmp.join(file), bytes)?;
-        manifest.files.insert(file.to_string(), sha256_hex(bytes));
-    }
+    let mut meta = state.meta.clone();
+    meta.optimizer.buffers.clear();
+    let st_meta = BTreeMap::from([("nanodist".to_string(), serde_json::to_string(&meta)?)]);
     write_synced(
-        &tmp.join("manifest.json"),
-        &serde_json::to_vec_pretty(&manifest)?,
+        &tmp.join(format!("rank_{rank}.safetensors")),
+        &safetensors_bytes(&tensors, Some(st_meta))?,
     )?;
-    if let Ok(d) = File::open(&tmp) {
-        let _ = d.sync_all();
+    sync.barrier()?;
+    if root {
+        let model_meta = BTreeMap::from([
+            ("format".to_string(), "pt".to_string()),
+            ("step".to_string(), manifest.step.to_string()),
+        ]);
+        write_synced(
+            &tmp.join("model.safetensors"),
+            &safetensors_bytes(&hf_tensors(model, avg), Some(model_meta))?,
+        )?;
+        write_synced(
+            &tmp.join("config.json"),
+            &serde_json::to_vec_pretty(&hf_config(model))?,
+        )?;
+        let mut files: Vec<String> = vec!["model.safetensors".into(), "config.json".into()];
+        files.extend((0..sync.world_size()).map(|r| format!("rank_{r}.safetensors")));
+        for file in files {
+            let bytes =
+                std::fs::read(tmp.join(&file)).with_context(|| format!("reading back {file}"))?;
+            manifest.files.insert(file, sha256_hex(&bytes));
+        }
+        write_synced(
+            &tmp.join("manifest.json"),
+            &serde_json::to_vec_pretty(&manifest)?,
+        )?;
+        if let Ok(d) = File::open(&tmp) {
+            let _ = d.sync_all();
+        }
+        if dest.exists() {
+            std::fs::remove_dir_all(&dest)?; // an earlier save of this very step
+        }
+        commit(&tmp, &dest)?;
+        for old in list(ckpt_dir).into_iter().skip(keep.max(1)) {
+            let _ = std::fs::remove_dir_all(old);
+        }
     }
-    if dest.exists() {
-        std::fs::remove_dir_all(&dest)?; // a damaged earlier attempt at this step
-    }
-    commit(&tmp, &dest)?;
-    for old in list(ckpt_dir).into_iter().skip(keep.max(1)) {
-        let _ = std::fs::remove_dir_all(old);
-    }
+    sync.barrier()?;
     Ok(dest)
 }
 
@@ -316,25 +349,57 @@ pub fn read_hf_weights(path: &Path, model: &Gpt) -> Result<Vec<f32>> {
     Ok(flat)
 }
 
-/// Reads a verified checkpoint's tensors into the model's flat order.
-pub fn restore(dir: &Path, model: &Gpt) -> Result<Restored> {
-    let mut manifest = verify(dir)?;
-    let flat = read_hf_weights(&dir.join("model.safetensors"), model)?;
-    let obytes = std::fs::read(dir.join("optimizer.safetensors"))?;
-    let ost = safetensors::SafeTensors::deserialize(&obytes)
-        .map_err(|e| bad_input!("{}/optimizer.safetensors: {e}", dir.display()))?;
-    let mut optimizer = manifest.optimizer.clone();
-    optimizer.buffers = ost
+/// Reads rank `rank`'s state from a verified checkpoint written by the same world size.
+pub fn restore(dir: &Path, model: &Gpt, rank: usize, world: usize) -> Result<Restored> {
+    let manifest = verify(dir)?;
+    if manifest.world_size != world {
+        return Err(bad_input!(
+            "{}: written by {} rank(s), this run has {world}; an exact resume needs the same world size \
+             (to start from its weights instead, set checkpoint = \"{}\" and checkpoint_mode = \"weights\" in a new run)",
+            dir.display(),
+            manifest.world_size,
+            dir.display()
+        ));
+    }
+    let path = dir.join(format!("rank_{rank}.safetensors"));
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| bad_input!("{}: {e}", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad_input!("{}: {e}", path.display()))?;
+    let meta: RankMeta = header
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("nanodist"))
+        .and_then(|j| serde_json::from_str(j).ok())
+        .ok_or_else(|| bad_input!("{}: no nanodist rank metadata", path.display()))?;
+    let params = bytes_f32(
+        st.tensor("params")
+            .map_err(|e| bad_input!("{}: {e}", path.display()))?
+            .data(),
+    );
+    if params.len() != model.params.numel {
+        return Err(bad_input!(
+            "{}: {} parameters, the config's model has {}",
+            path.display(),
+            params.len(),
+            model.params.numel
+        ));
+    }
+    let mut optimizer = meta.optimizer.clone();
+    optimizer.buffers = st
         .tensors()
         .into_iter()
-        .map(|(n, t)| (n, bytes_f32(t.data())))
+        .filter_map(|(n, t)| Some((n.strip_prefix("optim.")?.to_string(), bytes_f32(t.data()))))
         .collect();
-    manifest.optimizer.buffers.clear();
     Ok(Restored {
         dir: dir.to_path_buf(),
         manifest,
-        params: flat,
-        optimizer,
+        state: RankState {
+            params,
+            optimizer,
+            meta,
+        },
     })
 }
 

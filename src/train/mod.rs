@@ -21,6 +21,7 @@ use crate::data::{eval_batch, Blend, Sampler, Split};
 use crate::metrics::{JsonlSink, Row};
 use crate::model::Gpt;
 use crate::optim::{self, Segment};
+use crate::sync::SyncBackend;
 use checkpoint::Manifest;
 use signals::StopFlag;
 
@@ -61,22 +62,17 @@ pub fn run_dir(cfg: &Config) -> PathBuf {
     Path::new(&cfg.log_dir).join(name)
 }
 
-/// Mean loss of `steps` fixed evaluation batches of `split`.
-pub fn evaluate(
-    model: &Gpt,
-    data: &Blend,
-    split: Split,
-    seed: u64,
-    steps: u64,
-    b: usize,
-) -> Result<f64> {
-    let mut total = 0.0;
-    for i in 0..steps {
-        let batch = eval_batch(seed, split, i, data, b, model.context_length);
-        let (x, y) = model.batch_tensors(&batch)?;
-        total += model.loss(&x, &y, None)?.to_scalar::<f32>()? as f64;
-    }
-    Ok(total / steps as f64)
+/// What every worker shares: config, plan, data (opened once) and the run directory.
+struct Setup<'a> {
+    cfg: &'a Config,
+    plan: &'a crate::config::Plan,
+    run_dir: PathBuf,
+    train_data: Blend,
+    val_data: Blend,
+    tokenizer: Option<crate::data::Tokenizer>,
+    /// The checkpoint to start from and what to take from it.
+    source: Option<(PathBuf, CheckpointMode)>,
+    stop: StopFlag,
 }
 
 /// Trains as the loaded config says; returns when the run finishes or an exit condition saves and stops it.
@@ -89,26 +85,132 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
             "train.device = \"cuda\": this nanodist was built without CUDA support; use device = \"cpu\""
         ));
     }
-    let mut sync = crate::sync::build(cfg, plan)?;
+    crate::sync::supported(cfg, plan)?;
     if let Some(n) = t.threads {
         // Ignore the error when a pool already exists (tests run several trainings in one process).
         let _ = rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global();
     }
-    let device = Device::Cpu;
-    let (ctx, local_b, accum) = (t.context_length, plan.local_batch_size, plan.accum_steps);
-
     let run_dir = run_dir(cfg);
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+    let window = t.context_length + 1;
+    // Resume: the run's own newest checkpoint first (a requeued job), else `checkpoint = ...`.
+    let source = match (
+        checkpoint::find_latest(&run_dir.join("checkpoints"))?,
+        &cfg.checkpoint,
+    ) {
+        (Some(dir), _) => Some((dir, CheckpointMode::Full)),
+        (None, Some(p)) => Some((checkpoint::require(Path::new(p))?, cfg.checkpoint_mode)),
+        (None, None) => None,
+    };
+    let setup = Setup {
+        cfg,
+        plan,
+        train_data: Blend::open(cfg, Split::Train, window, cfg.model.vocab_size)?,
+        val_data: Blend::open(cfg, Split::Val, window, cfg.model.vocab_size)?,
+        tokenizer: crate::data::Meta::read(Path::new(&cfg.data_dir))
+            .ok()
+            .map(|m| m.tokenizer),
+        run_dir,
+        source,
+        stop: StopFlag::install()?,
+    };
+    let n = plan.world_size;
+    if n == 1 {
+        return worker(&setup, Box::new(crate::comm::Solo));
+    }
+    let timeout = std::time::Duration::from_secs_f64(t.comm_timeout_secs);
+    let results: Vec<Result<Summary>> = std::thread::scope(|s| {
+        let handles: Vec<_> = crate::comm::local::group(n, timeout)
+            .into_iter()
+            .map(|comm| {
+                let setup = &setup;
+                s.spawn(move || {
+                    let failer = comm.failer();
+                    let r = worker(setup, Box::new(comm));
+                    if let Err(e) = &r {
+                        failer.fail(&format!("{e:#}"));
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("worker {rank} panicked")))
+            })
+            .collect()
+    });
+    // The first error that is not merely another rank reporting a failure wins.
+    let mut first_err = None;
+    let mut summary = None;
+    for r in results {
+        match r {
+            Ok(s) if summary.is_none() => summary = Some(s),
+            Ok(_) => {}
+            Err(e) => {
+                let echo = format!("{e:#}").contains("failed: ");
+                if first_err
+                    .as_ref()
+                    .is_none_or(|(was_echo, _)| *was_echo && !echo)
+                {
+                    first_err = Some((echo, e));
+                }
+            }
+        }
+    }
+    match (first_err, summary) {
+        (Some((_, e)), _) => Err(e),
+        (None, Some(s)) => Ok(s),
+        (None, None) => Err(anyhow::anyhow!("no worker ran")),
+    }
+}
 
-    let train_data = Blend::open(cfg, Split::Train, ctx + 1, cfg.model.vocab_size)?;
-    let tokenizer = crate::data::Meta::read(Path::new(&cfg.data_dir))
-        .ok()
-        .map(|m| m.tokenizer);
-    let val_data = Blend::open(cfg, Split::Val, ctx + 1, cfg.model.vocab_size)?;
+/// Mean loss over `steps` fixed evaluation batches of `split`. Batch i is windows i*E..(i+1)*E with
+/// E = local batch x world size (one micro-step of the global batch); rank r evaluates its b rows of each,
+/// so N workers x b evaluate exactly the windows of 1 worker x N*b.
+fn evaluate_shared(
+    model: &Gpt,
+    sync: &mut dyn SyncBackend,
+    data: &Blend,
+    split: Split,
+    seed: u64,
+    steps: u64,
+    b: usize,
+) -> Result<f64> {
+    let (rank, n) = (sync.rank() as u64, sync.world_size() as u64);
+    let per_step = b as u64 * n;
+    let mut acc = [0.0f32];
+    for i in 0..steps {
+        let batch = eval_batch(
+            seed,
+            split,
+            i * per_step + rank * b as u64,
+            data,
+            b,
+            model.context_length,
+        );
+        let (x, y) = model.batch_tensors(&batch)?;
+        acc[0] += model.loss(&x, &y, None)?.to_scalar::<f32>()?;
+    }
+    sync.mean_scalars(&mut acc)?;
+    Ok(acc[0] as f64 / steps as f64)
+}
 
+/// One rank's training loop.
+fn worker(setup: &Setup<'_>, comm: Box<dyn crate::comm::Communicator>) -> Result<Summary> {
+    let (cfg, plan) = (setup.cfg, setup.plan);
+    let t = &cfg.train;
+    let mut sync = crate::sync::build(cfg, plan, comm)?;
+    let (rank, world) = (sync.rank(), sync.world_size());
+    let root = rank == 0;
+    let (ctx, local_b, accum) = (t.context_length, plan.local_batch_size, plan.accum_steps);
+    let device = Device::Cpu;
     let model = Gpt::new(&cfg.model, ctx, t.seed, &device)?;
     let segments: Vec<Segment> = model
         .params
@@ -122,67 +224,67 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
         .collect();
     let mut opt = optim::build(&t.optim, segments, model.params.numel);
     let mut flat = model.params.to_flat()?;
-    let rank = sync.rank();
-    let mut sampler = Sampler::new(t.seed, rank);
+    let mut sampler = Sampler::new(t.seed);
     let mut dropout_rng = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
     dropout_rng.set_stream(rank as u64);
     let (mut step, mut tokens, mut best_val, mut elapsed_before) =
         (0u64, 0u64, None::<f64>, 0.0f64);
     let mut loss_window = (0.0f64, 0u64);
 
-    // Resume: the run's own newest checkpoint first (a requeued job), else `checkpoint = ...`.
-    let own = checkpoint::find_latest(&run_dir.join("checkpoints"))?;
-    let (source, mode) = match (own, &cfg.checkpoint) {
-        (Some(dir), _) => (Some(dir), CheckpointMode::Full),
-        (None, Some(p)) => (
-            Some(checkpoint::require(Path::new(p))?),
-            cfg.checkpoint_mode,
-        ),
-        (None, None) => (None, CheckpointMode::Full),
-    };
-    if let Some(dir) = &source {
-        let r = checkpoint::restore(dir, &model)?;
-        flat = r.params;
-        if mode == CheckpointMode::Full {
-            opt.load_state(r.optimizer)?;
-            let m = &r.manifest;
-            (step, tokens, best_val, elapsed_before) =
-                (m.step, m.tokens, m.best_val_loss, m.elapsed_s);
-            loss_window = m.loss_window;
-            if let Some(s) = m.samplers.get(rank) {
-                sampler = Sampler::from_state(t.seed, s);
+    if let Some((dir, mode)) = &setup.source {
+        match mode {
+            CheckpointMode::Full => {
+                let r = checkpoint::restore(dir, &model, rank, world)?;
+                let m = &r.manifest;
+                (step, tokens, best_val, elapsed_before) =
+                    (m.step, m.tokens, m.best_val_loss, m.elapsed_s);
+                flat = r.state.params;
+                opt.load_state(r.state.optimizer)?;
+                let [hi, lo] = r.state.meta.dropout_word_pos;
+                dropout_rng.set_word_pos(((hi as u128) << 64) | lo as u128);
+                loss_window = r.state.meta.loss_window;
             }
-            dropout_rng.set_word_pos(
-                ((m.dropout_word_pos[0] as u128) << 64) | m.dropout_word_pos[1] as u128,
-            );
+            CheckpointMode::Weights => {
+                checkpoint::verify(dir)?;
+                flat = checkpoint::read_hf_weights(&dir.join("model.safetensors"), &model)?;
+            }
         }
         model.params.set_flat(&flat)?;
-        eprintln!(
-            "resumed from {} ({}) at step {step}",
-            dir.display(),
-            if mode == CheckpointMode::Full {
-                "full state"
-            } else {
-                "weights only"
-            }
-        );
+        if root {
+            eprintln!(
+                "resumed from {} ({}) at step {step}",
+                dir.display(),
+                if *mode == CheckpointMode::Full {
+                    "full state"
+                } else {
+                    "weights only"
+                }
+            );
+        }
     }
+    let run_dir = &setup.run_dir;
     if step >= t.n_steps {
-        eprintln!("run already finished at step {step} of {}", t.n_steps);
+        if root {
+            eprintln!("run already finished at step {step} of {}", t.n_steps);
+        }
         return Ok(Summary {
-            run_dir,
+            run_dir: run_dir.clone(),
             step,
             last_val_loss: best_val,
             exit: Exit::Finished,
         });
     }
 
-    let mut metrics = JsonlSink::open(&run_dir.join("metrics.jsonl"), Some(step))?;
-    let stop = StopFlag::install()?;
-    let console = Console::new(t.n_steps, step);
+    let mut metrics = if root {
+        Some(JsonlSink::open(&run_dir.join("metrics.jsonl"), Some(step))?)
+    } else {
+        None
+    };
+    let console = Console::new(t.n_steps, step, root);
     let started = Instant::now();
     let start_step = step;
     let mut grads = vec![0.0f32; model.params.numel];
+    let mut avg = Vec::new();
     let mut window = Window::new(sync.comm_stats());
     (window.loss_sum, window.loss_steps) = loss_window;
     let mut eval_window = (Instant::now(), step);
@@ -191,8 +293,10 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
         let lr = optim::lr_at(&t.lr_schedule, step, t.n_steps);
         grads.iter_mut().for_each(|g| *g = 0.0);
         let mut loss_sum = 0.0f64;
-        for _ in 0..accum {
-            let batch = sampler.next_batch(&train_data, local_b, ctx);
+        for micro in 0..accum as u64 {
+            // Rows of this rank and micro-step in the step's global batch (see data::sampler).
+            let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
+            let batch = sampler.batch(&setup.train_data, step, first_row, local_b, ctx);
             let (x, y) = model.batch_tensors(&batch)?;
             let loss = model.loss(&x, &y, Some(&mut dropout_rng))?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
@@ -230,22 +334,28 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
             if eval_now {
                 // Train time counts training since the last evaluation, not the evaluation itself.
                 let (secs, steps) = (eval_window.0.elapsed().as_secs_f64(), step - eval_window.1);
-                let val = evaluate(
+                // Evaluate the average of the replicas, then continue from the local ones.
+                let distance = sync.average(&flat, &mut avg)?;
+                model.params.set_flat(&avg)?;
+                let val = evaluate_shared(
                     &model,
-                    &val_data,
+                    sync.as_mut(),
+                    &setup.val_data,
                     Split::Val,
                     t.seed,
                     cfg.log.eval_steps,
                     local_b,
                 )?;
-                let tr = evaluate(
+                let tr = evaluate_shared(
                     &model,
-                    &train_data,
+                    sync.as_mut(),
+                    &setup.train_data,
                     Split::Train,
                     t.seed,
                     cfg.log.eval_steps,
                     local_b,
                 )?;
+                model.params.set_flat(&flat)?;
                 console.eval_line(
                     step,
                     val,
@@ -259,64 +369,102 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
                 eval_window = (Instant::now(), step);
                 (row.val_loss, row.val_ppl, row.eval_train_loss) =
                     (Some(val), Some(val.exp()), Some(tr));
+                if sync.name() == "decentdp" {
+                    row.consensus_distance = Some(distance);
+                }
                 last_val = Some(val);
                 if best_val.is_none_or(|b| val < b) {
                     best_val = Some(val);
-                    checkpoint::save_weights(
-                        &run_dir.join("best_model.safetensors"),
-                        &model,
-                        &flat,
-                        step,
-                    )?;
+                    if root {
+                        checkpoint::save_weights(
+                            &run_dir.join("best_model.safetensors"),
+                            &model,
+                            &avg,
+                            step,
+                        )?;
+                    }
                 }
             } else {
                 console.progress(&row);
             }
-            metrics.write(&row)?;
+            if let Some(m) = metrics.as_mut() {
+                m.write(&row)?;
+            }
             window = Window::new(sync.comm_stats());
         }
 
-        let exit = if step >= t.n_steps {
-            Some(Exit::Finished)
-        } else if let Some(sig) = stop.received() {
-            Some(Exit::Signal(sig))
+        // Every rank must take the same exit decision: combine the local reasons.
+        let local = if step >= t.n_steps {
+            1.0
+        } else if setup.stop.received().is_some() {
+            2.0
         } else if t.exit_interval.is_some_and(|n| step - start_step >= n) {
-            Some(Exit::ExitInterval)
+            3.0
         } else if t
             .exit_duration_mins
             .is_some_and(|m| started.elapsed().as_secs_f64() >= m * 60.0)
         {
-            Some(Exit::ExitDuration)
+            4.0
         } else {
-            None
+            0.0
+        };
+        let mut votes = [local];
+        if world > 1 {
+            // Any rank's reason stops everyone (the largest code wins: signals beat time limits).
+            let mut all = vec![0.0f32; world];
+            all[rank] = local;
+            sync.mean_scalars(&mut all)?;
+            votes[0] = all.iter().cloned().fold(0.0, f32::max) * world as f32;
+        }
+        let exit = match votes[0].round() as u32 {
+            0 => None,
+            1 => Some(Exit::Finished),
+            2 => Some(Exit::Signal(
+                setup.stop.received().unwrap_or("a signal on another rank"),
+            )),
+            3 => Some(Exit::ExitInterval),
+            _ => Some(Exit::ExitDuration),
         };
         let interval_save = cfg.log.ckpt_interval > 0 && step % cfg.log.ckpt_interval == 0;
         if exit.is_some() || interval_save {
+            let state = checkpoint::RankState {
+                params: flat.clone(),
+                optimizer: opt.state(),
+                meta: checkpoint::RankMeta {
+                    rank,
+                    dropout_word_pos: {
+                        let p = dropout_rng.get_word_pos();
+                        [(p >> 64) as u64, p as u64]
+                    },
+                    loss_window: (window.loss_sum, window.loss_steps),
+                    optimizer: opt.state(),
+                },
+            };
             let manifest = Manifest {
                 format: "nanodist-checkpoint".into(),
                 version: 1,
                 step,
                 tokens,
+                world_size: world,
                 elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
                 best_val_loss: best_val,
-                samplers: vec![sampler.state()],
-                dropout_word_pos: {
-                    let p = dropout_rng.get_word_pos();
-                    [(p >> 64) as u64, p as u64]
-                },
-                optimizer: opt.state(),
                 config: cfg.to_toml(),
-                loss_window: (window.loss_sum, window.loss_steps),
-                tokenizer: tokenizer.clone(),
+                tokenizer: setup.tokenizer.clone(),
                 files: Default::default(),
             };
-            metrics.sync()?;
+            if let Some(m) = metrics.as_mut() {
+                m.sync()?;
+            }
+            sync.average(&flat, &mut avg)?;
+            let keep = cfg.log.keep_checkpoints as usize;
             let dir = checkpoint::save(
+                sync.as_mut(),
                 &run_dir.join("checkpoints"),
                 &model,
-                &flat,
+                &state,
+                &avg,
                 manifest,
-                cfg.log.keep_checkpoints as usize,
+                keep,
             )?;
             console.note(&format!("saved checkpoint {}", dir.display()));
         }
@@ -326,7 +474,7 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
     };
     console.finish();
     Ok(Summary {
-        run_dir,
+        run_dir: run_dir.clone(),
         step,
         last_val_loss: last_val,
         exit,
@@ -390,10 +538,19 @@ impl Window {
 struct Console {
     bar: Option<indicatif::ProgressBar>,
     n_steps: u64,
+    silent: bool,
 }
 
 impl Console {
-    fn new(n_steps: u64, start: u64) -> Self {
+    /// Only rank 0 prints; other ranks get a silent console.
+    fn new(n_steps: u64, start: u64, root: bool) -> Self {
+        if !root {
+            return Self {
+                bar: None,
+                n_steps,
+                silent: true,
+            };
+        }
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = indicatif::ProgressBar::new(n_steps);
             if let Ok(style) =
@@ -404,10 +561,17 @@ impl Console {
             bar.set_position(start);
             bar
         });
-        Self { bar, n_steps }
+        Self {
+            bar,
+            n_steps,
+            silent: false,
+        }
     }
 
     fn progress(&self, r: &Row) {
+        if self.silent {
+            return;
+        }
         let msg = format!(
             "loss {:.4} lr {:.2e} {:.0} tok/s",
             r.train_loss, r.lr, r.tokens_per_s
@@ -450,6 +614,9 @@ impl Console {
     }
 
     fn note(&self, line: &str) {
+        if self.silent {
+            return;
+        }
         match &self.bar {
             Some(bar) => bar.println(line),
             None => println!("{line}"),

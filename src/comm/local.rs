@@ -1,0 +1,298 @@
+//! The `local` engine: N workers as threads of one process, exchanging through shared memory.
+//!
+//! Every collective is: deposit this rank's buffer in its slot, wait at a barrier, read the slots, wait
+//! again before the slots are reused. Reductions add the slots in rank order 0..N on every rank, so all
+//! ranks get bit-identical results and runs are reproducible. Barriers time out and name the ranks that
+//! never arrived; a worker that fails marks the group failed so the others stop at once instead of
+//! waiting for the timeout.
+
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+use super::{CommStats, Communicator};
+
+struct Barrier {
+    generation: u64,
+    arrived: Vec<bool>,
+    count: usize,
+    failed: Option<(usize, String)>,
+}
+
+struct Shared {
+    n: usize,
+    timeout: Duration,
+    barrier: Mutex<Barrier>,
+    cv: Condvar,
+    slots: Vec<RwLock<Vec<f32>>>,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Barrier> {
+        // A panicking worker poisons the mutex; the state itself stays consistent, so keep using it.
+        self.barrier.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait(&self, rank: usize) -> Result<()> {
+        let mut b = self.lock();
+        if let Some((r, why)) = &b.failed {
+            bail!("rank {r} failed: {why}");
+        }
+        let gen = b.generation;
+        b.arrived[rank] = true;
+        b.count += 1;
+        if b.count == self.n {
+            b.count = 0;
+            b.arrived.iter_mut().for_each(|a| *a = false);
+            b.generation += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.timeout;
+        while b.generation == gen {
+            if let Some((r, why)) = &b.failed {
+                bail!("rank {r} failed: {why}");
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let missing: Vec<usize> = (0..self.n).filter(|&r| !b.arrived[r]).collect();
+                bail!(
+                    "rank {rank}: timed out after {:.0} s waiting for rank(s) {missing:?} in a collective \
+                     (train.comm_timeout_secs)",
+                    self.timeout.as_secs_f64()
+                );
+            }
+            b = self
+                .cv
+                .wait_timeout(b, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+}
+
+/// One rank's handle on a local group.
+pub struct LocalComm {
+    rank: usize,
+    shared: Arc<Shared>,
+    stats: CommStats,
+}
+
+/// Creates the N communicators of a local group (hand one to each worker thread).
+pub fn group(n: usize, timeout: Duration) -> Vec<LocalComm> {
+    let shared = Arc::new(Shared {
+        n,
+        timeout,
+        barrier: Mutex::new(Barrier {
+            generation: 0,
+            arrived: vec![false; n],
+            count: 0,
+            failed: None,
+        }),
+        cv: Condvar::new(),
+        slots: (0..n).map(|_| RwLock::new(Vec::new())).collect(),
+    });
+    (0..n)
+        .map(|rank| LocalComm {
+            rank,
+            shared: Arc::clone(&shared),
+            stats: CommStats::default(),
+        })
+        .collect()
+}
+
+/// A handle that can mark a rank failed after its communicator moved into the worker.
+pub struct Failer {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl Failer {
+    pub fn fail(&self, why: &str) {
+        let mut b = self.shared.lock();
+        if b.failed.is_none() {
+            b.failed = Some((self.rank, why.to_string()));
+        }
+        self.shared.cv.notify_all();
+    }
+}
+
+impl LocalComm {
+    pub fn failer(&self) -> Failer {
+        Failer {
+            rank: self.rank,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    /// Marks this rank failed: every other rank's next or current collective returns an error naming it.
+    pub fn fail(&self, why: &str) {
+        self.failer().fail(why);
+    }
+
+    fn deposit(&self, buf: &[f32]) {
+        let mut slot = self.shared.slots[self.rank]
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        slot.clear();
+        slot.extend_from_slice(buf);
+    }
+
+    /// Sums the slots of `ranks` (in the given order) into `buf`.
+    fn sum_slots(&self, ranks: &[usize], buf: &mut [f32]) {
+        let guards: Vec<_> = ranks
+            .iter()
+            .map(|&r| {
+                self.shared.slots[r]
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+            })
+            .collect();
+        buf.copy_from_slice(&guards[0][..buf.len()]);
+        for g in &guards[1..] {
+            for (b, s) in buf.iter_mut().zip(g.iter()) {
+                *b += s;
+            }
+        }
+    }
+
+    fn account(&mut self, bytes: u64, start: Instant) {
+        self.stats.bytes_sent += bytes;
+        self.stats.seconds += start.elapsed().as_secs_f64();
+        self.stats.calls += 1;
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.n
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
+        let start = Instant::now();
+        self.deposit(buf);
+        self.shared.wait(self.rank)?;
+        let all: Vec<usize> = (0..self.shared.n).collect();
+        self.sum_slots(&all, buf);
+        self.shared.wait(self.rank)?;
+        // Bytes a ring all-reduce sends per rank: 2 (N - 1) / N of the buffer.
+        let n = self.shared.n as u64;
+        self.account(2 * (n - 1) * (buf.len() as u64 * 4) / n, start);
+        Ok(())
+    }
+
+    fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()> {
+        let start = Instant::now();
+        self.deposit(buf);
+        self.shared.wait(self.rank)?;
+        self.sum_slots(group, buf);
+        self.shared.wait(self.rank)?;
+        // Point-to-point: this rank sends its buffer to each other member of its group.
+        self.account((group.len() as u64 - 1) * buf.len() as u64 * 4, start);
+        Ok(())
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
+        let start = Instant::now();
+        if self.rank == root {
+            self.deposit(buf);
+        }
+        self.shared.wait(self.rank)?;
+        if self.rank != root {
+            self.sum_slots(&[root], buf);
+        }
+        self.shared.wait(self.rank)?;
+        let sent = if self.rank == root {
+            (self.shared.n as u64 - 1) * buf.len() as u64 * 4
+        } else {
+            0
+        };
+        self.account(sent, start);
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.shared.wait(self.rank)
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_reduce_is_the_rank_ordered_sum_on_every_rank() {
+        let comms = group(4, Duration::from_secs(10));
+        let results: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|mut c| {
+                    s.spawn(move || {
+                        let r = c.rank() as f32;
+                        let mut buf = vec![r + 0.1, 1e8 * (r - 1.5), 1.0];
+                        c.all_reduce_sum(&mut buf).unwrap();
+                        let mut grp = vec![r];
+                        let peers = if c.rank() % 2 == 0 {
+                            [c.rank(), c.rank() + 1]
+                        } else {
+                            [c.rank() - 1, c.rank()]
+                        };
+                        c.group_all_reduce_sum(&mut grp, &peers).unwrap();
+                        buf.extend(grp);
+                        buf
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want = ((0.1f32 + 1.1) + 2.1) + 3.1;
+        for (rank, r) in results.iter().enumerate() {
+            assert_eq!(r[..3], results[0][..3], "bit-identical on every rank");
+            assert_eq!(r[0], want);
+            assert_eq!(r[2], 4.0);
+            assert_eq!(r[3], if rank < 2 { 1.0 } else { 5.0 });
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_times_out_with_its_name_and_a_failed_rank_stops_the_others() {
+        let mut comms = group(3, Duration::from_millis(300));
+        let c2 = comms.pop().unwrap();
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|mut c| s.spawn(move || c.barrier().unwrap_err().to_string()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(
+            errs.iter()
+                .all(|e| e.contains("[2]") && e.contains("timed out")),
+            "{errs:?}"
+        );
+
+        let mut comms = group(2, Duration::from_secs(60));
+        let c1 = comms.pop().unwrap();
+        let mut c0 = comms.pop().unwrap();
+        let start = Instant::now();
+        let err = std::thread::scope(|s| {
+            let h = s.spawn(move || c0.barrier().unwrap_err().to_string());
+            std::thread::sleep(Duration::from_millis(50));
+            c1.fail("out of memory");
+            h.join().unwrap()
+        });
+        assert!(err.contains("rank 1 failed: out of memory"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(5));
+        drop(c2);
+    }
+}
