@@ -200,11 +200,18 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Train { args } => {
             let loaded = load(&args)?;
-            for note in &loaded.notes {
-                eprintln!("note: {note}");
+            // In a multi-process job only rank 0 talks.
+            let root = LaunchEnv::process_rank().unwrap_or(0) == 0;
+            if root {
+                for note in &loaded.notes {
+                    eprintln!("note: {note}");
+                }
+                eprintln!("{}", loaded.plan);
             }
-            eprintln!("{}", loaded.plan);
             let summary = nanodist::train::run(&loaded)?;
+            if !root {
+                return Ok(());
+            }
             let how = match &summary.exit {
                 nanodist::train::Exit::Finished => "finished".to_string(),
                 nanodist::train::Exit::ExitInterval => "stopped at train.exit_interval".to_string(),

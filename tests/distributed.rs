@@ -9,34 +9,11 @@ use nanodist::metrics::read_rows;
 use nanodist::sync::{topology, Gossip, SyncBackend};
 use nanodist::train;
 
-fn make_data(dir: &Path) {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-    for (name, n) in [("train.bin", 40_000), ("val.bin", 4_000)] {
-        let mut t = 0u16;
-        let bytes: Vec<u8> = (0..n)
-            .flat_map(|_| {
-                t = if rng.random::<f64>() < 0.8 {
-                    (t * 3 + 1) % 48
-                } else {
-                    rng.random_range(0..48)
-                };
-                t.to_le_bytes()
-            })
-            .collect();
-        std::fs::write(dir.join(name), bytes).unwrap();
-    }
-}
+mod common;
+use common::{make_data, tiny_config};
 
 fn train_with(dir: &Path, workers: usize, set: &[&str]) -> Vec<nanodist::metrics::Row> {
-    let src = format!(
-        "log_dir = {:?}\ndata_dir = {:?}\n[log]\nrun_name = \"w{workers}\"\neval_interval = 10\neval_steps = 4\nlog_interval = 1\n\
-         ckpt_interval = 0\n[train]\nseed = 3\nglobal_batch_size = 8\ncontext_length = 16\nn_steps = 20\n\
-         [train.lr_schedule]\nname = \"cosine\"\nlr = 3e-3\nwarmup_steps = 4\neta_min = 3e-4\n\
-         [model]\nn_layers = 2\nn_heads = 2\nn_embd = 32\nvocab_size = 64\nbias = true\n",
-        dir.join("log").display().to_string(),
-        dir.display().to_string()
-    );
+    let src = tiny_config(dir, &format!("w{workers}"));
     let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
     let launch = LaunchEnv {
         workers_flag: Some(workers),

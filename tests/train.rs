@@ -263,13 +263,13 @@ fn missing_data_and_unimplemented_backends_are_clear_errors() {
     let out = Command::new(exe)
         .arg("train")
         .arg(&cfg)
-        .args(["--set", "train.engine=mpi"])
+        .args(["--set", "train.engine=nccl"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("\"mpi\"") && err.contains("implemented so far"),
+        err.contains("\"nccl\"") && err.contains("implemented so far"),
         "{err}"
     );
     let out = Command::new(exe)

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use super::{CommStats, Communicator};
+use super::{all_reduce_bytes, CommStats, Communicator};
 
 struct Barrier {
     generation: u64,
@@ -26,6 +26,8 @@ struct Shared {
     barrier: Mutex<Barrier>,
     cv: Condvar,
     slots: Vec<RwLock<Vec<f32>>>,
+    /// Point-to-point mailboxes, index src * n + dst.
+    mail: Vec<Mutex<Vec<f32>>>,
 }
 
 impl Shared {
@@ -93,6 +95,7 @@ pub fn group(n: usize, timeout: Duration) -> Vec<LocalComm> {
         }),
         cv: Condvar::new(),
         slots: (0..n).map(|_| RwLock::new(Vec::new())).collect(),
+        mail: (0..n * n).map(|_| Mutex::new(Vec::new())).collect(),
     });
     (0..n)
         .map(|rank| LocalComm {
@@ -181,9 +184,8 @@ impl Communicator for LocalComm {
         let all: Vec<usize> = (0..self.shared.n).collect();
         self.sum_slots(&all, buf);
         self.shared.wait(self.rank)?;
-        // Bytes a ring all-reduce sends per rank: 2 (N - 1) / N of the buffer.
-        let n = self.shared.n as u64;
-        self.account(2 * (n - 1) * (buf.len() as u64 * 4) / n, start);
+        // What the MPI engine's reduce-scatter + all-gather sends from this rank.
+        self.account(all_reduce_bytes(buf.len(), self.shared.n, self.rank), start);
         Ok(())
     }
 
@@ -214,6 +216,61 @@ impl Communicator for LocalComm {
             0
         };
         self.account(sent, start);
+        Ok(())
+    }
+
+    fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()> {
+        let n = self.shared.n;
+        if out.len() != n * send.len() {
+            bail!(
+                "all_gather: output holds {} values, expected world size {n} x {}",
+                out.len(),
+                send.len()
+            );
+        }
+        let start = Instant::now();
+        self.deposit(send);
+        self.shared.wait(self.rank)?;
+        if !send.is_empty() {
+            for (r, piece) in out.chunks_mut(send.len()).enumerate() {
+                self.sum_slots(&[r], piece);
+            }
+        }
+        self.shared.wait(self.rank)?;
+        self.account((n as u64 - 1) * send.len() as u64 * 4, start);
+        Ok(())
+    }
+
+    fn exchange(
+        &mut self,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> Result<()> {
+        let (n, me) = (self.shared.n, self.rank);
+        let start = Instant::now();
+        for (dst, buf) in sends {
+            let mut m = self.shared.mail[me * n + dst]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            m.clear();
+            m.extend_from_slice(buf);
+        }
+        self.shared.wait(me)?;
+        for (src, buf) in recvs.iter_mut() {
+            let m = self.shared.mail[*src * n + me]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if m.len() != buf.len() {
+                bail!(
+                    "rank {me}: exchange expected {} values from rank {src}, it sent {}",
+                    buf.len(),
+                    m.len()
+                );
+            }
+            buf.copy_from_slice(&m);
+        }
+        self.shared.wait(me)?;
+        self.account(sends.iter().map(|(_, b)| b.len() as u64 * 4).sum(), start);
         Ok(())
     }
 

@@ -2,6 +2,8 @@
 //! this trait alone, so engines (threads, MPI, NCCL) plug in without changing callers.
 
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 
 use anyhow::Result;
 
@@ -13,7 +15,22 @@ pub struct CommStats {
     pub calls: u64,
 }
 
-pub trait Communicator: Send {
+/// Chunk c of a buffer of `len` elements split over `n` ranks (the first `len % n` chunks are one longer).
+pub fn chunk(len: usize, n: usize, c: usize) -> std::ops::Range<usize> {
+    let (base, extra) = (len / n, len % n);
+    let start = c * base + c.min(extra);
+    start..start + base + usize::from(c < extra)
+}
+
+/// Bytes `rank` sends in an all-reduce of `len` f32 by reduce-scatter + all-gather (the bandwidth of a
+/// ring all-reduce, 2 (N - 1) / N of the buffer): every chunk but its own, then its own to N - 1 peers.
+pub fn all_reduce_bytes(len: usize, n: usize, rank: usize) -> u64 {
+    let mine = chunk(len, n, rank).len();
+    4 * ((len - mine) + (n - 1) * mine) as u64
+}
+
+/// Collectives are called by every rank in the same order. Engines count the bytes each rank sends.
+pub trait Communicator {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
     /// Element-wise sum over all ranks, in place.
@@ -21,6 +38,16 @@ pub trait Communicator: Send {
     /// Sum over the ranks of `group` (this rank among them), in place. Every rank calls it in the same
     /// round, each with its own group; groups of one round are disjoint (gossip mixing).
     fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()>;
+    /// Concatenation of every rank's `send` (all the same length), in rank order, into `out`.
+    fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()>;
+    /// Grouped point-to-point: sends `sends[i].1` to rank `sends[i].0` and receives from rank `recvs[j].0`
+    /// into `recvs[j].1`, all in one call (the shape of NCCL's group start/end). Every rank calls it in
+    /// the same round, with or without peers; the sizes of matching sends and receives agree.
+    fn exchange(
+        &mut self,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> Result<()>;
     /// Copies `root`'s buffer to every rank.
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()>;
     fn barrier(&mut self) -> Result<()>;
@@ -45,6 +72,20 @@ impl Communicator for Solo {
     fn group_all_reduce_sum(&mut self, _buf: &mut [f32], _group: &[usize]) -> Result<()> {
         Ok(())
     }
+    fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()> {
+        out.copy_from_slice(send);
+        Ok(())
+    }
+    fn exchange(
+        &mut self,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> Result<()> {
+        if !sends.is_empty() || !recvs.is_empty() {
+            anyhow::bail!("exchange with peers in a world of one rank");
+        }
+        Ok(())
+    }
     fn broadcast(&mut self, _buf: &mut [f32], _root: usize) -> Result<()> {
         Ok(())
     }
@@ -53,5 +94,31 @@ impl Communicator for Solo {
     }
     fn stats(&self) -> CommStats {
         CommStats::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_tile_the_buffer_and_all_reduce_bytes_are_the_ring_volume() {
+        for len in [0, 1, 5, 7, 64, 1001] {
+            for n in 1..9 {
+                let mut next = 0;
+                for c in 0..n {
+                    let r = chunk(len, n, c);
+                    assert_eq!(r.start, next);
+                    next = r.end;
+                }
+                assert_eq!(next, len);
+                if len % n == 0 {
+                    assert_eq!(
+                        all_reduce_bytes(len, n, 0),
+                        (2 * (n - 1) * len * 4 / n) as u64
+                    );
+                }
+            }
+        }
     }
 }

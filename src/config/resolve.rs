@@ -16,11 +16,20 @@ pub struct LaunchEnv {
     /// World size and ranks per node reported by a launcher, if any.
     pub launcher_world: Option<usize>,
     pub launcher_local_world: Option<usize>,
+    /// Processes started together by mpirun or srun (OMPI_COMM_WORLD_SIZE, SLURM_STEP_NUM_TASKS).
+    pub launched_processes: Option<usize>,
     /// Path of the prepared data's vocabulary size (`meta.json`), when the data is present.
     pub data_vocab: Option<(String, usize)>,
 }
 
 impl LaunchEnv {
+    /// This process's rank in a job started by mpirun or srun.
+    pub fn process_rank() -> Option<usize> {
+        ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
+            .iter()
+            .find_map(|n| std::env::var(n).ok()?.trim().parse().ok())
+    }
+
     /// Reads the launcher's variables: Open MPI, Slurm, then torchrun's.
     pub fn from_env(workers_flag: Option<usize>) -> Self {
         let var = |names: &[&str]| {
@@ -42,6 +51,7 @@ impl LaunchEnv {
                 "SLURM_NTASKS_PER_NODE",
                 "LOCAL_WORLD_SIZE",
             ]),
+            launched_processes: var(&["OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"]),
             data_vocab: None,
         }
     }
@@ -121,6 +131,16 @@ pub fn resolve(
     let mut notes = Vec::new();
     let (world, local_world) = match t.engine {
         Engine::Local => {
+            if let Some(p) = launch.launched_processes.filter(|&p| p > 1) {
+                problems.push(Problem {
+                    path: "train.engine".into(),
+                    origin: super::tree::find(doc, "train.engine").map(|n| n.origin.clone()),
+                    message: format!(
+                        "the launcher started {p} processes but the engine is \"local\" (threads of one process), \
+                         so every process would train alone; set train.engine = \"mpi\" (--set train.engine=mpi)"
+                    ),
+                });
+            }
             let w = launch.workers_flag.or(t.workers).unwrap_or(1);
             (w, Some(t.ranks_per_node.unwrap_or(w)))
         }
@@ -138,7 +158,7 @@ pub fn resolve(
             }
             (
                 launch.launcher_world.unwrap_or(1),
-                launch.launcher_local_world,
+                t.ranks_per_node.or(launch.launcher_local_world),
             )
         }
     };

@@ -42,8 +42,9 @@ pub struct TrainConfig {
     /// World size of the local engine (overridden by --workers).
     #[schemars(range(min = 1, max = 1024))]
     pub workers: Option<usize>,
-    /// Ranks per simulated node for the local engine (default: all workers on one node); the node layout
-    /// matters for `topology = "alternating-exp-ring"`. Launchers (mpirun, srun) report the real layout.
+    /// Ranks per node as the topology sees it (`topology = "alternating-exp-ring"`). Default: the layout
+    /// the launcher reports (mpirun, srun), and for the local engine all workers on one node; set it to
+    /// simulate a multi-node layout.
     #[schemars(range(min = 1))]
     pub ranks_per_node: Option<usize>,
     /// Compute device.

