@@ -3,14 +3,13 @@
 
 use std::path::Path;
 
-use nanodist::comm::{local, Communicator};
 use nanodist::config::{self, LaunchEnv, Topology};
 use nanodist::metrics::read_rows;
 use nanodist::sync::{topology, Gossip, SyncBackend};
 use nanodist::train;
 
 mod common;
-use common::{make_data, tiny_config};
+use common::{make_data, on_ranks, tiny_config};
 
 fn train_with(dir: &Path, workers: usize, set: &[&str]) -> Vec<nanodist::metrics::Row> {
     let src = tiny_config(dir, &format!("w{workers}"));
@@ -115,18 +114,6 @@ fn gossip_runs_on_every_topology_and_complete_keeps_replicas_identical() {
             "{topo} trains"
         );
     }
-}
-
-/// Runs `f` on every rank of a local group of `n` and returns the results in rank order.
-fn on_ranks<T: Send>(n: usize, f: impl Fn(Box<dyn Communicator>) -> T + Sync) -> Vec<T> {
-    std::thread::scope(|s| {
-        let f = &f;
-        let hs: Vec<_> = local::group(n, std::time::Duration::from_secs(30))
-            .into_iter()
-            .map(|c| s.spawn(move || f(Box::new(c))))
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    })
 }
 
 fn replica(rank: usize) -> Vec<f32> {

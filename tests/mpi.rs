@@ -120,6 +120,12 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
                 "train.ranks_per_node=2",
             ],
         ),
+        (2, vec![r#"train.compression={ name = "topk", density = 0.05 }"#]),
+        (
+            2,
+            vec![r#"train.compression={ name = "radius", density = 0.05, interval = 4, threshold = 3 }"#],
+        ),
+        (2, vec![r#"train.compression={ name = "powersgd", rank = 2, start_iter = 3 }"#]),
     ];
     for (i, (np, set)) in cases.into_iter().enumerate() {
         let name = format!("case{i}");

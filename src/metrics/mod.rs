@@ -36,6 +36,18 @@ pub struct Row {
     /// Gossip: mean distance of the replicas to their average, at evaluation.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub consensus_distance: Option<f64>,
+    /// Compressed reducers: dense all-reduce bytes / bytes sent, over the steps since the last row.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub compression_ratio: Option<f64>,
+    /// ||g - g_hat|| / ||g|| on rank 0 (g: gradient + residual, g_hat: what the step applied), mean over the steps.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub compression_error: Option<f64>,
+    /// Radius: |new ∩ old| / |new| of the top-k sets at the re-selections since the last row.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub topk_overlap: Option<f64>,
+    /// PowerSGD: fraction of the parameters in compressed matrices.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub compressed_fraction: Option<f64>,
 }
 
 /// Appends rows to `metrics.jsonl`, one JSON object per line, flushed per row.

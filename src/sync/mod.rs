@@ -2,6 +2,7 @@
 //! (allreduce, compressed reducers), mix parameters after it (gossip), and average the replicas before
 //! evaluation and checkpoints.
 
+pub mod compress;
 pub mod topology;
 
 use anyhow::Result;
@@ -15,8 +16,9 @@ pub trait SyncBackend {
     fn name(&self) -> &'static str;
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
-    /// Turns this worker's gradient into the gradient of the update (e.g. the average over workers).
-    fn reduce_grads(&mut self, grads: &mut [f32]) -> Result<()>;
+    /// Turns this worker's gradient of step `step` into the gradient of the update (e.g. the average
+    /// over workers, or a compressed approximation of it).
+    fn reduce_grads(&mut self, grads: &mut [f32], step: u64) -> Result<()>;
     /// Runs after the optimizer step (gossip mixes parameters here); allreduce has nothing to do.
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()>;
     /// Mean over workers of a few scalars (losses for logging).
@@ -26,6 +28,17 @@ pub trait SyncBackend {
     fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64>;
     fn barrier(&mut self) -> Result<()>;
     fn comm_stats(&self) -> CommStats;
+    /// State to checkpoint (a compressed reducer's residuals, masks, factors); empty for the others.
+    fn state(&self) -> compress::State {
+        Vec::new()
+    }
+    fn load_state(&mut self, _state: compress::State) -> Result<()> {
+        Ok(())
+    }
+    /// Compression metrics since the last call (None without compression).
+    fn take_compression(&mut self) -> Option<compress::Summary> {
+        None
+    }
 }
 
 fn average_with(comm: &mut dyn Communicator, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
@@ -72,7 +85,7 @@ impl SyncBackend for AllReduce {
     fn world_size(&self) -> usize {
         self.comm.world_size()
     }
-    fn reduce_grads(&mut self, grads: &mut [f32]) -> Result<()> {
+    fn reduce_grads(&mut self, grads: &mut [f32], _step: u64) -> Result<()> {
         let n = self.comm.world_size();
         if n == 1 {
             return Ok(());
@@ -136,7 +149,7 @@ impl SyncBackend for Gossip {
     fn world_size(&self) -> usize {
         self.comm.world_size()
     }
-    fn reduce_grads(&mut self, _grads: &mut [f32]) -> Result<()> {
+    fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64) -> Result<()> {
         Ok(())
     }
     /// x_i <- w x_i + (1 - w) / (|R| - 1) * sum_{j != i} x_j, computed as Decent-DP does: the group
@@ -179,18 +192,73 @@ impl SyncBackend for Gossip {
     }
 }
 
+/// Gradient averaging through a compressed reducer (top-k, Radius, PowerSGD).
+pub struct Compressed {
+    comm: Box<dyn Communicator>,
+    reducer: Box<dyn compress::Reducer>,
+    window: compress::Window,
+}
+
+impl Compressed {
+    pub fn new(comm: Box<dyn Communicator>, reducer: Box<dyn compress::Reducer>) -> Self {
+        Self {
+            comm,
+            reducer,
+            window: compress::Window::default(),
+        }
+    }
+}
+
+impl SyncBackend for Compressed {
+    fn name(&self) -> &'static str {
+        "pytorchddp"
+    }
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+    fn reduce_grads(&mut self, grads: &mut [f32], step: u64) -> Result<()> {
+        let before = self.comm.stats();
+        let report = self.reducer.reduce(self.comm.as_mut(), grads, step)?;
+        let (n, rank) = (self.comm.world_size(), self.comm.rank());
+        self.window
+            .add(grads.len(), n, rank, &before, &self.comm.stats(), &report);
+        Ok(())
+    }
+    fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
+        Ok(())
+    }
+    fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
+        mean_scalars(self.comm.as_mut(), xs)
+    }
+    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
+        average_with(self.comm.as_mut(), params, avg)
+    }
+    fn barrier(&mut self) -> Result<()> {
+        self.comm.barrier()
+    }
+    fn comm_stats(&self) -> CommStats {
+        self.comm.stats()
+    }
+    fn state(&self) -> compress::State {
+        self.reducer.state()
+    }
+    fn load_state(&mut self, state: compress::State) -> Result<()> {
+        self.reducer.load_state(state)
+    }
+    fn take_compression(&mut self) -> Option<compress::Summary> {
+        Some(self.window.take())
+    }
+}
+
 /// Checks that this build can run `plan` (before any worker starts), or names what exists.
 pub fn supported(cfg: &Config, plan: &Plan) -> Result<()> {
     const DONE: &str = "implemented so far: backends \"pytorchddp\" and \"decentdp\" on engines \"local\" and \"mpi\"";
     if plan.engine == Engine::Nccl {
         return Err(bad_input!(
             "train.engine = \"nccl\" is validated but not implemented in this build; {DONE}"
-        ));
-    }
-    if let Some(c) = &cfg.train.compression {
-        return Err(bad_input!(
-            "train.compression {:?} is validated but not implemented yet; {DONE}",
-            c.name()
         ));
     }
     if cfg.train.backend == Backend::DecentDp && cfg.train.overlap == Some(true) {
@@ -207,14 +275,19 @@ pub fn build(
     cfg: &Config,
     plan: &Plan,
     comm: Box<dyn Communicator>,
+    tensors: Vec<compress::TensorView>,
 ) -> Result<Box<dyn SyncBackend>> {
     supported(cfg, plan)?;
-    Ok(match plan.backend {
-        Backend::PytorchDdp => Box::new(AllReduce::new(
+    Ok(match (plan.backend, &cfg.train.compression) {
+        (Backend::PytorchDdp, Some(c)) => Box::new(Compressed::new(
+            comm,
+            compress::build(c, tensors, cfg.train.seed)?,
+        )),
+        (Backend::PytorchDdp, None) => Box::new(AllReduce::new(
             comm,
             cfg.train.bucket_size_mb.unwrap_or(25.0),
         )),
-        Backend::DecentDp => {
+        (Backend::DecentDp, _) => {
             let per_node = plan.local_world_size.unwrap_or(plan.world_size);
             let rounds = topology::rounds(
                 cfg.train.topology.unwrap_or_default(),

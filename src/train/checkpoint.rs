@@ -48,6 +48,8 @@ pub struct Manifest {
 pub struct RankState {
     pub params: Vec<f32>,
     pub optimizer: OptimState,
+    /// The sync backend's state (compressed reducers), tensors `reducer.<name>`.
+    pub reducer: crate::sync::compress::State,
     pub meta: RankMeta,
 }
 
@@ -207,6 +209,9 @@ pub fn save(
     )];
     for (n, b) in &state.optimizer.buffers {
         tensors.push((format!("optim.{n}"), b.clone(), vec![b.len()]));
+    }
+    for (n, b) in &state.reducer {
+        tensors.push((format!("reducer.{n}"), b.clone(), vec![b.len()]));
     }
     let mut meta = state.meta.clone();
     meta.optimizer.buffers.clear();
@@ -392,12 +397,18 @@ pub fn restore(dir: &Path, model: &Gpt, rank: usize, world: usize) -> Result<Res
         .into_iter()
         .filter_map(|(n, t)| Some((n.strip_prefix("optim.")?.to_string(), bytes_f32(t.data()))))
         .collect();
+    let reducer = st
+        .tensors()
+        .into_iter()
+        .filter_map(|(n, t)| Some((n.strip_prefix("reducer.")?.to_string(), bytes_f32(t.data()))))
+        .collect();
     Ok(Restored {
         dir: dir.to_path_buf(),
         manifest,
         state: RankState {
             params,
             optimizer,
+            reducer,
             meta,
         },
     })

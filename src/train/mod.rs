@@ -264,12 +264,13 @@ fn evaluate_shared(
 fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
     let (cfg, plan) = (setup.cfg, setup.plan);
     let t = &cfg.train;
-    let mut sync = crate::sync::build(cfg, plan, comm)?;
-    let (rank, world) = (sync.rank(), sync.world_size());
-    let root = rank == 0;
     let (ctx, local_b, accum) = (t.context_length, plan.local_batch_size, plan.accum_steps);
     let device = Device::Cpu;
     let model = Gpt::new(&cfg.model, ctx, t.seed, &device)?;
+    let tensors = crate::sync::compress::TensorView::of(&model.params.params);
+    let mut sync = crate::sync::build(cfg, plan, comm, tensors)?;
+    let (rank, world) = (sync.rank(), sync.world_size());
+    let root = rank == 0;
     let segments: Vec<Segment> = model
         .params
         .params
@@ -298,6 +299,7 @@ fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
                     (m.step, m.tokens, m.best_val_loss, m.elapsed_s);
                 flat = r.state.params;
                 opt.load_state(r.state.optimizer)?;
+                sync.load_state(r.state.reducer)?;
                 let [hi, lo] = r.state.meta.dropout_word_pos;
                 dropout_rng.set_word_pos(((hi as u128) << 64) | lo as u128);
                 loss_window = r.state.meta.loss_window;
@@ -362,7 +364,7 @@ fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
             let g = (loss / accum as f64)?.backward()?;
             model.params.accumulate_grads(&g, &mut grads)?;
         }
-        sync.reduce_grads(&mut grads)?;
+        sync.reduce_grads(&mut grads, step)?;
         let grad_norm = optim::clip_grad_norm(&mut grads, t.grad_norm_clip);
         opt.step(&mut flat, &grads, lr);
         sync.after_step(&mut flat, step)?;
@@ -389,6 +391,12 @@ fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
             );
             row.elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
             row.mfu = Some(plan.flops_per_token as f64 * row.tokens_per_s / PEAK_FLOPS);
+            if let Some(c) = sync.take_compression() {
+                row.compression_ratio = c.compression_ratio;
+                row.compression_error = c.compression_error;
+                row.topk_overlap = c.topk_overlap;
+                row.compressed_fraction = c.compressed_fraction;
+            }
             if eval_now {
                 // Train time counts training since the last evaluation, not the evaluation itself.
                 let (secs, steps) = (eval_window.0.elapsed().as_secs_f64(), step - eval_window.1);
@@ -488,6 +496,7 @@ fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
             let state = checkpoint::RankState {
                 params: flat.clone(),
                 optimizer: opt.state(),
+                reducer: sync.state(),
                 meta: checkpoint::RankMeta {
                     rank,
                     dropout_word_pos: {

@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+use nanodist::comm::{local, Communicator};
+
 /// Writes train.bin / val.bin (u16 tokens below 48) with learnable structure: mostly t -> 3t + 1 mod 48.
 pub fn make_data(dir: &Path) {
     use rand::{Rng, SeedableRng};
@@ -33,4 +35,16 @@ pub fn tiny_config(dir: &Path, run_name: &str) -> String {
         dir.join("log").display().to_string(),
         dir.display().to_string()
     )
+}
+
+/// Runs `f` on every rank of a local group of `n` and returns the results in rank order.
+pub fn on_ranks<T: Send>(n: usize, f: impl Fn(Box<dyn Communicator>) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let hs: Vec<_> = local::group(n, std::time::Duration::from_secs(30))
+            .into_iter()
+            .map(|c| s.spawn(move || f(Box::new(c))))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }

@@ -1,0 +1,279 @@
+//! Compressed gradient reducers for the gradient-averaging backend: top-k with error feedback, Radius
+//! stable top-k and PowerSGD. A reducer turns this rank's flat gradient into the (approximate) average
+//! over ranks, through the `Communicator`, and owns all its state (residuals, masks, low-rank factors)
+//! so that checkpoints restore it exactly.
+
+pub mod powersgd;
+pub mod radius;
+pub mod topk;
+
+use anyhow::{bail, Result};
+
+use crate::comm::{all_reduce_bytes, CommStats, Communicator};
+use crate::config::Compression;
+use crate::model::params::Param;
+
+/// One parameter tensor in the flat gradient, viewed as a `rows x cols` matrix (rows = first dimension).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorView {
+    pub offset: usize,
+    pub len: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// Rank >= 2: the references compress only these; vectors (biases, LayerNorm) go dense.
+    pub matrix: bool,
+}
+
+impl TensorView {
+    pub fn of(params: &[Param]) -> Vec<Self> {
+        params
+            .iter()
+            .map(|p| Self {
+                offset: p.offset,
+                len: p.len,
+                rows: p.shape.first().copied().unwrap_or(1),
+                cols: p.len / p.shape.first().copied().unwrap_or(1).max(1),
+                matrix: p.shape.len() >= 2,
+            })
+            .collect()
+    }
+
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.len
+    }
+}
+
+/// What one reduction measured, for the metrics rows.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    /// ||g - g_hat|| / ||g|| on this rank: g its gradient plus residual, g_hat what it applies.
+    pub error: Option<f64>,
+    /// Radius: |new ∩ old| / |new| of the top-k selections at a re-selection.
+    pub overlap: Option<f64>,
+    /// PowerSGD: fraction of the parameters in compressed matrices.
+    pub compressed_fraction: Option<f64>,
+}
+
+/// Named f32 buffers: a reducer's state in a checkpoint.
+pub type State = Vec<(String, Vec<f32>)>;
+
+pub trait Reducer {
+    /// Replaces `grads` (this rank's gradient) with the reduced average gradient of step `step`.
+    fn reduce(
+        &mut self,
+        comm: &mut dyn Communicator,
+        grads: &mut [f32],
+        step: u64,
+    ) -> Result<Report>;
+    fn state(&self) -> State;
+    /// Restores `state()`; an empty state (a dense checkpoint) starts the reducer fresh.
+    fn load_state(&mut self, state: State) -> Result<()>;
+}
+
+/// The configured reducer.
+pub fn build(c: &Compression, tensors: Vec<TensorView>, seed: u64) -> Result<Box<dyn Reducer>> {
+    Ok(match c {
+        Compression::TopK(t) => Box::new(topk::TopK::new(tensors, t.density, t.error_feedback)),
+        Compression::Radius(r) => {
+            if r.correction {
+                bail!(crate::error::BadInput(
+                    "train.compression.correction = true (Adam inside the Radius reducer) is not implemented; \
+                     use correction = false: the plain mode with error feedback"
+                        .into()
+                ));
+            }
+            Box::new(radius::Radius::new(tensors, r.clone()))
+        }
+        Compression::PowerSgd(p) => {
+            if p.single_allreduce && !p.warm_start {
+                bail!(crate::error::BadInput(
+                    "train.compression: single_allreduce = true needs warm_start = true (each step reuses the \
+                     factor averaged by the previous one)"
+                        .into()
+                ));
+            }
+            Box::new(powersgd::PowerSgd::new(tensors, p.clone(), seed))
+        }
+    })
+}
+
+/// Sum over ranks divided by the world size, in place.
+pub fn dense_average(comm: &mut dyn Communicator, buf: &mut [f32]) -> Result<()> {
+    let n = comm.world_size();
+    if n > 1 {
+        comm.all_reduce_sum(buf)?;
+        let inv = 1.0 / n as f32;
+        buf.iter_mut().for_each(|x| *x *= inv);
+    }
+    Ok(())
+}
+
+/// ||a - b|| / ||a|| (0 when a is 0).
+pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        num += ((x - y) as f64).powi(2);
+        den += (x as f64).powi(2);
+    }
+    if den == 0.0 {
+        0.0
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// Checks and takes a named buffer out of a restored state.
+pub fn take(state: &mut State, name: &str, len: Option<usize>) -> Result<Vec<f32>> {
+    let Some(i) = state.iter().position(|(n, _)| n == name) else {
+        bail!(crate::error::BadInput(format!(
+            "checkpoint: the reducer state has no buffer {name:?} (found {:?})",
+            state.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()
+        )));
+    };
+    let (_, v) = state.swap_remove(i);
+    if let Some(len) = len.filter(|&l| l != v.len()) {
+        bail!(crate::error::BadInput(format!(
+            "checkpoint: reducer buffer {name:?} holds {} values, this model needs {len}",
+            v.len()
+        )));
+    }
+    Ok(v)
+}
+
+/// Indices (u32) carried in f32 buffers bit for bit: collectives and checkpoints move bytes, never
+/// arithmetic, on them.
+pub fn indices_to_f32(idx: &[u32]) -> Vec<f32> {
+    idx.iter().map(|&i| f32::from_bits(i)).collect()
+}
+
+pub fn f32_to_indices(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The k entries of largest magnitude of `v` (ties broken towards lower indices), in ascending index
+/// order, appended to `out` as `base + i`. Selection, not a sort: O(len) with `select_nth_unstable`.
+pub fn top_k(v: &[f32], k: usize, base: u32, mags: &mut Vec<f32>, out: &mut Vec<u32>) {
+    if k >= v.len() {
+        out.extend((0..v.len() as u32).map(|i| base + i));
+        return;
+    }
+    if k == 0 {
+        return;
+    }
+    mags.clear();
+    mags.extend(v.iter().map(|x| x.abs()));
+    let pos = v.len() - k;
+    let (_, kth, _) = mags.select_nth_unstable_by(pos, |a, b| a.total_cmp(b));
+    let thr = *kth;
+    let above = v.iter().filter(|x| x.abs().total_cmp(&thr).is_gt()).count();
+    let mut ties = k - above;
+    let start = out.len();
+    for (i, x) in v.iter().enumerate() {
+        let m = x.abs();
+        match m.total_cmp(&thr) {
+            std::cmp::Ordering::Greater => out.push(base + i as u32),
+            std::cmp::Ordering::Equal if ties > 0 => {
+                ties -= 1;
+                out.push(base + i as u32);
+            }
+            _ => {}
+        }
+    }
+    debug_assert_eq!(out.len() - start, k);
+}
+
+/// Number of entries of a matrix tensor that top-k keeps: max(floor(density * len), 1).
+pub fn k_of(density: f64, len: usize) -> usize {
+    ((density * len as f64) as usize).clamp(1, len.max(1))
+}
+
+/// Window sums of the reducer metrics between two metrics rows.
+#[derive(Debug, Default)]
+pub struct Window {
+    dense_bytes: u64,
+    sent_bytes: u64,
+    error: (f64, u64),
+    overlap: (f64, u64),
+    fraction: Option<f64>,
+}
+
+/// Averages of a window, as written into the metrics row.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Summary {
+    pub compression_ratio: Option<f64>,
+    pub compression_error: Option<f64>,
+    pub topk_overlap: Option<f64>,
+    pub compressed_fraction: Option<f64>,
+}
+
+impl Window {
+    pub fn add(
+        &mut self,
+        numel: usize,
+        n: usize,
+        rank: usize,
+        before: &CommStats,
+        after: &CommStats,
+        r: &Report,
+    ) {
+        self.dense_bytes += all_reduce_bytes(numel, n, rank);
+        self.sent_bytes += after.bytes_sent - before.bytes_sent;
+        if let Some(e) = r.error {
+            self.error.0 += e;
+            self.error.1 += 1;
+        }
+        if let Some(o) = r.overlap {
+            self.overlap.0 += o;
+            self.overlap.1 += 1;
+        }
+        if r.compressed_fraction.is_some() {
+            self.fraction = r.compressed_fraction;
+        }
+    }
+
+    pub fn take(&mut self) -> Summary {
+        let w = std::mem::take(self);
+        let mean = |(s, c): (f64, u64)| (c > 0).then(|| s / c as f64);
+        Summary {
+            compression_ratio: (w.sent_bytes > 0)
+                .then(|| w.dense_bytes as f64 / w.sent_bytes as f64),
+            compression_error: mean(w.error),
+            topk_overlap: mean(w.overlap),
+            compressed_fraction: w.fraction,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_matches_a_full_sort_including_ties() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let mut mags = Vec::new();
+        for len in [1usize, 2, 7, 100, 1000] {
+            // Values on a coarse grid so that ties happen.
+            let v: Vec<f32> = (0..len)
+                .map(|_| rng.random_range(-8i32..8) as f32 / 4.0)
+                .collect();
+            for k in [0, 1, len / 3, len.saturating_sub(1), len] {
+                let mut got = Vec::new();
+                top_k(&v, k, 10, &mut mags, &mut got);
+                let mut order: Vec<usize> = (0..len).collect();
+                order.sort_by(|&a, &b| v[b].abs().total_cmp(&v[a].abs()).then(a.cmp(&b)));
+                let mut want: Vec<u32> =
+                    order[..k.min(len)].iter().map(|&i| i as u32 + 10).collect();
+                want.sort();
+                assert_eq!(got, want, "len {len} k {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn indices_survive_the_trip_through_f32() {
+        let idx = vec![0u32, 1, 0x7fc0_0001, u32::MAX, 123_456_789];
+        assert_eq!(f32_to_indices(&indices_to_f32(&idx)), idx);
+    }
+}

@@ -1,0 +1,149 @@
+//! Top-k sparsification with error feedback. Per matrix tensor, each rank keeps the k = density * numel
+//! entries of largest magnitude of gradient + residual, all-gathers (values, indices) since every rank
+//! picks different indices, and keeps what it did not send as its next residual. Vectors go dense.
+
+use anyhow::Result;
+use rayon::prelude::*;
+
+use super::{
+    dense_average, f32_to_indices, indices_to_f32, k_of, take, top_k, Reducer, Report, State,
+    TensorView,
+};
+use crate::comm::Communicator;
+use crate::optim::global_norm;
+
+pub struct TopK {
+    tensors: Vec<TensorView>,
+    error_feedback: bool,
+    /// Entries kept per tensor (0 for vectors, which are all-reduced whole).
+    k: Vec<usize>,
+    residual: Vec<f32>,
+}
+
+impl TopK {
+    pub fn new(tensors: Vec<TensorView>, density: f64, error_feedback: bool) -> Self {
+        let k = tensors
+            .iter()
+            .map(|t| if t.matrix { k_of(density, t.len) } else { 0 })
+            .collect();
+        Self {
+            tensors,
+            error_feedback,
+            k,
+            residual: Vec::new(),
+        }
+    }
+
+    fn numel(&self) -> usize {
+        self.tensors.iter().map(|t| t.len).sum()
+    }
+}
+
+impl Reducer for TopK {
+    fn reduce(
+        &mut self,
+        comm: &mut dyn Communicator,
+        grads: &mut [f32],
+        _step: u64,
+    ) -> Result<Report> {
+        let n = comm.world_size();
+        if self.error_feedback {
+            if self.residual.len() != grads.len() {
+                self.residual = vec![0.0; grads.len()];
+            }
+            grads
+                .iter_mut()
+                .zip(&self.residual)
+                .for_each(|(g, r)| *g += r);
+        }
+        // Dense part: the vectors, in one all-reduce.
+        let mut dense: Vec<f32> = self
+            .tensors
+            .iter()
+            .filter(|t| !t.matrix)
+            .flat_map(|t| grads[t.range()].iter().copied())
+            .collect();
+        dense_average(comm, &mut dense)?;
+        // Sparse part: per-tensor selections (in parallel), packed as [values | indices].
+        let selected: Vec<Vec<u32>> = self
+            .tensors
+            .par_iter()
+            .zip(&self.k)
+            .map(|(t, &k)| {
+                let mut idx = Vec::with_capacity(k);
+                if t.matrix {
+                    top_k(
+                        &grads[t.range()],
+                        k,
+                        t.offset as u32,
+                        &mut Vec::new(),
+                        &mut idx,
+                    );
+                }
+                idx
+            })
+            .collect();
+        let idx: Vec<u32> = selected.into_iter().flatten().collect();
+        let kk = idx.len();
+        let mut send: Vec<f32> = idx.iter().map(|&i| grads[i as usize]).collect();
+        send.extend(indices_to_f32(&idx));
+        let mut all = vec![0.0f32; send.len() * n];
+        comm.all_gather(&send, &mut all)?;
+
+        let acc_norm = global_norm(grads);
+        // The new residual: everything not sent (vectors are exact and leave none).
+        let mut residual = std::mem::take(&mut self.residual);
+        residual.clear();
+        residual.extend_from_slice(grads);
+        for t in self.tensors.iter().filter(|t| !t.matrix) {
+            residual[t.range()].iter_mut().for_each(|r| *r = 0.0);
+        }
+        for &i in &idx {
+            residual[i as usize] = 0.0;
+        }
+        let lost = global_norm(&residual);
+        // Decompress: rank-ordered sums of every rank's values, then the mean; vectors from the dense part.
+        let mut pos = 0;
+        for t in &self.tensors {
+            if t.matrix {
+                grads[t.range()].iter_mut().for_each(|g| *g = 0.0);
+            } else {
+                grads[t.range()].copy_from_slice(&dense[pos..pos + t.len]);
+                pos += t.len;
+            }
+        }
+        for part in all.chunks(2 * kk.max(1)).take(n) {
+            let (vals, ids) = part.split_at(kk);
+            for (v, i) in vals.iter().zip(f32_to_indices(ids)) {
+                grads[i as usize] += v;
+            }
+        }
+        let inv = 1.0 / n as f32;
+        for t in self.tensors.iter().filter(|t| t.matrix) {
+            grads[t.range()].iter_mut().for_each(|g| *g *= inv);
+        }
+        if self.error_feedback {
+            self.residual = residual;
+        }
+        Ok(Report {
+            error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
+            ..Report::default()
+        })
+    }
+
+    fn state(&self) -> State {
+        if self.residual.is_empty() {
+            return Vec::new();
+        }
+        vec![("residual".into(), self.residual.clone())]
+    }
+
+    fn load_state(&mut self, mut state: State) -> Result<()> {
+        if state.is_empty() {
+            self.residual.clear();
+            return Ok(());
+        }
+        self.residual = take(&mut state, "residual", Some(self.numel()))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,426 @@
+//! Compressed reducers against their oracles: dense all-reduce at full density / full rank, mass
+//! conservation of error feedback, PowerSGD exactness on low-rank input, the Radius mask against the
+//! top-k of the averaged gradient, and exact resume of reducer state through the training loop.
+
+use std::path::Path;
+
+use nanodist::comm::Communicator;
+use nanodist::config::backend::{PowerSgdConfig, RadiusConfig};
+use nanodist::config::{self, LaunchEnv};
+use nanodist::metrics::{read_rows, Row};
+use nanodist::sync::compress::{
+    self, powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer, TensorView,
+};
+use nanodist::train;
+use rand::{Rng, SeedableRng};
+
+mod common;
+use common::{make_data, on_ranks, tiny_config};
+
+/// A vector, two matrices of different shapes and one of the same shape as the first.
+fn tensors() -> Vec<TensorView> {
+    let shapes: [(usize, usize, bool); 4] =
+        [(7, 1, false), (12, 9, true), (6, 20, true), (12, 9, true)];
+    let mut off = 0;
+    shapes
+        .iter()
+        .map(|&(rows, cols, matrix)| {
+            let t = TensorView {
+                offset: off,
+                len: rows * cols,
+                rows,
+                cols,
+                matrix,
+            };
+            off += rows * cols;
+            t
+        })
+        .collect()
+}
+
+fn numel() -> usize {
+    tensors().iter().map(|t| t.len).sum()
+}
+
+fn gradient(rank: usize, step: u64) -> Vec<f32> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rank as u64 * 1000 + step);
+    (0..numel())
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect()
+}
+
+fn dense_mean(n: usize, step: u64) -> Vec<f32> {
+    let mut out = gradient(0, step);
+    for r in 1..n {
+        out.iter_mut()
+            .zip(gradient(r, step))
+            .for_each(|(o, g)| *o += g);
+    }
+    out.iter_mut().for_each(|o| *o *= 1.0 / n as f32);
+    out
+}
+
+/// Runs `steps` reductions of `gradient(rank, step)` on `n` ranks; returns each rank's outputs per step
+/// and its final reducer state.
+fn run(
+    n: usize,
+    steps: u64,
+    make: impl Fn() -> Box<dyn Reducer> + Sync,
+) -> Vec<(Vec<Vec<f32>>, compress::State)> {
+    on_ranks(n, |mut comm: Box<dyn Communicator>| {
+        let mut r = make();
+        let outs = (0..steps)
+            .map(|s| {
+                let mut g = gradient(comm.rank(), s);
+                r.reduce(comm.as_mut(), &mut g, s).unwrap();
+                g
+            })
+            .collect();
+        (outs, r.state())
+    })
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn powersgd(f: impl FnOnce(&mut PowerSgdConfig)) -> PowerSgdConfig {
+    let mut c = PowerSgdConfig {
+        start_iter: 2,
+        ..PowerSgdConfig::default()
+    };
+    f(&mut c);
+    c
+}
+
+#[test]
+fn full_density_topk_is_dense_allreduce_bit_for_bit() {
+    let n = 4;
+    for (outs, _) in run(n, 3, || Box::new(TopK::new(tensors(), 1.0, true))) {
+        for (s, o) in outs.iter().enumerate() {
+            assert_eq!(o, &dense_mean(n, s as u64), "step {s}");
+        }
+    }
+}
+
+#[test]
+fn full_rank_powersgd_is_dense_allreduce() {
+    let n = 3;
+    let cfg = powersgd(|c| {
+        c.rank = 100;
+        c.min_compression_rate = 0.0;
+    });
+    for batch in [false, true] {
+        let cfg = PowerSgdConfig {
+            batch_same_shape: batch,
+            ..cfg.clone()
+        };
+        for (outs, _) in run(n, 5, || Box::new(PowerSgd::new(tensors(), cfg.clone(), 7))) {
+            for (s, o) in outs.iter().enumerate() {
+                let d = max_diff(o, &dense_mean(n, s as u64));
+                assert!(d < 1e-4, "batch {batch} step {s}: {d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn error_feedback_conserves_mass() {
+    // n * sum_t output_t + sum_r residual_r = sum_{r,t} g_{r,t}: nothing is lost, only delayed.
+    let n = 3;
+    let steps = 6u64;
+    let check = |name: &str, results: Vec<(Vec<Vec<f32>>, compress::State)>, buffer: &str| {
+        let mut lhs = vec![0.0f64; numel()];
+        for o in &results[0].0 {
+            lhs.iter_mut()
+                .zip(o)
+                .for_each(|(l, x)| *l += n as f64 * *x as f64);
+        }
+        for (_, state) in &results {
+            let (_, res) = state.iter().find(|(k, _)| k == buffer).expect(buffer);
+            lhs.iter_mut().zip(res).for_each(|(l, x)| *l += *x as f64);
+        }
+        let mut rhs = vec![0.0f64; numel()];
+        for r in 0..n {
+            for s in 0..steps {
+                rhs.iter_mut()
+                    .zip(gradient(r, s))
+                    .for_each(|(l, x)| *l += x as f64);
+            }
+        }
+        let d = lhs
+            .iter()
+            .zip(&rhs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(d < 1e-4, "{name}: {d}");
+        // And compression did happen: the residual is not zero.
+        assert!(
+            results[0]
+                .1
+                .iter()
+                .any(|(_, v)| v.iter().any(|&x| x != 0.0)),
+            "{name}"
+        );
+    };
+    check(
+        "topk",
+        run(n, steps, || Box::new(TopK::new(tensors(), 0.1, true))),
+        "residual",
+    );
+    let radius = RadiusConfig {
+        density: 0.1,
+        interval: 4,
+        threshold: 1,
+        range: 1,
+        ..RadiusConfig::default()
+    };
+    check(
+        "radius",
+        run(n, steps, || {
+            Box::new(Radius::new(tensors(), radius.clone()))
+        }),
+        "residual",
+    );
+    for single in [false, true] {
+        let cfg = powersgd(|c| c.single_allreduce = single);
+        check(
+            "powersgd",
+            run(n, steps, || {
+                Box::new(PowerSgd::new(tensors(), cfg.clone(), 3))
+            }),
+            "error",
+        );
+    }
+}
+
+#[test]
+fn powersgd_is_exact_on_rank_r_input() {
+    // Every rank's matrix is U V_r^T with a shared U (rows x 2): the average has rank 2.
+    let (rows, cols, r, n) = (10, 8, 2, 3);
+    let t = vec![TensorView {
+        offset: 0,
+        len: rows * cols,
+        rows,
+        cols,
+        matrix: true,
+    }];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+    let u: Vec<f32> = (0..rows * r).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let v: Vec<Vec<f32>> = (0..n)
+        .map(|_| (0..cols * r).map(|_| rng.random_range(-1.0..1.0)).collect())
+        .collect();
+    let m = |k: usize| -> Vec<f32> {
+        (0..rows * cols)
+            .map(|e| {
+                (0..r)
+                    .map(|j| u[(e / cols) * r + j] * v[k][(e % cols) * r + j])
+                    .sum()
+            })
+            .collect()
+    };
+    let mean: Vec<f32> = (0..rows * cols)
+        .map(|e| (0..n).map(|k| m(k)[e]).sum::<f32>() / n as f32)
+        .collect();
+    let cfg = powersgd(|c| {
+        c.rank = r;
+        c.start_iter = 0;
+        c.error_feedback = false;
+        c.warm_start = false;
+        c.min_compression_rate = 0.0;
+    });
+    let outs = on_ranks(n, |mut comm: Box<dyn Communicator>| {
+        let mut p = PowerSgd::new(t.clone(), cfg.clone(), 1);
+        let mut g = m(comm.rank());
+        p.reduce(comm.as_mut(), &mut g, 0).unwrap();
+        g
+    });
+    for o in outs {
+        assert!(max_diff(&o, &mean) < 1e-4, "{}", max_diff(&o, &mean));
+    }
+}
+
+#[test]
+fn radius_mask_with_identical_inputs_is_the_top_k_of_the_average() {
+    let n = 4;
+    let cfg = RadiusConfig {
+        density: 0.2,
+        interval: 3,
+        threshold: 0,
+        range: 0,
+        ..RadiusConfig::default()
+    };
+    let masks = on_ranks(n, |mut comm: Box<dyn Communicator>| {
+        let mut r = Radius::new(tensors(), cfg.clone());
+        let mut g = gradient(0, 0); // the same on every rank
+        r.reduce(comm.as_mut(), &mut g, 0).unwrap();
+        r.mask().to_vec()
+    });
+    let g = gradient(0, 0);
+    let mut want = Vec::new();
+    for t in tensors() {
+        if !t.matrix {
+            want.extend(t.offset as u32..(t.offset + t.len) as u32);
+            continue;
+        }
+        let k = ((0.2 * t.len as f64) as usize).max(1);
+        let mut order: Vec<usize> = t.range().collect();
+        order.sort_by(|&a, &b| g[b].abs().total_cmp(&g[a].abs()));
+        let mut top: Vec<u32> = order[..k].iter().map(|&i| i as u32).collect();
+        top.sort();
+        want.extend(top);
+    }
+    for m in masks {
+        assert_eq!(m, want);
+    }
+}
+
+#[test]
+fn radius_stable_steps_send_only_the_masked_values() {
+    let n = 2;
+    let cfg = RadiusConfig {
+        density: 0.1,
+        interval: 5,
+        threshold: 2,
+        range: 0,
+        ..RadiusConfig::default()
+    };
+    let per_step = on_ranks(n, |mut comm: Box<dyn Communicator>| {
+        let mut r = Radius::new(tensors(), cfg.clone());
+        (0..5u64)
+            .map(|s| {
+                let before = comm.stats().bytes_sent;
+                let mut g = gradient(comm.rank(), s);
+                r.reduce(comm.as_mut(), &mut g, s).unwrap();
+                (comm.stats().bytes_sent - before, r.mask().len())
+            })
+            .collect::<Vec<_>>()
+    });
+    let dense = nanodist::comm::all_reduce_bytes(numel(), n, 0);
+    let steps = &per_step[0];
+    assert_eq!(steps[0].0, dense, "dense before threshold");
+    assert_eq!(steps[2].0, dense, "re-selection is dense");
+    let mask = steps[3].1;
+    assert!(mask < numel() / 2);
+    assert_eq!(
+        steps[3].0,
+        nanodist::comm::all_reduce_bytes(mask, n, 0),
+        "stable step"
+    );
+}
+
+fn train(dir: &Path, name: &str, workers: usize, set: &[String]) -> Vec<Row> {
+    let launch = LaunchEnv {
+        workers_flag: Some(workers),
+        ..LaunchEnv::default()
+    };
+    let loaded =
+        config::load_str(Path::new("t.toml"), &tiny_config(dir, name), set, &launch).unwrap();
+    let s = train::run(&loaded).unwrap();
+    read_rows(&s.run_dir.join("metrics.jsonl")).unwrap()
+}
+
+fn reducer_settings() -> Vec<(&'static str, String)> {
+    vec![
+        ("topk", r#"train.compression={ name = "topk", density = 0.05 }"#.into()),
+        (
+            "radius",
+            r#"train.compression={ name = "radius", density = 0.05, interval = 4, threshold = 3, range = 1 }"#.into(),
+        ),
+        ("powersgd", r#"train.compression={ name = "powersgd", rank = 2, start_iter = 3 }"#.into()),
+        (
+            "powersgd1",
+            r#"train.compression={ name = "powersgd", rank = 2, start_iter = 3, single_allreduce = true }"#.into(),
+        ),
+    ]
+}
+
+#[test]
+fn each_reducer_trains_reports_its_metrics_and_resumes_exactly() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let dense = train(d.path(), "dense", 2, &[]);
+    for (name, setting) in reducer_settings() {
+        let set = vec![setting.clone(), "log.ckpt_interval=0".into()];
+        let full = train(d.path(), &format!("{name}-full"), 2, &set);
+        let first = full[0].train_loss;
+        let last = full.last().unwrap();
+        assert!(
+            last.train_loss < first - 0.3,
+            "{name} learns: {first} -> {}",
+            last.train_loss
+        );
+        let dense_val = dense.last().unwrap().val_loss.unwrap();
+        assert!(
+            last.val_loss.unwrap() < dense_val * 1.25,
+            "{name}: {:?} vs dense {dense_val}",
+            last.val_loss
+        );
+        let late = &full[10];
+        assert!(
+            late.compression_ratio.unwrap() > 1.5,
+            "{name}: {:?}",
+            late.compression_ratio
+        );
+        let e = late.compression_error.unwrap();
+        assert!(e > 0.0 && e < 1.0, "{name}: error {e}");
+        if name.starts_with("powersgd") {
+            let f = late.compressed_fraction.unwrap();
+            assert!(f > 0.5 && f < 1.0, "{name}: fraction {f}");
+        }
+        if name == "radius" {
+            assert!(
+                full.iter().any(|r| r.topk_overlap.is_some()),
+                "radius reports overlap"
+            );
+        }
+        // Stop at step 9 (mid-interval, residuals non-zero) and resume: the same run, bit for bit.
+        let run = format!("{name}-resumed");
+        let mut stop = set.clone();
+        stop.push("train.exit_interval=9".into());
+        train(d.path(), &run, 2, &stop);
+        let resumed = train(d.path(), &run, 2, &set);
+        assert_eq!(resumed.len(), full.len(), "{name}");
+        for (a, b) in full.iter().zip(&resumed) {
+            assert_eq!(
+                (
+                    a.step,
+                    a.train_loss,
+                    a.grad_norm,
+                    a.val_loss,
+                    a.compression_error
+                ),
+                (
+                    b.step,
+                    b.train_loss,
+                    b.grad_norm,
+                    b.val_loss,
+                    b.compression_error
+                ),
+                "{name}: step {}",
+                a.step
+            );
+        }
+    }
+}
+
+#[test]
+fn a_dense_checkpoint_switches_to_a_compressed_run_with_one_change() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let dense = vec!["train.exit_interval=10".to_string()];
+    train(d.path(), "dense", 2, &dense);
+    let ckpt = d.path().join("log/dense");
+    let set = vec![
+        reducer_settings()[1].1.clone(),
+        format!("checkpoint={:?}", ckpt.display().to_string()),
+    ];
+    let rows = train(d.path(), "switched", 2, &set);
+    assert_eq!(rows.first().unwrap().step, 11, "continues from step 10");
+    assert!(rows
+        .iter()
+        .any(|r| r.compression_ratio.is_some_and(|c| c > 1.5)));
+}
