@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use nanodist::comm::Solo;
 use nanodist::config::backend::{PowerSgdConfig, RadiusConfig};
-use nanodist::sync::compress::{powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer, TensorView};
+use nanodist::sync::compress::{
+    powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer, TensorView,
+};
 use rand::{Rng, SeedableRng};
 
 /// GPT-2 small (nanoGPT, vocab 50304, context 1024): (rows, cols, is matrix).
@@ -32,15 +34,7 @@ fn gpt2_small() -> Vec<TensorView> {
             (d, 1, false),
         ]);
     }
-    let mut off = 0;
-    shapes
-        .into_iter()
-        .map(|(rows, cols, matrix)| {
-            let t = TensorView { offset: off, len: rows * cols, rows, cols, matrix };
-            off += rows * cols;
-            t
-        })
-        .collect()
+    TensorView::from_shapes(&shapes)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -70,17 +64,52 @@ fn main() -> anyhow::Result<()> {
             })
             .collect(),
     );
-    println!("gradient: {numel} floats ({:.2} GB), {} threads", gb, rayon::current_num_threads());
+    println!(
+        "gradient: {numel} floats ({:.2} GB), {} threads",
+        gb,
+        rayon::current_num_threads()
+    );
     println!("| operation | GB/s | vs memcpy |\n|---|---|---|");
     println!("| memcpy | {memcpy:.2} | 1.00 |");
-    let radius = RadiusConfig { density: 0.01, threshold: 0, interval: 1_000_000, range: 0, ..RadiusConfig::default() };
-    let power = |single| PowerSgdConfig { rank: 4, start_iter: 0, single_allreduce: single, ..PowerSgdConfig::default() };
+    let radius = RadiusConfig {
+        density: 0.01,
+        threshold: 0,
+        interval: 1_000_000,
+        range: 0,
+        ..RadiusConfig::default()
+    };
+    let power = |single| PowerSgdConfig {
+        rank: 4,
+        start_iter: 0,
+        single_allreduce: single,
+        ..PowerSgdConfig::default()
+    };
     let cases: Vec<(&str, Box<dyn Reducer>, u64)> = vec![
-        ("topk density 0.01 (select + pack + scatter)", Box::new(TopK::new(tensors.clone(), 0.01, true)), 0),
-        ("radius density 0.01, stable step (mask gather/scatter)", Box::new(Radius::new(tensors.clone(), radius.clone())), 1),
-        ("radius density 0.01, re-selection step", Box::new(Radius::new(tensors.clone(), radius)), 0),
-        ("powersgd rank 4 (3 all-reduces)", Box::new(PowerSgd::new(tensors.clone(), power(false), 0)), 0),
-        ("powersgd rank 4 (1 all-reduce)", Box::new(PowerSgd::new(tensors.clone(), power(true), 0)), 0),
+        (
+            "topk density 0.01 (select + pack + scatter)",
+            Box::new(TopK::new(tensors.clone(), 0.01, true)),
+            0,
+        ),
+        (
+            "radius density 0.01, stable step (mask gather/scatter)",
+            Box::new(Radius::new(tensors.clone(), radius.clone())),
+            1,
+        ),
+        (
+            "radius density 0.01, re-selection step",
+            Box::new(Radius::new(tensors.clone(), radius)),
+            0,
+        ),
+        (
+            "powersgd rank 4 (3 all-reduces)",
+            Box::new(PowerSgd::new(tensors.clone(), power(false), 0)),
+            0,
+        ),
+        (
+            "powersgd rank 4 (1 all-reduce)",
+            Box::new(PowerSgd::new(tensors.clone(), power(true), 0)),
+            0,
+        ),
     ];
     let mut comm = Solo;
     for (name, mut r, first_timed) in cases {
@@ -89,7 +118,11 @@ fn main() -> anyhow::Result<()> {
             work.copy_from_slice(&grad);
             let t = Instant::now();
             // Radius re-selects at step 0 only (interval is huge): later steps are stable steps.
-            let s = if name.contains("re-selection") { 0 } else { step };
+            let s = if name.contains("re-selection") {
+                0
+            } else {
+                step
+            };
             if name.contains("re-selection") {
                 r.load_state(Vec::new())?;
             }

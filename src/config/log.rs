@@ -9,8 +9,19 @@ use serde::{Deserialize, Serialize};
 pub struct LogConfig {
     /// Log the run to Weights & Biases.
     pub wandb_log: bool,
-    /// W&B project name.
+    /// W&B project name (WANDB_PROJECT overrides it).
     pub wandb_project: String,
+    /// "offline" (write W&B's offline run directory; upload with `wandb sync`), "online" (also stream it
+    /// with `wandb beta sync --live` when the wandb CLI is installed) or "disabled". WANDB_MODE overrides it.
+    pub wandb_mode: WandbMode,
+    /// W&B entity (team or user); default: the account's default entity (WANDB_ENTITY).
+    pub wandb_entity: Option<String>,
+    /// W&B display name; default: the run directory's name (WANDB_NAME).
+    pub wandb_run_name: Option<String>,
+    /// W&B group, e.g. one sweep of algorithms (WANDB_RUN_GROUP).
+    pub wandb_group: Option<String>,
+    /// W&B tags (WANDB_TAGS, comma-separated).
+    pub wandb_tags: Vec<String>,
     /// Evaluate train and validation loss every this many steps (and at the last step).
     #[schemars(range(min = 1))]
     pub eval_interval: u64,
@@ -36,6 +47,11 @@ impl Default for LogConfig {
         Self {
             wandb_log: false,
             wandb_project: "nanodist".into(),
+            wandb_mode: WandbMode::Offline,
+            wandb_entity: None,
+            wandb_run_name: None,
+            wandb_group: None,
+            wandb_tags: Vec::new(),
             eval_interval: 1000,
             eval_steps: 200,
             log_interval: 10,
@@ -45,4 +61,17 @@ impl Default for LogConfig {
             tensorboard: false,
         }
     }
+}
+
+/// How W&B logging reaches the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum WandbMode {
+    /// Write W&B's offline run directory; `wandb sync DIR` uploads it (compute nodes without internet).
+    #[default]
+    Offline,
+    /// Also stream the directory with `wandb beta sync --live` when the wandb CLI is installed.
+    Online,
+    /// No W&B files at all.
+    Disabled,
 }

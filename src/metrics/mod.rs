@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::format::write_atomic;
 
+pub mod tensorboard;
+pub mod wandb;
+
 /// One logged step. Keys are a contract (plots, comparisons, W&B read them): add, do not rename.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Row {
@@ -112,4 +115,84 @@ pub fn read_rows(path: &Path) -> Result<Vec<Row>> {
             serde_json::from_str(l).with_context(|| format!("{}:{}", path.display(), i + 1))
         })
         .collect()
+}
+
+/// Where rank 0's rows go: metrics.jsonl always, W&B and TensorBoard when configured.
+pub struct Tracker {
+    jsonl: JsonlSink,
+    wandb: Option<wandb::Run>,
+    tb: Option<tensorboard::EventWriter>,
+    batch_size: f64,
+}
+
+impl Tracker {
+    pub fn open(
+        cfg: &crate::config::Config,
+        run_dir: &Path,
+        resume_step: Option<u64>,
+    ) -> Result<Self> {
+        let wandb = if cfg.log.wandb_log {
+            let settings = wandb::Settings::resolve(&cfg.log, run_dir)?;
+            let config = serde_json::to_value(cfg)?;
+            wandb::Run::start(&settings, run_dir, &config)?
+        } else {
+            None
+        };
+        let tb = if cfg.log.tensorboard {
+            Some(tensorboard::EventWriter::create(&run_dir.join("tb"))?)
+        } else {
+            None
+        };
+        Ok(Self {
+            jsonl: JsonlSink::open(&run_dir.join("metrics.jsonl"), resume_step)?,
+            wandb,
+            tb,
+            batch_size: cfg.train.global_batch_size as f64,
+        })
+    }
+
+    pub fn write(&mut self, row: &Row) -> Result<()> {
+        self.jsonl.write(row)?;
+        if let Some(w) = self.wandb.as_mut() {
+            let metrics: Vec<(String, f64)> = match serde_json::to_value(row)? {
+                serde_json::Value::Object(m) => m
+                    .into_iter()
+                    .filter(|(k, _)| k != "step")
+                    .filter_map(|(k, v)| Some((k, v.as_f64()?)))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            w.log(row.step, &metrics)?;
+        }
+        if let Some(tb) = self.tb.as_mut() {
+            // The tag names of the seeds' TensorBoard logging.
+            let mut s: Vec<(&str, f64)> = vec![
+                ("lr", row.lr),
+                ("loss", row.train_loss),
+                ("grad-norm", row.grad_norm),
+                ("param-norm", row.param_norm),
+                ("batch size", self.batch_size),
+                ("throughput", row.tokens_per_s),
+                ("comm bytes", row.comm_bytes as f64),
+            ];
+            if let (Some(v), Some(p)) = (row.val_loss, row.val_ppl) {
+                s.extend([("val loss", v), ("val ppl", p)]);
+            }
+            tb.scalars(row.step, &s)?;
+        }
+        Ok(())
+    }
+
+    pub fn sync(&mut self) -> Result<()> {
+        self.jsonl.sync()
+    }
+
+    /// Ends the W&B run with `exit_code` (a tracker dropped without this records exit code 1).
+    pub fn finish(mut self, exit_code: i32) -> Result<()> {
+        self.jsonl.sync()?;
+        match self.wandb.take() {
+            Some(w) => w.finish(exit_code),
+            None => Ok(()),
+        }
+    }
 }

@@ -19,7 +19,7 @@ use crate::comm::Communicator;
 use crate::config::{CheckpointMode, Config, Device as DeviceCfg, Engine, Loaded};
 use crate::data::format::write_atomic;
 use crate::data::{eval_batch, Blend, Sampler, Split};
-use crate::metrics::{JsonlSink, Row};
+use crate::metrics::{Row, Tracker};
 use crate::model::Gpt;
 use crate::optim::{self, Segment};
 use crate::sync::SyncBackend;
@@ -336,7 +336,7 @@ fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
     }
 
     let mut metrics = if root {
-        Some(JsonlSink::open(&run_dir.join("metrics.jsonl"), Some(step))?)
+        Some(Tracker::open(cfg, run_dir, Some(step))?)
     } else {
         None
     };
@@ -540,6 +540,13 @@ fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
         }
     };
     console.finish();
+    if let Some(m) = metrics {
+        m.finish(if matches!(exit, Exit::Signal(_)) {
+            1
+        } else {
+            0
+        })?;
+    }
     Ok(Summary {
         run_dir: run_dir.clone(),
         step,

@@ -38,6 +38,25 @@ impl TensorView {
             .collect()
     }
 
+    /// Consecutive tensors of the given (rows, cols, is a matrix) shapes.
+    pub fn from_shapes(shapes: &[(usize, usize, bool)]) -> Vec<Self> {
+        let mut offset = 0;
+        shapes
+            .iter()
+            .map(|&(rows, cols, matrix)| {
+                let t = Self {
+                    offset,
+                    len: rows * cols,
+                    rows,
+                    cols,
+                    matrix,
+                };
+                offset += t.len;
+                t
+            })
+            .collect()
+    }
+
     pub fn range(&self) -> std::ops::Range<usize> {
         self.offset..self.offset + self.len
     }

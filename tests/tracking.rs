@@ -1,0 +1,179 @@
+//! W&B offline runs and TensorBoard event files, read back by the real Python readers (wandb's protobuf
+//! classes, tensorboard's strict record reader). Skipped, saying so, when those packages are missing;
+//! `.ci/run` installs them.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use nanodist::config::{self, LaunchEnv};
+use nanodist::metrics::read_rows;
+use nanodist::train;
+use serde_json::Value;
+
+mod common;
+use common::{make_data, tiny_config};
+
+fn python_has(module: &str) -> bool {
+    Command::new("python3")
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn python_json(script: &str, arg: &Path) -> Value {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new("python3")
+        .arg(root.join("scripts").join(script))
+        .arg(arg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn train(dir: &Path, set: &[&str]) -> PathBuf {
+    let mut set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+    set.extend(["log.wandb_log=true".into(), "log.tensorboard=true".into()]);
+    let launch = LaunchEnv {
+        workers_flag: Some(1),
+        ..LaunchEnv::default()
+    };
+    let loaded = config::load_str(
+        Path::new("t.toml"),
+        &tiny_config(dir, "tracked"),
+        &set,
+        &launch,
+    )
+    .unwrap();
+    train::run(&loaded).unwrap().run_dir
+}
+
+fn wandb_files(run_dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(run_dir.join("wandb"))
+        .unwrap()
+        .flatten()
+        .flat_map(|d| {
+            std::fs::read_dir(d.path())
+                .unwrap()
+                .flatten()
+                .map(|f| f.path())
+        })
+        .filter(|p| p.extension().is_some_and(|e| e == "wandb"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn wandb_offline_run_reads_back_with_wandbs_own_protobufs_and_resumes_the_same_run() {
+    if !python_has("wandb") {
+        eprintln!("skipped: Python wandb not installed (pip install wandb)");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    // Stop at step 10, then resume to 20: one W&B run id, two offline segments.
+    let first = train(
+        d.path(),
+        &["train.exit_interval=10", "log.wandb_project=\"proj\""],
+    );
+    let steps: Vec<u64> = read_rows(&first.join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .map(|r| r.step)
+        .collect();
+    assert_eq!(steps, (1..=10).collect::<Vec<u64>>(), "stopped at step 10");
+    assert_eq!(wandb_files(&first).len(), 1);
+    let run_dir = train(d.path(), &["log.wandb_project=\"proj\""]);
+    let rows = read_rows(&run_dir.join("metrics.jsonl")).unwrap();
+    let files = wandb_files(&run_dir);
+    let tree = Command::new("find").arg(&run_dir).output().unwrap();
+    assert_eq!(files.len(), 2, "{}", String::from_utf8_lossy(&tree.stdout));
+    let parts: Vec<Value> = files
+        .iter()
+        .map(|f| python_json("read_wandb.py", f))
+        .collect();
+    assert_eq!(
+        parts[0]["run_id"], parts[1]["run_id"],
+        "a resumed run keeps its id"
+    );
+    let mut steps = Vec::new();
+    for p in &parts {
+        assert_eq!(p["project"], "proj");
+        assert_eq!(p["config"]["train"]["seed"], 3);
+        assert_eq!(p["config"]["model"]["n_embd"], 32);
+        assert_eq!(p["exit_code"], 0);
+        let order: Vec<&str> = p["order"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        assert_eq!(order[0], "run");
+        assert_eq!(&order[order.len() - 2..], ["exit", "final"]);
+        for h in p["history"].as_array().unwrap() {
+            steps.push(h["_step"].as_u64().unwrap());
+            let row = rows
+                .iter()
+                .find(|r| r.step == h["_step"].as_u64().unwrap())
+                .unwrap();
+            assert_eq!(h["train_loss"].as_f64().unwrap(), row.train_loss);
+            assert!(h["_runtime"].as_f64().unwrap() >= 0.0);
+        }
+    }
+    assert_eq!(
+        steps,
+        (1..=20).collect::<Vec<u64>>(),
+        "every logged step once"
+    );
+    let last = rows.last().unwrap();
+    let summary = &parts[1]["summary"];
+    assert_eq!(summary["train_loss"].as_f64().unwrap(), last.train_loss);
+    assert_eq!(
+        summary["val_loss"].as_f64().unwrap(),
+        last.val_loss.unwrap()
+    );
+    assert_eq!(summary["_step"], 20);
+}
+
+#[test]
+fn tensorboard_scalars_read_back_with_the_strict_reader() {
+    if !python_has("tensorboard") {
+        eprintln!("skipped: Python tensorboard not installed (pip install tensorboard)");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let run_dir = train(d.path(), &[]);
+    let rows = read_rows(&run_dir.join("metrics.jsonl")).unwrap();
+    let tb = python_json("read_tensorboard.py", &run_dir.join("tb"));
+    assert_eq!(tb["file_version"], "brain.Event:2");
+    let s = &tb["scalars"];
+    for tag in [
+        "lr",
+        "loss",
+        "grad-norm",
+        "param-norm",
+        "batch size",
+        "throughput",
+        "comm bytes",
+    ] {
+        assert_eq!(s[tag].as_object().unwrap().len(), 20, "{tag}");
+    }
+    for r in &rows {
+        let at = |tag: &str| s[tag][r.step.to_string()].as_f64().unwrap();
+        // Stored as f32; the JSON round trip may differ in the last printed digit.
+        let same = |a: f64, b: f64| (a - b as f32 as f64).abs() <= 1e-6 * b.abs();
+        assert!(same(at("loss"), r.train_loss), "step {}", r.step);
+        assert!(same(at("lr"), r.lr), "step {}", r.step);
+        if let Some(v) = r.val_loss {
+            assert!(same(at("val loss"), v));
+            assert!(same(at("val ppl"), v.exp()));
+        }
+    }
+    assert_eq!(s["val loss"].as_object().unwrap().len(), 2);
+}
