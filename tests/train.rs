@@ -275,11 +275,16 @@ fn missing_data_and_unimplemented_backends_are_clear_errors() {
     let out = Command::new(exe)
         .arg("train")
         .arg(&cfg)
-        .args(["--set", "train.compression={ name = \"topk\" }"])
+        .args([
+            "--set",
+            "train.compression={ name = \"radius\", correction = true }",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("\"topk\" is validated but not implemented")
+        err.contains("correction = true") && err.contains("not implemented"),
+        "{err}"
     );
 }
