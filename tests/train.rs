@@ -9,25 +9,8 @@ use nanodist::config::{self, LaunchEnv};
 use nanodist::metrics::{read_rows, Row};
 use nanodist::train::{self, checkpoint, Exit};
 
-/// Token files from a small Markov chain over 48 symbols (learnable structure), plus meta.json.
-fn make_data(dir: &Path) {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-    for (name, n) in [("train.bin", 40_000), ("val.bin", 4_000)] {
-        let mut t = 0u16;
-        let bytes: Vec<u8> = (0..n)
-            .flat_map(|_| {
-                t = if rng.random::<f64>() < 0.8 {
-                    (t * 3 + 1) % 48
-                } else {
-                    rng.random_range(0..48)
-                };
-                t.to_le_bytes()
-            })
-            .collect();
-        std::fs::write(dir.join(name), bytes).unwrap();
-    }
-}
+mod common;
+use common::make_data;
 
 fn config_text(dir: &Path, extra: &str) -> String {
     format!(

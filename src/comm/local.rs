@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use super::{all_reduce_bytes, CommStats, Communicator};
+use super::{all_reduce_bytes, check_gather, CommStats, Communicator};
 
 struct Barrier {
     generation: u64,
@@ -221,13 +221,7 @@ impl Communicator for LocalComm {
 
     fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()> {
         let n = self.shared.n;
-        if out.len() != n * send.len() {
-            bail!(
-                "all_gather: output holds {} values, expected world size {n} x {}",
-                out.len(),
-                send.len()
-            );
-        }
+        check_gather(send, out, n)?;
         let start = Instant::now();
         self.deposit(send);
         self.shared.wait(self.rank)?;

@@ -29,6 +29,29 @@ pub fn all_reduce_bytes(len: usize, n: usize, rank: usize) -> u64 {
     4 * ((len - mine) + (n - 1) * mine) as u64
 }
 
+/// Element-wise mean over all ranks, in place: the rank-ordered sum, then times 1 / N.
+pub fn all_reduce_mean(comm: &mut dyn Communicator, buf: &mut [f32]) -> Result<()> {
+    let n = comm.world_size();
+    if n > 1 {
+        comm.all_reduce_sum(buf)?;
+        let inv = 1.0 / n as f32;
+        buf.iter_mut().for_each(|x| *x *= inv);
+    }
+    Ok(())
+}
+
+/// The output of an all-gather holds world size x the input.
+fn check_gather(send: &[f32], out: &[f32], n: usize) -> Result<()> {
+    if out.len() != n * send.len() {
+        anyhow::bail!(
+            "all_gather: output holds {} values, expected world size {n} x {}",
+            out.len(),
+            send.len()
+        );
+    }
+    Ok(())
+}
+
 /// Collectives are called by every rank in the same order. Engines count the bytes each rank sends.
 pub trait Communicator {
     fn rank(&self) -> usize;
@@ -73,6 +96,7 @@ impl Communicator for Solo {
         Ok(())
     }
     fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()> {
+        check_gather(send, out, 1)?;
         out.copy_from_slice(send);
         Ok(())
     }

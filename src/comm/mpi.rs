@@ -19,7 +19,7 @@ use mpi::request::{scope, Request};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::{Destination, Source};
 
-use super::{chunk, CommStats, Communicator};
+use super::{check_gather, chunk, CommStats, Communicator};
 
 /// What the rank is waiting for, read by the watchdog.
 struct Watch {
@@ -283,12 +283,7 @@ impl Communicator for MpiComm {
 
     fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()> {
         let (n, me, len) = (self.n, self.rank, send.len());
-        if out.len() != n * len {
-            bail!(
-                "all_gather: output holds {} values, expected world size {n} x {len}",
-                out.len()
-            );
-        }
+        check_gather(send, out, n)?;
         let start = Instant::now();
         self.arm(3);
         let mut recvs: Vec<(usize, &mut [f32])> = Vec::with_capacity(n - 1);

@@ -8,26 +8,41 @@ pub mod topology;
 use anyhow::Result;
 
 use crate::bad_input;
-use crate::comm::{CommStats, Communicator};
+use crate::comm::{all_reduce_mean, CommStats, Communicator};
 use crate::config::{Backend, Config, Engine, Plan};
 use topology::Round;
 
 pub trait SyncBackend {
     fn name(&self) -> &'static str;
-    fn rank(&self) -> usize;
-    fn world_size(&self) -> usize;
+    /// The transport this backend runs on.
+    fn comm(&self) -> &dyn Communicator;
+    fn comm_mut(&mut self) -> &mut dyn Communicator;
+    fn rank(&self) -> usize {
+        self.comm().rank()
+    }
+    fn world_size(&self) -> usize {
+        self.comm().world_size()
+    }
     /// Turns this worker's gradient of step `step` into the gradient of the update (e.g. the average
     /// over workers, or a compressed approximation of it).
     fn reduce_grads(&mut self, grads: &mut [f32], step: u64) -> Result<()>;
     /// Runs after the optimizer step (gossip mixes parameters here); allreduce has nothing to do.
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()>;
     /// Mean over workers of a few scalars (losses for logging).
-    fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()>;
+    fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
+        all_reduce_mean(self.comm_mut(), xs)
+    }
     /// The global average of the replicas' parameters into `avg`; returns the consensus distance
     /// (mean over ranks of ||x_i - avg||). Replicas themselves are left as they are.
-    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64>;
-    fn barrier(&mut self) -> Result<()>;
-    fn comm_stats(&self) -> CommStats;
+    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
+        average_with(self.comm_mut(), params, avg)
+    }
+    fn barrier(&mut self) -> Result<()> {
+        self.comm_mut().barrier()
+    }
+    fn comm_stats(&self) -> CommStats {
+        self.comm().stats()
+    }
     /// State to checkpoint (a compressed reducer's residuals, masks, factors); empty for the others.
     fn state(&self) -> compress::State {
         Vec::new()
@@ -48,9 +63,7 @@ fn average_with(comm: &mut dyn Communicator, params: &[f32], avg: &mut Vec<f32>)
     if n == 1 {
         return Ok(0.0);
     }
-    comm.all_reduce_sum(avg)?;
-    let inv = 1.0 / n as f32;
-    avg.iter_mut().for_each(|x| *x *= inv);
+    all_reduce_mean(comm, avg)?;
     let mut dist = [params
         .iter()
         .zip(avg.iter())
@@ -79,46 +92,21 @@ impl SyncBackend for AllReduce {
     fn name(&self) -> &'static str {
         "pytorchddp"
     }
-    fn rank(&self) -> usize {
-        self.comm.rank()
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
     }
-    fn world_size(&self) -> usize {
-        self.comm.world_size()
+    fn comm_mut(&mut self) -> &mut dyn Communicator {
+        self.comm.as_mut()
     }
     fn reduce_grads(&mut self, grads: &mut [f32], _step: u64) -> Result<()> {
-        let n = self.comm.world_size();
-        if n == 1 {
-            return Ok(());
-        }
         for bucket in grads.chunks_mut(self.bucket_elems) {
-            self.comm.all_reduce_sum(bucket)?;
+            all_reduce_mean(self.comm.as_mut(), bucket)?;
         }
-        let inv = 1.0 / n as f32;
-        grads.iter_mut().for_each(|g| *g *= inv);
         Ok(())
     }
     fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
         Ok(())
     }
-    fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
-        mean_scalars(self.comm.as_mut(), xs)
-    }
-    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
-        average_with(self.comm.as_mut(), params, avg)
-    }
-    fn barrier(&mut self) -> Result<()> {
-        self.comm.barrier()
-    }
-    fn comm_stats(&self) -> CommStats {
-        self.comm.stats()
-    }
-}
-
-fn mean_scalars(comm: &mut dyn Communicator, xs: &mut [f32]) -> Result<()> {
-    comm.all_reduce_sum(xs)?;
-    let inv = 1.0 / comm.world_size() as f32;
-    xs.iter_mut().for_each(|x| *x *= inv);
-    Ok(())
 }
 
 /// Decentralized data parallel (Decent-DP): each worker steps on its own gradient, then mixes its
@@ -143,11 +131,11 @@ impl SyncBackend for Gossip {
     fn name(&self) -> &'static str {
         "decentdp"
     }
-    fn rank(&self) -> usize {
-        self.comm.rank()
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
     }
-    fn world_size(&self) -> usize {
-        self.comm.world_size()
+    fn comm_mut(&mut self) -> &mut dyn Communicator {
+        self.comm.as_mut()
     }
     fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64) -> Result<()> {
         Ok(())
@@ -178,18 +166,6 @@ impl SyncBackend for Gossip {
         }
         Ok(())
     }
-    fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
-        mean_scalars(self.comm.as_mut(), xs)
-    }
-    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
-        average_with(self.comm.as_mut(), params, avg)
-    }
-    fn barrier(&mut self) -> Result<()> {
-        self.comm.barrier()
-    }
-    fn comm_stats(&self) -> CommStats {
-        self.comm.stats()
-    }
 }
 
 /// Gradient averaging through a compressed reducer (top-k, Radius, PowerSGD).
@@ -213,11 +189,11 @@ impl SyncBackend for Compressed {
     fn name(&self) -> &'static str {
         "pytorchddp"
     }
-    fn rank(&self) -> usize {
-        self.comm.rank()
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
     }
-    fn world_size(&self) -> usize {
-        self.comm.world_size()
+    fn comm_mut(&mut self) -> &mut dyn Communicator {
+        self.comm.as_mut()
     }
     fn reduce_grads(&mut self, grads: &mut [f32], step: u64) -> Result<()> {
         let before = self.comm.stats();
@@ -229,18 +205,6 @@ impl SyncBackend for Compressed {
     }
     fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
         Ok(())
-    }
-    fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
-        mean_scalars(self.comm.as_mut(), xs)
-    }
-    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
-        average_with(self.comm.as_mut(), params, avg)
-    }
-    fn barrier(&mut self) -> Result<()> {
-        self.comm.barrier()
-    }
-    fn comm_stats(&self) -> CommStats {
-        self.comm.stats()
     }
     fn state(&self) -> compress::State {
         self.reducer.state()

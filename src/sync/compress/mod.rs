@@ -116,17 +116,6 @@ pub fn build(c: &Compression, tensors: Vec<TensorView>, seed: u64) -> Result<Box
     })
 }
 
-/// Sum over ranks divided by the world size, in place.
-pub fn dense_average(comm: &mut dyn Communicator, buf: &mut [f32]) -> Result<()> {
-    let n = comm.world_size();
-    if n > 1 {
-        comm.all_reduce_sum(buf)?;
-        let inv = 1.0 / n as f32;
-        buf.iter_mut().for_each(|x| *x *= inv);
-    }
-    Ok(())
-}
-
 /// ||a - b|| / ||a|| (0 when a is 0).
 pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     let (mut num, mut den) = (0.0f64, 0.0f64);

@@ -14,8 +14,8 @@ use candle_core::{Device, Tensor};
 use rand::SeedableRng;
 use rand_distr::{Distribution, StandardNormal};
 
-use super::{dense_average, relative_error, take, Reducer, Report, State, TensorView};
-use crate::comm::Communicator;
+use super::{relative_error, take, Reducer, Report, State, TensorView};
+use crate::comm::{all_reduce_mean, Communicator};
 use crate::config::backend::PowerSgdConfig;
 
 /// A compressed matrix: which tensor, its rank and where its factors live in `p` and `q`.
@@ -248,7 +248,7 @@ impl Reducer for PowerSgd {
     ) -> Result<Report> {
         let fraction = Some(self.compressed_fraction());
         if step < self.cfg.start_iter {
-            dense_average(comm, grads)?;
+            all_reduce_mean(comm, grads)?;
             return Ok(Report {
                 compressed_fraction: fraction,
                 ..Report::default()
@@ -269,7 +269,7 @@ impl Reducer for PowerSgd {
             self.randomize_q(step);
         }
         if !self.cfg.single_allreduce {
-            dense_average(comm, &mut dense)?;
+            all_reduce_mean(comm, &mut dense)?;
             let mut q = std::mem::take(&mut self.q);
             self.orthogonalize_all(&mut q, false);
             self.q = q;
@@ -294,7 +294,7 @@ impl Reducer for PowerSgd {
             let k = factor.len();
             let mut buf = factor.clone();
             buf.extend_from_slice(&dense);
-            dense_average(comm, &mut buf)?;
+            all_reduce_mean(comm, &mut buf)?;
             dense.copy_from_slice(&buf[k..]);
             if left {
                 self.p.copy_from_slice(&buf[..k]);

@@ -9,10 +9,9 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    dense_average, f32_to_indices, indices_to_f32, k_of, take, top_k, Reducer, Report, State,
-    TensorView,
+    f32_to_indices, indices_to_f32, k_of, take, top_k, Reducer, Report, State, TensorView,
 };
-use crate::comm::Communicator;
+use crate::comm::{all_reduce_mean, Communicator};
 use crate::config::backend::RadiusConfig;
 use crate::optim::global_norm;
 
@@ -119,7 +118,7 @@ impl Reducer for Radius {
         step: u64,
     ) -> Result<Report> {
         if step < self.cfg.threshold {
-            dense_average(comm, grads)?;
+            all_reduce_mean(comm, grads)?;
             return Ok(Report::default());
         }
         if self.residual.len() != grads.len() {
@@ -132,7 +131,7 @@ impl Reducer for Radius {
                 .for_each(|(g, r)| *g += r);
         }
         if self.reselects(step) {
-            dense_average(comm, grads)?;
+            all_reduce_mean(comm, grads)?;
             self.residual.iter_mut().for_each(|r| *r = 0.0);
             let (core, mask) = self.select(grads);
             let had = !self.core.is_empty();
@@ -146,7 +145,7 @@ impl Reducer for Radius {
         }
         let acc_norm = global_norm(grads);
         let mut vals: Vec<f32> = self.mask.iter().map(|&i| grads[i as usize]).collect();
-        dense_average(comm, &mut vals)?;
+        all_reduce_mean(comm, &mut vals)?;
         // The residual is the gradient not sent: everything outside the mask.
         self.residual.copy_from_slice(grads);
         for &i in &self.mask {

@@ -6,10 +6,9 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    dense_average, f32_to_indices, indices_to_f32, k_of, take, top_k, Reducer, Report, State,
-    TensorView,
+    f32_to_indices, indices_to_f32, k_of, take, top_k, Reducer, Report, State, TensorView,
 };
-use crate::comm::Communicator;
+use crate::comm::{all_reduce_mean, Communicator};
 use crate::optim::global_norm;
 
 pub struct TopK {
@@ -63,7 +62,7 @@ impl Reducer for TopK {
             .filter(|t| !t.matrix)
             .flat_map(|t| grads[t.range()].iter().copied())
             .collect();
-        dense_average(comm, &mut dense)?;
+        all_reduce_mean(comm, &mut dense)?;
         // Sparse part: per-tensor selections (in parallel), packed as [values | indices].
         let selected: Vec<Vec<u32>> = self
             .tensors
