@@ -127,7 +127,11 @@ fn complete_gossip_is_the_global_average() {
     let n = 4;
     let out = on_ranks(n, |c| {
         let rank = c.rank();
-        let mut g = Gossip::new(c, topology::rounds(Topology::Complete, n, n).unwrap());
+        let mut g = Gossip::new(
+            c,
+            topology::rounds(Topology::Complete, n, n).unwrap(),
+            false,
+        );
         let mut p = replica(rank);
         g.after_step(&mut p, 0).unwrap();
         p
@@ -145,7 +149,7 @@ fn ring_gossip_shrinks_consensus_distance_and_keeps_the_mean() {
     let n = 6;
     let out = on_ranks(n, |c| {
         let rank = c.rank();
-        let mut g = Gossip::new(c, topology::rounds(Topology::Ring, n, n).unwrap());
+        let mut g = Gossip::new(c, topology::rounds(Topology::Ring, n, n).unwrap(), false);
         let mut p = replica(rank);
         let mut avg = Vec::new();
         let mut dists = vec![g.average(&p, &mut avg).unwrap()];
@@ -215,4 +219,136 @@ fn seed_configs_run_scaled_down_with_four_local_workers() {
         assert_eq!(s.step, 3, "{file} {i}");
         assert!(s.last_val_loss.unwrap().is_finite());
     }
+}
+
+/// The dense mixing matrix of one round (row i: the weights rank i gives each rank).
+fn mixing_matrix(round: &topology::Round, n: usize) -> Vec<Vec<f64>> {
+    let mut w = vec![vec![0.0; n]; n];
+    for g in round {
+        let r = g.ranks.len();
+        for &i in &g.ranks {
+            for &j in &g.ranks {
+                w[i][j] = if i == j {
+                    g.weight
+                } else {
+                    (1.0 - g.weight) / (r - 1) as f64
+                };
+            }
+        }
+    }
+    w
+}
+
+/// Per-rank quadratic f_i(x) = |x - c_i|^2 / 2 with plain SGD: the gradient at x is x - c_i.
+fn target(rank: usize, i: usize) -> f64 {
+    ((i * 7 + rank * 11) % 13) as f64 - 6.0
+}
+
+#[test]
+fn overlapped_gossip_is_the_synchronous_recurrence_with_one_step_of_delay() {
+    let (n, dim, steps, lr) = (4usize, 9usize, 9u64, 0.3f64);
+    for topo in [Topology::Ring, Topology::Exp] {
+        let rounds = topology::rounds(topo, n, n).unwrap();
+        let w: Vec<_> = rounds.iter().map(|r| mixing_matrix(r, n)).collect();
+        let grad = |x: &[f64], rank: usize| -> Vec<f64> {
+            (0..dim).map(|i| x[i] - target(rank, i)).collect()
+        };
+        let mix = |m: &Vec<Vec<f64>>, xs: &[Vec<f64>]| -> Vec<Vec<f64>> {
+            (0..n)
+                .map(|i| {
+                    (0..dim)
+                        .map(|k| (0..n).map(|j| m[i][j] * xs[j][k]).sum())
+                        .collect()
+                })
+                .collect()
+        };
+        for overlap in [false, true] {
+            // The oracle, in f64: synchronous x_{t+1} = W_t (x_t - lr g(x_t)); overlapped (after the
+            // synchronous step 0) x_{t+1} = W_{t-1} x_t - lr g(x_t).
+            let mut xs: Vec<Vec<f64>> = (0..n).map(|_| vec![1.0; dim]).collect();
+            for t in 0..steps as usize {
+                let gs: Vec<_> = (0..n).map(|r| grad(&xs[r], r)).collect();
+                if overlap && t > 0 {
+                    let mixed = mix(&w[(t - 1) % w.len()], &xs);
+                    xs = (0..n)
+                        .map(|r| (0..dim).map(|k| mixed[r][k] - lr * gs[r][k]).collect())
+                        .collect();
+                } else {
+                    let stepped: Vec<Vec<f64>> = (0..n)
+                        .map(|r| (0..dim).map(|k| xs[r][k] - lr * gs[r][k]).collect())
+                        .collect();
+                    xs = mix(&w[t % w.len()], &stepped);
+                }
+            }
+            let got = on_ranks(n, |c| {
+                let rank = c.rank();
+                let mut g = Gossip::new(c, topology::rounds(topo, n, n).unwrap(), overlap);
+                let mut x = vec![1.0f32; dim];
+                for step in 0..steps {
+                    let grads: Vec<f32> = (0..dim).map(|i| x[i] - target(rank, i) as f32).collect();
+                    // The loop runs this beside the gradient computation.
+                    g.communicate().unwrap();
+                    g.before_step(&mut x).unwrap();
+                    for (p, d) in x.iter_mut().zip(&grads) {
+                        *p -= lr as f32 * d;
+                    }
+                    g.after_step(&mut x, step).unwrap();
+                }
+                // The final pending mix, if any, is still waiting: x is the unmixed iterate.
+                assert_eq!(g.has_pending(), overlap);
+                x
+            });
+            for r in 0..n {
+                for k in 0..dim {
+                    assert!(
+                        (got[r][k] as f64 - xs[r][k]).abs() < 1e-4,
+                        "{topo:?} overlap={overlap} rank {r}[{k}]: {} vs {}",
+                        got[r][k],
+                        xs[r][k]
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn overlapped_gossip_trains_and_resumes_bit_for_bit() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let common = [
+        "train.backend=decentdp",
+        "train.topology=ring",
+        "train.overlap=true",
+        "log.ckpt_interval=5",
+    ];
+    let with = |name: &str, extra: &[&str]| {
+        let mut set = common.to_vec();
+        let run = format!("log.run_name=\"{name}\"");
+        set.push(&run);
+        set.extend_from_slice(extra);
+        train_with(d.path(), 4, &set)
+    };
+    let full = with("full", &[]);
+    // Stop at step 7 with a mix pending (saved in the rank files), then finish.
+    with("parts", &["train.exit_interval=7"]);
+    let parts = with("parts", &[]);
+    assert_eq!(full.len(), parts.len());
+    for (a, b) in full.iter().zip(&parts) {
+        assert_eq!(
+            (a.train_loss.to_bits(), a.param_norm.to_bits(), a.val_loss),
+            (b.train_loss.to_bits(), b.param_norm.to_bits(), b.val_loss),
+            "step {}",
+            a.step
+        );
+    }
+    // Overlap computes something else than synchronous gossip, and it learns.
+    let sync = with("sync", &["train.overlap=false"]);
+    assert_ne!(full[5].train_loss, sync[5].train_loss);
+    let last = full.last().unwrap();
+    assert!(
+        last.val_loss.unwrap() < full[0].train_loss - 0.5,
+        "{last:?}"
+    );
+    assert!(last.consensus_distance.unwrap() > 0.0);
 }

@@ -116,6 +116,14 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
             4,
             vec![
                 "train.backend=decentdp",
+                "train.topology=ring",
+                "train.overlap=true",
+            ],
+        ),
+        (
+            4,
+            vec![
+                "train.backend=decentdp",
                 "train.topology=alternating-exp-ring",
                 "train.ranks_per_node=2",
             ],

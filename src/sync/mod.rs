@@ -28,6 +28,20 @@ pub trait SyncBackend {
     fn reduce_grads(&mut self, grads: &mut [f32], step: u64) -> Result<()>;
     /// Runs after the optimizer step (gossip mixes parameters here); allreduce has nothing to do.
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()>;
+    /// Whether communication started by `after_step` waits to be run by `communicate`.
+    fn has_pending(&self) -> bool {
+        false
+    }
+    /// Runs the pending communication. The loop calls it on its own thread while another thread computes
+    /// the next gradient (overlapped gossip).
+    fn communicate(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Runs before the optimizer step: completes pending communication and applies it (overlapped
+    /// gossip puts the mixed parameters in place here).
+    fn before_step(&mut self, _params: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
     /// Mean over workers of a few scalars (losses for logging).
     fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
         all_reduce_mean(self.comm_mut(), xs)
@@ -111,19 +125,73 @@ impl SyncBackend for AllReduce {
 
 /// Decentralized data parallel (Decent-DP): each worker steps on its own gradient, then mixes its
 /// parameters with the group of this step's round of the topology.
+///
+/// With `overlap`, the mix of step t runs while step t+1 computes its gradient (Decent-DP's default):
+/// `after_step` only fills the send buffer, `communicate` runs the group all-reduce beside the
+/// forward/backward, and `before_step` puts the mixed parameters in place before the update. The
+/// gradient of step t+1 is therefore taken at the unmixed parameters: x_{t+1} = W_{t-1} x_t - lr u(g(x_t))
+/// instead of x_{t+1} = W_t (x_t - lr u(g(x_t))). As in the reference, step 0 mixes synchronously.
 pub struct Gossip {
     comm: Box<dyn Communicator>,
     rounds: Vec<Round>,
+    overlap: bool,
     buf: Vec<f32>,
+    /// Overlap: the round whose send buffer waits in `buf`, and whether its all-reduce has run.
+    pending: Option<(usize, bool)>,
 }
 
 impl Gossip {
-    pub fn new(comm: Box<dyn Communicator>, rounds: Vec<Round>) -> Self {
+    pub fn new(comm: Box<dyn Communicator>, rounds: Vec<Round>, overlap: bool) -> Self {
         Self {
             comm,
             rounds,
+            overlap,
             buf: Vec::new(),
+            pending: None,
         }
+    }
+
+    /// This rank's group in `round` and the two mixing weights: (members, own, other), where
+    /// x_i <- own * x_i + sum_{j in group} other * x_j.
+    fn weights(&self, round: usize) -> Result<(&[usize], f32, f32)> {
+        let rank = self.comm.rank();
+        let Some(group) = self.rounds[round].iter().find(|g| g.ranks.contains(&rank)) else {
+            anyhow::bail!("rank {rank} is in no group of round {round}");
+        };
+        let r = group.ranks.len();
+        if r == 1 {
+            return Ok((&group.ranks, 1.0, 0.0));
+        }
+        let other = ((1.0 - group.weight) / (r - 1) as f64) as f32;
+        Ok((&group.ranks, group.weight as f32 - other, other))
+    }
+
+    /// Fills the send buffer with other * x for `round`.
+    fn prepare(&mut self, params: &[f32], round: usize) -> Result<()> {
+        let (_, _, other) = self.weights(round)?;
+        self.buf.clear();
+        self.buf.extend(params.iter().map(|x| x * other));
+        Ok(())
+    }
+
+    /// The group all-reduce of the send buffer (a single rank's group sends nothing).
+    fn send(&mut self, round: usize) -> Result<()> {
+        let group = self.weights(round)?.0.to_vec();
+        if group.len() > 1 {
+            self.comm.group_all_reduce_sum(&mut self.buf, &group)?;
+        }
+        Ok(())
+    }
+
+    /// x <- own * x + the group's sum in the buffer.
+    fn apply(&self, params: &mut [f32], round: usize) -> Result<()> {
+        let (group, own, _) = self.weights(round)?;
+        if group.len() > 1 {
+            for (p, b) in params.iter_mut().zip(&self.buf) {
+                *p = own * *p + b;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -140,30 +208,60 @@ impl SyncBackend for Gossip {
     fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64) -> Result<()> {
         Ok(())
     }
+    fn has_pending(&self) -> bool {
+        matches!(self.pending, Some((_, false)))
+    }
+    fn communicate(&mut self) -> Result<()> {
+        if let Some((round, false)) = self.pending {
+            self.send(round)?;
+            self.pending = Some((round, true));
+        }
+        Ok(())
+    }
+    fn before_step(&mut self, params: &mut [f32]) -> Result<()> {
+        self.communicate()?;
+        if let Some((round, _)) = self.pending.take() {
+            self.apply(params, round)?;
+        }
+        Ok(())
+    }
     /// x_i <- w x_i + (1 - w) / (|R| - 1) * sum_{j != i} x_j, computed as Decent-DP does: the group
     /// sums x_j (1 - w) / (|R| - 1) over all members, and the local copy is scaled by w - (1 - w) / (|R| - 1).
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
-        let rank = self.comm.rank();
-        let round = &self.rounds[(step % self.rounds.len() as u64) as usize];
-        let Some(group) = round.iter().find(|g| g.ranks.contains(&rank)) else {
-            anyhow::bail!(
-                "rank {rank} is in no group of round {}",
-                step % self.rounds.len() as u64
-            );
-        };
-        let r = group.ranks.len();
-        if r == 1 {
+        let round = (step % self.rounds.len() as u64) as usize;
+        self.prepare(params, round)?;
+        if self.overlap && step > 0 {
+            self.pending = Some((round, false));
             return Ok(());
         }
-        let other = ((1.0 - group.weight) / (r - 1) as f64) as f32;
-        let own = group.weight as f32 - other;
-        self.buf.clear();
-        self.buf.extend(params.iter().map(|x| x * other));
-        self.comm
-            .group_all_reduce_sum(&mut self.buf, &group.ranks)?;
-        for (p, b) in params.iter_mut().zip(&self.buf) {
-            *p = own * *p + b;
+        self.send(round)?;
+        self.apply(params, round)
+    }
+    /// A pending mix is saved as it waits: its send buffer and round (not yet sent), so a resumed run
+    /// sends exactly what the uninterrupted one sends.
+    fn state(&self) -> compress::State {
+        match self.pending {
+            Some((round, false)) => vec![
+                ("gossip.pending".into(), self.buf.clone()),
+                ("gossip.pending_round".into(), vec![round as f32]),
+            ],
+            _ => Vec::new(),
         }
+    }
+    fn load_state(&mut self, mut state: compress::State) -> Result<()> {
+        self.pending = None;
+        if state.is_empty() {
+            return Ok(());
+        }
+        let round = compress::take(&mut state, "gossip.pending_round", Some(1))?[0] as usize;
+        if round >= self.rounds.len() {
+            anyhow::bail!(crate::error::BadInput(format!(
+                "checkpoint: pending gossip round {round}, but the topology has {} rounds",
+                self.rounds.len()
+            )));
+        }
+        self.buf = compress::take(&mut state, "gossip.pending", None)?;
+        self.pending = Some((round, false));
         Ok(())
     }
 }
@@ -218,17 +316,11 @@ impl SyncBackend for Compressed {
 }
 
 /// Checks that this build can run `plan` (before any worker starts), or names what exists.
-pub fn supported(cfg: &Config, plan: &Plan) -> Result<()> {
+pub fn supported(plan: &Plan) -> Result<()> {
     const DONE: &str = "implemented so far: backends \"pytorchddp\" and \"decentdp\" on engines \"local\" and \"mpi\"";
     if plan.engine == Engine::Nccl {
         return Err(bad_input!(
             "train.engine = \"nccl\" is validated but not implemented in this build; {DONE}"
-        ));
-    }
-    if cfg.train.backend == Backend::DecentDp && cfg.train.overlap == Some(true) {
-        return Err(bad_input!(
-            "train.overlap = true (gossip of step t during the computation of step t+1) is not implemented yet; \
-             set train.overlap = false for synchronous gossip"
         ));
     }
     Ok(())
@@ -241,7 +333,7 @@ pub fn build(
     comm: Box<dyn Communicator>,
     tensors: Vec<compress::TensorView>,
 ) -> Result<Box<dyn SyncBackend>> {
-    supported(cfg, plan)?;
+    supported(plan)?;
     Ok(match (plan.backend, &cfg.train.compression) {
         (Backend::PytorchDdp, Some(c)) => Box::new(Compressed::new(
             comm,
@@ -258,7 +350,11 @@ pub fn build(
                 plan.world_size,
                 per_node,
             )?;
-            Box::new(Gossip::new(comm, rounds))
+            Box::new(Gossip::new(
+                comm,
+                rounds,
+                cfg.train.overlap.unwrap_or(false),
+            ))
         }
     })
 }

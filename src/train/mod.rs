@@ -99,7 +99,7 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
             "train.device = \"cuda\": this nanodist was built without CUDA support; use device = \"cpu\""
         ));
     }
-    crate::sync::supported(cfg, plan)?;
+    crate::sync::supported(plan)?;
     if let Some(n) = t.threads {
         // Ignore the error when a pool already exists (tests run several trainings in one process).
         let _ = rayon::ThreadPoolBuilder::new()
@@ -260,6 +260,27 @@ fn evaluate_shared(
     Ok(acc[0] as f64 / steps as f64)
 }
 
+/// Runs `compute` and, when the backend has communication pending, that communication at the same time:
+/// the collective stays on this thread (an MPI communicator belongs to the thread that made it) and the
+/// computation moves to a scoped thread.
+fn overlapped<T: Send>(
+    sync: &mut dyn SyncBackend,
+    compute: impl FnOnce() -> Result<T> + Send,
+) -> Result<T> {
+    if !sync.has_pending() {
+        return compute();
+    }
+    std::thread::scope(|s| {
+        let job = s.spawn(compute);
+        let comm = sync.communicate();
+        let out = job
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the gradient computation panicked")));
+        comm?;
+        out
+    })
+}
+
 /// One rank's training loop.
 fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
     let (cfg, plan) = (setup.cfg, setup.plan);
@@ -351,21 +372,26 @@ fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
     let mut last_val = None;
     let exit = loop {
         let lr = optim::lr_at(&t.lr_schedule, step, t.n_steps);
-        grads.iter_mut().for_each(|g| *g = 0.0);
-        let mut loss_sum = 0.0f64;
-        for micro in 0..accum as u64 {
-            // Rows of this rank and micro-step in the step's global batch (see data::sampler).
-            let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
-            let batch = sampler.batch(&setup.train_data, step, first_row, local_b, ctx);
-            let (x, y) = model.batch_tensors(&batch)?;
-            let loss = model.loss(&x, &y, Some(&mut dropout_rng))?;
-            loss_sum += loss.to_scalar::<f32>()? as f64;
-            // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
-            let g = (loss / accum as f64)?.backward()?;
-            model.params.accumulate_grads(&g, &mut grads)?;
-        }
+        // The forward/backward of this step; communication left pending by the last step runs beside it.
+        let loss_sum = overlapped(sync.as_mut(), || {
+            grads.iter_mut().for_each(|g| *g = 0.0);
+            let mut loss_sum = 0.0f64;
+            for micro in 0..accum as u64 {
+                // Rows of this rank and micro-step in the step's global batch (see data::sampler).
+                let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
+                let batch = sampler.batch(&setup.train_data, step, first_row, local_b, ctx);
+                let (x, y) = model.batch_tensors(&batch)?;
+                let loss = model.loss(&x, &y, Some(&mut dropout_rng))?;
+                loss_sum += loss.to_scalar::<f32>()? as f64;
+                // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
+                let g = (loss / accum as f64)?.backward()?;
+                model.params.accumulate_grads(&g, &mut grads)?;
+            }
+            Ok(loss_sum)
+        })?;
         sync.reduce_grads(&mut grads, step)?;
         let grad_norm = optim::clip_grad_norm(&mut grads, t.grad_norm_clip);
+        sync.before_step(&mut flat)?;
         opt.step(&mut flat, &grads, lr);
         sync.after_step(&mut flat, step)?;
         model.params.set_flat(&flat)?;
