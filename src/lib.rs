@@ -9,5 +9,6 @@ pub mod generate;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod slurm;
 pub mod sync;
 pub mod train;

@@ -109,6 +109,44 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         num_samples: usize,
     },
+    /// Validate a config for a Slurm job, render its batch script (scripts/slurm/) and submit it.
+    Sbatch {
+        /// The experiment's TOML file.
+        #[arg(required_unless_present = "print_gpu_template")]
+        config: Option<PathBuf>,
+        /// Override a config key (repeatable); passed on to the job.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// Nodes (default 1).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        nodes: Option<u32>,
+        /// Ranks per node (default: train.ranks_per_node, else train.workers / nodes; 1 for the local engine).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        tasks_per_node: Option<u32>,
+        /// CPUs per task (default: train.threads, times the workers on the local engine).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        cpus_per_task: Option<u32>,
+        /// Time limit, HH:MM:SS or D-HH:MM:SS (default: the partition's).
+        #[arg(long)]
+        time: Option<String>,
+        #[arg(long)]
+        partition: Option<String>,
+        /// Run as a chain of array tasks, e.g. 1-10%1; each link resumes where the last stopped.
+        #[arg(long)]
+        array: Option<String>,
+        /// Seconds before the time limit at which nanodist is told to checkpoint and stop.
+        #[arg(long, default_value_t = 120)]
+        signal_secs: u32,
+        /// The nanodist binary the job runs (default: this one; it must be visible on the nodes).
+        #[arg(long)]
+        nanodist: Option<PathBuf>,
+        /// Print the script and the sbatch command instead of submitting.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print scripts/slurm/gpu.sbatch as rendered from the template, and exit.
+        #[arg(long, conflicts_with = "config")]
+        print_gpu_template: bool,
+    },
     /// Print the config's JSON Schema (for editors: Taplo / Even Better TOML).
     Schema {
         /// Write to this file instead of stdout.
@@ -276,6 +314,52 @@ fn run(cli: Cli) -> Result<()> {
                     println!("---------------");
                 }
             }
+            Ok(())
+        }
+        Command::Sbatch {
+            config,
+            set,
+            nodes,
+            tasks_per_node,
+            cpus_per_task,
+            time,
+            partition,
+            array,
+            signal_secs,
+            nanodist,
+            dry_run,
+            print_gpu_template,
+        } => {
+            use nanodist::slurm;
+            let Some(config) = config.filter(|_| !print_gpu_template) else {
+                print!("{}", slurm::gpu_template());
+                return Ok(());
+            };
+            let opts = slurm::JobOptions {
+                nodes: nodes.map(|n| n as usize),
+                tasks_per_node: tasks_per_node.map(|n| n as usize),
+                cpus_per_task: cpus_per_task.map(|n| n as usize),
+                time,
+                partition,
+                array,
+                signal_secs,
+                nanodist,
+            };
+            let job = slurm::prepare(&config, &set, &opts)?;
+            if dry_run {
+                print!("{}", job.script);
+                println!("# submit with: {}", slurm::command_line(&job));
+                return Ok(());
+            }
+            slurm::preflight(&job)?;
+            let (id, path) = slurm::submit(&job)?;
+            println!(
+                "submitted job {id} ({} task(s), engine {}): script {}; run directory {}/{id}",
+                job.tasks,
+                job.loaded.plan.engine.name(),
+                path.display(),
+                job.loaded.config.log_dir
+            );
             Ok(())
         }
         Command::Schema { output } => {

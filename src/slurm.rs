@@ -1,0 +1,351 @@
+//! `nanodist sbatch`: validate a config for the job it will run in, render the batch script from the
+//! template in scripts/slurm/ and submit it. A config that would fail in the queue fails here instead.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result};
+
+use crate::bad_input;
+use crate::config::{self, Engine, LaunchEnv, Loaded};
+
+/// The batch script every job runs (one source: scripts/slurm/gpu.sbatch is rendered from it).
+pub const TEMPLATE: &str = include_str!("../scripts/slurm/cpu.sbatch");
+
+/// What the job asks of Slurm; `None` takes the template's value or one derived from the config.
+#[derive(Debug, Clone, Default)]
+pub struct JobOptions {
+    pub nodes: Option<usize>,
+    pub tasks_per_node: Option<usize>,
+    pub cpus_per_task: Option<usize>,
+    /// Wall-clock limit, HH:MM:SS or D-HH:MM:SS.
+    pub time: Option<String>,
+    pub partition: Option<String>,
+    /// A job array, e.g. "1-10%1": a chain of links, each resuming where the previous stopped.
+    pub array: Option<String>,
+    /// Seconds before the time limit at which Slurm sends USR1 (nanodist checkpoints and exits).
+    pub signal_secs: u32,
+    /// The nanodist binary the job runs (default: this one).
+    pub nanodist: Option<PathBuf>,
+}
+
+/// A rendered job: the script, its arguments and the loaded config it was validated as.
+#[derive(Debug)]
+pub struct Job {
+    pub script: String,
+    pub args: Vec<String>,
+    pub loaded: Loaded,
+    pub tasks: usize,
+    /// The job runs this very binary (so its build features decide what the job can run).
+    pub own_binary: bool,
+}
+
+/// Sets `#SBATCH --key=value` (replacing the template's line, or adding one after the last directive),
+/// or removes the directive when `value` is None.
+fn set_directive(lines: &mut Vec<String>, key: &str, value: Option<&str>) {
+    let prefix = format!("#SBATCH --{key}=");
+    let bare = format!("#SBATCH --{key}");
+    let at = lines
+        .iter()
+        .position(|l| l.starts_with(&prefix) || *l == bare);
+    match (at, value) {
+        (Some(i), Some(v)) => lines[i] = format!("{prefix}{v}"),
+        (Some(i), None) => {
+            lines.remove(i);
+        }
+        (None, Some(v)) => {
+            let last = lines
+                .iter()
+                .rposition(|l| l.starts_with("#SBATCH "))
+                .map_or(1, |i| i + 1);
+            lines.insert(last, format!("{prefix}{v}"));
+        }
+        (None, None) => {}
+    }
+}
+
+/// Sets the shell variable `NAME=` at the top of the template.
+fn set_variable(lines: &mut [String], name: &str, value: &str) {
+    let prefix = format!("{name}=");
+    if let Some(l) = lines.iter_mut().find(|l| l.starts_with(&prefix)) {
+        *l = format!("{prefix}{value}");
+    }
+}
+
+/// A word for bash, single-quoted where needed.
+pub fn shell_quote(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+    if plain {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+/// Renders the template with `directives` and `variables` (both (key, value); None removes a directive).
+pub fn render(directives: &[(&str, Option<String>)], variables: &[(&str, String)]) -> String {
+    let mut lines: Vec<String> = TEMPLATE.lines().map(str::to_string).collect();
+    for (k, v) in directives {
+        set_directive(&mut lines, k, v.as_deref());
+    }
+    for (k, v) in variables {
+        set_variable(&mut lines, k, v);
+    }
+    lines.join("\n") + "\n"
+}
+
+/// The GPU template (scripts/slurm/gpu.sbatch): one task per GPU on the NCCL engine.
+pub fn gpu_template() -> String {
+    render(
+        &[
+            ("ntasks-per-node", Some("4".into())),
+            ("gpus-per-node", Some("4".into())),
+            ("cpus-per-task", Some("8".into())),
+        ],
+        &[("ENGINE", "nccl".into())],
+    )
+}
+
+/// Checks `time` is a Slurm duration we can pass on: [D-]HH:MM:SS, MM:SS or minutes.
+fn check_time(time: &str) -> Result<()> {
+    let (days, rest) = match time.split_once('-') {
+        Some((d, r)) => (Some(d), r),
+        None => (None, time),
+    };
+    let parts: Vec<&str> = rest.split(':').collect();
+    let numeric = |s: &str| !s.is_empty() && s.len() <= 4 && s.chars().all(|c| c.is_ascii_digit());
+    let ok = days.is_none_or(numeric) && parts.len() <= 3 && parts.iter().all(|p| numeric(p));
+    if !ok {
+        return Err(bad_input!(
+            "--time {time:?}: expected HH:MM:SS, D-HH:MM:SS, MM:SS or minutes"
+        ));
+    }
+    Ok(())
+}
+
+/// Validates `config` (with `set`) for the job described by `opts` and renders its script.
+pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> {
+    let config_abs = std::fs::canonicalize(config)
+        .map_err(|e| bad_input!("config {}: {e}", config.display()))?;
+    // First the config as written (engine and layout defaults); a config that does not parse gets the
+    // full report of `load`.
+    let src = std::fs::read_to_string(config)
+        .map_err(|e| bad_input!("config {}: {e}", config.display()))?;
+    let cfg = match config::parse(&src, set) {
+        Ok((c, _)) => c,
+        Err(_) => {
+            config::load(config, set, &LaunchEnv::default())?;
+            return Err(bad_input!("config {}: does not parse", config.display()));
+        }
+    };
+    let t = &cfg.train;
+    let nodes = opts.nodes.unwrap_or(1).max(1);
+    let world_cfg = t.workers.unwrap_or(1);
+    let tasks_per_node = opts.tasks_per_node.or(t.ranks_per_node).unwrap_or_else(|| {
+        if t.engine == Engine::Local {
+            1
+        } else {
+            (world_cfg / nodes).max(1)
+        }
+    });
+    let tasks = nodes * tasks_per_node;
+    // One task runs the config's engine (local threads included); several tasks need MPI or NCCL.
+    let engine = match (t.engine, tasks) {
+        (Engine::Local, 1) => Engine::Local,
+        (Engine::Local, _) => Engine::Mpi,
+        (e, _) => e,
+    };
+    let mut set = set.to_vec();
+    set.push(format!("train.engine=\"{}\"", engine.name()));
+    let launch = LaunchEnv {
+        workers_flag: None,
+        launcher_world: (engine != Engine::Local).then_some(tasks),
+        launcher_local_world: (engine != Engine::Local).then_some(tasks_per_node),
+        launched_processes: Some(tasks),
+        data_vocab: None,
+    };
+    let loaded = config::load(config, &set, &launch)?;
+    if let Some(time) = &opts.time {
+        check_time(time)?;
+    }
+    let cfg = &loaded.config;
+    let threads = cfg.train.threads.unwrap_or(1);
+    let cpus = opts.cpus_per_task.unwrap_or(if engine == Engine::Local {
+        loaded.plan.world_size * threads
+    } else {
+        threads
+    });
+    let log_dir = absolute(Path::new(&cfg.log_dir))?;
+    let nanodist = match &opts.nanodist {
+        Some(p) => absolute(p)?,
+        None => std::env::current_exe().context("locating the nanodist binary")?,
+    };
+    let gpus = (engine == Engine::Nccl).then(|| tasks_per_node.to_string());
+    let script = render(
+        &[
+            (
+                "job-name",
+                Some(format!(
+                    "nanodist-{}",
+                    config_abs
+                        .file_stem()
+                        .map_or("run".into(), |s| s.to_string_lossy().to_string())
+                )),
+            ),
+            ("nodes", Some(nodes.to_string())),
+            ("ntasks-per-node", Some(tasks_per_node.to_string())),
+            ("cpus-per-task", Some(cpus.to_string())),
+            ("gpus-per-node", gpus),
+            ("time", opts.time.clone()),
+            ("partition", opts.partition.clone()),
+            ("array", opts.array.clone()),
+            ("signal", Some(format!("B:USR1@{}", opts.signal_secs))),
+            (
+                "output",
+                Some(format!("{}/slurm-%j.out", log_dir.display())),
+            ),
+        ],
+        &[
+            ("NANODIST", shell_quote(&nanodist.display().to_string())),
+            ("LOG_DIR", shell_quote(&log_dir.display().to_string())),
+            ("ENGINE", engine.name().to_string()),
+        ],
+    );
+    let mut args = vec![config_abs.display().to_string()];
+    for s in set.iter().take(set.len() - 1) {
+        args.extend(["--set".to_string(), s.clone()]);
+    }
+    Ok(Job {
+        script,
+        args,
+        loaded,
+        tasks,
+        own_binary: opts.nanodist.is_none(),
+    })
+}
+
+fn absolute(p: &Path) -> Result<PathBuf> {
+    if p.is_absolute() {
+        return Ok(p.to_path_buf());
+    }
+    // Lexically, without resolving links; `components` drops the "." parts.
+    Ok(std::env::current_dir()
+        .context("reading the current directory")?
+        .join(p)
+        .components()
+        .collect())
+}
+
+/// What the job would fail on at its start, checked before it waits in the queue: an engine or backend
+/// this build cannot run, and data files that are missing or damaged.
+pub fn preflight(job: &Job) -> Result<()> {
+    let (cfg, plan) = (&job.loaded.config, &job.loaded.plan);
+    crate::sync::supported(plan)?;
+    if job.own_binary && plan.engine == Engine::Mpi && !cfg!(feature = "mpi") {
+        return Err(bad_input!(
+            "this job needs the \"mpi\" engine ({} tasks), but this nanodist was built without MPI; \
+             rebuild with `cargo build --release --features mpi`",
+            job.tasks
+        ));
+    }
+    let window = cfg.train.context_length + 1;
+    for split in [crate::data::Split::Train, crate::data::Split::Val] {
+        crate::data::Blend::open(cfg, split, window, cfg.model.vocab_size)?;
+    }
+    Ok(())
+}
+
+/// Writes the script to `<log_dir>/sbatch/` and submits it; returns the job id.
+pub fn submit(job: &Job) -> Result<(String, PathBuf)> {
+    let log_dir = absolute(Path::new(&job.loaded.config.log_dir))?;
+    let dir = log_dir.join("sbatch");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+        .to_string()
+        .replace(':', "-");
+    let path = dir.join(format!("{stamp}-{}.sbatch", std::process::id()));
+    crate::data::format::write_atomic(&path, job.script.as_bytes())?;
+    let out = Command::new("sbatch")
+        .arg("--parsable")
+        .arg(&path)
+        .args(&job.args)
+        .output()
+        .map_err(|e| anyhow::anyhow!("running sbatch: {e} (is Slurm's sbatch on PATH?)"))?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "sbatch {} failed ({}): {}",
+            path.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let id = stdout
+        .trim()
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    if id.is_empty() || !id.chars().all(|c| c.is_ascii_digit()) {
+        anyhow::bail!("sbatch printed no job id: {stdout:?}");
+    }
+    Ok((id, path))
+}
+
+/// The sbatch command line for `job` (printed by --dry-run).
+pub fn command_line(job: &Job) -> String {
+    std::iter::once("sbatch SCRIPT".to_string())
+        .chain(job.args.iter().map(|a| shell_quote(a)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn directives_are_replaced_added_and_removed() {
+        let s = render(
+            &[
+                ("nodes", Some("4".into())),
+                ("partition", Some("gpu".into())),
+                ("requeue", None),
+            ],
+            &[("ENGINE", "nccl".into())],
+        );
+        assert!(s.contains("#SBATCH --nodes=4\n"));
+        assert!(s.contains("#SBATCH --partition=gpu\n"));
+        assert!(!s.contains("#SBATCH --requeue"));
+        assert!(s.contains("\nENGINE=nccl\n"));
+        assert_eq!(s.matches("#SBATCH --nodes").count(), 1);
+        // Directives stay in the header: sbatch stops reading them at the first command.
+        let first_cmd = s.find("\nNANODIST=").unwrap();
+        assert!(s.rfind("#SBATCH").unwrap() < first_cmd);
+    }
+
+    #[test]
+    fn committed_gpu_template_is_the_rendered_one() {
+        let committed = include_str!("../scripts/slurm/gpu.sbatch");
+        assert_eq!(
+            committed,
+            gpu_template(),
+            "scripts/slurm/gpu.sbatch is stale: run `nanodist sbatch --print-gpu-template > scripts/slurm/gpu.sbatch`"
+        );
+    }
+
+    #[test]
+    fn quoting_and_time_checks() {
+        assert_eq!(shell_quote("a/b.toml"), "a/b.toml");
+        assert_eq!(shell_quote("x=\"y z\""), "'x=\"y z\"'");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+        for ok in ["20:00:00", "1-00:00:00", "30", "05:00"] {
+            assert!(check_time(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "1h", "20:00:00:00", "a-10:00"] {
+            assert!(check_time(bad).is_err(), "{bad}");
+        }
+    }
+}

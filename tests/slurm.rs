@@ -1,0 +1,335 @@
+//! `nanodist sbatch` against a real single-node Slurm (scripts/slurm/local-cluster.sh; CI starts it and
+//! sets NANODIST_REQUIRE_SLURM=1). The oracle for every job is the same config trained in this process
+//! on the local engine: the MPI engine adds in the same rank order, so losses must agree bit for bit,
+//! however often the job was stopped, requeued or chained.
+//! Without Slurm the tests that need it print "skipped"; the bad-config test runs everywhere.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use nanodist::config::{self, LaunchEnv};
+use nanodist::metrics::{read_rows, Row};
+use nanodist::train;
+
+mod common;
+use common::make_data;
+
+const EXE: &str = env!("CARGO_BIN_EXE_nanodist");
+
+/// A small run without run_name, so that the job names its run directory after the job id.
+fn config_text(dir: &Path, extra: &str) -> String {
+    format!(
+        "log_dir = {:?}\ndata_dir = {:?}\n[log]\neval_interval = 10\neval_steps = 4\nlog_interval = 1\n\
+         ckpt_interval = 10\n[train]\nseed = 3\nglobal_batch_size = 8\ncontext_length = 16\nn_steps = 20\n\
+         {extra}\n[train.lr_schedule]\nname = \"cosine\"\nlr = 3e-3\nwarmup_steps = 4\neta_min = 3e-4\n\
+         [model]\nn_layers = 2\nn_heads = 2\nn_embd = 32\nvocab_size = 64\nbias = true\n",
+        dir.join("log").display().to_string(),
+        dir.display().to_string()
+    )
+}
+
+fn slurm_up() -> bool {
+    let up = Command::new("sinfo")
+        .args(["-h", "-N", "-o", "%T"])
+        .output()
+        .is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l == "idle" || l == "mixed" || l == "allocated")
+        });
+    if !up {
+        assert!(
+            std::env::var_os("NANODIST_REQUIRE_SLURM").is_none(),
+            "NANODIST_REQUIRE_SLURM is set but no Slurm node answers (scripts/slurm/local-cluster.sh start)"
+        );
+        eprintln!("skipped: no Slurm (scripts/slurm/local-cluster.sh start)");
+    }
+    up
+}
+
+/// `nanodist sbatch CONFIG ARGS...`; returns the job id.
+fn sbatch(cfg: &Path, args: &[&str]) -> String {
+    let out = Command::new(EXE)
+        .arg("sbatch")
+        .arg(cfg)
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "nanodist sbatch: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .split_whitespace()
+        .nth(2)
+        .expect("submitted job ID ...")
+        .to_string()
+}
+
+/// Waits until no task of job `id` is pending or running.
+fn wait_job(id: &str, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let out = Command::new("squeue")
+            .args(["-h", "-j", id, "-o", "%T"])
+            .output()
+            .unwrap();
+        let states = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if states.is_empty() {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "job {id} still {states} after {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn job_log(run_dir: &Path) -> String {
+    let mut text = String::new();
+    for e in std::fs::read_dir(run_dir).unwrap().flatten() {
+        if e.file_name().to_string_lossy().starts_with("slurm-") {
+            text += &std::fs::read_to_string(e.path()).unwrap();
+        }
+    }
+    text
+}
+
+/// The rows of `config_text(dir, extra)` trained here with `workers` local workers.
+fn local_rows(dir: &Path, extra: &str, workers: usize) -> Vec<Row> {
+    let launch = LaunchEnv {
+        workers_flag: Some(workers),
+        ..LaunchEnv::default()
+    };
+    let set = vec!["log.run_name=\"local\"".to_string()];
+    let loaded =
+        config::load_str(Path::new("t.toml"), &config_text(dir, extra), &set, &launch).unwrap();
+    read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
+}
+
+fn assert_same_losses(job: &[Row], local: &[Row], what: &str) {
+    let key = |r: &Row| {
+        (
+            r.step,
+            r.train_loss.to_bits(),
+            r.grad_norm.to_bits(),
+            r.param_norm.to_bits(),
+            r.val_loss.map(f64::to_bits),
+        )
+    };
+    assert_eq!(job.len(), local.len(), "{what}: rows");
+    for (a, b) in job.iter().zip(local) {
+        assert_eq!(key(a), key(b), "{what}: step {}", a.step);
+    }
+}
+
+fn setup(extra: &str) -> (tempfile::TempDir, PathBuf) {
+    // Slurm's daemons run as root and the job reads the files: keep them outside private tmp dirs.
+    let d = tempfile::Builder::new()
+        .prefix("nanodist-slurm-")
+        .tempdir_in(
+            std::env::var_os("CARGO_TARGET_TMPDIR").map_or(std::env::temp_dir(), PathBuf::from),
+        )
+        .unwrap();
+    make_data(d.path());
+    let cfg = d.path().join("run.toml");
+    std::fs::write(&cfg, config_text(d.path(), extra)).unwrap();
+    (d, cfg)
+}
+
+#[test]
+fn sbatch_runs_a_two_rank_mpi_job_to_the_end() {
+    if !slurm_up() {
+        return;
+    }
+    let (d, cfg) = setup("");
+    let id = sbatch(&cfg, &["--tasks-per-node", "2", "--time", "00:05:00"]);
+    wait_job(&id, Duration::from_secs(240));
+    let run = d.path().join("log").join(&id);
+    let log = job_log(&run);
+    assert!(log.contains("finished at step 20"), "{log}");
+    assert!(log.contains("world size        2"), "{log}");
+    assert!(run
+        .join("checkpoints/step_00000020/manifest.json")
+        .is_file());
+    assert!(run
+        .join("checkpoints/step_00000010/manifest.json")
+        .is_file());
+    let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
+    assert_same_losses(&rows, &local_rows(d.path(), "", 2), "sbatch job");
+}
+
+#[test]
+fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run() {
+    if !slurm_up() {
+        return;
+    }
+    // ~6 ms a step on 2 ranks: the run outlasts the USR1 that Slurm sends 8-25 s into a 1-minute job
+    // with --signal=B:USR1@30, and finishes after one or two requeues.
+    let extra = "n_steps = 6000";
+    let (d, cfg) = setup(extra);
+    let patched = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("n_steps = 20\n", "")
+        .replace("log_interval = 1\n", "log_interval = 250\n")
+        .replace("eval_interval = 10\n", "eval_interval = 2000\n")
+        .replace("ckpt_interval = 10\n", "ckpt_interval = 0\n")
+        .replace("n_embd = 32", "n_embd = 64")
+        .replace("context_length = 16", "context_length = 32");
+    std::fs::write(&cfg, &patched).unwrap();
+    let id = sbatch(
+        &cfg,
+        &[
+            "--tasks-per-node",
+            "2",
+            "--time",
+            "00:01:00",
+            "--signal-secs",
+            "30",
+        ],
+    );
+    // The uninterrupted run, here, while the job runs.
+    let src = patched.clone();
+    let local = {
+        let launch = LaunchEnv {
+            workers_flag: Some(2),
+            ..LaunchEnv::default()
+        };
+        let set = vec!["log.run_name=\"local\"".to_string()];
+        let loaded = config::load_str(Path::new("t.toml"), &src, &set, &launch).unwrap();
+        read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
+    };
+    wait_job(&id, Duration::from_secs(420));
+    let run = d.path().join("log").join(&id);
+    let log = job_log(&run);
+    assert!(
+        log.contains("USR1: checkpointing before the time limit"),
+        "{log}"
+    );
+    assert!(
+        log.contains("stopped by SIGUSR1 after saving a checkpoint"),
+        "{log}"
+    );
+    assert!(log.contains("requeueing job"), "{log}");
+    assert!(log.contains("(restart 1)"), "{log}");
+    assert!(log.contains("finished at step 6000"), "{log}");
+    let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
+    assert_same_losses(&rows, &local, "requeued job");
+}
+
+#[test]
+fn an_array_chain_resumes_link_by_link_and_later_links_exit_at_once() {
+    if !slurm_up() {
+        return;
+    }
+    // Each link trains 7 steps: links 1-3 reach 20; link 4 finds the run finished.
+    let (d, cfg) = setup("exit_interval = 7");
+    let id = sbatch(
+        &cfg,
+        &[
+            "--tasks-per-node",
+            "2",
+            "--array",
+            "1-4%1",
+            "--time",
+            "00:05:00",
+        ],
+    );
+    wait_job(&id, Duration::from_secs(300));
+    let run = d.path().join("log").join(&id);
+    let log = job_log(&run);
+    for step in [7, 14] {
+        assert!(
+            log.contains(&format!("stopped at train.exit_interval at step {step}")),
+            "{log}"
+        );
+    }
+    assert!(log.contains("finished at step 20"), "{log}");
+    assert!(log.contains("run already finished at step 20"), "{log}");
+    let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
+    // The chain stops every 7 steps; the local run goes straight through.
+    assert_same_losses(&rows, &local_rows(d.path(), "", 2), "array chain");
+}
+
+#[test]
+fn a_bad_config_is_rejected_before_sbatch_is_called() {
+    let d = tempfile::tempdir().unwrap();
+    // A stand-in sbatch that records its calls: it must not be called for a bad config.
+    let bin = d.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let calls = d.path().join("calls");
+    let fake = bin.join("sbatch");
+    std::fs::write(
+        &fake,
+        format!("#!/bin/sh\necho \"$@\" >> {}\necho 4242\n", calls.display()),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run = |cfg: &Path, args: &[&str]| {
+        Command::new(EXE)
+            .arg("sbatch")
+            .arg(cfg)
+            .args(args)
+            .env("PATH", &path)
+            .output()
+            .unwrap()
+    };
+    let cfg = d.path().join("run.toml");
+    // A typo in a key, a topology that does not fit the job, and missing data.
+    let cases = [
+        (
+            config_text(d.path(), "").replace("n_steps", "n_stepz"),
+            vec![],
+            "n_stepz",
+        ),
+        (
+            config_text(d.path(), "backend = \"decentdp\"\ntopology = \"exp\""),
+            vec!["--tasks-per-node", "3"],
+            "power-of-two",
+        ),
+        (config_text(d.path(), ""), vec![], "train.bin"),
+        (
+            config_text(d.path(), ""),
+            vec!["--time", "ten minutes"],
+            "--time",
+        ),
+    ];
+    for (text, args, needle) in cases {
+        std::fs::write(&cfg, text).unwrap();
+        let out = run(&cfg, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{needle}: {err}");
+        assert!(err.contains(needle), "{needle}: {err}");
+        assert!(
+            !calls.exists(),
+            "sbatch was called for a bad config ({needle})"
+        );
+    }
+    // A good one reaches sbatch with the config and its overrides.
+    make_data(d.path());
+    std::fs::write(&cfg, config_text(d.path(), "")).unwrap();
+    let out = run(&cfg, &["--set", "train.seed=4"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("submitted job 4242"));
+    let called = std::fs::read_to_string(&calls).unwrap();
+    assert!(
+        called.contains("--parsable")
+            && called.contains("run.toml")
+            && called.contains("train.seed=4"),
+        "{called}"
+    );
+}
