@@ -87,6 +87,7 @@ fn gossip_runs_on_every_topology_and_complete_keeps_replicas_identical() {
             format!("train.topology={topo}"),
             format!("log.run_name=\"{topo}\""),
             "train.optim={ name = \"accumadamw\", accum_steps = 4 }".to_string(),
+            "log.eval_local=true".to_string(),
         ];
         if !extra.is_empty() {
             set.push(extra.to_string());
@@ -113,6 +114,21 @@ fn gossip_runs_on_every_topology_and_complete_keeps_replicas_identical() {
             evals[1].val_loss.unwrap() < evals[0].train_loss + 1.0,
             "{topo} trains"
         );
+        // The replicas' own val losses: equal to the average's where the replicas are equal.
+        let (val, mean, max) = (
+            evals[1].val_loss.unwrap(),
+            evals[1].val_loss_local.unwrap(),
+            evals[1].val_loss_local_max.unwrap(),
+        );
+        assert!(max >= mean && mean.is_finite(), "{topo}: {mean} {max}");
+        if dist < 1e-6 {
+            assert!(
+                (mean - val).abs() < 1e-4 && (max - val).abs() < 1e-4,
+                "{topo}: identical replicas, {val} vs {mean} / {max}"
+            );
+        } else {
+            assert!(max > mean, "{topo}: replicas differ, so do their losses");
+        }
     }
 }
 
@@ -134,6 +150,11 @@ fn complete_gossip_is_the_global_average() {
         );
         let mut p = replica(rank);
         g.after_step(&mut p, 0).unwrap();
+        // A group all-reduce sends what a ring all-reduce does: 2 (N - 1) / N of the buffer.
+        assert_eq!(
+            g.comm_stats().bytes_sent,
+            nanodist::comm::all_reduce_bytes(50, n, rank)
+        );
         p
     });
     for i in 0..50 {
@@ -351,4 +372,44 @@ fn overlapped_gossip_trains_and_resumes_bit_for_bit() {
         "{last:?}"
     );
     assert!(last.consensus_distance.unwrap() > 0.0);
+}
+
+/// `nanodist train --workers 4` with NANODIST_FAULT set; returns (exit code, stderr, seconds).
+fn train_with_fault(dir: &Path, fault: &str, timeout_secs: u32) -> (Option<i32>, String, f64) {
+    let cfg = dir.join(format!("fault-{}.toml", fault.replace(':', "-")));
+    std::fs::write(&cfg, tiny_config(dir, &fault.replace(':', "-"))).unwrap();
+    let start = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nanodist"))
+        .arg("train")
+        .arg(&cfg)
+        .args(["--workers", "4", "--set"])
+        .arg(format!("train.comm_timeout_secs={timeout_secs}"))
+        .env("NANODIST_FAULT", fault)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+        start.elapsed().as_secs_f64(),
+    )
+}
+
+#[test]
+fn a_dead_or_hung_local_worker_ends_the_job_with_its_name_instead_of_hanging() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    // A worker that dies stops the others at once, long before the 60 s timeout.
+    let (code, err, secs) = train_with_fault(d.path(), "2:3:panic", 60);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("worker 2 panicked"), "{err}");
+    assert!(secs < 30.0, "took {secs:.1} s");
+    // A worker that hangs is named by the others' timeout, and the job ends without it.
+    let (code, err, secs) = train_with_fault(d.path(), "1:3:hang", 3);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("waiting for rank(s) [1]"), "{err}");
+    assert!(err.contains("[1] did not stop"), "{err}");
+    assert!(secs < 3.0 + 5.0 + 20.0, "took {secs:.1} s");
+    // A bad fault spec is bad input.
+    let (code, err, _) = train_with_fault(d.path(), "1:x:hang", 3);
+    assert_eq!(code, Some(2), "{err}");
 }

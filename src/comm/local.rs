@@ -195,8 +195,9 @@ impl Communicator for LocalComm {
         self.shared.wait(self.rank)?;
         self.sum_slots(group, buf);
         self.shared.wait(self.rank)?;
-        // Point-to-point: this rank sends its buffer to each other member of its group.
-        self.account((group.len() as u64 - 1) * buf.len() as u64 * 4, start);
+        // What the MPI engine's reduce-scatter + all-gather within the group sends from this rank.
+        let pos = group.iter().position(|&r| r == self.rank).unwrap_or(0);
+        self.account(all_reduce_bytes(buf.len(), group.len(), pos), start);
         Ok(())
     }
 

@@ -22,8 +22,9 @@ pub fn chunk(len: usize, n: usize, c: usize) -> std::ops::Range<usize> {
     start..start + base + usize::from(c < extra)
 }
 
-/// Bytes `rank` sends in an all-reduce of `len` f32 by reduce-scatter + all-gather (the bandwidth of a
-/// ring all-reduce, 2 (N - 1) / N of the buffer): every chunk but its own, then its own to N - 1 peers.
+/// Bytes the member at position `rank` of `n` sends in an all-reduce of `len` f32 by reduce-scatter +
+/// all-gather (the bandwidth of a ring all-reduce, 2 (N - 1) / N of the buffer): every chunk but its own,
+/// then its own to N - 1 peers.
 pub fn all_reduce_bytes(len: usize, n: usize, rank: usize) -> u64 {
     let mine = chunk(len, n, rank).len();
     4 * ((len - mine) + (n - 1) * mine) as u64

@@ -121,6 +121,63 @@ impl MpiComm {
         sends.iter().map(|(_, b)| b.len() as u64 * 4).sum()
     }
 
+    /// Sum over the ranks of `group` (in group order), in place: a reduce-scatter in which the member at
+    /// position i owns chunk i and adds the members' copies of it in group order, then an all-gather of
+    /// the reduced chunks. Each member sends 2 (g - 1) / g of the buffer, as a ring all-reduce; returns
+    /// the bytes this rank sent.
+    fn reduce_scatter_all_gather(&mut self, buf: &mut [f32], group: &[usize]) -> u64 {
+        let (g, len) = (group.len(), buf.len());
+        let Some(me) = group.iter().position(|&r| r == self.rank) else {
+            return 0;
+        };
+        if g == 1 {
+            return 0;
+        }
+        let mine = chunk(len, g, me);
+        // Reduce-scatter: receive every member's copy of my chunk.
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.resize(mine.len() * g, 0.0);
+        let mut bytes = {
+            let sends: Vec<(usize, &[f32])> = (0..g)
+                .filter(|&i| i != me)
+                .map(|i| (group[i], &buf[chunk(len, g, i)]))
+                .collect();
+            let mut recvs: Vec<(usize, &mut [f32])> = pieces(&mut scratch, g, mine.len())
+                .into_iter()
+                .enumerate()
+                .filter(|(i, _)| *i != me)
+                .map(|(i, piece)| (group[i], piece))
+                .collect();
+            self.exchange_raw(&sends, &mut recvs)
+        };
+        // Group-ordered sum, as the local engine: ((x0 + x1) + x2) + ...
+        scratch[me * mine.len()..(me + 1) * mine.len()].copy_from_slice(&buf[mine.clone()]);
+        let out = &mut buf[mine.clone()];
+        out.copy_from_slice(&scratch[..mine.len()]);
+        for i in 1..g {
+            let src = &scratch[i * mine.len()..(i + 1) * mine.len()];
+            out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+        }
+        self.scratch = scratch;
+        // All-gather the reduced chunks.
+        let reduced = buf[mine.clone()].to_vec();
+        let mut rest: Vec<(usize, &mut [f32])> = Vec::with_capacity(g - 1);
+        let mut tail: &mut [f32] = buf;
+        for i in 0..g {
+            let (head, t) = std::mem::take(&mut tail).split_at_mut(chunk(len, g, i).len());
+            tail = t;
+            if i != me {
+                rest.push((group[i], head));
+            }
+        }
+        let sends: Vec<(usize, &[f32])> = (0..g)
+            .filter(|&i| i != me)
+            .map(|i| (group[i], &reduced[..]))
+            .collect();
+        bytes += self.exchange_raw(&sends, &mut rest);
+        bytes
+    }
+
     fn account(&mut self, bytes: u64, start: Instant) {
         self.disarm();
         self.stats.bytes_sent += bytes;
@@ -182,48 +239,10 @@ impl Communicator for MpiComm {
         if self.n == 1 {
             return Ok(());
         }
-        let start = Instant::now();
+        let all: Vec<usize> = (0..self.n).collect();
         self.arm(0);
-        let (n, me, len) = (self.n, self.rank, buf.len());
-        let mine = chunk(len, n, me);
-        // Reduce-scatter: receive every peer's copy of my chunk.
-        let mut scratch = std::mem::take(&mut self.scratch);
-        scratch.resize(mine.len() * n, 0.0);
-        let mut bytes = {
-            let sends: Vec<(usize, &[f32])> =
-                self.peers().map(|p| (p, &buf[chunk(len, n, p)])).collect();
-            let mut recvs: Vec<(usize, &mut [f32])> = pieces(&mut scratch, n, mine.len())
-                .into_iter()
-                .enumerate()
-                .filter(|(r, _)| *r != me)
-                .collect();
-            self.exchange_raw(&sends, &mut recvs)
-        };
-        // Rank-ordered sum, as the local engine: ((x0 + x1) + x2) + ...
-        scratch[me * mine.len()..(me + 1) * mine.len()].copy_from_slice(&buf[mine.clone()]);
-        let out = &mut buf[mine.clone()];
-        out.copy_from_slice(&scratch[..mine.len()]);
-        for r in 1..n {
-            let src = &scratch[r * mine.len()..(r + 1) * mine.len()];
-            out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
-        }
-        self.scratch = scratch;
-        // All-gather the reduced chunks.
-        let reduced = buf[mine.clone()].to_vec();
-        let mut rest: Vec<(usize, &mut [f32])> = Vec::with_capacity(n - 1);
-        let mut tail: &mut [f32] = buf;
-        for r in 0..n {
-            let (head, t) = std::mem::take(&mut tail).split_at_mut(chunk(len, n, r).len());
-            tail = t;
-            if r != me {
-                rest.push((r, head));
-            }
-        }
-        let sends: Vec<(usize, &[f32])> = (0..n)
-            .filter(|&p| p != me)
-            .map(|p| (p, &reduced[..]))
-            .collect();
-        bytes += self.exchange_raw(&sends, &mut rest);
+        let start = Instant::now();
+        let bytes = self.reduce_scatter_all_gather(buf, &all);
         self.account(bytes, start);
         Ok(())
     }
@@ -235,35 +254,9 @@ impl Communicator for MpiComm {
                 self.rank
             );
         }
-        let start = Instant::now();
         self.arm(1);
-        let len = buf.len();
-        let mut scratch = std::mem::take(&mut self.scratch);
-        scratch.resize(len * group.len(), 0.0);
-        let me = self.rank;
-        let bytes = {
-            let sends: Vec<(usize, &[f32])> = group
-                .iter()
-                .filter(|&&p| p != me)
-                .map(|&p| (p, &buf[..]))
-                .collect();
-            let mut recvs: Vec<(usize, &mut [f32])> = pieces(&mut scratch, group.len(), len)
-                .into_iter()
-                .zip(group)
-                .filter(|(_, &r)| r != me)
-                .map(|(s, &r)| (r, s))
-                .collect();
-            self.exchange_raw(&sends, &mut recvs)
-        };
-        // Sum in group order, as the local engine.
-        let pos = group.iter().position(|&r| r == me).unwrap_or(0);
-        scratch[pos * len..(pos + 1) * len].copy_from_slice(buf);
-        buf.copy_from_slice(&scratch[..len]);
-        for i in 1..group.len() {
-            let src = &scratch[i * len..(i + 1) * len];
-            buf.iter_mut().zip(src).for_each(|(o, s)| *o += s);
-        }
-        self.scratch = scratch;
+        let start = Instant::now();
+        let bytes = self.reduce_scatter_all_gather(buf, group);
         self.account(bytes, start);
         Ok(())
     }

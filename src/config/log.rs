@@ -28,6 +28,10 @@ pub struct LogConfig {
     /// Number of fixed, seeded batches averaged for each evaluation.
     #[schemars(range(min = 1))]
     pub eval_steps: u64,
+    /// Gossip: besides the average of the replicas, evaluate each worker's own replica on the same
+    /// batches; eval rows add `val_loss_local` (mean over workers) and `val_loss_local_max` (the worst).
+    /// Costs world size x the validation evaluation.
+    pub eval_local: bool,
     /// Write a metrics row (and a console line when not on a terminal) every this many steps.
     #[schemars(range(min = 1))]
     pub log_interval: u64,
@@ -54,6 +58,7 @@ impl Default for LogConfig {
             wandb_tags: Vec::new(),
             eval_interval: 1000,
             eval_steps: 200,
+            eval_local: false,
             log_interval: 10,
             ckpt_interval: 1000,
             keep_checkpoints: 2,

@@ -36,6 +36,11 @@ pub struct Row {
     pub eval_train_loss: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub mfu: Option<f64>,
+    /// Gossip with `log.eval_local`: the mean over workers of their own replica's val loss, and the worst.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub val_loss_local: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub val_loss_local_max: Option<f64>,
     /// Gossip: mean distance of the replicas to their average, at evaluation.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub consensus_distance: Option<f64>,

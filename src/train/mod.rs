@@ -3,10 +3,12 @@
 //! sits behind `SyncBackend`; everything configurable was resolved before the loop starts.
 
 pub mod checkpoint;
+pub mod fault;
 pub mod signals;
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -77,9 +79,9 @@ fn broadcast_u64(comm: &mut dyn Communicator, x: u64) -> Result<u64> {
 }
 
 /// What every worker shares: config, plan, data (opened once) and the run directory.
-struct Setup<'a> {
-    cfg: &'a Config,
-    plan: &'a crate::config::Plan,
+struct Setup {
+    cfg: Config,
+    plan: crate::config::Plan,
     run_dir: PathBuf,
     train_data: Blend,
     val_data: Blend,
@@ -87,6 +89,7 @@ struct Setup<'a> {
     /// The checkpoint to start from and what to take from it.
     source: Option<(PathBuf, CheckpointMode)>,
     stop: StopFlag,
+    fault: Option<fault::Fault>,
 }
 
 /// Trains as the loaded config says; returns when the run finishes or an exit condition saves and stops it.
@@ -137,8 +140,8 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
         (None, None) => None,
     };
     let setup = Setup {
-        cfg,
-        plan,
+        cfg: cfg.clone(),
+        plan: plan.clone(),
         train_data: Blend::open(cfg, Split::Train, window, cfg.model.vocab_size)?,
         val_data: Blend::open(cfg, Split::Val, window, cfg.model.vocab_size)?,
         tokenizer: crate::data::Meta::read(Path::new(&cfg.data_dir))
@@ -147,6 +150,7 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
         run_dir,
         source,
         stop: StopFlag::install()?,
+        fault: fault::Fault::from_env()?,
     };
     if let Some(comm) = process_comm {
         return worker(&setup, comm);
@@ -155,34 +159,62 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
     if n == 1 {
         return worker(&setup, Box::new(crate::comm::Solo));
     }
-    let results: Vec<Result<Summary>> = std::thread::scope(|s| {
-        let handles: Vec<_> = crate::comm::local::group(n, timeout)
-            .into_iter()
-            .map(|comm| {
-                let setup = &setup;
-                s.spawn(move || {
-                    let failer = comm.failer();
-                    let r = worker(setup, Box::new(comm));
-                    if let Err(e) = &r {
-                        failer.fail(&format!("{e:#}"));
-                    }
-                    r
-                })
+    run_local(Arc::new(setup), n, timeout)
+}
+
+/// N workers as threads of this process. A worker that fails or panics marks the group failed, so the
+/// others stop at their next collective; one that hangs is named by the others' timeout. The first
+/// error is returned once every worker has stopped, or, if some never do, a grace period after it:
+/// those threads are abandoned (the process exits after the error) instead of hanging the job.
+fn run_local(setup: Arc<Setup>, n: usize, timeout: std::time::Duration) -> Result<Summary> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    for comm in crate::comm::local::group(n, timeout) {
+        let (setup, tx) = (Arc::clone(&setup), tx.clone());
+        let rank = comm.rank();
+        std::thread::Builder::new()
+            .name(format!("rank-{rank}"))
+            .spawn(move || {
+                let failer = comm.failer();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    worker(&setup, Box::new(comm))
+                }))
+                .unwrap_or_else(|p| {
+                    let why = p
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default();
+                    Err(anyhow::anyhow!("worker {rank} panicked: {why}"))
+                });
+                if let Err(e) = &r {
+                    failer.fail(&format!("{e:#}"));
+                }
+                let _ = tx.send((rank, r));
             })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("worker {rank} panicked")))
-            })
-            .collect()
-    });
+            .context("starting a worker thread")?;
+    }
+    drop(tx);
+    let mut results: Vec<Option<Result<Summary>>> = (0..n).map(|_| None).collect();
+    let mut deadline: Option<Instant> = None;
+    while results.iter().any(Option::is_none) {
+        let got = match deadline {
+            None => rx.recv().ok(),
+            Some(d) => rx
+                .recv_timeout(d.saturating_duration_since(Instant::now()))
+                .ok(),
+        };
+        let Some((rank, r)) = got else { break };
+        if r.is_err() && deadline.is_none() {
+            // The others fail at once through the group, or by timeout if they are inside compute.
+            deadline = Some(Instant::now() + timeout + std::time::Duration::from_secs(5));
+        }
+        results[rank] = Some(r);
+    }
+    let stuck: Vec<usize> = (0..n).filter(|&r| results[r].is_none()).collect();
     // The first error that is not merely another rank reporting a failure wins.
     let mut first_err = None;
     let mut summary = None;
-    for r in results {
+    for r in results.into_iter().flatten() {
         match r {
             Ok(s) if summary.is_none() => summary = Some(s),
             Ok(_) => {}
@@ -198,7 +230,10 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
         }
     }
     match (first_err, summary) {
-        (Some((_, e)), _) => Err(e),
+        (Some((_, e)), _) if stuck.is_empty() => Err(e),
+        (Some((_, e)), _) => Err(e.context(format!(
+            "rank(s) {stuck:?} did not stop after the failure and were abandoned"
+        ))),
         (None, Some(s)) => Ok(s),
         (None, None) => Err(anyhow::anyhow!("no worker ran")),
     }
@@ -241,23 +276,57 @@ fn evaluate_shared(
     steps: u64,
     b: usize,
 ) -> Result<f64> {
-    let (rank, n) = (sync.rank() as u64, sync.world_size() as u64);
-    let per_step = b as u64 * n;
-    let mut acc = [0.0f32];
-    for i in 0..steps {
-        let batch = eval_batch(
-            seed,
-            split,
-            i * per_step + rank * b as u64,
-            data,
-            b,
-            model.context_length,
-        );
-        let (x, y) = model.batch_tensors(&batch)?;
-        acc[0] += model.loss(&x, &y, None)?.to_scalar::<f32>()?;
-    }
+    let (rank, n) = (sync.rank(), sync.world_size());
+    let mut acc = [eval_rows(model, data, split, seed, steps, b, n, rank..rank + 1)? as f32];
     sync.mean_scalars(&mut acc)?;
-    Ok(acc[0] as f64 / steps as f64)
+    Ok(acc[0] as f64)
+}
+
+/// This rank's own model on all the windows of `evaluate_shared`; returns (mean, max) over the ranks.
+fn evaluate_local(
+    model: &Gpt,
+    sync: &mut dyn SyncBackend,
+    data: &Blend,
+    seed: u64,
+    steps: u64,
+    b: usize,
+) -> Result<(f64, f64)> {
+    let (rank, n) = (sync.rank(), sync.world_size());
+    let mut all = vec![0.0f32; n];
+    all[rank] = eval_rows(model, data, Split::Val, seed, steps, b, n, 0..n)? as f32;
+    // The mean of a vector with one non-zero slot per rank gathers the ranks' values.
+    sync.mean_scalars(&mut all)?;
+    let losses: Vec<f64> = all.iter().map(|&x| x as f64 * n as f64).collect();
+    Ok((
+        losses.iter().sum::<f64>() / n as f64,
+        losses.iter().cloned().fold(f64::MIN, f64::max),
+    ))
+}
+
+/// Mean loss of `model` over the b-row slices `slices` of each of `steps` evaluation batches.
+#[allow(clippy::too_many_arguments)]
+fn eval_rows(
+    model: &Gpt,
+    data: &Blend,
+    split: Split,
+    seed: u64,
+    steps: u64,
+    b: usize,
+    world: usize,
+    slices: std::ops::Range<usize>,
+) -> Result<f64> {
+    let per_step = (b * world) as u64;
+    let (mut sum, mut count) = (0.0f64, 0u64);
+    for i in 0..steps {
+        for r in slices.clone() {
+            let first = i * per_step + (r * b) as u64;
+            let batch = eval_batch(seed, split, first, data, b, model.context_length);
+            let (x, y) = model.batch_tensors(&batch)?;
+            sum += model.loss(&x, &y, None)?.to_scalar::<f32>()? as f64;
+            count += 1;
+        }
+    }
+    Ok(sum / count as f64)
 }
 
 /// Runs `compute` and, when the backend has communication pending, that communication at the same time:
@@ -282,8 +351,8 @@ fn overlapped<T: Send>(
 }
 
 /// One rank's training loop.
-fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
-    let (cfg, plan) = (setup.cfg, setup.plan);
+fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
+    let (cfg, plan) = (&setup.cfg, &setup.plan);
     let t = &cfg.train;
     let (ctx, local_b, accum) = (t.context_length, plan.local_batch_size, plan.accum_steps);
     let device = Device::Cpu;
@@ -371,6 +440,9 @@ fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
     let mut eval_window = (Instant::now(), step);
     let mut last_val = None;
     let exit = loop {
+        if let Some(f) = &setup.fault {
+            f.check(rank, step);
+        }
         let lr = optim::lr_at(&t.lr_schedule, step, t.n_steps);
         // The forward/backward of this step; communication left pending by the last step runs beside it.
         let loss_sum = overlapped(sync.as_mut(), || {
@@ -448,6 +520,17 @@ fn worker(setup: &Setup<'_>, comm: Box<dyn Communicator>) -> Result<Summary> {
                     local_b,
                 )?;
                 model.params.set_flat(&flat)?;
+                if cfg.log.eval_local {
+                    let (mean, max) = evaluate_local(
+                        &model,
+                        sync.as_mut(),
+                        &setup.val_data,
+                        t.seed,
+                        cfg.log.eval_steps,
+                        local_b,
+                    )?;
+                    (row.val_loss_local, row.val_loss_local_max) = (Some(mean), Some(max));
+                }
                 console.eval_line(
                     step,
                     val,
