@@ -163,11 +163,11 @@ impl MpiComm {
         let reduced = buf[mine.clone()].to_vec();
         let mut rest: Vec<(usize, &mut [f32])> = Vec::with_capacity(g - 1);
         let mut tail: &mut [f32] = buf;
-        for i in 0..g {
+        for (i, &member) in group.iter().enumerate() {
             let (head, t) = std::mem::take(&mut tail).split_at_mut(chunk(len, g, i).len());
             tail = t;
             if i != me {
-                rest.push((group[i], head));
+                rest.push((member, head));
             }
         }
         let sends: Vec<(usize, &[f32])> = (0..g)
