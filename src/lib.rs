@@ -9,6 +9,7 @@ pub mod generate;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod report;
 pub mod slurm;
 pub mod sync;
 pub mod train;

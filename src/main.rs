@@ -147,6 +147,24 @@ enum Command {
         #[arg(long, conflicts_with = "config")]
         print_gpu_template: bool,
     },
+    /// Draw loss curves of runs (vs step, tokens, wall time and bytes sent) into a PNG and an SVG.
+    Plot {
+        /// Run directories (log_dir/<run>).
+        #[arg(required = true, num_args = 1..)]
+        runs: Vec<PathBuf>,
+        /// The PNG to write; the SVG goes beside it.
+        #[arg(long, default_value = "runs.png")]
+        output: PathBuf,
+    },
+    /// Compare runs: algorithm, workers, steps, final/best val loss, tokens/s, bytes per step, time to a target.
+    Compare {
+        /// Run directories (log_dir/<run>).
+        #[arg(required = true, num_args = 1..)]
+        runs: Vec<PathBuf>,
+        /// Val loss to reach (default: the worst final val loss among the runs).
+        #[arg(long)]
+        target: Option<f64>,
+    },
     /// Print the config's JSON Schema (for editors: Taplo / Even Better TOML).
     Schema {
         /// Write to this file instead of stdout.
@@ -360,6 +378,17 @@ fn run(cli: Cli) -> Result<()> {
                 path.display(),
                 job.loaded.config.log_dir
             );
+            Ok(())
+        }
+        Command::Plot { runs, output } => {
+            let runs = nanodist::report::load_runs(&runs)?;
+            let (png, svg) = nanodist::report::plot::plot(&runs, &output)?;
+            println!("wrote {} and {}", png.display(), svg.display());
+            Ok(())
+        }
+        Command::Compare { runs, target } => {
+            let runs = nanodist::report::load_runs(&runs)?;
+            print!("{}", nanodist::report::compare(&runs, target));
             Ok(())
         }
         Command::Schema { output } => {

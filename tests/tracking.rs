@@ -177,3 +177,152 @@ fn tensorboard_scalars_read_back_with_the_strict_reader() {
     }
     assert_eq!(s["val loss"].as_object().unwrap().len(), 2);
 }
+
+/// A W&B run stopped at step 10 and resumed to 20 (two offline segments of one run id).
+fn resumed_wandb_run(dir: &Path) -> (PathBuf, Vec<PathBuf>) {
+    make_data(dir);
+    train(dir, &["train.exit_interval=10"]);
+    let run_dir = train(dir, &[]);
+    let segments = wandb_files(&run_dir)
+        .iter()
+        .map(|f| f.parent().unwrap().to_path_buf())
+        .collect();
+    (run_dir, segments)
+}
+
+#[test]
+fn wandb_sync_uploads_the_run_to_a_stand_in_server() {
+    let has_cli = Command::new("wandb")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_cli {
+        eprintln!("skipped: the wandb CLI is not installed (pip install wandb)");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (run_dir, segments) = resumed_wandb_run(d.path());
+    let rows = read_rows(&run_dir.join("metrics.jsonl")).unwrap();
+    // The stand-in server: it prints its port, then logs every request it answers.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let log = d.path().join("requests.jsonl");
+    let mut server = Command::new("python3")
+        .arg(root.join("scripts/wandb_standin.py"))
+        .arg(&log)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut port = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+        &mut port,
+    )
+    .unwrap();
+    let sync = Command::new("wandb")
+        .arg("sync")
+        .args(&segments)
+        .env("WANDB_BASE_URL", format!("http://127.0.0.1:{}", port.trim()))
+        .env("WANDB_API_KEY", "a".repeat(40))
+        .env("WANDB_DIR", d.path())
+        .output()
+        .unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    let out = String::from_utf8_lossy(&sync.stdout).to_string() + &String::from_utf8_lossy(&sync.stderr);
+    assert!(out.contains("done"), "{out}");
+    let requests: Vec<Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // The run itself, with the resolved config.
+    let upserts: Vec<&Value> = requests
+        .iter()
+        .filter(|r| r["body"]["query"].as_str().is_some_and(|q| q.contains("UpsertBucket")))
+        .collect();
+    assert!(!upserts.is_empty(), "no run was created: {out}");
+    let vars = &upserts[0]["body"]["variables"];
+    assert_eq!(vars["displayName"], "tracked");
+    let config: Value = serde_json::from_str(vars["config"].as_str().unwrap()).unwrap();
+    assert_eq!(config["train"]["value"]["seed"], 3);
+    assert_eq!(config["model"]["value"]["n_embd"], 32);
+    // Every history step once, with the values nanodist logged; the summary; a clean exit.
+    let streams: Vec<&Value> = requests
+        .iter()
+        .filter(|r| r["path"].as_str().is_some_and(|p| p.ends_with("/file_stream")))
+        .collect();
+    let mut steps = Vec::new();
+    let mut summary = None;
+    for s in &streams {
+        let files = &s["body"]["files"];
+        for line in files["wandb-history.jsonl"]["content"].as_array().into_iter().flatten() {
+            let h: Value = serde_json::from_str(line.as_str().unwrap()).unwrap();
+            let step = h["_step"].as_u64().unwrap();
+            let row = rows.iter().find(|r| r.step == step).unwrap();
+            assert_eq!(h["train_loss"].as_f64().unwrap(), row.train_loss);
+            steps.push(step);
+        }
+        for line in files["wandb-summary.json"]["content"].as_array().into_iter().flatten() {
+            summary = Some(serde_json::from_str::<Value>(line.as_str().unwrap()).unwrap());
+        }
+    }
+    steps.sort();
+    assert_eq!(steps, (1..=20).collect::<Vec<u64>>(), "history steps received");
+    let summary = summary.expect("a summary was streamed");
+    assert_eq!(summary["_step"], 20);
+    assert_eq!(
+        summary["val_loss"].as_f64().unwrap(),
+        rows.last().unwrap().val_loss.unwrap()
+    );
+    assert!(
+        streams
+            .iter()
+            .any(|s| s["body"]["complete"] == true && s["body"]["exitcode"] == 0),
+        "the run ends complete with exit code 0"
+    );
+}
+
+#[test]
+fn the_newest_wandb_reads_the_run_with_leet_inspect() {
+    // scripts/setup.sh installs the newest wandb release into .venv/wandb-latest.
+    let exe = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/wandb-latest/bin/wandb");
+    if !exe.exists() {
+        eprintln!("skipped: no {} (scripts/setup.sh installs it)", exe.display());
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (run_dir, segments) = resumed_wandb_run(d.path());
+    let rows = read_rows(&run_dir.join("metrics.jsonl")).unwrap();
+    let mut steps = Vec::new();
+    for (i, seg) in segments.iter().enumerate() {
+        let out = Command::new(&exe)
+            .args(["leet", "inspect", "--json"])
+            .arg(seg)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.trim().is_empty(), "leet inspect complained: {stderr}");
+        let records: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let types: Vec<&str> = records.iter().map(|r| r["type"].as_str().unwrap()).collect();
+        assert_eq!(types[0], "run", "{types:?}");
+        assert!(types.contains(&"exit"), "{types:?}");
+        let run = &records[0]["run"];
+        assert_eq!(run["config"]["update"]["train"]["seed"], 3);
+        assert_eq!(run["display_name"], "tracked");
+        for r in records.iter().filter(|r| r["type"] == "history") {
+            let h = &r["history"]["item"];
+            let step = h["_step"].as_u64().unwrap();
+            assert_eq!(
+                h["train_loss"].as_f64().unwrap(),
+                rows.iter().find(|x| x.step == step).unwrap().train_loss
+            );
+            steps.push(step);
+        }
+        let exit = records.iter().find(|r| r["type"] == "exit").unwrap();
+        assert_eq!(exit["exit"]["exit_code"].as_i64().unwrap_or(0), 0, "segment {i}");
+    }
+    assert_eq!(steps, (1..=20).collect::<Vec<u64>>());
+}

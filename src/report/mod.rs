@@ -1,0 +1,205 @@
+//! Reading finished (or running) run directories back: `nanodist compare` prints a table of runs and
+//! `nanodist plot` draws their curves. Both work from what training wrote: `metrics.jsonl`, the resolved
+//! `config.toml` and the newest checkpoint's manifest.
+
+pub mod plot;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+
+use crate::bad_input;
+use crate::config::{Backend, Compression, Config};
+use crate::metrics::{read_rows, Row};
+
+/// One run directory, loaded.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub dir: PathBuf,
+    pub name: String,
+    pub config: Config,
+    pub world_size: usize,
+    pub rows: Vec<Row>,
+}
+
+impl Run {
+    pub fn load(dir: &Path) -> Result<Self> {
+        let metrics = dir.join("metrics.jsonl");
+        if !metrics.is_file() {
+            return Err(bad_input!(
+                "{}: not a run directory (no metrics.jsonl); give the directory `train` printed",
+                dir.display()
+            ));
+        }
+        let rows = read_rows(&metrics).map_err(|e| bad_input!("{e:#}"))?;
+        let cfg_path = dir.join("config.toml");
+        let src = std::fs::read_to_string(&cfg_path)
+            .map_err(|e| bad_input!("{}: {e}", cfg_path.display()))?;
+        let (config, _) = crate::config::parse(&src, &[]).map_err(|problems| {
+            let msgs: Vec<String> = problems.iter().map(|p| p.message.clone()).collect();
+            bad_input!("{}: {}", cfg_path.display(), msgs.join("; "))
+        })?;
+        // The world size is in every checkpoint's manifest; a run without one used the configured workers.
+        let world_size = crate::train::checkpoint::find_latest(&dir.join("checkpoints"))
+            .ok()
+            .flatten()
+            .and_then(|c| crate::train::checkpoint::verify(&c).ok())
+            .map_or(config.train.workers.unwrap_or(1), |m| m.world_size);
+        let name = dir
+            .file_name()
+            .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().to_string());
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            name,
+            config,
+            world_size,
+            rows,
+        })
+    }
+
+    /// The algorithm in a few words: "decentdp ring", "pytorchddp + powersgd r4", ...
+    pub fn algorithm(&self) -> String {
+        let t = &self.config.train;
+        let mut s = t.backend.name().to_string();
+        if t.backend == Backend::DecentDp {
+            s += &format!(" {}", t.topology.unwrap_or_default().name());
+            if t.overlap == Some(true) {
+                s += " overlap";
+            }
+        }
+        match &t.compression {
+            Some(Compression::TopK(c)) => s += &format!(" + topk {}", c.density),
+            Some(Compression::Radius(c)) => s += &format!(" + radius {}", c.density),
+            Some(Compression::PowerSgd(c)) => s += &format!(" + powersgd r{}", c.rank),
+            None => {}
+        }
+        s
+    }
+
+    /// "name (algorithm, N workers)": the label of the run in plots.
+    pub fn label(&self) -> String {
+        format!(
+            "{} ({}, {} worker{})",
+            self.name,
+            self.algorithm(),
+            self.world_size,
+            if self.world_size == 1 { "" } else { "s" }
+        )
+    }
+
+    pub fn evals(&self) -> impl Iterator<Item = (&Row, f64)> {
+        self.rows
+            .iter()
+            .filter_map(|r| r.val_loss.map(|v| (r, v)))
+    }
+
+    /// Bytes each worker sent from the start up to and including each row.
+    pub fn cumulative_bytes(&self) -> Vec<u64> {
+        self.rows
+            .iter()
+            .scan(0u64, |acc, r| {
+                *acc += r.comm_bytes;
+                Some(*acc)
+            })
+            .collect()
+    }
+}
+
+/// One line of the comparison table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub name: String,
+    pub algorithm: String,
+    pub workers: usize,
+    pub steps: u64,
+    pub final_val: Option<f64>,
+    pub best_val: Option<f64>,
+    /// Mean training throughput of the whole job over the rows (evaluation rows included).
+    pub tokens_per_s: f64,
+    /// Bytes sent per worker per step, over the run.
+    pub bytes_per_step: f64,
+    /// Seconds of training until the first evaluation at or below the target.
+    pub time_to_target: Option<f64>,
+    pub steps_to_target: Option<u64>,
+}
+
+pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
+    let last = run.rows.last();
+    let steps = last.map_or(0, |r| r.step);
+    let bytes: u64 = run.rows.iter().map(|r| r.comm_bytes).sum();
+    let tps: Vec<f64> = run.rows.iter().map(|r| r.tokens_per_s).collect();
+    let hit = target.and_then(|t| run.evals().find(|(_, v)| *v <= t).map(|(r, _)| r));
+    Summary {
+        name: run.name.clone(),
+        algorithm: run.algorithm(),
+        workers: run.world_size,
+        steps,
+        final_val: run.evals().last().map(|(_, v)| v),
+        best_val: run.evals().map(|(_, v)| v).reduce(f64::min),
+        tokens_per_s: if tps.is_empty() {
+            0.0
+        } else {
+            tps.iter().sum::<f64>() / tps.len() as f64
+        },
+        // The rows of a run (resumed ones included) cover steps 1..=last.
+        bytes_per_step: bytes as f64 / steps.max(1) as f64,
+        time_to_target: hit.map(|r| r.elapsed_s),
+        steps_to_target: hit.map(|r| r.step),
+    }
+}
+
+fn human_bytes(b: f64) -> String {
+    match b {
+        b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.2} MB", b / 1e6),
+        b if b >= 1e3 => format!("{:.1} kB", b / 1e3),
+        b => format!("{b:.0} B"),
+    }
+}
+
+/// The comparison table in Markdown. `target` defaults to the worst final val loss of the runs, which
+/// every run with an evaluation reaches.
+pub fn compare(runs: &[Run], target: Option<f64>) -> String {
+    let target = target.or_else(|| {
+        runs.iter()
+            .filter_map(|r| r.evals().last().map(|(_, v)| v))
+            .reduce(f64::max)
+    });
+    let opt = |x: Option<f64>, digits: usize| x.map_or("-".into(), |v| format!("{v:.digits$}"));
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| run | algorithm | workers | steps | final val | best val | tokens/s | bytes/step/worker | to val <= {} |",
+        opt(target, 4)
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|");
+    for run in runs {
+        let s = summarize(run, target);
+        let reach = match (s.steps_to_target, s.time_to_target) {
+            (Some(step), Some(t)) => format!("step {step}, {t:.1} s"),
+            _ => "not reached".into(),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {} | {} |",
+            s.name,
+            s.algorithm,
+            s.workers,
+            s.steps,
+            opt(s.final_val, 4),
+            opt(s.best_val, 4),
+            s.tokens_per_s,
+            human_bytes(s.bytes_per_step),
+            reach
+        );
+    }
+    out
+}
+
+/// Loads every run directory, naming the one that fails.
+pub fn load_runs(dirs: &[PathBuf]) -> Result<Vec<Run>> {
+    dirs.iter()
+        .map(|d| Run::load(d).with_context(|| format!("loading run {}", d.display())))
+        .collect()
+}
