@@ -18,7 +18,8 @@ fn train_run(dir: &Path, name: &str, set: &[&str]) -> PathBuf {
         workers_flag: Some(4),
         ..LaunchEnv::default()
     };
-    let loaded = config::load_str(Path::new("t.toml"), &tiny_config(dir, name), &set, &launch).unwrap();
+    let loaded =
+        config::load_str(Path::new("t.toml"), &tiny_config(dir, name), &set, &launch).unwrap();
     train::run(&loaded).unwrap().run_dir
 }
 
@@ -37,7 +38,11 @@ fn compare_and_plot_read_real_runs() {
         .args([&dense, &ring])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let table = String::from_utf8_lossy(&out.stdout).to_string();
     let rows: Vec<Vec<String>> = table
         .lines()
@@ -45,8 +50,16 @@ fn compare_and_plot_read_real_runs() {
         .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
         .collect();
     assert_eq!(rows.len(), 2, "{table}");
-    assert_eq!(&rows[0][1..5], ["dense", "pytorchddp", "4", "20"], "{table}");
-    assert_eq!(&rows[1][1..5], ["ring", "decentdp ring", "4", "20"], "{table}");
+    assert_eq!(
+        &rows[0][1..5],
+        ["dense", "pytorchddp", "4", "20"],
+        "{table}"
+    );
+    assert_eq!(
+        &rows[1][1..5],
+        ["ring", "decentdp ring", "4", "20"],
+        "{table}"
+    );
     // The default target is the worse final val loss, so both runs reach it.
     assert!(rows.iter().all(|r| r[9].starts_with("step ")), "{table}");
     // Bytes per step per worker. Both runs evaluate, vote and checkpoint alike, so their difference is
@@ -82,7 +95,11 @@ fn compare_and_plot_read_real_runs() {
         .arg(&png)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap()));
     let mut reader = decoder.read_info().unwrap();
     let mut buf = vec![0; reader.output_buffer_size()];
@@ -93,16 +110,27 @@ fn compare_and_plot_read_real_runs() {
     let mut colors: Vec<&[u8]> = pixels.chunks(step).collect();
     colors.sort();
     colors.dedup();
-    assert!(colors.len() > 20, "a drawn plot, not a blank page: {} colors", colors.len());
+    assert!(
+        colors.len() > 20,
+        "a drawn plot, not a blank page: {} colors",
+        colors.len()
+    );
     let svg = std::fs::read_to_string(png.with_extension("svg")).unwrap();
-    assert!(svg.contains("dense (pytorchddp, 4 workers)") && svg.contains("ring (decentdp ring, 4 workers)"));
+    assert!(
+        svg.contains("dense (pytorchddp, 4 workers)")
+            && svg.contains("ring (decentdp ring, 4 workers)")
+    );
 }
 
 #[test]
 fn plot_and_compare_reject_what_is_not_a_run() {
     let d = tempfile::tempdir().unwrap();
     for args in [vec!["compare"], vec!["plot", "--output", "x.png"]] {
-        let out = Command::new(EXE).args(&args).arg(d.path()).output().unwrap();
+        let out = Command::new(EXE)
+            .args(&args)
+            .arg(d.path())
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(2));
         assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
     }

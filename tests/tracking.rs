@@ -221,14 +221,18 @@ fn wandb_sync_uploads_the_run_to_a_stand_in_server() {
     let sync = Command::new("wandb")
         .arg("sync")
         .args(&segments)
-        .env("WANDB_BASE_URL", format!("http://127.0.0.1:{}", port.trim()))
+        .env(
+            "WANDB_BASE_URL",
+            format!("http://127.0.0.1:{}", port.trim()),
+        )
         .env("WANDB_API_KEY", "a".repeat(40))
         .env("WANDB_DIR", d.path())
         .output()
         .unwrap();
     let _ = server.kill();
     let _ = server.wait();
-    let out = String::from_utf8_lossy(&sync.stdout).to_string() + &String::from_utf8_lossy(&sync.stderr);
+    let out =
+        String::from_utf8_lossy(&sync.stdout).to_string() + &String::from_utf8_lossy(&sync.stderr);
     assert!(out.contains("done"), "{out}");
     let requests: Vec<Value> = std::fs::read_to_string(&log)
         .unwrap()
@@ -238,7 +242,11 @@ fn wandb_sync_uploads_the_run_to_a_stand_in_server() {
     // The run itself, with the resolved config.
     let upserts: Vec<&Value> = requests
         .iter()
-        .filter(|r| r["body"]["query"].as_str().is_some_and(|q| q.contains("UpsertBucket")))
+        .filter(|r| {
+            r["body"]["query"]
+                .as_str()
+                .is_some_and(|q| q.contains("UpsertBucket"))
+        })
         .collect();
     assert!(!upserts.is_empty(), "no run was created: {out}");
     let vars = &upserts[0]["body"]["variables"];
@@ -249,25 +257,41 @@ fn wandb_sync_uploads_the_run_to_a_stand_in_server() {
     // Every history step once, with the values nanodist logged; the summary; a clean exit.
     let streams: Vec<&Value> = requests
         .iter()
-        .filter(|r| r["path"].as_str().is_some_and(|p| p.ends_with("/file_stream")))
+        .filter(|r| {
+            r["path"]
+                .as_str()
+                .is_some_and(|p| p.ends_with("/file_stream"))
+        })
         .collect();
     let mut steps = Vec::new();
     let mut summary = None;
     for s in &streams {
         let files = &s["body"]["files"];
-        for line in files["wandb-history.jsonl"]["content"].as_array().into_iter().flatten() {
+        for line in files["wandb-history.jsonl"]["content"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
             let h: Value = serde_json::from_str(line.as_str().unwrap()).unwrap();
             let step = h["_step"].as_u64().unwrap();
             let row = rows.iter().find(|r| r.step == step).unwrap();
             assert_eq!(h["train_loss"].as_f64().unwrap(), row.train_loss);
             steps.push(step);
         }
-        for line in files["wandb-summary.json"]["content"].as_array().into_iter().flatten() {
+        for line in files["wandb-summary.json"]["content"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
             summary = Some(serde_json::from_str::<Value>(line.as_str().unwrap()).unwrap());
         }
     }
     steps.sort();
-    assert_eq!(steps, (1..=20).collect::<Vec<u64>>(), "history steps received");
+    assert_eq!(
+        steps,
+        (1..=20).collect::<Vec<u64>>(),
+        "history steps received"
+    );
     let summary = summary.expect("a summary was streamed");
     assert_eq!(summary["_step"], 20);
     assert_eq!(
@@ -287,7 +311,10 @@ fn the_newest_wandb_reads_the_run_with_leet_inspect() {
     // scripts/setup.sh installs the newest wandb release into .venv/wandb-latest.
     let exe = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/wandb-latest/bin/wandb");
     if !exe.exists() {
-        eprintln!("skipped: no {} (scripts/setup.sh installs it)", exe.display());
+        eprintln!(
+            "skipped: no {} (scripts/setup.sh installs it)",
+            exe.display()
+        );
         return;
     }
     let d = tempfile::tempdir().unwrap();
@@ -301,12 +328,18 @@ fn the_newest_wandb_reads_the_run_with_leet_inspect() {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.trim().is_empty(), "leet inspect complained: {stderr}");
+        assert!(
+            stderr.trim().is_empty(),
+            "leet inspect complained: {stderr}"
+        );
         let records: Vec<Value> = String::from_utf8_lossy(&out.stdout)
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        let types: Vec<&str> = records.iter().map(|r| r["type"].as_str().unwrap()).collect();
+        let types: Vec<&str> = records
+            .iter()
+            .map(|r| r["type"].as_str().unwrap())
+            .collect();
         assert_eq!(types[0], "run", "{types:?}");
         assert!(types.contains(&"exit"), "{types:?}");
         let run = &records[0]["run"];
@@ -322,7 +355,11 @@ fn the_newest_wandb_reads_the_run_with_leet_inspect() {
             steps.push(step);
         }
         let exit = records.iter().find(|r| r["type"] == "exit").unwrap();
-        assert_eq!(exit["exit"]["exit_code"].as_i64().unwrap_or(0), 0, "segment {i}");
+        assert_eq!(
+            exit["exit"]["exit_code"].as_i64().unwrap_or(0),
+            0,
+            "segment {i}"
+        );
     }
     assert_eq!(steps, (1..=20).collect::<Vec<u64>>());
 }

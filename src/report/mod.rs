@@ -19,7 +19,8 @@ pub struct Run {
     pub dir: PathBuf,
     pub name: String,
     pub config: Config,
-    pub world_size: usize,
+    /// From the newest checkpoint, else the resolved config's workers; None when neither says.
+    pub world_size: Option<usize>,
     pub rows: Vec<Row>,
 }
 
@@ -45,10 +46,12 @@ impl Run {
             .ok()
             .flatten()
             .and_then(|c| crate::train::checkpoint::verify(&c).ok())
-            .map_or(config.train.workers.unwrap_or(1), |m| m.world_size);
-        let name = dir
-            .file_name()
-            .map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().to_string());
+            .map(|m| m.world_size)
+            .or(config.train.workers);
+        let name = dir.file_name().map_or_else(
+            || dir.display().to_string(),
+            |n| n.to_string_lossy().to_string(),
+        );
         Ok(Self {
             dir: dir.to_path_buf(),
             name,
@@ -79,19 +82,15 @@ impl Run {
 
     /// "name (algorithm, N workers)": the label of the run in plots.
     pub fn label(&self) -> String {
-        format!(
-            "{} ({}, {} worker{})",
-            self.name,
-            self.algorithm(),
-            self.world_size,
-            if self.world_size == 1 { "" } else { "s" }
-        )
+        match self.world_size {
+            Some(1) => format!("{} ({}, 1 worker)", self.name, self.algorithm()),
+            Some(n) => format!("{} ({}, {n} workers)", self.name, self.algorithm()),
+            None => format!("{} ({})", self.name, self.algorithm()),
+        }
     }
 
     pub fn evals(&self) -> impl Iterator<Item = (&Row, f64)> {
-        self.rows
-            .iter()
-            .filter_map(|r| r.val_loss.map(|v| (r, v)))
+        self.rows.iter().filter_map(|r| r.val_loss.map(|v| (r, v)))
     }
 
     /// Bytes each worker sent from the start up to and including each row.
@@ -111,7 +110,7 @@ impl Run {
 pub struct Summary {
     pub name: String,
     pub algorithm: String,
-    pub workers: usize,
+    pub workers: Option<usize>,
     pub steps: u64,
     pub final_val: Option<f64>,
     pub best_val: Option<f64>,
@@ -185,7 +184,7 @@ pub fn compare(runs: &[Run], target: Option<f64>) -> String {
             "| {} | {} | {} | {} | {} | {} | {:.0} | {} | {} |",
             s.name,
             s.algorithm,
-            s.workers,
+            s.workers.map_or("?".into(), |w| w.to_string()),
             s.steps,
             opt(s.final_val, 4),
             opt(s.best_val, 4),

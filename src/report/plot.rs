@@ -173,7 +173,11 @@ where
             "step",
             by(&|r, _| r.step as f64, true),
         ),
-        ("val loss vs tokens", "tokens", by(&|r, _| r.tokens as f64, false)),
+        (
+            "val loss vs tokens",
+            "tokens",
+            by(&|r, _| r.tokens as f64, false),
+        ),
         (
             "val loss vs wall time",
             "seconds",
@@ -242,9 +246,9 @@ where
                 .map_err(err)?
         };
         if !s.dashed {
-            drawn
-                .label(runs[s.run].label())
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
+            drawn.label(runs[s.run].label()).legend(move |(x, y)| {
+                PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2))
+            });
         }
     }
     chart

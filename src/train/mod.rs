@@ -128,7 +128,12 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
     };
     let run_dir = run_dir(cfg, started);
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
-    write_atomic(&run_dir.join("config.toml"), cfg.to_toml().as_bytes())?;
+    // The resolved config: on the local engine `workers` is the world size (--workers included).
+    let mut resolved = cfg.clone();
+    if plan.engine == Engine::Local {
+        resolved.train.workers = Some(plan.world_size);
+    }
+    write_atomic(&run_dir.join("config.toml"), resolved.to_toml().as_bytes())?;
     let window = t.context_length + 1;
     // Resume: the run's own newest checkpoint first (a requeued job), else `checkpoint = ...`.
     let source = match (
