@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
 use super::params::ParamSet;
-use crate::config::{Activation, ModelConfig};
+use crate::config::ModelConfig;
 
 const LN_EPS: f64 = 1e-5;
 
@@ -162,10 +162,7 @@ impl Gpt {
 
     fn mlp(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
         let h = self.linear(x, &format!("{prefix}.c_fc"))?;
-        let h = match self.cfg.activation {
-            Activation::Gelu => h.gelu_erf()?,
-            Activation::GeluTanh => h.gelu()?,
-        };
+        let h = super::ops::gelu(&h, self.cfg.activation)?;
         self.linear(&h, &format!("{prefix}.c_proj"))
     }
 
@@ -251,6 +248,7 @@ fn dropout_mask(x: &Tensor, p: f64, rng: &mut ChaCha8Rng) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Activation;
 
     fn tiny(bias: bool, activation: Activation) -> Gpt {
         let cfg = ModelConfig {

@@ -1,6 +1,7 @@
 //! The GPT model and its parameters.
 
 pub mod gpt;
+pub mod ops;
 pub mod params;
 
 pub use gpt::Gpt;
