@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Reducer quality table: the quick-start model (config/quickstart-char.toml) trained with 4 local workers
-by dense all-reduce and by each compressed reducer, at equal steps. Prints, per run: reducer, setting,
+by dense all-reduce and by each compressed reducer, at equal steps. Top-k compresses from step 0, PowerSGD
+from step steps/5, Radius from step steps/2 (it is meant to switch from a dense run). Prints, per run: reducer, setting,
 mean bytes sent per worker per step over the compressed phase and over the whole run, final val loss, and
 its ratio to dense.
 
@@ -18,14 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def runs(steps):
+    """(name, setting, compression section, first compressed step)."""
     start = steps // 5  # dense warm-up before compression, as the references do
+    half = steps // 2
     return [
-        ("dense", "", None),
-        ("topk", "density 0.01", f'{{ name = "topk", density = 0.01 }}'),
-        ("radius", "density 0.05", f'{{ name = "radius", density = 0.05, threshold = {start}, interval = 50, range = 0 }}'),
-        ("powersgd", "rank 4", f'{{ name = "powersgd", rank = 4, start_iter = {start} }}'),
-        ("powersgd 1-allreduce", "rank 4", f'{{ name = "powersgd", rank = 4, start_iter = {start}, single_allreduce = true }}'),
-    ], start
+        ("dense", "", None, 0),
+        ("topk", "density 0.01", '{ name = "topk", density = 0.01 }', 0),
+        # Radius switches from dense training late, as its workflow does (dense to step 60k of 300k).
+        ("radius", "density 0.1", f'{{ name = "radius", density = 0.1, threshold = {half}, interval = 100, range = 0 }}', half),
+        ("powersgd", "rank 4", f'{{ name = "powersgd", rank = 4, start_iter = {start} }}', start),
+        ("powersgd 1-allreduce", "rank 4", f'{{ name = "powersgd", rank = 4, start_iter = {start}, single_allreduce = true }}', start),
+    ]
 
 
 def main():
@@ -34,10 +38,10 @@ def main():
     ap.add_argument("--workers", type=int, default=4)
     a = ap.parse_args()
     exe = os.path.join(ROOT, "target", "release", "nanodist")
-    table, start = runs(a.steps)
+    table = runs(a.steps)
     out = tempfile.mkdtemp(prefix="nanodist-reducers-")
     rows = []
-    for name, setting, comp in table:
+    for name, setting, comp, start in table:
         run = name.replace(" ", "-")
         cmd = [exe, "train", os.path.join(ROOT, "config", "quickstart-char.toml"), "--workers", str(a.workers),
                "--set", f"train.n_steps={a.steps}", "--set", f"log.eval_interval={a.steps}",
@@ -54,7 +58,8 @@ def main():
         rows.append((name, setting, compressed, total, metrics[-1]["val_loss"]))
         print(f"done: {name}", flush=True)
     dense = rows[0][4]
-    print(f"\n{a.workers} workers, {a.steps} steps, compression from step {start} (quick-start model)")
+    print(f"\n{a.workers} workers, {a.steps} steps (quick-start model); compression from step 0 (topk), "
+          f"{a.steps // 5} (powersgd), {a.steps // 2} (radius)")
     print(f"| reducer | setting | bytes/step compressed phase | bytes/step whole run | final val loss | vs dense |")
     print("|---|---|---|---|---|---|")
     for name, setting, c, t, v in rows:
