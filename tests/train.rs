@@ -255,6 +255,19 @@ fn missing_data_and_unimplemented_backends_are_clear_errors() {
         err.contains("\"nccl\"") && err.contains("implemented so far"),
         "{err}"
     );
+    // CUDA is not part of this build: a clear bad-input error, never a panic from a missing library.
+    let out = Command::new(exe)
+        .arg("train")
+        .arg(&cfg)
+        .args(["--set", "train.device=cuda"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("train.device = \"cuda\"") && err.contains("without CUDA"),
+        "{err}"
+    );
     let out = Command::new(exe)
         .arg("train")
         .arg(&cfg)
