@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Benchmark: training tokens/s and peak RSS of nanodist vs PyTorch nanoGPT on the same CPU.
 
-Same model (nanoGPT's GPT-2, scripts/torch_parity.py), same batch and context, same thread count, same
+Same model (nanoGPT's GPT-2, scripts/torch_parity.py), same batch and context, same total thread count, same
 character-level Shakespeare (nanoGPT's shakespeare_char setting, which both configs below come from), AdamW. Runs alternate (nanodist, then PyTorch; erf-GELU and tanh-GELU for each)
-and the median of several runs is printed with the ratio. Each run trains `--steps` steps; the first
+and the median of several runs is printed with the ratio. nanodist runs twice per setting: one worker
+with all the threads ("1xT"), and T local workers of one thread each splitting the same global batch
+("Tx1": data parallel inside the process, the same update up to float summation order). Each run trains `--steps` steps; the first
 `--warmup` steps are not timed.
 
     python3 scripts/bench/train.py [--runs 3] [--threads 2] [--configs cpu,medium]
@@ -87,6 +89,26 @@ def run_measured(cmd, **kw):
     return out, usage
 
 
+def run_nanodist(exe, c, act, workers, total_threads, vocab, data_dir, env):
+    """One nanodist run: `workers` local workers of total_threads / workers threads; (tokens/s, peak RSS MB)."""
+    with tempfile.TemporaryDirectory() as log:
+        sets = [f"model.n_layers={c['n_layers']}", f"model.n_heads={c['n_heads']}",
+                f"model.n_embd={c['n_embd']}", f"model.vocab_size={vocab}", f"model.activation={act}",
+                f"train.context_length={c['context']}", f"train.global_batch_size={c['batch']}",
+                f"train.local_batch_size={c['batch'] // workers}",
+                f"train.n_steps={c['steps']}", "train.lr_schedule.warmup_steps=2",
+                f"train.threads={total_threads // workers}", f"log.log_interval={c['warmup']}",
+                f"log.eval_interval={c['steps']}", "log.eval_steps=1", "log.ckpt_interval=0",
+                f"log_dir={log!r}".replace("'", '"'), 'log.run_name="bench"',
+                f'data_dir="{data_dir}"']
+        cmd = [exe, "train", os.path.join(ROOT, "config/gpt2-small.toml"), "--workers", str(workers)]
+        for s in sets:
+            cmd += ["--set", s]
+        _, usage = run_measured(cmd, env=env)
+        rows = [json.loads(l) for l in open(os.path.join(log, "bench/metrics.jsonl"))]
+        return statistics.mean(r["tokens_per_s"] for r in rows[1:]), usage.ru_maxrss / 1024
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
@@ -105,38 +127,28 @@ def main():
     env = {**os.environ, "RAYON_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
     print(f"threads {args.threads}, median of {args.runs} runs, tokens/s after warm-up steps, peak RSS in MB, "
           f"char vocabulary of {vocab}", flush=True)
-    print(f"{'config':<8} {'impl':<22} {'tokens/s':>10} {'RSS MB':>8} {'vs torch erf':>13} {'vs torch tanh':>14}")
+    print(f"{'config':<8} {'impl':<27} {'tokens/s':>10} {'RSS MB':>8} {'vs torch erf':>13} {'vs torch tanh':>14}")
     for name in args.configs.split(","):
         c = CONFIGS[name]
         res = {}
         for _ in range(args.runs):
             for act in ("gelu", "gelu_tanh"):
-                with tempfile.TemporaryDirectory() as log:
-                    sets = [f"model.n_layers={c['n_layers']}", f"model.n_heads={c['n_heads']}",
-                            f"model.n_embd={c['n_embd']}", f"model.vocab_size={vocab}", f"model.activation={act}",
-                            f"train.context_length={c['context']}", f"train.global_batch_size={c['batch']}",
-                            f"train.n_steps={c['steps']}", "train.lr_schedule.warmup_steps=2",
-                            f"train.threads={args.threads}", f"log.log_interval={c['warmup']}",
-                            f"log.eval_interval={c['steps']}", "log.eval_steps=1", "log.ckpt_interval=0",
-                            f"log_dir={log!r}".replace("'", '"'), 'log.run_name="bench"',
-                            f'data_dir="{data_dir}"']
-                    cmd = [exe, "train", os.path.join(ROOT, "config/gpt2-small.toml")]
-                    for s in sets:
-                        cmd += ["--set", s]
-                    cmd += ["--set", "train.local_batch_size=" + str(c["batch"])]
-                    _, usage = run_measured(cmd, env=env)
-                    rows = [json.loads(l) for l in open(os.path.join(log, "bench/metrics.jsonl"))]
-                    tps = statistics.mean(r["tokens_per_s"] for r in rows[1:])
-                    res.setdefault(("nanodist", act), []).append((tps, usage.ru_maxrss / 1024))
+                for workers in (1, args.threads):
+                    key = f"nanodist {workers}x{args.threads // workers}"
+                    res.setdefault((key, act), []).append(run_nanodist(exe, c, act, workers, args.threads,
+                                                                       vocab, data_dir, env))
                 cfg = dict(c, activation=act, threads=args.threads, vocab=vocab, data=os.path.join(data_dir, "train.bin"))
                 out, usage = run_measured([py, "-c", TORCH_RUN, ROOT, json.dumps(cfg)], env=env)
                 res.setdefault(("torch", act), []).append((json.loads(out)["tokens_per_s"], usage.ru_maxrss / 1024))
         med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
-        for impl in ("nanodist", "torch"):
+        impls = [f"nanodist 1x{args.threads}", f"nanodist {args.threads}x1", "torch"]
+        for impl in impls:
             for act in ("gelu", "gelu_tanh"):
+                if (impl, act) not in med:
+                    continue
                 tps, rss = med[(impl, act)]
                 label = f"{impl} {'erf' if act == 'gelu' else 'tanh'}-GELU"
-                print(f"{name:<8} {label:<22} {tps:>10.0f} {rss:>8.0f} {tps / med[('torch', 'gelu')][0]:>13.2f} "
+                print(f"{name:<8} {label:<27} {tps:>10.0f} {rss:>8.0f} {tps / med[('torch', 'gelu')][0]:>13.2f} "
                       f"{tps / med[('torch', 'gelu_tanh')][0]:>14.2f}", flush=True)
 
 

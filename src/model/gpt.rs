@@ -462,7 +462,10 @@ mod tests {
             };
             let (fused, reference) = (losses(true), losses(false));
             for (i, (a, b)) in fused.iter().zip(&reference).enumerate() {
-                assert!((a - b).abs() <= 1e-4 * b.abs(), "{act:?} step {i}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 1e-4 * b.abs(),
+                    "{act:?} step {i}: {a} vs {b}"
+                );
             }
             assert!(fused[49] < fused[0] - 0.5, "it learns: {fused:?}");
         }

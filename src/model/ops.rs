@@ -233,7 +233,8 @@ impl CustomOp2 for LayerNorm {
         _y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let out = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormBackward { eps: self.eps })?;
+        let out =
+            x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormBackward { eps: self.eps })?;
         let n = x.elem_count();
         let dx = out.narrow(0, 0, n)?.reshape(x.shape())?;
         let dw = out.narrow(0, n, w.elem_count())?.reshape(w.shape())?;
@@ -263,7 +264,11 @@ impl CustomOp3 for LayerNormBackward {
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let (x, w, g) = (data(s1, l1, name)?, data(s2, l2, name)?, data(s3, l3, name)?);
+        let (x, w, g) = (
+            data(s1, l1, name)?,
+            data(s2, l2, name)?,
+            data(s3, l3, name)?,
+        );
         let c = w.len();
         let mut out = vec![0.0f32; x.len() + c];
         let (dx, dw_out) = out.split_at_mut(x.len());
@@ -464,7 +469,12 @@ impl CustomOp2 for CrossEntropy {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let n = y.elem_count() as f64;
         let scale = grad.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()? as f64 / n;
-        let dz = z.apply_op2_no_bwd(y, &CrossEntropyBackward { scale: scale as f32 })?;
+        let dz = z.apply_op2_no_bwd(
+            y,
+            &CrossEntropyBackward {
+                scale: scale as f32,
+            },
+        )?;
         Ok((Some(dz), None))
     }
 }
@@ -630,13 +640,16 @@ mod tests {
                 let mean = x.mean_keepdim(D::Minus1).unwrap();
                 let xc = x.broadcast_sub(&mean).unwrap();
                 let var = xc.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
-                let xn = xc.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap()).unwrap();
+                let xn = xc
+                    .broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
+                    .unwrap();
                 xn.broadcast_mul(w.as_tensor())
                     .unwrap()
                     .broadcast_add(b.as_tensor())
                     .unwrap()
             };
-            let fused = layer_norm(x.as_tensor(), w.as_tensor(), Some(b.as_tensor()), 1e-5).unwrap();
+            let fused =
+                layer_norm(x.as_tensor(), w.as_tensor(), Some(b.as_tensor()), 1e-5).unwrap();
             assert!(rel_diff(&fused, &reference) < 1e-5, "forward");
             let loss = |y: &Tensor| (y * probe.as_tensor()).unwrap().sum_all().unwrap();
             let gr = loss(&reference).backward().unwrap();
@@ -688,7 +701,10 @@ mod tests {
                 fused.to_scalar::<f32>().unwrap(),
                 reference.to_scalar::<f32>().unwrap(),
             );
-            assert!((a - b).abs() < 1e-5 * b.abs().max(1.0), "forward {a} vs {b}");
+            assert!(
+                (a - b).abs() < 1e-5 * b.abs().max(1.0),
+                "forward {a} vs {b}"
+            );
             // A scaled loss checks that the incoming gradient is applied.
             let gr = (reference * 3.0).unwrap().backward().unwrap();
             let gf = (fused * 3.0).unwrap().backward().unwrap();
@@ -697,7 +713,9 @@ mod tests {
         }
         let logits = var(&[2, 3], 1.0, 8);
         let bad = Tensor::from_vec(vec![0u32, 3], (2,), &Device::Cpu).unwrap();
-        let e = cross_entropy(logits.as_tensor(), &bad).unwrap_err().to_string();
+        let e = cross_entropy(logits.as_tensor(), &bad)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("outside the vocabulary"), "{e}");
     }
 }

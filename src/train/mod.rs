@@ -90,6 +90,9 @@ struct Setup {
     source: Option<(PathBuf, CheckpointMode)>,
     stop: StopFlag,
     fault: Option<fault::Fault>,
+    /// Local engine with several workers: each computes on its own thread pool of this size, so that
+    /// workers x threads fit the cores instead of all queueing on one shared pool.
+    worker_threads: Option<usize>,
 }
 
 /// Trains as the loaded config says; returns when the run finishes or an exit condition saves and stops it.
@@ -156,6 +159,10 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
         source,
         stop: StopFlag::install()?,
         fault: fault::Fault::from_env()?,
+        worker_threads: (plan.engine == Engine::Local && plan.world_size > 1).then(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            t.threads.unwrap_or((cores / plan.world_size).max(1))
+        }),
     };
     if let Some(comm) = process_comm {
         return worker(&setup, comm);
@@ -272,7 +279,9 @@ fn connect_mpi(_: &crate::config::Plan, _: std::time::Duration) -> Result<Box<dy
 /// Mean loss over `steps` fixed evaluation batches of `split`. Batch i is windows i*E..(i+1)*E with
 /// E = local batch x world size (one micro-step of the global batch); rank r evaluates its b rows of each,
 /// so N workers x b evaluate exactly the windows of 1 worker x N*b.
+#[allow(clippy::too_many_arguments)]
 fn evaluate_shared(
+    pool: Option<&rayon::ThreadPool>,
     model: &Gpt,
     sync: &mut dyn SyncBackend,
     data: &Blend,
@@ -282,13 +291,16 @@ fn evaluate_shared(
     b: usize,
 ) -> Result<f64> {
     let (rank, n) = (sync.rank(), sync.world_size());
-    let mut acc = [eval_rows(model, data, split, seed, steps, b, n, rank..rank + 1)? as f32];
+    let mut acc = [on(pool, || {
+        eval_rows(model, data, split, seed, steps, b, n, rank..rank + 1)
+    })? as f32];
     sync.mean_scalars(&mut acc)?;
     Ok(acc[0] as f64)
 }
 
 /// This rank's own model on all the windows of `evaluate_shared`; returns (mean, max) over the ranks.
 fn evaluate_local(
+    pool: Option<&rayon::ThreadPool>,
     model: &Gpt,
     sync: &mut dyn SyncBackend,
     data: &Blend,
@@ -298,7 +310,9 @@ fn evaluate_local(
 ) -> Result<(f64, f64)> {
     let (rank, n) = (sync.rank(), sync.world_size());
     let mut all = vec![0.0f32; n];
-    all[rank] = eval_rows(model, data, Split::Val, seed, steps, b, n, 0..n)? as f32;
+    all[rank] = on(pool, || {
+        eval_rows(model, data, Split::Val, seed, steps, b, n, 0..n)
+    })? as f32;
     // The mean of a vector with one non-zero slot per rank gathers the ranks' values.
     sync.mean_scalars(&mut all)?;
     let losses: Vec<f64> = all.iter().map(|&x| x as f64 * n as f64).collect();
@@ -355,12 +369,30 @@ fn overlapped<T: Send>(
     })
 }
 
+/// Runs `f` on `pool` when there is one (a local worker's own threads), else on the calling thread.
+fn on<T: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> T + Send) -> T {
+    match pool {
+        Some(p) => p.install(f),
+        None => f(),
+    }
+}
+
 /// One rank's training loop.
 fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
     let (cfg, plan) = (&setup.cfg, &setup.plan);
     let t = &cfg.train;
     let (ctx, local_b, accum) = (t.context_length, plan.local_batch_size, plan.accum_steps);
     let device = Device::Cpu;
+    let pool = match setup.worker_threads {
+        Some(n) => Some(
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .context("starting a worker's thread pool")?,
+        ),
+        None => None,
+    };
+    let pool = pool.as_ref();
     let model = Gpt::new(&cfg.model, ctx, t.seed, &device)?;
     let tensors = crate::sync::compress::TensorView::of(&model.params.params);
     let mut sync = crate::sync::build(cfg, plan, comm, tensors)?;
@@ -451,20 +483,22 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
         let lr = optim::lr_at(&t.lr_schedule, step, t.n_steps);
         // The forward/backward of this step; communication left pending by the last step runs beside it.
         let loss_sum = overlapped(sync.as_mut(), || {
-            grads.iter_mut().for_each(|g| *g = 0.0);
-            let mut loss_sum = 0.0f64;
-            for micro in 0..accum as u64 {
-                // Rows of this rank and micro-step in the step's global batch (see data::sampler).
-                let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
-                let batch = sampler.batch(&setup.train_data, step, first_row, local_b, ctx);
-                let (x, y) = model.batch_tensors(&batch)?;
-                let loss = model.loss(&x, &y, Some(&mut dropout_rng))?;
-                loss_sum += loss.to_scalar::<f32>()? as f64;
-                // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
-                let g = (loss / accum as f64)?.backward()?;
-                model.params.accumulate_grads(&g, &mut grads)?;
-            }
-            Ok(loss_sum)
+            on(pool, || {
+                grads.iter_mut().for_each(|g| *g = 0.0);
+                let mut loss_sum = 0.0f64;
+                for micro in 0..accum as u64 {
+                    // Rows of this rank and micro-step in the step's global batch (see data::sampler).
+                    let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
+                    let batch = sampler.batch(&setup.train_data, step, first_row, local_b, ctx);
+                    let (x, y) = model.batch_tensors(&batch)?;
+                    let loss = model.loss(&x, &y, Some(&mut dropout_rng))?;
+                    loss_sum += loss.to_scalar::<f32>()? as f64;
+                    // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
+                    let g = (loss / accum as f64)?.backward()?;
+                    model.params.accumulate_grads(&g, &mut grads)?;
+                }
+                Ok(loss_sum)
+            })
         })?;
         sync.reduce_grads(&mut grads, step)?;
         let grad_norm = optim::clip_grad_norm(&mut grads, t.grad_norm_clip);
@@ -507,6 +541,7 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
                 let distance = sync.average(&flat, &mut avg)?;
                 model.params.set_flat(&avg)?;
                 let val = evaluate_shared(
+                    pool,
                     &model,
                     sync.as_mut(),
                     &setup.val_data,
@@ -516,6 +551,7 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
                     local_b,
                 )?;
                 let tr = evaluate_shared(
+                    pool,
                     &model,
                     sync.as_mut(),
                     &setup.train_data,
@@ -527,6 +563,7 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
                 model.params.set_flat(&flat)?;
                 if cfg.log.eval_local {
                     let (mean, max) = evaluate_local(
+                        pool,
                         &model,
                         sync.as_mut(),
                         &setup.val_data,
