@@ -23,6 +23,17 @@ fn train_run(dir: &Path, name: &str, set: &[&str]) -> PathBuf {
     train::run(&loaded).unwrap().run_dir
 }
 
+/// Runs `cmd`, which must succeed.
+fn succeed(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 #[test]
 fn compare_and_plot_read_real_runs() {
     let d = tempfile::tempdir().unwrap();
@@ -33,16 +44,7 @@ fn compare_and_plot_read_real_runs() {
         "ring",
         &["train.backend=decentdp", "train.topology=ring"],
     );
-    let out = Command::new(EXE)
-        .arg("compare")
-        .args([&dense, &ring])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = succeed(Command::new(EXE).arg("compare").args([&dense, &ring]));
     let table = String::from_utf8_lossy(&out.stdout).to_string();
     let rows: Vec<Vec<String>> = table
         .lines()
@@ -88,17 +90,12 @@ fn compare_and_plot_read_real_runs() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("not reached"));
 
     let png = d.path().join("curves.png");
-    let out = Command::new(EXE)
-        .arg("plot")
-        .args([&dense, &ring])
-        .arg("--output")
-        .arg(&png)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeed(
+        Command::new(EXE)
+            .arg("plot")
+            .args([&dense, &ring])
+            .arg("--output")
+            .arg(&png),
     );
     let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap()));
     let mut reader = decoder.read_info().unwrap();

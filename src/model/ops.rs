@@ -430,6 +430,19 @@ fn targets<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [u32]> 
     }
 }
 
+/// Logits (N, V) and targets (N) of the cross-entropy ops, with V and the rows per parallel task.
+fn logits_and_targets<'a>(
+    s1: &'a CpuStorage,
+    l1: &Layout,
+    s2: &'a CpuStorage,
+    l2: &Layout,
+    op: &str,
+) -> candle_core::Result<(&'a [f32], &'a [u32], usize, usize)> {
+    let (z, y) = (data(s1, l1, op)?, targets(s2, l2)?);
+    let v = l1.dims()[1];
+    Ok((z, y, v, rows_per_task(y.len(), v)))
+}
+
 impl CustomOp2 for CrossEntropy {
     fn name(&self) -> &'static str {
         "fused-cross-entropy"
@@ -442,9 +455,7 @@ impl CustomOp2 for CrossEntropy {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (z, y) = (data(s1, l1, self.name())?, targets(s2, l2)?);
-        let v = l1.dims()[1];
-        let per = rows_per_task(y.len(), v);
+        let (z, y, v, per) = logits_and_targets(s1, l1, s2, l2, self.name())?;
         // Per-task sums in f64, added in task order: deterministic for any thread count.
         let sums: Vec<f64> = z
             .par_chunks(per * v)
@@ -497,10 +508,8 @@ impl CustomOp2 for CrossEntropyBackward {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (z, y) = (data(s1, l1, self.name())?, targets(s2, l2)?);
-        let v = l1.dims()[1];
+        let (z, y, v, per) = logits_and_targets(s1, l1, s2, l2, self.name())?;
         let mut dz = vec![0.0f32; z.len()];
-        let per = rows_per_task(y.len(), v);
         dz.par_chunks_mut(per * v)
             .zip(z.par_chunks(per * v))
             .zip(y.par_chunks(per))
