@@ -256,6 +256,51 @@ fn an_array_chain_resumes_link_by_link_and_later_links_exit_at_once() {
 }
 
 #[test]
+fn exit_duration_mins_under_srun_stops_every_rank_at_one_step_and_the_chain_finishes_exactly() {
+    if !slurm_up() {
+        return;
+    }
+    // Each link trains ~3 s (train.exit_duration_mins = 0.05) of a run of ~6 s: the ranks must agree on
+    // the step at which time runs out, or the chain could not match the uninterrupted run bit for bit.
+    let (d, cfg) = setup("exit_duration_mins = 0.05");
+    let patched = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("n_steps = 20\n", "n_steps = 1000\n")
+        .replace("log_interval = 1\n", "log_interval = 100\n")
+        .replace("eval_interval = 10\n", "eval_interval = 500\n")
+        .replace("ckpt_interval = 10\n", "ckpt_interval = 0\n");
+    std::fs::write(&cfg, &patched).unwrap();
+    let id = sbatch(
+        &cfg,
+        &[
+            "--tasks-per-node",
+            "2",
+            "--array",
+            "1-20%1",
+            "--time",
+            "00:05:00",
+        ],
+    );
+    let uninterrupted = patched.replace("exit_duration_mins = 0.05", "");
+    let local = {
+        let launch = LaunchEnv {
+            workers_flag: Some(2),
+            ..LaunchEnv::default()
+        };
+        let set = vec!["log.run_name=\"local\"".to_string()];
+        let loaded = config::load_str(Path::new("t.toml"), &uninterrupted, &set, &launch).unwrap();
+        read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
+    };
+    wait_job(&id, Duration::from_secs(600));
+    let run = d.path().join("log").join(&id);
+    let log = job_log(&run);
+    assert!(log.contains("stopped at train.exit_duration_mins"), "{log}");
+    assert!(log.contains("finished at step 1000"), "{log}");
+    let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
+    assert_same_losses(&rows, &local, "exit_duration chain");
+}
+
+#[test]
 fn a_bad_config_is_rejected_before_sbatch_is_called() {
     let d = tempfile::tempdir().unwrap();
     // A stand-in sbatch that records its calls: it must not be called for a bad config.
