@@ -99,15 +99,14 @@ fn job_log(run_dir: &Path) -> String {
     text
 }
 
-/// The rows of `config_text(dir, extra)` trained here with `workers` local workers.
-fn local_rows(dir: &Path, extra: &str, workers: usize) -> Vec<Row> {
+/// The rows of config `src` trained here, uninterrupted, with `workers` local workers.
+fn local_rows(src: &str, workers: usize) -> Vec<Row> {
     let launch = LaunchEnv {
         workers_flag: Some(workers),
         ..LaunchEnv::default()
     };
     let set = vec!["log.run_name=\"local\"".to_string()];
-    let loaded =
-        config::load_str(Path::new("t.toml"), &config_text(dir, extra), &set, &launch).unwrap();
+    let loaded = config::load_str(Path::new("t.toml"), src, &set, &launch).unwrap();
     read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
 }
 
@@ -160,7 +159,11 @@ fn sbatch_runs_a_two_rank_mpi_job_to_the_end() {
         .join("checkpoints/step_00000010/manifest.json")
         .is_file());
     let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
-    assert_same_losses(&rows, &local_rows(d.path(), "", 2), "sbatch job");
+    assert_same_losses(
+        &rows,
+        &local_rows(&config_text(d.path(), ""), 2),
+        "sbatch job",
+    );
 }
 
 #[test]
@@ -193,16 +196,7 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
         ],
     );
     // The uninterrupted run, here, while the job runs.
-    let src = patched.clone();
-    let local = {
-        let launch = LaunchEnv {
-            workers_flag: Some(2),
-            ..LaunchEnv::default()
-        };
-        let set = vec!["log.run_name=\"local\"".to_string()];
-        let loaded = config::load_str(Path::new("t.toml"), &src, &set, &launch).unwrap();
-        read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
-    };
+    let local = local_rows(&patched, 2);
     wait_job(&id, Duration::from_secs(420));
     let run = d.path().join("log").join(&id);
     let log = job_log(&run);
@@ -252,7 +246,11 @@ fn an_array_chain_resumes_link_by_link_and_later_links_exit_at_once() {
     assert!(log.contains("run already finished at step 20"), "{log}");
     let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
     // The chain stops every 7 steps; the local run goes straight through.
-    assert_same_losses(&rows, &local_rows(d.path(), "", 2), "array chain");
+    assert_same_losses(
+        &rows,
+        &local_rows(&config_text(d.path(), ""), 2),
+        "array chain",
+    );
 }
 
 #[test]
@@ -281,16 +279,7 @@ fn exit_duration_mins_under_srun_stops_every_rank_at_one_step_and_the_chain_fini
             "00:05:00",
         ],
     );
-    let uninterrupted = patched.replace("exit_duration_mins = 0.05", "");
-    let local = {
-        let launch = LaunchEnv {
-            workers_flag: Some(2),
-            ..LaunchEnv::default()
-        };
-        let set = vec!["log.run_name=\"local\"".to_string()];
-        let loaded = config::load_str(Path::new("t.toml"), &uninterrupted, &set, &launch).unwrap();
-        read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
-    };
+    let local = local_rows(&patched.replace("exit_duration_mins = 0.05", ""), 2);
     wait_job(&id, Duration::from_secs(600));
     let run = d.path().join("log").join(&id);
     let log = job_log(&run);
