@@ -6,6 +6,7 @@ pub mod config;
 pub mod data;
 pub mod error;
 pub mod generate;
+pub mod kernels;
 pub mod metrics;
 pub mod model;
 pub mod optim;

@@ -158,38 +158,6 @@ pub fn f32_to_indices(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// The k entries of largest magnitude of `v` (ties broken towards lower indices), in ascending index
-/// order, appended to `out` as `base + i`. Selection, not a sort: O(len) with `select_nth_unstable`.
-pub fn top_k(v: &[f32], k: usize, base: u32, mags: &mut Vec<f32>, out: &mut Vec<u32>) {
-    if k >= v.len() {
-        out.extend((0..v.len() as u32).map(|i| base + i));
-        return;
-    }
-    if k == 0 {
-        return;
-    }
-    mags.clear();
-    mags.extend(v.iter().map(|x| x.abs()));
-    let pos = v.len() - k;
-    let (_, kth, _) = mags.select_nth_unstable_by(pos, |a, b| a.total_cmp(b));
-    let thr = *kth;
-    let above = v.iter().filter(|x| x.abs().total_cmp(&thr).is_gt()).count();
-    let mut ties = k - above;
-    let start = out.len();
-    for (i, x) in v.iter().enumerate() {
-        let m = x.abs();
-        match m.total_cmp(&thr) {
-            std::cmp::Ordering::Greater => out.push(base + i as u32),
-            std::cmp::Ordering::Equal if ties > 0 => {
-                ties -= 1;
-                out.push(base + i as u32);
-            }
-            _ => {}
-        }
-    }
-    debug_assert_eq!(out.len() - start, k);
-}
-
 /// Number of entries of a matrix tensor that top-k keeps: max(floor(density * len), 1).
 pub fn k_of(density: f64, len: usize) -> usize {
     ((density * len as f64) as usize).clamp(1, len.max(1))
@@ -255,29 +223,6 @@ impl Window {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn top_k_matches_a_full_sort_including_ties() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-        let mut mags = Vec::new();
-        for len in [1usize, 2, 7, 100, 1000] {
-            // Values on a coarse grid so that ties happen.
-            let v: Vec<f32> = (0..len)
-                .map(|_| rng.random_range(-8i32..8) as f32 / 4.0)
-                .collect();
-            for k in [0, 1, len / 3, len.saturating_sub(1), len] {
-                let mut got = Vec::new();
-                top_k(&v, k, 10, &mut mags, &mut got);
-                let mut order: Vec<usize> = (0..len).collect();
-                order.sort_by(|&a, &b| v[b].abs().total_cmp(&v[a].abs()).then(a.cmp(&b)));
-                let mut want: Vec<u32> =
-                    order[..k.min(len)].iter().map(|&i| i as u32 + 10).collect();
-                want.sort();
-                assert_eq!(got, want, "len {len} k {k}");
-            }
-        }
-    }
 
     #[test]
     fn indices_survive_the_trip_through_f32() {

@@ -17,6 +17,7 @@ use rand_distr::{Distribution, StandardNormal};
 use super::{relative_error, take, Reducer, Report, State, TensorView};
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::config::backend::PowerSgdConfig;
+use crate::kernels;
 
 /// A compressed matrix: which tensor, its rank and where its factors live in `p` and `q`.
 #[derive(Debug, Clone)]
@@ -101,7 +102,7 @@ impl PowerSgd {
     }
 
     fn orthogonalize_all(&self, buf: &mut [f32], left: bool) {
-        let eps = self.cfg.orthogonalization_epsilon;
+        let eps = self.cfg.orthogonalization_epsilon as f32;
         for f in &self.factors {
             let t = &self.tensors[f.t];
             let (rows, off) = if left {
@@ -109,7 +110,7 @@ impl PowerSgd {
             } else {
                 (t.cols, f.q_off)
             };
-            orthogonalize(&mut buf[off..off + rows * f.rank], rows, f.rank, eps);
+            kernels::gram_schmidt(&mut buf[off..off + rows * f.rank], rows, f.rank, eps);
         }
     }
 
@@ -218,27 +219,6 @@ impl PowerSgd {
     }
 }
 
-/// Gram-Schmidt on the `r` columns of a row-major `rows x r` matrix, as PyTorch's `_orthogonalize`
-/// (columns divided by norm + eps). A zero column stays zero instead of becoming NaN.
-pub fn orthogonalize(a: &mut [f32], rows: usize, r: usize, eps: f64) {
-    for i in 0..r {
-        let norm = (0..rows)
-            .map(|j| (a[j * r + i] as f64).powi(2))
-            .sum::<f64>()
-            .sqrt();
-        let d = norm + eps;
-        if d > 0.0 {
-            (0..rows).for_each(|j| a[j * r + i] = (a[j * r + i] as f64 / d) as f32);
-        }
-        for c in i + 1..r {
-            let dot: f64 = (0..rows)
-                .map(|j| a[j * r + i] as f64 * a[j * r + c] as f64)
-                .sum();
-            (0..rows).for_each(|j| a[j * r + c] -= (dot * a[j * r + i] as f64) as f32);
-        }
-    }
-}
-
 impl Reducer for PowerSgd {
     fn reduce(
         &mut self,
@@ -259,7 +239,7 @@ impl Reducer for PowerSgd {
             if self.error.len() != grads.len() {
                 self.error = vec![0.0; grads.len()];
             }
-            grads.iter_mut().zip(&self.error).for_each(|(g, e)| *g += e);
+            kernels::ef_accumulate(grads, &self.error);
         }
         let input = grads.to_vec();
         let dense_idx = self.uncompressed();

@@ -8,11 +8,10 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::{
-    f32_to_indices, indices_to_f32, k_of, take, top_k, Reducer, Report, State, TensorView,
-};
+use super::{f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, TensorView};
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::config::backend::RadiusConfig;
+use crate::kernels;
 use crate::optim::global_norm;
 
 pub struct Radius {
@@ -59,12 +58,12 @@ impl Radius {
                     return (Vec::new(), all);
                 }
                 let mut core = Vec::new();
-                top_k(
+                kernels::top_k(
                     &avg[t.range()],
                     k_of(self.cfg.density, t.len),
                     t.offset as u32,
-                    &mut Vec::new(),
                     &mut core,
+                    &mut Vec::new(),
                 );
                 let mut mask = Vec::with_capacity(core.len() * (2 * range + 1));
                 let (lo, hi) = (t.offset, t.offset + t.len);
@@ -125,10 +124,7 @@ impl Reducer for Radius {
             self.residual = vec![0.0; grads.len()];
         }
         if self.cfg.error_feedback {
-            grads
-                .iter_mut()
-                .zip(&self.residual)
-                .for_each(|(g, r)| *g += r);
+            kernels::ef_accumulate(grads, &self.residual);
         }
         if self.reselects(step) {
             all_reduce_mean(comm, grads)?;
@@ -144,21 +140,17 @@ impl Reducer for Radius {
             });
         }
         let acc_norm = global_norm(grads);
-        let mut vals: Vec<f32> = self.mask.iter().map(|&i| grads[i as usize]).collect();
-        all_reduce_mean(comm, &mut vals)?;
-        // The residual is the gradient not sent: everything outside the mask.
+        // The masked values are sent; the residual is the gradient not sent (everything outside the mask).
         self.residual.copy_from_slice(grads);
-        for &i in &self.mask {
-            self.residual[i as usize] = 0.0;
-        }
+        let mut vals = vec![0.0f32; self.mask.len()];
+        kernels::gather_clear(&mut self.residual, &self.mask, &mut vals);
+        all_reduce_mean(comm, &mut vals)?;
         let lost = global_norm(&self.residual);
         if !self.cfg.error_feedback {
             self.residual.iter_mut().for_each(|r| *r = 0.0);
         }
         grads.iter_mut().for_each(|g| *g = 0.0);
-        for (&i, v) in self.mask.iter().zip(vals) {
-            grads[i as usize] = v;
-        }
+        kernels::scatter_add(grads, &self.mask, &vals);
         Ok(Report {
             error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
             ..Report::default()

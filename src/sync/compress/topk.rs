@@ -5,10 +5,9 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::{
-    f32_to_indices, indices_to_f32, k_of, take, top_k, Reducer, Report, State, TensorView,
-};
+use super::{f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, TensorView};
 use crate::comm::{all_reduce_mean, Communicator};
+use crate::kernels;
 use crate::optim::global_norm;
 
 pub struct TopK {
@@ -50,10 +49,7 @@ impl Reducer for TopK {
             if self.residual.len() != grads.len() {
                 self.residual = vec![0.0; grads.len()];
             }
-            grads
-                .iter_mut()
-                .zip(&self.residual)
-                .for_each(|(g, r)| *g += r);
+            kernels::ef_accumulate(grads, &self.residual);
         }
         // Dense part: the vectors, in one all-reduce.
         let mut dense: Vec<f32> = self
@@ -64,27 +60,23 @@ impl Reducer for TopK {
             .collect();
         all_reduce_mean(comm, &mut dense)?;
         // Sparse part: per-tensor selections (in parallel), packed as [values | indices].
-        let selected: Vec<Vec<u32>> = self
+        let selected: Vec<(Vec<u32>, Vec<f32>)> = self
             .tensors
             .par_iter()
             .zip(&self.k)
             .map(|(t, &k)| {
-                let mut idx = Vec::with_capacity(k);
+                let (mut idx, mut vals) = (Vec::with_capacity(k), Vec::with_capacity(k));
                 if t.matrix {
-                    top_k(
-                        &grads[t.range()],
-                        k,
-                        t.offset as u32,
-                        &mut Vec::new(),
-                        &mut idx,
-                    );
+                    kernels::top_k(&grads[t.range()], k, t.offset as u32, &mut idx, &mut vals);
                 }
-                idx
+                (idx, vals)
             })
             .collect();
-        let idx: Vec<u32> = selected.into_iter().flatten().collect();
+        let (idx, mut send): (Vec<u32>, Vec<f32>) = selected
+            .into_iter()
+            .flat_map(|(i, v)| i.into_iter().zip(v))
+            .unzip();
         let kk = idx.len();
-        let mut send: Vec<f32> = idx.iter().map(|&i| grads[i as usize]).collect();
         send.extend(indices_to_f32(&idx));
         let mut all = vec![0.0f32; send.len() * n];
         comm.all_gather(&send, &mut all)?;

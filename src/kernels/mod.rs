@@ -1,0 +1,412 @@
+//! CPU twins of the CUDA kernels in `kernels/reducers.cu`. Each function here implements its kernel's
+//! algorithm with the same blocking and the same order of floating-point operations, so a kernel and its
+//! twin agree bit for bit (the kernels are compiled with `-fmad=false`). The compressed reducers run on
+//! these twins on CPU; the property tests below pin their behaviour; `scripts/gpu-selftest.sh` compares
+//! every kernel with its twin on a GPU. The host-side steps between kernel launches (the digit search
+//! of the radix select, the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
+
+use anyhow::{ensure, Result};
+use rayon::prelude::*;
+
+/// Threads per block; also the 256 buckets of an 8-bit radix digit (`BLOCK` in reducers.cu).
+pub const BLOCK: usize = 256;
+/// Elements per block of the selection kernels (`TILE` in reducers.cu).
+pub const TILE: usize = 4096;
+
+/// |v| as an order-preserving integer: the bits of a non-negative float sort like the float.
+fn abs_key(v: f32) -> u32 {
+    v.to_bits() & 0x7fff_ffff
+}
+
+/// The k largest keys: every key above `key`, and the first `ties` keys (in index order) equal to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Threshold {
+    pub key: u32,
+    pub ties: u32,
+}
+
+/// The radix select's search, digit by digit from the top (8 bits a pass): `histogram(prefix, mask,
+/// shift)` counts the digit `(key >> shift) & 255` of the keys whose higher bits equal `prefix`; the
+/// search walks the buckets from the top until it has `k` keys. Needs 1 <= k <= the number of keys.
+pub fn radix_threshold(
+    k: usize,
+    mut histogram: impl FnMut(u32, u32, u32) -> Result<[u32; BLOCK]>,
+) -> Result<Threshold> {
+    ensure!(k > 0, "radix select of zero entries");
+    let (mut need, mut prefix, mut mask) = (k as u64, 0u32, 0u32);
+    for shift in [24u32, 16, 8, 0] {
+        let h = histogram(prefix, mask, shift)?;
+        let mut d = BLOCK - 1;
+        while (h[d] as u64) < need {
+            need -= h[d] as u64;
+            ensure!(
+                d > 0,
+                "radix select: the histogram holds fewer than {k} keys"
+            );
+            d -= 1;
+        }
+        prefix |= (d as u32) << shift;
+        mask |= 255 << shift;
+    }
+    Ok(Threshold {
+        key: prefix,
+        ties: need as u32,
+    })
+}
+
+/// Twin of `radix_histogram`.
+pub fn radix_histogram(x: &[f32], prefix: u32, mask: u32, shift: u32) -> [u32; BLOCK] {
+    let mut h = [0u32; BLOCK];
+    for &v in x {
+        let k = abs_key(v);
+        if k & mask == prefix {
+            h[((k >> shift) & 255) as usize] += 1;
+        }
+    }
+    h
+}
+
+/// Twin of `select_count`: per tile, the keys above the threshold and the keys equal to it.
+pub fn select_count(x: &[f32], thresh: u32) -> (Vec<u32>, Vec<u32>) {
+    x.par_chunks(TILE)
+        .map(|tile| {
+            tile.iter().fold((0u32, 0u32), |(a, e), &v| {
+                let k = abs_key(v);
+                (a + u32::from(k > thresh), e + u32::from(k == thresh))
+            })
+        })
+        .unzip()
+}
+
+/// Exclusive prefix sums (the host step between `select_count` and `select_write`).
+pub fn exclusive_scan(counts: &[u32]) -> Vec<u32> {
+    let mut run = 0u32;
+    counts
+        .iter()
+        .map(|&c| {
+            let before = run;
+            run += c;
+            before
+        })
+        .collect()
+}
+
+/// Twin of `select_write`: entry i is selected when its key is above the threshold, or equal to it and
+/// among the first `ties` equal keys; it goes to slot above_before(i) + min(equal_before(i), ties).
+pub fn select_write(
+    x: &[f32],
+    t: Threshold,
+    above_off: &[u32],
+    equal_off: &[u32],
+    base: u32,
+    out_idx: &mut [u32],
+    out_val: &mut [f32],
+) {
+    // Tile j fills the slots from its first selected entry's to the next tile's: split the outputs so
+    // that the tiles write in parallel.
+    let first = |j: usize| (above_off[j] + equal_off[j].min(t.ties)) as usize;
+    let mut parts = Vec::with_capacity(above_off.len());
+    let (mut idx_rest, mut val_rest) = (out_idx, out_val);
+    for j in 0..above_off.len() {
+        let end = if j + 1 < above_off.len() {
+            first(j + 1)
+        } else {
+            first(j) + idx_rest.len()
+        };
+        let len = end - first(j);
+        let (i, ir) = std::mem::take(&mut idx_rest).split_at_mut(len);
+        let (v, vr) = std::mem::take(&mut val_rest).split_at_mut(len);
+        (idx_rest, val_rest) = (ir, vr);
+        parts.push((j, i, v));
+    }
+    parts.into_par_iter().for_each(|(j, idx, val)| {
+        let (mut pa, mut pe, mut slot) = (above_off[j], equal_off[j], 0);
+        let start = j * TILE;
+        for (i, &v) in x[start..(start + TILE).min(x.len())].iter().enumerate() {
+            let k = abs_key(v);
+            let take = k > t.key || (k == t.key && pe < t.ties);
+            if take {
+                debug_assert_eq!(
+                    (pa + pe.min(t.ties)) as usize,
+                    first(j) + slot,
+                    "slot order"
+                );
+                idx[slot] = base + (start + i) as u32;
+                val[slot] = v;
+                slot += 1;
+            }
+            pa += u32::from(k > t.key);
+            pe += u32::from(k == t.key);
+        }
+    });
+}
+
+/// The `k` entries of largest magnitude of `x` (ties towards lower indices), in index order, appended
+/// to `idx` as `base + i` and to `val`: the radix select of the threshold, then the compaction. No sort.
+pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
+    let k = k.min(x.len());
+    if k == 0 {
+        return;
+    }
+    let t = radix_threshold(k, |p, m, s| Ok(radix_histogram(x, p, m, s)))
+        .expect("the histograms of a slice count every key");
+    let (above, equal) = select_count(x, t.key);
+    let (above_off, equal_off) = (exclusive_scan(&above), exclusive_scan(&equal));
+    let start = idx.len();
+    idx.resize(start + k, 0);
+    val.resize(start + k, 0.0);
+    select_write(
+        x,
+        t,
+        &above_off,
+        &equal_off,
+        base,
+        &mut idx[start..],
+        &mut val[start..],
+    );
+}
+
+/// Twin of `gather`: out[j] = x[idx[j]].
+pub fn gather(x: &[f32], idx: &[u32], out: &mut [f32]) {
+    out.iter_mut()
+        .zip(idx)
+        .for_each(|(o, &i)| *o = x[i as usize]);
+}
+
+/// Twin of `gather_clear`, the error-feedback split: out[j] = acc[idx[j]] is sent and leaves the
+/// accumulator, so the sent values plus what stays equal the accumulator exactly.
+pub fn gather_clear(acc: &mut [f32], idx: &[u32], out: &mut [f32]) {
+    out.iter_mut().zip(idx).for_each(|(o, &i)| {
+        *o = acc[i as usize];
+        acc[i as usize] = 0.0;
+    });
+}
+
+/// Twin of `scatter_add`: dense[idx[j]] += vals[j].
+pub fn scatter_add(dense: &mut [f32], idx: &[u32], vals: &[f32]) {
+    idx.iter()
+        .zip(vals)
+        .for_each(|(&i, &v)| dense[i as usize] += v);
+}
+
+/// Twin of `ef_accumulate`: acc += g.
+pub fn ef_accumulate(acc: &mut [f32], g: &[f32]) {
+    acc.par_iter_mut()
+        .zip(g.par_iter())
+        .with_min_len(1 << 14)
+        .for_each(|(a, &b)| *a += b);
+}
+
+/// Twin of `scale`: x *= s.
+pub fn scale(x: &mut [f32], s: f32) {
+    x.par_iter_mut().with_min_len(1 << 14).for_each(|v| *v *= s);
+}
+
+/// Twin of `block_sum`: the tree over the BLOCK partial sums (stride BLOCK / 2, ..., 1).
+fn block_sum(sh: &mut [f32; BLOCK]) -> f32 {
+    let mut s = BLOCK / 2;
+    while s > 0 {
+        for t in 0..s {
+            sh[t] += sh[t + s];
+        }
+        s /= 2;
+    }
+    sh[0]
+}
+
+/// Twin of `gram_schmidt`: PowerSGD's orthogonalization of the columns of row-major `rows x cols`
+/// matrices stored back to back (PyTorch's `_orthogonalize_gram_schmidt`: each column divided by
+/// norm + eps, a zero column stays zero, then removed from the later columns). Partial sums per "thread"
+/// t over the rows t, t + BLOCK, ..., then the block tree, as the kernel.
+pub fn gram_schmidt(p: &mut [f32], rows: usize, cols: usize, eps: f32) {
+    if rows * cols == 0 {
+        return;
+    }
+    p.par_chunks_mut(rows * cols).for_each(|a| {
+        let mut sh = [0.0f32; BLOCK];
+        let mut sum = |f: &dyn Fn(usize) -> f32| {
+            for (t, s) in sh.iter_mut().enumerate() {
+                *s = (t..rows).step_by(BLOCK).fold(0.0f32, |acc, r| acc + f(r));
+            }
+            block_sum(&mut sh)
+        };
+        for i in 0..cols {
+            let d = sum(&|r| {
+                let v = a[r * cols + i];
+                v * v
+            })
+            .sqrt()
+                + eps;
+            if d > 0.0 {
+                (0..rows).for_each(|r| a[r * cols + i] /= d);
+            }
+            for c in i + 1..cols {
+                let dot = sum(&|r| a[r * cols + i] * a[r * cols + c]);
+                (0..rows).for_each(|r| a[r * cols + c] -= dot * a[r * cols + i]);
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The exact top-k set by a full sort (|x| descending, then index ascending), in index order.
+    fn naive_top_k(x: &[f32], k: usize) -> Vec<u32> {
+        let mut order: Vec<u32> = (0..x.len() as u32).collect();
+        order.sort_by(|&a, &b| {
+            x[b as usize]
+                .abs()
+                .total_cmp(&x[a as usize].abs())
+                .then(a.cmp(&b))
+        });
+        let mut top = order[..k.min(x.len())].to_vec();
+        top.sort_unstable();
+        top
+    }
+
+    /// Values with many ties (a few levels, both signs, zeros of both signs) or spread out.
+    fn values() -> impl Strategy<Value = Vec<f32>> {
+        prop_oneof![
+            prop::collection::vec((-4i32..5).prop_map(|l| l as f32 * 0.25), 0..9000),
+            prop::collection::vec(-1e3f32..1e3, 0..9000),
+            prop::collection::vec(
+                prop_oneof![Just(0.0f32), Just(-0.0), Just(1e-30), Just(-3.5)],
+                1..5000
+            ),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn selection_is_the_exact_top_k_set_with_ties_to_lower_indices(
+            x in values(), frac in 0.0f64..1.2, base in 0u32..1000
+        ) {
+            let k = (frac * x.len() as f64) as usize;
+            let (mut idx, mut val) = (vec![7], vec![7.0]);
+            top_k(&x, k, base, &mut idx, &mut val);
+            let want: Vec<u32> = naive_top_k(&x, k).iter().map(|i| base + i).collect();
+            prop_assert_eq!(&idx[1..], &want[..]);
+            for (i, v) in idx[1..].iter().zip(&val[1..]) {
+                prop_assert_eq!(v.to_bits(), x[(i - base) as usize].to_bits());
+            }
+        }
+
+        #[test]
+        fn gather_and_scatter_round_trip_and_the_error_feedback_split_is_exact(
+            x in prop::collection::vec(-10f32..10.0, 1..3000), frac in 0.0f64..1.0
+        ) {
+            let k = (frac * x.len() as f64) as usize;
+            let (mut idx, mut val) = (Vec::new(), Vec::new());
+            top_k(&x, k, 0, &mut idx, &mut val);
+            let mut got = vec![0.0; k];
+            gather(&x, &idx, &mut got);
+            prop_assert_eq!(&got, &val);
+            // Scatter into zeros gives x on the selection and zero elsewhere.
+            let mut dense = vec![0.0; x.len()];
+            scatter_add(&mut dense, &idx, &got);
+            let mut acc = x.clone();
+            let mut sent = vec![0.0; k];
+            gather_clear(&mut acc, &idx, &mut sent);
+            for i in 0..x.len() {
+                let selected = idx.binary_search(&(i as u32)).is_ok();
+                prop_assert_eq!(dense[i], if selected { x[i] } else { 0.0 });
+                prop_assert_eq!(acc[i], if selected { 0.0 } else { x[i] });
+                // What was sent plus what stayed is the accumulator, bit for bit.
+                prop_assert_eq!((dense[i] + acc[i]).to_bits(), x[i].to_bits());
+            }
+        }
+
+        #[test]
+        fn gram_schmidt_gives_orthonormal_columns_spanning_the_input(
+            rows in 1usize..1200, cols in 1usize..9, seed in 0u64..1000, eps in prop_oneof![Just(0.0f32), Just(1e-8)]
+        ) {
+            prop_assume!(rows >= cols);
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let m = 2;
+            let input: Vec<f32> = (0..m * rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let mut q = input.clone();
+            gram_schmidt(&mut q, rows, cols, eps);
+            for (a, q) in input.chunks(rows * cols).zip(q.chunks(rows * cols)) {
+                let dot = |x: &[f32], i: usize, y: &[f32], j: usize| -> f64 {
+                    (0..rows).map(|r| x[r * cols + i] as f64 * y[r * cols + j] as f64).sum()
+                };
+                for i in 0..cols {
+                    for j in 0..cols {
+                        let want = if i == j { 1.0 } else { 0.0 };
+                        prop_assert!((dot(q, i, q, j) - want).abs() < 1e-4, "q^T q [{i},{j}] = {}", dot(q, i, q, j));
+                        // Column j of the input lies in the span of q_0..q_j: R = Q^T A is upper triangular.
+                        if i > j {
+                            let scale = dot(a, j, a, j).sqrt();
+                            prop_assert!(dot(q, i, a, j).abs() < 1e-4 * scale.max(1.0));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn error_feedback_conserves_mass_over_steps() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let n = 5000;
+        let (mut acc, mut sent_total, mut grad_total) =
+            (vec![0.0f32; n], vec![0.0f64; n], vec![0.0f64; n]);
+        for _ in 0..40 {
+            let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            g.iter()
+                .zip(&mut grad_total)
+                .for_each(|(g, t)| *t += *g as f64);
+            ef_accumulate(&mut acc, &g);
+            let (mut idx, mut val) = (Vec::new(), Vec::new());
+            top_k(&acc, 50, 0, &mut idx, &mut val);
+            let mut sent = vec![0.0; idx.len()];
+            gather_clear(&mut acc, &idx, &mut sent);
+            idx.iter()
+                .zip(&sent)
+                .for_each(|(&i, &v)| sent_total[i as usize] += v as f64);
+        }
+        // Sum of what was sent plus the residual equals the sum of the gradients (f32 rounding only).
+        for i in 0..n {
+            let err = (sent_total[i] + acc[i] as f64 - grad_total[i]).abs();
+            assert!(err < 1e-4, "entry {i}: off by {err}");
+        }
+    }
+
+    #[test]
+    fn zero_columns_stay_zero() {
+        let mut p = vec![0.0f32; 12];
+        p[1] = 2.0;
+        gram_schmidt(&mut p, 4, 3, 0.0);
+        assert!(p.iter().all(|v| v.is_finite()));
+        assert_eq!(p[1], 1.0);
+    }
+
+    #[test]
+    fn the_constants_are_the_kernels() {
+        let src = include_str!("../../kernels/reducers.cu");
+        for (name, value) in [("BLOCK", BLOCK), ("TILE", TILE)] {
+            let line = format!("#define {name} {value} ");
+            assert!(src.contains(&line), "reducers.cu lacks `{line}`");
+        }
+        for kernel in [
+            "radix_histogram",
+            "select_count",
+            "select_write",
+            "gather",
+            "gather_clear",
+            "scatter_add",
+            "ef_accumulate",
+            "scale",
+            "gram_schmidt",
+        ] {
+            assert!(src.contains(&format!("__global__ void {kernel}(")));
+        }
+    }
+}
