@@ -105,14 +105,15 @@ extern "C" __global__ void select_write(const float* x, unsigned n, unsigned thr
 }
 
 // out[j] = x[idx[j]].
-extern "C" __global__ void gather(const float* x, const unsigned* idx, unsigned k, float* out) {
+// The index-list kernels share one signature: (dense buffer, indices, values, k).
+extern "C" __global__ void gather(const float* x, const unsigned* idx, float* out, unsigned k) {
     unsigned j = blockIdx.x * BLOCK + threadIdx.x;
     if (j < k) out[j] = x[idx[j]];
 }
 
 // The error-feedback split: out[j] = acc[idx[j]] is sent and leaves the accumulator (acc[idx[j]] = 0), so
 // sent + kept equals the accumulator exactly. Indices are distinct.
-extern "C" __global__ void gather_clear(float* acc, const unsigned* idx, unsigned k, float* out) {
+extern "C" __global__ void gather_clear(float* acc, const unsigned* idx, float* out, unsigned k) {
     unsigned j = blockIdx.x * BLOCK + threadIdx.x;
     if (j < k) {
         unsigned i = idx[j];

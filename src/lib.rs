@@ -3,7 +3,10 @@
 
 pub mod comm;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
+pub mod device;
 pub mod error;
 pub mod generate;
 pub mod kernels;

@@ -242,7 +242,12 @@ fn absolute(p: &Path) -> Result<PathBuf> {
 /// this build cannot run, and data files that are missing or damaged.
 pub fn preflight(job: &Job) -> Result<()> {
     let (cfg, plan) = (&job.loaded.config, &job.loaded.plan);
-    crate::sync::supported(plan)?;
+    if job.own_binary && plan.engine == Engine::Nccl && !cfg!(feature = "cuda") {
+        return Err(bad_input!(
+            "this job needs the \"nccl\" engine, but this nanodist was built without CUDA support; \
+             rebuild with `cargo build --release --features cuda,mpi` on the cluster"
+        ));
+    }
     if job.own_binary && plan.engine == Engine::Mpi && !cfg!(feature = "mpi") {
         return Err(bad_input!(
             "this job needs the \"mpi\" engine ({} tasks), but this nanodist was built without MPI; \

@@ -1,9 +1,12 @@
 //! Communicators: the only code that touches a transport. The training loop and the sync backends see
 //! this trait alone, so engines (threads, MPI, NCCL) plug in without changing callers.
 
+pub mod bootstrap;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 
 use anyhow::Result;
 
@@ -51,6 +54,89 @@ fn check_gather(send: &[f32], out: &[f32], n: usize) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `count` consecutive pieces of `len` elements at the front of `buf` (empty pieces included, so that
+/// zero-length messages are still matched).
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+pub(crate) fn pieces(buf: &mut [f32], count: usize, len: usize) -> Vec<&mut [f32]> {
+    let mut out = Vec::with_capacity(count);
+    let mut tail = buf;
+    for _ in 0..count {
+        let (head, t) = std::mem::take(&mut tail).split_at_mut(len);
+        out.push(head);
+        tail = t;
+    }
+    out
+}
+
+/// Grouped point-to-point messages of an engine: sends `sends[i].1` to rank `sends[i].0`, receives from
+/// `recvs[j].0` into `recvs[j].1`; returns the bytes sent.
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+pub(crate) type Exchange<'a> =
+    dyn FnMut(&[(usize, &[f32])], &mut [(usize, &mut [f32])]) -> Result<u64> + 'a;
+
+/// Sum over the ranks of `group` (in group order), in place, for engines built on point-to-point
+/// messages (MPI, NCCL groups): a reduce-scatter in which the member at position i owns chunk i and adds
+/// the members' copies of it in group order, then an all-gather of the reduced chunks. Each member sends
+/// 2 (g - 1) / g of the buffer, as a ring all-reduce; returns the bytes this rank sent. The sums equal
+/// the local engine's bit for bit.
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+pub(crate) fn group_sum(
+    rank: usize,
+    buf: &mut [f32],
+    group: &[usize],
+    scratch: &mut Vec<f32>,
+    exchange: &mut Exchange<'_>,
+) -> Result<u64> {
+    let (g, len) = (group.len(), buf.len());
+    let Some(me) = group.iter().position(|&r| r == rank) else {
+        return Ok(0);
+    };
+    if g == 1 {
+        return Ok(0);
+    }
+    let mine = chunk(len, g, me);
+    // Reduce-scatter: receive every member's copy of my chunk.
+    scratch.resize(mine.len() * g, 0.0);
+    let mut bytes = {
+        let sends: Vec<(usize, &[f32])> = (0..g)
+            .filter(|&i| i != me)
+            .map(|i| (group[i], &buf[chunk(len, g, i)]))
+            .collect();
+        let mut recvs: Vec<(usize, &mut [f32])> = pieces(scratch, g, mine.len())
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| *i != me)
+            .map(|(i, piece)| (group[i], piece))
+            .collect();
+        exchange(&sends, &mut recvs)?
+    };
+    // Group-ordered sum, as the local engine: ((x0 + x1) + x2) + ...
+    scratch[me * mine.len()..(me + 1) * mine.len()].copy_from_slice(&buf[mine.clone()]);
+    let out = &mut buf[mine.clone()];
+    out.copy_from_slice(&scratch[..mine.len()]);
+    for i in 1..g {
+        let src = &scratch[i * mine.len()..(i + 1) * mine.len()];
+        out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+    }
+    // All-gather the reduced chunks.
+    let reduced = buf[mine.clone()].to_vec();
+    let mut rest: Vec<(usize, &mut [f32])> = Vec::with_capacity(g - 1);
+    let mut tail: &mut [f32] = buf;
+    for (i, &member) in group.iter().enumerate() {
+        let (head, t) = std::mem::take(&mut tail).split_at_mut(chunk(len, g, i).len());
+        tail = t;
+        if i != me {
+            rest.push((member, head));
+        }
+    }
+    let sends: Vec<(usize, &[f32])> = (0..g)
+        .filter(|&i| i != me)
+        .map(|i| (group[i], &reduced[..]))
+        .collect();
+    bytes += exchange(&sends, &mut rest)?;
+    Ok(bytes)
 }
 
 /// Collectives are called by every rank in the same order. Engines count the bytes each rank sends.

@@ -19,7 +19,7 @@ use mpi::request::{scope, Request};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::{Destination, Source};
 
-use super::{check_gather, chunk, CommStats, Communicator};
+use super::{check_gather, pieces, CommStats, Communicator};
 
 /// What the rank is waiting for, read by the watchdog.
 struct Watch {
@@ -121,60 +121,14 @@ impl MpiComm {
         sends.iter().map(|(_, b)| b.len() as u64 * 4).sum()
     }
 
-    /// Sum over the ranks of `group` (in group order), in place: a reduce-scatter in which the member at
-    /// position i owns chunk i and adds the members' copies of it in group order, then an all-gather of
-    /// the reduced chunks. Each member sends 2 (g - 1) / g of the buffer, as a ring all-reduce; returns
-    /// the bytes this rank sent.
+    /// The group sum by reduce-scatter + all-gather over this engine's point-to-point messages.
     fn reduce_scatter_all_gather(&mut self, buf: &mut [f32], group: &[usize]) -> u64 {
-        let (g, len) = (group.len(), buf.len());
-        let Some(me) = group.iter().position(|&r| r == self.rank) else {
-            return 0;
-        };
-        if g == 1 {
-            return 0;
-        }
-        let mine = chunk(len, g, me);
-        // Reduce-scatter: receive every member's copy of my chunk.
         let mut scratch = std::mem::take(&mut self.scratch);
-        scratch.resize(mine.len() * g, 0.0);
-        let mut bytes = {
-            let sends: Vec<(usize, &[f32])> = (0..g)
-                .filter(|&i| i != me)
-                .map(|i| (group[i], &buf[chunk(len, g, i)]))
-                .collect();
-            let mut recvs: Vec<(usize, &mut [f32])> = pieces(&mut scratch, g, mine.len())
-                .into_iter()
-                .enumerate()
-                .filter(|(i, _)| *i != me)
-                .map(|(i, piece)| (group[i], piece))
-                .collect();
-            self.exchange_raw(&sends, &mut recvs)
-        };
-        // Group-ordered sum, as the local engine: ((x0 + x1) + x2) + ...
-        scratch[me * mine.len()..(me + 1) * mine.len()].copy_from_slice(&buf[mine.clone()]);
-        let out = &mut buf[mine.clone()];
-        out.copy_from_slice(&scratch[..mine.len()]);
-        for i in 1..g {
-            let src = &scratch[i * mine.len()..(i + 1) * mine.len()];
-            out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
-        }
+        let bytes = super::group_sum(self.rank, buf, group, &mut scratch, &mut |s, r| {
+            Ok(self.exchange_raw(s, r))
+        })
+        .expect("MPI exchanges do not fail");
         self.scratch = scratch;
-        // All-gather the reduced chunks.
-        let reduced = buf[mine.clone()].to_vec();
-        let mut rest: Vec<(usize, &mut [f32])> = Vec::with_capacity(g - 1);
-        let mut tail: &mut [f32] = buf;
-        for (i, &member) in group.iter().enumerate() {
-            let (head, t) = std::mem::take(&mut tail).split_at_mut(chunk(len, g, i).len());
-            tail = t;
-            if i != me {
-                rest.push((member, head));
-            }
-        }
-        let sends: Vec<(usize, &[f32])> = (0..g)
-            .filter(|&i| i != me)
-            .map(|i| (group[i], &reduced[..]))
-            .collect();
-        bytes += self.exchange_raw(&sends, &mut rest);
         bytes
     }
 
@@ -211,19 +165,6 @@ fn watchdog(watch: &Watch, rank: usize, timeout: Duration) {
         );
         std::process::exit(1);
     }
-}
-
-/// `count` consecutive pieces of `len` elements at the front of `buf` (empty pieces included, so that
-/// zero-length messages are still matched).
-fn pieces(buf: &mut [f32], count: usize, len: usize) -> Vec<&mut [f32]> {
-    let mut out = Vec::with_capacity(count);
-    let mut tail = buf;
-    for _ in 0..count {
-        let (head, t) = std::mem::take(&mut tail).split_at_mut(len);
-        out.push(head);
-        tail = t;
-    }
-    out
 }
 
 impl Communicator for MpiComm {

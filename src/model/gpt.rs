@@ -24,8 +24,12 @@ pub struct Gpt {
     pub context_length: usize,
     pub params: ParamSet,
     device: Device,
-    /// The fused CPU ops of `ops` (default), or candle's primitives: the reference they are tested against.
+    /// The fused CPU ops of `ops` (default on CPU), or candle's primitives: the reference they are tested
+    /// against, and the path on CUDA (where candle's kernels run).
     fused: bool,
+    /// The dtype of the matmuls: F32, or BF16 for mixed precision (inputs rounded to bf16, products
+    /// accumulated in f32 by the GEMM and returned as f32; parameters and everything else stay f32).
+    matmul_dtype: DType,
 }
 
 /// HF GPT-2 parameter names of the four projections that HF stores transposed (Conv1D).
@@ -97,8 +101,26 @@ impl Gpt {
             context_length,
             params: ParamSet::new(items, device)?,
             device: device.clone(),
-            fused: true,
+            fused: device.is_cpu(),
+            matmul_dtype: DType::F32,
         })
+    }
+
+    /// Mixed precision: the matmuls in bf16 (`on`), the rest in f32.
+    pub fn with_amp(mut self, on: bool) -> Self {
+        self.matmul_dtype = if on { DType::BF16 } else { DType::F32 };
+        self
+    }
+
+    /// a b in the model's matmul dtype, returned as f32 (backward flows through the casts).
+    fn mm(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let d = self.matmul_dtype;
+        if d == DType::F32 {
+            return Ok(a.matmul(b)?);
+        }
+        Ok(a.to_dtype(d)?
+            .matmul(&b.to_dtype(d)?)?
+            .to_dtype(DType::F32)?)
     }
 
     /// The same model computed with candle's primitive ops instead of the fused ones (the reference).
@@ -126,7 +148,7 @@ impl Gpt {
     /// y = x W^T (+ b) for x of shape (N, in).
     fn linear(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
         let w = self.p(&format!("{prefix}.weight"))?;
-        let y = x.matmul(&w.t()?)?;
+        let y = self.mm(x, &w.t()?)?;
         Ok(match self.bias(&format!("{prefix}.bias")) {
             Some(b) => y.broadcast_add(b)?,
             None => y,
@@ -168,14 +190,14 @@ impl Gpt {
         let k = qkv.i(1)?.contiguous()?;
         let v = qkv.i(2)?.contiguous()?;
         let scale = 1.0 / (hs as f64).sqrt();
-        let scores = q.matmul(&k.t()?)?; // (B, nh, T, T)
+        let scores = self.mm(&q, &k.t()?)?; // (B, nh, T, T)
         let att = match mask {
             None => super::ops::causal_softmax(&scores, scale)?,
             Some(mask) => {
                 candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(mask)?, D::Minus1)?
             }
         };
-        let y = att.matmul(&v)?; // (B, nh, T, hs)
+        let y = self.mm(&att, &v)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b * t, c))?;
         self.linear(&y, &format!("{prefix}.c_proj"))
     }
@@ -238,7 +260,7 @@ impl Gpt {
             h = (h + drop(m)?)?;
         }
         let h = self.layer_norm(&h, "transformer.ln_f")?;
-        Ok(h.matmul(&wte.t()?)?)
+        self.mm(&h, &wte.t()?)
     }
 
     /// Mean cross-entropy of next-token targets `y` (B, T).
@@ -409,58 +431,64 @@ mod tests {
         assert!((std("transformer.h.3.attn.c_attn.weight") - 0.02).abs() < 0.001);
     }
 
+    /// Losses of `steps` AdamW steps of a fixed-seed run of `cfg` on a fixed synthetic sequence.
+    fn adamw_losses(cfg: &ModelConfig, steps: u32, prepare: impl Fn(Gpt) -> Gpt) -> Vec<f32> {
+        let m = prepare(Gpt::new(cfg, 12, 5, &Device::Cpu).unwrap());
+        let segments = m
+            .params
+            .params
+            .iter()
+            .map(|p| crate::optim::Segment {
+                offset: p.offset,
+                len: p.len,
+                decay: p.decays(),
+            })
+            .collect();
+        let mut opt = crate::optim::build(
+            &crate::config::OptimConfig::default(),
+            segments,
+            m.params.numel,
+        );
+        let mut flat = m.params.to_flat().unwrap();
+        let mut grads = vec![0.0f32; m.params.numel];
+        let v = cfg.vocab_size as u32;
+        (0..steps)
+            .map(|step| {
+                let x: Vec<u32> = (0..48).map(|i| (i * 7 + step * 3) % v).collect();
+                let y: Vec<u32> = x.iter().map(|t| (t * 3 + 1) % v).collect();
+                let x = Tensor::from_vec(x, (4, 12), &Device::Cpu).unwrap();
+                let y = Tensor::from_vec(y, (4, 12), &Device::Cpu).unwrap();
+                let loss = m.loss(&x, &y, None).unwrap();
+                grads.iter_mut().for_each(|g| *g = 0.0);
+                m.params
+                    .accumulate_grads(&loss.backward().unwrap(), &mut grads)
+                    .unwrap();
+                opt.step(&mut flat, &grads, 3e-3);
+                m.params.set_flat(&flat).unwrap();
+                loss.to_scalar::<f32>().unwrap()
+            })
+            .collect()
+    }
+
+    fn small(act: Activation) -> ModelConfig {
+        ModelConfig {
+            n_layers: 2,
+            n_heads: 2,
+            n_embd: 16,
+            dropout: 0.0,
+            vocab_size: 23,
+            bias: true,
+            activation: act,
+        }
+    }
+
     /// The parity oracle: 50 AdamW steps of a fixed-seed run with the fused ops match the same run
     /// on candle's primitives within 1e-4 relative, step by step.
     #[test]
     fn fifty_training_steps_with_fused_ops_match_the_unfused_model() {
         for act in [Activation::Gelu, Activation::GeluTanh] {
-            let cfg = ModelConfig {
-                n_layers: 2,
-                n_heads: 2,
-                n_embd: 16,
-                dropout: 0.0,
-                vocab_size: 23,
-                bias: true,
-                activation: act,
-            };
-            let losses = |fused: bool| -> Vec<f32> {
-                let m = Gpt::new(&cfg, 12, 5, &Device::Cpu).unwrap();
-                let m = if fused { m } else { m.unfused() };
-                let segments = m
-                    .params
-                    .params
-                    .iter()
-                    .map(|p| crate::optim::Segment {
-                        offset: p.offset,
-                        len: p.len,
-                        decay: p.decays(),
-                    })
-                    .collect();
-                let mut opt = crate::optim::build(
-                    &crate::config::OptimConfig::default(),
-                    segments,
-                    m.params.numel,
-                );
-                let mut flat = m.params.to_flat().unwrap();
-                let mut grads = vec![0.0f32; m.params.numel];
-                (0..50u32)
-                    .map(|step| {
-                        let x: Vec<u32> = (0..48).map(|i| (i * 7 + step * 3) % 23).collect();
-                        let y: Vec<u32> = x.iter().map(|v| (v * 3 + 1) % 23).collect();
-                        let x = Tensor::from_vec(x, (4, 12), &Device::Cpu).unwrap();
-                        let y = Tensor::from_vec(y, (4, 12), &Device::Cpu).unwrap();
-                        let loss = m.loss(&x, &y, None).unwrap();
-                        grads.iter_mut().for_each(|g| *g = 0.0);
-                        m.params
-                            .accumulate_grads(&loss.backward().unwrap(), &mut grads)
-                            .unwrap();
-                        opt.step(&mut flat, &grads, 3e-3);
-                        m.params.set_flat(&flat).unwrap();
-                        loss.to_scalar::<f32>().unwrap()
-                    })
-                    .collect()
-            };
-            let (fused, reference) = (losses(true), losses(false));
+            let fused = adamw_losses(&small(act), 50, |m| m);
+            let reference = adamw_losses(&small(act), 50, Gpt::unfused);
             for (i, (a, b)) in fused.iter().zip(&reference).enumerate() {
                 assert!(
                     (a - b).abs() <= 1e-4 * b.abs(),
@@ -469,5 +497,25 @@ mod tests {
             }
             assert!(fused[49] < fused[0] - 0.5, "it learns: {fused:?}");
         }
+    }
+
+    /// Mixed precision (bf16 matmuls, f32 master weights and optimizer): on CPU candle rounds the inputs
+    /// to bf16 and multiplies in f32, as a bf16 GEMM with f32 accumulation does on a GPU. The loss curve
+    /// follows the f32 one within bf16 noise, and is not the f32 curve (the casts are real).
+    #[test]
+    fn bf16_matmuls_follow_the_f32_loss_curve() {
+        let cfg = small(Activation::GeluTanh);
+        let f32_run = adamw_losses(&cfg, 40, |m| m);
+        let amp = adamw_losses(&cfg, 40, |m| m.with_amp(true));
+        let mut differs = false;
+        for (i, (a, b)) in amp.iter().zip(&f32_run).enumerate() {
+            assert!(
+                (a - b).abs() <= 0.02 * b.abs(),
+                "step {i}: amp {a} vs f32 {b}"
+            );
+            differs |= a != b;
+        }
+        assert!(differs, "bf16 matmuls changed nothing");
+        assert!(amp[39] < amp[0] - 0.5, "it learns: {amp:?}");
     }
 }

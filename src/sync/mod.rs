@@ -7,9 +7,8 @@ pub mod topology;
 
 use anyhow::Result;
 
-use crate::bad_input;
 use crate::comm::{all_reduce_mean, CommStats, Communicator};
-use crate::config::{Backend, Config, Engine, Plan};
+use crate::config::{Backend, Config, Plan};
 use topology::Round;
 
 pub trait SyncBackend {
@@ -315,17 +314,6 @@ impl SyncBackend for Compressed {
     }
 }
 
-/// Checks that this build can run `plan` (before any worker starts), or names what exists.
-pub fn supported(plan: &Plan) -> Result<()> {
-    const DONE: &str = "implemented so far: backends \"pytorchddp\" and \"decentdp\" on engines \"local\" and \"mpi\"";
-    if plan.engine == Engine::Nccl {
-        return Err(bad_input!(
-            "train.engine = \"nccl\" is validated but not implemented in this build; {DONE}"
-        ));
-    }
-    Ok(())
-}
-
 /// The configured backend over `comm`.
 pub fn build(
     cfg: &Config,
@@ -333,7 +321,6 @@ pub fn build(
     comm: Box<dyn Communicator>,
     tensors: Vec<compress::TensorView>,
 ) -> Result<Box<dyn SyncBackend>> {
-    supported(plan)?;
     Ok(match (plan.backend, &cfg.train.compression) {
         (Backend::PytorchDdp, Some(c)) => Box::new(Compressed::new(
             comm,

@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use candle_core::Device;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -101,11 +100,10 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
     let plan = &loaded.plan;
     let t = &cfg.train;
     if t.device == DeviceCfg::Cuda {
-        return Err(bad_input!(
-            "train.device = \"cuda\": this nanodist was built without CUDA support; use device = \"cpu\""
-        ));
+        crate::device::gpus().map_err(|why| {
+            bad_input!("train.device = \"cuda\": {why}; use device = \"cpu\" (or \"auto\")")
+        })?;
     }
-    crate::sync::supported(plan)?;
     if let Some(n) = t.threads {
         // Ignore the error when a pool already exists (tests run several trainings in one process).
         let _ = rayon::ThreadPoolBuilder::new()
@@ -117,7 +115,7 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
     let mut process_comm = match plan.engine {
         Engine::Local => None,
         Engine::Mpi => Some(connect_mpi(plan, timeout)?),
-        Engine::Nccl => unreachable!("refused by sync::supported"),
+        Engine::Nccl => Some(connect_nccl(t.device, plan, timeout)?),
     };
     let now = std::time::SystemTime::now();
     let started = match process_comm.as_mut() {
@@ -276,6 +274,54 @@ fn connect_mpi(_: &crate::config::Plan, _: std::time::Duration) -> Result<Box<dy
     ))
 }
 
+/// The NCCL engine: this process's GPU (its local rank) and NCCL's id from rank 0, over MPI under an MPI
+/// launcher in a build with `mpi`, else over TCP from MASTER_ADDR / MASTER_PORT.
+#[cfg(feature = "cuda")]
+fn connect_nccl(
+    device: DeviceCfg,
+    plan: &crate::config::Plan,
+    timeout: std::time::Duration,
+) -> Result<Box<dyn Communicator>> {
+    use crate::comm::bootstrap;
+    let env = |k: &str| std::env::var(k).ok();
+    if device == DeviceCfg::Cpu {
+        return Err(bad_input!(
+            "train.engine = \"nccl\" runs on GPUs: set train.device = \"cuda\" (or use engine \"mpi\" on CPUs)"
+        ));
+    }
+    let gpus = crate::device::gpus().map_err(|why| bad_input!("train.engine = \"nccl\": {why}"))?;
+    let ordinal = crate::device::gpu_ordinal(crate::device::local_rank_from(env), 0, gpus)?;
+    let n = plan.world_size;
+    let mpi_rank = crate::config::resolve::LaunchEnv::process_rank();
+    let rank = mpi_rank
+        .or_else(|| env("RANK")?.trim().parse().ok())
+        .unwrap_or(0);
+    let comm = crate::comm::nccl::NcclComm::init(rank, n, ordinal, timeout, |id| {
+        if n == 1 {
+            return Ok(());
+        }
+        #[cfg(feature = "mpi")]
+        if mpi_rank.is_some() {
+            let mut mpi = crate::comm::mpi::MpiComm::init(timeout)?;
+            return bootstrap::broadcast_bytes(&mut mpi, id);
+        }
+        bootstrap::tcp_share(&bootstrap::master_from_env(env)?, rank, n, id, timeout)
+    })?;
+    Ok(Box::new(comm))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn connect_nccl(
+    _: DeviceCfg,
+    _: &crate::config::Plan,
+    _: std::time::Duration,
+) -> Result<Box<dyn Communicator>> {
+    Err(bad_input!(
+        "train.engine = \"nccl\": this nanodist was built without CUDA support; rebuild with \
+         `cargo build --release --features cuda` on a machine with the CUDA toolkit and NCCL"
+    ))
+}
+
 /// Mean loss over `steps` fixed evaluation batches of `split`. Batch i is windows i*E..(i+1)*E with
 /// E = local batch x world size (one micro-step of the global batch); rank r evaluates its b rows of each,
 /// so N workers x b evaluate exactly the windows of 1 worker x N*b.
@@ -382,7 +428,7 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
     let (cfg, plan) = (&setup.cfg, &setup.plan);
     let t = &cfg.train;
     let (ctx, local_b, accum) = (t.context_length, plan.local_batch_size, plan.accum_steps);
-    let device = Device::Cpu;
+    let device = crate::device::select(t.device, comm.rank())?;
     let pool = match setup.worker_threads {
         Some(n) => Some(
             rayon::ThreadPoolBuilder::new()
@@ -393,7 +439,8 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
         None => None,
     };
     let pool = pool.as_ref();
-    let model = Gpt::new(&cfg.model, ctx, t.seed, &device)?;
+    // Mixed precision on GPUs: bf16 matmuls, f32 master weights, optimizer and reducer state.
+    let model = Gpt::new(&cfg.model, ctx, t.seed, &device)?.with_amp(t.amp && device.is_cuda());
     let tensors = crate::sync::compress::TensorView::of(&model.params.params);
     let mut sync = crate::sync::build(cfg, plan, comm, tensors)?;
     let (rank, world) = (sync.rank(), sync.world_size());

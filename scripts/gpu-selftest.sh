@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Every GPU check in one run, for the day a GPU machine is available (CUDA toolkit or this repo's PyPI
+# nvcc, NCCL, driver R580+ for CUDA 13 PTX; Open MPI for multi-GPU runs). Prints a pass/fail table.
+#   1. build with --features cuda,mpi (CUDA_COMPUTE_CAP from the first GPU)
+#   2. each reducer kernel against its CPU twin, bit for bit, and NCCL at world size 1 (tests/gpu.rs)
+#   3. the NCCL engine at every GPU count present (mpirun -np G): a 2-step training run
+#   4. per backend, 40 steps on the GPUs (nccl engine, G ranks) against the CPU run of the same seed
+#      (local engine, G workers): train loss within 2% at every logged step
+# Usage: scripts/gpu-selftest.sh [steps]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+steps=${1:-40}
+results=()
+record() { results+=("$(printf '%-58s %s' "$1" "$2")"); }
+
+command -v nvidia-smi >/dev/null || { echo "no nvidia-smi: this script needs a GPU machine" >&2; exit 2; }
+gpus=$(nvidia-smi -L | grep -c '^GPU')
+cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-$cap}
+command -v nvcc >/dev/null || source scripts/cuda/env.sh
+echo "GPUs: $gpus, compute capability $CUDA_COMPUTE_CAP, driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
+
+if cargo build --release --features cuda,mpi; then record "build --features cuda,mpi" PASS; else
+    record "build --features cuda,mpi" FAIL; printf '%s\n' "${results[@]}"; exit 1; fi
+bin=./target/release/nanodist
+
+out=$(cargo test --release --features cuda,mpi --test gpu -- --test-threads=1 2>&1)
+echo "$out" | tail -20
+for t in top_k_kernel_equals_its_twin gather_scatter_and_error_feedback_kernels_equal_their_twins \
+         gram_schmidt_kernel_equals_its_twin nccl_engine_at_world_size_one; do
+    if echo "$out" | grep -q "test $t ... ok"; then record "$t" PASS; else record "$t" FAIL; fi
+done
+
+[ -d data/shakespeare_char ] || { ./scripts/fetch_corpus.sh && $bin prepare --input data/corpus/shakespeare \
+    --output data/shakespeare_char --tokenizer char --val-fraction 0.1; }
+logs=$(mktemp -d)
+common=(--set train.n_steps=$steps --set log.log_interval=5 --set log.eval_interval=$steps --set log.eval_steps=2
+        --set log.ckpt_interval=0 --set "log_dir=\"$logs\"")
+gpu_run() { # name gpus args...
+    local name=$1 g=$2; shift 2
+    mpirun --oversubscribe -np "$g" $bin train config/quickstart-char.toml "${common[@]}" \
+        --set train.engine=nccl --set train.device=cuda --set "log.run_name=\"$name\"" "$@" >"$logs/$name.out" 2>&1
+}
+cpu_run() {
+    local name=$1 g=$2; shift 2
+    $bin train config/quickstart-char.toml "${common[@]}" --workers "$g" --set "log.run_name=\"$name\"" "$@" \
+        >"$logs/$name.out" 2>&1
+}
+for g in $(seq 1 "$gpus"); do
+    if gpu_run "nccl-$g" "$g" --set train.n_steps=2; then record "nccl engine, $g GPU(s)" PASS
+    else record "nccl engine, $g GPU(s) (see $logs/nccl-$g.out)" FAIL; fi
+done
+
+compare() { # name: train loss of gpu-<name> within 2% of cpu-<name> at every logged step
+    python3 - "$logs/gpu-$1/metrics.jsonl" "$logs/cpu-$1/metrics.jsonl" <<'PY'
+import json, sys
+def rows(p):
+    return {r["step"]: r["train_loss"] for r in map(json.loads, open(p)) if "train_loss" in r}
+g, c = rows(sys.argv[1]), rows(sys.argv[2])
+assert g and g.keys() == c.keys(), (sorted(g), sorted(c))
+worst = max(abs(g[s] - c[s]) / abs(c[s]) for s in c)
+print(f"max relative difference {worst:.4f}")
+sys.exit(0 if worst < 0.02 else 1)
+PY
+}
+backends=(
+    "allreduce|"
+    "gossip-ring|--set train.backend=decentdp --set train.topology=ring"
+    "topk|--set train.compression={name=\"topk\",density=0.1}"
+    "radius|--set train.compression={name=\"radius\",density=0.1,interval=10,threshold=10}"
+    "powersgd|--set train.compression={name=\"powersgd\",rank=4,start_iter=10}"
+    "amp-bf16|--set train.amp=true"
+)
+for b in "${backends[@]}"; do
+    name=${b%%|*}; read -r -a args <<<"${b#*|}"
+    if gpu_run "gpu-$name" "$gpus" "${args[@]}" && cpu_run "cpu-$name" "$gpus" "${args[@]}" \
+        && diff=$(compare "$name"); then record "train $name: GPU vs CPU loss ($diff)" PASS
+    else record "train $name: GPU vs CPU loss ${diff:-} (logs in $logs)" FAIL; fi
+done
+
+echo
+printf '%-58s %s\n' "check" "result"
+printf '%s\n' "${results[@]}"
+! printf '%s\n' "${results[@]}" | grep -q FAIL

@@ -1,0 +1,248 @@
+//! The `nccl` engine: one process per GPU, collectives through NCCL (cudarc's `nccl` module) on a CUDA
+//! stream of their own, so that the gossip of step t runs beside the compute of step t + 1 on candle's
+//! stream. The training loop hands host buffers to every `Communicator`; this engine stages them through
+//! device buffers that it keeps between calls. The world all-reduce is NCCL's; group sums (gossip) and
+//! `exchange` are grouped ncclSend/ncclRecv (group start/end), the group sum through the same
+//! reduce-scatter + all-gather as the MPI engine. Each call waits at most `comm_timeout_secs` for the
+//! stream and then fails naming the operation.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::{result as nccl, Comm, Id, ReduceOp};
+
+use super::{all_reduce_bytes, check_gather, group_sum, CommStats, Communicator};
+
+pub struct NcclComm {
+    rank: usize,
+    n: usize,
+    comm: Comm,
+    stream: Arc<CudaStream>,
+    timeout: Duration,
+    /// Device staging buffers, grown on demand and kept: [0] all-reduce / all-gather input, [1] output,
+    /// then one per message of an exchange.
+    staging: Vec<CudaSlice<f32>>,
+    scratch: Vec<f32>,
+    stats: CommStats,
+}
+
+fn nccl_err(e: nccl::NcclError) -> anyhow::Error {
+    anyhow::anyhow!("NCCL: {e:?}")
+}
+
+impl NcclComm {
+    /// Rank `rank` of `n` on GPU `ordinal`; `share_id` carries rank 0's NCCL id (128 bytes) to every
+    /// rank (MPI broadcast or TCP, see `bootstrap`).
+    pub fn init(
+        rank: usize,
+        n: usize,
+        ordinal: usize,
+        timeout: Duration,
+        share_id: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<Self> {
+        let ctx = CudaContext::new(ordinal).with_context(|| format!("opening GPU {ordinal}"))?;
+        let stream = ctx.new_stream()?;
+        let mut bytes = [0u8; 128];
+        if rank == 0 {
+            let id = Id::new().map_err(nccl_err)?;
+            id.internal()
+                .iter()
+                .zip(&mut bytes)
+                .for_each(|(&c, b)| *b = c as u8);
+        }
+        share_id(&mut bytes)?;
+        let mut internal = [0 as core::ffi::c_char; 128];
+        internal
+            .iter_mut()
+            .zip(&bytes)
+            .for_each(|(c, &b)| *c = b as core::ffi::c_char);
+        let comm =
+            Comm::from_rank(stream.clone(), rank, n, Id::uninit(internal)).map_err(nccl_err)?;
+        Ok(Self {
+            rank,
+            n,
+            comm,
+            stream,
+            timeout,
+            staging: Vec::new(),
+            scratch: Vec::new(),
+            stats: CommStats::default(),
+        })
+    }
+
+    /// Staging buffer `i` with room for `len` values.
+    fn staging(&mut self, i: usize, len: usize) -> Result<()> {
+        while self.staging.len() <= i {
+            self.staging.push(self.stream.alloc_zeros::<f32>(1)?);
+        }
+        if self.staging[i].len() < len {
+            self.staging[i] = self.stream.alloc_zeros::<f32>(len)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the stream's work, at most the timeout; `op` names the call in the error.
+    fn wait(&self, op: &str) -> Result<()> {
+        let done = self.stream.record_event(None)?;
+        let deadline = Instant::now() + self.timeout;
+        while !done.try_is_complete()? {
+            if Instant::now() > deadline {
+                bail!(
+                    "rank {}: timed out after {:?} in NCCL {op} (a peer died or hangs)",
+                    self.rank,
+                    self.timeout
+                );
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        Ok(())
+    }
+
+    fn account(&mut self, bytes: u64, start: Instant) {
+        self.stats.bytes_sent += bytes;
+        self.stats.seconds += start.elapsed().as_secs_f64();
+        self.stats.calls += 1;
+    }
+
+    /// Grouped send/recv through staging buffers 2.. (one per message); returns the bytes sent.
+    fn exchange_raw(
+        &mut self,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> Result<u64> {
+        let first_recv = 2 + sends.len();
+        for (i, (_, buf)) in sends.iter().enumerate() {
+            self.staging(2 + i, buf.len())?;
+            let mut dst = self.staging[2 + i].slice_mut(..buf.len());
+            self.stream.memcpy_htod(*buf, &mut dst)?;
+        }
+        for (j, (_, buf)) in recvs.iter().enumerate() {
+            self.staging(first_recv + j, buf.len())?;
+        }
+        {
+            let (send_bufs, recv_bufs) = self.staging[2..].split_at_mut(sends.len());
+            nccl::group_start().map_err(nccl_err)?;
+            for ((peer, buf), dev) in sends.iter().zip(send_bufs.iter()) {
+                self.comm
+                    .send(&dev.slice(..buf.len()), *peer as i32)
+                    .map_err(nccl_err)?;
+            }
+            for ((peer, buf), dev) in recvs.iter().zip(recv_bufs.iter_mut()) {
+                self.comm
+                    .recv(&mut dev.slice_mut(..buf.len()), *peer as i32)
+                    .map_err(nccl_err)?;
+            }
+            nccl::group_end().map_err(nccl_err)?;
+        }
+        for (j, (_, buf)) in recvs.iter_mut().enumerate() {
+            let len = buf.len();
+            self.stream
+                .memcpy_dtoh(&self.staging[first_recv + j].slice(..len), *buf)?;
+        }
+        self.wait("send/recv")?;
+        Ok(sends.iter().map(|(_, b)| b.len() as u64 * 4).sum())
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.n
+    }
+
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
+        if self.n == 1 {
+            return Ok(());
+        }
+        let start = Instant::now();
+        self.staging(0, buf.len())?;
+        let mut dev = self.staging[0].slice_mut(..buf.len());
+        self.stream.memcpy_htod(&*buf, &mut dev)?;
+        self.comm
+            .all_reduce_in_place(&mut dev, &ReduceOp::Sum)
+            .map_err(nccl_err)?;
+        self.stream.memcpy_dtoh(&dev, buf)?;
+        self.wait("all_reduce")?;
+        self.account(all_reduce_bytes(buf.len(), self.n, self.rank), start);
+        Ok(())
+    }
+
+    fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()> {
+        if !group.contains(&self.rank) {
+            bail!(
+                "rank {} called a group all-reduce for group {group:?} without being in it",
+                self.rank
+            );
+        }
+        let start = Instant::now();
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let rank = self.rank;
+        let bytes = group_sum(rank, buf, group, &mut scratch, &mut |s, r| {
+            self.exchange_raw(s, r)
+        });
+        self.scratch = scratch;
+        self.account(bytes?, start);
+        Ok(())
+    }
+
+    fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()> {
+        check_gather(send, out, self.n)?;
+        let start = Instant::now();
+        self.staging(0, send.len())?;
+        self.staging(1, out.len())?;
+        let (input, output) = self.staging.split_at_mut(1);
+        let mut src = input[0].slice_mut(..send.len());
+        self.stream.memcpy_htod(send, &mut src)?;
+        let mut dst = output[0].slice_mut(..out.len());
+        self.comm.all_gather(&src, &mut dst).map_err(nccl_err)?;
+        self.stream.memcpy_dtoh(&dst, out)?;
+        self.wait("all_gather")?;
+        self.account(4 * (send.len() * (self.n - 1)) as u64, start);
+        Ok(())
+    }
+
+    fn exchange(
+        &mut self,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> Result<()> {
+        let start = Instant::now();
+        let bytes = self.exchange_raw(sends, recvs)?;
+        self.account(bytes, start);
+        Ok(())
+    }
+
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
+        let start = Instant::now();
+        self.staging(0, buf.len())?;
+        let mut dev = self.staging[0].slice_mut(..buf.len());
+        self.stream.memcpy_htod(&*buf, &mut dev)?;
+        self.comm
+            .broadcast_in_place(&mut dev, root as i32)
+            .map_err(nccl_err)?;
+        self.stream.memcpy_dtoh(&dev, buf)?;
+        self.wait("broadcast")?;
+        let sent = if self.rank == root { self.n - 1 } else { 0 };
+        self.account(4 * (buf.len() * sent) as u64, start);
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        let mut token = [0.0f32];
+        let stats = self.stats.clone();
+        self.all_reduce_sum(&mut token)?;
+        // A barrier moves no payload: keep only its time.
+        let seconds = self.stats.seconds;
+        self.stats = CommStats { seconds, ..stats };
+        Ok(())
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.clone()
+    }
+}

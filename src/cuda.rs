@@ -1,0 +1,216 @@
+//! Launchers of the reducer kernels (kernels/reducers.cu, compiled to PTX by build.rs). Each one runs its
+//! kernel with the grid its CPU twin in `crate::kernels` mirrors, and shares the twin's host-side steps
+//! (the radix digit search, the scan of tile counts); `tests/gpu.rs` (run by scripts/gpu-selftest.sh)
+//! compares every launcher with its twin on a GPU.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::kernels::{self, Threshold, BLOCK, TILE};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/reducers.ptx"));
+
+/// Grid-stride kernels stop growing the grid here (enough blocks to fill an H100 several times).
+const MAX_BLOCKS: usize = 4096;
+
+fn grid(blocks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.clamp(1, u32::MAX as usize) as u32, 1, 1),
+        block_dim: (BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn per_element(n: usize) -> LaunchConfig {
+    grid(n.div_ceil(BLOCK).min(MAX_BLOCKS))
+}
+
+fn u32_of(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n)
+        .with_context(|| format!("{what} = {n} does not fit the kernels' 32-bit indices"))
+}
+
+/// Launches kernel `$name` of `$k` (a `Kernels`) with `$cfg` and the arguments in order.
+/// SAFETY (of every use): the arguments are those of the kernel's signature in reducers.cu, and the
+/// grid covers exactly the elements the kernel indexes (lengths and indices come from the buffers).
+macro_rules! launch {
+    ($k:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let f = $k.f($name)?;
+        let mut b = $k.stream.launch_builder(&f);
+        $( b.arg($arg); )+
+        unsafe { b.launch($cfg) }?;
+    }};
+}
+
+/// Launches the index-list kernel `$name` (signature: dense, idx, values, k) over the idx.len() entries.
+macro_rules! per_index {
+    ($k:expr, $name:expr, $dense:expr, $idx:expr, $vals:expr) => {{
+        let k = u32_of($idx.len(), "index count")?;
+        launch!(
+            $k,
+            $name,
+            grid($idx.len().div_ceil(BLOCK)),
+            $dense,
+            $idx,
+            $vals,
+            &k
+        );
+        Ok(())
+    }};
+}
+
+pub struct Kernels {
+    stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+}
+
+impl Kernels {
+    /// Loads the PTX into the context of `stream`; every launch goes to `stream`.
+    pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
+        let module = stream
+            .context()
+            .load_module(Ptx::from_src(PTX))
+            .context("loading the reducer kernels' PTX (CUDA 13 PTX needs driver R580 or newer)")?;
+        Ok(Self { stream, module })
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn f(&self, name: &str) -> Result<CudaFunction> {
+        self.module
+            .load_function(name)
+            .with_context(|| format!("kernel {name}"))
+    }
+
+    /// The k entries of largest |x| in index order (indices base + i, and values), as `kernels::top_k`.
+    pub fn top_k(
+        &self,
+        x: &CudaSlice<f32>,
+        k: usize,
+        base: u32,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<f32>)> {
+        let (s, n) = (&self.stream, x.len());
+        let k = k.min(n);
+        let mut idx = s.alloc_zeros::<u32>(k.max(1))?;
+        let mut val = s.alloc_zeros::<f32>(k.max(1))?;
+        if k == 0 {
+            return Ok((idx, val));
+        }
+        let n32 = u32_of(n, "tensor length")?;
+        let mut hist = s.alloc_zeros::<u32>(BLOCK)?;
+        let t: Threshold = kernels::radix_threshold(k, |prefix, mask, shift| {
+            s.memset_zeros(&mut hist)?;
+            launch!(
+                self,
+                "radix_histogram",
+                per_element(n),
+                x,
+                &n32,
+                &prefix,
+                &mask,
+                &shift,
+                &mut hist
+            );
+            let h = s.clone_dtoh(&hist)?;
+            Ok(h.try_into().expect("BLOCK counters"))
+        })?;
+        let tiles = n.div_ceil(TILE);
+        let mut above = s.alloc_zeros::<u32>(tiles)?;
+        let mut equal = s.alloc_zeros::<u32>(tiles)?;
+        launch!(
+            self,
+            "select_count",
+            grid(tiles),
+            x,
+            &n32,
+            &t.key,
+            &mut above,
+            &mut equal
+        );
+        let above_off = s.clone_htod(&kernels::exclusive_scan(&s.clone_dtoh(&above)?))?;
+        let equal_off = s.clone_htod(&kernels::exclusive_scan(&s.clone_dtoh(&equal)?))?;
+        launch!(
+            self,
+            "select_write",
+            grid(tiles),
+            x,
+            &n32,
+            &t.key,
+            &t.ties,
+            &above_off,
+            &equal_off,
+            &base,
+            &mut idx,
+            &mut val,
+        );
+        Ok((idx, val))
+    }
+
+    /// out[j] = x[idx[j]].
+    pub fn gather(
+        &self,
+        x: &CudaSlice<f32>,
+        idx: &CudaSlice<u32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        per_index!(self, "gather", x, idx, out)
+    }
+
+    /// out[j] = acc[idx[j]], then acc[idx[j]] = 0 (the error-feedback split).
+    pub fn gather_clear(
+        &self,
+        acc: &mut CudaSlice<f32>,
+        idx: &CudaSlice<u32>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        per_index!(self, "gather_clear", acc, idx, out)
+    }
+
+    /// dense[idx[j]] += vals[j] (distinct indices).
+    pub fn scatter_add(
+        &self,
+        dense: &mut CudaSlice<f32>,
+        idx: &CudaSlice<u32>,
+        vals: &CudaSlice<f32>,
+    ) -> Result<()> {
+        per_index!(self, "scatter_add", dense, idx, vals)
+    }
+
+    /// acc += g.
+    pub fn ef_accumulate(&self, acc: &mut CudaSlice<f32>, g: &CudaSlice<f32>) -> Result<()> {
+        let n = u32_of(acc.len().min(g.len()), "length")?;
+        launch!(self, "ef_accumulate", per_element(n as usize), acc, g, &n);
+        Ok(())
+    }
+
+    /// x *= s.
+    pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<()> {
+        let n = u32_of(x.len(), "length")?;
+        launch!(self, "scale", per_element(n as usize), x, &n, &s);
+        Ok(())
+    }
+
+    /// Gram-Schmidt on the columns of the row-major rows x cols matrices stored back to back in `p`.
+    pub fn gram_schmidt(
+        &self,
+        p: &mut CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if rows * cols == 0 {
+            return Ok(());
+        }
+        let matrices = p.len() / (rows * cols);
+        let (r, c) = (u32_of(rows, "rows")?, u32_of(cols, "cols")?);
+        launch!(self, "gram_schmidt", grid(matrices), p, &r, &c, &eps);
+        Ok(())
+    }
+}

@@ -1,0 +1,125 @@
+//! The compute device of a rank: `train.device = "cpu" | "cuda" | "auto"`. One GPU per rank, chosen by
+//! the rank's place on its node (LOCAL_RANK, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK); local workers
+//! of one process take the GPUs round robin.
+
+use anyhow::Result;
+use candle_core::Device;
+
+use crate::config::Device as DeviceCfg;
+
+/// This process's rank on its node, from the launcher (torchrun, Slurm, Open MPI), if any.
+pub fn local_rank_from(var: impl Fn(&str) -> Option<String>) -> Option<usize> {
+    [
+        "LOCAL_RANK",
+        "SLURM_LOCALID",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+    ]
+    .iter()
+    .find_map(|n| var(n)?.trim().parse().ok())
+}
+
+/// The GPU of a rank: the launcher's local rank for one process per GPU, else the worker index
+/// (local workers share the GPUs round robin).
+pub fn gpu_ordinal(local_rank: Option<usize>, worker: usize, gpus: usize) -> Result<usize> {
+    match local_rank {
+        Some(l) if l >= gpus => Err(crate::bad_input!(
+            "train.device = \"cuda\": this process has local rank {l} but the node shows {gpus} GPU(s); \
+             start one task per GPU (e.g. srun --gpus-per-task=1, or mpirun -np <GPUs per node> per node)"
+        )),
+        Some(l) => Ok(l),
+        None => Ok(worker % gpus.max(1)),
+    }
+}
+
+/// The device of local worker `worker`, as the config asks. CUDA is available only in a build with the
+/// `cuda` feature and a visible GPU; asking for it otherwise is an input error, `auto` falls back to CPU.
+pub fn select(cfg: DeviceCfg, worker: usize) -> Result<Device> {
+    match (cfg, gpus()) {
+        (DeviceCfg::Cpu, _) | (DeviceCfg::Auto, Err(_)) => Ok(Device::Cpu),
+        (DeviceCfg::Cuda, Err(why)) => Err(crate::bad_input!(
+            "train.device = \"cuda\": {why}; use device = \"cpu\" (or \"auto\")"
+        )),
+        (DeviceCfg::Cuda | DeviceCfg::Auto, Ok(n)) => {
+            let local = local_rank_from(|k| std::env::var(k).ok());
+            cuda_device(gpu_ordinal(local, worker, n)?)
+        }
+    }
+}
+
+/// The number of visible GPUs, or why there are none.
+#[cfg(feature = "cuda")]
+pub fn gpus() -> Result<usize, String> {
+    match cudarc::driver::CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(n as usize),
+        Ok(_) => Err("the CUDA driver reports no GPU".into()),
+        Err(e) => Err(format!(
+            "the CUDA driver is not usable ({e}); PTX of CUDA 13 needs driver R580 or newer"
+        )),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn gpus() -> Result<usize, String> {
+    Err(
+        "this nanodist was built without CUDA support (cargo build --release --features cuda)"
+            .into(),
+    )
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_device(ordinal: usize) -> Result<Device> {
+    Device::new_cuda(ordinal)
+        .map_err(|e| crate::bad_input!("train.device = \"cuda\": opening GPU {ordinal}: {e}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_device(_ordinal: usize) -> Result<Device> {
+    unreachable!("gpus() is an error without the cuda feature")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_rank_comes_from_the_launcher_in_torchrun_slurm_open_mpi_order() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(local_rank_from(env(&[])), None);
+        assert_eq!(local_rank_from(env(&[("SLURM_LOCALID", "3")])), Some(3));
+        assert_eq!(
+            local_rank_from(env(&[
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+                ("LOCAL_RANK", "2")
+            ])),
+            Some(2)
+        );
+        assert_eq!(local_rank_from(env(&[("LOCAL_RANK", "x")])), None);
+    }
+
+    #[test]
+    fn one_gpu_per_local_rank_and_round_robin_for_local_workers() {
+        assert_eq!(gpu_ordinal(Some(1), 0, 4).unwrap(), 1);
+        assert_eq!(gpu_ordinal(None, 5, 4).unwrap(), 1);
+        let err = gpu_ordinal(Some(4), 0, 4).unwrap_err();
+        assert_eq!(crate::error::exit_code(&err), 2);
+        assert!(err.to_string().contains("local rank 4"), "{err}");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_an_input_error_and_auto_is_the_cpu() {
+        let err = select(DeviceCfg::Cuda, 0).unwrap_err();
+        assert_eq!(crate::error::exit_code(&err), 2);
+        assert!(err.to_string().contains("without CUDA support"), "{err}");
+        assert!(select(DeviceCfg::Auto, 0).unwrap().is_cpu());
+        assert!(select(DeviceCfg::Cpu, 0).unwrap().is_cpu());
+    }
+}
