@@ -32,15 +32,23 @@ pub fn gpu_ordinal(local_rank: Option<usize>, worker: usize, gpus: usize) -> Res
     }
 }
 
-/// The device of local worker `worker`, as the config asks. CUDA is available only in a build with the
-/// `cuda` feature and a visible GPU; asking for it otherwise is an input error, `auto` falls back to CPU.
-pub fn select(cfg: DeviceCfg, worker: usize) -> Result<Device> {
+/// The GPUs visible to a run that asks for `cfg`: none for "cpu" and for "auto" without CUDA; for "cuda"
+/// without CUDA (no `cuda` feature, driver or GPU) an input error that says why.
+pub fn check(cfg: DeviceCfg) -> Result<Option<usize>> {
     match (cfg, gpus()) {
-        (DeviceCfg::Cpu, _) | (DeviceCfg::Auto, Err(_)) => Ok(Device::Cpu),
+        (DeviceCfg::Cpu, _) | (DeviceCfg::Auto, Err(_)) => Ok(None),
         (DeviceCfg::Cuda, Err(why)) => Err(crate::bad_input!(
             "train.device = \"cuda\": {why}; use device = \"cpu\" (or \"auto\")"
         )),
-        (DeviceCfg::Cuda | DeviceCfg::Auto, Ok(n)) => {
+        (DeviceCfg::Cuda | DeviceCfg::Auto, Ok(n)) => Ok(Some(n)),
+    }
+}
+
+/// The device of local worker `worker`, as the config asks (see `check`).
+pub fn select(cfg: DeviceCfg, worker: usize) -> Result<Device> {
+    match check(cfg)? {
+        None => Ok(Device::Cpu),
+        Some(n) => {
             let local = local_rank_from(|k| std::env::var(k).ok());
             cuda_device(gpu_ordinal(local, worker, n)?)
         }
@@ -75,7 +83,9 @@ fn cuda_device(ordinal: usize) -> Result<Device> {
 
 #[cfg(not(feature = "cuda"))]
 fn cuda_device(_ordinal: usize) -> Result<Device> {
-    unreachable!("gpus() is an error without the cuda feature")
+    Err(crate::bad_input!(
+        "train.device = \"cuda\": this nanodist was built without CUDA support"
+    ))
 }
 
 #[cfg(test)]

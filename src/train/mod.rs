@@ -99,11 +99,8 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
     let cfg = &loaded.config;
     let plan = &loaded.plan;
     let t = &cfg.train;
-    if t.device == DeviceCfg::Cuda {
-        crate::device::gpus().map_err(|why| {
-            bad_input!("train.device = \"cuda\": {why}; use device = \"cpu\" (or \"auto\")")
-        })?;
-    }
+    // Before anything starts: CUDA asked for but absent is an input error.
+    crate::device::check(t.device)?;
     if let Some(n) = t.threads {
         // Ignore the error when a pool already exists (tests run several trainings in one process).
         let _ = rayon::ThreadPoolBuilder::new()
