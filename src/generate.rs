@@ -101,9 +101,13 @@ pub fn eval_file(
     for chunk in starts.chunks(batch_size.max(1)) {
         for &s in chunk {
             let len = t.min(n - 1 - s);
-            let x = Tensor::from_slice(&tokens[s..s + len], (1, len), &Device::Cpu)?;
-            let y = Tensor::from_slice(&tokens[s + 1..s + 1 + len], (1, len), &Device::Cpu)?;
-            total += tr.model.loss(&x, &y, None)?.to_scalar::<f32>()? as f64 * len as f64;
+            let batch = crate::data::Batch {
+                b: 1,
+                t: len,
+                x: tokens[s..s + len].to_vec(),
+                y: tokens[s + 1..s + 1 + len].to_vec(),
+            };
+            total += tr.model.batch_loss(&batch)? as f64 * len as f64;
             count += len;
         }
     }

@@ -1,5 +1,6 @@
 //! The model equals nanoGPT's in PyTorch: logits, loss and per-parameter gradient norms of committed
-//! weights on a committed batch, against values that scripts/torch_parity.py computed with PyTorch.
+//! weights on a committed batch, against values that scripts/torch_parity.py computed with PyTorch. Both
+//! implementations are checked: candle's graph (GPUs, generation) and the CPU engine (training on CPU).
 
 use std::path::PathBuf;
 
@@ -94,6 +95,29 @@ fn logits_loss_and_gradients_match_pytorch() {
                 n,
                 norms[&p.name].as_f64().unwrap(),
                 &format!("{case} |grad {}|", p.name),
+            );
+        }
+        // The CPU engine.
+        let batch = nanodist::data::Batch {
+            b: B,
+            t: T,
+            x: ids("x"),
+            y: ids("y"),
+        };
+        let mut g = vec![0.0f32; m.params.numel];
+        let loss = m.loss_and_grads(&batch, None, 1.0, &mut g).unwrap();
+        close(
+            loss as f64,
+            want["loss"].as_f64().unwrap(),
+            &format!("{case} CPU engine loss"),
+        );
+        for p in &m.params.params {
+            let g = &g[p.offset..p.offset + p.len];
+            let n = g.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+            close(
+                n,
+                norms[&p.name].as_f64().unwrap(),
+                &format!("{case} CPU engine |grad {}|", p.name),
             );
         }
     }

@@ -5,6 +5,11 @@
 //! matrices are stored as nn.Linear ([out, in], as nanoGPT); checkpoints transpose them to HF's Conv1D
 //! orientation ([in, out]). Every op used here has a backward in candle: candle's fused layer_norm and
 //! softmax_last_dim do not, and a model built on them trains silently wrong.
+//!
+//! Training and evaluation on CPU run on the hand-written engine of `cpu` (same function, tested against
+//! this graph); the graph runs on GPUs, and serves generation and the tests as the reference.
+
+use std::sync::Mutex;
 
 use anyhow::Result;
 use candle_core::{DType, Device, IndexOp, Tensor, D};
@@ -12,21 +17,22 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
+use super::cpu::CpuGpt;
 use super::params::ParamSet;
 use crate::config::ModelConfig;
+use crate::data::Batch;
 
 const LN_EPS: f64 = 1e-5;
 
 /// The model: hyper-parameters, context length and parameters.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Gpt {
     pub cfg: ModelConfig,
     pub context_length: usize,
     pub params: ParamSet,
     device: Device,
-    /// The fused CPU ops of `ops` (default on CPU), or candle's primitives: the reference they are tested
-    /// against, and the path on CUDA (where candle's kernels run).
-    fused: bool,
+    /// The CPU engine (on CPU), or None: candle's graph and autograd.
+    cpu: Option<Mutex<CpuGpt>>,
     /// The dtype of the matmuls: F32, or BF16 for mixed precision (inputs rounded to bf16, products
     /// accumulated in f32 by the GEMM and returned as f32; parameters and everything else stay f32).
     matmul_dtype: DType,
@@ -96,14 +102,18 @@ impl Gpt {
             }
         }
         ln(&mut items, "transformer.ln_f".into());
-        Ok(Self {
+        let mut gpt = Self {
             cfg: cfg.clone(),
             context_length,
             params: ParamSet::new(items, device)?,
             device: device.clone(),
-            fused: device.is_cpu(),
+            cpu: None,
             matmul_dtype: DType::F32,
-        })
+        };
+        if device.is_cpu() {
+            gpt.cpu = Some(Mutex::new(CpuGpt::new(&gpt)?));
+        }
+        Ok(gpt)
     }
 
     /// Mixed precision: the matmuls in bf16 (`on`), the rest in f32.
@@ -123,10 +133,49 @@ impl Gpt {
             .to_dtype(DType::F32)?)
     }
 
-    /// The same model computed with candle's primitive ops instead of the fused ones (the reference).
-    pub fn unfused(mut self) -> Self {
-        self.fused = false;
+    /// The same model on candle's graph and autograd even on CPU (the reference of the CPU engine).
+    pub fn graph(mut self) -> Self {
+        self.cpu = None;
         self
+    }
+
+    /// The loss of `batch`, and `scale` times its gradient added into `grads` (flat, name order).
+    /// `dropout` draws the dropout masks when the model has dropout > 0.
+    pub fn loss_and_grads(
+        &self,
+        batch: &Batch,
+        dropout: Option<&mut ChaCha8Rng>,
+        scale: f32,
+        grads: &mut [f32],
+    ) -> Result<f32> {
+        if let Some(cpu) = &self.cpu {
+            let mut cpu = cpu.lock().unwrap_or_else(|e| e.into_inner());
+            return cpu.loss_and_grads(
+                &self.params,
+                &batch.x,
+                &batch.y,
+                batch.b,
+                batch.t,
+                dropout,
+                scale,
+                grads,
+            );
+        }
+        let (x, y) = self.batch_tensors(batch)?;
+        let loss = self.loss(&x, &y, dropout)?;
+        let g = (&loss * scale as f64)?.backward()?;
+        self.params.accumulate_grads(&g, grads)?;
+        Ok(loss.to_scalar::<f32>()?)
+    }
+
+    /// The loss of `batch` (no dropout).
+    pub fn batch_loss(&self, batch: &Batch) -> Result<f32> {
+        if let Some(cpu) = &self.cpu {
+            let mut cpu = cpu.lock().unwrap_or_else(|e| e.into_inner());
+            return cpu.loss(&self.params, &batch.x, &batch.y, batch.b, batch.t);
+        }
+        let (x, y) = self.batch_tensors(batch)?;
+        Ok(self.loss(&x, &y, None)?.to_scalar::<f32>()?)
     }
 
     pub fn device(&self) -> &Device {
@@ -159,10 +208,6 @@ impl Gpt {
     fn layer_norm(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
         let w = self.p(&format!("{prefix}.weight"))?;
         let b = self.bias(&format!("{prefix}.bias"));
-        if self.fused {
-            return Ok(super::ops::layer_norm(x, w, b, LN_EPS)?);
-        }
-        // The reference, from differentiable primitives.
         let mean = x.mean_keepdim(D::Minus1)?;
         let xc = x.broadcast_sub(&mean)?;
         let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
@@ -180,7 +225,7 @@ impl Gpt {
         b: usize,
         t: usize,
         prefix: &str,
-        mask: Option<&Tensor>,
+        mask: &Tensor,
     ) -> Result<Tensor> {
         let (c, nh) = (self.cfg.n_embd, self.cfg.n_heads);
         let hs = c / nh;
@@ -191,12 +236,7 @@ impl Gpt {
         let v = qkv.i(2)?.contiguous()?;
         let scale = 1.0 / (hs as f64).sqrt();
         let scores = self.mm(&q, &k.t()?)?; // (B, nh, T, T)
-        let att = match mask {
-            None => super::ops::causal_softmax(&scores, scale)?,
-            Some(mask) => {
-                candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(mask)?, D::Minus1)?
-            }
-        };
+        let att = candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(mask)?, D::Minus1)?;
         let y = self.mm(&att, &v)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b * t, c))?;
         self.linear(&y, &format!("{prefix}.c_proj"))
@@ -204,10 +244,9 @@ impl Gpt {
 
     fn mlp(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
         let h = self.linear(x, &format!("{prefix}.c_fc"))?;
-        let h = match (self.fused, self.cfg.activation) {
-            (true, act) => super::ops::gelu(&h, act)?,
-            (false, crate::config::Activation::Gelu) => h.gelu_erf()?,
-            (false, crate::config::Activation::GeluTanh) => h.gelu()?,
+        let h = match self.cfg.activation {
+            crate::config::Activation::Gelu => h.gelu_erf()?,
+            crate::config::Activation::GeluTanh => h.gelu()?,
         };
         self.linear(&h, &format!("{prefix}.c_proj"))
     }
@@ -237,12 +276,7 @@ impl Gpt {
             }
         };
         h = drop(h)?;
-        // The fused softmax masks by position; the reference adds a -inf mask.
-        let mask = if self.fused {
-            None
-        } else {
-            Some(causal_mask(t, &self.device)?)
-        };
+        let mask = causal_mask(t, &self.device)?;
         for i in 0..self.cfg.n_layers {
             let pre = format!("transformer.h.{i}");
             let a = self.attention(
@@ -250,7 +284,7 @@ impl Gpt {
                 b,
                 t,
                 &format!("{pre}.attn"),
-                mask.as_ref(),
+                &mask,
             )?;
             h = (h + drop(a)?)?;
             let m = self.mlp(
@@ -267,11 +301,7 @@ impl Gpt {
     pub fn loss(&self, x: &Tensor, y: &Tensor, dropout: Option<&mut ChaCha8Rng>) -> Result<Tensor> {
         let logits = self.forward(x, dropout)?;
         let y = y.flatten_all()?;
-        Ok(if self.fused {
-            super::ops::cross_entropy(&logits, &y)?
-        } else {
-            candle_nn::loss::cross_entropy(&logits, &y)?
-        })
+        Ok(candle_nn::loss::cross_entropy(&logits, &y)?)
     }
 
     /// Builds (x, y) tensors from a sampled batch.
@@ -364,41 +394,47 @@ mod tests {
         }
     }
 
+    /// Both the CPU engine and candle's graph.
     #[test]
     fn gradients_match_finite_differences() {
-        let m = tiny(true, Activation::Gelu);
-        perturb(&m);
-        let (x, y) = batch(&m);
-        let grads = m.loss(&x, &y, None).unwrap().backward().unwrap();
-        let mut flat_g = vec![0.0f32; m.params.numel];
-        m.params.accumulate_grads(&grads, &mut flat_g).unwrap();
-        let base = m.params.to_flat().unwrap();
-        let loss_at = |flat: &[f32]| -> f64 {
-            m.params.set_flat(flat).unwrap();
-            m.loss(&x, &y, None).unwrap().to_scalar::<f32>().unwrap() as f64
-        };
-        let eps = 1e-2f32;
-        let mut checked = 0;
-        // A few coordinates of every parameter tensor.
-        for p in &m.params.params {
-            for k in [0, p.len / 2, p.len - 1] {
-                let i = p.offset + k;
-                let mut plus = base.clone();
-                plus[i] += eps;
-                let mut minus = base.clone();
-                minus[i] -= eps;
-                let fd = (loss_at(&plus) - loss_at(&minus)) / (2.0 * eps as f64);
-                let an = flat_g[i] as f64;
-                let tol = 2e-3 + 2e-2 * an.abs().max(fd.abs());
-                assert!(
-                    (fd - an).abs() < tol,
-                    "{}[{k}]: finite difference {fd}, backward {an}",
-                    p.name
-                );
-                checked += 1;
+        for m in [
+            tiny(true, Activation::Gelu),
+            tiny(true, Activation::Gelu).graph(),
+        ] {
+            perturb(&m);
+            let x: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
+            let y: Vec<u32> = (0..12).map(|i| (i * 5 % 11) as u32).collect();
+            let batch = Batch { b: 2, t: 6, x, y };
+            let mut flat_g = vec![0.0f32; m.params.numel];
+            m.loss_and_grads(&batch, None, 1.0, &mut flat_g).unwrap();
+            let base = m.params.to_flat().unwrap();
+            let loss_at = |flat: &[f32]| -> f64 {
+                m.params.set_flat(flat).unwrap();
+                m.batch_loss(&batch).unwrap() as f64
+            };
+            let eps = 1e-2f32;
+            let mut checked = 0;
+            // A few coordinates of every parameter tensor.
+            for p in &m.params.params {
+                for k in [0, p.len / 2, p.len - 1] {
+                    let i = p.offset + k;
+                    let mut plus = base.clone();
+                    plus[i] += eps;
+                    let mut minus = base.clone();
+                    minus[i] -= eps;
+                    let fd = (loss_at(&plus) - loss_at(&minus)) / (2.0 * eps as f64);
+                    let an = flat_g[i] as f64;
+                    let tol = 2e-3 + 2e-2 * an.abs().max(fd.abs());
+                    assert!(
+                        (fd - an).abs() < tol,
+                        "{}[{k}]: finite difference {fd}, backward {an}",
+                        p.name
+                    );
+                    checked += 1;
+                }
             }
+            assert!(checked >= 3 * m.params.params.len());
         }
-        assert!(checked >= 3 * m.params.params.len());
     }
 
     #[test]
@@ -456,16 +492,12 @@ mod tests {
             .map(|step| {
                 let x: Vec<u32> = (0..48).map(|i| (i * 7 + step * 3) % v).collect();
                 let y: Vec<u32> = x.iter().map(|t| (t * 3 + 1) % v).collect();
-                let x = Tensor::from_vec(x, (4, 12), &Device::Cpu).unwrap();
-                let y = Tensor::from_vec(y, (4, 12), &Device::Cpu).unwrap();
-                let loss = m.loss(&x, &y, None).unwrap();
+                let batch = Batch { b: 4, t: 12, x, y };
                 grads.iter_mut().for_each(|g| *g = 0.0);
-                m.params
-                    .accumulate_grads(&loss.backward().unwrap(), &mut grads)
-                    .unwrap();
+                let loss = m.loss_and_grads(&batch, None, 1.0, &mut grads).unwrap();
                 opt.step(&mut flat, &grads, 3e-3);
                 m.params.set_flat(&flat).unwrap();
-                loss.to_scalar::<f32>().unwrap()
+                loss
             })
             .collect()
     }
@@ -482,13 +514,13 @@ mod tests {
         }
     }
 
-    /// The parity oracle: 50 AdamW steps of a fixed-seed run with the fused ops match the same run
-    /// on candle's primitives within 1e-4 relative, step by step.
+    /// The parity oracle: 50 AdamW steps of a fixed-seed run on the CPU engine match the same run
+    /// on candle's graph within 1e-4 relative, step by step.
     #[test]
-    fn fifty_training_steps_with_fused_ops_match_the_unfused_model() {
+    fn fifty_training_steps_on_the_cpu_engine_match_candle_autograd() {
         for act in [Activation::Gelu, Activation::GeluTanh] {
             let fused = adamw_losses(&small(act), 50, |m| m);
-            let reference = adamw_losses(&small(act), 50, Gpt::unfused);
+            let reference = adamw_losses(&small(act), 50, Gpt::graph);
             for (i, (a, b)) in fused.iter().zip(&reference).enumerate() {
                 assert!(
                     (a - b).abs() <= 1e-4 * b.abs(),
@@ -505,8 +537,8 @@ mod tests {
     #[test]
     fn bf16_matmuls_follow_the_f32_loss_curve() {
         let cfg = small(Activation::GeluTanh);
-        let f32_run = adamw_losses(&cfg, 40, |m| m);
-        let amp = adamw_losses(&cfg, 40, |m| m.with_amp(true));
+        let f32_run = adamw_losses(&cfg, 40, Gpt::graph);
+        let amp = adamw_losses(&cfg, 40, |m| m.graph().with_amp(true));
         let mut differs = false;
         for (i, (a, b)) in amp.iter().zip(&f32_run).enumerate() {
             assert!(

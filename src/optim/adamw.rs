@@ -22,6 +22,17 @@ pub struct OptimState {
     pub buffers: Vec<(String, Vec<f32>)>,
 }
 
+impl OptimState {
+    /// Name and step, without the buffers.
+    pub fn clone_header(&self) -> Self {
+        Self {
+            name: self.name.clone(),
+            step: self.step,
+            buffers: Vec::new(),
+        }
+    }
+}
+
 pub trait Optimizer: Send {
     /// One update of `params` with gradient `grads` at learning rate `lr`.
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64);

@@ -12,12 +12,12 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use safetensors::tensor::{Dtype as StDtype, TensorView};
+use safetensors::tensor::Dtype as StDtype;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::bad_input;
-use crate::data::format::{commit, write_atomic};
+use crate::data::format::{commit, tmp_path};
 use crate::model::gpt::is_conv1d;
 use crate::model::Gpt;
 use crate::optim::OptimState;
@@ -71,13 +71,44 @@ pub struct Restored {
     pub state: RankState,
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
-    let d = Sha256::digest(bytes);
+fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+/// SHA-256 of a file, read in a stream (a checkpoint's files are as large as the model).
+fn sha256_file(path: &Path) -> Result<(String, u64)> {
+    let mut f = File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut h = Sha256::new();
+    let n = std::io::copy(&mut f, &mut h).with_context(|| format!("reading {}", path.display()))?;
+    Ok((hex(&h.finalize()), n))
+}
+
+/// An f32 tensor borrowed for safetensors (written without a copy on little-endian machines).
+struct F32View<'a> {
+    data: &'a [f32],
+    shape: Vec<usize>,
+}
+
+impl safetensors::View for F32View<'_> {
+    fn dtype(&self) -> StDtype {
+        StDtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        if cfg!(target_endian = "little") {
+            std::borrow::Cow::Borrowed(bytemuck::cast_slice(self.data))
+        } else {
+            self.data.iter().flat_map(|x| x.to_le_bytes()).collect()
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.data.len() * 4
+    }
 }
 
 fn bytes_f32(b: &[u8]) -> Vec<f32> {
@@ -121,18 +152,41 @@ pub fn hf_tensors(model: &Gpt, flat: &[f32]) -> Vec<(String, Vec<f32>, Vec<usize
     out
 }
 
-fn safetensors_bytes(
-    tensors: &[(String, Vec<f32>, Vec<usize>)],
-    meta: Option<BTreeMap<String, String>>,
-) -> Result<Vec<u8>> {
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, v, _)| f32_bytes(v)).collect();
-    let views: Vec<(String, TensorView<'_>)> = tensors
+/// Writes `tensors` (name, values, shape) as safetensors to `path` and fsyncs it, streaming from the
+/// buffers without a serialized copy in memory.
+fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, &[f32], Vec<usize>)],
+    meta: BTreeMap<String, String>,
+) -> Result<()> {
+    let views = tensors.iter().map(|(n, data, shape)| {
+        (
+            n.as_str(),
+            F32View {
+                data,
+                shape: shape.clone(),
+            },
+        )
+    });
+    safetensors::serialize_to_file(views, Some(meta.into_iter().collect()), path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("syncing {}", path.display()))
+}
+
+/// The model's weights in HF layout, written to `path` (not atomically; see `save_weights`).
+fn write_hf_weights(path: &Path, model: &Gpt, flat: &[f32], step: u64) -> Result<()> {
+    let meta = BTreeMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("step".to_string(), step.to_string()),
+    ]);
+    let tensors = hf_tensors(model, flat);
+    let views: Vec<(String, &[f32], Vec<usize>)> = tensors
         .iter()
-        .zip(&bytes)
-        .map(|((n, _, s), b)| Ok((n.clone(), TensorView::new(StDtype::F32, s.clone(), b)?)))
-        .collect::<Result<_>>()?;
-    let meta = meta.map(|m| m.into_iter().collect());
-    Ok(safetensors::serialize(views, meta)?)
+        .map(|(n, v, s)| (n.clone(), v.as_slice(), s.clone()))
+        .collect();
+    write_safetensors(path, &views, meta)
 }
 
 /// HF `config.json` for the model.
@@ -159,14 +213,9 @@ fn hf_config(model: &Gpt) -> serde_json::Value {
 
 /// Writes the model alone (best_model.safetensors), atomically.
 pub fn save_weights(path: &Path, model: &Gpt, flat: &[f32], step: u64) -> Result<()> {
-    let meta = BTreeMap::from([
-        ("format".to_string(), "pt".to_string()),
-        ("step".to_string(), step.to_string()),
-    ]);
-    write_atomic(
-        path,
-        &safetensors_bytes(&hf_tensors(model, flat), Some(meta))?,
-    )
+    let tmp = tmp_path(path);
+    write_hf_weights(&tmp, model, flat, step)?;
+    commit(&tmp, path)
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -202,34 +251,23 @@ pub fn save(
         std::fs::create_dir_all(&tmp)?;
     }
     sync.barrier()?;
-    let mut tensors = vec![(
-        "params".to_string(),
-        state.params.clone(),
-        vec![state.params.len()],
-    )];
+    let mut tensors: Vec<(String, &[f32], Vec<usize>)> =
+        vec![("params".into(), &state.params, vec![state.params.len()])];
     for (n, b) in &state.optimizer.buffers {
-        tensors.push((format!("optim.{n}"), b.clone(), vec![b.len()]));
+        tensors.push((format!("optim.{n}"), b, vec![b.len()]));
     }
     for (n, b) in &state.reducer {
-        tensors.push((format!("reducer.{n}"), b.clone(), vec![b.len()]));
+        tensors.push((format!("reducer.{n}"), b, vec![b.len()]));
     }
-    let mut meta = state.meta.clone();
-    meta.optimizer.buffers.clear();
-    let st_meta = BTreeMap::from([("nanodist".to_string(), serde_json::to_string(&meta)?)]);
-    write_synced(
+    let st_meta = BTreeMap::from([("nanodist".to_string(), serde_json::to_string(&state.meta)?)]);
+    write_safetensors(
         &tmp.join(format!("rank_{rank}.safetensors")),
-        &safetensors_bytes(&tensors, Some(st_meta))?,
+        &tensors,
+        st_meta,
     )?;
     sync.barrier()?;
     if root {
-        let model_meta = BTreeMap::from([
-            ("format".to_string(), "pt".to_string()),
-            ("step".to_string(), manifest.step.to_string()),
-        ]);
-        write_synced(
-            &tmp.join("model.safetensors"),
-            &safetensors_bytes(&hf_tensors(model, avg), Some(model_meta))?,
-        )?;
+        write_hf_weights(&tmp.join("model.safetensors"), model, avg, manifest.step)?;
         write_synced(
             &tmp.join("config.json"),
             &serde_json::to_vec_pretty(&hf_config(model))?,
@@ -237,9 +275,8 @@ pub fn save(
         let mut files: Vec<String> = vec!["model.safetensors".into(), "config.json".into()];
         files.extend((0..sync.world_size()).map(|r| format!("rank_{r}.safetensors")));
         for file in files {
-            let bytes =
-                std::fs::read(tmp.join(&file)).with_context(|| format!("reading back {file}"))?;
-            manifest.files.insert(file, sha256_hex(&bytes));
+            let (sum, _) = sha256_file(&tmp.join(&file))?;
+            manifest.files.insert(file, sum);
         }
         write_synced(
             &tmp.join("manifest.json"),
@@ -296,13 +333,11 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
     }
     for (file, want) in &manifest.files {
         let p = dir.join(file);
-        let bytes = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
-        let got = sha256_hex(&bytes);
+        let (got, len) = sha256_file(&p)?;
         if &got != want {
             return Err(bad_input!(
-                "{}: checksum mismatch ({} bytes; sha256 {got}, manifest says {want}): truncated or corrupt",
-                p.display(),
-                bytes.len()
+                "{}: checksum mismatch ({len} bytes; sha256 {got}, manifest says {want}): truncated or corrupt",
+                p.display()
             ));
         }
     }

@@ -383,8 +383,7 @@ fn eval_rows(
         for r in slices.clone() {
             let first = i * per_step + (r * b) as u64;
             let batch = eval_batch(seed, split, first, data, b, model.context_length);
-            let (x, y) = model.batch_tensors(&batch)?;
-            sum += model.loss(&x, &y, None)?.to_scalar::<f32>()? as f64;
+            sum += model.batch_loss(&batch)? as f64;
             count += 1;
         }
     }
@@ -534,12 +533,11 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
                     // Rows of this rank and micro-step in the step's global batch (see data::sampler).
                     let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
                     let batch = sampler.batch(&setup.train_data, step, first_row, local_b, ctx);
-                    let (x, y) = model.batch_tensors(&batch)?;
-                    let loss = model.loss(&x, &y, Some(&mut dropout_rng))?;
-                    loss_sum += loss.to_scalar::<f32>()? as f64;
                     // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
-                    let g = (loss / accum as f64)?.backward()?;
-                    model.params.accumulate_grads(&g, &mut grads)?;
+                    let scale = 1.0 / accum as f32;
+                    loss_sum +=
+                        model.loss_and_grads(&batch, Some(&mut dropout_rng), scale, &mut grads)?
+                            as f64;
                 }
                 Ok(loss_sum)
             })
@@ -688,9 +686,12 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
         };
         let interval_save = cfg.log.ckpt_interval > 0 && step % cfg.log.ckpt_interval == 0;
         if exit.is_some() || interval_save {
+            let optimizer = opt.state();
+            // The metadata's copy: name and step (the buffers are tensors of their own).
+            let meta_optimizer = optimizer.clone_header();
             let state = checkpoint::RankState {
                 params: flat.clone(),
-                optimizer: opt.state(),
+                optimizer,
                 reducer: sync.state(),
                 meta: checkpoint::RankMeta {
                     rank,
@@ -699,7 +700,7 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
                         [(p >> 64) as u64, p as u64]
                     },
                     loss_window: (window.loss_sum, window.loss_steps),
-                    optimizer: opt.state(),
+                    optimizer: meta_optimizer,
                 },
             };
             let manifest = Manifest {

@@ -1,0 +1,1111 @@
+//! The model's CPU engine: GPT-2's forward and backward written out by hand over the flat parameter
+//! and gradient buffers, as llm.c does. On CPU, candle's autograd spends most of a small model's step
+//! outside the matmuls: every gradient starts as a zeroed tensor that the first contribution is added
+//! to, every op allocates, and its element-wise kernels run on a thread pool of their own beside
+//! rayon's. Here the matmuls go straight to gemm (the kernels candle's CPU backend uses), activations
+//! live in buffers kept across steps, gradients accumulate in place into the flat buffer the reducers
+//! and the optimizer read, and everything runs on the worker's rayon pool.
+//!
+//! It computes what `Gpt` (candle) computes, dropout masks included (drawn from the same RNG in the
+//! same order); tests check the loss and every gradient against candle's autograd.
+
+use anyhow::{bail, ensure, Result};
+use gemm::Parallelism;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+use super::ops::{
+    gelu_erf, gelu_erf_grad, gelu_tanh, gelu_tanh_grad, lse, row_stats, rows_per_task, CHUNK,
+};
+use super::{Gpt, ParamSet};
+use crate::config::Activation;
+
+const LN_EPS: f32 = 1e-5;
+
+/// A matrix in a slice: rows x cols with row and column strides (a transpose swaps them).
+#[derive(Clone, Copy)]
+struct M<'a> {
+    d: &'a [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> M<'a> {
+    /// Row-major rows x cols.
+    fn new(d: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self::strided(d, rows, cols, cols)
+    }
+
+    /// rows x cols with rows `rs` apart (a column block of a wider row-major matrix).
+    fn strided(d: &'a [f32], rows: usize, cols: usize, rs: usize) -> Self {
+        Self {
+            d,
+            rows,
+            cols,
+            rs,
+            cs: 1,
+        }
+    }
+
+    fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// The last element it reads is inside the slice.
+    fn fits(&self, len: usize) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.rs + (self.cols - 1) * self.cs < len
+    }
+}
+
+/// The gemm threading for the current rayon pool.
+fn par() -> Parallelism {
+    match rayon::current_num_threads() {
+        1 => Parallelism::None,
+        n => Parallelism::Rayon(n),
+    }
+}
+
+/// out (a.rows x b.cols, row stride `out_rs`) = scale * a b, or += when `acc`.
+fn mm(out: &mut [f32], out_rs: usize, a: M, b: M, acc: bool, scale: f32, par: Parallelism) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    assert_eq!(k, b.rows, "inner dimensions");
+    let o = M::strided(out, m, n, out_rs);
+    assert!(
+        a.fits(a.d.len()) && b.fits(b.d.len()) && o.fits(out.len()),
+        "matmul operand out of bounds"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the three checks above keep every element gemm reads or writes inside its slice; `out`
+    // is borrowed mutably, so it aliases neither input.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            out_rs as isize,
+            acc,
+            a.d.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.d.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+/// One parameter: its index in the parameter set and its place in the flat gradient buffer.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    idx: usize,
+    off: usize,
+    len: usize,
+}
+
+impl Slot {
+    fn of<'g>(&self, grads: &'g mut [f32]) -> &'g mut [f32] {
+        &mut grads[self.off..][..self.len]
+    }
+}
+
+/// The parameters' values, borrowed from their candle storage for one forward/backward.
+struct Params<'a>(Vec<&'a [f32]>);
+
+impl Params<'_> {
+    fn get(&self, s: Slot) -> &[f32] {
+        self.0[s.idx]
+    }
+}
+
+/// Runs `f` on the CPU data of every parameter of `ps`.
+fn with_params<R>(ps: &ParamSet, f: impl FnOnce(&Params) -> R) -> Result<R> {
+    let guards: Vec<_> = ps
+        .params
+        .iter()
+        .map(|p| p.var.as_tensor().storage_and_layout())
+        .collect();
+    let mut slices = Vec::with_capacity(guards.len());
+    for ((storage, layout), p) in guards.iter().zip(&ps.params) {
+        let data = match &**storage {
+            candle_core::Storage::Cpu(s) => s.as_slice::<f32>()?,
+            _ => bail!("parameter {} is not in CPU memory", p.name),
+        };
+        match layout.contiguous_offsets() {
+            Some((a, b)) if b - a == p.len => slices.push(&data[a..b]),
+            _ => bail!(
+                "parameter {} is not a contiguous f32 tensor of {} values",
+                p.name,
+                p.len
+            ),
+        }
+    }
+    Ok(f(&Params(slices)))
+}
+
+/// A Linear's weight [out, in] and bias.
+#[derive(Debug, Clone, Copy)]
+struct Linear {
+    w: Slot,
+    b: Option<Slot>,
+    out: usize,
+    inp: usize,
+}
+
+/// A LayerNorm's gain and bias.
+#[derive(Debug, Clone, Copy)]
+struct Norm {
+    w: Slot,
+    b: Option<Slot>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Layer {
+    ln1: Norm,
+    attn: Linear,
+    proj: Linear,
+    ln2: Norm,
+    fc: Linear,
+    mproj: Linear,
+}
+
+/// Saved activations of one forward (per layer, stacked) and the backward's scratch; kept across steps
+/// and reallocated only when the batch shape changes.
+#[derive(Default)]
+struct Acts {
+    b: usize,
+    t: usize,
+    /// Residual stream entering each layer, and entering the final LayerNorm (L + 1) x N x C.
+    res: Vec<f32>,
+    /// Residual stream after each layer's attention.
+    res2: Vec<f32>,
+    xn1: Vec<f32>,
+    xn2: Vec<f32>,
+    /// Row mean and 1/std of the LayerNorms (ln1, ln2 per layer, then ln_f).
+    stats1: Vec<(f32, f32)>,
+    stats2: Vec<(f32, f32)>,
+    statsf: Vec<(f32, f32)>,
+    qkv: Vec<f32>,
+    /// Attention probabilities, B x H x T x T per layer.
+    att: Vec<f32>,
+    atty: Vec<f32>,
+    fc: Vec<f32>,
+    gelu: Vec<f32>,
+    xf: Vec<f32>,
+    /// Logits, overwritten by their gradient in the backward.
+    logits: Vec<f32>,
+    lse: Vec<f32>,
+    /// Dropout scale factors (0 or 1/(1-p)) of the 2L + 1 dropout sites, when dropout is on.
+    masks: Vec<f32>,
+    /// Whether the last forward applied dropout.
+    dropped: bool,
+    /// Backward scratch.
+    dres: Vec<f32>,
+    dc: Vec<f32>,
+    dc2: Vec<f32>,
+    d4c: Vec<f32>,
+    dqkv: Vec<f32>,
+}
+
+/// The CPU engine of one model: parameter layout and activation buffers.
+pub struct CpuGpt {
+    n_layers: usize,
+    c: usize,
+    heads: usize,
+    vocab: usize,
+    context: usize,
+    dropout: f64,
+    activation: Activation,
+    numel: usize,
+    wte: Slot,
+    wpe: Slot,
+    layers: Vec<Layer>,
+    lnf: Norm,
+    acts: Acts,
+}
+
+impl CpuGpt {
+    /// The engine for `model`'s configuration and parameter layout.
+    pub fn new(model: &Gpt) -> Result<Self> {
+        let cfg = &model.cfg;
+        let ps = &model.params;
+        let c = cfg.n_embd;
+        let off = |name: &str, len: usize| -> Result<Slot> { slot(ps, name, len) };
+        let opt = |name: &str, len: usize| -> Result<Option<Slot>> {
+            if cfg.bias {
+                Ok(Some(slot(ps, name, len)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let norm = |p: &str| -> Result<Norm> {
+            Ok(Norm {
+                w: off(&format!("{p}.weight"), c)?,
+                b: opt(&format!("{p}.bias"), c)?,
+            })
+        };
+        let linear = |p: &str, out: usize, inp: usize| -> Result<Linear> {
+            Ok(Linear {
+                w: off(&format!("{p}.weight"), out * inp)?,
+                b: opt(&format!("{p}.bias"), out)?,
+                out,
+                inp,
+            })
+        };
+        let layers = (0..cfg.n_layers)
+            .map(|i| {
+                let h = format!("transformer.h.{i}");
+                Ok(Layer {
+                    ln1: norm(&format!("{h}.ln_1"))?,
+                    attn: linear(&format!("{h}.attn.c_attn"), 3 * c, c)?,
+                    proj: linear(&format!("{h}.attn.c_proj"), c, c)?,
+                    ln2: norm(&format!("{h}.ln_2"))?,
+                    fc: linear(&format!("{h}.mlp.c_fc"), 4 * c, c)?,
+                    mproj: linear(&format!("{h}.mlp.c_proj"), c, 4 * c)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            n_layers: cfg.n_layers,
+            c,
+            heads: cfg.n_heads,
+            vocab: cfg.vocab_size,
+            context: model.context_length,
+            dropout: cfg.dropout,
+            activation: cfg.activation,
+            numel: ps.numel,
+            wte: off("transformer.wte.weight", cfg.vocab_size * c)?,
+            wpe: off("transformer.wpe.weight", model.context_length * c)?,
+            layers,
+            lnf: norm("transformer.ln_f")?,
+            acts: Acts::default(),
+        })
+    }
+
+    /// Mean cross-entropy of next tokens `y` after `x` (both b x t, row-major) with the parameters `ps`.
+    pub fn loss(&mut self, ps: &ParamSet, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<f32> {
+        with_params(ps, |p| self.forward(p, x, y, b, t, None))?
+    }
+
+    /// The loss of one micro-batch, and `scale` times its gradient added into `grads` (flat order).
+    /// `dropout` draws the masks when the model has dropout > 0.
+    #[allow(clippy::too_many_arguments)]
+    pub fn loss_and_grads(
+        &mut self,
+        ps: &ParamSet,
+        x: &[u32],
+        y: &[u32],
+        b: usize,
+        t: usize,
+        dropout: Option<&mut ChaCha8Rng>,
+        scale: f32,
+        grads: &mut [f32],
+    ) -> Result<f32> {
+        ensure!(
+            grads.len() == self.numel,
+            "gradient buffer of {} values for {} parameters",
+            grads.len(),
+            self.numel
+        );
+        with_params(ps, |p| {
+            let loss = self.forward(p, x, y, b, t, dropout)?;
+            self.backward(p, x, y, scale, grads);
+            Ok(loss)
+        })?
+    }
+
+    fn forward(
+        &mut self,
+        p: &Params,
+        x: &[u32],
+        y: &[u32],
+        b: usize,
+        t: usize,
+        dropout: Option<&mut ChaCha8Rng>,
+    ) -> Result<f32> {
+        ensure!(
+            x.len() == b * t && y.len() == b * t,
+            "batch of {} tokens for shape {b} x {t}",
+            x.len()
+        );
+        ensure!(
+            t <= self.context,
+            "sequence of {t} tokens is longer than the model's context of {}",
+            self.context
+        );
+        if let Some(&bad) = x.iter().chain(y).find(|&&v| v as usize >= self.vocab) {
+            bail!("token {bad} is outside the vocabulary of {}", self.vocab);
+        }
+        let mut drop = if self.dropout > 0.0 { dropout } else { None };
+        self.shape(b, t, drop.is_some());
+        let (c, v, h, l_n) = (self.c, self.vocab, self.heads, self.n_layers);
+        let n = b * t;
+        let nc = n * c;
+        let a = &mut self.acts;
+
+        // Embeddings.
+        {
+            let (wte, wpe) = (p.get(self.wte), p.get(self.wpe));
+            for (i, row) in a.res[..nc].chunks_mut(c).enumerate() {
+                let (tok, pos) = (x[i] as usize, i % t);
+                for ((r, &e), &q) in row
+                    .iter_mut()
+                    .zip(&wte[tok * c..][..c])
+                    .zip(&wpe[pos * c..][..c])
+                {
+                    *r = e + q;
+                }
+            }
+        }
+        let p_drop = self.dropout;
+        let mut site = 0;
+        let mut apply_dropout = |buf: &mut [f32], masks: &mut [f32]| {
+            if let Some(rng) = drop.as_deref_mut() {
+                let keep = (1.0 / (1.0 - p_drop)) as f32;
+                let mask = &mut masks[site * nc..][..nc];
+                for (m, v) in mask.iter_mut().zip(buf.iter_mut()) {
+                    *m = if rng.random::<f64>() < p_drop {
+                        0.0
+                    } else {
+                        keep
+                    };
+                    *v *= *m;
+                }
+            }
+            site += 1;
+        };
+        apply_dropout(&mut a.res[..nc], &mut a.masks);
+
+        for (l, layer) in self.layers.iter().enumerate() {
+            let (res_in, res_rest) = a.res[l * nc..].split_at_mut(nc);
+            let res2 = &mut a.res2[l * nc..][..nc];
+            let xn1 = &mut a.xn1[l * nc..][..nc];
+            layer_norm(res_in, p, layer.ln1, c, xn1, &mut a.stats1[l * n..][..n]);
+            let qkv = &mut a.qkv[l * 3 * nc..][..3 * nc];
+            linear(p, layer.attn, xn1, n, qkv);
+            let att = &mut a.att[l * b * h * t * t..][..b * h * t * t];
+            let atty = &mut a.atty[l * nc..][..nc];
+            attention_forward(qkv, att, atty, t, c, h);
+            linear(p, layer.proj, atty, n, &mut a.dc[..nc]);
+            apply_dropout(&mut a.dc[..nc], &mut a.masks);
+            add(res2, res_in, &a.dc[..nc]);
+            let xn2 = &mut a.xn2[l * nc..][..nc];
+            layer_norm(res2, p, layer.ln2, c, xn2, &mut a.stats2[l * n..][..n]);
+            let fc = &mut a.fc[l * 4 * nc..][..4 * nc];
+            linear(p, layer.fc, xn2, n, fc);
+            let g = &mut a.gelu[l * 4 * nc..][..4 * nc];
+            match self.activation {
+                Activation::Gelu => map(g, fc, gelu_erf),
+                Activation::GeluTanh => map(g, fc, gelu_tanh),
+            }
+            linear(p, layer.mproj, g, n, &mut a.dc[..nc]);
+            apply_dropout(&mut a.dc[..nc], &mut a.masks);
+            add(&mut res_rest[..nc], res2, &a.dc[..nc]);
+        }
+        let res_f = &a.res[l_n * nc..][..nc];
+        layer_norm(res_f, p, self.lnf, c, &mut a.xf, &mut a.statsf);
+        let wte = M::new(p.get(self.wte), v, c);
+        mm(
+            &mut a.logits,
+            v,
+            M::new(&a.xf, n, c),
+            wte.t(),
+            false,
+            1.0,
+            par(),
+        );
+
+        // Cross-entropy, per-task sums in f64 added in task order (deterministic for any thread count).
+        let per = rows_per_task(n, v);
+        let sums: Vec<f64> = a
+            .logits
+            .par_chunks(per * v)
+            .zip(a.lse.par_chunks_mut(per))
+            .zip(y.par_chunks(per))
+            .map(|((z, lse_out), y)| {
+                z.chunks(v)
+                    .zip(lse_out.iter_mut())
+                    .zip(y)
+                    .map(|((row, o), &target)| {
+                        *o = lse(row);
+                        (*o - row[target as usize]) as f64
+                    })
+                    .sum::<f64>()
+            })
+            .collect();
+        Ok((sums.iter().sum::<f64>() / n as f64) as f32)
+    }
+
+    /// Resizes the activation buffers for a b x t batch (a no-op when the shape is unchanged).
+    fn shape(&mut self, b: usize, t: usize, dropout: bool) {
+        let (c, l, h, v) = (self.c, self.n_layers, self.heads, self.vocab);
+        let a = &mut self.acts;
+        a.dropped = dropout;
+        let masks = if dropout { (2 * l + 1) * b * t * c } else { 0 };
+        if a.b == b && a.t == t && a.masks.len() >= masks {
+            return;
+        }
+        let n = b * t;
+        let nc = n * c;
+        let z = |len: usize| vec![0.0f32; len];
+        *a = Acts {
+            b,
+            t,
+            res: z((l + 1) * nc),
+            res2: z(l * nc),
+            xn1: z(l * nc),
+            xn2: z(l * nc),
+            stats1: vec![(0.0, 0.0); l * n],
+            stats2: vec![(0.0, 0.0); l * n],
+            statsf: vec![(0.0, 0.0); n],
+            qkv: z(l * 3 * nc),
+            att: z(l * b * h * t * t),
+            atty: z(l * nc),
+            fc: z(l * 4 * nc),
+            gelu: z(l * 4 * nc),
+            xf: z(nc),
+            logits: z(n * v),
+            lse: z(n),
+            masks: z(masks),
+            dropped: dropout,
+            dres: z(nc),
+            dc: z(nc),
+            dc2: z(nc),
+            d4c: z(4 * nc),
+            dqkv: z(3 * nc),
+        };
+    }
+
+    /// Backward of the last `forward`, adding scale * gradients into `grads`.
+    fn backward(&mut self, p: &Params, x: &[u32], y: &[u32], scale: f32, grads: &mut [f32]) {
+        let (c, v, h) = (self.c, self.vocab, self.heads);
+        let a = &mut self.acts;
+        let (b, t) = (a.b, a.t);
+        let n = b * t;
+        let nc = n * c;
+        let dropout = a.dropped;
+
+        // d loss / d logits = scale / N * (softmax - onehot), in place.
+        let per = rows_per_task(n, v);
+        let k = scale / n as f32;
+        a.logits
+            .par_chunks_mut(per * v)
+            .zip(a.lse.par_chunks(per))
+            .zip(y.par_chunks(per))
+            .for_each(|((z, lse), y)| {
+                for ((row, &l), &target) in z.chunks_mut(v).zip(lse).zip(y) {
+                    row.iter_mut()
+                        .for_each(|z| *z = k * super::ops::exp(*z - l));
+                    row[target as usize] -= k;
+                }
+            });
+        // lm head (tied to wte): dwte += dlogits^T xf, dxf = dlogits wte.
+        let dlogits = M::new(&a.logits, n, v);
+        mm(
+            self.wte.of(grads),
+            c,
+            dlogits.t(),
+            M::new(&a.xf, n, c),
+            true,
+            1.0,
+            par(),
+        );
+        mm(
+            &mut a.dc,
+            c,
+            dlogits,
+            M::new(p.get(self.wte), v, c),
+            false,
+            1.0,
+            par(),
+        );
+        a.dres.iter_mut().for_each(|d| *d = 0.0);
+        let l_n = self.n_layers;
+        layer_norm_backward(
+            &a.res[l_n * nc..][..nc],
+            p,
+            self.lnf,
+            c,
+            &a.statsf,
+            &a.dc,
+            &mut a.dres,
+            grads,
+        );
+
+        for (l, layer) in self.layers.iter().enumerate().rev() {
+            let site = |s: usize| &a.masks[s * nc..][..nc];
+            // MLP: res_{l+1} = res2 + dropout(gelu(xn2 Wfc^T) Wmproj^T).
+            let dm: &[f32] = if dropout {
+                mul(&mut a.dc, &a.dres, site(2 * l + 2));
+                &a.dc
+            } else {
+                &a.dres
+            };
+            linear_backward(
+                p,
+                grads,
+                layer.mproj,
+                dm,
+                &a.gelu[l * 4 * nc..][..4 * nc],
+                n,
+                &mut a.d4c,
+            );
+            let fc = &a.fc[l * 4 * nc..][..4 * nc];
+            match self.activation {
+                Activation::Gelu => map_mul(&mut a.d4c, fc, gelu_erf_grad),
+                Activation::GeluTanh => map_mul(&mut a.d4c, fc, gelu_tanh_grad),
+            }
+            linear_backward(
+                p,
+                grads,
+                layer.fc,
+                &a.d4c,
+                &a.xn2[l * nc..][..nc],
+                n,
+                &mut a.dc2,
+            );
+            let res2 = &a.res2[l * nc..][..nc];
+            layer_norm_backward(
+                res2,
+                p,
+                layer.ln2,
+                c,
+                &a.stats2[l * n..][..n],
+                &a.dc2,
+                &mut a.dres,
+                grads,
+            );
+
+            // Attention: res2 = res_l + dropout(attention(xn1 Wattn^T) Wproj^T).
+            let da: &[f32] = if dropout {
+                mul(&mut a.dc, &a.dres, site(2 * l + 1));
+                &a.dc
+            } else {
+                &a.dres
+            };
+            linear_backward(
+                p,
+                grads,
+                layer.proj,
+                da,
+                &a.atty[l * nc..][..nc],
+                n,
+                &mut a.dc2,
+            );
+            let qkv = &a.qkv[l * 3 * nc..][..3 * nc];
+            let att = &a.att[l * b * h * t * t..][..b * h * t * t];
+            attention_backward(qkv, att, &a.dc2, &mut a.dqkv, t, c, h);
+            linear_backward(
+                p,
+                grads,
+                layer.attn,
+                &a.dqkv,
+                &a.xn1[l * nc..][..nc],
+                n,
+                &mut a.dc2,
+            );
+            let res_l = &a.res[l * nc..][..nc];
+            layer_norm_backward(
+                res_l,
+                p,
+                layer.ln1,
+                c,
+                &a.stats1[l * n..][..n],
+                &a.dc2,
+                &mut a.dres,
+                grads,
+            );
+        }
+
+        // Embeddings: res_0 = dropout(wte[x] + wpe[pos]).
+        if dropout {
+            a.dres
+                .iter_mut()
+                .zip(&a.masks[..nc])
+                .for_each(|(d, m)| *d *= m);
+        }
+        for (i, row) in a.dres.chunks(c).enumerate() {
+            let dwte = &mut self.wte.of(grads)[x[i] as usize * c..][..c];
+            dwte.iter_mut().zip(row).for_each(|(g, d)| *g += d);
+        }
+        for (i, row) in a.dres.chunks(c).enumerate() {
+            let dwpe = &mut self.wpe.of(grads)[(i % t) * c..][..c];
+            dwpe.iter_mut().zip(row).for_each(|(g, d)| *g += d);
+        }
+    }
+}
+
+impl std::fmt::Debug for CpuGpt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let a = &self.acts;
+        write!(
+            f,
+            "CpuGpt {{ layers: {}, batch: {} x {} }}",
+            self.n_layers, a.b, a.t
+        )
+    }
+}
+
+fn slot(ps: &ParamSet, name: &str, len: usize) -> Result<Slot> {
+    let idx = ps
+        .params
+        .binary_search_by(|p| p.name.as_str().cmp(name))
+        .map_err(|_| anyhow::anyhow!("no parameter named {name}"))?;
+    let param = &ps.params[idx];
+    ensure!(
+        param.len == len,
+        "parameter {name}: {} values, expected {len}",
+        param.len
+    );
+    Ok(Slot {
+        idx,
+        off: param.offset,
+        len,
+    })
+}
+
+/// out = x W^T + b for x (n, in).
+fn linear(p: &Params, lin: Linear, x: &[f32], n: usize, out: &mut [f32]) {
+    let w = M::new(p.get(lin.w), lin.out, lin.inp);
+    let acc = match lin.b {
+        Some(b) => {
+            let bias = p.get(b);
+            out.par_chunks_mut(lin.out * rows_per_task(n, lin.out))
+                .for_each(|rows| {
+                    rows.chunks_mut(lin.out)
+                        .for_each(|r| r.copy_from_slice(bias))
+                });
+            true
+        }
+        None => false,
+    };
+    mm(out, lin.out, M::new(x, n, lin.inp), w.t(), acc, 1.0, par());
+}
+
+/// Backward of `linear` given dy (n, out) and its input x (n, in): dW += dy^T x, db += column sums of
+/// dy, dx = dy W.
+fn linear_backward(
+    p: &Params,
+    grads: &mut [f32],
+    lin: Linear,
+    dy: &[f32],
+    x: &[f32],
+    n: usize,
+    dx: &mut [f32],
+) {
+    let dy_m = M::new(dy, n, lin.out);
+    mm(
+        lin.w.of(grads),
+        lin.inp,
+        dy_m.t(),
+        M::new(x, n, lin.inp),
+        true,
+        1.0,
+        par(),
+    );
+    if let Some(b) = lin.b {
+        column_sums_into(b.of(grads), dy, lin.out);
+    }
+    let w = M::new(p.get(lin.w), lin.out, lin.inp);
+    mm(dx, lin.inp, dy_m, w, false, 1.0, par());
+}
+
+/// acc[j] += sum over rows of m[., j], with per-task partial sums added in task order (the result does
+/// not depend on the thread count).
+fn column_sums_into(acc: &mut [f32], m: &[f32], cols: usize) {
+    let per = rows_per_task(m.len() / cols, cols);
+    let partial: Vec<Vec<f32>> = m
+        .par_chunks(per * cols)
+        .map(|rows| {
+            let mut s = vec![0.0f32; cols];
+            for r in rows.chunks(cols) {
+                s.iter_mut().zip(r).for_each(|(s, v)| *s += v);
+            }
+            s
+        })
+        .collect();
+    for s in partial {
+        acc.iter_mut().zip(&s).for_each(|(a, v)| *a += v);
+    }
+}
+
+/// LayerNorm of the rows of x (width c) into y, saving each row's (mean, 1/std).
+fn layer_norm(
+    x: &[f32],
+    p: &Params,
+    norm: Norm,
+    c: usize,
+    y: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let w = p.get(norm.w);
+    let bias = norm.b.map(|b| p.get(b));
+    let per = rows_per_task(stats.len(), c);
+    y.par_chunks_mut(per * c)
+        .zip(x.par_chunks(per * c))
+        .zip(stats.par_chunks_mut(per))
+        .for_each(|((y, x), st)| {
+            for ((y, x), st) in y.chunks_mut(c).zip(x.chunks(c)).zip(st) {
+                let (mean, rstd) = row_stats(x, LN_EPS);
+                *st = (mean, rstd);
+                for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                    *y = (x - mean) * rstd * w;
+                }
+                if let Some(bias) = bias {
+                    y.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
+                }
+            }
+        });
+}
+
+/// Backward of `layer_norm`: dx += rstd (g w - mean(g w) - xhat mean(g w xhat)), dw += sum g xhat,
+/// db += sum g.
+#[allow(clippy::too_many_arguments)]
+fn layer_norm_backward(
+    x: &[f32],
+    p: &Params,
+    norm: Norm,
+    c: usize,
+    stats: &[(f32, f32)],
+    g: &[f32],
+    dx: &mut [f32],
+    grads: &mut [f32],
+) {
+    let w = p.get(norm.w);
+    let per = rows_per_task(stats.len(), c);
+    let partial: Vec<Vec<f32>> = dx
+        .par_chunks_mut(per * c)
+        .zip(x.par_chunks(per * c))
+        .zip(g.par_chunks(per * c))
+        .zip(stats.par_chunks(per))
+        .map(|(((dx, x), g), st)| {
+            // dw then db of this task's rows.
+            let mut dwb = vec![0.0f32; 2 * c];
+            let (dw, db) = dwb.split_at_mut(c);
+            let mut xhat = vec![0.0f32; c];
+            for (((dx, x), g), &(mean, rstd)) in
+                dx.chunks_mut(c).zip(x.chunks(c)).zip(g.chunks(c)).zip(st)
+            {
+                let (mut m1, mut m2) = (0.0f32, 0.0f32);
+                for i in 0..c {
+                    xhat[i] = (x[i] - mean) * rstd;
+                    let gw = g[i] * w[i];
+                    m1 += gw;
+                    m2 += gw * xhat[i];
+                    dw[i] += g[i] * xhat[i];
+                    db[i] += g[i];
+                }
+                let (m1, m2) = (m1 / c as f32, m2 / c as f32);
+                for i in 0..c {
+                    dx[i] += rstd * (g[i] * w[i] - m1 - xhat[i] * m2);
+                }
+            }
+            dwb
+        })
+        .collect();
+    for dwb in partial {
+        let (dw, db) = dwb.split_at(c);
+        norm.w
+            .of(grads)
+            .iter_mut()
+            .zip(dw)
+            .for_each(|(a, v)| *a += v);
+        if let Some(b) = norm.b {
+            b.of(grads).iter_mut().zip(db).for_each(|(a, v)| *a += v);
+        }
+    }
+}
+
+/// Causal self-attention of qkv (n, 3C: q | k | v, heads side by side) into y (n, C), saving the
+/// probabilities (B, H, T, T; zero above the diagonal). One task per sequence.
+fn attention_forward(qkv: &[f32], att: &mut [f32], y: &mut [f32], t: usize, c: usize, h: usize) {
+    let hs = c / h;
+    let scale = 1.0 / (hs as f32).sqrt();
+    att.par_chunks_mut(h * t * t)
+        .zip(y.par_chunks_mut(t * c))
+        .zip(qkv.par_chunks(t * 3 * c))
+        .for_each(|((att, y), qkv)| {
+            for hd in 0..h {
+                let q = M::strided(&qkv[hd * hs..], t, hs, 3 * c);
+                let k = M::strided(&qkv[c + hd * hs..], t, hs, 3 * c);
+                let v = M::strided(&qkv[2 * c + hd * hs..], t, hs, 3 * c);
+                let pr = &mut att[hd * t * t..][..t * t];
+                mm(pr, t, q, k.t(), false, scale, Parallelism::None);
+                for (i, row) in pr.chunks_mut(t).enumerate() {
+                    let (keep, masked) = row.split_at_mut(i + 1);
+                    let max = keep.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                    let mut sum = 0.0f32;
+                    for s in keep.iter_mut() {
+                        *s = super::ops::exp(*s - max);
+                        sum += *s;
+                    }
+                    let inv = 1.0 / sum;
+                    keep.iter_mut().for_each(|s| *s *= inv);
+                    masked.iter_mut().for_each(|s| *s = 0.0);
+                }
+                mm(
+                    &mut y[hd * hs..],
+                    c,
+                    M::new(pr, t, t),
+                    v,
+                    false,
+                    1.0,
+                    Parallelism::None,
+                );
+            }
+        });
+}
+
+/// Backward of `attention_forward` given dy (n, C): dqkv (n, 3C) is overwritten.
+#[allow(clippy::too_many_arguments)]
+fn attention_backward(
+    qkv: &[f32],
+    att: &[f32],
+    dy: &[f32],
+    dqkv: &mut [f32],
+    t: usize,
+    c: usize,
+    h: usize,
+) {
+    let hs = c / h;
+    let scale = 1.0 / (hs as f32).sqrt();
+    dqkv.par_chunks_mut(t * 3 * c)
+        .zip(att.par_chunks(h * t * t))
+        .zip(dy.par_chunks(t * c))
+        .zip(qkv.par_chunks(t * 3 * c))
+        .for_each(|(((dqkv, att), dy), qkv)| {
+            let mut ds = vec![0.0f32; t * t];
+            for hd in 0..h {
+                let q = M::strided(&qkv[hd * hs..], t, hs, 3 * c);
+                let k = M::strided(&qkv[c + hd * hs..], t, hs, 3 * c);
+                let v = M::strided(&qkv[2 * c + hd * hs..], t, hs, 3 * c);
+                let dyh = M::strided(&dy[hd * hs..], t, hs, c);
+                let pr = &att[hd * t * t..][..t * t];
+                // dP = dy v^T; dv = P^T dy.
+                mm(&mut ds, t, dyh, v.t(), false, 1.0, Parallelism::None);
+                mm(
+                    &mut dqkv[2 * c + hd * hs..],
+                    3 * c,
+                    M::new(pr, t, t).t(),
+                    dyh,
+                    false,
+                    1.0,
+                    Parallelism::None,
+                );
+                // dS = P (dP - rowsum(P dP)); zero where P is.
+                for (ds, pr) in ds.chunks_mut(t).zip(pr.chunks(t)) {
+                    let dot: f32 = ds.iter().zip(pr).map(|(d, p)| d * p).sum();
+                    ds.iter_mut()
+                        .zip(pr)
+                        .for_each(|(d, &p)| *d = p * (*d - dot));
+                }
+                // S = scale q k^T: dq = scale dS k, dk = scale dS^T q.
+                let dsm = M::new(&ds, t, t);
+                mm(
+                    &mut dqkv[hd * hs..],
+                    3 * c,
+                    dsm,
+                    k,
+                    false,
+                    scale,
+                    Parallelism::None,
+                );
+                mm(
+                    &mut dqkv[c + hd * hs..],
+                    3 * c,
+                    dsm.t(),
+                    q,
+                    false,
+                    scale,
+                    Parallelism::None,
+                );
+            }
+        });
+}
+
+/// out = a + b.
+fn add(out: &mut [f32], a: &[f32], b: &[f32]) {
+    out.iter_mut()
+        .zip(a)
+        .zip(b)
+        .for_each(|((o, a), b)| *o = a + b);
+}
+
+/// out = a * b.
+fn mul(out: &mut [f32], a: &[f32], b: &[f32]) {
+    out.iter_mut()
+        .zip(a)
+        .zip(b)
+        .for_each(|((o, a), b)| *o = a * b);
+}
+
+/// out = f(x), in parallel chunks.
+fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
+}
+
+/// g *= f(x), in parallel chunks.
+fn map_mul(g: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    g.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(g, x)| g.iter_mut().zip(x).for_each(|(g, &x)| *g *= f(x)));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use candle_core::{Device, Tensor};
+    use rand::SeedableRng;
+    use rand_distr::{Distribution, Normal};
+
+    /// A model with perturbed parameters (nanoGPT's zero biases and unit gains hide errors by symmetry).
+    fn model(
+        bias: bool,
+        activation: Activation,
+        dropout: f64,
+        layers: usize,
+        c: usize,
+        heads: usize,
+    ) -> Gpt {
+        let cfg = ModelConfig {
+            n_layers: layers,
+            n_heads: heads,
+            n_embd: c,
+            dropout,
+            vocab_size: 29,
+            bias,
+            activation,
+        };
+        let m = Gpt::new(&cfg, 16, 3, &Device::Cpu).unwrap().graph();
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let dist = Normal::new(0.0f32, 0.2).unwrap();
+        let flat: Vec<f32> = m
+            .params
+            .to_flat()
+            .unwrap()
+            .iter()
+            .map(|v| v + dist.sample(&mut rng))
+            .collect();
+        m.params.set_flat(&flat).unwrap();
+        m
+    }
+
+    fn tokens(n: usize, mul: u32, v: u32) -> Vec<u32> {
+        (0..n as u32).map(|i| (i * mul + 3) % v).collect()
+    }
+
+    /// candle's loss and flat gradient (scaled) of one batch.
+    fn reference(
+        m: &Gpt,
+        x: &[u32],
+        y: &[u32],
+        b: usize,
+        t: usize,
+        rng: Option<&mut ChaCha8Rng>,
+        scale: f64,
+    ) -> (f32, Vec<f32>) {
+        let xt = Tensor::from_slice(x, (b, t), &Device::Cpu).unwrap();
+        let yt = Tensor::from_slice(y, (b, t), &Device::Cpu).unwrap();
+        let loss = m.loss(&xt, &yt, rng).unwrap();
+        let mut g = vec![0.0f32; m.params.numel];
+        m.params
+            .accumulate_grads(&(&loss * scale).unwrap().backward().unwrap(), &mut g)
+            .unwrap();
+        (loss.to_scalar::<f32>().unwrap(), g)
+    }
+
+    /// The loss and every gradient match candle's autograd: bias on and off, both GELUs, dropout on, a
+    /// sequence shorter than the context, head sizes that do and do not fill a SIMD register.
+    #[test]
+    fn loss_and_gradients_match_candle_autograd() {
+        let cases = [
+            (true, Activation::Gelu, 0.0, 2, 16, 2, 3, 9),
+            (false, Activation::GeluTanh, 0.0, 2, 16, 4, 2, 16),
+            (true, Activation::GeluTanh, 0.25, 2, 24, 3, 2, 7),
+            (false, Activation::Gelu, 0.0, 3, 64, 2, 4, 16),
+        ];
+        for (bias, act, dropout, layers, c, heads, b, t) in cases {
+            let m = model(bias, act, dropout, layers, c, heads);
+            let x = tokens(b * t, 7, 29);
+            let y = tokens(b * t, 5, 29);
+            let mut rng_ref = ChaCha8Rng::seed_from_u64(4);
+            let (loss_ref, g_ref) = reference(&m, &x, &y, b, t, Some(&mut rng_ref), 0.5);
+            let mut cpu = CpuGpt::new(&m).unwrap();
+            // Gradients accumulate: start from a non-zero buffer.
+            let mut g = vec![1.0f32; m.params.numel];
+            let mut rng = ChaCha8Rng::seed_from_u64(4);
+            let loss = cpu
+                .loss_and_grads(&m.params, &x, &y, b, t, Some(&mut rng), 0.5, &mut g)
+                .unwrap();
+            let case = format!("bias {bias} {act:?} dropout {dropout} C {c} H {heads} B {b} T {t}");
+            assert!(
+                (loss - loss_ref).abs() <= 1e-5 * loss_ref,
+                "{case}: loss {loss} vs {loss_ref}"
+            );
+            let scale = g_ref.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            for p in &m.params.params {
+                for i in p.offset..p.offset + p.len {
+                    let (a, r) = (g[i] - 1.0, g_ref[i]);
+                    assert!(
+                        (a - r).abs() <= 2e-4 * scale + 1e-4 * r.abs(),
+                        "{case}: {}[{}]: {a} vs {r}",
+                        p.name,
+                        i - p.offset
+                    );
+                }
+            }
+            // The RNG moved on as candle's did (same number of draws).
+            assert_eq!(
+                rng.random::<u64>(),
+                rng_ref.random::<u64>(),
+                "{case}: dropout draws"
+            );
+            // The forward-only loss (no dropout) is candle's eval loss.
+            let (eval_ref, _) = reference(&m, &x, &y, b, t, None, 1.0);
+            let eval = cpu.loss(&m.params, &x, &y, b, t).unwrap();
+            assert!(
+                (eval - eval_ref).abs() <= 1e-5 * eval_ref,
+                "{case}: eval {eval} vs {eval_ref}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_tokens_and_shapes_are_errors() {
+        let m = model(false, Activation::Gelu, 0.0, 1, 8, 2);
+        let mut cpu = CpuGpt::new(&m).unwrap();
+        let e = cpu
+            .loss(&m.params, &[1, 29], &[1, 2], 1, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("outside the vocabulary of 29"), "{e}");
+        let e = cpu
+            .loss(&m.params, &[1; 17], &[1; 17], 1, 17)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("longer than the model's context of 16"), "{e}");
+    }
+}
