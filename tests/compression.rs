@@ -318,6 +318,10 @@ fn reducer_settings() -> Vec<(&'static str, String)> {
         ),
         ("powersgd", r#"train.compression={ name = "powersgd", rank = 2, start_iter = 3 }"#.into()),
         (
+            "radius-correction",
+            r#"train.compression={ name = "radius", density = 0.05, interval = 4, threshold = 3, range = 1, correction = true }"#.into(),
+        ),
+        (
             "powersgd1",
             r#"train.compression={ name = "powersgd", rank = 2, start_iter = 3, single_allreduce = true }"#.into(),
         ),
@@ -357,7 +361,7 @@ fn each_reducer_trains_reports_its_metrics_and_resumes_exactly() {
             let f = late.compressed_fraction.unwrap();
             assert!(f > 0.5 && f < 1.0, "{name}: fraction {f}");
         }
-        if name == "radius" {
+        if name.starts_with("radius") {
             assert!(
                 full.iter().any(|r| r.topk_overlap.is_some()),
                 "radius reports overlap"
@@ -409,4 +413,70 @@ fn a_dense_checkpoint_switches_to_a_compressed_run_with_one_change() {
     assert!(rows
         .iter()
         .any(|r| r.compression_ratio.is_some_and(|c| c > 1.5)));
+}
+
+/// Max relative difference of train loss, grad norm and val loss between two runs' rows.
+fn max_rel_diff(a: &[Row], b: &[Row]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let rel = |x: f64, y: f64| (x - y).abs() / y.abs().max(1e-12);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            assert_eq!(x.step, y.step);
+            let v = match (x.val_loss, y.val_loss) {
+                (Some(p), Some(q)) => rel(p, q),
+                _ => 0.0,
+            };
+            rel(x.train_loss, y.train_loss)
+                .max(rel(x.grad_norm, y.grad_norm))
+                .max(v)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Adam inside the reducer with SGD outside is AdamW on the reduced gradient: the same run as the plain
+/// mode up to float rounding; a checkpoint moves between the modes (and from a dense run) with its Adam
+/// state, so a switched run continues the same trajectory.
+#[test]
+fn radius_correction_equals_the_plain_mode_and_checkpoints_move_between_them() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let radius = |correction: bool| {
+        format!(
+            r#"train.compression={{ name = "radius", density = 0.05, interval = 4, threshold = 3, range = 1, correction = {correction} }}"#
+        )
+    };
+    let plain = train(d.path(), "plain", 2, &[radius(false)]);
+    let corrected = train(d.path(), "corrected", 2, &[radius(true)]);
+    let diff = max_rel_diff(&corrected, &plain);
+    assert!(diff < 1e-4, "correction vs plain: {diff}");
+    assert!(corrected
+        .iter()
+        .any(|r| r.compression_ratio.is_some_and(|c| c > 1.5)));
+
+    // Plain mode stopped at step 8, resumed with correction (and the reverse): the same runs.
+    for (first, then, reference) in [(false, true, &plain), (true, false, &corrected)] {
+        let run = format!("switch-{first}-{then}");
+        train(
+            d.path(),
+            &run,
+            2,
+            &[radius(first), "train.exit_interval=8".into()],
+        );
+        let ckpt = d.path().join(format!("log/{run}"));
+        let cont = train(
+            d.path(),
+            &format!("{run}-cont"),
+            2,
+            &[
+                radius(then),
+                format!("checkpoint={:?}", ckpt.display().to_string()),
+            ],
+        );
+        assert_eq!(cont[0].step, 9, "{run} continues from step 8");
+        let tail: Vec<Row> = reference.iter().filter(|r| r.step > 8).cloned().collect();
+        let cont_tail: Vec<Row> = cont.iter().filter(|r| r.step > 8).cloned().collect();
+        let diff = max_rel_diff(&cont_tail, &tail);
+        assert!(diff < 1e-4, "{run}: {diff}");
+    }
 }

@@ -274,13 +274,15 @@ fn missing_data_and_unimplemented_backends_are_clear_errors() {
         .args([
             "--set",
             "train.compression={ name = \"radius\", correction = true }",
+            "--set",
+            "train.optim={ name = \"accumadamw\" }",
         ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("correction = true") && err.contains("not implemented"),
+        err.contains("correction = true") && err.contains("train.optim.name = \"adamw\""),
         "{err}"
     );
 }

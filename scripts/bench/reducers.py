@@ -27,6 +27,7 @@ def runs(steps):
         ("topk", "density 0.01", '{ name = "topk", density = 0.01 }', 0),
         # Radius switches from dense training late, as its workflow does (dense to step 60k of 300k).
         ("radius", "density 0.1", f'{{ name = "radius", density = 0.1, threshold = {half}, interval = 100, range = 0 }}', half),
+        ("radius correction", "density 0.1", f'{{ name = "radius", density = 0.1, threshold = {half}, interval = 100, range = 0, correction = true }}', half),
         ("powersgd", "rank 4", f'{{ name = "powersgd", rank = 4, start_iter = {start} }}', start),
         ("powersgd 1-allreduce", "rank 4", f'{{ name = "powersgd", rank = 4, start_iter = {start}, single_allreduce = true }}', start),
     ]

@@ -154,7 +154,8 @@ pub struct RadiusConfig {
     pub range: u64,
     /// Error feedback with the residual-is-gradient rule.
     pub error_feedback: bool,
-    /// Run Adam inside the reducer (lr = 1) and hand its delta to an SGD outer optimizer.
+    /// Run Adam inside the reducer (lr = 1, train.optim's betas and eps; needs optim name "adamw") on the
+    /// clipped reduced gradient and hand its direction to an SGD outer optimizer.
     pub correction: bool,
 }
 

@@ -89,6 +89,13 @@ pub struct TrainConfig {
     pub lr_schedule: LrSchedule,
 }
 
+impl TrainConfig {
+    /// Radius with `correction = true`: Adam and clipping run inside the reducer, SGD outside.
+    pub fn adam_in_reducer(&self) -> bool {
+        matches!(&self.compression, Some(Compression::Radius(r)) if r.correction)
+    }
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {

@@ -133,6 +133,56 @@ impl Optimizer for AdamW {
     }
 }
 
+/// Plain SGD with decoupled weight decay, p <- p (1 - lr wd) - lr g: the outer optimizer when Radius runs
+/// Adam inside its reducer (`sync::compress::correction`), where g is Adam's direction.
+pub struct Sgd {
+    wd: f64,
+    segments: Vec<Segment>,
+    t: u64,
+}
+
+impl Sgd {
+    pub fn new(wd: f64, segments: Vec<Segment>) -> Self {
+        Self { wd, segments, t: 0 }
+    }
+
+    /// The state of an SGD that has taken `step` steps (it has no buffers).
+    pub fn state_at(step: u64) -> OptimState {
+        OptimState {
+            name: "sgd".into(),
+            step,
+            buffers: Vec::new(),
+        }
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+        self.t += 1;
+        let step = lr as f32;
+        for s in &self.segments {
+            let decay = if s.decay {
+                (1.0 - lr * self.wd) as f32
+            } else {
+                1.0
+            };
+            let r = s.offset..s.offset + s.len;
+            for (p, g) in params[r.clone()].iter_mut().zip(&grads[r]) {
+                *p = *p * decay - step * g;
+            }
+        }
+    }
+
+    fn state(&self) -> OptimState {
+        Self::state_at(self.t)
+    }
+
+    fn load_state(&mut self, state: OptimState) -> Result<()> {
+        let [] = take(state, "sgd", [], 0, &mut self.t)?;
+        Ok(())
+    }
+}
+
 /// Decent-DP's AccumAdamW (optim.py): moments committed every K steps from the running mean of the
 /// gradients, look-ahead moments in between, bias correction counted in commits.
 pub struct AccumAdamW {

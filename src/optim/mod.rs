@@ -4,7 +4,7 @@
 pub mod adamw;
 pub mod schedule;
 
-pub use adamw::{build, OptimState, Optimizer, Segment};
+pub use adamw::{build, OptimState, Optimizer, Segment, Sgd};
 pub use schedule::lr_at;
 
 /// Global L2 norm of a gradient (f64 accumulation).

@@ -67,6 +67,11 @@ pub trait SyncBackend {
     fn take_compression(&mut self) -> Option<compress::Summary> {
         None
     }
+    /// The gradient norm before clipping, when the reducer clipped (Radius with correction); the training
+    /// loop clips otherwise.
+    fn clipped_grad_norm(&self) -> Option<f64> {
+        None
+    }
 }
 
 fn average_with(comm: &mut dyn Communicator, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
@@ -270,6 +275,7 @@ pub struct Compressed {
     comm: Box<dyn Communicator>,
     reducer: Box<dyn compress::Reducer>,
     window: compress::Window,
+    clipped_norm: Option<f64>,
 }
 
 impl Compressed {
@@ -278,6 +284,7 @@ impl Compressed {
             comm,
             reducer,
             window: compress::Window::default(),
+            clipped_norm: None,
         }
     }
 }
@@ -295,6 +302,7 @@ impl SyncBackend for Compressed {
     fn reduce_grads(&mut self, grads: &mut [f32], step: u64) -> Result<()> {
         let before = self.comm.stats();
         let report = self.reducer.reduce(self.comm.as_mut(), grads, step)?;
+        self.clipped_norm = report.grad_norm;
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
         self.window
             .add(grads.len(), n, rank, &before, &self.comm.stats(), &report);
@@ -312,6 +320,9 @@ impl SyncBackend for Compressed {
     fn take_compression(&mut self) -> Option<compress::Summary> {
         Some(self.window.take())
     }
+    fn clipped_grad_norm(&self) -> Option<f64> {
+        self.clipped_norm
+    }
 }
 
 /// The configured backend over `comm`.
@@ -324,7 +335,7 @@ pub fn build(
     Ok(match (plan.backend, &cfg.train.compression) {
         (Backend::PytorchDdp, Some(c)) => Box::new(Compressed::new(
             comm,
-            compress::build(c, tensors, cfg.train.seed)?,
+            compress::build(&cfg.train, c, tensors)?,
         )),
         (Backend::PytorchDdp, None) => Box::new(AllReduce::new(
             comm,

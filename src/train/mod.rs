@@ -451,7 +451,13 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
             decay: p.decays(),
         })
         .collect();
-    let mut opt = optim::build(&t.optim, segments, model.params.numel);
+    let mut opt = match &t.optim {
+        // Radius with correction: Adam runs in the reducer, SGD applies its direction.
+        crate::config::OptimConfig::AdamW(a) if t.adam_in_reducer() => {
+            Box::new(optim::Sgd::new(a.weight_decay, segments))
+        }
+        _ => optim::build(&t.optim, segments, model.params.numel),
+    };
     let mut flat = model.params.to_flat()?;
     let mut sampler = Sampler::new(t.seed);
     let mut dropout_rng = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
@@ -468,8 +474,13 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
                 (step, tokens, best_val, elapsed_before) =
                     (m.step, m.tokens, m.best_val_loss, m.elapsed_s);
                 flat = r.state.params;
-                opt.load_state(r.state.optimizer)?;
-                sync.load_state(r.state.reducer)?;
+                let (optimizer, reducer) = crate::sync::compress::correction::carry_over(
+                    t.adam_in_reducer(),
+                    r.state.optimizer,
+                    r.state.reducer,
+                );
+                opt.load_state(optimizer)?;
+                sync.load_state(reducer)?;
                 let [hi, lo] = r.state.meta.dropout_word_pos;
                 dropout_rng.set_word_pos(((hi as u128) << 64) | lo as u128);
                 loss_window = r.state.meta.loss_window;
@@ -543,7 +554,10 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
             })
         })?;
         sync.reduce_grads(&mut grads, step)?;
-        let grad_norm = optim::clip_grad_norm(&mut grads, t.grad_norm_clip);
+        let grad_norm = match sync.clipped_grad_norm() {
+            Some(norm) => norm,
+            None => optim::clip_grad_norm(&mut grads, t.grad_norm_clip),
+        };
         sync.before_step(&mut flat)?;
         opt.step(&mut flat, &grads, lr);
         sync.after_step(&mut flat, step)?;

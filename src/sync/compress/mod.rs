@@ -3,6 +3,7 @@
 //! over ranks, through the `Communicator`, and owns all its state (residuals, masks, low-rank factors)
 //! so that checkpoints restore it exactly.
 
+pub mod correction;
 pub mod powersgd;
 pub mod radius;
 pub mod topk;
@@ -71,6 +72,8 @@ pub struct Report {
     pub overlap: Option<f64>,
     /// PowerSGD: fraction of the parameters in compressed matrices.
     pub compressed_fraction: Option<f64>,
+    /// Radius with correction: the reduced gradient's global norm before the reducer clipped it.
+    pub grad_norm: Option<f64>,
 }
 
 /// Named f32 buffers: a reducer's state in a checkpoint.
@@ -89,19 +92,35 @@ pub trait Reducer {
     fn load_state(&mut self, state: State) -> Result<()>;
 }
 
-/// The configured reducer.
-pub fn build(c: &Compression, tensors: Vec<TensorView>, seed: u64) -> Result<Box<dyn Reducer>> {
+/// The configured reducer of `t.compression`.
+pub fn build(
+    t: &crate::config::TrainConfig,
+    c: &Compression,
+    tensors: Vec<TensorView>,
+) -> Result<Box<dyn Reducer>> {
+    let seed = t.seed;
     Ok(match c {
-        Compression::TopK(t) => Box::new(topk::TopK::new(tensors, t.density, t.error_feedback)),
+        Compression::TopK(k) => Box::new(topk::TopK::new(tensors, k.density, k.error_feedback)),
         Compression::Radius(r) => {
-            if r.correction {
+            let numel = tensors.iter().map(|t| t.len).sum();
+            let radius = Box::new(radius::Radius::new(tensors, r.clone()));
+            if !r.correction {
+                return Ok(radius);
+            }
+            let crate::config::OptimConfig::AdamW(a) = &t.optim else {
                 bail!(crate::error::BadInput(
-                    "train.compression.correction = true (Adam inside the Radius reducer) is not implemented; \
-                     use correction = false: the plain mode with error feedback"
+                    "train.compression.correction = true runs Adam inside the reducer with train.optim's \
+                     betas and eps: it needs train.optim.name = \"adamw\""
                         .into()
                 ));
-            }
-            Box::new(radius::Radius::new(tensors, r.clone()))
+            };
+            Box::new(correction::Corrected::new(
+                radius,
+                numel,
+                a.betas,
+                a.eps,
+                t.grad_norm_clip,
+            ))
         }
         Compression::PowerSgd(p) => {
             if p.single_allreduce && !p.warm_start {
