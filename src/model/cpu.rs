@@ -979,7 +979,6 @@ mod tests {
     use crate::config::ModelConfig;
     use candle_core::{Device, Tensor};
     use rand::SeedableRng;
-    use rand_distr::{Distribution, Normal};
 
     /// A model with perturbed parameters (nanoGPT's zero biases and unit gains hide errors by symmetry).
     fn model(
@@ -1000,16 +999,7 @@ mod tests {
             activation,
         };
         let m = Gpt::new(&cfg, 16, 3, &Device::Cpu).unwrap().graph();
-        let mut rng = ChaCha8Rng::seed_from_u64(9);
-        let dist = Normal::new(0.0f32, 0.2).unwrap();
-        let flat: Vec<f32> = m
-            .params
-            .to_flat()
-            .unwrap()
-            .iter()
-            .map(|v| v + dist.sample(&mut rng))
-            .collect();
-        m.params.set_flat(&flat).unwrap();
+        super::super::gpt::perturb(&m, 0.2);
         m
     }
 

@@ -331,6 +331,22 @@ fn dropout_mask(x: &Tensor, p: f64, rng: &mut ChaCha8Rng) -> Result<Tensor> {
     Ok(x.mul(&mask)?)
 }
 
+/// Adds N(0, std) noise to every parameter: with nanoGPT's zero biases and unit gains some gradients
+/// vanish by symmetry, and tests want non-trivial weights.
+#[cfg(test)]
+pub(crate) fn perturb(m: &Gpt, std: f32) {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let dist = Normal::new(0.0f32, std).expect("positive std");
+    let flat: Vec<f32> = m
+        .params
+        .to_flat()
+        .expect("parameters")
+        .iter()
+        .map(|v| v + dist.sample(&mut rng))
+        .collect();
+    m.params.set_flat(&flat).expect("parameters");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -358,18 +374,8 @@ mod tests {
         )
     }
 
-    /// Non-trivial weights: with nanoGPT's zero biases and unit gains some gradients vanish by symmetry.
     fn perturb(m: &Gpt) {
-        let mut rng = ChaCha8Rng::seed_from_u64(9);
-        let dist = Normal::new(0.0f32, 0.3).unwrap();
-        let flat: Vec<f32> = m
-            .params
-            .to_flat()
-            .unwrap()
-            .iter()
-            .map(|v| v + dist.sample(&mut rng))
-            .collect();
-        m.params.set_flat(&flat).unwrap();
+        super::perturb(m, 0.3);
     }
 
     #[test]

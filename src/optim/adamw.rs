@@ -13,6 +13,17 @@ pub struct Segment {
     pub decay: bool,
 }
 
+impl Segment {
+    /// The decoupled weight decay factor 1 - lr wd of one step (1 for segments without decay).
+    fn decay_factor(&self, lr: f64, wd: f64) -> f32 {
+        if self.decay {
+            (1.0 - lr * wd) as f32
+        } else {
+            1.0
+        }
+    }
+}
+
 /// Optimizer state for checkpoints: the step count and named flat buffers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OptimState {
@@ -86,11 +97,7 @@ impl Optimizer for AdamW {
         let (one_minus_b1, b2f, one_minus_b2) = ((1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
         let (bc2_sqrt, eps) = (bc2_sqrt as f32, self.eps as f32);
         for s in &self.segments {
-            let decay = if s.decay {
-                (1.0 - lr * self.wd) as f32
-            } else {
-                1.0
-            };
+            let decay = s.decay_factor(lr, self.wd);
             let r = s.offset..s.offset + s.len;
             let (p, g, m, v) = (
                 &mut params[r.clone()],
@@ -161,11 +168,7 @@ impl Optimizer for Sgd {
         self.t += 1;
         let step = lr as f32;
         for s in &self.segments {
-            let decay = if s.decay {
-                (1.0 - lr * self.wd) as f32
-            } else {
-                1.0
-            };
+            let decay = s.decay_factor(lr, self.wd);
             let r = s.offset..s.offset + s.len;
             for (p, g) in params[r.clone()].iter_mut().zip(&grads[r]) {
                 *p = *p * decay - step * g;
@@ -211,11 +214,7 @@ impl Optimizer for AccumAdamW {
         let (ob1, ob2, b1f, b2f) = ((1.0 - b1) as f32, (1.0 - b2) as f32, b1 as f32, b2 as f32);
         let (inv_k, eps) = (1.0 / self.k as f32, self.eps as f32);
         for s in &self.segments {
-            let decay = if s.decay {
-                (1.0 - lr * self.wd) as f32
-            } else {
-                1.0
-            };
+            let decay = s.decay_factor(lr, self.wd);
             let r = s.offset..s.offset + s.len;
             let p = &mut params[r.clone()];
             let g = &grads[r.clone()];
