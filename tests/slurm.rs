@@ -29,6 +29,10 @@ fn config_text(dir: &Path, extra: &str) -> String {
     )
 }
 
+/// The local cluster is one 2-CPU node: tests that submit jobs take turns, so that no job waits in the queue
+/// behind another test's and the timings below hold.
+static CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn slurm_up() -> bool {
     let up = Command::new("sinfo")
         .args(["-h", "-N", "-o", "%T"])
@@ -142,6 +146,7 @@ fn setup(extra: &str) -> (tempfile::TempDir, PathBuf) {
 
 #[test]
 fn sbatch_runs_a_two_rank_mpi_job_to_the_end() {
+    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     if !slurm_up() {
         return;
     }
@@ -168,18 +173,22 @@ fn sbatch_runs_a_two_rank_mpi_job_to_the_end() {
 
 #[test]
 fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run() {
+    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     if !slurm_up() {
         return;
     }
-    // ~6 ms a step on 2 ranks: the run outlasts the USR1 that Slurm sends 8-25 s into a 1-minute job
-    // with --signal=B:USR1@30, and finishes after one or two requeues.
-    let extra = "n_steps = 6000";
+    // The job has a 1-minute limit and --signal=B:USR1@30, but when Slurm sends that USR1 varies from 8 s
+    // to past a minute (limits are checked every 30 s), so the test also sends the same signal to the batch
+    // shell itself once the job has logged its first metrics row (step 250; the job's console output
+    // reaches its file only in large blocks, and a signal can take seconds to arrive): the trap, the
+    // checkpoint and the requeue are the time limit's. 20000 steps of ~2 ms outlast the delivery.
+    let extra = "n_steps = 20000";
     let (d, cfg) = setup(extra);
     let patched = std::fs::read_to_string(&cfg)
         .unwrap()
         .replace("n_steps = 20\n", "")
         .replace("log_interval = 1\n", "log_interval = 250\n")
-        .replace("eval_interval = 10\n", "eval_interval = 2000\n")
+        .replace("eval_interval = 10\n", "eval_interval = 5000\n")
         .replace("ckpt_interval = 10\n", "ckpt_interval = 0\n")
         .replace("n_embd = 32", "n_embd = 64")
         .replace("context_length = 16", "context_length = 32");
@@ -195,10 +204,27 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
             "30",
         ],
     );
+    let run = d.path().join("log").join(&id);
+    let signal = {
+        let (run, id) = (run.clone(), id.clone());
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(180);
+            while std::time::Instant::now() < deadline {
+                let rows = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
+                if rows.contains("\"step\":250") {
+                    let _ = Command::new("scancel")
+                        .args(["--batch", "--signal=USR1", &id])
+                        .output();
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
     // The uninterrupted run, here, while the job runs.
     let local = local_rows(&patched, 2);
     wait_job(&id, Duration::from_secs(420));
-    let run = d.path().join("log").join(&id);
+    signal.join().unwrap();
     let log = job_log(&run);
     assert!(
         log.contains("USR1: checkpointing before the time limit"),
@@ -210,13 +236,14 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
     );
     assert!(log.contains("requeueing job"), "{log}");
     assert!(log.contains("(restart 1)"), "{log}");
-    assert!(log.contains("finished at step 6000"), "{log}");
+    assert!(log.contains("finished at step 20000"), "{log}");
     let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
     assert_same_losses(&rows, &local, "requeued job");
 }
 
 #[test]
 fn an_array_chain_resumes_link_by_link_and_later_links_exit_at_once() {
+    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     if !slurm_up() {
         return;
     }
@@ -255,17 +282,19 @@ fn an_array_chain_resumes_link_by_link_and_later_links_exit_at_once() {
 
 #[test]
 fn exit_duration_mins_under_srun_stops_every_rank_at_one_step_and_the_chain_finishes_exactly() {
+    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     if !slurm_up() {
         return;
     }
-    // Each link trains ~3 s (train.exit_duration_mins = 0.05) of a run of ~6 s: the ranks must agree on
-    // the step at which time runs out, or the chain could not match the uninterrupted run bit for bit.
+    // Each link trains ~3 s (train.exit_duration_mins = 0.05) of a run of ~6-12 s (1-2 ms a step): the
+    // ranks must agree on the step at which time runs out, or the chain could not match the uninterrupted
+    // run bit for bit.
     let (d, cfg) = setup("exit_duration_mins = 0.05");
     let patched = std::fs::read_to_string(&cfg)
         .unwrap()
-        .replace("n_steps = 20\n", "n_steps = 1000\n")
-        .replace("log_interval = 1\n", "log_interval = 100\n")
-        .replace("eval_interval = 10\n", "eval_interval = 500\n")
+        .replace("n_steps = 20\n", "n_steps = 6000\n")
+        .replace("log_interval = 1\n", "log_interval = 500\n")
+        .replace("eval_interval = 10\n", "eval_interval = 2000\n")
         .replace("ckpt_interval = 10\n", "ckpt_interval = 0\n");
     std::fs::write(&cfg, &patched).unwrap();
     let id = sbatch(
@@ -284,7 +313,7 @@ fn exit_duration_mins_under_srun_stops_every_rank_at_one_step_and_the_chain_fini
     let run = d.path().join("log").join(&id);
     let log = job_log(&run);
     assert!(log.contains("stopped at train.exit_duration_mins"), "{log}");
-    assert!(log.contains("finished at step 1000"), "{log}");
+    assert!(log.contains("finished at step 6000"), "{log}");
     let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
     assert_same_losses(&rows, &local, "exit_duration chain");
 }
