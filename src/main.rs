@@ -412,9 +412,10 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    // candle runs its elementwise ops on a spin-waiting barrier pool beside rayon's (matmuls and
-    // nanodist's fused ops). On a few cores the spinning threads steal the cores rayon needs: one
-    // candle thread was 20% faster on 2 cores. Set before any thread starts; an explicit value wins.
+    // candle runs its elementwise ops on a spin-waiting barrier pool beside rayon's. Training on CPU does
+    // not use it (the CPU engine runs on rayon alone), but candle's graph does (generation); on a few cores
+    // the spinning threads steal the cores rayon needs: one candle thread was 20% faster on 2 cores. Set
+    // before any thread starts; an explicit value wins.
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }

@@ -525,15 +525,15 @@ mod tests {
     #[test]
     fn fifty_training_steps_on_the_cpu_engine_match_candle_autograd() {
         for act in [Activation::Gelu, Activation::GeluTanh] {
-            let fused = adamw_losses(&small(act), 50, |m| m);
+            let engine = adamw_losses(&small(act), 50, |m| m);
             let reference = adamw_losses(&small(act), 50, Gpt::graph);
-            for (i, (a, b)) in fused.iter().zip(&reference).enumerate() {
+            for (i, (a, b)) in engine.iter().zip(&reference).enumerate() {
                 assert!(
                     (a - b).abs() <= 1e-4 * b.abs(),
                     "{act:?} step {i}: {a} vs {b}"
                 );
             }
-            assert!(fused[49] < fused[0] - 0.5, "it learns: {fused:?}");
+            assert!(engine[49] < engine[0] - 0.5, "it learns: {engine:?}");
         }
     }
 
