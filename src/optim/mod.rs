@@ -7,6 +7,21 @@ pub mod schedule;
 pub use adamw::{build, OptimState, Optimizer, Segment, Sgd};
 pub use schedule::lr_at;
 
+/// The optimizer the training loop steps: the configured one, or SGD when Radius runs Adam inside its
+/// reducer (`sync::compress::correction`).
+pub fn for_run(
+    t: &crate::config::TrainConfig,
+    segments: Vec<Segment>,
+    numel: usize,
+) -> Box<dyn Optimizer> {
+    match &t.optim {
+        crate::config::OptimConfig::AdamW(a) if t.adam_in_reducer() => {
+            Box::new(Sgd::new(a.weight_decay, segments))
+        }
+        _ => build(&t.optim, segments, numel),
+    }
+}
+
 /// Global L2 norm of a gradient (f64 accumulation).
 pub fn global_norm(g: &[f32]) -> f64 {
     g.iter()

@@ -451,13 +451,7 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
             decay: p.decays(),
         })
         .collect();
-    let mut opt = match &t.optim {
-        // Radius with correction: Adam runs in the reducer, SGD applies its direction.
-        crate::config::OptimConfig::AdamW(a) if t.adam_in_reducer() => {
-            Box::new(optim::Sgd::new(a.weight_decay, segments))
-        }
-        _ => optim::build(&t.optim, segments, model.params.numel),
-    };
+    let mut opt = optim::for_run(t, segments, model.params.numel);
     let mut flat = model.params.to_flat()?;
     let mut sampler = Sampler::new(t.seed);
     let mut dropout_rng = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
@@ -478,7 +472,7 @@ fn worker(setup: &Setup, comm: Box<dyn Communicator>) -> Result<Summary> {
                     t.adam_in_reducer(),
                     r.state.optimizer,
                     r.state.reducer,
-                );
+                )?;
                 opt.load_state(optimizer)?;
                 sync.load_state(reducer)?;
                 let [hi, lo] = r.state.meta.dropout_word_pos;

@@ -10,14 +10,13 @@
 
 use anyhow::Result;
 
-use super::{take, Reducer, Report, State};
+use super::{Reducer, Report, State};
 use crate::comm::Communicator;
 use crate::optim::{self, OptimState, Optimizer, Segment};
 
-/// The Adam state's buffer names in the reducer state (the rest of the state is the inner reducer's).
-const M: &str = "correction.exp_avg";
-const V: &str = "correction.exp_avg_sq";
-/// Adam's step count, as three 16-bit pieces (exact in f32).
+/// The Adam state's buffers in the reducer state are `correction.<AdamW buffer name>` (the rest of the
+/// state is the inner reducer's), with its step count as three 16-bit pieces (exact in f32) in `T`.
+const PREFIX: &str = "correction.";
 const T: &str = "correction.step";
 
 pub struct Corrected {
@@ -90,21 +89,13 @@ impl Reducer for Corrected {
         state
     }
 
-    fn load_state(&mut self, mut state: State) -> Result<()> {
-        if state.iter().any(|(n, _)| n == T) {
-            let adam = OptimState {
-                name: "adamw".into(),
-                step: decode_step(&take(&mut state, T, Some(3))?),
-                buffers: vec![
-                    ("exp_avg".into(), take(&mut state, M, Some(self.numel))?),
-                    ("exp_avg_sq".into(), take(&mut state, V, Some(self.numel))?),
-                ],
-            };
-            self.adam.load_state(adam)?;
-        } else {
-            self.adam = adam(self.numel, self.betas, self.eps);
+    fn load_state(&mut self, state: State) -> Result<()> {
+        let (saved, rest) = split_adam(state)?;
+        match saved {
+            Some(s) => self.adam.load_state(s)?,
+            None => self.adam = adam(self.numel, self.betas, self.eps),
         }
-        self.inner.load_state(state)
+        self.inner.load_state(rest)
     }
 }
 
@@ -118,42 +109,57 @@ fn push_adam(state: &mut State, adam: OptimState) {
     ];
     state.push((T.into(), step));
     for (name, b) in adam.buffers {
-        state.push((format!("correction.{name}"), b));
+        state.push((format!("{PREFIX}{name}"), b));
     }
 }
 
-fn decode_step(t: &[f32]) -> u64 {
-    t.iter().fold(0u64, |acc, &x| (acc << 16) | x as u64)
+/// Splits the Adam buffers of `push_adam` out of a reducer state, as an AdamW optimizer state (None when
+/// there are none), and the rest.
+fn split_adam(state: State) -> Result<(Option<OptimState>, State)> {
+    let (saved, rest): (State, State) = state.into_iter().partition(|(n, _)| n.starts_with(PREFIX));
+    if saved.is_empty() {
+        return Ok((None, rest));
+    }
+    let mut adam = OptimState {
+        name: "adamw".into(),
+        step: 0,
+        buffers: Vec::new(),
+    };
+    let mut step = None;
+    for (n, b) in saved {
+        if n == T && b.len() == 3 {
+            step = Some(b.iter().fold(0u64, |acc, &x| (acc << 16) | x as u64));
+        } else if let Some(name) = n.strip_prefix(PREFIX) {
+            adam.buffers.push((name.to_string(), b));
+        }
+    }
+    let Some(step) = step else {
+        anyhow::bail!(crate::error::BadInput(format!(
+            "checkpoint: the reducer state has Adam moments but no valid {T}"
+        )));
+    };
+    adam.step = step;
+    Ok((Some(adam), rest))
 }
 
 /// Moves a checkpoint's Adam state to where this run keeps it: into the reducer state when the run uses
 /// correction and the checkpoint holds an AdamW optimizer (a dense or plain-mode run), back into an
 /// AdamW optimizer state when the run does not and the checkpoint used correction. Returns the
 /// (optimizer, reducer) states to load.
-pub fn carry_over(correction: bool, opt: OptimState, mut reducer: State) -> (OptimState, State) {
+pub fn carry_over(
+    correction: bool,
+    opt: OptimState,
+    reducer: State,
+) -> Result<(OptimState, State)> {
     let has = reducer.iter().any(|(n, _)| n == T);
     if correction && opt.name == "adamw" && !has {
-        let step = opt.step;
+        let (step, mut reducer) = (opt.step, reducer);
         push_adam(&mut reducer, opt);
-        return (optim::Sgd::state_at(step), reducer);
+        return Ok((optim::Sgd::state_at(step), reducer));
     }
     if !correction && opt.name == "sgd" && has {
-        let (adam, rest): (State, State) = reducer
-            .into_iter()
-            .partition(|(n, _)| n.starts_with("correction."));
-        let mut adam_state = OptimState {
-            name: "adamw".into(),
-            step: opt.step,
-            buffers: Vec::new(),
-        };
-        for (n, b) in adam {
-            match n.strip_prefix("correction.") {
-                Some("step") => adam_state.step = decode_step(&b),
-                Some(name) => adam_state.buffers.push((name.to_string(), b)),
-                None => {}
-            }
-        }
-        return (adam_state, rest);
+        let (adam, rest) = split_adam(reducer)?;
+        return Ok((adam.unwrap_or(opt), rest));
     }
-    (opt, reducer)
+    Ok((opt, reducer))
 }
