@@ -23,3 +23,15 @@ pub fn exit_code(err: &anyhow::Error) -> i32 {
         1
     }
 }
+
+/// `p` made absolute against the current directory, lexically (no links resolved, "." parts dropped):
+/// messages name the path that was really tried.
+pub fn absolute(p: &std::path::Path) -> std::path::PathBuf {
+    if p.is_absolute() {
+        return p.to_path_buf();
+    }
+    match std::env::current_dir() {
+        Ok(cwd) => cwd.join(p).components().collect(),
+        Err(_) => p.to_path_buf(),
+    }
+}

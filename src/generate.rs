@@ -118,7 +118,7 @@ pub fn eval_file(
         context: t,
     })
 }
-
+#[derive(Debug, Clone, Copy)]
 pub struct SampleOptions {
     pub max_new_tokens: usize,
     pub temperature: f64,

@@ -10,6 +10,7 @@ pub mod device;
 pub mod error;
 pub mod generate;
 pub mod kernels;
+pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod optim;

@@ -7,6 +7,9 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 use nanodist::config::{self, resolve::format_duration, LaunchEnv};
+use nanodist::generate::SampleOptions;
+use nanodist::slurm;
+use nanodist::train::{preflight, Exit};
 
 /// Training allocates and frees large tensors every step; glibc's malloc maps and unmaps them each time,
 /// and the page faults cost ~8% of a step. mimalloc keeps them for reuse.
@@ -38,6 +41,94 @@ struct ConfigArgs {
     workers: Option<u32>,
 }
 
+#[derive(clap::Args)]
+struct PrepareArgs {
+    /// Input files or directories (read recursively; .jsonl/.ndjson lines are documents, other files are
+    /// one document each).
+    #[arg(long, required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    /// Output directory (train.bin, val.bin, meta.json).
+    #[arg(long)]
+    output: PathBuf,
+    #[arg(long, value_enum, default_value = "gpt2")]
+    tokenizer: TokenizerKind,
+    /// Fraction of documents drawn into the validation split.
+    #[arg(long, default_value_t = 0.0005)]
+    val_fraction: f64,
+    /// Seed of the train/val split.
+    #[arg(long, default_value_t = 2357)]
+    seed: u64,
+    #[arg(long, value_enum, default_value = "nanogpt")]
+    format: OutputFormat,
+    /// JSONL field holding the text.
+    #[arg(long, default_value = "text")]
+    json_key: String,
+    /// Tokenizer threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(clap::Args)]
+struct SampleArgs {
+    /// Checkpoint directory, or a run directory (its newest valid checkpoint).
+    ckpt: PathBuf,
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    max_new_tokens: usize,
+    /// Softmax temperature (> 0; lower is more conservative).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 200)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// Number of samples.
+    #[arg(long, default_value_t = 1)]
+    num_samples: usize,
+}
+
+#[derive(clap::Args)]
+struct SbatchArgs {
+    /// The experiment's TOML file.
+    #[arg(required_unless_present = "print_gpu_template")]
+    config: Option<PathBuf>,
+    /// Override a config key (repeatable); passed on to the job.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Nodes (default 1).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    nodes: Option<u32>,
+    /// Ranks per node (default: train.ranks_per_node, else train.workers / nodes; 1 for the local engine).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    tasks_per_node: Option<u32>,
+    /// CPUs per task (default: train.threads, times the workers on the local engine).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    cpus_per_task: Option<u32>,
+    /// Time limit, HH:MM:SS or D-HH:MM:SS (default: the partition's).
+    #[arg(long)]
+    time: Option<String>,
+    #[arg(long)]
+    partition: Option<String>,
+    /// Run as a chain of array tasks, e.g. 1-10%1; each link resumes where the last stopped.
+    #[arg(long)]
+    array: Option<String>,
+    /// Seconds before the time limit at which nanodist is told to checkpoint and stop.
+    #[arg(long, default_value_t = 120)]
+    signal_secs: u32,
+    /// The nanodist binary the job runs (default: this one; it must be visible on the nodes).
+    #[arg(long)]
+    nanodist: Option<PathBuf>,
+    /// Print the script and the sbatch command instead of submitting.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print scripts/slurm/gpu.sbatch as rendered from the template, and exit.
+    #[arg(long, conflicts_with = "config")]
+    print_gpu_template: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Validate a config and print the resolved plan (world size, batch arithmetic, model size, run time).
@@ -49,31 +140,7 @@ enum Command {
         tokens_per_s: Option<f64>,
     },
     /// Tokenize text, directories of text or JSONL into train/val token files and meta.json.
-    Prepare {
-        /// Input files or directories (read recursively; .jsonl/.ndjson lines are documents, other files are
-        /// one document each).
-        #[arg(long, required = true, num_args = 1..)]
-        input: Vec<PathBuf>,
-        /// Output directory (train.bin, val.bin, meta.json).
-        #[arg(long)]
-        output: PathBuf,
-        #[arg(long, value_enum, default_value = "gpt2")]
-        tokenizer: TokenizerKind,
-        /// Fraction of documents drawn into the validation split.
-        #[arg(long, default_value_t = 0.0005)]
-        val_fraction: f64,
-        /// Seed of the train/val split.
-        #[arg(long, default_value_t = 2357)]
-        seed: u64,
-        #[arg(long, value_enum, default_value = "nanogpt")]
-        format: OutputFormat,
-        /// JSONL field holding the text.
-        #[arg(long, default_value = "text")]
-        json_key: String,
-        /// Tokenizer threads (default: all cores).
-        #[arg(long)]
-        threads: Option<usize>,
-    },
+    Prepare(PrepareArgs),
     /// Train as the config says; resumes from the run directory's newest valid checkpoint.
     Train {
         #[command(flatten)]
@@ -94,64 +161,9 @@ enum Command {
         max_tokens: Option<usize>,
     },
     /// Generate text from a checkpoint.
-    Sample {
-        /// Checkpoint directory, or a run directory (its newest valid checkpoint).
-        ckpt: PathBuf,
-        #[arg(long, default_value = "\n")]
-        prompt: String,
-        /// Tokens to generate.
-        #[arg(long, default_value_t = 200)]
-        max_new_tokens: usize,
-        /// Softmax temperature (> 0; lower is more conservative).
-        #[arg(long, default_value_t = 0.8)]
-        temperature: f64,
-        /// Sample among the k most likely tokens (0: all).
-        #[arg(long, default_value_t = 200)]
-        top_k: usize,
-        #[arg(long, default_value_t = 1337)]
-        seed: u64,
-        /// Number of samples.
-        #[arg(long, default_value_t = 1)]
-        num_samples: usize,
-    },
+    Sample(SampleArgs),
     /// Validate a config for a Slurm job, render its batch script (scripts/slurm/) and submit it.
-    Sbatch {
-        /// The experiment's TOML file.
-        #[arg(required_unless_present = "print_gpu_template")]
-        config: Option<PathBuf>,
-        /// Override a config key (repeatable); passed on to the job.
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        set: Vec<String>,
-        /// Nodes (default 1).
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-        nodes: Option<u32>,
-        /// Ranks per node (default: train.ranks_per_node, else train.workers / nodes; 1 for the local engine).
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
-        tasks_per_node: Option<u32>,
-        /// CPUs per task (default: train.threads, times the workers on the local engine).
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
-        cpus_per_task: Option<u32>,
-        /// Time limit, HH:MM:SS or D-HH:MM:SS (default: the partition's).
-        #[arg(long)]
-        time: Option<String>,
-        #[arg(long)]
-        partition: Option<String>,
-        /// Run as a chain of array tasks, e.g. 1-10%1; each link resumes where the last stopped.
-        #[arg(long)]
-        array: Option<String>,
-        /// Seconds before the time limit at which nanodist is told to checkpoint and stop.
-        #[arg(long, default_value_t = 120)]
-        signal_secs: u32,
-        /// The nanodist binary the job runs (default: this one; it must be visible on the nodes).
-        #[arg(long)]
-        nanodist: Option<PathBuf>,
-        /// Print the script and the sbatch command instead of submitting.
-        #[arg(long)]
-        dry_run: bool,
-        /// Print scripts/slurm/gpu.sbatch as rendered from the template, and exit.
-        #[arg(long, conflicts_with = "config")]
-        print_gpu_template: bool,
-    },
+    Sbatch(SbatchArgs),
     /// Draw loss curves of runs (vs step, tokens, wall time and bytes sent) into a PNG and an SVG.
     Plot {
         /// Run directories (log_dir/<run>).
@@ -180,12 +192,12 @@ enum Command {
 
 fn load(args: &ConfigArgs) -> Result<config::Loaded> {
     let mut launch = LaunchEnv::from_env(args.workers.map(|w| w as usize));
-    launch.data_vocab = nanodist_data_vocab(&args.config, &args.set);
+    launch.data_vocab = data_vocab(&args.config, &args.set);
     Ok(config::load(&args.config, &args.set, &launch)?)
 }
 
 /// The vocabulary of the prepared data, when the config's data directory has a meta.json.
-fn nanodist_data_vocab(path: &std::path::Path, set: &[String]) -> Option<(String, usize)> {
+fn data_vocab(path: &std::path::Path, set: &[String]) -> Option<(String, usize)> {
     let src = std::fs::read_to_string(path).ok()?;
     let (cfg, _) = config::parse(&src, set).ok()?;
     let meta = PathBuf::from(&cfg.data_dir).join("meta.json");
@@ -193,198 +205,183 @@ fn nanodist_data_vocab(path: &std::path::Path, set: &[String]) -> Option<(String
     Some((meta.display().to_string(), m.vocab_size))
 }
 
+/// `check`: the config's rules and everything `train` checks before it starts (data, build, device).
+fn check(args: ConfigArgs, tokens_per_s: Option<f64>) -> Result<()> {
+    let loaded = load(&args)?;
+    preflight::check(&loaded, preflight::Host::Here)?;
+    for note in &loaded.notes {
+        tracing::info!("note: {note}");
+    }
+    println!("{}: ok", loaded.path.display());
+    println!("{}", loaded.plan);
+    match tokens_per_s {
+        Some(tps) if tps > 0.0 => println!(
+            "run time          {} at {tps} tokens/s",
+            format_duration(loaded.plan.run_seconds(tps))
+        ),
+        Some(tps) => {
+            return Err(nanodist::bad_input!(
+                "--tokens-per-s must be positive, found {tps}"
+            ))
+        }
+        None => println!("run time          pass --tokens-per-s N for an estimate"),
+    }
+    Ok(())
+}
+
+fn prepare(a: PrepareArgs) -> Result<()> {
+    let report = data::prepare(&PrepareOptions {
+        inputs: a.input,
+        output: a.output,
+        tokenizer: a.tokenizer,
+        val_fraction: a.val_fraction,
+        seed: a.seed,
+        format: a.format,
+        json_key: a.json_key,
+        threads: a.threads,
+        progress: true,
+    })?;
+    let m = &report.meta;
+    println!(
+        "{} tokenizer (vocab {}): train {} tokens in {} documents, val {} tokens in {} documents ({} split)",
+        m.tokenizer.name(),
+        m.vocab_size,
+        m.train.tokens,
+        m.train.documents,
+        m.val.tokens,
+        m.val.documents,
+        m.split
+    );
+    println!(
+        "{:.1} MB in {:.2} s: {:.2} MB/s",
+        m.input_bytes as f64 / 1e6,
+        report.seconds,
+        report.mb_per_s()
+    );
+    for f in &m.files {
+        println!("wrote {f}");
+    }
+    Ok(())
+}
+
+fn train(args: ConfigArgs) -> Result<()> {
+    let loaded = load(&args)?;
+    // In a multi-process job only rank 0 talks.
+    let root = LaunchEnv::process_rank().unwrap_or(0) == 0;
+    if root {
+        for note in &loaded.notes {
+            tracing::info!("note: {note}");
+        }
+        eprintln!("{}", loaded.plan);
+    }
+    let summary = nanodist::train::run(&loaded)?;
+    if !root {
+        return Ok(());
+    }
+    let how = match &summary.exit {
+        Exit::Finished => "finished".to_string(),
+        Exit::ExitInterval => "stopped at train.exit_interval".to_string(),
+        Exit::ExitDuration => "stopped at train.exit_duration_mins".to_string(),
+        Exit::Signal(s) => format!("stopped by {s} after saving a checkpoint"),
+    };
+    println!(
+        "{how} at step {} (last val loss {}); run directory {}",
+        summary.step,
+        summary
+            .last_val_loss
+            .map_or("n/a".into(), |v| format!("{v:.4}")),
+        summary.run_dir.display()
+    );
+    Ok(())
+}
+
+fn eval(ckpt: PathBuf, data: PathBuf, batch_size: usize, max_tokens: Option<usize>) -> Result<()> {
+    let r = nanodist::generate::eval_file(&ckpt, &data, batch_size, max_tokens)?;
+    println!(
+        "{}: {} tokens in {} windows of {}: loss {:.4}, perplexity {:.2}",
+        data.display(),
+        r.tokens,
+        r.windows,
+        r.context,
+        r.loss,
+        r.loss.exp()
+    );
+    Ok(())
+}
+
+fn sample(a: SampleArgs) -> Result<()> {
+    let prompt = a.prompt.replace("\\n", "\n");
+    for i in 0..a.num_samples {
+        let opts = SampleOptions {
+            max_new_tokens: a.max_new_tokens,
+            temperature: a.temperature,
+            top_k: a.top_k,
+            seed: a.seed + i as u64,
+        };
+        println!("{}", nanodist::generate::sample(&a.ckpt, &prompt, &opts)?);
+        if i + 1 < a.num_samples {
+            println!("---------------");
+        }
+    }
+    Ok(())
+}
+
+fn sbatch(a: SbatchArgs) -> Result<()> {
+    let Some(config) = a.config.filter(|_| !a.print_gpu_template) else {
+        print!("{}", slurm::gpu_template());
+        return Ok(());
+    };
+    let opts = slurm::JobOptions {
+        nodes: a.nodes.map(|n| n as usize),
+        tasks_per_node: a.tasks_per_node.map(|n| n as usize),
+        cpus_per_task: a.cpus_per_task.map(|n| n as usize),
+        time: a.time,
+        partition: a.partition,
+        array: a.array,
+        signal_secs: a.signal_secs,
+        nanodist: a.nanodist,
+    };
+    let job = slurm::prepare(&config, &a.set, &opts)?;
+    if a.dry_run {
+        print!("{}", job.script);
+        println!("# submit with: {}", slurm::command_line(&job));
+        return Ok(());
+    }
+    let (id, path) = slurm::submit(&job)?;
+    println!(
+        "submitted job {id} ({} task(s), engine {}): script {}; run directory {}/{id}",
+        job.tasks,
+        job.loaded.plan.engine.name(),
+        path.display(),
+        job.loaded.config.log_dir
+    );
+    Ok(())
+}
+
+fn schema(output: Option<PathBuf>) -> Result<()> {
+    let text = serde_json::to_string_pretty(&config::schema())? + "\n";
+    match output {
+        Some(p) => std::fs::write(&p, text).with_context(|| format!("writing {}", p.display())),
+        None => {
+            print!("{text}");
+            Ok(())
+        }
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Check { args, tokens_per_s } => {
-            let loaded = load(&args)?;
-            for note in &loaded.notes {
-                println!("note: {note}");
-            }
-            println!("{}: ok", loaded.path.display());
-            println!("{}", loaded.plan);
-            match tokens_per_s {
-                Some(tps) if tps > 0.0 => println!(
-                    "run time          {} at {tps} tokens/s",
-                    format_duration(loaded.plan.run_seconds(tps))
-                ),
-                Some(tps) => {
-                    return Err(nanodist::bad_input!(
-                        "--tokens-per-s must be positive, found {tps}"
-                    ))
-                }
-                None => println!("run time          pass --tokens-per-s N for an estimate"),
-            }
-            Ok(())
-        }
-        Command::Prepare {
-            input,
-            output,
-            tokenizer,
-            val_fraction,
-            seed,
-            format,
-            json_key,
-            threads,
-        } => {
-            let report = data::prepare(&PrepareOptions {
-                inputs: input,
-                output,
-                tokenizer,
-                val_fraction,
-                seed,
-                format,
-                json_key,
-                threads,
-                progress: true,
-            })?;
-            let m = &report.meta;
-            println!(
-                "{} tokenizer (vocab {}): train {} tokens in {} documents, val {} tokens in {} documents ({} split)",
-                m.tokenizer.name(),
-                m.vocab_size,
-                m.train.tokens,
-                m.train.documents,
-                m.val.tokens,
-                m.val.documents,
-                m.split
-            );
-            println!(
-                "{:.1} MB in {:.2} s: {:.2} MB/s",
-                m.input_bytes as f64 / 1e6,
-                report.seconds,
-                report.mb_per_s()
-            );
-            for f in &m.files {
-                println!("wrote {f}");
-            }
-            Ok(())
-        }
-        Command::Train { args } => {
-            let loaded = load(&args)?;
-            // In a multi-process job only rank 0 talks.
-            let root = LaunchEnv::process_rank().unwrap_or(0) == 0;
-            if root {
-                for note in &loaded.notes {
-                    eprintln!("note: {note}");
-                }
-                eprintln!("{}", loaded.plan);
-            }
-            let summary = nanodist::train::run(&loaded)?;
-            if !root {
-                return Ok(());
-            }
-            let how = match &summary.exit {
-                nanodist::train::Exit::Finished => "finished".to_string(),
-                nanodist::train::Exit::ExitInterval => "stopped at train.exit_interval".to_string(),
-                nanodist::train::Exit::ExitDuration => {
-                    "stopped at train.exit_duration_mins".to_string()
-                }
-                nanodist::train::Exit::Signal(s) => {
-                    format!("stopped by {s} after saving a checkpoint")
-                }
-            };
-            println!(
-                "{how} at step {} (last val loss {}); run directory {}",
-                summary.step,
-                summary
-                    .last_val_loss
-                    .map_or("n/a".into(), |v| format!("{v:.4}")),
-                summary.run_dir.display()
-            );
-            Ok(())
-        }
+        Command::Check { args, tokens_per_s } => check(args, tokens_per_s),
+        Command::Prepare(a) => prepare(a),
+        Command::Train { args } => train(args),
         Command::Eval {
             ckpt,
             data,
             batch_size,
             max_tokens,
-        } => {
-            let r = nanodist::generate::eval_file(&ckpt, &data, batch_size, max_tokens)?;
-            println!(
-                "{}: {} tokens in {} windows of {}: loss {:.4}, perplexity {:.2}",
-                data.display(),
-                r.tokens,
-                r.windows,
-                r.context,
-                r.loss,
-                r.loss.exp()
-            );
-            Ok(())
-        }
-        Command::Sample {
-            ckpt,
-            prompt,
-            max_new_tokens,
-            temperature,
-            top_k,
-            seed,
-            num_samples,
-        } => {
-            let prompt = prompt.replace("\\n", "\n");
-            for i in 0..num_samples {
-                let text = nanodist::generate::sample(
-                    &ckpt,
-                    &prompt,
-                    &nanodist::generate::SampleOptions {
-                        max_new_tokens,
-                        temperature,
-                        top_k,
-                        seed: seed + i as u64,
-                    },
-                )?;
-                println!("{text}");
-                if i + 1 < num_samples {
-                    println!("---------------");
-                }
-            }
-            Ok(())
-        }
-        Command::Sbatch {
-            config,
-            set,
-            nodes,
-            tasks_per_node,
-            cpus_per_task,
-            time,
-            partition,
-            array,
-            signal_secs,
-            nanodist,
-            dry_run,
-            print_gpu_template,
-        } => {
-            use nanodist::slurm;
-            let Some(config) = config.filter(|_| !print_gpu_template) else {
-                print!("{}", slurm::gpu_template());
-                return Ok(());
-            };
-            let opts = slurm::JobOptions {
-                nodes: nodes.map(|n| n as usize),
-                tasks_per_node: tasks_per_node.map(|n| n as usize),
-                cpus_per_task: cpus_per_task.map(|n| n as usize),
-                time,
-                partition,
-                array,
-                signal_secs,
-                nanodist,
-            };
-            let job = slurm::prepare(&config, &set, &opts)?;
-            if dry_run {
-                print!("{}", job.script);
-                println!("# submit with: {}", slurm::command_line(&job));
-                return Ok(());
-            }
-            slurm::preflight(&job)?;
-            let (id, path) = slurm::submit(&job)?;
-            println!(
-                "submitted job {id} ({} task(s), engine {}): script {}; run directory {}/{id}",
-                job.tasks,
-                job.loaded.plan.engine.name(),
-                path.display(),
-                job.loaded.config.log_dir
-            );
-            Ok(())
-        }
+        } => eval(ckpt, data, batch_size, max_tokens),
+        Command::Sample(a) => sample(a),
+        Command::Sbatch(a) => sbatch(a),
         Command::Plot { runs, output } => {
             let runs = nanodist::report::load_runs(&runs)?;
             let (png, svg) = nanodist::report::plot::plot(&runs, &output)?;
@@ -396,18 +393,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", nanodist::report::compare(&runs, target));
             Ok(())
         }
-        Command::Schema { output } => {
-            let text = serde_json::to_string_pretty(&config::schema())? + "\n";
-            match output {
-                Some(p) => {
-                    std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
-                }
-                None => {
-                    print!("{text}");
-                    Ok(())
-                }
-            }
-        }
+        Command::Schema { output } => schema(output),
     }
 }
 
@@ -419,6 +405,7 @@ fn main() -> ExitCode {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
+    nanodist::logging::init();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::bad_input;
 use crate::config::{self, Engine, LaunchEnv, Loaded};
+use crate::train::preflight;
 
 /// The batch script every job runs (one source: scripts/slurm/gpu.sbatch is rendered from it).
 pub const TEMPLATE: &str = include_str!("../scripts/slurm/cpu.sbatch");
@@ -36,8 +37,6 @@ pub struct Job {
     pub args: Vec<String>,
     pub loaded: Loaded,
     pub tasks: usize,
-    /// The job runs this very binary (so its build features decide what the job can run).
-    pub own_binary: bool,
 }
 
 /// Sets `#SBATCH --key=value` (replacing the template's line, or adding one after the last directive),
@@ -144,17 +143,19 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
     let nodes = opts.nodes.unwrap_or(1).max(1);
     let world_cfg = t.workers.unwrap_or(1);
     let tasks_per_node = opts.tasks_per_node.or(t.ranks_per_node).unwrap_or_else(|| {
-        if t.engine == Engine::Local {
+        if matches!(t.engine, Engine::Local | Engine::Auto) {
             1
         } else {
             (world_cfg / nodes).max(1)
         }
     });
     let tasks = nodes * tasks_per_node;
-    // One task runs the config's engine (local threads included); several tasks need MPI or NCCL.
+    // The engine the job runs, resolved as `train` resolves "auto" under srun (one task: local threads;
+    // several: MPI) and passed on to it explicitly; a config written for the local engine runs its ranks
+    // on MPI when the job has several tasks.
     let engine = match (t.engine, tasks) {
-        (Engine::Local, 1) => Engine::Local,
-        (Engine::Local, _) => Engine::Mpi,
+        (Engine::Auto | Engine::Local, 1) => Engine::Local,
+        (Engine::Auto | Engine::Local, _) => Engine::Mpi,
         (e, _) => e,
     };
     let mut set = set.to_vec();
@@ -170,6 +171,9 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
     if let Some(time) = &opts.time {
         check_time(time)?;
     }
+    // What `train` checks at the start of the job, checked before it waits in the queue.
+    let own_binary = opts.nanodist.is_none();
+    preflight::check(&loaded, preflight::Host::Job { own_binary })?;
     let cfg = &loaded.config;
     let threads = cfg.train.threads.unwrap_or(1);
     let cpus = opts.cpus_per_task.unwrap_or(if engine == Engine::Local {
@@ -177,9 +181,9 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
     } else {
         threads
     });
-    let log_dir = absolute(Path::new(&cfg.log_dir))?;
+    let log_dir = crate::error::absolute(Path::new(&cfg.log_dir));
     let nanodist = match &opts.nanodist {
-        Some(p) => absolute(p)?,
+        Some(p) => crate::error::absolute(p),
         None => std::env::current_exe().context("locating the nanodist binary")?,
     };
     let gpus = (engine == Engine::Nccl).then(|| tasks_per_node.to_string());
@@ -222,49 +226,12 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
         args,
         loaded,
         tasks,
-        own_binary: opts.nanodist.is_none(),
     })
-}
-
-fn absolute(p: &Path) -> Result<PathBuf> {
-    if p.is_absolute() {
-        return Ok(p.to_path_buf());
-    }
-    // Lexically, without resolving links; `components` drops the "." parts.
-    Ok(std::env::current_dir()
-        .context("reading the current directory")?
-        .join(p)
-        .components()
-        .collect())
-}
-
-/// What the job would fail on at its start, checked before it waits in the queue: an engine or backend
-/// this build cannot run, and data files that are missing or damaged.
-pub fn preflight(job: &Job) -> Result<()> {
-    let (cfg, plan) = (&job.loaded.config, &job.loaded.plan);
-    if job.own_binary && plan.engine == Engine::Nccl && !cfg!(feature = "cuda") {
-        return Err(bad_input!(
-            "this job needs the \"nccl\" engine, but this nanodist was built without CUDA support; \
-             rebuild with `cargo build --release --features cuda,mpi` on the cluster"
-        ));
-    }
-    if job.own_binary && plan.engine == Engine::Mpi && !cfg!(feature = "mpi") {
-        return Err(bad_input!(
-            "this job needs the \"mpi\" engine ({} tasks), but this nanodist was built without MPI; \
-             rebuild with `cargo build --release --features mpi`",
-            job.tasks
-        ));
-    }
-    let window = cfg.train.context_length + 1;
-    for split in [crate::data::Split::Train, crate::data::Split::Val] {
-        crate::data::Blend::open(cfg, split, window, cfg.model.vocab_size)?;
-    }
-    Ok(())
 }
 
 /// Writes the script to `<log_dir>/sbatch/` and submits it; returns the job id.
 pub fn submit(job: &Job) -> Result<(String, PathBuf)> {
-    let log_dir = absolute(Path::new(&job.loaded.config.log_dir))?;
+    let log_dir = crate::error::absolute(Path::new(&job.loaded.config.log_dir));
     let dir = log_dir.join("sbatch");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())

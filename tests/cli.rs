@@ -1,15 +1,12 @@
 //! The command line: exit codes, the plan printed by `check`, `schema` output, vocabulary checks against
 //! prepared data, and text in and out of a trained model.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
-fn nanodist(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_nanodist"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+use std::path::Path;
+use std::process::Output;
+
+use common::{make_data, nanodist, write_tiny_config};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -18,9 +15,14 @@ fn root() -> &'static Path {
 #[test]
 fn check_prints_the_resolved_plan() {
     let cfg = root().join("config/gpt2-small.toml");
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let data = format!("data_dir={:?}", dir.path().display().to_string());
     let out = nanodist(&[
         "check",
         cfg.to_str().unwrap(),
+        "--set",
+        &data,
         "--workers",
         "4",
         "--tokens-per-s",
@@ -32,8 +34,10 @@ fn check_prints_the_resolved_plan() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     for want in [
+        "synchronisation   all-reduce in buckets of 25.0 MB",
         "world size        4",
         "local batch       30 sequences",
         "accumulation      4 micro-steps",
@@ -139,11 +143,23 @@ fn char_model_trains_samples_and_evaluates_text() {
     ]);
     assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
     let cfg = dir.path().join("c.toml");
-    std::fs::write(&cfg, format!(
-        "log_dir = {:?}\ndata_dir = {:?}\n[log]\nrun_name = \"r\"\neval_interval = 30\neval_steps = 2\n\
-         [train]\nglobal_batch_size = 8\ncontext_length = 32\nn_steps = 30\n[train.lr_schedule]\nname = \"cosine\"\n\
-         lr = 1e-2\nwarmup_steps = 3\neta_min = 1e-3\n[model]\nn_layers = 1\nn_heads = 2\nn_embd = 32\nvocab_size = 32\n",
-        dir.path().join("log").display().to_string(), data.display().to_string())).unwrap();
+    let data_dir = format!("data_dir={:?}", data.display().to_string());
+    let text = common::config(
+        dir.path(),
+        Some("r"),
+        &[
+            &data_dir,
+            "log.eval_interval=30",
+            "log.eval_steps=2",
+            "log.log_interval=10",
+            "train.context_length=32",
+            "train.n_steps=30",
+            "train.lr_schedule={name=\"cosine\", lr=1e-2, warmup_steps=3, eta_min=1e-3}",
+            "model.n_layers=1",
+            "model.vocab_size=32",
+        ],
+    );
+    std::fs::write(&cfg, text).unwrap();
     let t = nanodist(&[
         "train",
         cfg.to_str().unwrap(),
@@ -211,4 +227,174 @@ fn char_model_trains_samples_and_evaluates_text() {
         "x.bin",
     ]);
     assert_eq!(bad.status.code(), Some(2));
+}
+
+fn text(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
+}
+
+/// `check`, `sbatch --dry-run` and `train` run one set of checks: for each bad input all three exit 2
+/// with the same reason, and `train` creates no run directory.
+#[test]
+fn check_sbatch_and_train_refuse_the_same_inputs_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let cfg = cfg.to_str().unwrap();
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["--set", "data_dir=\"/nonexistent\""],
+            "/nonexistent/train.bin",
+        ),
+        (
+            &["--set", "train.engine=\"nccl\""],
+            "built without CUDA support",
+        ),
+        (
+            &["--set", "train.device=\"cuda\""],
+            "built without CUDA support",
+        ),
+        (
+            &[
+                "--set",
+                "train.compression={name=\"radius\", correction=true}",
+                "--set",
+                "train.optim={name=\"accumadamw\"}",
+            ],
+            "train.compression.correction",
+        ),
+        (
+            &[
+                "--set",
+                "train.backend=\"decentdp\"",
+                "--set",
+                "train.topology=\"alternating-exp-ring\"",
+                "--set",
+                "train.workers=4",
+                "--set",
+                "train.ranks_per_node=4",
+            ],
+            "--set train.ranks_per_node=2",
+        ),
+    ];
+    for (set, why) in cases {
+        for cmd in [&["check"][..], &["sbatch", "--dry-run"], &["train"]] {
+            let mut args: Vec<&str> = cmd.to_vec();
+            args.push(cfg);
+            args.extend(set);
+            let out = nanodist(&args);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+            assert!(
+                text(&out).contains(why),
+                "{args:?}: {why:?} missing:\n{}",
+                text(&out)
+            );
+        }
+        assert!(
+            !dir.path().join("log/r").exists(),
+            "{set:?}: train created its run directory"
+        );
+    }
+}
+
+/// The decentralized seed config on one worker: `check`, `sbatch` (one task) and `train` all accept it
+/// (gossip degenerates to local training), and the same one-worker layout trains.
+#[test]
+fn one_worker_gossip_passes_check_sbatch_and_train_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let data = format!("data_dir={:?}", dir.path().display().to_string());
+    let seed = root().join("config/decent-gpt2-small.toml");
+    let seed = seed.to_str().unwrap();
+    let check = nanodist(&["check", seed, "--set", &data]);
+    assert_eq!(check.status.code(), Some(0), "{}", text(&check));
+    assert!(text(&check).contains("degenerates to local training"));
+    let dry = nanodist(&[
+        "sbatch",
+        seed,
+        "--set",
+        &data,
+        "--nodes",
+        "1",
+        "--tasks-per-node",
+        "1",
+        "--dry-run",
+    ]);
+    assert_eq!(dry.status.code(), Some(0), "{}", text(&dry));
+    let tiny = write_tiny_config(dir.path(), "g.toml", "g", "");
+    let t = nanodist(&[
+        "train",
+        tiny.to_str().unwrap(),
+        "--set",
+        "train.backend=\"decentdp\"",
+        "--set",
+        "train.topology=\"alternating-exp-ring\"",
+        "--set",
+        "train.n_steps=5",
+    ]);
+    assert_eq!(t.status.code(), Some(0), "{}", text(&t));
+}
+
+/// A relative path that does not resolve is shown absolute.
+#[test]
+fn a_missing_relative_data_dir_is_named_absolute() {
+    let out = nanodist(&[
+        "check",
+        root().join("config/quickstart-char.toml").to_str().unwrap(),
+        "--set",
+        "data_dir=\"no/such/dir\"",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let want = std::env::current_dir()
+        .unwrap()
+        .join("no/such/dir/train.bin");
+    assert!(
+        text(&out).contains(&want.display().to_string()),
+        "{}",
+        text(&out)
+    );
+}
+
+/// Resuming with a different model is refused before anything is written: config.toml stays the
+/// checkpoint's. A damaged newest checkpoint is skipped with a warning the user sees.
+#[test]
+fn resume_checks_happen_before_writes_and_skipped_checkpoints_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let cfg = cfg.to_str().unwrap();
+    let first = nanodist(&["train", cfg, "--set", "log.ckpt_interval=10"]);
+    assert_eq!(first.status.code(), Some(0), "{}", text(&first));
+    let run = dir.path().join("log/r");
+    let saved = std::fs::read(run.join("config.toml")).unwrap();
+    let changed = nanodist(&[
+        "train",
+        cfg,
+        "--set",
+        "model.n_embd=64",
+        "--set",
+        "train.n_steps=30",
+    ]);
+    assert_eq!(changed.status.code(), Some(2), "{}", text(&changed));
+    assert!(
+        text(&changed).contains("model.n_embd = 32 there, 64 here"),
+        "{}",
+        text(&changed)
+    );
+    assert_eq!(std::fs::read(run.join("config.toml")).unwrap(), saved);
+    // Corrupt the newest checkpoint's model: the resume falls back to step 10 and says why.
+    let newest = run.join("checkpoints/step_00000020/model.safetensors");
+    let mut bytes = std::fs::read(&newest).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&newest, bytes).unwrap();
+    let again = nanodist(&["train", cfg, "--set", "train.n_steps=30"]);
+    assert_eq!(again.status.code(), Some(0), "{}", text(&again));
+    let log = text(&again);
+    assert!(log.contains("skipping damaged checkpoint"), "{log}");
+    assert!(log.contains("WARN"), "{log}");
+    assert!(
+        log.contains("step_00000010 (full state) at step 10"),
+        "{log}"
+    );
 }

@@ -143,23 +143,24 @@ fn error_feedback_conserves_mass() {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f64::max);
         assert!(d < 1e-4, "{name}: {d}");
-        // And compression did happen: the residual is not zero.
-        assert!(
-            results[0]
-                .1
-                .iter()
-                .any(|(_, v)| v.iter().any(|&x| x != 0.0)),
-            "{name}"
-        );
+        // And compression did happen: this reducer's residual buffer is not zero on any rank.
+        for (rank, (_, state)) in results.iter().enumerate() {
+            let (_, res) = state.iter().find(|(k, _)| k == buffer).expect(buffer);
+            assert!(
+                res.iter().any(|&x| x != 0.0),
+                "{name}: rank {rank}'s {buffer} is all zero"
+            );
+        }
     };
     check(
         "topk",
         run(n, steps, || Box::new(TopK::new(tensors(), 0.1, true))),
         "residual",
     );
+    // Re-selections at steps 1 and 4 clear the residual; the last step (5) is a stable one.
     let radius = RadiusConfig {
         density: 0.1,
-        interval: 4,
+        interval: 3,
         threshold: 1,
         range: 1,
         ..RadiusConfig::default()

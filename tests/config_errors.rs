@@ -33,6 +33,42 @@ type Case = (
 
 const CASES: &[Case] = &[
     (
+        "radius correction without adamw",
+        "[train.optim]\nname = 'accumadamw'\n[train.compression]\nname = 'radius'\ncorrection = true\n",
+        &[],
+        1,
+        "train.compression.correction",
+        "bad.toml:5:14",
+        &["train.optim.name = \"adamw\"", "accumadamw"],
+    ),
+    (
+        "powersgd single all-reduce without warm start",
+        "[train.compression]\nname = 'powersgd'\nsingle_allreduce = true\nwarm_start = false\n",
+        &[],
+        1,
+        "train.compression.single_allreduce",
+        "bad.toml:3:20",
+        &["warm_start = true"],
+    ),
+    (
+        "alternating-exp-ring on one node, with a hint that fits",
+        "[train]\nbackend = 'decentdp'\ntopology = 'alternating-exp-ring'\n",
+        &[],
+        4,
+        "train.topology",
+        "bad.toml:3:12",
+        &["1 node(s)", "--set train.ranks_per_node=2"],
+    ),
+    (
+        "alternating-exp-ring on an odd world",
+        "[train]\nbackend = 'decentdp'\ntopology = 'alternating-exp-ring'\nglobal_batch_size = 6\n",
+        &[],
+        3,
+        "train.topology",
+        "bad.toml:3:12",
+        &["odd world size has no such layout"],
+    ),
+    (
         "typo in top-level key",
         "log_dri = 'x'\n",
         &[],
@@ -487,6 +523,33 @@ fn syntax_errors_have_a_position() {
 }
 
 #[test]
+fn a_duplicated_key_is_named_with_its_line() {
+    let err = errors("[train]\nn_steps = 3\nseed = 1\nn_steps = 4\n", &[], 1);
+    let text = err.to_string();
+    assert!(
+        text.contains("bad.toml:4:1: TOML syntax error: duplicate key `n_steps`"),
+        "{text}"
+    );
+}
+
+/// The hint of every alternating-exp-ring layout error fixes it: the suggested --set loads.
+#[test]
+fn the_alternating_exp_ring_hint_fixes_the_layout() {
+    let src = "[train]\nbackend = 'decentdp'\ntopology = 'alternating-exp-ring'\nglobal_batch_size = 48\n";
+    for workers in [2, 4, 6, 8, 12, 16, 24] {
+        let text = errors(src, &[], workers).to_string();
+        let hint = text
+            .split("--set ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no --set hint for {workers} workers: {text}"));
+        let set = vec![hint.to_string()];
+        config::load_str(Path::new("ok.toml"), src, &set, &launch(workers))
+            .unwrap_or_else(|e| panic!("{workers} workers with --set {hint}: {e}"));
+    }
+}
+
+#[test]
 fn malformed_overrides_are_errors() {
     for set in ["train.seed", "=3", "a..b=1", "train.seed.x=1"] {
         let err = errors("[train]\nseed = 1\n", &[set], 1);
@@ -496,12 +559,22 @@ fn malformed_overrides_are_errors() {
 
 #[test]
 fn one_worker_gossip_is_a_note_not_an_error() {
-    let src = "[train]\nbackend = 'decentdp'\ntopology = 'ring'\n";
-    let loaded = config::load_str(Path::new("ok.toml"), src, &[], &launch(1)).unwrap();
-    assert!(loaded
-        .notes
-        .iter()
-        .any(|n| n.contains("degenerates to local training")));
+    // Every topology, the node-layout one included: one rank has nothing to mix with.
+    for topo in ["complete", "ring", "exp", "alternating-exp-ring"] {
+        let src = format!("[train]\nbackend = 'decentdp'\ntopology = '{topo}'\n");
+        let loaded = config::load_str(Path::new("ok.toml"), &src, &[], &launch(1)).unwrap();
+        assert!(loaded
+            .notes
+            .iter()
+            .any(|n| n.contains("degenerates to local training")));
+        // And the backend builds for that plan: what `check` accepts, `train` runs.
+        nanodist::sync::build(
+            &loaded.plan.sync,
+            Box::new(nanodist::comm::Solo),
+            Vec::new(),
+        )
+        .unwrap_or_else(|e| panic!("{topo}: {e}"));
+    }
 }
 
 proptest! {

@@ -1,6 +1,8 @@
 //! Token data: prepare writes what it claims, formats round-trip, corrupt files are rejected, Python's
 //! nanoGPT-style files are read as they are.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -205,7 +207,7 @@ fn nanogpt_file_written_by_python_is_read_identically() {
     match out {
         Ok(o) if o.status.success() => {}
         Ok(o) if String::from_utf8_lossy(&o.stderr).contains("No module named 'numpy'") => {
-            eprintln!("skipped: numpy not installed");
+            common::skip_python("Python numpy not installed");
             return;
         }
         other => panic!("python failed: {other:?}"),

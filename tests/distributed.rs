@@ -242,24 +242,6 @@ fn seed_configs_run_scaled_down_with_four_local_workers() {
     }
 }
 
-/// The dense mixing matrix of one round (row i: the weights rank i gives each rank).
-fn mixing_matrix(round: &topology::Round, n: usize) -> Vec<Vec<f64>> {
-    let mut w = vec![vec![0.0; n]; n];
-    for g in round {
-        let r = g.ranks.len();
-        for &i in &g.ranks {
-            for &j in &g.ranks {
-                w[i][j] = if i == j {
-                    g.weight
-                } else {
-                    (1.0 - g.weight) / (r - 1) as f64
-                };
-            }
-        }
-    }
-    w
-}
-
 /// Per-rank quadratic f_i(x) = |x - c_i|^2 / 2 with plain SGD: the gradient at x is x - c_i.
 fn target(rank: usize, i: usize) -> f64 {
     ((i * 7 + rank * 11) % 13) as f64 - 6.0
@@ -270,7 +252,10 @@ fn overlapped_gossip_is_the_synchronous_recurrence_with_one_step_of_delay() {
     let (n, dim, steps, lr) = (4usize, 9usize, 9u64, 0.3f64);
     for topo in [Topology::Ring, Topology::Exp] {
         let rounds = topology::rounds(topo, n, n).unwrap();
-        let w: Vec<_> = rounds.iter().map(|r| mixing_matrix(r, n)).collect();
+        let w: Vec<_> = rounds
+            .iter()
+            .map(|r| topology::mixing_matrix(r, n).unwrap())
+            .collect();
         let grad = |x: &[f64], rank: usize| -> Vec<f64> {
             (0..dim).map(|i| x[i] - target(rank, i)).collect()
         };

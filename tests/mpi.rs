@@ -95,6 +95,56 @@ fn assert_same(local: &[Row], mpi: &[Row], what: &str) {
     }
 }
 
+/// A config that does not name an engine runs on MPI under mpirun (engine "auto") and equals the local
+/// engine's 2 workers; an explicit "local" under mpirun stays a clear error (exit 2 on every rank).
+#[test]
+fn the_default_engine_is_mpi_under_mpirun_and_explicit_local_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let cfg = write_config(d.path(), "auto");
+    let args = |extra: &[&str]| -> Vec<String> {
+        let mut a = vec!["train".into(), cfg.display().to_string()];
+        for s in ["train.threads=1"].iter().chain(extra) {
+            a.extend(["--set".to_string(), s.to_string()]);
+        }
+        a
+    };
+    let spawn = |a: Vec<String>| {
+        let child = mpirun(2, &a)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mpirun on PATH");
+        wait_with_deadline(child, Duration::from_secs(300))
+    };
+    let out = spawn(args(&[]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let resolved = std::fs::read_to_string(d.path().join("log/auto/config.toml")).unwrap();
+    assert!(resolved.contains("engine = \"mpi\""), "{resolved}");
+    let mpi = read_rows(&d.path().join("log/auto/metrics.jsonl")).unwrap();
+    assert_same(
+        &run_local(d.path(), "auto-local", 2, &[]),
+        &mpi,
+        "engine auto",
+    );
+
+    let local = spawn(args(&[
+        "train.engine=\"local\"",
+        "log.run_name=\"refused\"",
+    ]));
+    let stderr = String::from_utf8_lossy(&local.stderr);
+    assert!(!local.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the launcher started 2 processes but the engine is \"local\""),
+        "{stderr}"
+    );
+    assert!(!d.path().join("log/refused").exists());
+}
+
 #[test]
 fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
     let d = tempfile::tempdir().unwrap();

@@ -18,15 +18,8 @@ use common::make_data;
 const EXE: &str = env!("CARGO_BIN_EXE_nanodist");
 
 /// A small run without run_name, so that the job names its run directory after the job id.
-fn config_text(dir: &Path, extra: &str) -> String {
-    format!(
-        "log_dir = {:?}\ndata_dir = {:?}\n[log]\neval_interval = 10\neval_steps = 4\nlog_interval = 1\n\
-         ckpt_interval = 10\n[train]\nseed = 3\nglobal_batch_size = 8\ncontext_length = 16\nn_steps = 20\n\
-         {extra}\n[train.lr_schedule]\nname = \"cosine\"\nlr = 3e-3\nwarmup_steps = 4\neta_min = 3e-4\n\
-         [model]\nn_layers = 2\nn_heads = 2\nn_embd = 32\nvocab_size = 64\nbias = true\n",
-        dir.join("log").display().to_string(),
-        dir.display().to_string()
-    )
+fn config_text(dir: &Path, set: &[&str]) -> String {
+    common::config(dir, None, &[&["log.ckpt_interval=10"], set].concat())
 }
 
 /// The local cluster is one 2-CPU node: tests that submit jobs take turns, so that no job waits in the queue
@@ -130,7 +123,7 @@ fn assert_same_losses(job: &[Row], local: &[Row], what: &str) {
     }
 }
 
-fn setup(extra: &str) -> (tempfile::TempDir, PathBuf) {
+fn setup(set: &[&str]) -> (tempfile::TempDir, PathBuf) {
     // Slurm's daemons run as root and the job reads the files: keep them outside private tmp dirs.
     let d = tempfile::Builder::new()
         .prefix("nanodist-slurm-")
@@ -140,7 +133,7 @@ fn setup(extra: &str) -> (tempfile::TempDir, PathBuf) {
         .unwrap();
     make_data(d.path());
     let cfg = d.path().join("run.toml");
-    std::fs::write(&cfg, config_text(d.path(), extra)).unwrap();
+    std::fs::write(&cfg, config_text(d.path(), set)).unwrap();
     (d, cfg)
 }
 
@@ -150,7 +143,7 @@ fn sbatch_runs_a_two_rank_mpi_job_to_the_end() {
     if !slurm_up() {
         return;
     }
-    let (d, cfg) = setup("");
+    let (d, cfg) = setup(&[]);
     let id = sbatch(&cfg, &["--tasks-per-node", "2", "--time", "00:05:00"]);
     wait_job(&id, Duration::from_secs(240));
     let run = d.path().join("log").join(&id);
@@ -166,7 +159,7 @@ fn sbatch_runs_a_two_rank_mpi_job_to_the_end() {
     let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
     assert_same_losses(
         &rows,
-        &local_rows(&config_text(d.path(), ""), 2),
+        &local_rows(&config_text(d.path(), &[]), 2),
         "sbatch job",
     );
 }
@@ -182,17 +175,15 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
     // shell itself once the job has logged its first metrics row (step 250; the job's console output
     // reaches its file only in large blocks, and a signal can take seconds to arrive): the trap, the
     // checkpoint and the requeue are the time limit's. 20000 steps of ~2 ms outlast the delivery.
-    let extra = "n_steps = 20000";
-    let (d, cfg) = setup(extra);
-    let patched = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("n_steps = 20\n", "")
-        .replace("log_interval = 1\n", "log_interval = 250\n")
-        .replace("eval_interval = 10\n", "eval_interval = 5000\n")
-        .replace("ckpt_interval = 10\n", "ckpt_interval = 0\n")
-        .replace("n_embd = 32", "n_embd = 64")
-        .replace("context_length = 16", "context_length = 32");
-    std::fs::write(&cfg, &patched).unwrap();
+    let (d, cfg) = setup(&[
+        "train.n_steps=20000",
+        "log.log_interval=250",
+        "log.eval_interval=5000",
+        "log.ckpt_interval=0",
+        "model.n_embd=64",
+        "train.context_length=32",
+    ]);
+    let patched = std::fs::read_to_string(&cfg).unwrap();
     let id = sbatch(
         &cfg,
         &[
@@ -248,7 +239,7 @@ fn an_array_chain_resumes_link_by_link_and_later_links_exit_at_once() {
         return;
     }
     // Each link trains 7 steps: links 1-3 reach 20; link 4 finds the run finished.
-    let (d, cfg) = setup("exit_interval = 7");
+    let (d, cfg) = setup(&["train.exit_interval=7"]);
     let id = sbatch(
         &cfg,
         &[
@@ -275,7 +266,7 @@ fn an_array_chain_resumes_link_by_link_and_later_links_exit_at_once() {
     // The chain stops every 7 steps; the local run goes straight through.
     assert_same_losses(
         &rows,
-        &local_rows(&config_text(d.path(), ""), 2),
+        &local_rows(&config_text(d.path(), &[]), 2),
         "array chain",
     );
 }
@@ -289,14 +280,14 @@ fn exit_duration_mins_under_srun_stops_every_rank_at_one_step_and_the_chain_fini
     // Each link trains ~3 s (train.exit_duration_mins = 0.05) of a run of ~6-12 s (1-2 ms a step): the
     // ranks must agree on the step at which time runs out, or the chain could not match the uninterrupted
     // run bit for bit.
-    let (d, cfg) = setup("exit_duration_mins = 0.05");
-    let patched = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("n_steps = 20\n", "n_steps = 6000\n")
-        .replace("log_interval = 1\n", "log_interval = 500\n")
-        .replace("eval_interval = 10\n", "eval_interval = 2000\n")
-        .replace("ckpt_interval = 10\n", "ckpt_interval = 0\n");
-    std::fs::write(&cfg, &patched).unwrap();
+    let (d, cfg) = setup(&[
+        "train.exit_duration_mins=0.05",
+        "train.n_steps=6000",
+        "log.log_interval=500",
+        "log.eval_interval=2000",
+        "log.ckpt_interval=0",
+    ]);
+    let patched = std::fs::read_to_string(&cfg).unwrap();
     let id = sbatch(
         &cfg,
         &[
@@ -351,18 +342,21 @@ fn a_bad_config_is_rejected_before_sbatch_is_called() {
     // A typo in a key, a topology that does not fit the job, and missing data.
     let cases = [
         (
-            config_text(d.path(), "").replace("n_steps", "n_stepz"),
+            config_text(d.path(), &[]).replace("n_steps", "n_stepz"),
             vec![],
             "n_stepz",
         ),
         (
-            config_text(d.path(), "backend = \"decentdp\"\ntopology = \"exp\""),
+            config_text(
+                d.path(),
+                &["train.backend=\"decentdp\"", "train.topology=\"exp\""],
+            ),
             vec!["--tasks-per-node", "3"],
             "power-of-two",
         ),
-        (config_text(d.path(), ""), vec![], "train.bin"),
+        (config_text(d.path(), &[]), vec![], "train.bin"),
         (
-            config_text(d.path(), ""),
+            config_text(d.path(), &[]),
             vec!["--time", "ten minutes"],
             "--time",
         ),
@@ -380,7 +374,7 @@ fn a_bad_config_is_rejected_before_sbatch_is_called() {
     }
     // A good one reaches sbatch with the config and its overrides.
     make_data(d.path());
-    std::fs::write(&cfg, config_text(d.path(), "")).unwrap();
+    std::fs::write(&cfg, config_text(d.path(), &[])).unwrap();
     let out = run(&cfg, &["--set", "train.seed=4"]);
     assert!(
         out.status.success(),

@@ -1,6 +1,8 @@
 //! GPT-2 token ids equal Python tiktoken's: a committed golden file for tricky text (made by
 //! scripts/gpt2_ids.py), and, when Python tiktoken and a real corpus are present, the corpus itself.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -49,7 +51,7 @@ fn ids_equal_python_tiktoken_on_a_real_corpus() {
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         if err.contains("No module named 'tiktoken'") {
-            eprintln!("skipped: Python tiktoken not installed");
+            common::skip_python("Python tiktoken not installed");
             return;
         }
         panic!("gpt2_ids.py failed: {err}");

@@ -71,7 +71,7 @@ fn wandb_files(run_dir: &Path) -> Vec<PathBuf> {
 #[test]
 fn wandb_offline_run_reads_back_with_wandbs_own_protobufs_and_resumes_the_same_run() {
     if !python_has("wandb") {
-        eprintln!("skipped: Python wandb not installed (pip install wandb)");
+        common::skip_python("Python wandb not installed (pip install wandb)");
         return;
     }
     let d = tempfile::tempdir().unwrap();
@@ -143,7 +143,7 @@ fn wandb_offline_run_reads_back_with_wandbs_own_protobufs_and_resumes_the_same_r
 #[test]
 fn tensorboard_scalars_read_back_with_the_strict_reader() {
     if !python_has("tensorboard") {
-        eprintln!("skipped: Python tensorboard not installed (pip install tensorboard)");
+        common::skip_python("Python tensorboard not installed (pip install tensorboard)");
         return;
     }
     let d = tempfile::tempdir().unwrap();
@@ -197,7 +197,7 @@ fn wandb_sync_uploads_the_run_to_a_stand_in_server() {
         .output()
         .is_ok_and(|o| o.status.success());
     if !has_cli {
-        eprintln!("skipped: the wandb CLI is not installed (pip install wandb)");
+        common::skip_python("the wandb CLI is not installed (pip install wandb)");
         return;
     }
     let d = tempfile::tempdir().unwrap();
@@ -311,10 +311,10 @@ fn the_newest_wandb_reads_the_run_with_leet_inspect() {
     // scripts/setup.sh installs the newest wandb release into .venv/wandb-latest.
     let exe = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/wandb-latest/bin/wandb");
     if !exe.exists() {
-        eprintln!(
-            "skipped: no {} (scripts/setup.sh installs it)",
+        common::skip_python(&format!(
+            "no {} (scripts/setup.sh installs it)",
             exe.display()
-        );
+        ));
         return;
     }
     let d = tempfile::tempdir().unwrap();

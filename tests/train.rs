@@ -12,49 +12,29 @@ use nanodist::train::{self, checkpoint, Exit};
 mod common;
 use common::make_data;
 
-fn config_text(dir: &Path, extra: &str) -> String {
-    format!(
-        r#"log_dir = "{log}"
-data_dir = "{data}"
-[log]
-run_name = "run"
-eval_interval = 10
-eval_steps = 2
-log_interval = 2
-ckpt_interval = 5
-keep_checkpoints = 3
-[train]
-seed = 3
-global_batch_size = 4
-local_batch_size = 2
-context_length = 16
-n_steps = 20
-[train.optim]
-name = "adamw"
-[train.lr_schedule]
-name = "cosine"
-lr = 3e-3
-warmup_steps = 4
-eta_min = 3e-4
-[model]
-n_layers = 2
-n_heads = 2
-n_embd = 32
-vocab_size = 64
-dropout = 0.1
-bias = true
-{extra}
-"#,
-        log = dir.join("log").display(),
-        data = dir.display()
+/// The tiny config with a local batch of 2 (accumulation on one worker), dropout (its RNG is state to
+/// resume), and checkpoints every 5 steps.
+fn config_text(dir: &Path) -> String {
+    common::config(
+        dir,
+        Some("run"),
+        &[
+            "log.eval_steps=2",
+            "log.log_interval=2",
+            "log.ckpt_interval=5",
+            "log.keep_checkpoints=3",
+            "train.global_batch_size=4",
+            "train.local_batch_size=2",
+            "model.dropout=0.1",
+        ],
     )
 }
 
-fn run(dir: &Path, extra: &str, set: &[&str]) -> train::Summary {
+fn run(dir: &Path, set: &[&str]) -> train::Summary {
     let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
     let loaded = config::load_str(
         Path::new("t.toml"),
-        &config_text(dir, extra),
+        &config_text(dir),
         &set,
         &LaunchEnv::default(),
     )
@@ -81,14 +61,14 @@ fn stopped_and_resumed_run_equals_uninterrupted_run_bit_for_bit() {
     let b = tempfile::tempdir().unwrap();
     make_data(a.path());
     make_data(b.path());
-    let full = run(a.path(), "", &[]);
+    let full = run(a.path(), &[]);
     assert_eq!((full.step, full.exit.clone()), (20, Exit::Finished));
 
     // Stop at step 7 (between checkpoints: the exit path saves), then twice more, then finish.
-    let first = run(b.path(), "", &["train.exit_interval=7"]);
+    let first = run(b.path(), &["train.exit_interval=7"]);
     assert_eq!((first.step, first.exit), (7, Exit::ExitInterval));
-    assert_eq!(run(b.path(), "", &["train.exit_interval=6"]).step, 13);
-    let last = run(b.path(), "", &[]);
+    assert_eq!(run(b.path(), &["train.exit_interval=6"]).step, 13);
+    let last = run(b.path(), &[]);
     assert_eq!((last.step, last.exit.clone()), (20, Exit::Finished));
 
     let rows_a = read_rows(&full.run_dir.join("metrics.jsonl")).unwrap();
@@ -113,19 +93,31 @@ fn stopped_and_resumed_run_equals_uninterrupted_run_bit_for_bit() {
         named
     };
     assert!(weights(&full) == weights(&last), "final weights differ");
+    // Byte for byte, headers included: checksums of identical runs compare.
+    for file in [
+        "best_model.safetensors",
+        "checkpoints/step_00000020/model.safetensors",
+        "checkpoints/step_00000020/rank_0.safetensors",
+    ] {
+        assert!(
+            std::fs::read(full.run_dir.join(file)).unwrap()
+                == std::fs::read(last.run_dir.join(file)).unwrap(),
+            "{file} differs between the uninterrupted and the resumed run"
+        );
+    }
     assert!(
         rows_a.last().unwrap().val_loss.unwrap() < rows_a[0].train_loss,
         "the model should learn"
     );
     // Finished runs do nothing when started again.
-    assert_eq!(run(b.path(), "", &[]).step, 20);
+    assert_eq!(run(b.path(), &[]).step, 20);
 }
 
 #[test]
 fn damaged_newest_checkpoint_is_rejected_and_the_previous_one_used() {
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
-    let s = run(d.path(), "", &["train.exit_interval=10"]);
+    let s = run(d.path(), &["train.exit_interval=10"]);
     let ckpts = s.run_dir.join("checkpoints");
     let newest = ckpts.join("step_00000010");
     let model = newest.join("model.safetensors");
@@ -142,7 +134,7 @@ fn damaged_newest_checkpoint_is_rejected_and_the_previous_one_used() {
     );
     // A leftover temporary directory from a killed save is not a checkpoint either.
     std::fs::create_dir_all(ckpts.join(".step_00000015.tmp999")).unwrap();
-    let resumed = run(d.path(), "", &["train.exit_interval=3"]);
+    let resumed = run(d.path(), &["train.exit_interval=3"]);
     assert_eq!(resumed.step, 8, "resumed from step 5");
 }
 
@@ -150,7 +142,7 @@ fn damaged_newest_checkpoint_is_rejected_and_the_previous_one_used() {
 fn eval_and_sample_use_the_trained_checkpoint() {
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
-    let s = run(d.path(), "", &[]);
+    let s = run(d.path(), &[]);
     let r = nanodist::generate::eval_file(&s.run_dir, &d.path().join("val.bin"), 4, Some(2000))
         .unwrap();
     assert_eq!(r.tokens, 1999);
@@ -185,7 +177,7 @@ fn sigusr1_and_sigterm_save_a_checkpoint_then_exit_cleanly() {
         let d = tempfile::tempdir().unwrap();
         make_data(d.path());
         let cfg = d.path().join("t.toml");
-        std::fs::write(&cfg, config_text(d.path(), "")).unwrap();
+        std::fs::write(&cfg, config_text(d.path())).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_nanodist"))
             .args(["train"])
             .arg(&cfg)
@@ -237,7 +229,7 @@ fn sigusr1_and_sigterm_save_a_checkpoint_then_exit_cleanly() {
 fn missing_data_and_unimplemented_backends_are_clear_errors() {
     let d = tempfile::tempdir().unwrap();
     let cfg = d.path().join("t.toml");
-    std::fs::write(&cfg, config_text(d.path(), "")).unwrap();
+    std::fs::write(&cfg, config_text(d.path())).unwrap();
     let exe = env!("CARGO_BIN_EXE_nanodist");
     let out = Command::new(exe).arg("train").arg(&cfg).output().unwrap();
     assert_eq!(out.status.code(), Some(2));

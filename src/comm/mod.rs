@@ -10,12 +10,22 @@ pub mod nccl;
 
 use anyhow::Result;
 
-/// Bytes and time spent in collectives, per operation kind.
+/// Bytes this rank sent and seconds it spent in collectives, totals since the communicator started.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CommStats {
     pub bytes_sent: u64,
     pub seconds: f64,
-    pub calls: u64,
+}
+
+/// A u64 carried in two f32 bit patterns (high word first), for collectives and checkpoints that move
+/// bytes and do no arithmetic on them (broadcast, all-gather, safetensors buffers).
+pub fn pack_u64(x: u64) -> [f32; 2] {
+    [f32::from_bits((x >> 32) as u32), f32::from_bits(x as u32)]
+}
+
+/// The u64 of `pack_u64`.
+pub fn unpack_u64([hi, lo]: [f32; 2]) -> u64 {
+    ((hi.to_bits() as u64) << 32) | lo.to_bits() as u64
 }
 
 /// Chunk c of a buffer of `len` elements split over `n` ranks (the first `len % n` chunks are one longer).
@@ -211,6 +221,21 @@ impl Communicator for Solo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn u64_survives_packing_into_f32_bit_patterns() {
+        for x in [
+            0,
+            1,
+            0xffff,
+            1 << 48,
+            0x7fc0_0001_7f80_0001,
+            u64::MAX,
+            1_763_900_000,
+        ] {
+            assert_eq!(unpack_u64(pack_u64(x)), x);
+        }
+    }
 
     #[test]
     fn chunks_tile_the_buffer_and_all_reduce_bytes_are_the_ring_volume() {

@@ -103,7 +103,6 @@ impl NcclComm {
     fn account(&mut self, bytes: u64, start: Instant) {
         self.stats.bytes_sent += bytes;
         self.stats.seconds += start.elapsed().as_secs_f64();
-        self.stats.calls += 1;
     }
 
     /// Grouped send/recv through staging buffers 2.. (one per message); returns the bytes sent.

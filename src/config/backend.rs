@@ -59,8 +59,11 @@ impl Topology {
 /// The process engine that runs the workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub enum Engine {
-    /// N workers as threads of one process (`--workers N` or `train.workers`).
+    /// "mpi" when a launcher (mpirun, srun) started several processes, else "local".
     #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    /// N workers as threads of one process (`--workers N` or `train.workers`).
     #[serde(rename = "local")]
     Local,
     /// One process per rank, launched by mpirun or srun (cargo feature `mpi`).
@@ -74,6 +77,7 @@ pub enum Engine {
 impl Engine {
     pub fn name(self) -> &'static str {
         match self {
+            Engine::Auto => "auto",
             Engine::Local => "local",
             Engine::Mpi => "mpi",
             Engine::Nccl => "nccl",

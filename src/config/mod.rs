@@ -26,7 +26,7 @@ pub use log::LogConfig;
 pub use lr::{CosineSchedule, LrSchedule};
 pub use model::{Activation, ModelConfig};
 pub use optim::{AccumAdamWConfig, AdamWConfig, OptimConfig};
-pub use resolve::{LaunchEnv, Plan};
+pub use resolve::{LaunchEnv, Plan, ReducerPlan, SyncPlan};
 pub use train::{Device, TrainConfig};
 
 /// A nanodist experiment: data, logging, training and model.
@@ -216,6 +216,29 @@ pub fn parse(src: &str, overrides: &[String]) -> Result<(Config, tree::Node), Ve
         }]
     })?;
     Ok((config, doc))
+}
+
+/// The keys that shape the model's parameters (`model.*` and `train.context_length`, which sizes the
+/// position embedding) whose values differ between `a` and `b`, as `key = a's value (b's value here)`.
+pub fn model_diff(a: &Config, b: &Config) -> Vec<String> {
+    let json = |c: &Config| serde_json::to_value(&c.model).unwrap_or_default();
+    let (ja, jb) = (json(a), json(b));
+    let mut out = Vec::new();
+    if let (Some(ma), Some(mb)) = (ja.as_object(), jb.as_object()) {
+        for (k, va) in ma {
+            let vb = mb.get(k).cloned().unwrap_or_default();
+            if *va != vb {
+                out.push(format!("model.{k} = {va} there, {vb} here"));
+            }
+        }
+    }
+    if a.train.context_length != b.train.context_length {
+        out.push(format!(
+            "train.context_length = {} there, {} here",
+            a.train.context_length, b.train.context_length
+        ));
+    }
+    out
 }
 
 impl Config {

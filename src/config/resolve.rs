@@ -2,10 +2,12 @@
 
 use std::fmt;
 
-use super::backend::{Backend, Engine};
+use super::backend::{
+    Backend, Compression, Engine, PowerSgdConfig, RadiusConfig, TopKConfig, Topology,
+};
 use super::error::Problem;
 use super::tree::Node;
-use super::{validate, Config};
+use super::{validate, Config, OptimConfig};
 
 /// What the launcher says about this process. Built from `--workers` and the environment
 /// (`mpirun`, `srun`, torchrun conventions).
@@ -57,11 +59,126 @@ impl LaunchEnv {
     }
 }
 
+/// How the workers synchronise, with every default and cross-field rule of backends, topologies and
+/// reducers applied (here, once). `sync::build` turns it into the backend; nothing else reads the
+/// config's backend keys.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SyncPlan {
+    /// Gradient averaging by all-reduce in buckets of `bucket_elems` floats (PyTorch DDP).
+    AllReduce { bucket_elems: usize },
+    /// Parameter gossip over `topology` for `ranks_per_node` ranks to a node (Decent-DP).
+    Gossip {
+        topology: Topology,
+        overlap: bool,
+        ranks_per_node: usize,
+    },
+    /// Gradient averaging through a compressed reducer.
+    Compressed(ReducerPlan),
+}
+
+/// A compressed reducer with its settings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReducerPlan {
+    TopK(TopKConfig),
+    /// Radius stable top-k; `correction` runs Adam inside the reducer (see `sync::compress::correction`).
+    Radius {
+        cfg: RadiusConfig,
+        correction: Option<Correction>,
+    },
+    /// PowerSGD; `seed` draws the initial factors.
+    PowerSgd {
+        cfg: PowerSgdConfig,
+        seed: u64,
+    },
+}
+
+/// Radius's correction mode: Adam with the run's AdamW betas and eps, clipping to `clip` inside the reducer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Correction {
+    pub betas: [f64; 2],
+    pub eps: f64,
+    pub clip: f64,
+}
+
+impl SyncPlan {
+    /// The backend's name as the config spells it.
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            SyncPlan::AllReduce { .. } | SyncPlan::Compressed(_) => Backend::PytorchDdp.name(),
+            SyncPlan::Gossip { .. } => Backend::DecentDp.name(),
+        }
+    }
+
+    /// Whether the optimizer the loop steps is SGD because Adam runs inside the reducer.
+    pub fn adam_in_reducer(&self) -> bool {
+        matches!(
+            self,
+            SyncPlan::Compressed(ReducerPlan::Radius {
+                correction: Some(_),
+                ..
+            })
+        )
+    }
+
+    /// One line for `check` and the start of a run.
+    pub fn describe(&self) -> String {
+        match self {
+            SyncPlan::AllReduce { bucket_elems } => {
+                format!(
+                    "all-reduce in buckets of {:.1} MB",
+                    *bucket_elems as f64 * 4.0 / 1e6
+                )
+            }
+            SyncPlan::Gossip {
+                topology,
+                overlap,
+                ranks_per_node,
+            } => format!(
+                "gossip over {:?}, {ranks_per_node} rank(s) per node, {}",
+                topology.name(),
+                if *overlap {
+                    "overlapped"
+                } else {
+                    "synchronous"
+                }
+            ),
+            SyncPlan::Compressed(r) => match r {
+                ReducerPlan::TopK(k) => format!(
+                    "top-k density {}, error feedback {}",
+                    k.density, k.error_feedback
+                ),
+                ReducerPlan::Radius { cfg, correction } => format!(
+                    "radius density {}, interval {}, dense until step {}{}",
+                    cfg.density,
+                    cfg.interval,
+                    cfg.threshold,
+                    if correction.is_some() {
+                        ", correction"
+                    } else {
+                        ""
+                    }
+                ),
+                ReducerPlan::PowerSgd { cfg, .. } => format!(
+                    "powersgd rank {}, dense until step {}{}",
+                    cfg.rank,
+                    cfg.start_iter,
+                    if cfg.single_allreduce {
+                        ", one all-reduce per step"
+                    } else {
+                        ""
+                    }
+                ),
+            },
+        }
+    }
+}
+
 /// The resolved run: everything derived from config + launch environment.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
+    /// The engine that runs (never `Auto`).
     pub engine: Engine,
-    pub backend: Backend,
+    pub sync: SyncPlan,
     pub world_size: usize,
     /// Ranks per node, when known (the local engine is one node).
     pub local_world_size: Option<usize>,
@@ -83,7 +200,8 @@ impl Plan {
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "engine            {}", self.engine.name())?;
-        writeln!(f, "backend           {}", self.backend.name())?;
+        writeln!(f, "backend           {}", self.sync.backend_name())?;
+        writeln!(f, "synchronisation   {}", self.sync.describe())?;
         writeln!(f, "world size        {}", self.world_size)?;
         if let Some(l) = self.local_world_size {
             writeln!(f, "ranks per node    {l}")?;
@@ -121,6 +239,28 @@ pub fn format_duration(secs: f64) -> String {
     }
 }
 
+/// The engine that runs: `auto` is "mpi" when a launcher started several processes, else "local".
+fn engine(cfg: &Config, doc: &Node, launch: &LaunchEnv, problems: &mut Vec<Problem>) -> Engine {
+    let launched = launch.launched_processes.filter(|&p| p > 1);
+    match (cfg.train.engine, launched) {
+        (Engine::Auto, Some(_)) => Engine::Mpi,
+        (Engine::Auto, None) => Engine::Local,
+        (Engine::Local, Some(p)) => {
+            problems.push(validate::problem_at(
+                doc,
+                "train.engine",
+                format!(
+                    "the launcher started {p} processes but the engine is \"local\" (threads of one process), \
+                     so every process would train alone; set train.engine = \"auto\" or \"mpi\" \
+                     (--set train.engine=auto)"
+                ),
+            ));
+            Engine::Local
+        }
+        (e, _) => e,
+    }
+}
+
 pub fn resolve(
     cfg: &Config,
     doc: &Node,
@@ -129,18 +269,9 @@ pub fn resolve(
     let t = &cfg.train;
     let mut problems = Vec::new();
     let mut notes = Vec::new();
-    let (world, local_world) = match t.engine {
-        Engine::Local => {
-            if let Some(p) = launch.launched_processes.filter(|&p| p > 1) {
-                problems.push(Problem {
-                    path: "train.engine".into(),
-                    origin: super::tree::find(doc, "train.engine").map(|n| n.origin.clone()),
-                    message: format!(
-                        "the launcher started {p} processes but the engine is \"local\" (threads of one process), \
-                         so every process would train alone; set train.engine = \"mpi\" (--set train.engine=mpi)"
-                    ),
-                });
-            }
+    let engine = engine(cfg, doc, launch, &mut problems);
+    let (world, local_world) = match engine {
+        Engine::Local | Engine::Auto => {
             let w = launch.workers_flag.or(t.workers).unwrap_or(1);
             (w, Some(t.ranks_per_node.unwrap_or(w)))
         }
@@ -152,7 +283,7 @@ pub fn resolve(
                     message: format!(
                         "--workers applies to the local engine only; engine {:?} takes the world size from its \
                          launcher (mpirun -np N / srun -n N)",
-                        t.engine.name()
+                        engine.name()
                     ),
                 });
             }
@@ -162,26 +293,27 @@ pub fn resolve(
             )
         }
     };
-    problems.extend(validate::check_semantics(cfg, doc, world, local_world));
+    problems.extend(validate::check_semantics(cfg, doc, world));
+    let sync = sync_plan(cfg, doc, world, local_world, &mut problems);
     if let Some((meta, vocab)) = &launch.data_vocab {
         if cfg.model.vocab_size < *vocab {
-            problems.push(Problem {
-                path: "model.vocab_size".into(),
-                origin: super::tree::find(doc, "model.vocab_size").map(|n| n.origin.clone()),
-                message: format!(
+            problems.push(validate::problem_at(
+                doc,
+                "model.vocab_size",
+                format!(
                     "vocab_size = {} is smaller than the prepared data's vocabulary of {vocab} tokens ({meta})",
                     cfg.model.vocab_size
                 ),
-            });
+            ));
         }
     }
-    if !problems.is_empty() {
+    let Some(sync) = sync.filter(|_| problems.is_empty()) else {
         return Err(problems);
-    }
-    if t.backend == Backend::DecentDp && world == 1 {
+    };
+    if let (SyncPlan::Gossip { topology, .. }, 1) = (&sync, world) {
         notes.push(format!(
             "train.topology {:?} with one worker: gossip degenerates to local training",
-            t.topology.unwrap_or_default().name()
+            topology.name()
         ));
     }
     if t.compile {
@@ -197,8 +329,8 @@ pub fn resolve(
     let local = t.local_batch_size.unwrap_or(t.global_batch_size / world);
     let accum = t.global_batch_size / (local * world);
     let plan = Plan {
-        engine: t.engine,
-        backend: t.backend,
+        engine,
+        sync,
         world_size: world,
         local_world_size: local_world,
         local_batch_size: local,
@@ -209,4 +341,125 @@ pub fn resolve(
         n_steps: t.n_steps,
     };
     Ok((plan, notes))
+}
+
+/// The synchronisation plan: keys that belong to another backend are errors, defaults are filled in,
+/// and the rules of topologies and reducers are checked. `None` when a problem was found.
+fn sync_plan(
+    cfg: &Config,
+    doc: &Node,
+    world: usize,
+    local_world: Option<usize>,
+    problems: &mut Vec<Problem>,
+) -> Option<SyncPlan> {
+    let t = &cfg.train;
+    let before = problems.len();
+    let mut add =
+        |path: &str, message: String| problems.push(validate::problem_at(doc, path, message));
+    // Keys that belong to one backend only.
+    let ddp_only = [
+        ("bucket_size_mb", t.bucket_size_mb.is_some()),
+        ("compression", t.compression.is_some()),
+    ];
+    let gossip_only = [
+        ("topology", t.topology.is_some()),
+        ("overlap", t.overlap.is_some()),
+    ];
+    let (foreign, owner) = match t.backend {
+        Backend::PytorchDdp => (gossip_only, Backend::DecentDp),
+        Backend::DecentDp => (ddp_only, Backend::PytorchDdp),
+    };
+    for (key, _) in foreign.iter().filter(|(_, present)| *present) {
+        add(
+            &format!("train.{key}"),
+            format!(
+                "`{key}` belongs to backend = {:?}, but backend = {:?}",
+                owner.name(),
+                t.backend.name()
+            ),
+        );
+    }
+    let plan = match (t.backend, &t.compression) {
+        (Backend::PytorchDdp, None) => SyncPlan::AllReduce {
+            bucket_elems: ((t.bucket_size_mb.unwrap_or(25.0) * 1e6 / 4.0) as usize).max(1),
+        },
+        (Backend::PytorchDdp, Some(c)) => SyncPlan::Compressed(match c {
+            Compression::TopK(k) => ReducerPlan::TopK(k.clone()),
+            Compression::Radius(r) => {
+                let correction = match (&t.optim, r.correction) {
+                    (_, false) => None,
+                    (OptimConfig::AdamW(a), true) => Some(Correction {
+                        betas: a.betas,
+                        eps: a.eps,
+                        clip: t.grad_norm_clip,
+                    }),
+                    (other, true) => {
+                        add(
+                            "train.compression.correction",
+                            format!(
+                                "correction = true runs Adam inside the reducer with train.optim's betas and eps: \
+                                 it needs train.optim.name = \"adamw\", found {:?}",
+                                other.name()
+                            ),
+                        );
+                        None
+                    }
+                };
+                ReducerPlan::Radius {
+                    cfg: r.clone(),
+                    correction,
+                }
+            }
+            Compression::PowerSgd(p) => {
+                if p.start_iter <= 1 && (p.error_feedback || p.warm_start) {
+                    add(
+                        "train.compression.start_iter",
+                        format!(
+                            "start_iter = {} must be > 1 when error_feedback or warm_start is on (as PyTorch's \
+                             PowerSGDState requires): their state is allocated during the dense steps before \
+                             compression starts",
+                            p.start_iter
+                        ),
+                    );
+                }
+                if p.single_allreduce && !p.warm_start {
+                    add(
+                        "train.compression.single_allreduce",
+                        "single_allreduce = true needs warm_start = true (each step reuses the factor averaged \
+                         by the previous one)"
+                            .into(),
+                    );
+                }
+                ReducerPlan::PowerSgd {
+                    cfg: p.clone(),
+                    seed: t.seed,
+                }
+            }
+        }),
+        (Backend::DecentDp, _) => {
+            let topology = t.topology.unwrap_or_default();
+            let ranks_per_node = match local_world {
+                Some(l) => l,
+                None if topology == Topology::AlternatingExpRing && world > 1 => {
+                    add(
+                        "train.topology",
+                        "topology \"alternating-exp-ring\" needs the node layout (ranks per node), which the \
+                         launcher did not report; set train.ranks_per_node"
+                            .into(),
+                    );
+                    world
+                }
+                None => world,
+            };
+            if let Err(msg) = crate::sync::topology::fits(topology, world, ranks_per_node) {
+                add("train.topology", msg);
+            }
+            SyncPlan::Gossip {
+                topology,
+                overlap: t.overlap.unwrap_or(false),
+                ranks_per_node,
+            }
+        }
+    };
+    (problems.len() == before).then_some(plan)
 }

@@ -38,7 +38,8 @@ pub struct TrainConfig {
     pub bucket_size_mb: Option<f64>,
     /// Gradient compression; only with backend = "pytorchddp".
     pub compression: Option<Compression>,
-    /// Process engine: "local" threads, "mpi" processes or "nccl" GPUs.
+    /// Process engine: "auto" (default: "mpi" under a launcher that started several processes, else
+    /// "local"), "local" threads, "mpi" processes or "nccl" GPUs.
     pub engine: Engine,
     /// World size of the local engine (overridden by --workers).
     #[schemars(range(min = 1, max = 1024))]
@@ -89,13 +90,6 @@ pub struct TrainConfig {
     pub lr_schedule: LrSchedule,
 }
 
-impl TrainConfig {
-    /// Radius with `correction = true`: Adam and clipping run inside the reducer, SGD outside.
-    pub fn adam_in_reducer(&self) -> bool {
-        matches!(&self.compression, Some(Compression::Radius(r)) if r.correction)
-    }
-}
-
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
@@ -104,7 +98,7 @@ impl Default for TrainConfig {
             overlap: None,
             bucket_size_mb: None,
             compression: None,
-            engine: Engine::Local,
+            engine: Engine::Auto,
             workers: None,
             ranks_per_node: None,
             device: Device::Cpu,

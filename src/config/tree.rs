@@ -127,7 +127,12 @@ pub fn parse_document(src: &str) -> Result<Node, SyntaxError> {
         }
         Err(e) => {
             let (line, col) = index.line_col(e.span().map_or(0, |s| s.start));
-            let message = e.message().trim().to_string();
+            let mut message = e.message().trim().to_string();
+            // The parser's message can be generic ("duplicate key"); the text it points at says which.
+            let text = e.span().and_then(|s| src.get(s)).unwrap_or("").trim();
+            if !text.is_empty() && !text.contains('\n') && text.len() <= 80 {
+                message.push_str(&format!(" `{text}`"));
+            }
             Err(SyntaxError { line, col, message })
         }
     }

@@ -4,7 +4,6 @@
 
 use serde_json::{Map, Value as J};
 
-use super::backend::{Backend, Topology};
 use super::error::Problem;
 use super::lr::LrSchedule;
 use super::tree::{find, Node, Value};
@@ -390,35 +389,31 @@ impl<'a> Walker<'a> {
     }
 }
 
-/// Cross-field rules on a config whose shape is already valid. `world` is the world size when known
-/// (`--workers`, the launcher, or `train.workers`), `local_world` the ranks per node when known.
-pub fn check_semantics(
-    cfg: &Config,
-    doc: &Node,
-    world: usize,
-    local_world: Option<usize>,
-) -> Vec<Problem> {
-    let mut out = Vec::new();
-    let mut add = |path: &str, message: String| {
-        // Point at the key when it was written, else at its table, else at nothing (a default).
-        let mut origin = None;
-        let mut p = path;
-        loop {
-            if let Some(n) = find(doc, p) {
-                origin = Some(n.origin.clone());
-                break;
-            }
-            match p.rfind('.') {
-                Some(i) => p = &p[..i],
-                None => break,
-            }
+/// A problem at `path`, pointing at the key where it was written, else at its nearest written table,
+/// else at nothing (a default nobody wrote).
+pub fn problem_at(doc: &Node, path: &str, message: String) -> Problem {
+    let mut p = path;
+    let origin = loop {
+        if let Some(n) = find(doc, p) {
+            break Some(n.origin.clone());
         }
-        out.push(Problem {
-            path: path.to_string(),
-            origin,
-            message,
-        });
+        match p.rfind('.') {
+            Some(i) => p = &p[..i],
+            None => break None,
+        }
     };
+    Problem {
+        path: path.to_string(),
+        origin,
+        message,
+    }
+}
+
+/// Cross-field rules of the model, schedule and batch on a config whose shape is already valid (the
+/// backends' rules are resolved with their plan, in `resolve`). `world` is the world size.
+pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let mut add = |path: &str, message: String| out.push(problem_at(doc, path, message));
 
     let m = &cfg.model;
     if m.n_embd % m.n_heads != 0 {
@@ -448,44 +443,6 @@ pub fn check_semantics(
         );
     }
 
-    // Keys that belong to one backend only.
-    let ddp_only: [(&str, bool); 2] = [
-        ("bucket_size_mb", t.bucket_size_mb.is_some()),
-        ("compression", t.compression.is_some()),
-    ];
-    let gossip_only: [(&str, bool); 2] = [
-        ("topology", t.topology.is_some()),
-        ("overlap", t.overlap.is_some()),
-    ];
-    let (foreign, owner): (&[(&str, bool)], &str) = match t.backend {
-        Backend::PytorchDdp => (&gossip_only, "decentdp"),
-        Backend::DecentDp => (&ddp_only, "pytorchddp"),
-    };
-    for (key, present) in foreign {
-        if *present {
-            add(
-                &format!("train.{key}"),
-                format!(
-                    "`{key}` belongs to backend = {owner:?}, but backend = {:?}",
-                    t.backend.name()
-                ),
-            );
-        }
-    }
-
-    if let Some(super::backend::Compression::PowerSgd(p)) = &t.compression {
-        if p.start_iter <= 1 && (p.error_feedback || p.warm_start) {
-            add(
-                "train.compression.start_iter",
-                format!(
-                    "start_iter = {} must be > 1 when error_feedback or warm_start is on (as PyTorch's PowerSGDState \
-                     requires): their state is allocated during the dense steps before compression starts",
-                    p.start_iter
-                ),
-            );
-        }
-    }
-
     // Batch arithmetic: global = local x world x accumulation.
     let local = t
         .local_batch_size
@@ -511,49 +468,5 @@ pub fn check_semantics(
         );
     }
 
-    if t.backend == Backend::DecentDp && world > 1 {
-        let topo = t.topology.unwrap_or_default();
-        if let Err(msg) = topology_fits(topo, world, local_world) {
-            add("train.topology", msg);
-        }
-    }
     out
-}
-
-/// World-size constraints of each topology (those of the reference implementation).
-pub fn topology_fits(
-    topo: Topology,
-    world: usize,
-    local_world: Option<usize>,
-) -> Result<(), String> {
-    match topo {
-        Topology::Complete => Ok(()),
-        Topology::Ring if world % 2 != 0 => Err(format!(
-            "topology \"ring\" pairs neighbours in two rounds and needs an even world size, found {world}"
-        )),
-        Topology::Exp if !world.is_power_of_two() => Err(format!(
-            "topology \"exp\" (one-peer exponential) needs a power-of-two world size, found {world}"
-        )),
-        Topology::AlternatingExpRing => {
-            let Some(l) = local_world else {
-                return Err(
-                    "topology \"alternating-exp-ring\" needs the node layout (ranks per node), which the launcher \
-                     did not report"
-                        .into(),
-                );
-            };
-            let nodes = world / l.max(1);
-            if l == 0 || world % l != 0 || nodes < 2 || !nodes.is_power_of_two() {
-                Err(format!(
-                    "topology \"alternating-exp-ring\" needs a power-of-two number >= 2 of nodes with equal ranks per \
-                     node; found world size {world} with {l} rank(s) per node (with the local engine, set \
-                     train.ranks_per_node, e.g. --set train.ranks_per_node={})",
-                    (world / 2).max(1)
-                ))
-            } else {
-                Ok(())
-            }
-        }
-        _ => Ok(()),
-    }
 }

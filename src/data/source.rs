@@ -34,8 +34,9 @@ pub struct Blend {
 
 impl Blend {
     /// Opens the sources of `split` named by the config (default: data_dir/{train,val}.bin), checks that
-    /// each holds at least one window of `window` tokens and that every token fits `vocab_size`.
-    pub fn open(cfg: &Config, split: Split, window: usize, vocab_size: usize) -> Result<Self> {
+    /// each holds at least one sample of `sample_len` tokens (context + 1) and that every token fits
+    /// `vocab_size`.
+    pub fn open(cfg: &Config, split: Split, sample_len: usize, vocab_size: usize) -> Result<Self> {
         let listed = match split {
             Split::Train => &cfg.train_data,
             Split::Val => &cfg.val_data,
@@ -54,9 +55,9 @@ impl Blend {
         let mut files = Vec::new();
         for s in &sources {
             let f = open_source(Path::new(&s.path), cfg.in_memory)?;
-            if f.len() < window {
+            if f.len() < sample_len {
                 return Err(bad_input!(
-                    "{}: {} tokens, fewer than one training window of context_length + 1 = {window}",
+                    "{}: {} tokens, fewer than one training sample of context_length + 1 = {sample_len}",
                     f.path().display(),
                     f.len()
                 ));
@@ -115,6 +116,6 @@ pub fn open_source(path: &Path, in_memory: bool) -> Result<TokenFile> {
     Err(bad_input!(
         "{}: no token data there: expected a nanoGPT .bin file or a Megatron prefix with .bin and .idx \
          (make one with `nanodist prepare`)",
-        path.display()
+        crate::error::absolute(path).display()
     ))
 }

@@ -1,5 +1,6 @@
-//! Typed metrics rows and their sinks: metrics.jsonl (the source for plots, comparisons and W&B) and
-//! the console.
+//! Typed metrics rows and their sinks: metrics.jsonl (the source for plots and comparisons), W&B's offline
+//! run files (`wandb`) and TensorBoard event files (`tensorboard`). The console is the training loop's
+//! (`train::console`).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};

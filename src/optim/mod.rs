@@ -10,15 +10,16 @@ pub use schedule::lr_at;
 /// The optimizer the training loop steps: the configured one, or SGD when Radius runs Adam inside its
 /// reducer (`sync::compress::correction`).
 pub fn for_run(
-    t: &crate::config::TrainConfig,
+    optim: &crate::config::OptimConfig,
+    sync: &crate::config::resolve::SyncPlan,
     segments: Vec<Segment>,
     numel: usize,
 ) -> Box<dyn Optimizer> {
-    match &t.optim {
-        crate::config::OptimConfig::AdamW(a) if t.adam_in_reducer() => {
+    match optim {
+        crate::config::OptimConfig::AdamW(a) if sync.adam_in_reducer() => {
             Box::new(Sgd::new(a.weight_decay, segments))
         }
-        _ => build(&t.optim, segments, numel),
+        _ => build(optim, segments, numel),
     }
 }
 

@@ -8,7 +8,7 @@ pub mod topology;
 use anyhow::Result;
 
 use crate::comm::{all_reduce_mean, CommStats, Communicator};
-use crate::config::{Backend, Config, Plan};
+use crate::config::resolve::SyncPlan;
 use topology::Round;
 
 pub trait SyncBackend {
@@ -100,9 +100,11 @@ pub struct AllReduce {
 }
 
 impl AllReduce {
-    pub fn new(comm: Box<dyn Communicator>, bucket_mb: f64) -> Self {
-        let bucket_elems = ((bucket_mb * 1e6 / 4.0) as usize).max(1);
-        Self { comm, bucket_elems }
+    pub fn new(comm: Box<dyn Communicator>, bucket_elems: usize) -> Self {
+        Self {
+            comm,
+            bucket_elems: bucket_elems.max(1),
+        }
     }
 }
 
@@ -274,7 +276,7 @@ impl SyncBackend for Gossip {
 pub struct Compressed {
     comm: Box<dyn Communicator>,
     reducer: Box<dyn compress::Reducer>,
-    window: compress::Window,
+    tally: compress::Tally,
     clipped_norm: Option<f64>,
 }
 
@@ -283,7 +285,7 @@ impl Compressed {
         Self {
             comm,
             reducer,
-            window: compress::Window::default(),
+            tally: compress::Tally::default(),
             clipped_norm: None,
         }
     }
@@ -304,7 +306,7 @@ impl SyncBackend for Compressed {
         let report = self.reducer.reduce(self.comm.as_mut(), grads, step)?;
         self.clipped_norm = report.grad_norm;
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
-        self.window
+        self.tally
             .add(grads.len(), n, rank, &before, &self.comm.stats(), &report);
         Ok(())
     }
@@ -318,41 +320,29 @@ impl SyncBackend for Compressed {
         self.reducer.load_state(state)
     }
     fn take_compression(&mut self) -> Option<compress::Summary> {
-        Some(self.window.take())
+        Some(self.tally.take())
     }
     fn clipped_grad_norm(&self) -> Option<f64> {
         self.clipped_norm
     }
 }
 
-/// The configured backend over `comm`.
+/// The planned backend over `comm`.
 pub fn build(
-    cfg: &Config,
-    plan: &Plan,
+    plan: &SyncPlan,
     comm: Box<dyn Communicator>,
     tensors: Vec<compress::TensorView>,
 ) -> Result<Box<dyn SyncBackend>> {
-    Ok(match (plan.backend, &cfg.train.compression) {
-        (Backend::PytorchDdp, Some(c)) => Box::new(Compressed::new(
-            comm,
-            compress::build(&cfg.train, c, tensors)?,
-        )),
-        (Backend::PytorchDdp, None) => Box::new(AllReduce::new(
-            comm,
-            cfg.train.bucket_size_mb.unwrap_or(25.0),
-        )),
-        (Backend::DecentDp, _) => {
-            let per_node = plan.local_world_size.unwrap_or(plan.world_size);
-            let rounds = topology::rounds(
-                cfg.train.topology.unwrap_or_default(),
-                plan.world_size,
-                per_node,
-            )?;
-            Box::new(Gossip::new(
-                comm,
-                rounds,
-                cfg.train.overlap.unwrap_or(false),
-            ))
+    Ok(match plan {
+        SyncPlan::AllReduce { bucket_elems } => Box::new(AllReduce::new(comm, *bucket_elems)),
+        SyncPlan::Compressed(r) => Box::new(Compressed::new(comm, compress::build(r, tensors))),
+        SyncPlan::Gossip {
+            topology,
+            overlap,
+            ranks_per_node,
+        } => {
+            let rounds = topology::rounds(*topology, comm.world_size(), *ranks_per_node)?;
+            Box::new(Gossip::new(comm, rounds, *overlap))
         }
     })
 }

@@ -15,10 +15,49 @@ pub struct Group {
 
 pub type Round = Vec<Group>;
 
+/// Whether `topo` can mix `world` ranks laid out `per_node` to a node (the reference's constraints).
+/// This is the one rule: `check`, `sbatch` and `train` reach it through the resolved plan, and `rounds`
+/// through this function. One rank has nothing to mix with: every topology degenerates to local training.
+pub fn fits(topo: Topology, world: usize, per_node: usize) -> Result<(), String> {
+    if world == 1 {
+        return Ok(());
+    }
+    match topo {
+        Topology::Complete => Ok(()),
+        Topology::Ring if world % 2 != 0 => Err(format!(
+            "topology \"ring\" pairs neighbours in two rounds and needs an even world size, found {world}"
+        )),
+        Topology::Exp if !world.is_power_of_two() => Err(format!(
+            "topology \"exp\" (one-peer exponential) needs a power-of-two world size, found {world}"
+        )),
+        Topology::AlternatingExpRing => {
+            let nodes = world / per_node.max(1);
+            if per_node > 0 && world % per_node == 0 && nodes >= 2 && nodes.is_power_of_two() {
+                return Ok(());
+            }
+            let found = format!(
+                "topology \"alternating-exp-ring\" needs a power-of-two number >= 2 of nodes with equal ranks \
+                 per node; found world size {world} with {per_node} rank(s) per node ({} node(s))",
+                world as f64 / per_node.max(1) as f64
+            );
+            // Two nodes of world / 2 ranks always fit an even world; an odd one fits no layout.
+            Err(if world % 2 == 0 {
+                format!(
+                    "{found}; e.g. two nodes: --set train.ranks_per_node={} (or launch {} task(s) per node)",
+                    world / 2,
+                    world / 2
+                )
+            } else {
+                format!("{found}; an odd world size has no such layout: use an even number of workers")
+            })
+        }
+        Topology::Ring | Topology::Exp => Ok(()),
+    }
+}
+
 /// The rounds of `topo` for `world` ranks with `per_node` ranks per node.
 pub fn rounds(topo: Topology, world: usize, per_node: usize) -> Result<Vec<Round>> {
-    crate::config::validate::topology_fits(topo, world, Some(per_node))
-        .map_err(anyhow::Error::msg)?;
+    fits(topo, world, per_node).map_err(anyhow::Error::msg)?;
     if world == 1 {
         return Ok(vec![vec![Group {
             ranks: vec![0],

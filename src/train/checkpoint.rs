@@ -43,6 +43,50 @@ pub struct Manifest {
     pub files: BTreeMap<String, String>,
 }
 
+impl Manifest {
+    /// The manifest of a checkpoint of `config` at `progress` (file checksums are added by `save`).
+    pub fn new(
+        progress: &Progress,
+        world_size: usize,
+        config: &crate::config::Config,
+        tokenizer: Option<crate::data::Tokenizer>,
+    ) -> Self {
+        Self {
+            format: "nanodist-checkpoint".into(),
+            version: 1,
+            step: progress.step,
+            tokens: progress.tokens,
+            world_size,
+            elapsed_s: progress.elapsed_s,
+            best_val_loss: progress.best_val_loss,
+            config: config.to_toml(),
+            tokenizer,
+            files: Default::default(),
+        }
+    }
+}
+
+/// Where a run stands: the counters a checkpoint records and a resume restores.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Progress {
+    pub step: u64,
+    pub tokens: u64,
+    /// Training seconds of every invocation before this one.
+    pub elapsed_s: f64,
+    pub best_val_loss: Option<f64>,
+}
+
+impl Progress {
+    fn of(m: &Manifest) -> Self {
+        Self {
+            step: m.step,
+            tokens: m.tokens,
+            elapsed_s: m.elapsed_s,
+            best_val_loss: m.best_val_loss,
+        }
+    }
+}
+
 /// One rank's share of a checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RankState {
@@ -53,6 +97,33 @@ pub struct RankState {
     pub meta: RankMeta,
 }
 
+impl RankState {
+    /// Rank `rank`'s state: its parameters, optimizer and reducer state, the position of its dropout
+    /// RNG and the training loss summed since the last metrics row.
+    pub fn new(
+        rank: usize,
+        params: Vec<f32>,
+        optimizer: OptimState,
+        reducer: crate::sync::compress::State,
+        dropout_word_pos: u128,
+        loss_since_log: (f64, u64),
+    ) -> Self {
+        let meta = RankMeta {
+            rank,
+            dropout_word_pos: [(dropout_word_pos >> 64) as u64, dropout_word_pos as u64],
+            loss_since_log,
+            // The metadata's copy: name and step (the buffers are tensors of their own).
+            optimizer: optimizer.clone_header(),
+        };
+        Self {
+            params,
+            optimizer,
+            reducer,
+            meta,
+        }
+    }
+}
+
 /// The small part of a rank's state, stored as JSON in its safetensors metadata.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankMeta {
@@ -60,8 +131,17 @@ pub struct RankMeta {
     pub dropout_word_pos: [u64; 2],
     /// Training loss summed over the steps since the last metrics row, and their count: the next row's
     /// mean then covers the same steps whether or not the run stopped in between.
-    pub loss_window: (f64, u64),
+    #[serde(alias = "loss_window")]
+    pub loss_since_log: (f64, u64),
     pub optimizer: OptimState,
+}
+
+impl RankMeta {
+    /// The dropout RNG's word position.
+    pub fn dropout_pos(&self) -> u128 {
+        let [hi, lo] = self.dropout_word_pos;
+        ((hi as u128) << 64) | lo as u128
+    }
 }
 
 /// A checkpoint read back for one rank.
@@ -69,6 +149,12 @@ pub struct Restored {
     pub dir: PathBuf,
     pub manifest: Manifest,
     pub state: RankState,
+}
+
+impl Restored {
+    pub fn progress(&self) -> Progress {
+        Progress::of(&self.manifest)
+    }
 }
 
 fn hex(d: &[u8]) -> String {
@@ -81,34 +167,6 @@ fn sha256_file(path: &Path) -> Result<(String, u64)> {
     let mut h = Sha256::new();
     let n = std::io::copy(&mut f, &mut h).with_context(|| format!("reading {}", path.display()))?;
     Ok((hex(&h.finalize()), n))
-}
-
-/// An f32 tensor borrowed for safetensors (written without a copy on little-endian machines).
-struct F32View<'a> {
-    data: &'a [f32],
-    shape: Vec<usize>,
-}
-
-impl safetensors::View for F32View<'_> {
-    fn dtype(&self) -> StDtype {
-        StDtype::F32
-    }
-
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        if cfg!(target_endian = "little") {
-            std::borrow::Cow::Borrowed(bytemuck::cast_slice(self.data))
-        } else {
-            self.data.iter().flat_map(|x| x.to_le_bytes()).collect()
-        }
-    }
-
-    fn data_len(&self) -> usize {
-        self.data.len() * 4
-    }
 }
 
 fn bytes_f32(b: &[u8]) -> Vec<f32> {
@@ -153,26 +211,48 @@ pub fn hf_tensors(model: &Gpt, flat: &[f32]) -> Vec<(String, Vec<f32>, Vec<usize
 }
 
 /// Writes `tensors` (name, values, shape) as safetensors to `path` and fsyncs it, streaming from the
-/// buffers without a serialized copy in memory.
+/// buffers. The header is written here rather than by the safetensors crate, whose metadata map is a
+/// `HashMap` serialized in random order: identical states must give identical files (checksums compare).
+/// Tensors are laid out in name order (all f32, so this is the order the crate itself would use), and
+/// `meta` and the header's keys are sorted; the crate reads the file back (`restore`, the tests).
 fn write_safetensors(
     path: &Path,
     tensors: &[(String, &[f32], Vec<usize>)],
     meta: BTreeMap<String, String>,
 ) -> Result<()> {
-    let views = tensors.iter().map(|(n, data, shape)| {
-        (
-            n.as_str(),
-            F32View {
-                data,
-                shape: shape.clone(),
-            },
-        )
-    });
-    safetensors::serialize_to_file(views, Some(meta.into_iter().collect()), path)
-        .with_context(|| format!("writing {}", path.display()))?;
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("syncing {}", path.display()))
+    let mut order: Vec<&(String, &[f32], Vec<usize>)> = tensors.iter().collect();
+    order.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::to_value(&meta)?);
+    let mut offset = 0usize;
+    for (name, data, shape) in &order {
+        let end = offset + 4 * data.len();
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, end]}),
+        );
+        offset = end;
+    }
+    // serde_json's map is ordered by key (no `preserve_order`), so the header text is deterministic.
+    let mut text = serde_json::to_vec(&serde_json::Value::Object(header))?;
+    // The data starts 8-byte aligned: pad the header with spaces, as the format allows.
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let write = || -> std::io::Result<()> {
+        let mut f = std::io::BufWriter::new(File::create(path)?);
+        f.write_all(&(text.len() as u64).to_le_bytes())?;
+        f.write_all(&text)?;
+        for (_, data, _) in &order {
+            if cfg!(target_endian = "little") {
+                f.write_all(bytemuck::cast_slice(data))?;
+            } else {
+                for x in data.iter() {
+                    f.write_all(&x.to_le_bytes())?;
+                }
+            }
+        }
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()
+    };
+    write().with_context(|| format!("writing {}", path.display()))
 }
 
 /// The model's weights in HF layout, written to `path` (not atomically; see `save_weights`).
@@ -317,8 +397,24 @@ pub fn list(ckpt_dir: &Path) -> Vec<PathBuf> {
     dirs.into_iter().map(|(_, p)| p).collect()
 }
 
-/// Reads a manifest and checks every file's checksum.
+/// Reads and checks every file's checksum; returns the manifest.
 pub fn verify(dir: &Path) -> Result<Manifest> {
+    let manifest = read_manifest(dir)?;
+    for (file, want) in &manifest.files {
+        let p = dir.join(file);
+        let (got, len) = sha256_file(&p)?;
+        if &got != want {
+            return Err(bad_input!(
+                "{}: checksum mismatch ({len} bytes; sha256 {got}, manifest says {want}): truncated or corrupt",
+                p.display()
+            ));
+        }
+    }
+    Ok(manifest)
+}
+
+/// Reads a checkpoint's manifest (without checking the files: see `verify`).
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let mpath = dir.join("manifest.json");
     let text = std::fs::read(&mpath).with_context(|| format!("reading {}", mpath.display()))?;
     let manifest: Manifest = serde_json::from_slice(&text)
@@ -330,16 +426,6 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
             manifest.format,
             manifest.version
         ));
-    }
-    for (file, want) in &manifest.files {
-        let p = dir.join(file);
-        let (got, len) = sha256_file(&p)?;
-        if &got != want {
-            return Err(bad_input!(
-                "{}: checksum mismatch ({len} bytes; sha256 {got}, manifest says {want}): truncated or corrupt",
-                p.display()
-            ));
-        }
     }
     Ok(manifest)
 }
@@ -389,9 +475,10 @@ pub fn read_hf_weights(path: &Path, model: &Gpt) -> Result<Vec<f32>> {
     Ok(flat)
 }
 
-/// Reads rank `rank`'s state from a verified checkpoint written by the same world size.
+/// Reads rank `rank`'s state from a checkpoint written by the same world size (verified by the
+/// preflight's `find_latest` / `require`; the rank file is read whole, so its own structure is checked).
 pub fn restore(dir: &Path, model: &Gpt, rank: usize, world: usize) -> Result<Restored> {
-    let manifest = verify(dir)?;
+    let manifest = read_manifest(dir)?;
     if manifest.world_size != world {
         return Err(bad_input!(
             "{}: written by {} rank(s), this run has {world}; an exact resume needs the same world size \
@@ -480,4 +567,43 @@ pub fn require(path: &Path) -> Result<PathBuf> {
     }
     find_latest(path)?
         .ok_or_else(|| bad_input!("{}: no valid checkpoint found there", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The same tensors and metadata give the same bytes (the safetensors crate's metadata map is a
+    /// HashMap: its order changes from one map to the next), and the crate reads them back.
+    #[test]
+    fn safetensors_files_are_deterministic_and_readable() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (vec![1.0f32, -2.5, 3.25], vec![0.5f32; 7]);
+        let tensors = vec![
+            ("zeta".to_string(), &a[..], vec![3]),
+            ("alpha".to_string(), &b[..], vec![7]),
+        ];
+        let meta: BTreeMap<String, String> = (0..12)
+            .map(|i| (format!("key{i}"), format!("value {i}")))
+            .collect();
+        let paths = [
+            dir.path().join("1.safetensors"),
+            dir.path().join("2.safetensors"),
+        ];
+        for p in &paths {
+            write_safetensors(p, &tensors, meta.clone()).unwrap();
+        }
+        let bytes = std::fs::read(&paths[0]).unwrap();
+        assert_eq!(bytes, std::fs::read(&paths[1]).unwrap());
+        let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert_eq!((8 + header_len) % 8, 0, "data starts 8-byte aligned");
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let got = header.metadata().clone().unwrap();
+        assert_eq!(got.len(), 12);
+        assert!(meta.iter().all(|(k, v)| got.get(k) == Some(v)));
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(bytes_f32(st.tensor("zeta").unwrap().data()), a);
+        assert_eq!(bytes_f32(st.tensor("alpha").unwrap().data()), b);
+        assert_eq!(st.tensor("alpha").unwrap().shape(), &[7]);
+    }
 }

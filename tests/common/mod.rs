@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use std::path::Path;
+use std::process::{Command, Output};
 
 use nanodist::comm::{local, Communicator};
 
@@ -37,6 +38,15 @@ pub fn tiny_config(dir: &Path, run_name: &str) -> String {
     )
 }
 
+/// A test that needs a Python module or tool says why it skipped, or, where CI sets
+/// NANODIST_REQUIRE_PYTHON=1 (its setup installs them), fails instead.
+pub fn skip_python(missing: &str) {
+    if std::env::var_os("NANODIST_REQUIRE_PYTHON").is_some_and(|v| v != "0") {
+        panic!("{missing}, and NANODIST_REQUIRE_PYTHON is set: this test must run");
+    }
+    eprintln!("skipped: {missing}");
+}
+
 /// Runs `f` on every rank of a local group of `n` and returns the results in rank order.
 pub fn on_ranks<T: Send>(n: usize, f: impl Fn(Box<dyn Communicator>) -> T + Sync) -> Vec<T> {
     std::thread::scope(|s| {
@@ -47,4 +57,53 @@ pub fn on_ranks<T: Send>(n: usize, f: impl Fn(Box<dyn Communicator>) -> T + Sync
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// The tiny config (see `tiny_config`) with `set` applied in order (`key.path=TOML value`, as `--set`
+/// takes them); without `run_name` the run directory is named by the job (Slurm) or the start time. The
+/// one place the tests' configs come from.
+pub fn config(dir: &Path, run_name: Option<&str>, set: &[&str]) -> String {
+    let mut doc: toml::Table = tiny_config(dir, run_name.unwrap_or("run")).parse().unwrap();
+    if run_name.is_none() {
+        doc["log"].as_table_mut().unwrap().remove("run_name");
+    }
+    for s in set {
+        let (key, value) = s
+            .split_once('=')
+            .unwrap_or_else(|| panic!("{s}: not KEY=VALUE"));
+        let value = format!("v = {value}").parse::<toml::Table>().unwrap()["v"].clone();
+        let mut path: Vec<&str> = key.split('.').collect();
+        let last = path.pop().unwrap();
+        let mut table = &mut doc;
+        for part in path {
+            table = table
+                .entry(part)
+                .or_insert_with(|| toml::Value::Table(Default::default()))
+                .as_table_mut()
+                .unwrap_or_else(|| panic!("{key}: {part} is not a table"));
+        }
+        table.insert(last.to_string(), value);
+    }
+    toml::to_string(&doc).unwrap()
+}
+
+/// Runs the nanodist binary with `args`.
+pub fn nanodist(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_nanodist"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Writes the tiny config (see `tiny_config`) with `extra` appended (after its last table, `[model]`)
+/// to `dir/name`; returns its path.
+pub fn write_tiny_config(
+    dir: &Path,
+    name: &str,
+    run_name: &str,
+    extra: &str,
+) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, tiny_config(dir, run_name) + extra).unwrap();
+    path
 }

@@ -15,7 +15,7 @@ use crate::comm::Communicator;
 use crate::optim::{self, OptimState, Optimizer, Segment};
 
 /// The Adam state's buffers in the reducer state are `correction.<AdamW buffer name>` (the rest of the
-/// state is the inner reducer's), with its step count as three 16-bit pieces (exact in f32) in `T`.
+/// state is the inner reducer's), with its step count packed by `comm::pack_u64` in `T`.
 const PREFIX: &str = "correction.";
 const T: &str = "correction.step";
 
@@ -101,13 +101,7 @@ impl Reducer for Corrected {
 
 /// Appends an AdamW state (step and moments) to a reducer state.
 fn push_adam(state: &mut State, adam: OptimState) {
-    let t = adam.step;
-    let step = vec![
-        (t >> 32) as f32,
-        ((t >> 16) & 0xffff) as f32,
-        (t & 0xffff) as f32,
-    ];
-    state.push((T.into(), step));
+    state.push((T.into(), crate::comm::pack_u64(adam.step).to_vec()));
     for (name, b) in adam.buffers {
         state.push((format!("{PREFIX}{name}"), b));
     }
@@ -127,8 +121,8 @@ fn split_adam(state: State) -> Result<(Option<OptimState>, State)> {
     };
     let mut step = None;
     for (n, b) in saved {
-        if n == T && b.len() == 3 {
-            step = Some(b.iter().fold(0u64, |acc, &x| (acc << 16) | x as u64));
+        if n == T && b.len() == 2 {
+            step = Some(crate::comm::unpack_u64([b[0], b[1]]));
         } else if let Some(name) = n.strip_prefix(PREFIX) {
             adam.buffers.push((name.to_string(), b));
         }

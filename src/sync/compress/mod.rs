@@ -11,7 +11,7 @@ pub mod topk;
 use anyhow::{bail, Result};
 
 use crate::comm::{all_reduce_bytes, CommStats, Communicator};
-use crate::config::Compression;
+use crate::config::resolve::ReducerPlan;
 use crate::model::params::Param;
 
 /// One parameter tensor in the flat gradient, viewed as a `rows x cols` matrix (rows = first dimension).
@@ -92,47 +92,24 @@ pub trait Reducer {
     fn load_state(&mut self, state: State) -> Result<()>;
 }
 
-/// The configured reducer of `t.compression`.
-pub fn build(
-    t: &crate::config::TrainConfig,
-    c: &Compression,
-    tensors: Vec<TensorView>,
-) -> Result<Box<dyn Reducer>> {
-    let seed = t.seed;
-    Ok(match c {
-        Compression::TopK(k) => Box::new(topk::TopK::new(tensors, k.density, k.error_feedback)),
-        Compression::Radius(r) => {
+/// The planned reducer (its rules were checked when the plan was resolved).
+pub fn build(plan: &ReducerPlan, tensors: Vec<TensorView>) -> Box<dyn Reducer> {
+    match plan {
+        ReducerPlan::TopK(k) => Box::new(topk::TopK::new(tensors, k.density, k.error_feedback)),
+        ReducerPlan::Radius { cfg, correction } => {
             let numel = tensors.iter().map(|t| t.len).sum();
-            let radius = Box::new(radius::Radius::new(tensors, r.clone()));
-            if !r.correction {
-                return Ok(radius);
+            let radius = Box::new(radius::Radius::new(tensors, cfg.clone()));
+            match correction {
+                None => radius,
+                Some(c) => Box::new(correction::Corrected::new(
+                    radius, numel, c.betas, c.eps, c.clip,
+                )),
             }
-            let crate::config::OptimConfig::AdamW(a) = &t.optim else {
-                bail!(crate::error::BadInput(
-                    "train.compression.correction = true runs Adam inside the reducer with train.optim's \
-                     betas and eps: it needs train.optim.name = \"adamw\""
-                        .into()
-                ));
-            };
-            Box::new(correction::Corrected::new(
-                radius,
-                numel,
-                a.betas,
-                a.eps,
-                t.grad_norm_clip,
-            ))
         }
-        Compression::PowerSgd(p) => {
-            if p.single_allreduce && !p.warm_start {
-                bail!(crate::error::BadInput(
-                    "train.compression: single_allreduce = true needs warm_start = true (each step reuses the \
-                     factor averaged by the previous one)"
-                        .into()
-                ));
-            }
-            Box::new(powersgd::PowerSgd::new(tensors, p.clone(), seed))
+        ReducerPlan::PowerSgd { cfg, seed } => {
+            Box::new(powersgd::PowerSgd::new(tensors, cfg.clone(), *seed))
         }
-    })
+    }
 }
 
 /// ||a - b|| / ||a|| (0 when a is 0).
@@ -182,9 +159,9 @@ pub fn k_of(density: f64, len: usize) -> usize {
     ((density * len as f64) as usize).clamp(1, len.max(1))
 }
 
-/// Window sums of the reducer metrics between two metrics rows.
+/// Sums of the reducer metrics between two metrics rows.
 #[derive(Debug, Default)]
-pub struct Window {
+pub struct Tally {
     dense_bytes: u64,
     sent_bytes: u64,
     error: (f64, u64),
@@ -192,7 +169,7 @@ pub struct Window {
     fraction: Option<f64>,
 }
 
-/// Averages of a window, as written into the metrics row.
+/// Averages of a tally, as written into the metrics row.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Summary {
     pub compression_ratio: Option<f64>,
@@ -201,7 +178,7 @@ pub struct Summary {
     pub compressed_fraction: Option<f64>,
 }
 
-impl Window {
+impl Tally {
     pub fn add(
         &mut self,
         numel: usize,

@@ -316,7 +316,7 @@ impl Reducer for PowerSgd {
             ("error".into(), self.error.clone()),
             (
                 "compressed_steps".into(),
-                super::indices_to_f32(&[(steps >> 32) as u32, steps as u32]),
+                crate::comm::pack_u64(steps).to_vec(),
             ),
         ]
     }
@@ -341,8 +341,8 @@ impl Reducer for PowerSgd {
             )));
         }
         self.error = error;
-        let s = super::f32_to_indices(&take(&mut state, "compressed_steps", Some(2))?);
-        self.compressed_steps = ((s[0] as u64) << 32) | s[1] as u64;
+        let s = take(&mut state, "compressed_steps", Some(2))?;
+        self.compressed_steps = crate::comm::unpack_u64([s[0], s[1]]);
         Ok(())
     }
 }

@@ -1,0 +1,174 @@
+//! What a run shows while it trains: the console (a progress bar on a terminal, plain lines in batch
+//! logs) and the counters of each metrics row.
+
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use super::checkpoint::Progress;
+use crate::comm::CommStats;
+use crate::metrics::Row;
+
+/// Counters since the last metrics row.
+pub(super) struct Interval {
+    start: Instant,
+    /// Steps timed in this process (throughput).
+    steps: u64,
+    /// Steps whose loss is in `loss_sum` (restored across a resume).
+    pub loss_steps: u64,
+    pub loss_sum: f64,
+    /// The communicator's totals at the start of the interval.
+    pub comm: CommStats,
+}
+
+impl Interval {
+    pub fn new(comm: CommStats) -> Self {
+        Self {
+            start: Instant::now(),
+            steps: 0,
+            loss_steps: 0,
+            loss_sum: 0.0,
+            comm,
+        }
+    }
+
+    /// One more step, with its training loss.
+    pub fn add_step(&mut self, loss: f64) {
+        self.steps += 1;
+        self.loss_steps += 1;
+        self.loss_sum += loss;
+    }
+
+    pub fn mean_loss(&self) -> f64 {
+        self.loss_sum / self.loss_steps as f64
+    }
+
+    /// The metrics row at the interval's end (evaluation and compression fields are added by the caller).
+    pub fn row(
+        &self,
+        progress: &Progress,
+        lr: f64,
+        train_loss: f64,
+        grad_norm: f64,
+        tokens_per_step: u64,
+        comm: CommStats,
+    ) -> Row {
+        let secs = self.start.elapsed().as_secs_f64().max(1e-9);
+        let comm_s = comm.seconds - self.comm.seconds;
+        Row {
+            step: progress.step,
+            tokens: progress.tokens,
+            lr,
+            train_loss,
+            grad_norm,
+            tokens_per_s: (tokens_per_step * self.steps) as f64 / secs,
+            ms_per_step: secs * 1e3 / self.steps as f64,
+            comm_bytes: comm.bytes_sent - self.comm.bytes_sent,
+            comm_ms: comm_s * 1e3,
+            comm_frac: comm_s / secs,
+            ..Row::default()
+        }
+    }
+}
+
+/// Console output: a progress bar on a terminal, plain lines otherwise (sbatch logs).
+pub(super) struct Console {
+    bar: Option<indicatif::ProgressBar>,
+    n_steps: u64,
+    silent: bool,
+}
+
+impl Console {
+    /// Only rank 0 prints; other ranks get a silent console.
+    pub fn new(n_steps: u64, start: u64, root: bool) -> Self {
+        if !root {
+            return Self {
+                bar: None,
+                n_steps,
+                silent: true,
+            };
+        }
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(n_steps);
+            if let Ok(style) =
+                indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} eta {eta}")
+            {
+                bar.set_style(style);
+            }
+            bar.set_position(start);
+            bar
+        });
+        Self {
+            bar,
+            n_steps,
+            silent: false,
+        }
+    }
+
+    pub fn progress(&self, r: &Row) {
+        if self.silent {
+            return;
+        }
+        let msg = format!(
+            "loss {:.4} lr {:.2e} {:.0} tok/s",
+            r.train_loss, r.lr, r.tokens_per_s
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(r.step);
+                bar.set_message(msg);
+            }
+            None => println!(
+                "step {}/{} | {msg} | {:.1} ms/step",
+                r.step, self.n_steps, r.ms_per_step
+            ),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn eval_line(
+        &self,
+        step: u64,
+        val: f64,
+        train: f64,
+        secs: f64,
+        steps: u64,
+        total: f64,
+        tps: f64,
+        mfu: Option<f64>,
+    ) {
+        // The seed runner's line, then throughput.
+        let line = format!(
+            "Step {step}, Val loss: {val:.4}, Train loss: {train:.4}, Train time: {secs:.2}s ({:.2}ms/step), \
+             Total train time: {total:.2}s, {tps:.0} tokens/s, MFU {:.4}%",
+            secs * 1e3 / steps.max(1) as f64,
+            mfu.unwrap_or(0.0) * 100.0
+        );
+        if self.silent {
+            return;
+        }
+        match &self.bar {
+            Some(bar) => {
+                bar.println(&line);
+                bar.set_position(step);
+            }
+            None => println!("{line}"),
+        }
+    }
+
+    /// A diagnostic line through the log (stderr, timestamped), above the progress bar if there is one.
+    pub fn note(&self, line: &str) {
+        if self.silent {
+            return;
+        }
+        match &self.bar {
+            Some(bar) => bar.suspend(|| tracing::info!("{line}")),
+            None => tracing::info!("{line}"),
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,572 @@
+//! One rank's training: its model, optimizer and sync backend, and the loop.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::checkpoint::{self, Manifest, Progress, RankState};
+use super::console::{Console, Interval};
+use super::{Exit, Setup, Summary};
+use crate::comm::Communicator;
+use crate::config::CheckpointMode;
+use crate::data::{eval_batch, Blend, Sampler, Split};
+use crate::metrics::{Row, Tracker};
+use crate::model::Gpt;
+use crate::optim::{self, Optimizer, Segment};
+use crate::sync::SyncBackend;
+
+/// A100 bf16 dense peak, nanoGPT's reference for MFU.
+const PEAK_FLOPS: f64 = 312e12;
+const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
+
+/// Why a rank wants to stop after a step, in rising priority: when ranks disagree, the highest wins. A
+/// run that reached n_steps is finished whatever else happened; a signal beats the time limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Vote {
+    Continue = 0,
+    ExitInterval = 1,
+    ExitDuration = 2,
+    Signal = 3,
+    Finished = 4,
+}
+
+impl Vote {
+    const ALL: [Vote; 5] = [
+        Vote::Continue,
+        Vote::ExitInterval,
+        Vote::ExitDuration,
+        Vote::Signal,
+        Vote::Finished,
+    ];
+
+    /// Every rank's vote, gathered (a real all-gather, small integers exact in f32); the highest wins.
+    fn agree(self, comm: &mut dyn Communicator) -> Result<Vote> {
+        let mut all = vec![0.0f32; comm.world_size()];
+        comm.all_gather(&[self as u8 as f32], &mut all)?;
+        let top = all.iter().map(|&v| v as usize).max().unwrap_or(0);
+        Vote::ALL
+            .get(top)
+            .copied()
+            .with_context(|| format!("exit vote: a rank sent {top}, not a vote"))
+    }
+}
+
+pub(super) struct Worker<'s> {
+    setup: &'s Setup,
+    pool: Option<rayon::ThreadPool>,
+    model: Gpt,
+    sync: Box<dyn SyncBackend>,
+    opt: Box<dyn Optimizer>,
+    /// The parameters (name-ordered flat buffer), this step's gradient, and the replicas' average.
+    params: Vec<f32>,
+    grads: Vec<f32>,
+    avg: Vec<f32>,
+    sampler: Sampler,
+    dropout: ChaCha8Rng,
+    progress: Progress,
+    last_val: Option<f64>,
+    /// Counters since the last metrics row, and the time and step of the last evaluation.
+    since_log: Interval,
+    since_eval: (Instant, u64),
+    started: Instant,
+    start_step: u64,
+    metrics: Option<Tracker>,
+    console: Console,
+}
+
+impl<'s> Worker<'s> {
+    /// Builds the rank's model, backend and optimizer, and restores the checkpoint the run starts from.
+    pub fn new(setup: &'s Setup, comm: Box<dyn Communicator>) -> Result<Self> {
+        let (cfg, plan) = (&setup.cfg, &setup.plan);
+        let t = &cfg.train;
+        let device = crate::device::select(t.device, comm.rank())?;
+        let pool = match setup.worker_threads {
+            Some(n) => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .build()
+                    .context("starting a worker's thread pool")?,
+            ),
+            None => None,
+        };
+        // Mixed precision on GPUs: bf16 matmuls, f32 master weights, optimizer and reducer state.
+        let model = Gpt::new(&cfg.model, t.context_length, t.seed, &device)?
+            .with_amp(t.amp && device.is_cuda());
+        let tensors = crate::sync::compress::TensorView::of(&model.params.params);
+        let sync = crate::sync::build(&plan.sync, comm, tensors)?;
+        let segments: Vec<Segment> = model
+            .params
+            .params
+            .iter()
+            .map(|p| Segment {
+                offset: p.offset,
+                len: p.len,
+                decay: p.decays(),
+            })
+            .collect();
+        let opt = optim::for_run(&t.optim, &plan.sync, segments, model.params.numel);
+        let mut dropout = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
+        dropout.set_stream(sync.rank() as u64);
+        let root = sync.rank() == 0;
+        let mut w = Self {
+            setup,
+            pool,
+            params: model.params.to_flat()?,
+            grads: vec![0.0; model.params.numel],
+            avg: Vec::new(),
+            model,
+            sync,
+            opt,
+            sampler: Sampler::new(t.seed),
+            dropout,
+            progress: Progress::default(),
+            last_val: None,
+            since_log: Interval::new(Default::default()),
+            since_eval: (Instant::now(), 0),
+            started: Instant::now(),
+            start_step: 0,
+            metrics: None,
+            console: Console::new(t.n_steps, 0, false),
+        };
+        if let Some((dir, mode)) = &setup.source {
+            w.restore(dir, *mode)?;
+        }
+        let step = w.progress.step;
+        if root && step < t.n_steps {
+            w.metrics = Some(Tracker::open(cfg, &setup.run_dir, Some(step))?);
+        }
+        w.console = Console::new(t.n_steps, step, root);
+        w.since_log.comm = w.sync.comm_stats();
+        w.since_eval = (Instant::now(), step);
+        w.start_step = step;
+        Ok(w)
+    }
+
+    fn restore(&mut self, dir: &std::path::Path, mode: CheckpointMode) -> Result<()> {
+        let (rank, world) = (self.sync.rank(), self.sync.world_size());
+        match mode {
+            CheckpointMode::Full => {
+                let r = checkpoint::restore(dir, &self.model, rank, world)?;
+                self.progress = r.progress();
+                let (optimizer, reducer) = crate::sync::compress::correction::carry_over(
+                    self.setup.plan.sync.adam_in_reducer(),
+                    r.state.optimizer,
+                    r.state.reducer,
+                )?;
+                self.opt.load_state(optimizer)?;
+                self.sync.load_state(reducer)?;
+                self.dropout.set_word_pos(r.state.meta.dropout_pos());
+                (self.since_log.loss_sum, self.since_log.loss_steps) = r.state.meta.loss_since_log;
+                self.params = r.state.params;
+            }
+            CheckpointMode::Weights => {
+                self.params =
+                    checkpoint::read_hf_weights(&dir.join("model.safetensors"), &self.model)?;
+            }
+        }
+        self.model.params.set_flat(&self.params)?;
+        if rank == 0 {
+            tracing::info!(
+                "resumed from {} ({}) at step {}",
+                dir.display(),
+                match mode {
+                    CheckpointMode::Full => "full state",
+                    CheckpointMode::Weights => "weights only",
+                },
+                self.progress.step
+            );
+        }
+        Ok(())
+    }
+
+    /// The training loop.
+    pub fn train(mut self) -> Result<Summary> {
+        let t = &self.setup.cfg.train;
+        if self.progress.step >= t.n_steps {
+            if self.sync.rank() == 0 {
+                tracing::info!(
+                    "run already finished at step {} of {}",
+                    self.progress.step,
+                    t.n_steps
+                );
+            }
+            return Ok(self.summary(Exit::Finished, self.progress.best_val_loss));
+        }
+        let exit = loop {
+            if let Some(f) = &self.setup.fault {
+                f.check(self.sync.rank(), self.progress.step);
+            }
+            let lr = optim::lr_at(&t.lr_schedule, self.progress.step, t.n_steps);
+            let loss = self.forward_backward()?;
+            self.sync
+                .reduce_grads(&mut self.grads, self.progress.step)?;
+            let grad_norm = match self.sync.clipped_grad_norm() {
+                Some(norm) => norm,
+                None => optim::clip_grad_norm(&mut self.grads, t.grad_norm_clip),
+            };
+            self.update(lr)?;
+            self.since_log.add_step(loss);
+            let step = self.progress.step;
+            let eval_due = step % self.setup.cfg.log.eval_interval == 0 || step == t.n_steps;
+            if step % self.setup.cfg.log.log_interval == 0 || eval_due {
+                self.log(lr, grad_norm, eval_due)?;
+            }
+            let exit = self.vote().agree(self.sync.comm_mut())?;
+            let ckpt_every = self.setup.cfg.log.ckpt_interval;
+            if exit != Vote::Continue || (ckpt_every > 0 && step % ckpt_every == 0) {
+                self.save_checkpoint()?;
+            }
+            if exit != Vote::Continue {
+                break self.exit_of(exit);
+            }
+        };
+        self.console.finish();
+        if let Some(m) = self.metrics.take() {
+            m.finish(i32::from(matches!(exit, Exit::Signal(_))))?;
+        }
+        Ok(self.summary(exit, self.last_val))
+    }
+
+    /// This rank's gradient of the step, accumulated over the micro-steps; communication left pending by
+    /// the last step (overlapped gossip) runs beside it. Returns the mean loss over the micro-steps.
+    fn forward_backward(&mut self) -> Result<f64> {
+        let plan = &self.setup.plan;
+        let (local_b, accum) = (plan.local_batch_size, plan.accum_steps);
+        let (rank, world) = (self.sync.rank(), self.sync.world_size());
+        let ctx = self.setup.cfg.train.context_length;
+        let step = self.progress.step;
+        let (model, grads, dropout, sampler) = (
+            &self.model,
+            &mut self.grads,
+            &mut self.dropout,
+            &mut self.sampler,
+        );
+        let data = &self.setup.train_data;
+        let pool = self.pool.as_ref();
+        let loss_sum = overlapped(self.sync.as_mut(), || {
+            on(pool, || {
+                grads.iter_mut().for_each(|g| *g = 0.0);
+                let mut loss_sum = 0.0f64;
+                for micro in 0..accum as u64 {
+                    // Rows of this rank and micro-step in the step's global batch (see data::sampler).
+                    let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
+                    let batch = sampler.batch(data, step, first_row, local_b, ctx);
+                    // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
+                    let scale = 1.0 / accum as f32;
+                    loss_sum += model.loss_and_grads(&batch, Some(dropout), scale, grads)? as f64;
+                }
+                Ok(loss_sum)
+            })
+        })?;
+        Ok(loss_sum / accum as f64)
+    }
+
+    /// The optimizer step between the backend's hooks (gossip mixes after it), then the model's weights.
+    fn update(&mut self, lr: f64) -> Result<()> {
+        self.sync.before_step(&mut self.params)?;
+        self.opt.step(&mut self.params, &self.grads, lr);
+        self.sync.after_step(&mut self.params, self.progress.step)?;
+        self.model.params.set_flat(&self.params)?;
+        self.progress.step += 1;
+        self.progress.tokens += self.setup.plan.tokens_per_step;
+        Ok(())
+    }
+
+    /// A metrics row (the loss averaged over workers), with an evaluation when `eval_due`.
+    fn log(&mut self, lr: f64, grad_norm: f64, eval_due: bool) -> Result<()> {
+        let plan = &self.setup.plan;
+        let mut losses = [self.since_log.mean_loss() as f32];
+        self.sync.mean_scalars(&mut losses)?;
+        let mut row = self.since_log.row(
+            &self.progress,
+            lr,
+            losses[0] as f64,
+            grad_norm,
+            plan.tokens_per_step,
+            self.sync.comm_stats(),
+        );
+        row.param_norm = optim::global_norm(&self.params);
+        row.elapsed_s = self.elapsed();
+        row.mfu = Some(plan.flops_per_token as f64 * row.tokens_per_s / PEAK_FLOPS);
+        if let Some(c) = self.sync.take_compression() {
+            row.compression_ratio = c.compression_ratio;
+            row.compression_error = c.compression_error;
+            row.topk_overlap = c.topk_overlap;
+            row.compressed_fraction = c.compressed_fraction;
+        }
+        if eval_due {
+            self.evaluate(&mut row)?;
+        } else {
+            self.console.progress(&row);
+        }
+        if let Some(m) = self.metrics.as_mut() {
+            m.write(&row)?;
+        }
+        self.since_log = Interval::new(self.sync.comm_stats());
+        Ok(())
+    }
+
+    /// Val and train loss of the replicas' average (and of each replica with `log.eval_local`); saves the
+    /// best model.
+    fn evaluate(&mut self, row: &mut Row) -> Result<()> {
+        let (cfg, step) = (&self.setup.cfg, self.progress.step);
+        // Train time counts training since the last evaluation, not the evaluation itself.
+        let (secs, steps) = (
+            self.since_eval.0.elapsed().as_secs_f64(),
+            step - self.since_eval.1,
+        );
+        // Evaluate the average of the replicas, then continue from the local ones.
+        let distance = self.sync.average(&self.params, &mut self.avg)?;
+        self.model.params.set_flat(&self.avg)?;
+        let setup = self.setup;
+        let val = self.eval_shared(&setup.val_data, Split::Val)?;
+        let train = self.eval_shared(&setup.train_data, Split::Train)?;
+        self.model.params.set_flat(&self.params)?;
+        if cfg.log.eval_local {
+            let (mean, max) = self.eval_local()?;
+            (row.val_loss_local, row.val_loss_local_max) = (Some(mean), Some(max));
+        }
+        self.console.eval_line(
+            step,
+            val,
+            train,
+            secs,
+            steps,
+            row.elapsed_s,
+            row.tokens_per_s,
+            row.mfu,
+        );
+        self.since_eval = (Instant::now(), step);
+        (row.val_loss, row.val_ppl, row.eval_train_loss) =
+            (Some(val), Some(val.exp()), Some(train));
+        if matches!(self.setup.plan.sync, crate::config::SyncPlan::Gossip { .. }) {
+            row.consensus_distance = Some(distance);
+        }
+        self.last_val = Some(val);
+        if self.progress.best_val_loss.is_none_or(|b| val < b) {
+            self.progress.best_val_loss = Some(val);
+            if self.sync.rank() == 0 {
+                let path = self.setup.run_dir.join("best_model.safetensors");
+                checkpoint::save_weights(&path, &self.model, &self.avg, step)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Mean loss over `log.eval_steps` fixed batches of `split`. Batch i is windows i*E..(i+1)*E with
+    /// E = local batch x world size (one micro-step of the global batch); rank r evaluates its b rows of
+    /// each, so N workers x b evaluate exactly the windows of 1 worker x N*b.
+    fn eval_shared(&mut self, data: &Blend, split: Split) -> Result<f64> {
+        let rank = self.sync.rank();
+        let spec = self.eval_spec();
+        let model = &self.model;
+        let mut acc = [on(self.pool.as_ref(), || {
+            spec.rows(model, data, split, rank..rank + 1)
+        })? as f32];
+        self.sync.mean_scalars(&mut acc)?;
+        Ok(acc[0] as f64)
+    }
+
+    /// This rank's own model on all the windows of `eval_shared`; returns (mean, max) over the ranks.
+    fn eval_local(&mut self) -> Result<(f64, f64)> {
+        let (rank, n) = (self.sync.rank(), self.sync.world_size());
+        let (spec, model, data) = (self.eval_spec(), &self.model, &self.setup.val_data);
+        let mut all = vec![0.0f32; n];
+        all[rank] = on(self.pool.as_ref(), || {
+            spec.rows(model, data, Split::Val, 0..n)
+        })? as f32;
+        // The mean of a vector with one non-zero slot per rank gathers the ranks' values.
+        self.sync.mean_scalars(&mut all)?;
+        let losses: Vec<f64> = all.iter().map(|&x| x as f64 * n as f64).collect();
+        Ok((
+            losses.iter().sum::<f64>() / n as f64,
+            losses.iter().cloned().fold(f64::MIN, f64::max),
+        ))
+    }
+
+    fn eval_spec(&self) -> EvalSpec {
+        EvalSpec {
+            seed: self.setup.cfg.train.seed,
+            steps: self.setup.cfg.log.eval_steps,
+            local_b: self.setup.plan.local_batch_size,
+            world: self.sync.world_size(),
+        }
+    }
+
+    /// This rank's reason to stop after the step just taken.
+    fn vote(&self) -> Vote {
+        let t = &self.setup.cfg.train;
+        let step = self.progress.step;
+        if step >= t.n_steps {
+            Vote::Finished
+        } else if self.setup.stop.received().is_some() {
+            Vote::Signal
+        } else if t
+            .exit_duration_mins
+            .is_some_and(|m| self.started.elapsed().as_secs_f64() >= m * 60.0)
+        {
+            Vote::ExitDuration
+        } else if t.exit_interval.is_some_and(|n| step - self.start_step >= n) {
+            Vote::ExitInterval
+        } else {
+            Vote::Continue
+        }
+    }
+
+    fn exit_of(&self, vote: Vote) -> Exit {
+        match vote {
+            Vote::Continue | Vote::Finished => Exit::Finished,
+            Vote::ExitInterval => Exit::ExitInterval,
+            Vote::ExitDuration => Exit::ExitDuration,
+            Vote::Signal => Exit::Signal(
+                self.setup
+                    .stop
+                    .received()
+                    .unwrap_or("a signal on another rank"),
+            ),
+        }
+    }
+
+    /// Every rank saves its state; rank 0 adds the averaged model and the manifest.
+    fn save_checkpoint(&mut self) -> Result<()> {
+        let setup = self.setup;
+        let mut progress = self.progress.clone();
+        progress.elapsed_s = self.elapsed();
+        let state = RankState::new(
+            self.sync.rank(),
+            self.params.clone(),
+            self.opt.state(),
+            self.sync.state(),
+            self.dropout.get_word_pos(),
+            (self.since_log.loss_sum, self.since_log.loss_steps),
+        );
+        let manifest = Manifest::new(
+            &progress,
+            self.sync.world_size(),
+            &setup.cfg,
+            setup.tokenizer.clone(),
+        );
+        if let Some(m) = self.metrics.as_mut() {
+            m.sync()?;
+        }
+        self.sync.average(&self.params, &mut self.avg)?;
+        let dir = checkpoint::save(
+            self.sync.as_mut(),
+            &setup.run_dir.join("checkpoints"),
+            &self.model,
+            &state,
+            &self.avg,
+            manifest,
+            setup.cfg.log.keep_checkpoints as usize,
+        )?;
+        if self.sync.rank() == 0 {
+            self.console
+                .note(&format!("saved checkpoint {}", dir.display()));
+        }
+        Ok(())
+    }
+
+    /// Training seconds of this run, earlier invocations included.
+    fn elapsed(&self) -> f64 {
+        self.progress.elapsed_s + self.started.elapsed().as_secs_f64()
+    }
+
+    fn summary(&self, exit: Exit, last_val_loss: Option<f64>) -> Summary {
+        Summary {
+            run_dir: self.setup.run_dir.clone(),
+            step: self.progress.step,
+            last_val_loss,
+            exit,
+        }
+    }
+}
+
+/// The fixed evaluation batches: `steps` batches of `local_b` rows per rank.
+struct EvalSpec {
+    seed: u64,
+    steps: u64,
+    local_b: usize,
+    world: usize,
+}
+
+impl EvalSpec {
+    /// Mean loss of `model` over the b-row slices `slices` of each evaluation batch.
+    fn rows(
+        &self,
+        model: &Gpt,
+        data: &Blend,
+        split: Split,
+        slices: std::ops::Range<usize>,
+    ) -> Result<f64> {
+        let b = self.local_b;
+        let per_step = (b * self.world) as u64;
+        let (mut sum, mut count) = (0.0f64, 0u64);
+        for i in 0..self.steps {
+            for r in slices.clone() {
+                let first = i * per_step + (r * b) as u64;
+                let batch = eval_batch(self.seed, split, first, data, b, model.context_length);
+                sum += model.batch_loss(&batch)? as f64;
+                count += 1;
+            }
+        }
+        Ok(sum / count as f64)
+    }
+}
+
+/// Runs `compute` and, when the backend has communication pending, that communication at the same time:
+/// the collective stays on this thread (an MPI communicator belongs to the thread that made it) and the
+/// computation moves to a scoped thread.
+fn overlapped<T: Send>(
+    sync: &mut dyn SyncBackend,
+    compute: impl FnOnce() -> Result<T> + Send,
+) -> Result<T> {
+    if !sync.has_pending() {
+        return compute();
+    }
+    std::thread::scope(|s| {
+        let job = s.spawn(compute);
+        let comm = sync.communicate();
+        let out = job
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the gradient computation panicked")));
+        comm?;
+        out
+    })
+}
+
+/// Runs `f` on `pool` when there is one (a local worker's own threads), else on the calling thread.
+fn on<T: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> T + Send) -> T {
+    match pool {
+        Some(p) => p.install(f),
+        None => f(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_highest_vote_wins_on_every_rank() {
+        let votes = [
+            Vote::Continue,
+            Vote::Signal,
+            Vote::ExitInterval,
+            Vote::ExitDuration,
+        ];
+        let ranks: Vec<_> = crate::comm::local::group(4, std::time::Duration::from_secs(10))
+            .into_iter()
+            .zip(votes)
+            .map(|(mut c, v)| std::thread::spawn(move || v.agree(&mut c).unwrap()))
+            .collect();
+        let agreed: Vec<Vote> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(agreed, vec![Vote::Signal; 4]);
+        assert!(Vote::Finished > Vote::Signal && Vote::Signal > Vote::ExitDuration);
+        let mut solo = crate::comm::Solo;
+        for v in Vote::ALL {
+            assert_eq!(v.agree(&mut solo).unwrap(), v);
+        }
+    }
+}
