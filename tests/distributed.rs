@@ -173,11 +173,11 @@ fn ring_gossip_shrinks_consensus_distance_and_keeps_the_mean() {
         let mut g = Gossip::new(c, topology::rounds(Topology::Ring, n, n).unwrap(), false);
         let mut p = replica(rank);
         let mut avg = Vec::new();
-        let mut dists = vec![g.average(&p, &mut avg).unwrap()];
+        let mut dists = vec![g.average(&p, &mut avg).unwrap().unwrap()];
         let mean0 = avg.clone();
         for step in 0..12 {
             g.after_step(&mut p, step).unwrap();
-            dists.push(g.average(&p, &mut avg).unwrap());
+            dists.push(g.average(&p, &mut avg).unwrap().unwrap());
         }
         (dists, mean0, avg)
     });

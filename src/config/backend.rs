@@ -16,6 +16,18 @@ pub enum Backend {
     /// Decentralized data parallel: local optimizer steps, then parameter gossip over `topology` (Decent-DP).
     #[serde(rename = "decentdp")]
     DecentDp,
+    /// DiLoCo: `train.optim` steps alone for `diloco.sync_every` steps, then an outer Nesterov step on the
+    /// averaged pseudo-gradient (streaming with `fragments` > 1); settings in `[train.diloco]`.
+    #[serde(rename = "diloco")]
+    Diloco,
+    /// SPARTA: after every step, average a random fraction `sparta.p` of the parameters, the mask drawn
+    /// from a seed every rank shares; settings in `[train.sparta]`.
+    #[serde(rename = "sparta")]
+    Sparta,
+    /// DeMo: DCT top-k of a decayed momentum, all-gathered, and a sign update (it replaces the optimizer;
+    /// `train.optim` must be "sgd" for the weight decay); settings in `[train.demo]`.
+    #[serde(rename = "demo")]
+    Demo,
 }
 
 impl Backend {
@@ -23,6 +35,9 @@ impl Backend {
         match self {
             Backend::PytorchDdp => "pytorchddp",
             Backend::DecentDp => "decentdp",
+            Backend::Diloco => "diloco",
+            Backend::Sparta => "sparta",
+            Backend::Demo => "demo",
         }
     }
 }
@@ -213,6 +228,118 @@ impl Default for PowerSgdConfig {
             orthogonalization_epsilon: 0.0,
             batch_same_shape: false,
             single_allreduce: false,
+        }
+    }
+}
+
+/// How DiLoCo's pseudo-gradients travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub enum Quantize {
+    /// f32 values, all-reduced.
+    #[default]
+    #[serde(rename = "none")]
+    None,
+    /// bfloat16 (round to nearest even), summed in f32.
+    #[serde(rename = "bf16")]
+    Bf16,
+    /// fp8 e4m3 row-wise: each row scaled to the format's largest value, one f32 scale per row.
+    #[serde(rename = "fp8")]
+    Fp8,
+    /// uint8 min-max row-wise: 256 levels between each row's minimum and maximum (two f32 per row).
+    #[serde(rename = "uint8")]
+    Uint8,
+}
+
+impl Quantize {
+    pub fn name(self) -> &'static str {
+        match self {
+            Quantize::None => "none",
+            Quantize::Bf16 => "bf16",
+            Quantize::Fp8 => "fp8",
+            Quantize::Uint8 => "uint8",
+        }
+    }
+}
+
+/// `[train.diloco]`: DiLoCo and Streaming DiLoCo (defaults: torchft / OpenDiLoCo).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct DilocoConfig {
+    /// Inner steps between syncs of the whole model (H); each fragment syncs every H steps.
+    #[schemars(range(min = 1))]
+    pub sync_every: u64,
+    /// Outer SGD learning rate (1 with momentum 0: LocalSGD).
+    #[schemars(range(min = 0.0))]
+    pub outer_lr: f64,
+    /// Outer SGD momentum.
+    #[schemars(range(min = 0.0))]
+    pub outer_momentum: f64,
+    /// Nesterov outer momentum.
+    pub nesterov: bool,
+    /// Fragments of the model (streaming DiLoCo when > 1); must divide sync_every.
+    #[schemars(range(min = 1))]
+    pub fragments: u64,
+    /// Steps a fragment's all-reduce runs beside training before it is applied (tau < sync_every / fragments).
+    pub fragment_delay: u64,
+    /// At a fragment's sync the worker keeps alpha of its own parameters: (1 - alpha) global + alpha local.
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub fragment_alpha: f64,
+    /// Pseudo-gradient quantization on the wire.
+    pub quantize: Quantize,
+}
+
+impl Default for DilocoConfig {
+    fn default() -> Self {
+        Self {
+            sync_every: 100,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
+            nesterov: true,
+            fragments: 1,
+            fragment_delay: 0,
+            fragment_alpha: 0.0,
+            quantize: Quantize::None,
+        }
+    }
+}
+
+/// `[train.sparta]` (EXO Gym's default p).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpartaConfig {
+    /// Probability that a parameter entry is averaged after a step, in (0, 1].
+    #[schemars(extend("exclusiveMinimum" = 0), range(max = 1.0))]
+    pub p: f64,
+}
+
+impl Default for SpartaConfig {
+    fn default() -> Self {
+        Self { p: 0.005 }
+    }
+}
+
+/// `[train.demo]` (bloc97/DeMo's defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct DemoConfig {
+    /// Decay beta of the momentum delta (delta <- beta delta + lr g).
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub decay: f64,
+    /// DCT coefficients kept per chunk.
+    #[schemars(range(min = 1))]
+    pub topk: usize,
+    /// Chunk side: matrices in chunk x chunk blocks, vectors in chunks of `chunk` (the largest divisor of
+    /// each dimension that is <= chunk).
+    #[schemars(range(min = 1))]
+    pub chunk: usize,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        Self {
+            decay: 0.999,
+            topk: 32,
+            chunk: 64,
         }
     }
 }

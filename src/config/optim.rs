@@ -14,6 +14,23 @@ pub enum OptimConfig {
     /// the gradients, with look-ahead moments in between (lower variance with small per-worker batches).
     #[serde(rename = "accumadamw")]
     AccumAdamW(AccumAdamWConfig),
+    /// torch.optim.SGD: momentum (dampening 0), optional Nesterov, L2 weight decay added to the gradient.
+    #[serde(rename = "sgd")]
+    Sgd(SgdConfig),
+}
+
+/// SGD hyper-parameters (torch.optim.SGD's defaults).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct SgdConfig {
+    /// Momentum factor (0: plain SGD).
+    #[schemars(range(min = 0.0))]
+    pub momentum: f64,
+    /// Nesterov momentum (needs momentum > 0).
+    pub nesterov: bool,
+    /// L2 penalty added to the gradient (applied to matrices and embeddings only).
+    #[schemars(range(min = 0.0))]
+    pub weight_decay: f64,
 }
 
 /// AdamW hyper-parameters.
@@ -82,6 +99,7 @@ impl OptimConfig {
         match self {
             OptimConfig::AdamW(_) => "adamw",
             OptimConfig::AccumAdamW(_) => "accumadamw",
+            OptimConfig::Sgd(_) => "sgd",
         }
     }
 }

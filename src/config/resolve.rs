@@ -3,7 +3,8 @@
 use std::fmt;
 
 use super::backend::{
-    Backend, Compression, Engine, PowerSgdConfig, RadiusConfig, TopKConfig, Topology,
+    Backend, Compression, DemoConfig, DilocoConfig, Engine, PowerSgdConfig, Quantize, RadiusConfig,
+    TopKConfig, Topology,
 };
 use super::error::Problem;
 use super::tree::Node;
@@ -74,6 +75,20 @@ pub enum SyncPlan {
     },
     /// Gradient averaging through a compressed reducer.
     Compressed(ReducerPlan),
+    /// DiLoCo / Streaming DiLoCo; `reducer` compresses the pseudo-gradients.
+    Diloco {
+        cfg: DilocoConfig,
+        reducer: Option<ReducerPlan>,
+    },
+    /// SPARTA: a fraction `p` of the entries averaged after every step, masks drawn from `seed`.
+    Sparta { p: f64, seed: u64 },
+    /// DeMo; the loop's SGD applies its sign direction with decoupled `weight_decay`. The local gradient
+    /// is clipped to `clip` before it enters the momentum (the sign is not clipped).
+    Demo {
+        cfg: DemoConfig,
+        weight_decay: f64,
+        clip: f64,
+    },
 }
 
 /// A compressed reducer with its settings.
@@ -106,6 +121,18 @@ impl SyncPlan {
         match self {
             SyncPlan::AllReduce { .. } | SyncPlan::Compressed(_) => Backend::PytorchDdp.name(),
             SyncPlan::Gossip { .. } => Backend::DecentDp.name(),
+            SyncPlan::Diloco { .. } => Backend::Diloco.name(),
+            SyncPlan::Sparta { .. } => Backend::Sparta.name(),
+            SyncPlan::Demo { .. } => Backend::Demo.name(),
+        }
+    }
+
+    /// Whether the loop's optimizer is a plain SGD with decoupled weight decay instead of `train.optim`'s
+    /// update: Radius's correction runs Adam inside the reducer, DeMo computes its own direction.
+    pub fn plain_sgd_in_loop(&self) -> Option<f64> {
+        match self {
+            SyncPlan::Demo { weight_decay, .. } => Some(*weight_decay),
+            _ => None,
         }
     }
 
@@ -142,33 +169,66 @@ impl SyncPlan {
                     "synchronous"
                 }
             ),
-            SyncPlan::Compressed(r) => match r {
-                ReducerPlan::TopK(k) => format!(
-                    "top-k density {}, error feedback {}",
-                    k.density, k.error_feedback
-                ),
-                ReducerPlan::Radius { cfg, correction } => format!(
-                    "radius density {}, interval {}, dense until step {}{}",
-                    cfg.density,
-                    cfg.interval,
-                    cfg.threshold,
-                    if correction.is_some() {
-                        ", correction"
-                    } else {
-                        ""
-                    }
-                ),
-                ReducerPlan::PowerSgd { cfg, .. } => format!(
-                    "powersgd rank {}, dense until step {}{}",
-                    cfg.rank,
-                    cfg.start_iter,
-                    if cfg.single_allreduce {
-                        ", one all-reduce per step"
-                    } else {
-                        ""
-                    }
-                ),
-            },
+            SyncPlan::Diloco { cfg, reducer } => format!(
+                "diloco: sync every {} steps, outer SGD lr {} momentum {}{}, {} fragment(s){}, quantize {}{}",
+                cfg.sync_every,
+                cfg.outer_lr,
+                cfg.outer_momentum,
+                if cfg.nesterov { " (Nesterov)" } else { "" },
+                cfg.fragments,
+                if cfg.fragments > 1 {
+                    format!(" (delay {}, alpha {})", cfg.fragment_delay, cfg.fragment_alpha)
+                } else {
+                    String::new()
+                },
+                cfg.quantize.name(),
+                reducer
+                    .as_ref()
+                    .map_or(String::new(), |r| format!(", pseudo-gradients by {}", r.describe()))
+            ),
+            SyncPlan::Sparta { p, .. } => {
+                format!("sparta: average a fraction {p} of the parameters after every step")
+            }
+            SyncPlan::Demo {
+                cfg, weight_decay, ..
+            } => format!(
+                "demo: decay {}, top {} DCT coefficients per chunk of {}, sign update with SGD \
+                 (lr schedule, decoupled weight decay {weight_decay})",
+                cfg.decay, cfg.topk, cfg.chunk
+            ),
+            SyncPlan::Compressed(r) => r.describe(),
+        }
+    }
+}
+
+impl ReducerPlan {
+    fn describe(&self) -> String {
+        match self {
+            ReducerPlan::TopK(k) => format!(
+                "top-k density {}, error feedback {}",
+                k.density, k.error_feedback
+            ),
+            ReducerPlan::Radius { cfg, correction } => format!(
+                "radius density {}, interval {}, dense until step {}{}",
+                cfg.density,
+                cfg.interval,
+                cfg.threshold,
+                if correction.is_some() {
+                    ", correction"
+                } else {
+                    ""
+                }
+            ),
+            ReducerPlan::PowerSgd { cfg, .. } => format!(
+                "powersgd rank {}, dense until step {}{}",
+                cfg.rank,
+                cfg.start_iter,
+                if cfg.single_allreduce {
+                    ", one all-reduce per step"
+                } else {
+                    ""
+                }
+            ),
         }
     }
 }
@@ -356,45 +416,49 @@ fn sync_plan(
     let before = problems.len();
     let mut add =
         |path: &str, message: String| problems.push(validate::problem_at(doc, path, message));
-    // Keys that belong to one backend only.
-    let ddp_only = [
-        ("bucket_size_mb", t.bucket_size_mb.is_some()),
-        ("compression", t.compression.is_some()),
+    // Keys that belong to some backends only.
+    let owners: [(&str, bool, &[Backend]); 7] = [
+        (
+            "bucket_size_mb",
+            t.bucket_size_mb.is_some(),
+            &[Backend::PytorchDdp],
+        ),
+        (
+            "compression",
+            t.compression.is_some(),
+            &[Backend::PytorchDdp, Backend::Diloco],
+        ),
+        ("topology", t.topology.is_some(), &[Backend::DecentDp]),
+        ("overlap", t.overlap.is_some(), &[Backend::DecentDp]),
+        ("diloco", t.diloco.is_some(), &[Backend::Diloco]),
+        ("sparta", t.sparta.is_some(), &[Backend::Sparta]),
+        ("demo", t.demo.is_some(), &[Backend::Demo]),
     ];
-    let gossip_only = [
-        ("topology", t.topology.is_some()),
-        ("overlap", t.overlap.is_some()),
-    ];
-    let (foreign, owner) = match t.backend {
-        Backend::PytorchDdp => (gossip_only, Backend::DecentDp),
-        Backend::DecentDp => (ddp_only, Backend::PytorchDdp),
-    };
-    for (key, _) in foreign.iter().filter(|(_, present)| *present) {
-        add(
-            &format!("train.{key}"),
-            format!(
-                "`{key}` belongs to backend = {:?}, but backend = {:?}",
-                owner.name(),
-                t.backend.name()
-            ),
-        );
+    for (key, _, allowed) in owners.iter().filter(|(_, present, _)| *present) {
+        if !allowed.contains(&t.backend) {
+            let names: Vec<String> = allowed.iter().map(|b| format!("{:?}", b.name())).collect();
+            add(
+                &format!("train.{key}"),
+                format!(
+                    "`{key}` belongs to backend = {}, but backend = {:?}",
+                    names.join(" or "),
+                    t.backend.name()
+                ),
+            );
+        }
     }
-    let plan = match (t.backend, &t.compression) {
-        (Backend::PytorchDdp, None) => SyncPlan::AllReduce {
-            bucket_elems: ((t.bucket_size_mb.unwrap_or(25.0) * 1e6 / 4.0) as usize).max(1),
-        },
-        (Backend::PytorchDdp, Some(c)) => SyncPlan::Compressed(match c {
-            Compression::TopK(k) => ReducerPlan::TopK(k.clone()),
-            Compression::Radius(r) => {
-                let correction = match (&t.optim, r.correction) {
-                    (_, false) => None,
-                    (OptimConfig::AdamW(a), true) => Some(Correction {
-                        betas: a.betas,
-                        eps: a.eps,
-                        clip: t.grad_norm_clip,
-                    }),
-                    (other, true) => {
-                        add(
+    let reducer = |c: &Compression, add: &mut dyn FnMut(&str, String)| match c {
+        Compression::TopK(k) => ReducerPlan::TopK(k.clone()),
+        Compression::Radius(r) => {
+            let correction = match (&t.optim, r.correction) {
+                (_, false) => None,
+                (OptimConfig::AdamW(a), true) => Some(Correction {
+                    betas: a.betas,
+                    eps: a.eps,
+                    clip: t.grad_norm_clip,
+                }),
+                (other, true) => {
+                    add(
                             "train.compression.correction",
                             format!(
                                 "correction = true runs Adam inside the reducer with train.optim's betas and eps: \
@@ -402,17 +466,17 @@ fn sync_plan(
                                 other.name()
                             ),
                         );
-                        None
-                    }
-                };
-                ReducerPlan::Radius {
-                    cfg: r.clone(),
-                    correction,
+                    None
                 }
+            };
+            ReducerPlan::Radius {
+                cfg: r.clone(),
+                correction,
             }
-            Compression::PowerSgd(p) => {
-                if p.start_iter <= 1 && (p.error_feedback || p.warm_start) {
-                    add(
+        }
+        Compression::PowerSgd(p) => {
+            if p.start_iter <= 1 && (p.error_feedback || p.warm_start) {
+                add(
                         "train.compression.start_iter",
                         format!(
                             "start_iter = {} must be > 1 when error_feedback or warm_start is on (as PyTorch's \
@@ -421,21 +485,32 @@ fn sync_plan(
                             p.start_iter
                         ),
                     );
-                }
-                if p.single_allreduce && !p.warm_start {
-                    add(
+            }
+            if p.single_allreduce && !p.warm_start {
+                add(
                         "train.compression.single_allreduce",
                         "single_allreduce = true needs warm_start = true (each step reuses the factor averaged \
                          by the previous one)"
                             .into(),
                     );
-                }
-                ReducerPlan::PowerSgd {
-                    cfg: p.clone(),
-                    seed: t.seed,
-                }
             }
-        }),
+            ReducerPlan::PowerSgd {
+                cfg: p.clone(),
+                seed: t.seed,
+            }
+        }
+    };
+    let plan = match (t.backend, &t.compression) {
+        (Backend::PytorchDdp, None) => SyncPlan::AllReduce {
+            bucket_elems: ((t.bucket_size_mb.unwrap_or(25.0) * 1e6 / 4.0) as usize).max(1),
+        },
+        (Backend::PytorchDdp, Some(c)) => SyncPlan::Compressed(reducer(c, &mut add)),
+        (Backend::Diloco, c) => diloco_plan(t, c.as_ref().map(|c| reducer(c, &mut add)), &mut add),
+        (Backend::Sparta, _) => SyncPlan::Sparta {
+            p: t.sparta.clone().unwrap_or_default().p,
+            seed: t.seed,
+        },
+        (Backend::Demo, _) => demo_plan(t, &mut add),
         (Backend::DecentDp, _) => {
             let topology = t.topology.unwrap_or_default();
             let ranks_per_node = match local_world {
@@ -462,4 +537,94 @@ fn sync_plan(
         }
     };
     (problems.len() == before).then_some(plan)
+}
+
+/// DiLoCo's rules: fragments divide sync_every, the delay fits a period, compression only of whole-model
+/// f32 pseudo-gradients.
+fn diloco_plan(
+    t: &super::TrainConfig,
+    reducer: Option<ReducerPlan>,
+    add: &mut dyn FnMut(&str, String),
+) -> SyncPlan {
+    let cfg = t.diloco.clone().unwrap_or_default();
+    let (h, f) = (cfg.sync_every, cfg.fragments);
+    if h % f != 0 {
+        add(
+            "train.diloco.fragments",
+            format!("fragments = {f} must divide sync_every = {h} (each fragment syncs every {h} steps, one every {h}/{f})"),
+        );
+    } else if cfg.fragment_delay >= h / f {
+        add(
+            "train.diloco.fragment_delay",
+            format!(
+                "fragment_delay = {} must be smaller than sync_every / fragments = {}: a fragment's all-reduce \
+                 must land before the next fragment starts",
+                cfg.fragment_delay,
+                h / f
+            ),
+        );
+    }
+    if f == 1 && (cfg.fragment_delay > 0 || cfg.fragment_alpha > 0.0) {
+        add(
+            "train.diloco.fragments",
+            "fragment_delay and fragment_alpha are streaming DiLoCo settings: they need fragments > 1".into(),
+        );
+    }
+    if let Some(r) = &reducer {
+        if f > 1 || cfg.quantize != Quantize::None {
+            add(
+                "train.compression",
+                "[train.compression] compresses whole-model pseudo-gradients: it needs diloco.fragments = 1 \
+                 and diloco.quantize = \"none\""
+                    .into(),
+            );
+        }
+        if matches!(
+            r,
+            ReducerPlan::Radius {
+                correction: Some(_),
+                ..
+            }
+        ) {
+            add(
+                "train.compression.correction",
+                "correction runs Adam on gradients inside the reducer; DiLoCo's outer optimizer is SGD".into(),
+            );
+        }
+    }
+    SyncPlan::Diloco { cfg, reducer }
+}
+
+/// DeMo replaces the optimizer: it takes train.optim = "sgd" for its weight decay alone.
+fn demo_plan(t: &super::TrainConfig, add: &mut dyn FnMut(&str, String)) -> SyncPlan {
+    let cfg = t.demo.clone().unwrap_or_default();
+    let weight_decay = match &t.optim {
+        OptimConfig::Sgd(s) => {
+            if s.momentum != 0.0 || s.nesterov {
+                add(
+                    "train.optim.momentum",
+                    "DeMo keeps its own momentum (train.demo.decay); train.optim.momentum and nesterov must be \
+                     unset (DeMo uses train.optim.weight_decay and the lr schedule only)"
+                        .into(),
+                );
+            }
+            s.weight_decay
+        }
+        other => {
+            add(
+                "train.optim.name",
+                format!(
+                    "backend = \"demo\" replaces the optimizer with its sign update and uses only the weight decay \
+                     and the lr schedule: set train.optim.name = \"sgd\" (with weight_decay), found {:?}",
+                    other.name()
+                ),
+            );
+            0.0
+        }
+    };
+    SyncPlan::Demo {
+        cfg,
+        weight_decay,
+        clip: t.grad_norm_clip,
+    }
 }

@@ -3,7 +3,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::backend::{Backend, Compression, Engine, Topology};
+use super::backend::{
+    Backend, Compression, DemoConfig, DilocoConfig, Engine, SpartaConfig, Topology,
+};
 use super::lr::LrSchedule;
 use super::optim::OptimConfig;
 
@@ -25,7 +27,8 @@ pub enum Device {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
-    /// Synchronisation algorithm: "pytorchddp" (alias "allreduce") or "decentdp".
+    /// Synchronisation algorithm: "pytorchddp" (alias "allreduce"), "decentdp", "diloco", "sparta" or
+    /// "demo".
     pub backend: Backend,
     /// Gossip topology; only with backend = "decentdp" (default "complete").
     pub topology: Option<Topology>,
@@ -36,8 +39,14 @@ pub struct TrainConfig {
     /// Gradient bucket size in MB for the all-reduce; only with backend = "pytorchddp" (default 25).
     #[schemars(extend("exclusiveMinimum" = 0))]
     pub bucket_size_mb: Option<f64>,
-    /// Gradient compression; only with backend = "pytorchddp".
+    /// Gradient compression; with backend = "pytorchddp", or "diloco" (its pseudo-gradients).
     pub compression: Option<Compression>,
+    /// DiLoCo settings; only with backend = "diloco".
+    pub diloco: Option<DilocoConfig>,
+    /// SPARTA settings; only with backend = "sparta".
+    pub sparta: Option<SpartaConfig>,
+    /// DeMo settings; only with backend = "demo".
+    pub demo: Option<DemoConfig>,
     /// Process engine: "auto" (default: "mpi" under a launcher that started several processes, else
     /// "local"), "local" threads, "mpi" processes or "nccl" GPUs.
     pub engine: Engine,
@@ -98,6 +107,9 @@ impl Default for TrainConfig {
             overlap: None,
             bucket_size_mb: None,
             compression: None,
+            diloco: None,
+            sparta: None,
+            demo: None,
             engine: Engine::Auto,
             workers: None,
             ranks_per_node: None,

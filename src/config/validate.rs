@@ -443,6 +443,15 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
         );
     }
 
+    if let super::OptimConfig::Sgd(o) = &t.optim {
+        if o.nesterov && o.momentum == 0.0 {
+            add(
+                "train.optim.nesterov",
+                "nesterov = true needs momentum > 0 (as torch.optim.SGD requires)".into(),
+            );
+        }
+    }
+
     // Batch arithmetic: global = local x world x accumulation.
     let local = t
         .local_batch_size

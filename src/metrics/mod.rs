@@ -42,10 +42,18 @@ pub struct Row {
     pub val_loss_local: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss_local_max: Option<f64>,
-    /// Gossip: mean distance of the replicas to their average, at evaluation.
+    /// Gossip and SPARTA: mean distance of the replicas to their average, at evaluation. DiLoCo: the mean
+    /// over workers of ||x_i - average|| just before the last sync since the previous row.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub consensus_distance: Option<f64>,
-    /// Compressed reducers: dense all-reduce bytes / bytes sent, over the steps since the last row.
+    /// DiLoCo: the mean over workers of their pseudo-gradient's norm at the last sync since the previous row.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub pseudo_grad_norm: Option<f64>,
+    /// DiLoCo: the outer learning rate, on rows whose interval synced.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub outer_lr: Option<f64>,
+    /// Compressed reducers, DiLoCo's quantized or compressed syncs, DeMo: dense f32 all-reduce bytes of the
+    /// same values / bytes sent, over the steps since the last row.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub compression_ratio: Option<f64>,
     /// ||g - g_hat|| / ||g|| on rank 0 (g: gradient + residual, g_hat: what the step applied), mean over the steps.

@@ -63,6 +63,7 @@ pub fn build(cfg: &OptimConfig, segments: Vec<Segment>, numel: usize) -> Box<dyn
             v: vec![0.0; numel],
             t: 0,
         }),
+        OptimConfig::Sgd(c) => Box::new(MomentumSgd::new(c, segments, numel)),
         OptimConfig::AccumAdamW(c) => Box::new(AccumAdamW {
             betas: c.betas,
             eps: c.eps,
@@ -182,6 +183,113 @@ impl Optimizer for Sgd {
 
     fn load_state(&mut self, state: OptimState) -> Result<()> {
         let [] = take(state, "sgd", [], 0, &mut self.t)?;
+        Ok(())
+    }
+}
+
+/// torch.optim.SGD (single-tensor, foreach=False), operation for operation: g' = g + wd p (decaying
+/// segments only); with momentum mu: b = g' at the first step, then b = mu b + g'; the update direction is
+/// g' + mu b with Nesterov, else b; p <- p - lr d.
+pub struct MomentumSgd {
+    momentum: f64,
+    nesterov: bool,
+    wd: f64,
+    segments: Vec<Segment>,
+    buf: Vec<f32>,
+    t: u64,
+}
+
+impl MomentumSgd {
+    pub fn new(c: &crate::config::optim::SgdConfig, segments: Vec<Segment>, numel: usize) -> Self {
+        Self {
+            momentum: c.momentum,
+            nesterov: c.nesterov,
+            wd: c.weight_decay,
+            segments,
+            buf: if c.momentum > 0.0 {
+                vec![0.0; numel]
+            } else {
+                Vec::new()
+            },
+            t: 0,
+        }
+    }
+}
+
+/// One torch.optim.SGD update of `p` with gradient `g` (see `MomentumSgd`); `buf` is the momentum buffer
+/// (empty without momentum) and `first` whether it is still unset.
+#[allow(clippy::too_many_arguments)]
+pub fn sgd_update(
+    p: &mut [f32],
+    g: &[f32],
+    buf: &mut [f32],
+    first: bool,
+    momentum: f32,
+    nesterov: bool,
+    lr: f32,
+    wd: f32,
+) {
+    if buf.is_empty() {
+        for (p, &g) in p.iter_mut().zip(g) {
+            let g = if wd != 0.0 { g + wd * *p } else { g };
+            *p -= lr * g;
+        }
+        return;
+    }
+    for ((p, &g), b) in p.iter_mut().zip(g).zip(buf) {
+        let g = if wd != 0.0 { g + wd * *p } else { g };
+        *b = if first { g } else { momentum * *b + g };
+        let d = if nesterov { g + momentum * *b } else { *b };
+        *p -= lr * d;
+    }
+}
+
+impl Optimizer for MomentumSgd {
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+        let first = self.t == 0;
+        self.t += 1;
+        for s in &self.segments {
+            let wd = if s.decay { self.wd as f32 } else { 0.0 };
+            let r = s.offset..s.offset + s.len;
+            let buf = if self.buf.is_empty() {
+                &mut []
+            } else {
+                &mut self.buf[r.clone()]
+            };
+            let (p, g) = (&mut params[r.clone()], &grads[r]);
+            sgd_update(
+                p,
+                g,
+                buf,
+                first,
+                self.momentum as f32,
+                self.nesterov,
+                lr as f32,
+                wd,
+            );
+        }
+    }
+
+    fn state(&self) -> OptimState {
+        OptimState {
+            name: "sgd".into(),
+            step: self.t,
+            buffers: if self.buf.is_empty() {
+                Vec::new()
+            } else {
+                vec![("momentum_buffer".into(), self.buf.clone())]
+            },
+        }
+    }
+
+    fn load_state(&mut self, state: OptimState) -> Result<()> {
+        if self.buf.is_empty() {
+            let [] = take(state, "sgd", [], 0, &mut self.t)?;
+        } else {
+            let n = self.buf.len();
+            let [b] = take(state, "sgd", ["momentum_buffer"], n, &mut self.t)?;
+            self.buf = b;
+        }
         Ok(())
     }
 }

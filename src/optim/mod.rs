@@ -4,17 +4,20 @@
 pub mod adamw;
 pub mod schedule;
 
-pub use adamw::{build, OptimState, Optimizer, Segment, Sgd};
+pub use adamw::{build, sgd_update, OptimState, Optimizer, Segment, Sgd};
 pub use schedule::lr_at;
 
-/// The optimizer the training loop steps: the configured one, or SGD when Radius runs Adam inside its
-/// reducer (`sync::compress::correction`).
+/// The optimizer the training loop steps: the configured one, or SGD with decoupled weight decay when
+/// Radius runs Adam inside its reducer (`sync::compress::correction`) or DeMo computes the direction.
 pub fn for_run(
     optim: &crate::config::OptimConfig,
     sync: &crate::config::resolve::SyncPlan,
     segments: Vec<Segment>,
     numel: usize,
 ) -> Box<dyn Optimizer> {
+    if let Some(wd) = sync.plain_sgd_in_loop() {
+        return Box::new(Sgd::new(wd, segments));
+    }
     match optim {
         crate::config::OptimConfig::AdamW(a) if sync.adam_in_reducer() => {
             Box::new(Sgd::new(a.weight_decay, segments))

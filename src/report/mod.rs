@@ -65,11 +65,25 @@ impl Run {
     pub fn algorithm(&self) -> String {
         let t = &self.config.train;
         let mut s = t.backend.name().to_string();
-        if t.backend == Backend::DecentDp {
-            s += &format!(" {}", t.topology.unwrap_or_default().name());
-            if t.overlap == Some(true) {
-                s += " overlap";
+        match t.backend {
+            Backend::DecentDp => {
+                s += &format!(" {}", t.topology.unwrap_or_default().name());
+                if t.overlap == Some(true) {
+                    s += " overlap";
+                }
             }
+            Backend::Diloco => {
+                let d = t.diloco.clone().unwrap_or_default();
+                s += &format!(" H={}", d.sync_every);
+                if d.fragments > 1 {
+                    s += &format!(" F={}", d.fragments);
+                }
+                if d.quantize != crate::config::backend::Quantize::None {
+                    s += &format!(" {}", d.quantize.name());
+                }
+            }
+            Backend::Sparta => s += &format!(" p={}", t.sparta.clone().unwrap_or_default().p),
+            Backend::PytorchDdp | Backend::Demo => {}
         }
         match &t.compression {
             Some(Compression::TopK(c)) => s += &format!(" + topk {}", c.density),

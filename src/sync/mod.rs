@@ -1,8 +1,12 @@
 //! Sync backends: where the algorithms differ. Hooks: reduce gradients before the optimizer step
-//! (allreduce, compressed reducers), mix parameters after it (gossip), and average the replicas before
-//! evaluation and checkpoints.
+//! (allreduce, compressed reducers, DeMo), mix or sync parameters after it (gossip, DiLoCo, SPARTA), and
+//! the model to evaluate and checkpoint (the replicas' average, or DiLoCo's global model).
 
 pub mod compress;
+pub mod demo;
+pub mod diloco;
+pub mod quantize;
+pub mod sparta;
 pub mod topology;
 
 use anyhow::Result;
@@ -22,9 +26,9 @@ pub trait SyncBackend {
     fn world_size(&self) -> usize {
         self.comm().world_size()
     }
-    /// Turns this worker's gradient of step `step` into the gradient of the update (e.g. the average
-    /// over workers, or a compressed approximation of it).
-    fn reduce_grads(&mut self, grads: &mut [f32], step: u64) -> Result<()>;
+    /// Turns this worker's gradient of step `step` (learning rate `lr`) into the gradient of the update
+    /// (e.g. the average over workers, a compressed approximation of it, or DeMo's sign direction).
+    fn reduce_grads(&mut self, grads: &mut [f32], step: u64, lr: f64) -> Result<()>;
     /// Runs after the optimizer step (gossip mixes parameters here); allreduce has nothing to do.
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()>;
     /// Whether communication started by `after_step` waits to be run by `communicate`.
@@ -45,10 +49,11 @@ pub trait SyncBackend {
     fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
         all_reduce_mean(self.comm_mut(), xs)
     }
-    /// The global average of the replicas' parameters into `avg`; returns the consensus distance
-    /// (mean over ranks of ||x_i - avg||). Replicas themselves are left as they are.
-    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
-        average_with(self.comm_mut(), params, avg)
+    /// The model to evaluate and checkpoint into `avg`: the global average of the replicas (DiLoCo: its
+    /// global model). Returns the consensus distance (mean over ranks of ||x_i - avg||) for backends
+    /// whose replicas differ between syncs. Replicas themselves are left as they are.
+    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<Option<f64>> {
+        average_with(self.comm_mut(), params, avg).map(Some)
     }
     fn barrier(&mut self) -> Result<()> {
         self.comm_mut().barrier()
@@ -63,15 +68,31 @@ pub trait SyncBackend {
     fn load_state(&mut self, _state: compress::State) -> Result<()> {
         Ok(())
     }
-    /// Compression metrics since the last call (None without compression).
-    fn take_compression(&mut self) -> Option<compress::Summary> {
-        None
+    /// The backend's metrics since the last call. `pseudo_grad_norm` and `consensus_distance` are this
+    /// rank's values; the loop averages them over the ranks.
+    fn take_metrics(&mut self) -> Metrics {
+        Metrics::default()
     }
     /// The gradient norm before clipping, when the reducer clipped (Radius with correction); the training
     /// loop clips otherwise.
     fn clipped_grad_norm(&self) -> Option<f64> {
         None
     }
+}
+
+/// What a backend reports into the metrics rows (None: not measured by this backend).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Metrics {
+    pub compression_ratio: Option<f64>,
+    pub compression_error: Option<f64>,
+    pub topk_overlap: Option<f64>,
+    pub compressed_fraction: Option<f64>,
+    /// DiLoCo: ||delta|| of this rank's pseudo-gradient at the last sync.
+    pub pseudo_grad_norm: Option<f64>,
+    /// DiLoCo: the outer learning rate of the last sync.
+    pub outer_lr: Option<f64>,
+    /// DiLoCo: this rank's distance from the average just before the last sync.
+    pub consensus_distance: Option<f64>,
 }
 
 fn average_with(comm: &mut dyn Communicator, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
@@ -118,7 +139,7 @@ impl SyncBackend for AllReduce {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
-    fn reduce_grads(&mut self, grads: &mut [f32], _step: u64) -> Result<()> {
+    fn reduce_grads(&mut self, grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
         for bucket in grads.chunks_mut(self.bucket_elems) {
             all_reduce_mean(self.comm.as_mut(), bucket)?;
         }
@@ -126,6 +147,10 @@ impl SyncBackend for AllReduce {
     }
     fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
         Ok(())
+    }
+    /// The replicas are equal: their average is the model, and there is no consensus distance.
+    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<Option<f64>> {
+        average_with(self.comm_mut(), params, avg).map(|_| None)
     }
 }
 
@@ -211,7 +236,7 @@ impl SyncBackend for Gossip {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
-    fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64) -> Result<()> {
+    fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
         Ok(())
     }
     fn has_pending(&self) -> bool {
@@ -301,7 +326,7 @@ impl SyncBackend for Compressed {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
-    fn reduce_grads(&mut self, grads: &mut [f32], step: u64) -> Result<()> {
+    fn reduce_grads(&mut self, grads: &mut [f32], step: u64, _lr: f64) -> Result<()> {
         let before = self.comm.stats();
         let report = self.reducer.reduce(self.comm.as_mut(), grads, step)?;
         self.clipped_norm = report.grad_norm;
@@ -319,8 +344,12 @@ impl SyncBackend for Compressed {
     fn load_state(&mut self, state: compress::State) -> Result<()> {
         self.reducer.load_state(state)
     }
-    fn take_compression(&mut self) -> Option<compress::Summary> {
-        Some(self.tally.take())
+    fn take_metrics(&mut self) -> Metrics {
+        self.tally.take()
+    }
+    /// The replicas are equal: their average is the model, and there is no consensus distance.
+    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<Option<f64>> {
+        average_with(self.comm_mut(), params, avg).map(|_| None)
     }
     fn clipped_grad_norm(&self) -> Option<f64> {
         self.clipped_norm
@@ -343,6 +372,16 @@ pub fn build(
         } => {
             let rounds = topology::rounds(*topology, comm.world_size(), *ranks_per_node)?;
             Box::new(Gossip::new(comm, rounds, *overlap))
+        }
+        SyncPlan::Diloco { cfg, reducer } => {
+            let reducer = reducer
+                .as_ref()
+                .map(|r| compress::build(r, tensors.clone()));
+            Box::new(diloco::Diloco::new(comm, cfg.clone(), tensors, reducer)?)
+        }
+        SyncPlan::Sparta { p, seed } => Box::new(sparta::Sparta::new(comm, *p, *seed)),
+        SyncPlan::Demo { cfg, clip, .. } => {
+            Box::new(demo::Demo::new(comm, cfg.clone(), *clip, &tensors))
         }
     })
 }

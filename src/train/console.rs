@@ -18,6 +18,8 @@ pub(super) struct Interval {
     pub loss_sum: f64,
     /// The communicator's totals at the start of the interval.
     pub comm: CommStats,
+    /// Bookkeeping traffic within the interval (not the algorithm's): left out of the row.
+    control: CommStats,
 }
 
 impl Interval {
@@ -28,7 +30,14 @@ impl Interval {
             loss_steps: 0,
             loss_sum: 0.0,
             comm,
+            control: CommStats::default(),
         }
+    }
+
+    /// Leaves the traffic between `before` and `after` out of the row.
+    pub fn exclude(&mut self, before: &CommStats, after: &CommStats) {
+        self.control.bytes_sent += after.bytes_sent - before.bytes_sent;
+        self.control.seconds += after.seconds - before.seconds;
     }
 
     /// One more step, with its training loss.
@@ -53,7 +62,7 @@ impl Interval {
         comm: CommStats,
     ) -> Row {
         let secs = self.start.elapsed().as_secs_f64().max(1e-9);
-        let comm_s = comm.seconds - self.comm.seconds;
+        let comm_s = comm.seconds - self.comm.seconds - self.control.seconds;
         Row {
             step: progress.step,
             tokens: progress.tokens,
@@ -62,7 +71,7 @@ impl Interval {
             grad_norm,
             tokens_per_s: (tokens_per_step * self.steps) as f64 / secs,
             ms_per_step: secs * 1e3 / self.steps as f64,
-            comm_bytes: comm.bytes_sent - self.comm.bytes_sent,
+            comm_bytes: comm.bytes_sent - self.comm.bytes_sent - self.control.bytes_sent,
             comm_ms: comm_s * 1e3,
             comm_frac: comm_s / secs,
             ..Row::default()

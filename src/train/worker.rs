@@ -201,7 +201,7 @@ impl<'s> Worker<'s> {
             let lr = optim::lr_at(&t.lr_schedule, self.progress.step, t.n_steps);
             let loss = self.forward_backward()?;
             self.sync
-                .reduce_grads(&mut self.grads, self.progress.step)?;
+                .reduce_grads(&mut self.grads, self.progress.step, lr)?;
             let grad_norm = match self.sync.clipped_grad_norm() {
                 Some(norm) => norm,
                 None => optim::clip_grad_norm(&mut self.grads, t.grad_norm_clip),
@@ -213,10 +213,11 @@ impl<'s> Worker<'s> {
             if step % self.setup.cfg.log.log_interval == 0 || eval_due {
                 self.log(lr, grad_norm, eval_due)?;
             }
-            let exit = self.vote().agree(self.sync.comm_mut())?;
+            let vote = self.vote();
+            let exit = self.control(|w| vote.agree(w.sync.comm_mut()))?;
             let ckpt_every = self.setup.cfg.log.ckpt_interval;
             if exit != Vote::Continue || (ckpt_every > 0 && step % ckpt_every == 0) {
-                self.save_checkpoint()?;
+                self.control(Self::save_checkpoint)?;
             }
             if exit != Vote::Continue {
                 break self.exit_of(exit);
@@ -274,28 +275,46 @@ impl<'s> Worker<'s> {
         Ok(())
     }
 
+    /// Runs `f`, whose communication is bookkeeping (loss means, exit votes, evaluation, checkpoints):
+    /// the rows' `comm_bytes` count the algorithm's traffic alone.
+    fn control<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let before = self.sync.comm_stats();
+        let out = f(self)?;
+        self.since_log.exclude(&before, &self.sync.comm_stats());
+        Ok(out)
+    }
+
     /// A metrics row (the loss averaged over workers), with an evaluation when `eval_due`.
     fn log(&mut self, lr: f64, grad_norm: f64, eval_due: bool) -> Result<()> {
         let plan = &self.setup.plan;
-        let mut losses = [self.since_log.mean_loss() as f32];
-        self.sync.mean_scalars(&mut losses)?;
+        let m = self.sync.take_metrics();
+        // The loss and the backend's per-rank values, averaged over the ranks in one message (every rank
+        // has the same fields set: they follow the same schedule).
+        let per_rank = [m.pseudo_grad_norm, m.consensus_distance];
+        let mut means: Vec<f32> = std::iter::once(self.since_log.mean_loss())
+            .chain(per_rank.iter().flatten().copied())
+            .map(|x| x as f32)
+            .collect();
+        self.control(|w| w.sync.mean_scalars(&mut means))?;
         let mut row = self.since_log.row(
             &self.progress,
             lr,
-            losses[0] as f64,
+            means[0] as f64,
             grad_norm,
             plan.tokens_per_step,
             self.sync.comm_stats(),
         );
+        let mut rest = means[1..].iter().map(|&x| x as f64);
+        let [norm, distance] = per_rank.map(|v| v.and_then(|_| rest.next()));
+        (row.pseudo_grad_norm, row.consensus_distance) = (norm, distance);
+        row.outer_lr = m.outer_lr;
         row.param_norm = optim::global_norm(&self.params);
         row.elapsed_s = self.elapsed();
         row.mfu = Some(plan.flops_per_token as f64 * row.tokens_per_s / PEAK_FLOPS);
-        if let Some(c) = self.sync.take_compression() {
-            row.compression_ratio = c.compression_ratio;
-            row.compression_error = c.compression_error;
-            row.topk_overlap = c.topk_overlap;
-            row.compressed_fraction = c.compressed_fraction;
-        }
+        row.compression_ratio = m.compression_ratio;
+        row.compression_error = m.compression_error;
+        row.topk_overlap = m.topk_overlap;
+        row.compressed_fraction = m.compressed_fraction;
         if eval_due {
             self.evaluate(&mut row)?;
         } else {
@@ -341,8 +360,8 @@ impl<'s> Worker<'s> {
         self.since_eval = (Instant::now(), step);
         (row.val_loss, row.val_ppl, row.eval_train_loss) =
             (Some(val), Some(val.exp()), Some(train));
-        if matches!(self.setup.plan.sync, crate::config::SyncPlan::Gossip { .. }) {
-            row.consensus_distance = Some(distance);
+        if distance.is_some() {
+            row.consensus_distance = distance;
         }
         self.last_val = Some(val);
         if self.progress.best_val_loss.is_none_or(|b| val < b) {

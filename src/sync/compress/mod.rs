@@ -169,15 +169,6 @@ pub struct Tally {
     fraction: Option<f64>,
 }
 
-/// Averages of a tally, as written into the metrics row.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Summary {
-    pub compression_ratio: Option<f64>,
-    pub compression_error: Option<f64>,
-    pub topk_overlap: Option<f64>,
-    pub compressed_fraction: Option<f64>,
-}
-
 impl Tally {
     pub fn add(
         &mut self,
@@ -203,15 +194,17 @@ impl Tally {
         }
     }
 
-    pub fn take(&mut self) -> Summary {
+    /// The averages since the last call, as written into the metrics row.
+    pub fn take(&mut self) -> crate::sync::Metrics {
         let w = std::mem::take(self);
         let mean = |(s, c): (f64, u64)| (c > 0).then(|| s / c as f64);
-        Summary {
+        crate::sync::Metrics {
             compression_ratio: (w.sent_bytes > 0)
                 .then(|| w.dense_bytes as f64 / w.sent_bytes as f64),
             compression_error: mean(w.error),
             topk_overlap: mean(w.overlap),
             compressed_fraction: w.fraction,
+            ..Default::default()
         }
     }
 }

@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Low-communication quality table: the quick-start model (config/quickstart-char.toml) with a global batch
+of 24 sequences on 4 and 8 local workers (equal tokens for every run), trained by all-reduce and by each
+method of the low-communication family. Prints, per run: method, workers, final val loss and its change
+against all-reduce at the same worker count, and the mean bytes sent per worker per step (rank 0's
+count; control traffic such as loss means is not in it).
+
+    python3 scripts/bench/lowcomm.py [--steps 600] [--workers 4 8]
+
+Needs `./target/release/nanodist` (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
+"""
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RUNS = [
+    ("all-reduce", []),
+    ("DiLoCo H=10", ['train.backend="diloco"', "train.diloco={ sync_every = 10 }"]),
+    ("DiLoCo H=50", ['train.backend="diloco"', "train.diloco={ sync_every = 50 }"]),
+    ("Streaming DiLoCo H=50 F=2 tau=5", ['train.backend="diloco"',
+                                          "train.diloco={ sync_every = 50, fragments = 2, fragment_delay = 5 }"]),
+    ("DiLoCo H=50 + fp8", ['train.backend="diloco"', 'train.diloco={ sync_every = 50, quantize = "fp8" }']),
+    ("SPARTA p=0.005", ['train.backend="sparta"', "train.sparta={ p = 0.005 }"]),
+    ("DeMo", ['train.backend="demo"', 'train.optim={ name = "sgd" }']),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--workers", type=int, nargs="+", default=[4, 8])
+    a = ap.parse_args()
+    exe = os.path.join(ROOT, "target", "release", "nanodist")
+    out = tempfile.mkdtemp(prefix="nanodist-lowcomm-")
+    table = []
+    for workers in a.workers:
+        base = None
+        for name, sets in RUNS:
+            run = f"{name}-{workers}".replace(" ", "_").replace("=", "").replace("+", "")
+            cmd = [exe, "train", os.path.join(ROOT, "config", "quickstart-char.toml"), "--workers", str(workers),
+                   "--set", "train.global_batch_size=24", "--set", f"train.n_steps={a.steps}",
+                   "--set", f"log.eval_interval={a.steps}", "--set", "log.ckpt_interval=0",
+                   "--set", f"log_dir={json.dumps(out)}", "--set", f'log.run_name="{run}"']
+            for s in sets:
+                cmd += ["--set", s]
+            subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            metrics = [json.loads(l) for l in open(os.path.join(out, run, "metrics.jsonl"))]
+            val = metrics[-1]["val_loss"]
+            per_step = sum(m["comm_bytes"] for m in metrics) / a.steps
+            base = base if base is not None else val
+            table.append((name, workers, val, 100 * (val / base - 1), per_step))
+            print(f"done: {name}, {workers} workers", flush=True)
+    print(f"\nquick-start model, global batch 24 x 64 tokens, {a.steps} steps (equal tokens for every run)")
+    print("| method | workers | final val loss | vs all-reduce | bytes/step/worker |")
+    print("|---|---|---|---|---|")
+    for name, workers, val, rel, b in table:
+        print(f"| {name} | {workers} | {val:.4f} | {rel:+.1f}% | {b / 1e6:.4f} MB |")
+
+
+if __name__ == "__main__":
+    main()

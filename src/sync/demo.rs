@@ -1,0 +1,368 @@
+//! DeMo (bloc97/DeMo `demo.py`): decoupled momentum with a DCT top-k exchange and a sign update.
+//!
+//! Per step and tensor: delta <- decay delta + lr g; the DCT-II (orthonormal) of delta in chunks (a
+//! matrix in cr x cc blocks, a vector in chunks of c, each the largest divisor of its dimension that is
+//! <= `chunk`); the `topk` largest coefficients of each chunk are kept and their inverse transform leaves
+//! delta (error feedback stays local); every rank's (indices, values) are all-gathered; each coefficient
+//! is the mean of the ranks that sent it (the reference's scatter_reduce "mean", include_self=False); the
+//! inverse DCT of that is the direction, and the update is p <- p (1 - lr wd) - lr sign(direction): this
+//! backend hands sign(direction) to the loop's SGD (`optim::Sgd`, decoupled weight decay), which is
+//! why DeMo takes `train.optim.name = "sgd"` for its weight decay and no momentum of its own. The local
+//! gradient is clipped to `train.grad_norm_clip` before it enters delta (the loop does not clip the sign).
+//!
+//! On the wire: `topk` values and `topk` indices per chunk, all-gathered, so the bytes grow with N.
+
+use std::collections::HashMap;
+
+use anyhow::Result;
+use rayon::prelude::*;
+
+use super::compress::{self, take, State, TensorView};
+use super::{Metrics, SyncBackend};
+use crate::comm::Communicator;
+use crate::config::backend::DemoConfig;
+use crate::kernels;
+
+/// The chunk layout of one tensor viewed as rows x cols (a vector is 1 x len).
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    offset: usize,
+    rows: usize,
+    cols: usize,
+    cr: usize,
+    cc: usize,
+}
+
+impl Layout {
+    fn chunks(&self) -> usize {
+        (self.rows / self.cr) * (self.cols / self.cc)
+    }
+
+    /// Flat indices of chunk `c`, row by row.
+    fn indices(&self, c: usize) -> impl Iterator<Item = usize> + '_ {
+        let per_row = self.cols / self.cc;
+        let (bi, bj) = (c / per_row, c % per_row);
+        (0..self.cr).flat_map(move |i| {
+            let row = self.offset + (bi * self.cr + i) * self.cols + bj * self.cc;
+            row..row + self.cc
+        })
+    }
+}
+
+/// The largest divisor of `n` that is at most `max`.
+fn divisor(n: usize, max: usize) -> usize {
+    (1..=max.min(n).max(1))
+        .rev()
+        .find(|d| n % d == 0)
+        .unwrap_or(1)
+}
+
+/// The orthonormal DCT-II matrix of size n (row k: frequency k), as torch's norm="ortho".
+fn dct_matrix(n: usize) -> Vec<f32> {
+    let mut d = vec![0.0f32; n * n];
+    for k in 0..n {
+        let s = if k == 0 {
+            (1.0 / n as f64).sqrt()
+        } else {
+            (2.0 / n as f64).sqrt()
+        };
+        for i in 0..n {
+            let a = std::f64::consts::PI * (2 * i + 1) as f64 * k as f64 / (2 * n) as f64;
+            d[k * n + i] = (s * a.cos()) as f32;
+        }
+    }
+    d
+}
+
+/// y = A x B^T for x of r x c, A of r x r, B of c x c (row-major); with `inverse`, y = A^T x B.
+fn transform(x: &[f32], a: &[f32], b: &[f32], r: usize, c: usize, inverse: bool) -> Vec<f32> {
+    let at = |i: usize, j: usize| if inverse { a[j * r + i] } else { a[i * r + j] };
+    let bt = |i: usize, j: usize| if inverse { b[j * c + i] } else { b[i * c + j] };
+    let mut tmp = vec![0.0f32; r * c];
+    for i in 0..r {
+        for k in 0..r {
+            let w = at(i, k);
+            if w != 0.0 {
+                for j in 0..c {
+                    tmp[i * c + j] += w * x[k * c + j];
+                }
+            }
+        }
+    }
+    let mut y = vec![0.0f32; r * c];
+    for i in 0..r {
+        for j in 0..c {
+            y[i * c + j] = (0..c).map(|k| tmp[i * c + k] * bt(j, k)).sum();
+        }
+    }
+    y
+}
+
+pub struct Demo {
+    comm: Box<dyn Communicator>,
+    cfg: DemoConfig,
+    layouts: Vec<Layout>,
+    dct: HashMap<usize, Vec<f32>>,
+    delta: Vec<f32>,
+    numel: usize,
+    tally: compress::Tally,
+    /// Clip of the local gradient (<= 0: none), and its norm before clipping at the last step.
+    clip: f64,
+    grad_norm: Option<f64>,
+}
+
+impl Demo {
+    pub fn new(
+        comm: Box<dyn Communicator>,
+        cfg: DemoConfig,
+        clip: f64,
+        tensors: &[TensorView],
+    ) -> Self {
+        let layouts: Vec<Layout> = tensors
+            .iter()
+            .map(|t| {
+                let (rows, cols) = if t.matrix {
+                    (t.rows, t.cols)
+                } else {
+                    (1, t.len)
+                };
+                Layout {
+                    offset: t.offset,
+                    rows,
+                    cols,
+                    cr: divisor(rows, cfg.chunk),
+                    cc: divisor(cols, cfg.chunk),
+                }
+            })
+            .collect();
+        let mut dct = HashMap::new();
+        for l in &layouts {
+            for n in [l.cr, l.cc] {
+                dct.entry(n).or_insert_with(|| dct_matrix(n));
+            }
+        }
+        let numel = tensors.iter().map(|t| t.len).sum();
+        Self {
+            comm,
+            cfg,
+            layouts,
+            dct,
+            delta: Vec::new(),
+            numel,
+            tally: compress::Tally::default(),
+            clip,
+            grad_norm: None,
+        }
+    }
+
+    /// Every chunk of every tensor, in flat order: (layout, chunk index).
+    fn chunks(&self) -> Vec<(Layout, usize)> {
+        self.layouts
+            .iter()
+            .flat_map(|l| (0..l.chunks()).map(move |c| (*l, c)))
+            .collect()
+    }
+}
+
+/// Coefficients kept per chunk of layout `l`.
+fn kept(topk: usize, l: &Layout) -> usize {
+    topk.min(l.cr * l.cc)
+}
+
+impl SyncBackend for Demo {
+    fn name(&self) -> &'static str {
+        "demo"
+    }
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+    fn comm_mut(&mut self) -> &mut dyn Communicator {
+        self.comm.as_mut()
+    }
+    fn reduce_grads(&mut self, grads: &mut [f32], _step: u64, lr: f64) -> Result<()> {
+        if self.delta.is_empty() {
+            self.delta = vec![0.0; grads.len()];
+        }
+        // The local gradient is clipped as torch's clip_grad_norm_ before the optimizer step would; the
+        // sign direction that leaves this function is not.
+        self.grad_norm = Some(crate::optim::clip_grad_norm(grads, self.clip));
+        let (decay, lr) = (self.cfg.decay as f32, lr as f32);
+        self.delta
+            .iter_mut()
+            .zip(grads.iter())
+            .for_each(|(d, g)| *d = decay * *d + lr * g);
+        // Compress each chunk: its kept coefficients, and the delta left behind.
+        let chunks = self.chunks();
+        let (delta, dct, topk) = (&self.delta, &self.dct, self.cfg.topk);
+        let encoded: Vec<(Vec<u32>, Vec<f32>, Vec<f32>)> = chunks
+            .par_iter()
+            .map(|(l, c)| {
+                let (da, db) = (&dct[&l.cr], &dct[&l.cc]);
+                let block: Vec<f32> = l.indices(*c).map(|i| delta[i]).collect();
+                let coef = transform(&block, da, db, l.cr, l.cc, false);
+                let (mut idx, mut val) = (Vec::new(), Vec::new());
+                kernels::top_k(&coef, kept(topk, l), 0, &mut idx, &mut val);
+                let mut kept = vec![0.0f32; coef.len()];
+                kernels::scatter_add(&mut kept, &idx, &val);
+                let sent = transform(&kept, da, db, l.cr, l.cc, true);
+                let left: Vec<f32> = block.iter().zip(&sent).map(|(b, s)| b - s).collect();
+                (idx, val, left)
+            })
+            .collect();
+        let mut send = Vec::new();
+        for ((l, c), (idx, val, left)) in chunks.iter().zip(&encoded) {
+            for (i, v) in l.indices(*c).zip(left) {
+                self.delta[i] = *v;
+            }
+            send.extend(compress::indices_to_f32(idx));
+            send.extend_from_slice(val);
+        }
+        // Every rank's coefficients, then each chunk's mean over the ranks that sent a coefficient.
+        let (n, rank) = (self.comm.world_size(), self.comm.rank());
+        let before = self.comm.stats();
+        let mut all = vec![0.0f32; send.len() * n];
+        self.comm.all_gather(&send, &mut all)?;
+        let after = self.comm.stats();
+        let per_rank = send.len();
+        let mut offsets = Vec::with_capacity(chunks.len());
+        let mut at = 0;
+        for (l, _) in &chunks {
+            offsets.push(at);
+            at += 2 * kept(topk, l);
+        }
+        let decoded: Vec<Vec<f32>> = chunks
+            .par_iter()
+            .zip(&offsets)
+            .map(|((l, _), &off)| {
+                let k = kept(topk, l);
+                let mut sum = vec![0.0f32; l.cr * l.cc];
+                let mut count = vec![0u32; l.cr * l.cc];
+                for r in 0..n {
+                    let base = r * per_rank + off;
+                    let idx = compress::f32_to_indices(&all[base..base + k]);
+                    for (&i, &v) in idx.iter().zip(&all[base + k..base + 2 * k]) {
+                        sum[i as usize] += v;
+                        count[i as usize] += 1;
+                    }
+                }
+                let mean: Vec<f32> = sum
+                    .iter()
+                    .zip(&count)
+                    .map(|(&s, &c)| if c > 0 { s / c as f32 } else { 0.0 })
+                    .collect();
+                transform(&mean, &dct[&l.cr], &dct[&l.cc], l.cr, l.cc, true)
+            })
+            .collect();
+        for ((l, c), dir) in chunks.iter().zip(decoded) {
+            for (i, d) in l.indices(*c).zip(dir) {
+                // torch.sign: 0 stays 0.
+                grads[i] = if d > 0.0 {
+                    1.0
+                } else if d < 0.0 {
+                    -1.0
+                } else {
+                    0.0
+                };
+            }
+        }
+        let report = compress::Report::default();
+        self.tally
+            .add(self.numel, n, rank, &before, &after, &report);
+        Ok(())
+    }
+    fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
+        Ok(())
+    }
+    fn take_metrics(&mut self) -> Metrics {
+        self.tally.take()
+    }
+    fn clipped_grad_norm(&self) -> Option<f64> {
+        self.grad_norm
+    }
+    /// Every rank applies the same direction: the replicas stay equal, no consensus distance.
+    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<Option<f64>> {
+        super::average_with(self.comm.as_mut(), params, avg).map(|_| None)
+    }
+    fn state(&self) -> State {
+        if self.delta.is_empty() {
+            return Vec::new();
+        }
+        vec![("demo.delta".into(), self.delta.clone())]
+    }
+    fn load_state(&mut self, mut state: State) -> Result<()> {
+        self.delta = if state.is_empty() {
+            Vec::new()
+        } else {
+            take(&mut state, "demo.delta", Some(self.numel))?
+        };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With every coefficient kept and one worker nothing is dropped: the direction is the momentum
+    /// itself, so the update is sign-SGD on delta = decay delta + lr g, and delta is spent each step.
+    #[test]
+    fn keeping_every_coefficient_on_one_worker_is_sign_sgd_on_the_momentum() {
+        use rand::{Rng, SeedableRng};
+        let tensors = TensorView::from_shapes(&[(8, 1, false), (16, 12, true), (6, 10, true)]);
+        let cfg = DemoConfig {
+            decay: 0.9,
+            topk: 16 * 16,
+            chunk: 16,
+        };
+        let mut demo = Demo::new(Box::new(crate::comm::Solo), cfg, 0.0, &tensors);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let n = 8 + 16 * 12 + 60;
+        for step in 0..5 {
+            let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let mut out = g.clone();
+            demo.reduce_grads(&mut out, step, 0.01).unwrap();
+            // The reference momentum: what was left (nothing, up to rounding) decayed, plus lr g.
+            for (i, (&o, &gi)) in out.iter().zip(&g).enumerate() {
+                let want = gi.signum();
+                assert!(
+                    o == want || gi.abs() < 1e-4,
+                    "step {step} entry {i}: {o} vs sign({gi})"
+                );
+            }
+            let left = demo.delta.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            assert!(left < 1e-7, "step {step}: delta not spent ({left})");
+        }
+    }
+
+    #[test]
+    fn dct_is_orthonormal_and_chunks_tile_each_tensor() {
+        for n in [1, 3, 8, 64] {
+            let d = dct_matrix(n);
+            for i in 0..n {
+                for j in 0..n {
+                    let dot: f32 = (0..n).map(|k| d[i * n + k] * d[j * n + k]).sum();
+                    assert!((dot - if i == j { 1.0 } else { 0.0 }).abs() < 1e-5);
+                }
+            }
+        }
+        assert_eq!(
+            (divisor(768, 64), divisor(50257, 64), divisor(7, 64)),
+            (64, 29, 7)
+        );
+        let l = Layout {
+            offset: 10,
+            rows: 6,
+            cols: 8,
+            cr: 3,
+            cc: 4,
+        };
+        let mut all: Vec<usize> = (0..l.chunks()).flat_map(|c| l.indices(c)).collect();
+        all.sort();
+        assert_eq!(all, (10..58).collect::<Vec<_>>());
+        // A transform and its inverse give the block back.
+        let x: Vec<f32> = (0..12).map(|i| (i as f32 * 0.37).sin()).collect();
+        let (a, b) = (dct_matrix(3), dct_matrix(4));
+        let y = transform(&transform(&x, &a, &b, 3, 4, false), &a, &b, 3, 4, true);
+        assert!(x.iter().zip(&y).all(|(p, q)| (p - q).abs() < 1e-5));
+    }
+}

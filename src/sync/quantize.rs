@@ -1,0 +1,387 @@
+//! Quantized all-reduce of DiLoCo's pseudo-gradients (torchft's scheme): every rank quantizes its rows,
+//! an all-to-all sends each row chunk to its owner, the owner dequantizes the N copies and averages them
+//! in f32 (rank order), requantizes the mean, and an all-gather brings every chunk back. Each rank sends
+//! 2 (N - 1) / N of the quantized payload, as a ring all-reduce does of the f32 one.
+//!
+//! Formats, row by row (a row is a matrix row, or a whole vector):
+//! - bf16: round to nearest even; two values per wire word.
+//! - fp8: e4m3 (the "fn" variant: no infinities, largest 448) after scaling the row so that its largest
+//!   magnitude is 448, one f32 scale per row. Error: |x - q(x)| <= max(|x| 2^-4, scale 2^-10).
+//! - uint8: 256 levels between the row's minimum and maximum (two f32 per row). Error <= (max - min) / 510.
+//!
+//! The wire carries bytes packed into f32 bit patterns (collectives move them, never add them), so the
+//! communicator's byte counts are the true bytes sent.
+
+use std::ops::Range;
+
+use anyhow::Result;
+
+use crate::comm::{chunk, Communicator};
+use crate::config::backend::Quantize;
+
+/// The largest finite e4m3 value.
+const E4M3_MAX: f32 = 448.0;
+
+/// The value of an e4m3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits; 0x7f/0xff are NaN).
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (((b >> 3) & 0xf) as i32, (b & 7) as f32);
+    if e == 0xf && m == 7.0 {
+        return f32::NAN;
+    }
+    let mag = if e == 0 {
+        m / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    };
+    sign * mag
+}
+
+/// The nearest e4m3 byte (ties to even), saturating at +-448.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = x.abs();
+    if a.is_nan() {
+        return 0x7f;
+    }
+    // The 127 non-negative finite codes 0x00..=0x7e increase with their value: binary search.
+    let (mut lo, mut hi) = (0u8, 0x7eu8);
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if e4m3_to_f32(mid) <= a {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let (dl, dh) = (a - e4m3_to_f32(lo), e4m3_to_f32(hi) - a);
+    let code = if dl < dh || (dl == dh && lo % 2 == 0) {
+        lo
+    } else {
+        hi
+    };
+    sign | code
+}
+
+/// Wire words of one row of `len` values.
+pub fn row_words(q: Quantize, len: usize) -> usize {
+    match q {
+        Quantize::None => len,
+        Quantize::Bf16 => len.div_ceil(2),
+        Quantize::Fp8 => 1 + len.div_ceil(4),
+        Quantize::Uint8 => 2 + len.div_ceil(4),
+    }
+}
+
+/// Packs bytes into f32 bit patterns, four to a word (little-endian order within the word).
+fn pack_bytes(bytes: impl Iterator<Item = u8>, out: &mut Vec<f32>) {
+    let mut word = [0u8; 4];
+    let mut n = 0;
+    for b in bytes {
+        word[n] = b;
+        n += 1;
+        if n == 4 {
+            out.push(f32::from_bits(u32::from_le_bytes(word)));
+            (word, n) = ([0; 4], 0);
+        }
+    }
+    if n > 0 {
+        out.push(f32::from_bits(u32::from_le_bytes(word)));
+    }
+}
+
+fn unpack_bytes(words: &[f32]) -> impl Iterator<Item = u8> + '_ {
+    words.iter().flat_map(|w| w.to_bits().to_le_bytes())
+}
+
+/// Appends the encoding of `row` to `out`.
+pub fn encode(q: Quantize, row: &[f32], out: &mut Vec<f32>) {
+    match q {
+        Quantize::None => out.extend_from_slice(row),
+        Quantize::Bf16 => {
+            for pair in row.chunks(2) {
+                let lo = half::bf16::from_f32(pair[0]).to_bits() as u32;
+                let hi = pair
+                    .get(1)
+                    .map_or(0, |&x| half::bf16::from_f32(x).to_bits() as u32);
+                out.push(f32::from_bits(lo | (hi << 16)));
+            }
+        }
+        Quantize::Fp8 => {
+            let max = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let scale = if max > 0.0 { max / E4M3_MAX } else { 1.0 };
+            out.push(scale);
+            pack_bytes(row.iter().map(|&x| f32_to_e4m3(x / scale)), out);
+        }
+        Quantize::Uint8 => {
+            let (min, max) = row
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+            let (min, max) = if row.is_empty() {
+                (0.0, 0.0)
+            } else {
+                (min, max)
+            };
+            let scale = if max > min { (max - min) / 255.0 } else { 1.0 };
+            out.extend([min, scale]);
+            pack_bytes(
+                row.iter()
+                    .map(|&x| ((x - min) / scale).round().clamp(0.0, 255.0) as u8),
+                out,
+            );
+        }
+    }
+}
+
+/// Decodes one row of `out.len()` values from `words` (its `row_words` words).
+pub fn decode(q: Quantize, words: &[f32], out: &mut [f32]) {
+    match q {
+        Quantize::None => out.copy_from_slice(words),
+        Quantize::Bf16 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                let w = words[i / 2].to_bits();
+                let bits = if i % 2 == 0 { w & 0xffff } else { w >> 16 };
+                *o = half::bf16::from_bits(bits as u16).to_f32();
+            }
+        }
+        Quantize::Fp8 => {
+            let scale = words[0];
+            for (o, b) in out.iter_mut().zip(unpack_bytes(&words[1..])) {
+                *o = e4m3_to_f32(b) * scale;
+            }
+        }
+        Quantize::Uint8 => {
+            let (min, scale) = (words[0], words[1]);
+            for (o, b) in out.iter_mut().zip(unpack_bytes(&words[2..])) {
+                *o = min + b as f32 * scale;
+            }
+        }
+    }
+}
+
+/// The encoding of `rows` of `buf`, concatenated.
+fn encode_rows(q: Quantize, buf: &[f32], rows: &[Range<usize>]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows.iter().map(|r| row_words(q, r.len())).sum());
+    for r in rows {
+        encode(q, &buf[r.clone()], &mut out);
+    }
+    out
+}
+
+/// Decodes the concatenated encoding of `rows` into `buf`.
+fn decode_rows(q: Quantize, words: &[f32], rows: &[Range<usize>], buf: &mut [f32]) {
+    let mut at = 0;
+    for r in rows {
+        let n = row_words(q, r.len());
+        decode(q, &words[at..at + n], &mut buf[r.clone()]);
+        at += n;
+    }
+}
+
+/// The mean over ranks of `buf`, in place, through `q` on the wire; `rows` tile `buf` (in order).
+pub fn all_reduce_mean(
+    comm: &mut dyn Communicator,
+    buf: &mut [f32],
+    rows: &[Range<usize>],
+    q: Quantize,
+) -> Result<()> {
+    let (n, me) = (comm.world_size(), comm.rank());
+    // Row chunk c belongs to rank c.
+    let owned: Vec<&[Range<usize>]> = (0..n).map(|c| &rows[chunk(rows.len(), n, c)]).collect();
+    let words = |rs: &[Range<usize>]| rs.iter().map(|r| row_words(q, r.len())).sum::<usize>();
+    // Every rank's copy of my rows arrives; mine is quantized like theirs, so every rank's share weighs
+    // the same.
+    let encoded: Vec<Vec<f32>> = owned.iter().map(|rs| encode_rows(q, buf, rs)).collect();
+    let mut copies: Vec<Vec<f32>> = (0..n).map(|_| vec![0.0; words(owned[me])]).collect();
+    if n > 1 {
+        let sends: Vec<(usize, &[f32])> = (0..n)
+            .filter(|&r| r != me)
+            .map(|r| (r, &encoded[r][..]))
+            .collect();
+        let mut recvs: Vec<(usize, &mut [f32])> = copies
+            .iter_mut()
+            .enumerate()
+            .filter(|(r, _)| *r != me)
+            .map(|(r, c)| (r, &mut c[..]))
+            .collect();
+        comm.exchange(&sends, &mut recvs)?;
+    }
+    copies[me].clone_from(&encoded[me]);
+    // The owner's mean in f32, rank order, then requantized.
+    let mut mean = vec![0.0f32; buf.len()];
+    let mut scratch = vec![0.0f32; buf.len()];
+    for (r, copy) in copies.iter().enumerate() {
+        decode_rows(q, copy, owned[me], &mut scratch);
+        for row in owned[me] {
+            let (m, s) = (&mut mean[row.clone()], &scratch[row.clone()]);
+            if r == 0 {
+                m.copy_from_slice(s);
+            } else {
+                m.iter_mut().zip(s).for_each(|(a, b)| *a += b);
+            }
+        }
+    }
+    let inv = 1.0 / n as f32;
+    owned[me]
+        .iter()
+        .for_each(|row| mean[row.clone()].iter_mut().for_each(|x| *x *= inv));
+    let mine = encode_rows(q, &mean, owned[me]);
+    // All-gather the requantized chunks; every rank, the owner included, decodes the same words.
+    let mut chunks: Vec<Vec<f32>> = (0..n).map(|c| vec![0.0; words(owned[c])]).collect();
+    if n > 1 {
+        let sends: Vec<(usize, &[f32])> = (0..n)
+            .filter(|&r| r != me)
+            .map(|r| (r, &mine[..]))
+            .collect();
+        let mut recvs: Vec<(usize, &mut [f32])> = chunks
+            .iter_mut()
+            .enumerate()
+            .filter(|(r, _)| *r != me)
+            .map(|(r, c)| (r, &mut c[..]))
+            .collect();
+        comm.exchange(&sends, &mut recvs)?;
+    }
+    chunks[me] = mine;
+    for (c, words) in chunks.iter().enumerate() {
+        decode_rows(q, words, owned[c], buf);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn row(seed: u64, len: usize, spread: f32) -> Vec<f32> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..len)
+            .map(|_| rng.random_range(-1.0f32..1.0) * spread)
+            .collect()
+    }
+
+    fn round_trip(q: Quantize, x: &[f32]) -> Vec<f32> {
+        let mut w = Vec::new();
+        encode(q, x, &mut w);
+        assert_eq!(w.len(), row_words(q, x.len()));
+        let mut out = vec![0.0; x.len()];
+        decode(q, &w, &mut out);
+        out
+    }
+
+    #[test]
+    fn e4m3_codes_round_trip_and_round_to_nearest() {
+        for b in 0..=255u8 {
+            let x = e4m3_to_f32(b);
+            if !x.is_nan() {
+                assert_eq!(f32_to_e4m3(x), b, "{b:#x} = {x}");
+            }
+        }
+        assert_eq!(e4m3_to_f32(0x7e), 448.0);
+        assert_eq!(f32_to_e4m3(1e6), 0x7e);
+        // 1.0625 lies halfway between 1.0 (mantissa 0, even) and 1.125: ties go to even.
+        assert_eq!(e4m3_to_f32(f32_to_e4m3(1.0625)), 1.0);
+        assert_eq!(e4m3_to_f32(f32_to_e4m3(1.1)), 1.125);
+    }
+
+    #[test]
+    fn round_trips_stay_within_their_stated_error() {
+        for (seed, len, spread) in [(1, 1, 1.0), (2, 7, 1e-3), (3, 64, 5.0), (4, 1000, 1e4)] {
+            let x = row(seed, len, spread);
+            assert_eq!(round_trip(Quantize::None, &x), x);
+            let max = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let (lo, hi) = x
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+            for (q, bound) in [
+                (Quantize::Bf16, None),
+                (Quantize::Fp8, Some(max / E4M3_MAX * 2f32.powi(-10))),
+                (Quantize::Uint8, Some((hi - lo) / 510.0)),
+            ] {
+                for (a, b) in x.iter().zip(round_trip(q, &x)) {
+                    let err = (a - b).abs();
+                    let ok = match (q, bound) {
+                        (Quantize::Bf16, _) => err <= a.abs() * 2f32.powi(-8),
+                        (Quantize::Fp8, Some(floor)) => {
+                            err <= (a.abs() * 2f32.powi(-4)).max(floor) * 1.0001
+                        }
+                        (_, Some(b)) => err <= b * 1.0001 + 1e-7 * a.abs(),
+                        _ => unreachable!(),
+                    };
+                    assert!(ok, "{q:?} len {len}: {a} -> {b} (error {err})");
+                }
+            }
+        }
+        // A constant row and an empty one survive uint8 and fp8.
+        assert_eq!(round_trip(Quantize::Uint8, &[3.5; 5]), vec![3.5; 5]);
+        assert_eq!(round_trip(Quantize::Fp8, &[0.0; 3]), vec![0.0; 3]);
+        assert!(round_trip(Quantize::Uint8, &[]).is_empty());
+    }
+
+    #[test]
+    fn quantized_mean_is_the_mean_of_the_quantized_rows_on_every_rank() {
+        let (n, len) = (3usize, 23usize);
+        let rows: Vec<Range<usize>> = vec![0..5, 5..6, 6..16, 16..23];
+        for q in [
+            Quantize::None,
+            Quantize::Bf16,
+            Quantize::Fp8,
+            Quantize::Uint8,
+        ] {
+            let inputs: Vec<Vec<f32>> = (0..n).map(|r| row(10 + r as u64, len, 2.0)).collect();
+            let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
+                let hs: Vec<_> = crate::comm::local::group(n, std::time::Duration::from_secs(10))
+                    .into_iter()
+                    .map(|mut c| {
+                        let (rows, mut buf) = (&rows, inputs[c.rank()].clone());
+                        s.spawn(move || {
+                            all_reduce_mean(&mut c, &mut buf, rows, q).unwrap();
+                            buf
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for o in &outs[1..] {
+                assert_eq!(o, &outs[0], "{q:?}: ranks disagree");
+            }
+            // The oracle: quantize each rank's rows, average in rank order, quantize the mean.
+            let mut want = vec![0.0f32; len];
+            for (r, x) in inputs.iter().enumerate() {
+                for rw in &rows {
+                    let d = round_trip(q, &x[rw.clone()]);
+                    for (w, v) in want[rw.clone()].iter_mut().zip(d) {
+                        *w = if r == 0 { v } else { *w + v };
+                    }
+                }
+            }
+            want.iter_mut().for_each(|w| *w *= 1.0 / n as f32);
+            for rw in &rows {
+                let d = round_trip(q, &want[rw.clone()]);
+                want[rw.clone()].copy_from_slice(&d);
+            }
+            assert_eq!(outs[0], want, "{q:?}");
+            if q == Quantize::None {
+                // f32 on the wire: the plain all-reduce's result, bit for bit.
+                let plain: Vec<Vec<f32>> = std::thread::scope(|s| {
+                    let hs: Vec<_> =
+                        crate::comm::local::group(n, std::time::Duration::from_secs(10))
+                            .into_iter()
+                            .map(|mut c| {
+                                let mut buf = inputs[c.rank()].clone();
+                                s.spawn(move || {
+                                    crate::comm::all_reduce_mean(&mut c, &mut buf).unwrap();
+                                    buf
+                                })
+                            })
+                            .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                assert_eq!(outs[0], plain[0]);
+            }
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! The low-communication family (DiLoCo, Streaming DiLoCo, SPARTA, DeMo): oracles against the methods
+//! they reduce to, exact resume at any step (mid-period, with a fragment in flight), and the bytes of
+//! each step.
+
+use std::path::Path;
+
+use nanodist::config::{self, LaunchEnv};
+use nanodist::metrics::{read_rows, Row};
+use nanodist::train;
+
+mod common;
+use common::make_data;
+
+/// Trains the tiny config on `workers` local workers with `set`; returns the summary and the rows.
+fn train_rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> (train::Summary, Vec<Row>) {
+    let src = common::config(dir, Some(name), &["log.eval_interval=5"]);
+    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+    let launch = LaunchEnv {
+        workers_flag: Some(workers),
+        ..LaunchEnv::default()
+    };
+    let loaded = config::load_str(Path::new("t.toml"), &src, &set, &launch)
+        .unwrap_or_else(|e| panic!("{set:?}: {e}"));
+    let s = train::run(&loaded).unwrap_or_else(|e| panic!("{set:?}: {e:#}"));
+    let rows = read_rows(&s.run_dir.join("metrics.jsonl")).unwrap();
+    (s, rows)
+}
+
+fn rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> Vec<Row> {
+    train_rows(dir, name, workers, set).1
+}
+
+/// Rows agree within `tol` (relative) on the losses.
+fn assert_close(a: &[Row], b: &[Row], tol: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: rows");
+    let close = |x: f64, y: f64| (x - y).abs() <= tol * (1.0 + x.abs());
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.step, y.step);
+        assert!(
+            close(x.train_loss, y.train_loss),
+            "{what} step {}: train {} vs {}",
+            x.step,
+            x.train_loss,
+            y.train_loss
+        );
+        if let (Some(p), Some(q)) = (x.val_loss, y.val_loss) {
+            assert!(close(p, q), "{what} step {}: val {p} vs {q}", x.step);
+        }
+    }
+}
+
+/// Everything a resumed run must reproduce bit for bit.
+fn exact(r: &Row) -> impl PartialEq + std::fmt::Debug {
+    (
+        (r.step, r.tokens, r.lr.to_bits(), r.train_loss.to_bits()),
+        (r.grad_norm.to_bits(), r.param_norm.to_bits()),
+        (r.val_loss.map(f64::to_bits), r.comm_bytes),
+        (
+            r.consensus_distance.map(f64::to_bits),
+            r.pseudo_grad_norm.map(f64::to_bits),
+            r.compression_ratio.map(f64::to_bits),
+        ),
+    )
+}
+
+const DILOCO_LOCALSGD_EVERY_STEP: &str =
+    "train.diloco={ sync_every = 1, outer_lr = 1.0, outer_momentum = 0.0, nesterov = false }";
+
+#[test]
+fn diloco_reduces_to_plain_training_and_to_data_parallel_sgd() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    // One worker, H = 1, outer SGD lr 1, momentum 0: the outer step gives the inner result back.
+    let plain = rows(d.path(), "plain", 1, &[]);
+    let diloco = rows(
+        d.path(),
+        "diloco1",
+        1,
+        &["train.backend=\"diloco\"", DILOCO_LOCALSGD_EVERY_STEP],
+    );
+    assert_close(&plain, &diloco, 1e-5, "1 worker, H = 1");
+    // N workers with plain SGD (no clipping: it acts on the average in data parallel, on each worker
+    // here): averaging x - lr g_i is stepping with the averaged gradient.
+    let sgd = [
+        "train.optim={ name = \"sgd\" }",
+        "train.grad_norm_clip=0",
+        "train.lr_schedule={ name = \"cosine\", lr = 0.3, warmup_steps = 2, eta_min = 0.03 }",
+    ];
+    let ddp = rows(d.path(), "ddp", 4, &sgd);
+    let mut set = sgd.to_vec();
+    set.extend(["train.backend=\"diloco\"", DILOCO_LOCALSGD_EVERY_STEP]);
+    let local_sgd = rows(d.path(), "localsgd", 4, &set);
+    assert_close(&ddp, &local_sgd, 1e-4, "4 workers, SGD, H = 1");
+    assert!(
+        ddp.last().unwrap().val_loss.unwrap() < ddp[0].train_loss,
+        "SGD learns"
+    );
+    // Streaming with one fragment, no delay, alpha 0 is DiLoCo, bit for bit.
+    let base = [
+        "train.backend=\"diloco\"",
+        "train.diloco={ sync_every = 4 }",
+    ];
+    let a = rows(d.path(), "dil4", 2, &base);
+    let b = rows(
+        d.path(),
+        "stream1",
+        2,
+        &[
+            base[0],
+            "train.diloco={ sync_every = 4, fragments = 1, fragment_delay = 0, fragment_alpha = 0.0 }",
+        ],
+    );
+    assert_eq!(
+        a.iter().map(exact).collect::<Vec<_>>(),
+        b.iter().map(exact).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn sparta_with_p_one_is_parameter_averaging_every_step() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let sparta = rows(
+        d.path(),
+        "sparta1",
+        4,
+        &["train.backend=\"sparta\"", "train.sparta={ p = 1.0 }"],
+    );
+    let averaging = rows(
+        d.path(),
+        "avg",
+        4,
+        &["train.backend=\"diloco\"", DILOCO_LOCALSGD_EVERY_STEP],
+    );
+    assert_close(&sparta, &averaging, 1e-5, "SPARTA p = 1");
+    // The replicas are equal after every step: nothing to measure at evaluation.
+    assert!(sparta
+        .iter()
+        .filter_map(|r| r.consensus_distance)
+        .all(|c| c < 1e-6));
+}
+
+/// Every backend stopped mid-period (a fragment in flight for the streaming one) and resumed equals the
+/// uninterrupted run bit for bit, and it learns.
+#[test]
+fn each_low_communication_backend_resumes_bit_for_bit() {
+    let cases: [&[&str]; 5] = [
+        &["train.backend=\"diloco\"", "train.diloco={ sync_every = 4 }"],
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4, fragments = 2, fragment_delay = 1, fragment_alpha = 0.5, quantize = \"fp8\" }",
+        ],
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 2, outer_lr = 0.5 }",
+            "train.compression={ name = \"topk\", density = 0.1 }",
+        ],
+        &["train.backend=\"sparta\"", "train.sparta={ p = 0.1 }"],
+        &[
+            "train.backend=\"demo\"",
+            "train.optim={ name = \"sgd\", weight_decay = 0.01 }",
+            "train.demo={ topk = 8, chunk = 16 }",
+        ],
+    ];
+    for (i, set) in cases.iter().enumerate() {
+        let d = tempfile::tempdir().unwrap();
+        make_data(d.path());
+        let full = rows(d.path(), "full", 2, set);
+        let mut first = set.to_vec();
+        first.push("train.exit_interval=5");
+        let (s, _) = train_rows(d.path(), "cut", 2, &first);
+        assert_eq!(s.step, 5, "case {i}");
+        let (s, cut) = train_rows(d.path(), "cut", 2, set);
+        assert_eq!(s.step, 20, "case {i}");
+        assert_eq!(
+            full.iter().map(exact).collect::<Vec<_>>(),
+            cut.iter().map(exact).collect::<Vec<_>>(),
+            "case {i}: {set:?}"
+        );
+        let last = full.last().unwrap().val_loss.unwrap();
+        assert!(last < full[0].train_loss - 0.3, "case {i} learns: {last}");
+    }
+}
+
+#[test]
+fn diloco_sends_only_at_syncs_and_logs_its_metrics() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let r = rows(
+        d.path(),
+        "h4",
+        4,
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4 }",
+        ],
+    );
+    // The model is all-reduced once per 4 steps: the bytes of one step of gradient all-reduce.
+    let dense = rows(d.path(), "ddp", 4, &[])[0].comm_bytes;
+    for row in &r {
+        if row.step % 4 == 0 {
+            assert_eq!(row.comm_bytes, dense, "step {}", row.step);
+            assert!(row.pseudo_grad_norm.unwrap() > 0.0);
+            assert!(row.consensus_distance.unwrap() > 0.0);
+            assert_eq!(row.outer_lr, Some(0.7));
+        } else {
+            assert_eq!(row.comm_bytes, 0, "step {}: no sync, no bytes", row.step);
+            assert_eq!(row.pseudo_grad_norm, None);
+        }
+    }
+    // fp8 sends a quarter of the bytes, plus a scale per row.
+    let q = rows(
+        d.path(),
+        "h4fp8",
+        4,
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4, quantize = \"fp8\" }",
+        ],
+    );
+    let ratio = q[3].compression_ratio.unwrap();
+    assert!((3.0..4.0).contains(&ratio), "fp8 compression ratio {ratio}");
+}
