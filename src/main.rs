@@ -33,7 +33,7 @@ struct Cli {
 struct ConfigArgs {
     /// The experiment's TOML file.
     config: PathBuf,
-    /// Override a config key, e.g. --set train.optim.lr=3e-4 (repeatable; validated like the file).
+    /// Override a config key, e.g. --set train.lr_schedule.lr=3e-4 (repeatable; validated like the file).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
     /// Number of local workers (threads of this process) for the local engine.
@@ -72,6 +72,7 @@ struct PrepareArgs {
 struct SampleArgs {
     /// Checkpoint directory, or a run directory (its newest valid checkpoint).
     ckpt: PathBuf,
+    /// Text the samples continue ("\n" in it is a newline).
     #[arg(long, default_value = "\n")]
     prompt: String,
     /// Tokens to generate.
@@ -83,6 +84,7 @@ struct SampleArgs {
     /// Sample among the k most likely tokens (0: all).
     #[arg(long, default_value_t = 200)]
     top_k: usize,
+    /// Seed of the sampling RNG (sample i uses seed + i).
     #[arg(long, default_value_t = 1337)]
     seed: u64,
     /// Number of samples.
@@ -110,6 +112,7 @@ struct SbatchArgs {
     /// Time limit, HH:MM:SS or D-HH:MM:SS (default: the partition's).
     #[arg(long)]
     time: Option<String>,
+    /// Slurm partition (default: the cluster's default partition).
     #[arg(long)]
     partition: Option<String>,
     /// Run as a chain of array tasks, e.g. 1-10%1; each link resumes where the last stopped.
@@ -145,6 +148,13 @@ enum Command {
     Train {
         #[command(flatten)]
         args: ConfigArgs,
+        /// Resume even though these config keys (or key prefixes, e.g. train.optim) differ from the
+        /// checkpoint's; every other change to a run that resumes is refused with the differences.
+        #[arg(long, value_name = "KEY", num_args = 1..)]
+        allow_config_change: Vec<String>,
+        /// Start over in a new run directory (NAME-2, NAME-3, ...) instead of resuming this one.
+        #[arg(long)]
+        fresh: bool,
     },
     /// Loss and perplexity of a checkpoint on a token file (.bin / Megatron prefix) or raw text.
     Eval {
@@ -264,7 +274,7 @@ fn prepare(a: PrepareArgs) -> Result<()> {
     Ok(())
 }
 
-fn train(args: ConfigArgs) -> Result<()> {
+fn train(args: ConfigArgs, opts: &nanodist::train::RunOptions) -> Result<()> {
     let loaded = load(&args)?;
     // In a multi-process job only rank 0 talks.
     let root = LaunchEnv::process_rank().unwrap_or(0) == 0;
@@ -274,7 +284,7 @@ fn train(args: ConfigArgs) -> Result<()> {
         }
         eprintln!("{}", loaded.plan);
     }
-    let summary = nanodist::train::run(&loaded)?;
+    let summary = nanodist::train::run_with(&loaded, opts)?;
     if !root {
         return Ok(());
     }
@@ -373,7 +383,17 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Check { args, tokens_per_s } => check(args, tokens_per_s),
         Command::Prepare(a) => prepare(a),
-        Command::Train { args } => train(args),
+        Command::Train {
+            args,
+            allow_config_change,
+            fresh,
+        } => train(
+            args,
+            &nanodist::train::RunOptions {
+                allow_config_change,
+                fresh,
+            },
+        ),
         Command::Eval {
             ckpt,
             data,

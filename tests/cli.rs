@@ -363,7 +363,14 @@ fn resume_checks_happen_before_writes_and_skipped_checkpoints_are_reported() {
     make_data(dir.path());
     let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
     let cfg = cfg.to_str().unwrap();
-    let first = nanodist(&["train", cfg, "--set", "log.ckpt_interval=10"]);
+    let longer = ["--set", "train.n_steps=30", "--set", "log.ckpt_interval=10"];
+    let first = nanodist(
+        &[
+            &["train", cfg, "--set", "train.exit_interval=20"][..],
+            &longer,
+        ]
+        .concat(),
+    );
     assert_eq!(first.status.code(), Some(0), "{}", text(&first));
     let run = dir.path().join("log/r");
     let saved = std::fs::read(run.join("config.toml")).unwrap();
@@ -388,7 +395,7 @@ fn resume_checks_happen_before_writes_and_skipped_checkpoints_are_reported() {
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0xff;
     std::fs::write(&newest, bytes).unwrap();
-    let again = nanodist(&["train", cfg, "--set", "train.n_steps=30"]);
+    let again = nanodist(&[&["train", cfg][..], &longer].concat());
     assert_eq!(again.status.code(), Some(0), "{}", text(&again));
     let log = text(&again);
     assert!(log.contains("skipping damaged checkpoint"), "{log}");
@@ -397,4 +404,179 @@ fn resume_checks_happen_before_writes_and_skipped_checkpoints_are_reported() {
         log.contains("step_00000010 (full state) at step 10"),
         "{log}"
     );
+}
+
+/// A run resumes only under the config it ran with: a changed key is refused with the differences (and
+/// the learning-rate jump); log settings may change; --allow-config-change accepts named keys and the
+/// manifest records the new segment; --fresh starts over beside it.
+#[test]
+fn resuming_with_a_changed_config_is_refused_unless_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let cfg = cfg.to_str().unwrap();
+    assert!(nanodist(&["train", cfg]).status.success());
+    let run = dir.path().join("log/r");
+    let saved = std::fs::read(run.join("config.toml")).unwrap();
+    let changed = nanodist(&[
+        "train",
+        cfg,
+        "--set",
+        "train.n_steps=30",
+        "--set",
+        "train.lr_schedule.lr=3e-2",
+        "--set",
+        "train.optim={ name = \"adamw\", weight_decay = 0.0 }",
+    ]);
+    let err = text(&changed);
+    assert_eq!(changed.status.code(), Some(2), "{err}");
+    for want in [
+        "train.n_steps: 20 in the checkpoint, 30 now",
+        "train.lr_schedule.lr: 0.003 in the checkpoint, 0.03 now",
+        "train.optim.weight_decay: 0.1 in the checkpoint, 0.0 now",
+        "the learning rate at step 20 would jump from 3.000e-4",
+        "--allow-config-change train.lr_schedule.lr train.n_steps train.optim.weight_decay",
+        "nanodist train --fresh",
+    ] {
+        assert!(err.contains(want), "{want:?} missing:\n{err}");
+    }
+    let gossip = nanodist(&[
+        "train",
+        cfg,
+        "--set",
+        "train.backend=\"decentdp\"",
+        "--set",
+        "train.topology=\"ring\"",
+    ]);
+    assert_eq!(gossip.status.code(), Some(2));
+    assert!(
+        text(&gossip).contains("train.backend: \"pytorchddp\" in the checkpoint, \"decentdp\" now")
+    );
+    assert_eq!(
+        std::fs::read(run.join("config.toml")).unwrap(),
+        saved,
+        "refusals write nothing"
+    );
+    // Log settings are free to change: the finished run is simply finished.
+    let logs = nanodist(&[
+        "train",
+        cfg,
+        "--set",
+        "log.eval_steps=2",
+        "--set",
+        "log.log_interval=5",
+    ]);
+    assert!(logs.status.success(), "{}", text(&logs));
+    // An explicit allowance resumes, and the manifest keeps both configs.
+    let allowed = nanodist(&[
+        "train",
+        cfg,
+        "--set",
+        "train.n_steps=30",
+        "--allow-config-change",
+        "train.n_steps",
+    ]);
+    assert!(allowed.status.success(), "{}", text(&allowed));
+    let ckpt = nanodist::train::checkpoint::find_latest(&run)
+        .unwrap()
+        .unwrap();
+    let m = nanodist::train::checkpoint::read_manifest(&ckpt).unwrap();
+    assert_eq!((m.step, m.segments.len()), (30, 2));
+    assert_eq!(m.segments[1].from_step, 20);
+    assert!(
+        m.segments[0].config.contains("n_steps = 20")
+            && m.segments[1].config.contains("n_steps = 30")
+    );
+    // --fresh trains from step 0 in a new directory beside it.
+    let fresh = nanodist(&[
+        "train",
+        cfg,
+        "--set",
+        "train.lr_schedule.lr=3e-2",
+        "--fresh",
+    ]);
+    assert!(fresh.status.success(), "{}", text(&fresh));
+    assert!(text(&fresh).contains("log/r-2"), "{}", text(&fresh));
+    let rows = nanodist::metrics::read_rows(&dir.path().join("log/r-2/metrics.jsonl")).unwrap();
+    assert_eq!((rows[0].step, rows.last().unwrap().step), (1, 20));
+}
+
+/// Messages by exact text: a file that cannot be read, a run directory given as the config, a malformed
+/// --set, and a cross-field error caused by a --set.
+#[test]
+fn errors_name_the_file_or_the_set_that_caused_them() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let cfg = cfg.to_str().unwrap();
+    let cases: [(&[&str], String); 4] = [
+        (
+            &["check", "/nonexistent/nope.toml"],
+            "/nonexistent/nope.toml: cannot read the file: No such file or directory (os error 2)".into(),
+        ),
+        (
+            &["check", cfg, "--set", "train.n_steps:100"],
+            format!("  {cfg}: --set train.n_steps:100: expected KEY=VALUE, e.g. --set train.lr_schedule.lr=3e-4"),
+        ),
+        (
+            &["check", cfg, "--set", "train.n_steps=4"],
+            "  --set train.n_steps=4: train.lr_schedule.warmup_steps: warmup_steps = 4 must be smaller than \
+             train.n_steps = 4; try --set train.n_steps=5 or --set train.lr_schedule.warmup_steps=0"
+                .into(),
+        ),
+        (
+            &["train", dir.path().to_str().unwrap()],
+            "cannot read the file: Is a directory (os error 21); expected a TOML file".into(),
+        ),
+    ];
+    for (args, want) in cases {
+        let out = nanodist(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = text(&out);
+        assert!(err.contains(&want), "{args:?}: {want:?} missing:\n{err}");
+        assert!(!err.contains("(default value)"), "{args:?}: {err}");
+    }
+    // A run directory: the hint names its config.
+    assert!(nanodist(&["train", cfg, "--set", "train.n_steps=5"])
+        .status
+        .success());
+    let run = dir.path().join("log/r");
+    let out = nanodist(&["train", run.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let want = format!(
+        "it is a run directory: pass its config, {}",
+        run.join("config.toml").display()
+    );
+    assert!(text(&out).contains(&want), "{}", text(&out));
+}
+
+/// Every `--set KEY=VALUE` example in the commands' help texts is a valid override.
+#[test]
+fn help_examples_are_valid_overrides() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let mut seen = 0;
+    for cmd in [
+        "check", "train", "sbatch", "eval", "sample", "prepare", "plot", "compare",
+    ] {
+        let help = String::from_utf8_lossy(&nanodist(&[cmd, "--help"]).stdout).to_string();
+        for example in help.split("--set ").skip(1) {
+            let Some(kv) = example
+                .split_whitespace()
+                .next()
+                .filter(|w| w.contains('=') && !w.starts_with('<'))
+            else {
+                continue;
+            };
+            let out = nanodist(&["check", cfg.to_str().unwrap(), "--set", kv]);
+            assert!(
+                out.status.success(),
+                "`{cmd} --help` example --set {kv}: {}",
+                text(&out)
+            );
+            seen += 1;
+        }
+    }
+    assert!(seen >= 2, "no --set examples found in the help texts");
 }

@@ -363,3 +363,75 @@ fn the_newest_wandb_reads_the_run_with_leet_inspect() {
     }
     assert_eq!(steps, (1..=20).collect::<Vec<u64>>());
 }
+
+/// Online mode with stand-in `wandb` executables on PATH: a CLI whose `beta sync` lacks --live (as wandb
+/// 0.22), one whose live sync fails, and one that succeeds. Only the last may say "streamed"; the others
+/// fall back to offline and print the upload command.
+#[test]
+fn online_mode_says_streamed_only_when_the_live_sync_succeeded() {
+    use std::os::unix::fs::PermissionsExt;
+    let cases = [
+        (
+            "no-live",
+            "if [ \"$3\" = --help ]; then echo 'Usage: wandb beta sync [OPTIONS] PATH'; exit 0; fi\n\
+             echo \"Error: No such option '--live'.\" >&2; exit 2",
+            "has no --live option",
+        ),
+        (
+            "fails",
+            "if [ \"$3\" = --help ]; then echo '  --live  stream'; exit 0; fi\nexit 3",
+            "the live sync (`wandb beta sync --live`) failed",
+        ),
+        (
+            "works",
+            "if [ \"$3\" = --help ]; then echo '  --live  stream'; exit 0; fi\nexit 0",
+            "streamed by `wandb beta sync --live`",
+        ),
+    ];
+    for (name, body, want) in cases {
+        let d = tempfile::tempdir().unwrap();
+        make_data(d.path());
+        let bin = d.path().join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        let exe = bin.join("wandb");
+        std::fs::write(&exe, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let cfg = common::write_tiny_config(d.path(), "c.toml", name, "");
+        let path = format!(
+            "{}:{}",
+            bin.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let out = Command::new(env!("CARGO_BIN_EXE_nanodist"))
+            .args([
+                "train",
+                cfg.to_str().unwrap(),
+                "--set",
+                "log.wandb_log=true",
+            ])
+            .args([
+                "--set",
+                "log.wandb_mode=\"online\"",
+                "--set",
+                "train.n_steps=6",
+            ])
+            .args(["--set", "log.eval_interval=4"])
+            .env("PATH", path)
+            .env_remove("WANDB_MODE")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {err}");
+        assert!(err.contains(want), "{name}: {want:?} missing:\n{err}");
+        if name != "works" {
+            assert!(
+                !err.contains("streamed"),
+                "{name}: claims streaming:\n{err}"
+            );
+            assert!(
+                err.contains("wandb sync "),
+                "{name}: no upload command:\n{err}"
+            );
+        }
+    }
+}

@@ -43,6 +43,7 @@ impl Problem {
         let at = match &self.origin {
             Some(Origin::File { line, col }) => format!("{file}:{line}:{col}"),
             Some(o @ Origin::Set(_)) => o.to_string(),
+            Some(Origin::Document) => file.to_string(),
             None => format!("{file} (default value)"),
         };
         if self.path.is_empty() {

@@ -152,10 +152,20 @@ pub fn load(path: &Path, overrides: &[String], launch: &LaunchEnv) -> Result<Loa
         problems,
     };
     let src = std::fs::read_to_string(path).map_err(|e| {
+        let hint = if path.join("config.toml").is_file() {
+            format!(
+                "; it is a run directory: pass its config, {}",
+                path.join("config.toml").display()
+            )
+        } else if path.is_dir() {
+            "; expected a TOML file".to_string()
+        } else {
+            String::new()
+        };
         fail(vec![Problem {
             path: String::new(),
-            origin: None,
-            message: format!("cannot read the file: {e}"),
+            origin: Some(tree::Origin::Document),
+            message: format!("cannot read the file: {e}{hint}"),
         }])
     })?;
     load_str(path, &src, overrides, launch)
@@ -197,9 +207,10 @@ pub fn parse(src: &str, overrides: &[String]) -> Result<(Config, tree::Node), Ve
     let mut problems = Vec::new();
     for arg in overrides {
         if let Err(message) = tree::apply_override(&mut doc, arg) {
+            // The message names the --set itself.
             problems.push(Problem {
                 path: String::new(),
-                origin: None,
+                origin: Some(tree::Origin::Document),
                 message,
             });
         }

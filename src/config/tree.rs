@@ -13,6 +13,8 @@ pub enum Origin {
     File { line: usize, col: usize },
     /// A command-line override, as given (`--set train.seed=3`).
     Set(String),
+    /// The document as a whole (it cannot be read, or a problem names its own source).
+    Document,
 }
 
 impl fmt::Display for Origin {
@@ -20,6 +22,7 @@ impl fmt::Display for Origin {
         match self {
             Origin::File { line, col } => write!(f, "{line}:{col}"),
             Origin::Set(arg) => write!(f, "--set {arg}"),
+            Origin::Document => Ok(()),
         }
     }
 }
@@ -193,13 +196,13 @@ fn parse_float(s: &str) -> f64 {
 /// `"text"`); anything that is not valid TOML is taken as a plain string (`--set train.backend=decentdp`).
 pub fn apply_override(root: &mut Node, arg: &str) -> Result<(), String> {
     let (key, raw) = arg.split_once('=').ok_or_else(|| {
-        format!("--set {arg}: expected KEY=VALUE, e.g. --set train.optim.lr=3e-4")
+        format!("--set {arg}: expected KEY=VALUE, e.g. --set train.lr_schedule.lr=3e-4")
     })?;
     let key = key.trim();
     let segments: Vec<&str> = key.split('.').map(str::trim).collect();
     if key.is_empty() || segments.iter().any(|s| s.is_empty()) {
         return Err(format!(
-            "--set {arg}: the key {key:?} is not a dotted key path like train.optim.lr"
+            "--set {arg}: the key {key:?} is not a dotted key path like train.lr_schedule.lr"
         ));
     }
     let origin = Origin::Set(arg.to_string());

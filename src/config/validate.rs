@@ -409,10 +409,27 @@ pub fn problem_at(doc: &Node, path: &str, message: String) -> Problem {
     }
 }
 
+/// A problem about several keys: at the `--set` that wrote one of them, if any (the change just made),
+/// else where the first was written.
+pub fn problem_at_keys(doc: &Node, keys: &[&str], message: String) -> Problem {
+    let set = keys.iter().rev().find_map(|k| {
+        find(doc, k)
+            .filter(|n| matches!(n.origin, super::tree::Origin::Set(_)))
+            .map(|n| n.origin.clone())
+    });
+    let mut p = problem_at(doc, keys[0], message);
+    if let Some(o) = set {
+        p.origin = Some(o);
+    }
+    p
+}
+
 /// Cross-field rules of the model, schedule and batch on a config whose shape is already valid (the
 /// backends' rules are resolved with their plan, in `resolve`). `world` is the world size.
 pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
     let mut out = Vec::new();
+    // Problems placed by a rule itself (see problem_at_keys), added after the others.
+    let mut placed = Vec::new();
     let mut add = |path: &str, message: String| out.push(problem_at(doc, path, message));
 
     let m = &cfg.model;
@@ -428,13 +445,21 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
     let t = &cfg.train;
     let LrSchedule::Cosine(c) = &t.lr_schedule;
     if c.warmup_steps >= t.n_steps {
-        add(
-            "train.lr_schedule.warmup_steps",
+        // Blame a --set of either key: that is the change the user just made.
+        let mut p = problem_at_keys(
+            doc,
+            &["train.lr_schedule.warmup_steps", "train.n_steps"],
             format!(
-                "warmup_steps = {} must be smaller than train.n_steps = {}",
-                c.warmup_steps, t.n_steps
+                "warmup_steps = {} must be smaller than train.n_steps = {}; try --set train.n_steps={} or --set \
+                 train.lr_schedule.warmup_steps={}",
+                c.warmup_steps,
+                t.n_steps,
+                c.warmup_steps + 1,
+                t.n_steps.saturating_sub(1) / 10
             ),
         );
+        p.path = "train.lr_schedule.warmup_steps".into();
+        placed.push(p);
     }
     if c.eta_min > c.lr {
         add(
@@ -477,5 +502,6 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
         );
     }
 
+    out.extend(placed);
     out
 }

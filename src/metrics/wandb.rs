@@ -428,21 +428,23 @@ impl Run {
         self.write(RecordType::Summary(SummaryRecord { update }))
     }
 
-    /// The exit record (and the final record); prints how to upload an offline run.
+    /// The exit record (and the final record); says how the run reached W&B: streamed (the live sync
+    /// exited successfully), or written offline with the command that uploads it.
     pub fn finish(mut self, exit_code: i32) -> Result<()> {
         self.close(exit_code)?;
-        match self.live.take() {
-            Some(mut child) => {
-                let _ = child.wait();
-                eprintln!(
-                    "wandb: run {} streamed by `wandb beta sync --live`",
-                    self.run_id
-                );
-            }
-            None => eprintln!(
-                "wandb: offline run written; upload it with: wandb sync {}",
-                self.dir.display()
+        let upload = format!("upload it with: wandb sync {}", self.dir.display());
+        match self.live.take().map(|mut c| c.wait()) {
+            Some(Ok(status)) if status.success() => tracing::info!(
+                "wandb: run {} streamed by `wandb beta sync --live`",
+                self.run_id
             ),
+            Some(Ok(status)) => tracing::warn!(
+                "wandb: the live sync (`wandb beta sync --live`) failed ({status}); the run is written offline, {upload}"
+            ),
+            Some(Err(e)) => tracing::warn!(
+                "wandb: could not wait for the live sync ({e}); the run is written offline, {upload}"
+            ),
+            None => tracing::info!("wandb: offline run written; {upload}"),
         }
         Ok(())
     }
@@ -475,22 +477,38 @@ impl Drop for Run {
     }
 }
 
-/// `wandb beta sync --live DIR` in the background when the wandb CLI is installed.
+/// `wandb beta sync --live DIR` in the background, when the wandb CLI is installed and its `beta sync`
+/// has `--live` (asked with a dry call to its help: wandb 0.22 has `beta sync` without it); otherwise the
+/// run is written offline and `finish` prints how to upload it.
 fn spawn_live_sync(dir: &Path) -> Option<std::process::Child> {
-    match std::process::Command::new("wandb")
-        .args(["beta", "sync", "--live"])
-        .arg(dir)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-    {
-        Ok(child) => Some(child),
-        Err(_) => {
-            eprintln!(
-                "wandb: mode online, but the wandb CLI is not on PATH (pip install wandb); writing the run offline"
-            );
-            None
+    let help = std::process::Command::new("wandb")
+        .args(["beta", "sync", "--help"])
+        .output();
+    let why = match help {
+        Err(_) => "the wandb CLI is not on PATH (pip install wandb)".to_string(),
+        Ok(out) if !String::from_utf8_lossy(&out.stdout).contains("--live") => format!(
+            "this wandb CLI's `beta sync` has no --live option ({}; wandb >= 0.23 streams)",
+            if out.status.success() {
+                "its help does not list it".to_string()
+            } else {
+                format!("`wandb beta sync --help` failed: {}", out.status)
+            }
+        ),
+        Ok(_) => {
+            match std::process::Command::new("wandb")
+                .args(["beta", "sync", "--live"])
+                .arg(dir)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+            {
+                Ok(child) => return Some(child),
+                Err(e) => format!("`wandb beta sync --live` did not start: {e}"),
+            }
         }
-    }
+    };
+    tracing::warn!("wandb: mode online, but {why}; writing the run offline");
+    None
 }
 
 #[cfg(test)]

@@ -41,6 +41,40 @@ pub struct Manifest {
     pub tokenizer: Option<crate::data::Tokenizer>,
     /// SHA-256 of each file in the directory.
     pub files: BTreeMap<String, String>,
+    /// The config of every segment of the run (a resume with `--allow-config-change` starts a new one).
+    #[serde(default)]
+    pub segments: Vec<ConfigSegment>,
+}
+
+/// Part of a run trained under one config: from step `from_step` on, `config` (resolved TOML).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConfigSegment {
+    pub from_step: u64,
+    pub config: String,
+}
+
+/// The segments of a run that continues `before` (none: a new run) at `step` under `config`.
+pub fn continue_segments(
+    before: Option<&Manifest>,
+    step: u64,
+    config: &crate::config::Config,
+) -> Vec<ConfigSegment> {
+    let toml = config.to_toml();
+    let mut segments = match before {
+        Some(m) if m.segments.is_empty() => vec![ConfigSegment {
+            from_step: 0,
+            config: m.config.clone(),
+        }],
+        Some(m) => m.segments.clone(),
+        None => Vec::new(),
+    };
+    if segments.last().is_none_or(|s| s.config != toml) {
+        segments.push(ConfigSegment {
+            from_step: step,
+            config: toml,
+        });
+    }
+    segments
 }
 
 impl Manifest {
@@ -50,6 +84,7 @@ impl Manifest {
         world_size: usize,
         config: &crate::config::Config,
         tokenizer: Option<crate::data::Tokenizer>,
+        segments: Vec<ConfigSegment>,
     ) -> Self {
         Self {
             format: "nanodist-checkpoint".into(),
@@ -62,6 +97,7 @@ impl Manifest {
             config: config.to_toml(),
             tokenizer,
             files: Default::default(),
+            segments,
         }
     }
 }

@@ -57,6 +57,20 @@ pub fn run_dir(cfg: &Config, started: std::time::SystemTime) -> PathBuf {
     Path::new(&cfg.log_dir).join(name)
 }
 
+/// `dir` if it does not exist yet, else the first free `dir-2`, `dir-3`, ... (`train --fresh`).
+fn fresh_dir(dir: &Path) -> PathBuf {
+    if !dir.exists() {
+        return dir.to_path_buf();
+    }
+    let name = dir
+        .file_name()
+        .map_or("run".into(), |n| n.to_string_lossy().to_string());
+    (2..)
+        .map(|i| dir.with_file_name(format!("{name}-{i}")))
+        .find(|d| !d.exists())
+        .unwrap_or_else(|| dir.to_path_buf())
+}
+
 /// What every worker shares: config, plan, data (opened once) and the run directory.
 pub(crate) struct Setup {
     cfg: Config,
@@ -74,8 +88,22 @@ pub(crate) struct Setup {
     worker_threads: Option<usize>,
 }
 
+/// How `train` treats an existing run directory.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Config keys that may differ from the run's checkpoint when it resumes (`--allow-config-change`).
+    pub allow_config_change: Vec<String>,
+    /// Start over in a new run directory instead of resuming (`--fresh`).
+    pub fresh: bool,
+}
+
 /// Trains as the loaded config says; returns when the run finishes or an exit condition saves and stops it.
 pub fn run(loaded: &Loaded) -> Result<Summary> {
+    run_with(loaded, &RunOptions::default())
+}
+
+/// `run`, with the options of `nanodist train`.
+pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
     let (cfg, plan) = (&loaded.config, &loaded.plan);
     let t = &cfg.train;
     // Everything `check` checks, before anything is created.
@@ -90,11 +118,15 @@ pub fn run(loaded: &Loaded) -> Result<Summary> {
     // A multi-process engine connects first: the ranks agree on the start time that names the run.
     let mut process_comm = engine::connect(plan, t.device, timeout)?;
     let started = engine::agreed_start(&mut process_comm)?;
-    let run_dir = run_dir(cfg, started);
+    let mut run_dir = run_dir(cfg, started);
+    if opts.fresh {
+        run_dir = fresh_dir(&run_dir);
+    }
     // Resume: the run's own newest checkpoint first (a requeued job), else `checkpoint = ...`.
     let source = match checkpoint::find_latest(&run_dir.join("checkpoints"))? {
         Some(dir) => {
-            preflight::compatible(loaded, &dir, CheckpointMode::Full)?;
+            let own = preflight::Source::OwnRun;
+            preflight::compatible(loaded, &dir, own, &opts.allow_config_change)?;
             Some((dir, CheckpointMode::Full))
         }
         None => ready.source,

@@ -48,7 +48,7 @@ pub fn check(loaded: &Loaded, host: Host) -> Result<Ready> {
     let source = match &cfg.checkpoint {
         Some(p) => {
             let dir = checkpoint::require(Path::new(p))?;
-            compatible(loaded, &dir, cfg.checkpoint_mode)?;
+            compatible(loaded, &dir, Source::Named(cfg.checkpoint_mode), &[])?;
             Some((dir, cfg.checkpoint_mode))
         }
         None => None,
@@ -60,9 +60,131 @@ pub fn check(loaded: &Loaded, host: Host) -> Result<Ready> {
     })
 }
 
-/// A checkpoint this run can start from in `mode`: the same model (any mode) and the same world size
-/// (an exact resume).
-pub fn compatible(loaded: &Loaded, dir: &Path, mode: CheckpointMode) -> Result<()> {
+/// Config keys a resume may change freely: logging and evaluation, and how this invocation runs (not what
+/// it computes).
+const FREE_TO_CHANGE: [&str; 10] = [
+    "log.",
+    "checkpoint",
+    "checkpoint_mode",
+    "in_memory",
+    "train.exit_interval",
+    "train.exit_duration_mins",
+    "train.threads",
+    "train.comm_timeout_secs",
+    "train.engine",
+    "train.workers",
+];
+
+/// Whether `key` is `pattern` or lies under it (`pattern` = "train.optim" covers "train.optim.betas").
+fn covers(pattern: &str, key: &str) -> bool {
+    key == pattern
+        || pattern.ends_with('.') && key.starts_with(pattern)
+        || key.starts_with(&format!("{pattern}."))
+}
+
+/// Leaf key paths of a JSON value with their values (arrays are leaves).
+fn leaves(v: &serde_json::Value, path: &str, out: &mut Vec<(String, serde_json::Value)>) {
+    match v.as_object() {
+        Some(m) => {
+            for (k, v) in m {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                leaves(v, &p, out);
+            }
+        }
+        None => out.push((path.to_string(), v.clone())),
+    }
+}
+
+/// The keys whose values differ between two configs: (key, checkpoint's value, this run's value).
+pub fn config_diff(
+    theirs: &crate::config::Config,
+    ours: &crate::config::Config,
+) -> Vec<(String, String, String)> {
+    let flat = |c: &crate::config::Config| {
+        let mut out = Vec::new();
+        leaves(&serde_json::to_value(c).unwrap_or_default(), "", &mut out);
+        out.into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (a, b) = (flat(theirs), flat(ours));
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let show = |v: Option<&serde_json::Value>| match v {
+        None | Some(serde_json::Value::Null) => "unset".to_string(),
+        Some(v) => v.to_string(),
+    };
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| (k.clone(), show(a.get(k)), show(b.get(k))))
+        .collect()
+}
+
+/// An exact resume continues the run the checkpoint belongs to: every key that changes what it computes
+/// must be the same, unless `allow` names it (`--allow-config-change`).
+fn resume_changes(
+    loaded: &Loaded,
+    theirs: &crate::config::Config,
+    step: u64,
+    dir: &Path,
+    allow: &[String],
+) -> Result<()> {
+    let refused: Vec<(String, String, String)> = config_diff(theirs, &loaded.config)
+        .into_iter()
+        .filter(|(k, _, _)| !FREE_TO_CHANGE.iter().any(|p| covers(p, k)))
+        .filter(|(k, _, _)| !allow.iter().any(|p| covers(p, k)))
+        .collect();
+    if refused.is_empty() {
+        return Ok(());
+    }
+    let mut lines: Vec<String> = refused
+        .iter()
+        .map(|(k, a, b)| format!("  {k}: {a} in the checkpoint, {b} now"))
+        .collect();
+    let (t0, t1) = (&theirs.train, &loaded.config.train);
+    let (lr0, lr1) = (
+        crate::optim::lr_at(&t0.lr_schedule, step, t0.n_steps),
+        crate::optim::lr_at(&t1.lr_schedule, step, t1.n_steps),
+    );
+    if lr0 != lr1 {
+        lines.push(format!(
+            "  (the learning rate at step {step} would jump from {lr0:.3e} to {lr1:.3e}: the cosine schedule spans \
+             train.n_steps)"
+        ));
+    }
+    let keys: Vec<&str> = refused.iter().map(|(k, _, _)| k.as_str()).collect();
+    Err(bad_input!(
+        "{}: resuming this run (step {step}) with a changed config would continue it under other settings:\n{}\n\
+         restore the checkpoint's values, start over in a new run directory with `nanodist train --fresh`, \
+         or accept the change with --allow-config-change {}",
+        dir.display(),
+        lines.join("\n"),
+        keys.join(" ")
+    ))
+}
+
+/// What a checkpoint is to this run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The run's own newest checkpoint: the run continues, so its config must not change (but for the
+    /// keys that are free to change, or that `--allow-config-change` names).
+    OwnRun,
+    /// `checkpoint = ...` named by the config: a new run starting from it in `checkpoint_mode`, whose
+    /// config may differ on purpose (e.g. a dense run continued with compression).
+    Named(CheckpointMode),
+}
+
+/// A checkpoint this run can start from: the same model; for a full-state start the same world size;
+/// for its own run the same config as above.
+pub fn compatible(loaded: &Loaded, dir: &Path, source: Source, allow: &[String]) -> Result<()> {
+    let mode = match source {
+        Source::OwnRun => CheckpointMode::Full,
+        Source::Named(m) => m,
+    };
     let manifest = checkpoint::read_manifest(dir)?;
     let (theirs, _) = crate::config::parse(&manifest.config, &[]).map_err(|p| {
         bad_input!(
@@ -81,6 +203,9 @@ pub fn compatible(loaded: &Loaded, dir: &Path, mode: CheckpointMode) -> Result<(
             dir.display(),
             diff.join(", ")
         ));
+    }
+    if source == Source::OwnRun {
+        resume_changes(loaded, &theirs, manifest.step, dir, allow)?;
     }
     if mode == CheckpointMode::Full && manifest.world_size != loaded.plan.world_size {
         return Err(bad_input!(

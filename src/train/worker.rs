@@ -66,6 +66,8 @@ pub(super) struct Worker<'s> {
     sampler: Sampler,
     dropout: ChaCha8Rng,
     progress: Progress,
+    /// The run's config segments (see `checkpoint::ConfigSegment`).
+    segments: Vec<checkpoint::ConfigSegment>,
     last_val: Option<f64>,
     /// Counters since the last metrics row, and the time and step of the last evaluation.
     since_log: Interval,
@@ -122,6 +124,7 @@ impl<'s> Worker<'s> {
             sampler: Sampler::new(t.seed),
             dropout,
             progress: Progress::default(),
+            segments: checkpoint::continue_segments(None, 0, cfg),
             last_val: None,
             since_log: Interval::new(Default::default()),
             since_eval: (Instant::now(), 0),
@@ -150,6 +153,11 @@ impl<'s> Worker<'s> {
             CheckpointMode::Full => {
                 let r = checkpoint::restore(dir, &self.model, rank, world)?;
                 self.progress = r.progress();
+                self.segments = checkpoint::continue_segments(
+                    Some(&r.manifest),
+                    r.manifest.step,
+                    &self.setup.cfg,
+                );
                 let (optimizer, reducer) = crate::sync::compress::correction::carry_over(
                     self.setup.plan.sync.adam_in_reducer(),
                     r.state.optimizer,
@@ -466,6 +474,7 @@ impl<'s> Worker<'s> {
             self.sync.world_size(),
             &setup.cfg,
             setup.tokenizer.clone(),
+            self.segments.clone(),
         );
         if let Some(m) = self.metrics.as_mut() {
             m.sync()?;
