@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use candle_core::{Device, IndexOp, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -16,6 +16,9 @@ use crate::train::checkpoint;
 /// A model restored from a checkpoint, with its config and tokenizer.
 pub struct Trained {
     pub dir: PathBuf,
+    /// The weights file read and the step it was saved at.
+    pub weights: PathBuf,
+    pub step: u64,
     pub config: Config,
     pub model: Gpt,
     tokenizer: Option<Tokenizer>,
@@ -34,8 +37,15 @@ impl Trained {
     }
 }
 
+/// The model of `ckpt`: a checkpoint directory, a run directory (its newest valid checkpoint) or a weights
+/// file such as a run's `best_model.safetensors` (config and tokenizer from its run's newest checkpoint).
 pub fn load(ckpt: &Path) -> Result<Trained> {
-    let dir = checkpoint::require(ckpt)?;
+    let file = ckpt.is_file().then(|| ckpt.to_path_buf());
+    let run = match &file {
+        Some(f) => f.parent().map_or(PathBuf::from("."), Path::to_path_buf),
+        None => ckpt.to_path_buf(),
+    };
+    let dir = checkpoint::require(&run)?;
     let manifest = checkpoint::verify(&dir)?;
     let (config, _) = config::parse(&manifest.config, &[]).map_err(|problems| ConfigError {
         file: dir.join("manifest.json").display().to_string(),
@@ -43,13 +53,17 @@ pub fn load(ckpt: &Path) -> Result<Trained> {
     })?;
     let model = Gpt::new(&config.model, config.train.context_length, 0, &Device::Cpu)?;
     // The model file holds the replicas' average (identical replicas for all-reduce).
-    model.params.set_flat(&checkpoint::read_hf_weights(
-        &dir.join("model.safetensors"),
-        &model,
-    )?)?;
+    let weights = file.unwrap_or_else(|| dir.join("model.safetensors"));
+    model
+        .params
+        .set_flat(&checkpoint::read_hf_weights(&weights, &model)?)?;
+    let step = checkpoint::weights_step(&weights).unwrap_or(manifest.step);
+    tracing::info!("loaded {} (step {step})", weights.display());
     let tokenizer = manifest.tokenizer;
     Ok(Trained {
         dir,
+        weights,
+        step,
         config,
         model,
         tokenizer,
@@ -84,9 +98,18 @@ pub fn eval_file(
         f.read(0, &mut v);
         v
     } else {
-        let text =
-            std::fs::read_to_string(data).with_context(|| format!("reading {}", data.display()))?;
-        tr.tokenizer()?.encode_document(&text)?
+        if data.is_dir() {
+            return Err(bad_input!(
+                "{}: is a directory; --data takes a token file (.bin, or a Megatron prefix with .bin and .idx) \
+                 or a UTF-8 text file",
+                data.display()
+            ));
+        }
+        let text = std::fs::read_to_string(data)
+            .map_err(|e| bad_input!("--data {}: {e}", crate::error::absolute(data).display()))?;
+        tr.tokenizer()?
+            .encode_document(&text)
+            .map_err(|e| bad_input!("{}:{e:#}", data.display()))?
     };
     let n = max_tokens.map_or(tokens.len(), |m| m.min(tokens.len()));
     if n < 2 {
@@ -128,9 +151,9 @@ pub struct SampleOptions {
 
 /// The prompt followed by `max_new_tokens` sampled tokens, decoded.
 pub fn sample(ckpt: &Path, prompt: &str, o: &SampleOptions) -> Result<String> {
-    if o.temperature <= 0.0 || o.temperature.is_nan() {
+    if o.temperature < 0.0 || o.temperature.is_nan() {
         return Err(bad_input!(
-            "--temperature must be > 0, found {}",
+            "--temperature must be >= 0 (0: greedy), found {}",
             o.temperature
         ));
     }
@@ -154,6 +177,19 @@ pub fn sample(ckpt: &Path, prompt: &str, o: &SampleOptions) -> Result<String> {
             .i(ctx.len() - 1)?
             .to_vec1::<f32>()?;
         // Padded vocabulary entries beyond the tokenizer's are never sampled.
+        if o.temperature == 0.0 {
+            // Greedy: the most likely token (the lowest id among equals).
+            let best =
+                logits[..vocab]
+                    .iter()
+                    .enumerate()
+                    .fold(
+                        (0, f32::NEG_INFINITY),
+                        |b, (i, &l)| if l > b.1 { (i, l) } else { b },
+                    );
+            ids.push(best.0 as u32);
+            continue;
+        }
         let mut scored: Vec<(usize, f64)> = logits[..vocab]
             .iter()
             .enumerate()

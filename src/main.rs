@@ -70,7 +70,8 @@ struct PrepareArgs {
 
 #[derive(clap::Args)]
 struct SampleArgs {
-    /// Checkpoint directory, or a run directory (its newest valid checkpoint).
+    /// Checkpoint directory, a run directory (its newest valid checkpoint), or a weights file such as
+    /// <run>/best_model.safetensors.
     ckpt: PathBuf,
     /// Text the samples continue ("\n" in it is a newline).
     #[arg(long, default_value = "\n")]
@@ -78,7 +79,7 @@ struct SampleArgs {
     /// Tokens to generate.
     #[arg(long, default_value_t = 200)]
     max_new_tokens: usize,
-    /// Softmax temperature (> 0; lower is more conservative).
+    /// Softmax temperature (lower is more conservative; 0: greedy, the most likely token).
     #[arg(long, default_value_t = 0.8)]
     temperature: f64,
     /// Sample among the k most likely tokens (0: all).
@@ -158,7 +159,8 @@ enum Command {
     },
     /// Loss and perplexity of a checkpoint on a token file (.bin / Megatron prefix) or raw text.
     Eval {
-        /// Checkpoint directory, or a run directory (its newest valid checkpoint).
+        /// Checkpoint directory, a run directory (its newest valid checkpoint), or a weights file such as
+        /// <run>/best_model.safetensors.
         ckpt: PathBuf,
         /// Token file, Megatron prefix, or a UTF-8 text file (tokenized with the checkpoint's tokenizer).
         #[arg(long)]

@@ -144,7 +144,7 @@ fn char_model_trains_samples_and_evaluates_text() {
     assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
     let cfg = dir.path().join("c.toml");
     let data_dir = format!("data_dir={:?}", data.display().to_string());
-    let text = common::config(
+    let config_text = common::config(
         dir.path(),
         Some("r"),
         &[
@@ -159,7 +159,7 @@ fn char_model_trains_samples_and_evaluates_text() {
             "model.vocab_size=32",
         ],
     );
-    std::fs::write(&cfg, text).unwrap();
+    std::fs::write(&cfg, config_text).unwrap();
     let t = nanodist(&[
         "train",
         cfg.to_str().unwrap(),
@@ -187,10 +187,10 @@ fn char_model_trains_samples_and_evaluates_text() {
         "3",
     ]);
     assert!(s.status.success(), "{}", String::from_utf8_lossy(&s.stderr));
-    let text = String::from_utf8_lossy(&s.stdout);
+    let sampled = String::from_utf8_lossy(&s.stdout);
     assert!(
-        text.starts_with("the cat") && text.trim_end().chars().count() >= 40,
-        "{text}"
+        sampled.starts_with("the cat") && sampled.trim_end().chars().count() >= 40,
+        "{sampled}"
     );
     let again = nanodist(&[
         "sample",
@@ -219,6 +219,60 @@ fn char_model_trains_samples_and_evaluates_text() {
         bad.status.code(),
         Some(2),
         "characters outside the vocabulary are bad input"
+    );
+    // A weights file loads too, and says what it loaded; temperature 0 is greedy (seed-independent).
+    let best = run.join("best_model.safetensors");
+    let greedy: Vec<Output> = ["1", "2"]
+        .iter()
+        .map(|seed| {
+            nanodist(&[
+                "sample",
+                best.to_str().unwrap(),
+                "--prompt",
+                "the ",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "20",
+                "--seed",
+                seed,
+            ])
+        })
+        .collect();
+    assert!(greedy[0].status.success(), "{}", text(&greedy[0]));
+    assert_eq!(
+        greedy[0].stdout, greedy[1].stdout,
+        "greedy decoding ignores the seed"
+    );
+    let want = format!("loaded {} (step 30)", best.display());
+    assert!(text(&greedy[0]).contains(&want), "{}", text(&greedy[0]));
+    // Text with a character the model never saw: exit 2 with the file, line and column.
+    let odd = dir.path().join("odd.txt");
+    // The training text has no newline: the first unknown character is the one ending line 1.
+    std::fs::write(&odd, "the cat\nsat \u{2603} on").unwrap();
+    let e = nanodist(&[
+        "eval",
+        run.to_str().unwrap(),
+        "--data",
+        odd.to_str().unwrap(),
+    ]);
+    assert_eq!(e.status.code(), Some(2), "{}", text(&e));
+    let want = format!(
+        "{}:1:8: character '\\n' is not in the char vocabulary",
+        odd.display()
+    );
+    assert!(text(&e).contains(&want), "{}", text(&e));
+    let e = nanodist(&[
+        "eval",
+        run.to_str().unwrap(),
+        "--data",
+        corpus.to_str().unwrap(),
+    ]);
+    assert_eq!(e.status.code(), Some(2), "{}", text(&e));
+    assert!(
+        text(&e).contains("is a directory; --data takes a token file"),
+        "{}",
+        text(&e)
     );
     let bad = nanodist(&[
         "eval",

@@ -71,14 +71,23 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Gpt2 => Ok(with_bpe(|bpe| bpe.encode_ordinary(text))),
-            Tokenizer::Char { chars } => text
-                .chars()
-                .map(|c| {
-                    chars.binary_search(&c).map(|i| i as u32).map_err(|_| {
-                        anyhow::anyhow!("character {c:?} is not in the char vocabulary")
+            Tokenizer::Char { chars } => {
+                let (mut line, mut col) = (1, 0);
+                text.chars()
+                    .map(|c| {
+                        // This character's own line:column, then the next one's.
+                        let at = format!("{line}:{}", col + 1);
+                        (line, col) = if c == '\n' { (line + 1, 0) } else { (line, col + 1) };
+                        chars.binary_search(&c).map(|i| i as u32).map_err(|_| {
+                            crate::bad_input!(
+                                "{at}: character {c:?} is not in the char vocabulary of the training data \
+                                 ({} characters)",
+                                chars.len()
+                            )
+                        })
                     })
-                })
-                .collect(),
+                    .collect()
+            }
         }
     }
 

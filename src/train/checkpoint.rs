@@ -466,6 +466,17 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     Ok(manifest)
 }
 
+/// The step a weights file (`model.safetensors`, `best_model.safetensors`) was saved at, from its metadata.
+pub fn weights_step(path: &Path) -> Option<u64> {
+    let mut f = File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    std::io::Read::read_exact(&mut f, &mut len).ok()?;
+    let mut header = vec![0u8; usize::try_from(u64::from_le_bytes(len)).ok()?.min(1 << 24)];
+    std::io::Read::read_exact(&mut f, &mut header).ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    v.pointer("/__metadata__/step")?.as_str()?.parse().ok()
+}
+
 /// Reads HF GPT-2 layout weights (`model.safetensors`, `best_model.safetensors`) into the model's
 /// flat order, checking names, dtypes and shapes against the model.
 pub fn read_hf_weights(path: &Path, model: &Gpt) -> Result<Vec<f32>> {

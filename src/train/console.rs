@@ -146,11 +146,13 @@ impl Console {
         mfu: Option<f64>,
     ) {
         // The seed runner's line, then throughput.
+        let mfu = mfu.map_or(String::new(), |m| {
+            format!(", MFU {:.2}% of an A100's bf16 peak", m * 100.0)
+        });
         let line = format!(
             "Step {step}, Val loss: {val:.4}, Train loss: {train:.4}, Train time: {secs:.2}s ({:.2}ms/step), \
-             Total train time: {total:.2}s, {tps:.0} tokens/s, MFU {:.4}%",
+             Total train time: {total:.2}s, {tps:.0} tokens/s{mfu}",
             secs * 1e3 / steps.max(1) as f64,
-            mfu.unwrap_or(0.0) * 100.0
         );
         if self.silent {
             return;

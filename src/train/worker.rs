@@ -18,7 +18,7 @@ use crate::optim::{self, Optimizer, Segment};
 use crate::sync::SyncBackend;
 
 /// A100 bf16 dense peak, nanoGPT's reference for MFU.
-const PEAK_FLOPS: f64 = 312e12;
+const A100_BF16_PEAK_FLOPS: f64 = 312e12;
 const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
 
 /// Why a rank wants to stop after a step, in rising priority: when ranks disagree, the highest wins. A
@@ -318,7 +318,13 @@ impl<'s> Worker<'s> {
         row.outer_lr = m.outer_lr;
         row.param_norm = optim::global_norm(&self.params);
         row.elapsed_s = self.elapsed();
-        row.mfu = Some(plan.flops_per_token as f64 * row.tokens_per_s / PEAK_FLOPS);
+        // MFU against the device that runs, or not at all: on CPU nanodist knows no peak (yet), on CUDA it
+        // reports nanoGPT's convention, an A100's bf16 peak, and says so.
+        row.mfu = self
+            .model
+            .device()
+            .is_cuda()
+            .then(|| plan.flops_per_token as f64 * row.tokens_per_s / A100_BF16_PEAK_FLOPS);
         row.compression_ratio = m.compression_ratio;
         row.compression_error = m.compression_error;
         row.topk_overlap = m.topk_overlap;
