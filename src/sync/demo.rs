@@ -270,9 +270,6 @@ impl SyncBackend for Demo {
             .add(self.numel, n, rank, &before, &after, &report);
         Ok(())
     }
-    fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
-        Ok(())
-    }
     fn take_metrics(&mut self) -> Metrics {
         self.tally.take()
     }

@@ -229,9 +229,6 @@ impl SyncBackend for Diloco {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
-    fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
-        Ok(())
-    }
     fn has_pending(&self) -> bool {
         self.inflight.as_ref().is_some_and(|f| !f.reduced)
     }

@@ -28,9 +28,15 @@ pub trait SyncBackend {
     }
     /// Turns this worker's gradient of step `step` (learning rate `lr`) into the gradient of the update
     /// (e.g. the average over workers, a compressed approximation of it, or DeMo's sign direction).
-    fn reduce_grads(&mut self, grads: &mut [f32], step: u64, lr: f64) -> Result<()>;
-    /// Runs after the optimizer step (gossip mixes parameters here); allreduce has nothing to do.
-    fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()>;
+    /// Backends that leave gradients local (gossip, DiLoCo, SPARTA) keep this default.
+    fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
+        Ok(())
+    }
+    /// Runs after the optimizer step of step `step` (gossip mixes parameters here, DiLoCo and SPARTA
+    /// sync them); gradient-reducing backends keep this default.
+    fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
+        Ok(())
+    }
     /// Whether communication started by `after_step` waits to be run by `communicate`.
     fn has_pending(&self) -> bool {
         false
@@ -145,9 +151,6 @@ impl SyncBackend for AllReduce {
         }
         Ok(())
     }
-    fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
-        Ok(())
-    }
     /// The replicas are equal: their average is the model, and there is no consensus distance.
     fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<Option<f64>> {
         average_with(self.comm_mut(), params, avg).map(|_| None)
@@ -235,9 +238,6 @@ impl SyncBackend for Gossip {
     }
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
-    }
-    fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
-        Ok(())
     }
     fn has_pending(&self) -> bool {
         matches!(self.pending, Some((_, false)))
@@ -333,9 +333,6 @@ impl SyncBackend for Compressed {
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
         self.tally
             .add(grads.len(), n, rank, &before, &self.comm.stats(), &report);
-        Ok(())
-    }
-    fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
         Ok(())
     }
     fn state(&self) -> compress::State {

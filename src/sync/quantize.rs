@@ -181,6 +181,27 @@ fn decode_rows(q: Quantize, words: &[f32], rows: &[Range<usize>], buf: &mut [f32
     }
 }
 
+/// One exchange round: `send(r)` goes to every other rank r, and `recv[r]` (sized by the caller) receives
+/// rank r's message; this rank's own slot is left as it is.
+fn all_to_all<'a>(
+    comm: &mut dyn Communicator,
+    send: impl Fn(usize) -> &'a [f32],
+    recv: &mut [Vec<f32>],
+) -> Result<()> {
+    let (n, me) = (comm.world_size(), comm.rank());
+    if n == 1 {
+        return Ok(());
+    }
+    let sends: Vec<(usize, &[f32])> = (0..n).filter(|&r| r != me).map(|r| (r, send(r))).collect();
+    let mut recvs: Vec<(usize, &mut [f32])> = recv
+        .iter_mut()
+        .enumerate()
+        .filter(|(r, _)| *r != me)
+        .map(|(r, c)| (r, &mut c[..]))
+        .collect();
+    comm.exchange(&sends, &mut recvs)
+}
+
 /// The mean over ranks of `buf`, in place, through `q` on the wire; `rows` tile `buf` (in order).
 pub fn all_reduce_mean(
     comm: &mut dyn Communicator,
@@ -196,19 +217,7 @@ pub fn all_reduce_mean(
     // the same.
     let encoded: Vec<Vec<f32>> = owned.iter().map(|rs| encode_rows(q, buf, rs)).collect();
     let mut copies: Vec<Vec<f32>> = (0..n).map(|_| vec![0.0; words(owned[me])]).collect();
-    if n > 1 {
-        let sends: Vec<(usize, &[f32])> = (0..n)
-            .filter(|&r| r != me)
-            .map(|r| (r, &encoded[r][..]))
-            .collect();
-        let mut recvs: Vec<(usize, &mut [f32])> = copies
-            .iter_mut()
-            .enumerate()
-            .filter(|(r, _)| *r != me)
-            .map(|(r, c)| (r, &mut c[..]))
-            .collect();
-        comm.exchange(&sends, &mut recvs)?;
-    }
+    all_to_all(comm, |r| &encoded[r], &mut copies)?;
     copies[me].clone_from(&encoded[me]);
     // The owner's mean in f32, rank order, then requantized.
     let mut mean = vec![0.0f32; buf.len()];
@@ -231,19 +240,7 @@ pub fn all_reduce_mean(
     let mine = encode_rows(q, &mean, owned[me]);
     // All-gather the requantized chunks; every rank, the owner included, decodes the same words.
     let mut chunks: Vec<Vec<f32>> = (0..n).map(|c| vec![0.0; words(owned[c])]).collect();
-    if n > 1 {
-        let sends: Vec<(usize, &[f32])> = (0..n)
-            .filter(|&r| r != me)
-            .map(|r| (r, &mine[..]))
-            .collect();
-        let mut recvs: Vec<(usize, &mut [f32])> = chunks
-            .iter_mut()
-            .enumerate()
-            .filter(|(r, _)| *r != me)
-            .map(|(r, c)| (r, &mut c[..]))
-            .collect();
-        comm.exchange(&sends, &mut recvs)?;
-    }
+    all_to_all(comm, |_| &mine, &mut chunks)?;
     chunks[me] = mine;
     for (c, words) in chunks.iter().enumerate() {
         decode_rows(q, words, owned[c], buf);

@@ -73,9 +73,6 @@ impl SyncBackend for Sparta {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
-    fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
-        Ok(())
-    }
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
         mask(self.seed, step, self.p, params.len(), &mut self.idx);
         self.vals.clear();
