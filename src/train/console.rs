@@ -8,11 +8,23 @@ use super::checkpoint::Progress;
 use crate::comm::CommStats;
 use crate::metrics::Row;
 
+/// ", comm 4.873 MB/step (18% of the time)" for a row whose `steps` communicated, else "".
+fn comm(r: &Row, steps: u64) -> String {
+    if r.comm_bytes == 0 {
+        return String::new();
+    }
+    format!(
+        ", comm {:.3} MB/step ({:.0}% of the time)",
+        r.comm_bytes as f64 / 1e6 / steps.max(1) as f64,
+        r.comm_frac * 100.0
+    )
+}
+
 /// Counters since the last metrics row.
 pub(super) struct Interval {
     start: Instant,
     /// Steps timed in this process (throughput).
-    steps: u64,
+    pub steps: u64,
     /// Steps whose loss is in `loss_sum` (restored across a resume).
     pub loss_steps: u64,
     pub loss_sum: f64,
@@ -113,13 +125,17 @@ impl Console {
         }
     }
 
-    pub fn progress(&self, r: &Row) {
+    /// A metrics row that covers `steps` steps.
+    pub fn progress(&self, r: &Row, steps: u64) {
         if self.silent {
             return;
         }
         let msg = format!(
-            "loss {:.4} lr {:.2e} {:.0} tok/s",
-            r.train_loss, r.lr, r.tokens_per_s
+            "loss {:.4} lr {:.2e} {:.0} tok/s{}",
+            r.train_loss,
+            r.lr,
+            r.tokens_per_s,
+            comm(r, steps)
         );
         match &self.bar {
             Some(bar) => {
@@ -133,36 +149,49 @@ impl Console {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn eval_line(
-        &self,
-        step: u64,
-        val: f64,
-        train: f64,
-        secs: f64,
-        steps: u64,
-        total: f64,
-        tps: f64,
-        mfu: Option<f64>,
-    ) {
-        // The seed runner's line, then throughput.
-        let mfu = mfu.map_or(String::new(), |m| {
+    /// The evaluation of `r` (train time `secs` over `steps` steps since the last one; the row covers
+    /// `row_steps`): the seed runner's line, then, on a line of their own, the synchronisation's figures.
+    pub fn eval_line(&self, r: &Row, secs: f64, steps: u64, row_steps: u64) {
+        let mfu = r.mfu.map_or(String::new(), |m| {
             format!(", MFU {:.2}% of an A100's bf16 peak", m * 100.0)
         });
-        let line = format!(
-            "Step {step}, Val loss: {val:.4}, Train loss: {train:.4}, Train time: {secs:.2}s ({:.2}ms/step), \
-             Total train time: {total:.2}s, {tps:.0} tokens/s{mfu}",
-            secs * 1e3 / steps.max(1) as f64,
+        let (val, train) = (
+            r.val_loss.unwrap_or(f64::NAN),
+            r.eval_train_loss.unwrap_or(f64::NAN),
         );
+        let mut lines = vec![format!(
+            "Step {}, Val loss: {val:.4}, Train loss: {train:.4}, Train time: {secs:.2}s ({:.2}ms/step), \
+             Total train time: {:.2}s, {:.0} tokens/s{mfu}",
+            r.step,
+            secs * 1e3 / steps.max(1) as f64,
+            r.elapsed_s,
+            r.tokens_per_s,
+        )];
+        let mut extra = Vec::new();
+        if let Some(d) = r.consensus_distance {
+            extra.push(format!("consensus distance {d:.4e}"));
+        }
+        if let Some(c) = r.compression_ratio {
+            extra.push(format!("compression ratio {c:.1}x"));
+        }
+        if let Some(v) = r.val_loss_local {
+            extra.push(format!("own-replica val loss {v:.4}"));
+        }
+        let comm = comm(r, row_steps);
+        if !extra.is_empty() || !comm.is_empty() {
+            lines.push(format!("Step {}: {}{comm}", r.step, extra.join(", ")));
+        }
         if self.silent {
             return;
         }
-        match &self.bar {
-            Some(bar) => {
-                bar.println(&line);
-                bar.set_position(step);
+        for line in lines {
+            match &self.bar {
+                Some(bar) => bar.println(&line),
+                None => println!("{line}"),
             }
-            None => println!("{line}"),
+        }
+        if let Some(bar) = &self.bar {
+            bar.set_position(r.step);
         }
     }
 

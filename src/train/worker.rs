@@ -332,7 +332,7 @@ impl<'s> Worker<'s> {
         if eval_due {
             self.evaluate(&mut row)?;
         } else {
-            self.console.progress(&row);
+            self.console.progress(&row, self.since_log.steps);
         }
         if let Some(m) = self.metrics.as_mut() {
             m.write(&row)?;
@@ -361,22 +361,14 @@ impl<'s> Worker<'s> {
             let (mean, max) = self.eval_local()?;
             (row.val_loss_local, row.val_loss_local_max) = (Some(mean), Some(max));
         }
-        self.console.eval_line(
-            step,
-            val,
-            train,
-            secs,
-            steps,
-            row.elapsed_s,
-            row.tokens_per_s,
-            row.mfu,
-        );
         self.since_eval = (Instant::now(), step);
         (row.val_loss, row.val_ppl, row.eval_train_loss) =
             (Some(val), Some(val.exp()), Some(train));
         if distance.is_some() {
             row.consensus_distance = distance;
         }
+        self.console
+            .eval_line(row, secs, steps, self.since_log.steps);
         self.last_val = Some(val);
         if self.progress.best_val_loss.is_none_or(|b| val < b) {
             self.progress.best_val_loss = Some(val);
