@@ -221,3 +221,57 @@ fn diloco_sends_only_at_syncs_and_logs_its_metrics() {
     let ratio = q[3].compression_ratio.unwrap();
     assert!((3.0..4.0).contains(&ratio), "fp8 compression ratio {ratio}");
 }
+
+/// Compressed pseudo-gradients: a reducer that sends everything is the plain all-reduce (up to the order of
+/// the sums), and with top-k the error feedback keeps what a sync did not send for the next sync: the
+/// residual in the checkpoint is the unsent part of the pseudo-gradients, not zero.
+#[test]
+fn diloco_pseudo_gradients_through_a_reducer_keep_what_was_not_sent() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let base = [
+        "train.backend=\"diloco\"",
+        "train.diloco={ sync_every = 2 }",
+    ];
+    let plain = rows(d.path(), "plain", 2, &base);
+    let all = [
+        base[0],
+        base[1],
+        "train.compression={ name = \"topk\", density = 1.0 }",
+    ];
+    assert_close(
+        &plain,
+        &rows(d.path(), "all", 2, &all),
+        1e-5,
+        "top-k density 1",
+    );
+    let some = [
+        base[0],
+        base[1],
+        "train.compression={ name = \"topk\", density = 0.05 }",
+    ];
+    let (s, r) = train_rows(d.path(), "some", 2, &some);
+    assert!(r
+        .iter()
+        .filter_map(|r| r.compression_ratio)
+        .all(|c| c > 5.0));
+    let ckpt = nanodist::train::checkpoint::find_latest(&s.run_dir)
+        .unwrap()
+        .unwrap();
+    let bytes = std::fs::read(ckpt.join("rank_1.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let residual = st
+        .tensor("reducer.compress.residual")
+        .expect("the reducer's residual");
+    let values: Vec<f32> = residual
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let norm = values
+        .iter()
+        .map(|x| (*x as f64).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(norm > 0.0, "nothing kept for the next sync");
+}
