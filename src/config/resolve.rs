@@ -416,7 +416,28 @@ fn sync_plan(
     let before = problems.len();
     let mut add =
         |path: &str, message: String| problems.push(validate::problem_at(doc, path, message));
-    // Keys that belong to some backends only.
+    owned_keys(t, &mut add);
+    let plan = match (t.backend, &t.compression) {
+        (Backend::PytorchDdp, None) => SyncPlan::AllReduce {
+            bucket_elems: ((t.bucket_size_mb.unwrap_or(25.0) * 1e6 / 4.0) as usize).max(1),
+        },
+        (Backend::PytorchDdp, Some(c)) => SyncPlan::Compressed(reducer_plan(t, c, &mut add)),
+        (Backend::Diloco, c) => {
+            let reducer = c.as_ref().map(|c| reducer_plan(t, c, &mut add));
+            diloco_plan(t, reducer, &mut add)
+        }
+        (Backend::Sparta, _) => SyncPlan::Sparta {
+            p: t.sparta.clone().unwrap_or_default().p,
+            seed: t.seed,
+        },
+        (Backend::Demo, _) => demo_plan(t, &mut add),
+        (Backend::DecentDp, _) => gossip_plan(t, world, local_world, &mut add),
+    };
+    (problems.len() == before).then_some(plan)
+}
+
+/// Keys that belong to some backends only are errors under the others.
+fn owned_keys(t: &super::TrainConfig, add: &mut dyn FnMut(&str, String)) {
     let owners: [(&str, bool, &[Backend]); 7] = [
         (
             "bucket_size_mb",
@@ -447,7 +468,16 @@ fn sync_plan(
             );
         }
     }
-    let reducer = |c: &Compression, add: &mut dyn FnMut(&str, String)| match c {
+}
+
+/// A reducer's rules: Radius's correction needs AdamW; PowerSGD's state needs dense steps first, and
+/// its single all-reduce needs a warm start.
+fn reducer_plan(
+    t: &super::TrainConfig,
+    c: &Compression,
+    add: &mut dyn FnMut(&str, String),
+) -> ReducerPlan {
+    match c {
         Compression::TopK(k) => ReducerPlan::TopK(k.clone()),
         Compression::Radius(r) => {
             let correction = match (&t.optim, r.correction) {
@@ -459,13 +489,13 @@ fn sync_plan(
                 }),
                 (other, true) => {
                     add(
-                            "train.compression.correction",
-                            format!(
-                                "correction = true runs Adam inside the reducer with train.optim's betas and eps: \
-                                 it needs train.optim.name = \"adamw\", found {:?}",
-                                other.name()
-                            ),
-                        );
+                        "train.compression.correction",
+                        format!(
+                            "correction = true runs Adam inside the reducer with train.optim's betas and eps: \
+                             it needs train.optim.name = \"adamw\", found {:?}",
+                            other.name()
+                        ),
+                    );
                     None
                 }
             };
@@ -477,66 +507,60 @@ fn sync_plan(
         Compression::PowerSgd(p) => {
             if p.start_iter <= 1 && (p.error_feedback || p.warm_start) {
                 add(
-                        "train.compression.start_iter",
-                        format!(
-                            "start_iter = {} must be > 1 when error_feedback or warm_start is on (as PyTorch's \
-                             PowerSGDState requires): their state is allocated during the dense steps before \
-                             compression starts",
-                            p.start_iter
-                        ),
-                    );
+                    "train.compression.start_iter",
+                    format!(
+                        "start_iter = {} must be > 1 when error_feedback or warm_start is on (as PyTorch's \
+                         PowerSGDState requires): their state is allocated during the dense steps before \
+                         compression starts",
+                        p.start_iter
+                    ),
+                );
             }
             if p.single_allreduce && !p.warm_start {
                 add(
-                        "train.compression.single_allreduce",
-                        "single_allreduce = true needs warm_start = true (each step reuses the factor averaged \
-                         by the previous one)"
-                            .into(),
-                    );
+                    "train.compression.single_allreduce",
+                    "single_allreduce = true needs warm_start = true (each step reuses the factor averaged \
+                     by the previous one)"
+                        .into(),
+                );
             }
             ReducerPlan::PowerSgd {
                 cfg: p.clone(),
                 seed: t.seed,
             }
         }
-    };
-    let plan = match (t.backend, &t.compression) {
-        (Backend::PytorchDdp, None) => SyncPlan::AllReduce {
-            bucket_elems: ((t.bucket_size_mb.unwrap_or(25.0) * 1e6 / 4.0) as usize).max(1),
-        },
-        (Backend::PytorchDdp, Some(c)) => SyncPlan::Compressed(reducer(c, &mut add)),
-        (Backend::Diloco, c) => diloco_plan(t, c.as_ref().map(|c| reducer(c, &mut add)), &mut add),
-        (Backend::Sparta, _) => SyncPlan::Sparta {
-            p: t.sparta.clone().unwrap_or_default().p,
-            seed: t.seed,
-        },
-        (Backend::Demo, _) => demo_plan(t, &mut add),
-        (Backend::DecentDp, _) => {
-            let topology = t.topology.unwrap_or_default();
-            let ranks_per_node = match local_world {
-                Some(l) => l,
-                None if topology == Topology::AlternatingExpRing && world > 1 => {
-                    add(
-                        "train.topology",
-                        "topology \"alternating-exp-ring\" needs the node layout (ranks per node), which the \
-                         launcher did not report; set train.ranks_per_node"
-                            .into(),
-                    );
-                    world
-                }
-                None => world,
-            };
-            if let Err(msg) = crate::sync::topology::fits(topology, world, ranks_per_node) {
-                add("train.topology", msg);
-            }
-            SyncPlan::Gossip {
-                topology,
-                overlap: t.overlap.unwrap_or(false),
-                ranks_per_node,
-            }
+    }
+}
+
+/// Gossip's rules: the topology fits the world size and node layout (`sync::topology::fits`).
+fn gossip_plan(
+    t: &super::TrainConfig,
+    world: usize,
+    local_world: Option<usize>,
+    add: &mut dyn FnMut(&str, String),
+) -> SyncPlan {
+    let topology = t.topology.unwrap_or_default();
+    let ranks_per_node = match local_world {
+        Some(l) => l,
+        None if topology == Topology::AlternatingExpRing && world > 1 => {
+            add(
+                "train.topology",
+                "topology \"alternating-exp-ring\" needs the node layout (ranks per node), which the \
+                 launcher did not report; set train.ranks_per_node"
+                    .into(),
+            );
+            world
         }
+        None => world,
     };
-    (problems.len() == before).then_some(plan)
+    if let Err(msg) = crate::sync::topology::fits(topology, world, ranks_per_node) {
+        add("train.topology", msg);
+    }
+    SyncPlan::Gossip {
+        topology,
+        overlap: t.overlap.unwrap_or(false),
+        ranks_per_node,
+    }
 }
 
 /// DiLoCo's rules: fragments divide sync_every, the delay fits a period, compression only of whole-model
