@@ -54,10 +54,9 @@ pub fn load(ckpt: &Path) -> Result<Trained> {
     let model = Gpt::new(&config.model, config.train.context_length, 0, &Device::Cpu)?;
     // The model file holds the replicas' average (identical replicas for all-reduce).
     let weights = file.unwrap_or_else(|| dir.join("model.safetensors"));
-    model
-        .params
-        .set_flat(&checkpoint::read_hf_weights(&weights, &model)?)?;
-    let step = checkpoint::weights_step(&weights).unwrap_or(manifest.step);
+    let (flat, step) = checkpoint::read_hf_weights(&weights, &model)?;
+    model.params.set_flat(&flat)?;
+    let step = step.unwrap_or(manifest.step);
     tracing::info!("loaded {} (step {step})", weights.display());
     let tokenizer = manifest.tokenizer;
     Ok(Trained {

@@ -293,7 +293,7 @@ fn text(out: &Output) -> String {
 fn check_sbatch_and_train_refuse_the_same_inputs_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
     make_data(dir.path());
-    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r");
     let cfg = cfg.to_str().unwrap();
     let cases: [(&[&str], &str); 5] = [
         (
@@ -375,7 +375,7 @@ fn one_worker_gossip_passes_check_sbatch_and_train_alike() {
         "--dry-run",
     ]);
     assert_eq!(dry.status.code(), Some(0), "{}", text(&dry));
-    let tiny = write_tiny_config(dir.path(), "g.toml", "g", "");
+    let tiny = write_tiny_config(dir.path(), "g.toml", "g");
     let t = nanodist(&[
         "train",
         tiny.to_str().unwrap(),
@@ -415,7 +415,7 @@ fn a_missing_relative_data_dir_is_named_absolute() {
 fn resume_checks_happen_before_writes_and_skipped_checkpoints_are_reported() {
     let dir = tempfile::tempdir().unwrap();
     make_data(dir.path());
-    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r");
     let cfg = cfg.to_str().unwrap();
     let longer = ["--set", "train.n_steps=30", "--set", "log.ckpt_interval=10"];
     let first = nanodist(
@@ -467,7 +467,7 @@ fn resume_checks_happen_before_writes_and_skipped_checkpoints_are_reported() {
 fn resuming_with_a_changed_config_is_refused_unless_allowed() {
     let dir = tempfile::tempdir().unwrap();
     make_data(dir.path());
-    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r");
     let cfg = cfg.to_str().unwrap();
     assert!(nanodist(&["train", cfg]).status.success());
     let run = dir.path().join("log/r");
@@ -561,7 +561,7 @@ fn resuming_with_a_changed_config_is_refused_unless_allowed() {
 fn errors_name_the_file_or_the_set_that_caused_them() {
     let dir = tempfile::tempdir().unwrap();
     make_data(dir.path());
-    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r");
     let cfg = cfg.to_str().unwrap();
     let cases: [(&[&str], String); 4] = [
         (
@@ -609,7 +609,7 @@ fn errors_name_the_file_or_the_set_that_caused_them() {
 fn help_examples_are_valid_overrides() {
     let dir = tempfile::tempdir().unwrap();
     make_data(dir.path());
-    let cfg = write_tiny_config(dir.path(), "c.toml", "r", "");
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r");
     let mut seen = 0;
     for cmd in [
         "check", "train", "sbatch", "eval", "sample", "prepare", "plot", "compare",

@@ -54,6 +54,7 @@ fn logits_loss_and_gradients_match_pytorch() {
         )
         .unwrap();
         let flat = checkpoint::read_hf_weights(&golden(&format!("parity_{case}.safetensors")), &m)
+            .map(|(flat, _)| flat)
             .unwrap();
         m.params.set_flat(&flat).unwrap();
         let ids = |k: &str| -> Vec<u32> { serde_json::from_value(meta[k].clone()).unwrap() };

@@ -396,7 +396,7 @@ fn online_mode_says_streamed_only_when_the_live_sync_succeeded() {
         let exe = bin.join("wandb");
         std::fs::write(&exe, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let cfg = common::write_tiny_config(d.path(), "c.toml", name, "");
+        let cfg = common::write_tiny_config(d.path(), "c.toml", name);
         let path = format!(
             "{}:{}",
             bin.display(),

@@ -229,27 +229,53 @@ pub fn parse(src: &str, overrides: &[String]) -> Result<(Config, tree::Node), Ve
     Ok((config, doc))
 }
 
-/// The keys that shape the model's parameters (`model.*` and `train.context_length`, which sizes the
-/// position embedding) whose values differ between `a` and `b`, as `key = a's value (b's value here)`.
-pub fn model_diff(a: &Config, b: &Config) -> Vec<String> {
-    let json = |c: &Config| serde_json::to_value(&c.model).unwrap_or_default();
-    let (ja, jb) = (json(a), json(b));
-    let mut out = Vec::new();
-    if let (Some(ma), Some(mb)) = (ja.as_object(), jb.as_object()) {
-        for (k, va) in ma {
-            let vb = mb.get(k).cloned().unwrap_or_default();
-            if *va != vb {
-                out.push(format!("model.{k} = {va} there, {vb} here"));
+/// Leaf key paths of a JSON value with their values (arrays are leaves).
+fn leaves(v: &serde_json::Value, path: &str, out: &mut Vec<(String, serde_json::Value)>) {
+    match v.as_object() {
+        Some(m) => {
+            for (k, v) in m {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                leaves(v, &p, out);
             }
         }
+        None => out.push((path.to_string(), v.clone())),
     }
-    if a.train.context_length != b.train.context_length {
-        out.push(format!(
-            "train.context_length = {} there, {} here",
-            a.train.context_length, b.train.context_length
-        ));
-    }
-    out
+}
+
+/// The keys whose values differ between two configs: (key, checkpoint's value, this run's value).
+pub fn diff(theirs: &Config, ours: &Config) -> Vec<(String, String, String)> {
+    let flat = |c: &Config| {
+        let mut out = Vec::new();
+        leaves(&serde_json::to_value(c).unwrap_or_default(), "", &mut out);
+        out.into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (a, b) = (flat(theirs), flat(ours));
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let show = |v: Option<&serde_json::Value>| match v {
+        None | Some(serde_json::Value::Null) => "unset".to_string(),
+        Some(v) => v.to_string(),
+    };
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| (k.clone(), show(a.get(k)), show(b.get(k))))
+        .collect()
+}
+
+/// The keys that shape the model's parameters (`model.*` and `train.context_length`, which sizes the
+/// position embedding) whose values differ between `a` and `b`, as `key = a's value there, b's here`.
+pub fn model_diff(a: &Config, b: &Config) -> Vec<String> {
+    diff(a, b)
+        .into_iter()
+        .filter(|(k, _, _)| k.starts_with("model.") || k == "train.context_length")
+        .map(|(k, x, y)| format!("{k} = {x} there, {y} here"))
+        .collect()
 }
 
 impl Config {

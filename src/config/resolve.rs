@@ -107,12 +107,14 @@ pub enum ReducerPlan {
     },
 }
 
-/// Radius's correction mode: Adam with the run's AdamW betas and eps, clipping to `clip` inside the reducer.
+/// Radius's correction mode: Adam with the run's AdamW betas and eps, clipping to `clip` inside the reducer;
+/// the loop's SGD applies AdamW's `weight_decay`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Correction {
     pub betas: [f64; 2],
     pub eps: f64,
     pub clip: f64,
+    pub weight_decay: f64,
 }
 
 impl SyncPlan {
@@ -127,16 +129,20 @@ impl SyncPlan {
         }
     }
 
-    /// Whether the loop's optimizer is a plain SGD with decoupled weight decay instead of `train.optim`'s
-    /// update: Radius's correction runs Adam inside the reducer, DeMo computes its own direction.
+    /// The decoupled weight decay of a plain SGD that the loop steps instead of `train.optim`'s update:
+    /// Radius's correction runs Adam inside the reducer, DeMo computes its own direction.
     pub fn plain_sgd_in_loop(&self) -> Option<f64> {
         match self {
             SyncPlan::Demo { weight_decay, .. } => Some(*weight_decay),
+            SyncPlan::Compressed(ReducerPlan::Radius {
+                correction: Some(c),
+                ..
+            }) => Some(c.weight_decay),
             _ => None,
         }
     }
 
-    /// Whether the optimizer the loop steps is SGD because Adam runs inside the reducer.
+    /// Whether Adam runs inside the reducer (its state then travels with the reducer's).
     pub fn adam_in_reducer(&self) -> bool {
         matches!(
             self,
@@ -486,6 +492,7 @@ fn reducer_plan(
                     betas: a.betas,
                     eps: a.eps,
                     clip: t.grad_norm_clip,
+                    weight_decay: a.weight_decay,
                 }),
                 (other, true) => {
                     add(

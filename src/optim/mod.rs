@@ -15,14 +15,9 @@ pub fn for_run(
     segments: Vec<Segment>,
     numel: usize,
 ) -> Box<dyn Optimizer> {
-    if let Some(wd) = sync.plain_sgd_in_loop() {
-        return Box::new(Sgd::new(wd, segments));
-    }
-    match optim {
-        crate::config::OptimConfig::AdamW(a) if sync.adam_in_reducer() => {
-            Box::new(Sgd::new(a.weight_decay, segments))
-        }
-        _ => build(optim, segments, numel),
+    match sync.plain_sgd_in_loop() {
+        Some(wd) => Box::new(Sgd::new(wd, segments)),
+        None => build(optim, segments, numel),
     }
 }
 

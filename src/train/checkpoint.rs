@@ -466,21 +466,14 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     Ok(manifest)
 }
 
-/// The step a weights file (`model.safetensors`, `best_model.safetensors`) was saved at, from its metadata.
-pub fn weights_step(path: &Path) -> Option<u64> {
-    let mut f = File::open(path).ok()?;
-    let mut len = [0u8; 8];
-    std::io::Read::read_exact(&mut f, &mut len).ok()?;
-    let mut header = vec![0u8; usize::try_from(u64::from_le_bytes(len)).ok()?.min(1 << 24)];
-    std::io::Read::read_exact(&mut f, &mut header).ok()?;
-    let v: serde_json::Value = serde_json::from_slice(&header).ok()?;
-    v.pointer("/__metadata__/step")?.as_str()?.parse().ok()
-}
-
 /// Reads HF GPT-2 layout weights (`model.safetensors`, `best_model.safetensors`) into the model's
-/// flat order, checking names, dtypes and shapes against the model.
-pub fn read_hf_weights(path: &Path, model: &Gpt) -> Result<Vec<f32>> {
+/// flat order, checking names, dtypes and shapes against the model; also the step they were saved at,
+/// from the file's metadata (when it says).
+pub fn read_hf_weights(path: &Path, model: &Gpt) -> Result<(Vec<f32>, Option<u64>)> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let step = safetensors::SafeTensors::read_metadata(&bytes)
+        .ok()
+        .and_then(|(_, h)| h.metadata().as_ref()?.get("step")?.parse().ok());
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| bad_input!("{}: {e}", path.display()))?;
     let mut flat = vec![0.0f32; model.params.numel];
@@ -519,7 +512,7 @@ pub fn read_hf_weights(path: &Path, model: &Gpt) -> Result<Vec<f32>> {
             dst.copy_from_slice(&v);
         }
     }
-    Ok(flat)
+    Ok((flat, step))
 }
 
 /// Reads rank `rank`'s state from a checkpoint written by the same world size (verified by the

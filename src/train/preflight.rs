@@ -82,48 +82,6 @@ fn covers(pattern: &str, key: &str) -> bool {
         || key.starts_with(&format!("{pattern}."))
 }
 
-/// Leaf key paths of a JSON value with their values (arrays are leaves).
-fn leaves(v: &serde_json::Value, path: &str, out: &mut Vec<(String, serde_json::Value)>) {
-    match v.as_object() {
-        Some(m) => {
-            for (k, v) in m {
-                let p = if path.is_empty() {
-                    k.clone()
-                } else {
-                    format!("{path}.{k}")
-                };
-                leaves(v, &p, out);
-            }
-        }
-        None => out.push((path.to_string(), v.clone())),
-    }
-}
-
-/// The keys whose values differ between two configs: (key, checkpoint's value, this run's value).
-pub fn config_diff(
-    theirs: &crate::config::Config,
-    ours: &crate::config::Config,
-) -> Vec<(String, String, String)> {
-    let flat = |c: &crate::config::Config| {
-        let mut out = Vec::new();
-        leaves(&serde_json::to_value(c).unwrap_or_default(), "", &mut out);
-        out.into_iter()
-            .collect::<std::collections::BTreeMap<_, _>>()
-    };
-    let (a, b) = (flat(theirs), flat(ours));
-    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
-    keys.sort();
-    keys.dedup();
-    let show = |v: Option<&serde_json::Value>| match v {
-        None | Some(serde_json::Value::Null) => "unset".to_string(),
-        Some(v) => v.to_string(),
-    };
-    keys.into_iter()
-        .filter(|k| a.get(*k) != b.get(*k))
-        .map(|k| (k.clone(), show(a.get(k)), show(b.get(k))))
-        .collect()
-}
-
 /// An exact resume continues the run the checkpoint belongs to: every key that changes what it computes
 /// must be the same, unless `allow` names it (`--allow-config-change`).
 fn resume_changes(
@@ -133,7 +91,7 @@ fn resume_changes(
     dir: &Path,
     allow: &[String],
 ) -> Result<()> {
-    let refused: Vec<(String, String, String)> = config_diff(theirs, &loaded.config)
+    let refused: Vec<(String, String, String)> = crate::config::diff(theirs, &loaded.config)
         .into_iter()
         .filter(|(k, _, _)| !FREE_TO_CHANGE.iter().any(|p| covers(p, k)))
         .filter(|(k, _, _)| !allow.iter().any(|p| covers(p, k)))
@@ -194,9 +152,8 @@ pub fn compatible(loaded: &Loaded, dir: &Path, source: Source, allow: &[String])
         )
     })?;
     let ours = &loaded.config;
-    let mut diff = crate::config::model_diff(&theirs, ours);
+    let diff = crate::config::model_diff(&theirs, ours);
     if !diff.is_empty() {
-        diff.sort();
         return Err(bad_input!(
             "{}: the checkpoint's model differs from this config's: {}; train this model in a new run \
              directory (log.run_name), or restore the checkpoint's values",

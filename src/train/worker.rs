@@ -171,7 +171,7 @@ impl<'s> Worker<'s> {
             }
             CheckpointMode::Weights => {
                 self.params =
-                    checkpoint::read_hf_weights(&dir.join("model.safetensors"), &self.model)?;
+                    checkpoint::read_hf_weights(&dir.join("model.safetensors"), &self.model)?.0;
             }
         }
         self.model.params.set_flat(&self.params)?;

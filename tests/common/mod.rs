@@ -95,15 +95,9 @@ pub fn nanodist(args: &[&str]) -> Output {
         .unwrap()
 }
 
-/// Writes the tiny config (see `tiny_config`) with `extra` appended (after its last table, `[model]`)
-/// to `dir/name`; returns its path.
-pub fn write_tiny_config(
-    dir: &Path,
-    name: &str,
-    run_name: &str,
-    extra: &str,
-) -> std::path::PathBuf {
+/// Writes the tiny config (see `tiny_config`) to `dir/name`; returns its path.
+pub fn write_tiny_config(dir: &Path, name: &str, run_name: &str) -> std::path::PathBuf {
     let path = dir.join(name);
-    std::fs::write(&path, tiny_config(dir, run_name) + extra).unwrap();
+    std::fs::write(&path, tiny_config(dir, run_name)).unwrap();
     path
 }
