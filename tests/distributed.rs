@@ -147,6 +147,7 @@ fn complete_gossip_is_the_global_average() {
             c,
             topology::rounds(Topology::Complete, n, n).unwrap(),
             false,
+            50,
         );
         let mut p = replica(rank);
         g.after_step(&mut p, 0).unwrap();
@@ -170,7 +171,12 @@ fn ring_gossip_shrinks_consensus_distance_and_keeps_the_mean() {
     let n = 6;
     let out = on_ranks(n, |c| {
         let rank = c.rank();
-        let mut g = Gossip::new(c, topology::rounds(Topology::Ring, n, n).unwrap(), false);
+        let mut g = Gossip::new(
+            c,
+            topology::rounds(Topology::Ring, n, n).unwrap(),
+            false,
+            50,
+        );
         let mut p = replica(rank);
         let mut avg = Vec::new();
         let mut dists = vec![g.average(&p, &mut avg).unwrap().unwrap()];
@@ -288,7 +294,7 @@ fn overlapped_gossip_is_the_synchronous_recurrence_with_one_step_of_delay() {
             }
             let got = on_ranks(n, |c| {
                 let rank = c.rank();
-                let mut g = Gossip::new(c, topology::rounds(topo, n, n).unwrap(), overlap);
+                let mut g = Gossip::new(c, topology::rounds(topo, n, n).unwrap(), overlap, dim);
                 let mut x = vec![1.0f32; dim];
                 for step in 0..steps {
                     let grads: Vec<f32> = (0..dim).map(|i| x[i] - target(rank, i) as f32).collect();

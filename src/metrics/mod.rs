@@ -29,6 +29,10 @@ pub struct Row {
     pub comm_bytes: u64,
     pub comm_ms: f64,
     pub comm_frac: f64,
+    /// Milliseconds over the interval that the sync backend computed outside collectives (compression,
+    /// decompression, mixing arithmetic).
+    #[serde(default)]
+    pub sync_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]

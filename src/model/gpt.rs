@@ -46,62 +46,88 @@ pub fn is_conv1d(name: &str) -> bool {
         || name.ends_with("mlp.c_proj.weight")
 }
 
+/// How a parameter starts (nanoGPT's init).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Init {
+    Normal(f64),
+    Ones,
+    Zeros,
+}
+
+/// The parameters of a model, in initialisation order: (HF name, shape, init). N(0, 0.02) weights and
+/// embeddings, residual projections N(0, 0.02 / sqrt(2 n_layers)), zero biases, unit LayerNorm gains.
+/// Shapes alone describe a model's communication without allocating it (`nanodist predict`).
+pub fn layout(cfg: &ModelConfig, context_length: usize) -> Vec<(String, Vec<usize>, Init)> {
+    let (c, v, l) = (cfg.n_embd, cfg.vocab_size, cfg.n_layers);
+    let proj_std = 0.02 / (2.0 * l as f64).sqrt();
+    let mut items = vec![
+        (
+            "transformer.wte.weight".into(),
+            vec![v, c],
+            Init::Normal(0.02),
+        ),
+        (
+            "transformer.wpe.weight".into(),
+            vec![context_length, c],
+            Init::Normal(0.02),
+        ),
+    ];
+    let ln = |items: &mut Vec<_>, prefix: String| {
+        items.push((format!("{prefix}.weight"), vec![c], Init::Ones));
+        if cfg.bias {
+            items.push((format!("{prefix}.bias"), vec![c], Init::Zeros));
+        }
+    };
+    for i in 0..l {
+        let h = format!("transformer.h.{i}");
+        ln(&mut items, format!("{h}.ln_1"));
+        ln(&mut items, format!("{h}.ln_2"));
+        let linears = [
+            ("attn.c_attn", 3 * c, c, 0.02),
+            ("attn.c_proj", c, c, proj_std),
+            ("mlp.c_fc", 4 * c, c, 0.02),
+            ("mlp.c_proj", c, 4 * c, proj_std),
+        ];
+        for (name, out, inp, std) in linears {
+            items.push((
+                format!("{h}.{name}.weight"),
+                vec![out, inp],
+                Init::Normal(std),
+            ));
+            if cfg.bias {
+                items.push((format!("{h}.{name}.bias"), vec![out], Init::Zeros));
+            }
+        }
+    }
+    ln(&mut items, "transformer.ln_f".into());
+    items
+}
+
 impl Gpt {
-    /// A freshly initialised model (nanoGPT's init): N(0, 0.02) weights and embeddings, residual
-    /// projections N(0, 0.02 / sqrt(2 n_layers)), zero biases, unit LayerNorm gains. Deterministic in `seed`.
+    /// A freshly initialised model (nanoGPT's init, see [`layout`]). Deterministic in `seed`.
     pub fn new(
         cfg: &ModelConfig,
         context_length: usize,
         seed: u64,
         device: &Device,
     ) -> Result<Self> {
-        let (c, v, l) = (cfg.n_embd, cfg.vocab_size, cfg.n_layers);
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut normal = |n: usize, std: f64| -> Vec<f32> {
-            let dist = Normal::new(0.0f32, std as f32).expect("positive std");
-            (0..n).map(|_| dist.sample(&mut rng)).collect()
-        };
-        let proj_std = 0.02 / (2.0 * l as f64).sqrt();
-        let mut items: Vec<(String, Vec<f32>, Vec<usize>)> = vec![
-            (
-                "transformer.wte.weight".into(),
-                normal(v * c, 0.02),
-                vec![v, c],
-            ),
-            (
-                "transformer.wpe.weight".into(),
-                normal(context_length * c, 0.02),
-                vec![context_length, c],
-            ),
-        ];
-        let ln = |items: &mut Vec<_>, prefix: String| {
-            items.push((format!("{prefix}.weight"), vec![1.0f32; c], vec![c]));
-            if cfg.bias {
-                items.push((format!("{prefix}.bias"), vec![0.0f32; c], vec![c]));
-            }
-        };
-        for i in 0..l {
-            let h = format!("transformer.h.{i}");
-            ln(&mut items, format!("{h}.ln_1"));
-            ln(&mut items, format!("{h}.ln_2"));
-            let linears = [
-                ("attn.c_attn", 3 * c, c, 0.02),
-                ("attn.c_proj", c, c, proj_std),
-                ("mlp.c_fc", 4 * c, c, 0.02),
-                ("mlp.c_proj", c, 4 * c, proj_std),
-            ];
-            for (name, out, inp, std) in linears {
-                items.push((
-                    format!("{h}.{name}.weight"),
-                    normal(out * inp, std),
-                    vec![out, inp],
-                ));
-                if cfg.bias {
-                    items.push((format!("{h}.{name}.bias"), vec![0.0f32; out], vec![out]));
-                }
-            }
-        }
-        ln(&mut items, "transformer.ln_f".into());
+        // Values in layout order: the random draws follow wte, wpe, then each block's matrices.
+        let items = layout(cfg, context_length)
+            .into_iter()
+            .map(|(name, shape, init)| {
+                let n = shape.iter().product();
+                let values = match init {
+                    Init::Normal(std) => {
+                        let dist = Normal::new(0.0f32, std as f32).expect("positive std");
+                        (0..n).map(|_| dist.sample(&mut rng)).collect()
+                    }
+                    Init::Ones => vec![1.0f32; n],
+                    Init::Zeros => vec![0.0f32; n],
+                };
+                (name, values, shape)
+            })
+            .collect();
         let mut gpt = Self {
             cfg: cfg.clone(),
             context_length,

@@ -18,6 +18,7 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::compress::{self, take, State, TensorView};
+use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
 use crate::comm::Communicator;
 use crate::config::backend::DemoConfig;
@@ -172,6 +173,18 @@ fn kept(topk: usize, l: &Layout) -> usize {
 impl SyncBackend for Demo {
     fn name(&self) -> &'static str {
         "demo"
+    }
+    /// Every rank's (indices, values) of its chunks' top-k DCT coefficients, all-gathered.
+    fn step_comm(&self, _step: u64) -> Vec<Collective> {
+        let words: usize = self
+            .layouts
+            .iter()
+            .map(|l| 2 * l.chunks() * kept(self.cfg.topk, l))
+            .sum();
+        let op = Op::AllGather {
+            pieces: vec![words as u64],
+        };
+        vec![Collective::world(op, self.world_size(), Overlap::None)]
     }
     fn comm(&self) -> &dyn Communicator {
         self.comm.as_ref()

@@ -22,6 +22,7 @@ use std::ops::Range;
 use anyhow::{bail, Result};
 
 use super::compress::{self, take, Reducer, State, TensorView};
+use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
 use crate::comm::{all_reduce_mean, pack_u64, unpack_u64, Communicator};
 use crate::config::backend::{DilocoConfig, Quantize};
@@ -228,6 +229,33 @@ impl SyncBackend for Diloco {
     }
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
+    }
+    /// A fragment's pseudo-gradient averaged at its sync point: in the step that reaches it, or with
+    /// `fragment_delay` d in the step d before it, beside that step's forward and backward pass.
+    fn step_comm(&self, step: u64) -> Vec<Collective> {
+        let (delay, n) = (self.cfg.fragment_delay, self.world_size());
+        let at = if delay == 0 { step + 1 } else { step + delay };
+        let Some(f) = self.fragment_at(at) else {
+            return Vec::new();
+        };
+        let overlap = if delay == 0 {
+            Overlap::None
+        } else {
+            Overlap::Compute
+        };
+        let fragment = &self.fragments[f];
+        match (&self.reducer, self.cfg.quantize) {
+            (Some(r), _) => r
+                .step_comm(n, at / self.period() - 1)
+                .into_iter()
+                .map(|c| Collective { overlap, ..c })
+                .collect(),
+            (None, Quantize::None) => {
+                let words = fragment.range.len() as u64;
+                vec![Collective::world(Op::AllReduce { words }, n, overlap)]
+            }
+            (None, q) => super::quantize::collectives(&fragment.rows, q, n, overlap),
+        }
     }
     fn has_pending(&self) -> bool {
         self.inflight.as_ref().is_some_and(|f| !f.reduced)

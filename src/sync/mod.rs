@@ -8,12 +8,14 @@ pub mod diloco;
 pub mod quantize;
 pub mod sparta;
 pub mod topology;
+pub mod trace;
 
 use anyhow::Result;
 
 use crate::comm::{all_reduce_mean, CommStats, Communicator};
 use crate::config::resolve::SyncPlan;
 use topology::Round;
+use trace::{Collective, Op, Overlap};
 
 pub trait SyncBackend {
     fn name(&self) -> &'static str;
@@ -23,6 +25,10 @@ pub trait SyncBackend {
     fn rank(&self) -> usize {
         self.comm().rank()
     }
+    /// The collectives this backend runs in step `step` (from its forward pass to its next), as data: what
+    /// the engines count in `comm_bytes` and what `nanodist predict` prices. Bookkeeping (loss means,
+    /// evaluation, votes, checkpoints) is not part of it.
+    fn step_comm(&self, step: u64) -> Vec<Collective>;
     fn world_size(&self) -> usize {
         self.comm().world_size()
     }
@@ -124,13 +130,15 @@ fn average_with(comm: &mut dyn Communicator, params: &[f32], avg: &mut Vec<f32>)
 pub struct AllReduce {
     comm: Box<dyn Communicator>,
     bucket_elems: usize,
+    numel: usize,
 }
 
 impl AllReduce {
-    pub fn new(comm: Box<dyn Communicator>, bucket_elems: usize) -> Self {
+    pub fn new(comm: Box<dyn Communicator>, bucket_elems: usize, numel: usize) -> Self {
         Self {
             comm,
             bucket_elems: bucket_elems.max(1),
+            numel,
         }
     }
 }
@@ -144,6 +152,18 @@ impl SyncBackend for AllReduce {
     }
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
+    }
+    /// One all-reduce per bucket; each may overlap the backward pass on a cluster (DDP), although
+    /// nanodist's engines reduce after it.
+    fn step_comm(&self, _step: u64) -> Vec<Collective> {
+        let n = self.world_size();
+        (0..self.numel)
+            .step_by(self.bucket_elems)
+            .map(|at| {
+                let words = (self.numel - at).min(self.bucket_elems) as u64;
+                Collective::world(Op::AllReduce { words }, n, Overlap::Backward)
+            })
+            .collect()
     }
     fn reduce_grads(&mut self, grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
         for bucket in grads.chunks_mut(self.bucket_elems) {
@@ -169,17 +189,24 @@ pub struct Gossip {
     comm: Box<dyn Communicator>,
     rounds: Vec<Round>,
     overlap: bool,
+    numel: usize,
     buf: Vec<f32>,
     /// Overlap: the round whose send buffer waits in `buf`, and whether its all-reduce has run.
     pending: Option<(usize, bool)>,
 }
 
 impl Gossip {
-    pub fn new(comm: Box<dyn Communicator>, rounds: Vec<Round>, overlap: bool) -> Self {
+    pub fn new(
+        comm: Box<dyn Communicator>,
+        rounds: Vec<Round>,
+        overlap: bool,
+        numel: usize,
+    ) -> Self {
         Self {
             comm,
             rounds,
             overlap,
+            numel,
             buf: Vec::new(),
             pending: None,
         }
@@ -238,6 +265,26 @@ impl SyncBackend for Gossip {
     }
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
+    }
+    /// The group all-reduce of the round's parameters: synchronous, or with `overlap` the previous
+    /// step's mix, run beside this step's forward and backward (step 0 mixes synchronously, so step 1
+    /// has nothing to send).
+    fn step_comm(&self, step: u64) -> Vec<Collective> {
+        let mix = |step: u64, overlap| {
+            let round = &self.rounds[(step % self.rounds.len() as u64) as usize];
+            Collective {
+                op: Op::AllReduce {
+                    words: self.numel as u64,
+                },
+                groups: round.iter().map(|g| g.ranks.clone()).collect(),
+                overlap,
+            }
+        };
+        match (self.overlap, step) {
+            (false, _) | (true, 0) => vec![mix(step, Overlap::None)],
+            (true, 1) => Vec::new(),
+            (true, _) => vec![mix(step - 1, Overlap::Compute)],
+        }
     }
     fn has_pending(&self) -> bool {
         matches!(self.pending, Some((_, false)))
@@ -326,6 +373,9 @@ impl SyncBackend for Compressed {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
+    fn step_comm(&self, step: u64) -> Vec<Collective> {
+        self.reducer.step_comm(self.world_size(), step)
+    }
     fn reduce_grads(&mut self, grads: &mut [f32], step: u64, _lr: f64) -> Result<()> {
         let before = self.comm.stats();
         let report = self.reducer.reduce(self.comm.as_mut(), grads, step)?;
@@ -359,8 +409,11 @@ pub fn build(
     comm: Box<dyn Communicator>,
     tensors: Vec<compress::TensorView>,
 ) -> Result<Box<dyn SyncBackend>> {
+    let numel = tensors.iter().map(|t| t.len).sum();
     Ok(match plan {
-        SyncPlan::AllReduce { bucket_elems } => Box::new(AllReduce::new(comm, *bucket_elems)),
+        SyncPlan::AllReduce { bucket_elems } => {
+            Box::new(AllReduce::new(comm, *bucket_elems, numel))
+        }
         SyncPlan::Compressed(r) => Box::new(Compressed::new(comm, compress::build(r, tensors))),
         SyncPlan::Gossip {
             topology,
@@ -368,7 +421,7 @@ pub fn build(
             ranks_per_node,
         } => {
             let rounds = topology::rounds(*topology, comm.world_size(), *ranks_per_node)?;
-            Box::new(Gossip::new(comm, rounds, *overlap))
+            Box::new(Gossip::new(comm, rounds, *overlap, numel))
         }
         SyncPlan::Diloco { cfg, reducer } => {
             let reducer = reducer
@@ -376,7 +429,7 @@ pub fn build(
                 .map(|r| compress::build(r, tensors.clone()));
             Box::new(diloco::Diloco::new(comm, cfg.clone(), tensors, reducer)?)
         }
-        SyncPlan::Sparta { p, seed } => Box::new(sparta::Sparta::new(comm, *p, *seed)),
+        SyncPlan::Sparta { p, seed } => Box::new(sparta::Sparta::new(comm, *p, *seed, numel)),
         SyncPlan::Demo { cfg, clip, .. } => {
             Box::new(demo::Demo::new(comm, cfg.clone(), *clip, &tensors))
         }

@@ -18,6 +18,7 @@ use anyhow::Result;
 
 use crate::comm::{chunk, Communicator};
 use crate::config::backend::Quantize;
+use crate::sync::trace::{Collective, Op, Overlap};
 
 /// The largest finite e4m3 value.
 const E4M3_MAX: f32 = 448.0;
@@ -200,6 +201,34 @@ fn all_to_all<'a>(
         .map(|(r, c)| (r, &mut c[..]))
         .collect();
     comm.exchange(&sends, &mut recvs)
+}
+
+/// The two exchanges of [`all_reduce_mean`] over `world` ranks: every rank sends each owner its encoded
+/// rows (a reduce-scatter), then each owner its requantized mean to all (an all-gather).
+pub fn collectives(
+    rows: &[Range<usize>],
+    q: Quantize,
+    world: usize,
+    overlap: Overlap,
+) -> Vec<Collective> {
+    let pieces: Vec<u64> = (0..world)
+        .map(|c| {
+            rows[chunk(rows.len(), world, c)]
+                .iter()
+                .map(|r| row_words(q, r.len()) as u64)
+                .sum()
+        })
+        .collect();
+    vec![
+        Collective::world(
+            Op::ReduceScatter {
+                pieces: pieces.clone(),
+            },
+            world,
+            overlap,
+        ),
+        Collective::world(Op::AllGather { pieces }, world, overlap),
+    ]
 }
 
 /// The mean over ranks of `buf`, in place, through `q` on the wire; `rows` tile `buf` (in order).

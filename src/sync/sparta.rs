@@ -11,6 +11,7 @@ use anyhow::Result;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::trace::{Collective, Op, Overlap};
 use super::SyncBackend;
 use crate::comm::{all_reduce_mean, Communicator};
 
@@ -20,16 +21,18 @@ pub struct Sparta {
     comm: Box<dyn Communicator>,
     p: f64,
     seed: u64,
+    numel: usize,
     idx: Vec<u32>,
     vals: Vec<f32>,
 }
 
 impl Sparta {
-    pub fn new(comm: Box<dyn Communicator>, p: f64, seed: u64) -> Self {
+    pub fn new(comm: Box<dyn Communicator>, p: f64, seed: u64, numel: usize) -> Self {
         Self {
             comm,
             p,
             seed,
+            numel,
             idx: Vec::new(),
             vals: Vec::new(),
         }
@@ -72,6 +75,17 @@ impl SyncBackend for Sparta {
     }
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
+    }
+    /// The all-reduce of the step's selected values (their number is the mask's, a function of seed and step).
+    fn step_comm(&self, step: u64) -> Vec<Collective> {
+        let mut idx = Vec::new();
+        mask(self.seed, step, self.p, self.numel, &mut idx);
+        let words = idx.len() as u64;
+        vec![Collective::world(
+            Op::AllReduce { words },
+            self.world_size(),
+            Overlap::None,
+        )]
     }
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
         mask(self.seed, step, self.p, params.len(), &mut self.idx);

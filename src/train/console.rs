@@ -32,6 +32,8 @@ pub(super) struct Interval {
     pub comm: CommStats,
     /// Bookkeeping traffic within the interval (not the algorithm's): left out of the row.
     control: CommStats,
+    /// Seconds the sync backend's hooks computed outside collectives (compression, mixing).
+    sync_seconds: f64,
 }
 
 impl Interval {
@@ -43,7 +45,19 @@ impl Interval {
             loss_sum: 0.0,
             comm,
             control: CommStats::default(),
+            sync_seconds: 0.0,
         }
+    }
+
+    /// Marks the start of a sync backend hook.
+    pub fn sync_start(&self, comm: CommStats) -> (Instant, f64) {
+        (Instant::now(), comm.seconds)
+    }
+
+    /// Adds the hook's time outside collectives since `sync_start`.
+    pub fn sync_end(&mut self, (start, comm_secs): (Instant, f64), comm: CommStats) {
+        let inside = comm.seconds - comm_secs;
+        self.sync_seconds += (start.elapsed().as_secs_f64() - inside).max(0.0);
     }
 
     /// Leaves the traffic between `before` and `after` out of the row.
@@ -86,6 +100,7 @@ impl Interval {
             comm_bytes: comm.bytes_sent - self.comm.bytes_sent - self.control.bytes_sent,
             comm_ms: comm_s * 1e3,
             comm_frac: comm_s / secs,
+            sync_ms: self.sync_seconds * 1e3,
             ..Row::default()
         }
     }

@@ -207,14 +207,32 @@ impl<'s> Worker<'s> {
                 f.check(self.sync.rank(), self.progress.step);
             }
             let lr = optim::lr_at(&t.lr_schedule, self.progress.step, t.n_steps);
+            // Debug builds (the tests) hold every step to the backend's description of it.
+            let planned = cfg!(debug_assertions).then(|| {
+                let step = self.progress.step;
+                (self.sync.step_comm(step), self.sync.comm_stats().bytes_sent)
+            });
             let loss = self.forward_backward()?;
+            let sync_start = self.since_log.sync_start(self.sync.comm_stats());
             self.sync
                 .reduce_grads(&mut self.grads, self.progress.step, lr)?;
+            self.since_log.sync_end(sync_start, self.sync.comm_stats());
             let grad_norm = match self.sync.clipped_grad_norm() {
                 Some(norm) => norm,
                 None => optim::clip_grad_norm(&mut self.grads, t.grad_norm_clip),
             };
             self.update(lr)?;
+            if let Some((planned, before)) = planned {
+                let (sent, rank) = (self.sync.comm_stats().bytes_sent - before, self.sync.rank());
+                let want = crate::sync::trace::sent_by(&planned, rank);
+                if sent != want {
+                    anyhow::bail!(
+                        "internal error: rank {rank} sent {sent} bytes in step {}, its backend's \
+                         description says {want}: {planned:?}",
+                        self.progress.step - 1
+                    );
+                }
+            }
             self.since_log.add_step(loss);
             let step = self.progress.step;
             let eval_due = step % self.setup.cfg.log.eval_interval == 0 || step == t.n_steps;
@@ -274,9 +292,13 @@ impl<'s> Worker<'s> {
 
     /// The optimizer step between the backend's hooks (gossip mixes after it), then the model's weights.
     fn update(&mut self, lr: f64) -> Result<()> {
+        let start = self.since_log.sync_start(self.sync.comm_stats());
         self.sync.before_step(&mut self.params)?;
+        self.since_log.sync_end(start, self.sync.comm_stats());
         self.opt.step(&mut self.params, &self.grads, lr);
+        let start = self.since_log.sync_start(self.sync.comm_stats());
         self.sync.after_step(&mut self.params, self.progress.step)?;
+        self.since_log.sync_end(start, self.sync.comm_stats());
         self.model.params.set_flat(&self.params)?;
         self.progress.step += 1;
         self.progress.tokens += self.setup.plan.tokens_per_step;

@@ -83,6 +83,10 @@ impl Reducer for Corrected {
         Ok(report)
     }
 
+    fn step_comm(&self, world: usize, step: u64) -> Vec<crate::sync::trace::Collective> {
+        self.inner.step_comm(world, step)
+    }
+
     fn state(&self) -> State {
         let mut state = self.inner.state();
         push_adam(&mut state, self.adam.state());

@@ -10,6 +10,7 @@ pub mod topk;
 
 use anyhow::{bail, Result};
 
+use super::trace::{Collective, Op, Overlap};
 use crate::comm::{all_reduce_bytes, CommStats, Communicator};
 use crate::config::resolve::ReducerPlan;
 use crate::model::params::Param;
@@ -27,14 +28,28 @@ pub struct TensorView {
 
 impl TensorView {
     pub fn of(params: &[Param]) -> Vec<Self> {
-        params
-            .iter()
-            .map(|p| Self {
-                offset: p.offset,
-                len: p.len,
-                rows: p.shape.first().copied().unwrap_or(1),
-                cols: p.len / p.shape.first().copied().unwrap_or(1).max(1),
-                matrix: p.shape.len() >= 2,
+        Self::of_shapes(params.iter().map(|p| (p.name.clone(), p.shape.clone())))
+    }
+
+    /// The flat layout of named parameters: sorted by name, as `ParamSet` lays them out.
+    pub fn of_shapes(named: impl IntoIterator<Item = (String, Vec<usize>)>) -> Vec<Self> {
+        let mut named: Vec<_> = named.into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut offset = 0;
+        named
+            .into_iter()
+            .map(|(_, shape)| {
+                let len = shape.iter().product::<usize>();
+                let rows = shape.first().copied().unwrap_or(1);
+                let t = Self {
+                    offset,
+                    len,
+                    rows,
+                    cols: len / rows.max(1),
+                    matrix: shape.len() >= 2,
+                };
+                offset += len;
+                t
             })
             .collect()
     }
@@ -87,6 +102,8 @@ pub trait Reducer {
         grads: &mut [f32],
         step: u64,
     ) -> Result<Report>;
+    /// The collectives of step `step` over `world` ranks (what `reduce` runs then).
+    fn step_comm(&self, world: usize, step: u64) -> Vec<Collective>;
     fn state(&self) -> State;
     /// Restores `state()`; an empty state (a dense checkpoint) starts the reducer fresh.
     fn load_state(&mut self, state: State) -> Result<()>;
@@ -157,6 +174,17 @@ pub fn f32_to_indices(v: &[f32]) -> Vec<u32> {
 /// Number of entries of a matrix tensor that top-k keeps: max(floor(density * len), 1).
 pub fn k_of(density: f64, len: usize) -> usize {
     ((density * len as f64) as usize).clamp(1, len.max(1))
+}
+
+/// An all-reduce of `words` over the world that waits for nothing else (compressed reducers).
+pub fn all_reduce(words: usize, world: usize) -> Collective {
+    Collective::world(
+        Op::AllReduce {
+            words: words as u64,
+        },
+        world,
+        Overlap::None,
+    )
 }
 
 /// Sums of the reducer metrics between two metrics rows.

@@ -14,10 +14,11 @@ use candle_core::{Device, Tensor};
 use rand::SeedableRng;
 use rand_distr::{Distribution, StandardNormal};
 
-use super::{relative_error, take, Reducer, Report, State, TensorView};
+use super::{all_reduce, relative_error, take, Reducer, Report, State, TensorView};
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::config::backend::PowerSgdConfig;
 use crate::kernels;
+use crate::sync::trace::Collective;
 
 /// A compressed matrix: which tensor, its rank and where its factors live in `p` and `q`.
 #[derive(Debug, Clone)]
@@ -303,6 +304,27 @@ impl Reducer for PowerSgd {
             compressed_fraction: fraction,
             ..Report::default()
         })
+    }
+
+    /// Dense before `start_iter`; then the uncompressed tensors, P and Q in three all-reduces, or with
+    /// `single_allreduce` one side (P on even compressed steps, Q on odd ones) together with them.
+    fn step_comm(&self, world: usize, step: u64) -> Vec<Collective> {
+        if step < self.cfg.start_iter {
+            return vec![all_reduce(self.numel(), world)];
+        }
+        let dense: usize = self
+            .uncompressed()
+            .iter()
+            .map(|&i| self.tensors[i].len)
+            .sum();
+        if !self.cfg.single_allreduce {
+            return [dense, self.p.len(), self.q.len()]
+                .map(|w| all_reduce(w, world))
+                .to_vec();
+        }
+        let left = (step - self.cfg.start_iter) % 2 == 0;
+        let side = if left { self.p.len() } else { self.q.len() };
+        vec![all_reduce(side + dense, world)]
     }
 
     fn state(&self) -> State {

@@ -8,11 +8,14 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::{f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, TensorView};
+use super::{
+    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, TensorView,
+};
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::config::backend::RadiusConfig;
 use crate::kernels;
 use crate::optim::global_norm;
+use crate::sync::trace::Collective;
 
 pub struct Radius {
     tensors: Vec<TensorView>,
@@ -22,6 +25,8 @@ pub struct Radius {
     mask: Vec<u32>,
     /// The top-k selections before widening, for the overlap between re-selections.
     core: Vec<u32>,
+    /// Restored without a mask (from a dense checkpoint): the first compressed step selects one.
+    unselected: bool,
 }
 
 impl Radius {
@@ -32,6 +37,7 @@ impl Radius {
             residual: Vec::new(),
             mask: Vec::new(),
             core: Vec::new(),
+            unselected: false,
         }
     }
 
@@ -157,6 +163,30 @@ impl Reducer for Radius {
         })
     }
 
+    /// Dense steps and (re-)selections all-reduce the whole gradient, the others the masked values: the
+    /// current mask's, or before a run's first selection its bound (vectors whole, k (2 range + 1) values per
+    /// matrix; windows that overlap make a real mask smaller).
+    fn step_comm(&self, world: usize, step: u64) -> Vec<Collective> {
+        let dense = step < self.cfg.threshold
+            || (step - self.cfg.threshold) % self.cfg.interval == 0
+            || (self.unselected && self.mask.is_empty());
+        let words = if dense {
+            self.numel()
+        } else if !self.mask.is_empty() {
+            self.mask.len()
+        } else {
+            let window = 2 * self.cfg.range as usize + 1;
+            self.tensors
+                .iter()
+                .map(|t| match t.matrix {
+                    true => (k_of(self.cfg.density, t.len) * window).min(t.len),
+                    false => t.len,
+                })
+                .sum()
+        };
+        vec![all_reduce(words, world)]
+    }
+
     fn state(&self) -> State {
         if self.mask.is_empty() {
             return Vec::new();
@@ -171,6 +201,7 @@ impl Reducer for Radius {
     fn load_state(&mut self, mut state: State) -> Result<()> {
         if state.is_empty() {
             *self = Self::new(std::mem::take(&mut self.tensors), self.cfg.clone());
+            self.unselected = true;
             return Ok(());
         }
         let numel = self.numel();

@@ -5,10 +5,13 @@
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::{f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, TensorView};
+use super::{
+    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, TensorView,
+};
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::kernels;
 use crate::optim::global_norm;
+use crate::sync::trace::{Collective, Op, Overlap};
 
 pub struct TopK {
     tensors: Vec<TensorView>,
@@ -120,6 +123,27 @@ impl Reducer for TopK {
             error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
             ..Report::default()
         })
+    }
+
+    /// The vectors in one all-reduce, then every rank's (values, indices) all-gathered.
+    fn step_comm(&self, world: usize, _step: u64) -> Vec<Collective> {
+        let dense = self
+            .tensors
+            .iter()
+            .filter(|t| !t.matrix)
+            .map(|t| t.len)
+            .sum();
+        let sparse = 2 * self.k.iter().sum::<usize>() as u64;
+        vec![
+            all_reduce(dense, world),
+            Collective::world(
+                Op::AllGather {
+                    pieces: vec![sparse],
+                },
+                world,
+                Overlap::None,
+            ),
+        ]
     }
 
     fn state(&self) -> State {
