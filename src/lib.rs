@@ -14,6 +14,7 @@ pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod predict;
 pub mod report;
 pub mod slurm;
 pub mod sync;

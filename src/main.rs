@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 
 use nanodist::config::{self, resolve::format_duration, LaunchEnv};
 use nanodist::generate::SampleOptions;
+use nanodist::predict;
 use nanodist::slurm;
 use nanodist::train::{preflight, Exit};
 
@@ -133,6 +134,41 @@ struct SbatchArgs {
     print_gpu_template: bool,
 }
 
+#[derive(clap::Args)]
+#[command(
+    after_help = "Examples:\n  nanodist predict config/gpt2-small.toml --cluster a100-ib100 --workers 32\n  \
+nanodist predict log/quickstart-char --cluster wan-1g --json"
+)]
+struct PredictArgs {
+    /// A config file, or a run directory (its logged communication and evaluations).
+    target: PathBuf,
+    /// A built-in profile (a40-25gbe, a100-ib100, h100-ib400, t4-ib, wan-1g, local) or a profile file.
+    #[arg(long, value_name = "NAME|FILE")]
+    cluster: String,
+    /// World size (default: the run's, else the config's train.workers).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    workers: Option<u32>,
+    /// Ranks per node (default: the cluster's devices per node).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    ranks_per_node: Option<u32>,
+    /// Override config keys, as `train --set`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Compute from the run's own measured ms/step (minus its communication) scaled by the ratio of the
+    /// `local` profile's device speed to the cluster's, instead of from FLOPs (run directories only).
+    #[arg(long)]
+    measured: bool,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum CalibrateEngine {
+    Local,
+    Mpi,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Validate a config and print the resolved plan (world size, batch arithmetic, model size, run time).
@@ -184,6 +220,11 @@ enum Command {
         /// The PNG to write; the SVG goes beside it.
         #[arg(long, default_value = "runs.png")]
         output: PathBuf,
+        /// Draw val loss against the time predicted on this cluster (a built-in name or a profile file)
+        /// instead of the measured wall time; repeat to compare clusters (the first solid, the others
+        /// dashed).
+        #[arg(long, value_name = "NAME|FILE")]
+        cluster: Vec<String>,
     },
     /// Compare runs: algorithm, workers, steps, final/best val loss, tokens/s, bytes per step, time to a target.
     Compare {
@@ -193,9 +234,36 @@ enum Command {
         /// Val loss to reach (default: the worst final val loss among the runs).
         #[arg(long)]
         target: Option<f64>,
+        /// Add the predicted ms/step and time to the target on this cluster (a built-in name or a
+        /// profile file).
+        #[arg(long, value_name = "NAME|FILE")]
+        cluster: Option<String>,
+    },
+    /// Predict a config's or a run's ms/step and time on a cluster (alpha-beta links, device FLOPs,
+    /// each backend's own collectives and overlap).
+    Predict(PredictArgs),
+    /// Measure this machine's engines (all-reduce, ping-pong) and compute, and write a cluster profile.
+    Calibrate {
+        /// The engine to measure: in-process threads, or MPI processes (started with mpirun -np 2 when
+        /// not already under a launcher).
+        #[arg(long, value_enum, default_value = "local")]
+        engine: CalibrateEngine,
+        /// The profile to write.
+        #[arg(long, default_value = "config/clusters/local.toml")]
+        output: PathBuf,
+        /// Internal (the MPI ranks of a calibration): the seconds of a lockstep step with two ranks per
+        /// core, measured by an earlier launch.
+        #[arg(long, hide = true)]
+        shared_step_secs: Option<f64>,
+        /// Internal: only measure the lockstep step (rank 0 prints its seconds).
+        #[arg(long, hide = true)]
+        probe: bool,
     },
     /// Print the config's JSON Schema (for editors: Taplo / Even Better TOML).
     Schema {
+        /// The cluster profile's schema instead of the config's.
+        #[arg(long)]
+        cluster: bool,
         /// Write to this file instead of stdout.
         #[arg(long)]
         output: Option<PathBuf>,
@@ -370,8 +438,13 @@ fn sbatch(a: SbatchArgs) -> Result<()> {
     Ok(())
 }
 
-fn schema(output: Option<PathBuf>) -> Result<()> {
-    let text = serde_json::to_string_pretty(&config::schema())? + "\n";
+fn schema(cluster: bool, output: Option<PathBuf>) -> Result<()> {
+    let schema = if cluster {
+        nanodist::predict::profile::schema()
+    } else {
+        config::schema()
+    };
+    let text = serde_json::to_string_pretty(&schema)? + "\n";
     match output {
         Some(p) => std::fs::write(&p, text).with_context(|| format!("writing {}", p.display())),
         None => {
@@ -379,6 +452,218 @@ fn schema(output: Option<PathBuf>) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// Run directories, priced on each of `clusters`.
+fn runs_on(dirs: &[PathBuf], clusters: &[String]) -> Result<Vec<nanodist::report::Run>> {
+    let mut runs = nanodist::report::load_runs(dirs)?;
+    for name in clusters {
+        let cluster = predict::profile::load(name)?;
+        for run in &mut runs {
+            run.predict_on(&cluster)
+                .with_context(|| format!("predicting {} on {name}", run.dir.display()))?;
+        }
+    }
+    Ok(runs)
+}
+
+fn predict(a: PredictArgs) -> Result<()> {
+    let cluster = predict::profile::load(&a.cluster)?;
+    let rpn = a.ranks_per_node.map(|n| n as usize);
+    let workers = a.workers.map(|n| n as usize);
+    let out = if a.target.join("metrics.jsonl").is_file() {
+        let run = nanodist::report::Run::load(&a.target)?;
+        let (loaded, layout) = predict::load(
+            &a.target.join("config.toml"),
+            &a.set,
+            workers.or(run.world_size),
+            &cluster.profile,
+            rpn,
+        )?;
+        let compute = match a.measured {
+            true => Some(measured_compute(&run, &loaded, &cluster)?),
+            false => None,
+        };
+        predict::predict_run(&loaded, &run.rows, &cluster, layout, compute)?
+    } else {
+        if a.measured {
+            return Err(nanodist::bad_input!(
+                "--measured needs a run directory (its metrics.jsonl), not a config"
+            ));
+        }
+        let (loaded, layout) = predict::load(&a.target, &a.set, workers, &cluster.profile, rpn)?;
+        predict::predict(&loaded, &cluster, layout)?
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print!("{out}");
+    }
+    Ok(())
+}
+
+/// Seconds of compute per step on `cluster` from the run's own rows: the median over its rows of
+/// ms/step minus the communication time, scaled by the `local` device's sustained FLOP/s over the
+/// cluster's and by the tokens per rank.
+fn measured_compute(
+    run: &nanodist::report::Run,
+    loaded: &config::Loaded,
+    cluster: &predict::profile::Cluster,
+) -> Result<f64> {
+    let local = predict::profile::load("local")?.profile;
+    let mut per_step: Vec<f64> = Vec::new();
+    let mut prev = 0;
+    for r in &run.rows {
+        let steps = r.step.saturating_sub(prev);
+        prev = r.step;
+        if steps > 0 && r.val_loss.is_none() {
+            per_step.push((r.ms_per_step - r.comm_ms / steps as f64).max(0.0) / 1e3);
+        }
+    }
+    if per_step.is_empty() {
+        return Err(nanodist::bad_input!(
+            "{}: no metrics rows without an evaluation to measure the step time from",
+            run.dir.display()
+        ));
+    }
+    per_step.sort_by(f64::total_cmp);
+    let measured = per_step[per_step.len() / 2];
+    let speed = |p: &predict::profile::ClusterProfile| p.device.peak_tflops * p.device.mfu;
+    let tokens = run.world_size.unwrap_or(1) as f64 / loaded.plan.world_size as f64;
+    Ok(measured * speed(&local) / speed(&cluster.profile) * tokens)
+}
+
+fn calibrate(
+    engine: CalibrateEngine,
+    output: &std::path::Path,
+    shared_step: Option<f64>,
+    probe: bool,
+) -> Result<()> {
+    let measured = match engine {
+        CalibrateEngine::Local => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            // Two ranks per core, each on its own thread, for the sharing efficiency; then two ranks.
+            let half = predict::calibrate::LOCKSTEP_ROWS / 2;
+            let shared = on_threads(2 * cores, |c| predict::calibrate::lockstep_step(c, half))?;
+            on_threads(2, |c| {
+                predict::calibrate::measure(c, "local", Some(shared[0]))
+            })?
+            .swap_remove(0)
+        }
+        CalibrateEngine::Mpi => match calibrate_mpi(output, shared_step, probe)? {
+            Some(m) => m,
+            None => return Ok(()),
+        },
+    };
+    predict::calibrate::write_profile(output, &measured.profile_toml())?;
+    println!(
+        "{} engine, {} ranks: alpha {:.1} us, bandwidth {:.2} GB/s; GEMM peak {:.1} GFLOP/s, training {:.1} GFLOP/s, \
+         sharing efficiency {:.2}; wrote {}",
+        measured.engine,
+        measured.ranks,
+        measured.alpha * 1e6,
+        measured.bandwidth / 1e9,
+        measured.peak / 1e9,
+        measured.achieved / 1e9,
+        measured.sharing,
+        output.display()
+    );
+    Ok(())
+}
+
+/// Runs `f` on `n` ranks of a local group, each on a one-thread pool of its own; results in rank order.
+fn on_threads<T: Send>(
+    n: usize,
+    f: impl Fn(&mut dyn nanodist::comm::Communicator) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let comms = nanodist::comm::local::group(n, std::time::Duration::from_secs(300));
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|mut c| {
+                s.spawn(move || {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
+                    pool.install(|| f(&mut c))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a calibration thread panicked")))
+            })
+            .collect()
+    })
+}
+
+/// Under an MPI launcher: this rank's part (rank 0's measurement, None elsewhere; with `probe`, rank 0
+/// prints the lockstep step's seconds). Otherwise launches the probe with two ranks per core, then the
+/// measurement with two ranks, whose rank 0 writes the profile.
+#[cfg(feature = "mpi")]
+fn calibrate_mpi(
+    output: &std::path::Path,
+    shared_step: Option<f64>,
+    probe: bool,
+) -> Result<Option<predict::calibrate::Measured>> {
+    use nanodist::comm::Communicator;
+    if LaunchEnv::process_rank().is_some() {
+        let mut comm = nanodist::comm::mpi::MpiComm::init(std::time::Duration::from_secs(300))?;
+        if probe {
+            let half = predict::calibrate::LOCKSTEP_ROWS / 2;
+            let secs = predict::calibrate::lockstep_step(&mut comm, half)?;
+            if comm.rank() == 0 {
+                println!("{secs}");
+            }
+            return Ok(None);
+        }
+        let m = predict::calibrate::measure(&mut comm, "mpi", shared_step)?;
+        return Ok((comm.rank() == 0).then_some(m));
+    }
+    let exe = std::env::current_exe().context("locating this program for mpirun")?;
+    let mpirun = |np: usize, args: &[String]| -> Result<String> {
+        let out = std::process::Command::new("mpirun")
+            .args(["--oversubscribe", "-np", &np.to_string()])
+            .arg(&exe)
+            .args(["calibrate", "--engine", "mpi"])
+            .args(args)
+            .env("RAYON_NUM_THREADS", "1")
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .context("starting mpirun (apt-get install openmpi-bin)")?;
+        if !out.status.success() {
+            anyhow::bail!(
+                "mpirun -np {np} nanodist calibrate --engine mpi failed: {}",
+                out.status
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).to_string())
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let probed = mpirun(2 * cores, &["--probe".into()])?;
+    let secs: f64 = probed
+        .trim()
+        .parse()
+        .with_context(|| format!("the sharing probe printed {probed:?}"))?;
+    let args = [
+        "--output".to_string(),
+        output.display().to_string(),
+        "--shared-step-secs".into(),
+        secs.to_string(),
+    ];
+    print!("{}", mpirun(2, &args)?);
+    Ok(None)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn calibrate_mpi(
+    _: &std::path::Path,
+    _: Option<f64>,
+    _: bool,
+) -> Result<Option<predict::calibrate::Measured>> {
+    Err(nanodist::bad_input!(
+        "calibrate --engine mpi: this nanodist was built without MPI; rebuild with `cargo build --release --features mpi`"
+    ))
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -404,18 +689,33 @@ fn run(cli: Cli) -> Result<()> {
         } => eval(ckpt, data, batch_size, max_tokens),
         Command::Sample(a) => sample(a),
         Command::Sbatch(a) => sbatch(a),
-        Command::Plot { runs, output } => {
-            let runs = nanodist::report::load_runs(&runs)?;
+        Command::Plot {
+            runs,
+            output,
+            cluster,
+        } => {
+            let runs = runs_on(&runs, &cluster)?;
             let (png, svg) = nanodist::report::plot::plot(&runs, &output)?;
             println!("wrote {} and {}", png.display(), svg.display());
             Ok(())
         }
-        Command::Compare { runs, target } => {
-            let runs = nanodist::report::load_runs(&runs)?;
+        Command::Compare {
+            runs,
+            target,
+            cluster,
+        } => {
+            let runs = runs_on(&runs, cluster.as_slice())?;
             print!("{}", nanodist::report::compare(&runs, target));
             Ok(())
         }
-        Command::Schema { output } => schema(output),
+        Command::Predict(a) => predict(a),
+        Command::Calibrate {
+            engine,
+            output,
+            shared_step_secs,
+            probe,
+        } => calibrate(engine, &output, shared_step_secs, probe),
+        Command::Schema { cluster, output } => schema(cluster, output),
     }
 }
 

@@ -29,6 +29,47 @@ fn schema_file_is_fresh() {
 }
 
 #[test]
+fn cluster_schema_file_is_fresh_and_every_builtin_profile_points_at_it() {
+    let committed = std::fs::read_to_string(root().join("schemas/cluster.schema.json")).unwrap();
+    let generated =
+        serde_json::to_string_pretty(&nanodist::predict::profile::schema()).unwrap() + "\n";
+    assert!(
+        committed == generated,
+        "schemas/cluster.schema.json is stale: run `cargo run -- schema --cluster --output schemas/cluster.schema.json`"
+    );
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(root().join("config/clusters")).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            text.starts_with("#:schema ../../schemas/cluster.schema.json\n"),
+            "{} must start with the #:schema line",
+            path.display()
+        );
+        let name = path.file_stem().unwrap().to_string_lossy().to_string();
+        // The compiled-in copy is the file.
+        let builtin = nanodist::predict::profile::BUILTIN
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap_or_else(|| panic!("{name} is not a built-in profile"));
+        assert_eq!(builtin.1, text);
+        names.push(name);
+    }
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "a100-ib100",
+            "a40-25gbe",
+            "h100-ib400",
+            "local",
+            "t4-ib",
+            "wan-1g"
+        ]
+    );
+}
+
+#[test]
 fn every_example_config_validates_and_points_at_the_schema() {
     let mut n = 0;
     for entry in std::fs::read_dir(root().join("config")).unwrap() {

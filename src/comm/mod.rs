@@ -218,6 +218,58 @@ impl Communicator for Solo {
     }
 }
 
+/// A rank's place in a world that never runs: backends built on it describe their communication
+/// (`SyncBackend::step_comm`, for `nanodist predict`) and refuse to communicate.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Shape {
+    fn refuse<T>(&self) -> Result<T> {
+        anyhow::bail!(
+            "internal error: a described world (rank {} of {}) cannot communicate",
+            self.rank,
+            self.world
+        )
+    }
+}
+
+impl Communicator for Shape {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world
+    }
+    fn all_reduce_sum(&mut self, _buf: &mut [f32]) -> Result<()> {
+        self.refuse()
+    }
+    fn group_all_reduce_sum(&mut self, _buf: &mut [f32], _group: &[usize]) -> Result<()> {
+        self.refuse()
+    }
+    fn all_gather(&mut self, _send: &[f32], _out: &mut [f32]) -> Result<()> {
+        self.refuse()
+    }
+    fn exchange(
+        &mut self,
+        _sends: &[(usize, &[f32])],
+        _recvs: &mut [(usize, &mut [f32])],
+    ) -> Result<()> {
+        self.refuse()
+    }
+    fn broadcast(&mut self, _buf: &mut [f32], _root: usize) -> Result<()> {
+        self.refuse()
+    }
+    fn barrier(&mut self) -> Result<()> {
+        self.refuse()
+    }
+    fn stats(&self) -> CommStats {
+        CommStats::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

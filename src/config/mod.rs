@@ -194,6 +194,16 @@ pub fn load_str(
 
 /// Parses and shape-checks a document with overrides (no cross-field rules).
 pub fn parse(src: &str, overrides: &[String]) -> Result<(Config, tree::Node), Vec<Problem>> {
+    parse_as(src, overrides, &schema())
+}
+
+/// Parses a TOML document of any wire type `T` (a config, a cluster profile), applies `--set` overrides
+/// and checks it against `T`'s schema, every problem with its key path and position.
+pub fn parse_as<T: serde::de::DeserializeOwned>(
+    src: &str,
+    overrides: &[String],
+    schema: &serde_json::Value,
+) -> Result<(T, tree::Node), Vec<Problem>> {
     let mut doc = tree::parse_document(src).map_err(|e| {
         vec![Problem {
             path: String::new(),
@@ -215,15 +225,15 @@ pub fn parse(src: &str, overrides: &[String]) -> Result<(Config, tree::Node), Ve
             });
         }
     }
-    problems.extend(validate::check_schema(&schema(), &doc));
+    problems.extend(validate::check_schema(schema, &doc));
     if !problems.is_empty() {
         return Err(problems);
     }
-    let config = serde_json::from_value::<Config>(doc.value.to_json()).map_err(|e| {
+    let config = serde_json::from_value::<T>(doc.value.to_json()).map_err(|e| {
         vec![Problem {
             path: String::new(),
             origin: None,
-            message: format!("invalid config: {e}"),
+            message: format!("invalid document: {e}"),
         }]
     })?;
     Ok((config, doc))

@@ -22,9 +22,34 @@ pub struct Run {
     /// From the newest checkpoint, else the resolved config's workers; None when neither says.
     pub world_size: Option<usize>,
     pub rows: Vec<Row>,
+    /// Its steps priced on clusters (`--cluster`).
+    pub predicted: Vec<Predicted>,
+}
+
+/// A run's steps priced on a cluster by `crate::predict`.
+#[derive(Debug, Clone)]
+pub struct Predicted {
+    pub cluster: String,
+    pub ms_per_step: f64,
+    /// Predicted seconds at each row.
+    pub clock: Vec<f64>,
 }
 
 impl Run {
+    /// Prices this run's steps on `cluster` (its own world size, the cluster's devices per node).
+    pub fn predict_on(&mut self, cluster: &crate::predict::profile::Cluster) -> Result<()> {
+        let config = self.dir.join("config.toml");
+        let (loaded, layout) =
+            crate::predict::load(&config, &[], self.world_size, &cluster.profile, None)?;
+        let p = crate::predict::predict_run(&loaded, &self.rows, cluster, layout, None)?;
+        self.predicted.push(Predicted {
+            cluster: cluster.name.clone(),
+            ms_per_step: p.average.ms_per_step,
+            clock: p.row_clock,
+        });
+        Ok(())
+    }
+
     pub fn load(dir: &Path) -> Result<Self> {
         let metrics = dir.join("metrics.jsonl");
         if !metrics.is_file() {
@@ -58,6 +83,7 @@ impl Run {
             config,
             world_size,
             rows,
+            predicted: Vec::new(),
         })
     }
 
@@ -135,6 +161,9 @@ pub struct Summary {
     /// Seconds of training until the first evaluation at or below the target.
     pub time_to_target: Option<f64>,
     pub steps_to_target: Option<u64>,
+    /// On the `--cluster`: predicted ms per step and seconds to the target.
+    pub predicted_ms_per_step: Option<f64>,
+    pub predicted_to_target: Option<f64>,
 }
 
 pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
@@ -142,7 +171,12 @@ pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
     let steps = last.map_or(0, |r| r.step);
     let bytes: u64 = run.rows.iter().map(|r| r.comm_bytes).sum();
     let tps: Vec<f64> = run.rows.iter().map(|r| r.tokens_per_s).collect();
-    let hit = target.and_then(|t| run.evals().find(|(_, v)| *v <= t).map(|(r, _)| r));
+    let hit = target.and_then(|t| {
+        run.rows
+            .iter()
+            .position(|r| r.val_loss.is_some_and(|v| v <= t))
+    });
+    let hit_row = hit.map(|i| &run.rows[i]);
     Summary {
         name: run.name.clone(),
         algorithm: run.algorithm(),
@@ -157,8 +191,13 @@ pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
         },
         // The rows of a run (resumed ones included) cover steps 1..=last.
         bytes_per_step: bytes as f64 / steps.max(1) as f64,
-        time_to_target: hit.map(|r| r.elapsed_s),
-        steps_to_target: hit.map(|r| r.step),
+        time_to_target: hit_row.map(|r| r.elapsed_s),
+        steps_to_target: hit_row.map(|r| r.step),
+        predicted_ms_per_step: run.predicted.first().map(|p| p.ms_per_step),
+        predicted_to_target: run
+            .predicted
+            .first()
+            .and_then(|p| p.clock.get(hit?).copied()),
     }
 }
 
@@ -181,12 +220,22 @@ pub fn compare(runs: &[Run], target: Option<f64>) -> String {
     });
     let opt = |x: Option<f64>, digits: usize| x.map_or("-".into(), |v| format!("{v:.digits$}"));
     let mut out = String::new();
+    let cluster = runs
+        .iter()
+        .find_map(|r| r.predicted.first().map(|p| p.cluster.clone()));
+    let extra = cluster.as_ref().map_or(String::new(), |c| {
+        format!(" {c}: ms/step | {c}: time to target |")
+    });
     let _ = writeln!(
         out,
-        "| run | algorithm | workers | steps | final val | best val | tokens/s | bytes/step/worker | to val <= {} |",
+        "| run | algorithm | workers | steps | final val | best val | tokens/s | bytes/step/worker | to val <= {} |{extra}",
         opt(target, 4)
     );
-    let _ = writeln!(out, "|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(
+        out,
+        "|---|---|---|---|---|---|---|---|---|{}",
+        if cluster.is_some() { "---|---|" } else { "" }
+    );
     for run in runs {
         let s = summarize(run, target);
         let reach = match (s.steps_to_target, s.time_to_target) {
@@ -206,6 +255,16 @@ pub fn compare(runs: &[Run], target: Option<f64>) -> String {
             human_bytes(s.bytes_per_step),
             reach
         );
+        if cluster.is_some() {
+            out.pop();
+            let _ = writeln!(
+                out,
+                " {} | {} |",
+                opt(s.predicted_ms_per_step, 1),
+                s.predicted_to_target
+                    .map_or("not reached".into(), crate::predict::human_secs)
+            );
+        }
     }
     out
 }

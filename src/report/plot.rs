@@ -85,7 +85,31 @@ fn tick(v: &f64) -> String {
 struct Series {
     run: usize,
     dashed: bool,
+    /// The legend's label (default: solid lines are labelled with their run).
+    label: Option<String>,
     points: Vec<(f64, f64)>,
+}
+
+/// Val loss against each run's predicted clock on each cluster (the first solid, the others dashed).
+fn predicted(runs: &[Run]) -> Vec<Series> {
+    let mut out = Vec::new();
+    for (i, run) in runs.iter().enumerate() {
+        for (k, p) in run.predicted.iter().enumerate() {
+            let points = run
+                .rows
+                .iter()
+                .zip(&p.clock)
+                .filter_map(|(r, &t)| Some((t, r.val_loss?)))
+                .collect();
+            out.push(Series {
+                run: i,
+                dashed: k > 0,
+                label: Some(format!("{} on {}", run.name, p.cluster)),
+                points,
+            });
+        }
+    }
+    out
 }
 
 /// Draws `runs` to `output` (.png) and to the same path with .svg; returns both paths.
@@ -146,6 +170,7 @@ where
                 out.push(Series {
                     run: i,
                     dashed: true,
+                    label: None,
                     points: run
                         .rows
                         .iter()
@@ -157,6 +182,7 @@ where
             out.push(Series {
                 run: i,
                 dashed: false,
+                label: None,
                 points: run
                     .rows
                     .iter()
@@ -167,30 +193,51 @@ where
         }
         out
     };
-    let specs: [(&str, &str, Vec<Series>); 4] = [
+    // With --cluster, wall time is the predicted time on each cluster.
+    let clusters: Vec<&str> = runs
+        .first()
+        .map(|r| r.predicted.iter().map(|p| p.cluster.as_str()).collect())
+        .unwrap_or_default();
+    let time = match clusters.as_slice() {
+        [] => (
+            "val loss vs wall time".to_string(),
+            "seconds",
+            by(&|r, _| r.elapsed_s, false),
+        ),
+        [one] => (
+            format!("val loss vs predicted time on {one}"),
+            "predicted seconds",
+            predicted(runs),
+        ),
+        [first, rest @ ..] => (
+            format!(
+                "val loss vs predicted time: {first} (solid), {} (dashed)",
+                rest.join(", ")
+            ),
+            "predicted seconds",
+            predicted(runs),
+        ),
+    };
+    let specs: [(String, &str, Vec<Series>); 4] = [
         (
-            "loss vs step (dashed: train, solid: val)",
+            "loss vs step (dashed: train, solid: val)".into(),
             "step",
             by(&|r, _| r.step as f64, true),
         ),
         (
-            "val loss vs tokens",
+            "val loss vs tokens".into(),
             "tokens",
             by(&|r, _| r.tokens as f64, false),
         ),
+        time,
         (
-            "val loss vs wall time",
-            "seconds",
-            by(&|r, _| r.elapsed_s, false),
-        ),
-        (
-            "val loss vs bytes sent per worker",
+            "val loss vs bytes sent per worker".into(),
             "MB",
             by(&|_, b| b as f64 / 1e6, false),
         ),
     ];
     for (panel, (caption, xlabel, series)) in panels.iter().zip(specs) {
-        draw_panel(panel, runs, caption, xlabel, &series)?;
+        draw_panel(panel, runs, &caption, xlabel, &series)?;
     }
     Ok(())
 }
@@ -245,9 +292,15 @@ where
                 .draw_series(LineSeries::new(s.points.clone(), style))
                 .map_err(err)?
         };
-        if !s.dashed {
-            drawn.label(runs[s.run].label()).legend(move |(x, y)| {
-                PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2))
+        let label = match (&s.label, s.dashed) {
+            (Some(l), _) => Some(l.clone()),
+            (None, false) => Some(runs[s.run].label()),
+            (None, true) => None,
+        };
+        if let Some(label) = label {
+            let width = if s.dashed { 1 } else { 2 };
+            drawn.label(label).legend(move |(x, y)| {
+                PathElement::new([(x, y), (x + 20, y)], color.stroke_width(width))
             });
         }
     }

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Checks `nanodist predict` against real `mpirun` runs on this machine: calibrates the MPI engine
+(`nanodist calibrate --engine mpi`) into a profile, trains the quick-start model and one 4x larger
+(n_embd 256) with -np 2 and -np 4 by all-reduce, ring and exp gossip, PowerSGD and top-k, and prints each
+run's measured ms/step (median over its metrics rows after the first) beside the prediction from its run
+directory on that profile. Exits 1 when a prediction is off by more than --tolerance.
+
+    python3 scripts/bench/predict.py [--nanodist target/release/nanodist] [--data data/shakespeare_char]
+
+tests/predict.rs runs it (on synthetic data, debug build) and asserts the tolerance.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODELS = [("quick-start", []), ("4x (n_embd 256)", ["model.n_embd=256"])]
+ALGORITHMS = [
+    ("all-reduce", []),
+    ("ring gossip", ['train.backend="decentdp"', 'train.topology="ring"']),
+    ("exp gossip", ['train.backend="decentdp"', 'train.topology="exp"']),
+    ("PowerSGD r4", ['train.compression={ name = "powersgd", rank = 4 }']),
+    ("top-k 1%", ['train.compression={ name = "topk", density = 0.01 }']),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nanodist", default=os.path.join(ROOT, "target", "release", "nanodist"))
+    ap.add_argument("--data", default=os.path.join(ROOT, "data", "shakespeare_char"))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--tolerance", type=float, default=0.30)
+    a = ap.parse_args()
+    env = dict(os.environ, RAYON_NUM_THREADS="1")
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    out = tempfile.mkdtemp(prefix="nanodist-predict-")
+    profile = os.path.join(out, "local.toml")
+    cal = subprocess.run([a.nanodist, "calibrate", "--engine", "mpi", "--output", profile], env=env,
+                         cwd=ROOT, check=True, capture_output=True, text=True)
+    print(cal.stdout.strip(), flush=True)
+    rows, worst = [], 0.0
+    for model, msets in MODELS:
+        for np_ in a.ranks:
+            for alg, asets in ALGORITHMS:
+                run = f"{model}-{np_}-{alg}".replace(" ", "_").replace("(", "").replace(")", "").replace("%", "")
+                sets = [f"log_dir={json.dumps(out)}", f'log.run_name="{run}"', f"data_dir={json.dumps(a.data)}",
+                        f"train.n_steps={a.steps}", "train.lr_schedule.warmup_steps=5", "log.log_interval=10",
+                        f"log.eval_interval={10 * a.steps}", "log.ckpt_interval=0", "train.threads=1",
+                        'train.engine="mpi"'] + msets + asets
+                cmd = ["mpirun", "--oversubscribe", "-np", str(np_), a.nanodist, "train",
+                       os.path.join(ROOT, "config", "quickstart-char.toml")]
+                for s in sets:
+                    cmd += ["--set", s]
+                subprocess.run(cmd, env=env, cwd=ROOT, check=True, capture_output=True)
+                metrics = [json.loads(l) for l in open(os.path.join(out, run, "metrics.jsonl"))]
+                times = sorted(m["ms_per_step"] for m in metrics[1:])
+                measured = times[len(times) // 2]
+                pred = subprocess.run([a.nanodist, "predict", os.path.join(out, run), "--cluster", profile,
+                                       "--ranks-per-node", str(np_), "--json"], env=env, cwd=ROOT, check=True,
+                                      capture_output=True, text=True)
+                predicted = json.loads(pred.stdout)["ms_per_step"]
+                err = predicted / measured - 1
+                worst = max(worst, abs(err))
+                rows.append((model, np_, alg, measured, predicted, err))
+                print(f"{model}, -np {np_}, {alg}: measured {measured:.1f} ms, predicted {predicted:.1f} ms "
+                      f"({100 * err:+.1f}%)", flush=True)
+    print(f"\n| model | ranks | algorithm | measured ms/step | predicted ms/step | error |")
+    print("|---|---|---|---|---|---|")
+    for model, np_, alg, m, p, e in rows:
+        print(f"| {model} | {np_} | {alg} | {m:.1f} | {p:.1f} | {100 * e:+.1f}% |")
+    print(f"\nworst error {100 * worst:.1f}% (tolerance {100 * a.tolerance:.0f}%)")
+    sys.exit(0 if worst <= a.tolerance else 1)
+
+
+if __name__ == "__main__":
+    main()

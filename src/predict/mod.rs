@@ -1,0 +1,490 @@
+//! Wall-clock time on a real cluster: a run's steps priced by a calibrated model of devices and links.
+//! Each step's collectives come from the backend that trains (`SyncBackend::step_comm`, built here on a
+//! described world that never communicates), so the prediction follows the implementation; compute
+//! comes from the model's FLOPs and the device's sustained throughput.
+
+pub mod calibrate;
+pub mod model;
+pub mod profile;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::comm::Shape;
+use crate::config::resolve::SyncPlan;
+use crate::config::{backend::Quantize, ConfigError, LaunchEnv, Loaded};
+use crate::sync::trace::{self, Collective, Overlap};
+use crate::sync::SyncBackend;
+use model::{Layout, StepTime};
+use profile::{Cluster, ClusterProfile};
+
+/// Bytes per parameter that a step moves outside the forward and backward pass: AdamW reads parameter,
+/// gradient and both moments and writes three of them (28 B), the gradient is zeroed and its norm read
+/// for clipping (8 B), and the new parameters are copied into the model (8 B). Memory-bound.
+const UPDATE_BYTES_PER_PARAM: f64 = 44.0;
+
+/// Memory passes over the gradient that a compressor makes per step (accumulate the residual, select or
+/// project, write the residual, scatter the result), each reading and writing f32.
+const CODEC_PASSES: f64 = 4.0;
+
+/// A configured run on a cluster, ready to price its steps.
+pub struct Predictor {
+    backend: Box<dyn SyncBackend>,
+    pub layout: Layout,
+    pub profile: ClusterProfile,
+    /// Seconds of forward + backward per step and rank.
+    pub compute: f64,
+    /// Seconds of the optimizer's update (after the gradients are reduced, before the next step).
+    pub update: f64,
+    /// Seconds of compression on steps that communicate (compressing backends).
+    pub codec: f64,
+    pub tokens_per_step: u64,
+}
+
+/// The run's ranks placed `ranks_per_node` to a node (default: the cluster's devices per node).
+pub fn layout(world: usize, ranks_per_node: Option<usize>, p: &ClusterProfile) -> Layout {
+    Layout {
+        world,
+        ranks_per_node: ranks_per_node
+            .unwrap_or(p.devices_per_node)
+            .clamp(1, world.max(1)),
+    }
+}
+
+impl Predictor {
+    /// `loaded`'s plan on `layout`; `compute` overrides the FLOPs-based compute seconds per step.
+    pub fn new(
+        loaded: &Loaded,
+        p: &ClusterProfile,
+        layout: Layout,
+        compute: Option<f64>,
+    ) -> Result<Self> {
+        let plan = &loaded.plan;
+        let cfg = &loaded.config;
+        let named = crate::model::gpt::layout(&cfg.model, cfg.train.context_length)
+            .into_iter()
+            .map(|(name, shape, _)| (name, shape));
+        let tensors = crate::sync::compress::TensorView::of_shapes(named);
+        let comm = Box::new(Shape {
+            rank: 0,
+            world: plan.world_size,
+        });
+        let backend = crate::sync::build(&plan.sync, comm, tensors)?;
+        // More ranks than devices on a node share them (a CPU's cores, with `local`).
+        let per_device = layout.ranks_per_node as f64 / p.devices_per_node as f64;
+        let shared = match per_device > 1.0 {
+            true => per_device / p.device.sharing_efficiency,
+            false => 1.0,
+        };
+        let flops =
+            plan.flops_per_token as f64 * plan.tokens_per_step as f64 / plan.world_size as f64;
+        let update =
+            UPDATE_BYTES_PER_PARAM * plan.n_params as f64 / (p.device.memory_gbps * 1e9) * shared;
+        let compute =
+            compute.unwrap_or(flops / (p.device.peak_tflops * 1e12 * p.device.mfu) * shared);
+        let codec = if compresses(&plan.sync) {
+            CODEC_PASSES * 8.0 * plan.n_params as f64 / (p.device.memory_gbps * 1e9) * shared
+        } else {
+            0.0
+        };
+        Ok(Self {
+            backend,
+            layout,
+            profile: p.clone(),
+            compute,
+            update,
+            codec,
+            tokens_per_step: plan.tokens_per_step,
+        })
+    }
+
+    /// Step `step`'s collectives, each with its seconds, and its time.
+    pub fn step(&self, step: u64) -> (Vec<(Collective, f64)>, StepTime) {
+        let comm: Vec<(Collective, f64)> = self
+            .backend
+            .step_comm(step)
+            .into_iter()
+            .map(|c| {
+                let t = model::collective_seconds(&c, &self.layout, &self.profile);
+                (c, t)
+            })
+            .collect();
+        let codec = if comm.is_empty() { 0.0 } else { self.codec };
+        let refs: Vec<(&Collective, f64)> = comm.iter().map(|(c, t)| (c, *t)).collect();
+        let time = model::step_time(
+            self.compute,
+            codec + self.update,
+            &refs,
+            self.profile.overlap_backward,
+        );
+        (comm, time)
+    }
+
+    /// The average step over `steps`, with each kind of collective tallied.
+    pub fn average(&self, steps: std::ops::Range<u64>) -> Average {
+        let n = (steps.end - steps.start).max(1) as f64;
+        let mut sum = StepTime::default();
+        let mut kinds: BTreeMap<String, CollectiveRow> = BTreeMap::new();
+        for s in steps {
+            let (comm, t) = self.step(s);
+            sum.compute += t.compute;
+            sum.serial += t.serial;
+            sum.comm += t.comm;
+            sum.exposed += t.exposed;
+            for (c, secs) in comm {
+                let row = CollectiveRow::of(&c);
+                let e = kinds.entry(row.key()).or_insert(row);
+                e.per_step += 1.0 / n;
+                e.ms += secs * 1e3;
+            }
+        }
+        let mut collectives: Vec<CollectiveRow> = kinds.into_values().collect();
+        for c in &mut collectives {
+            // Mean time of one, from the sum over its occurrences.
+            c.ms /= c.per_step * n;
+        }
+        Average {
+            compute_ms: sum.compute / n * 1e3,
+            update_ms: self.update * 1e3,
+            codec_ms: sum.serial / n * 1e3 - self.update * 1e3,
+            comm_ms: sum.comm / n * 1e3,
+            exposed_comm_ms: sum.exposed / n * 1e3,
+            ms_per_step: sum.total() / n * 1e3,
+            collectives,
+        }
+    }
+
+    /// Bytes rank 0 sends in `steps` (what a run's rows log as `comm_bytes`).
+    pub fn bytes(&self, steps: std::ops::Range<u64>) -> u64 {
+        steps
+            .map(|s| trace::sent_by(&self.backend.step_comm(s), 0))
+            .sum()
+    }
+}
+
+/// Whether the backend runs a compressor on the steps that communicate.
+fn compresses(plan: &SyncPlan) -> bool {
+    match plan {
+        SyncPlan::Compressed(_) | SyncPlan::Demo { .. } => true,
+        SyncPlan::Diloco { cfg, reducer } => reducer.is_some() || cfg.quantize != Quantize::None,
+        SyncPlan::AllReduce { .. } | SyncPlan::Gossip { .. } | SyncPlan::Sparta { .. } => false,
+    }
+}
+
+/// One kind of collective in a prediction.
+#[derive(Debug, Clone, Serialize)]
+pub struct CollectiveRow {
+    pub op: &'static str,
+    /// The largest buffer or piece a member holds.
+    pub bytes: u64,
+    /// Ranks per group and groups at once.
+    pub group_size: usize,
+    pub groups: usize,
+    pub overlap: Overlap,
+    /// How often it runs per step, on average.
+    pub per_step: f64,
+    /// Milliseconds one takes.
+    pub ms: f64,
+}
+
+impl CollectiveRow {
+    fn of(c: &Collective) -> Self {
+        Self {
+            op: c.name(),
+            bytes: c.bytes(),
+            group_size: c.groups.iter().map(Vec::len).max().unwrap_or(0),
+            groups: c.groups.len(),
+            overlap: c.overlap,
+            per_step: 0.0,
+            ms: 0.0,
+        }
+    }
+
+    fn key(&self) -> String {
+        format!(
+            "{}/{}/{}/{}/{:?}",
+            self.op, self.bytes, self.group_size, self.groups, self.overlap
+        )
+    }
+}
+
+/// A run's average step on a cluster.
+#[derive(Debug, Clone, Serialize)]
+pub struct Average {
+    /// Forward and backward.
+    pub compute_ms: f64,
+    /// The optimizer's update (memory-bound).
+    pub update_ms: f64,
+    /// Compression (from a run directory: everything the sync backend computed outside collectives).
+    pub codec_ms: f64,
+    pub comm_ms: f64,
+    pub exposed_comm_ms: f64,
+    pub ms_per_step: f64,
+    pub collectives: Vec<CollectiveRow>,
+}
+
+/// `nanodist predict`'s answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    pub cluster: String,
+    pub cluster_source: String,
+    pub description: String,
+    pub world_size: usize,
+    pub ranks_per_node: usize,
+    pub nodes: usize,
+    pub synchronisation: String,
+    /// Steps averaged over (the run's).
+    pub steps: u64,
+    #[serde(flatten)]
+    pub average: Average,
+    pub tokens_per_s: f64,
+    /// From a run directory: the predicted time at each evaluation.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub evals: Vec<EvalTime>,
+    /// From a run directory: the predicted seconds at each metrics row.
+    #[serde(skip)]
+    pub row_clock: Vec<f64>,
+    /// From a run directory: rows whose logged `comm_bytes` equal the described step's bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_check: Option<BytesCheck>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalTime {
+    pub step: u64,
+    pub val_loss: f64,
+    pub predicted_s: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BytesCheck {
+    pub rows: usize,
+    pub matching: usize,
+    /// Logged / described bytes over the whole run (below 1 where masks were smaller than their bound).
+    pub ratio: f64,
+}
+
+/// Loads the config at `path` (a run directory's `config.toml` included) for `world` ranks (default: the
+/// config's workers) placed on `cluster` `ranks_per_node` to a node (default: its devices per node),
+/// with `sets` applied. The plan is resolved for that layout (gossip topologies follow it).
+pub fn load(
+    path: &Path,
+    sets: &[String],
+    world: Option<usize>,
+    cluster: &ClusterProfile,
+    ranks_per_node: Option<usize>,
+) -> Result<(Loaded, Layout)> {
+    let src = std::fs::read_to_string(path)
+        .map_err(|e| crate::bad_input!("{}: cannot read the config: {e}", path.display()))?;
+    let (cfg, _) = crate::config::parse(&src, sets).map_err(|problems| ConfigError {
+        file: path.display().to_string(),
+        problems,
+    })?;
+    let world = world.or(cfg.train.workers).unwrap_or(1);
+    let layout = layout(world, ranks_per_node, cluster);
+    let mut sets = sets.to_vec();
+    sets.push("train.engine=\"local\"".into());
+    sets.push(format!("train.ranks_per_node={}", layout.ranks_per_node));
+    let launch = LaunchEnv {
+        workers_flag: Some(world),
+        ..LaunchEnv::default()
+    };
+    Ok((crate::config::load_str(path, &src, &sets, &launch)?, layout))
+}
+
+/// The prediction of `loaded` (its steps 0..n_steps) on `cluster`.
+pub fn predict(loaded: &Loaded, cluster: &Cluster, layout: Layout) -> Result<Prediction> {
+    let p = Predictor::new(loaded, &cluster.profile, layout, None)?;
+    Ok(prediction(
+        loaded,
+        cluster,
+        &p,
+        p.average(0..loaded.plan.n_steps.max(1)),
+    ))
+}
+
+/// The answer around an average step.
+pub fn prediction(
+    loaded: &Loaded,
+    cluster: &Cluster,
+    p: &Predictor,
+    average: Average,
+) -> Prediction {
+    let tokens_per_s = p.tokens_per_step as f64 / (average.ms_per_step / 1e3);
+    Prediction {
+        cluster: cluster.name.clone(),
+        cluster_source: cluster.source.clone(),
+        description: cluster.profile.description.clone(),
+        world_size: p.layout.world,
+        ranks_per_node: p.layout.ranks_per_node,
+        nodes: p.layout.nodes(),
+        synchronisation: loaded.plan.sync.describe(),
+        steps: loaded.plan.n_steps,
+        average,
+        tokens_per_s,
+        evals: Vec::new(),
+        row_clock: Vec::new(),
+        bytes_check: None,
+    }
+}
+
+/// A run directory's steps priced on a cluster: each metrics row's interval at the bytes it logged (so
+/// data-dependent sizes, e.g. Radius's masks, count as they were), with the sync backend's own compute
+/// as the run measured it (`sync_ms`, memory-bound: scaled by the `local` profile's memory bandwidth
+/// over the cluster's), and the time of each evaluation.
+pub fn predict_run(
+    loaded: &Loaded,
+    rows: &[crate::metrics::Row],
+    cluster: &Cluster,
+    layout: Layout,
+    compute: Option<f64>,
+) -> Result<Prediction> {
+    let mut p = Predictor::new(loaded, &cluster.profile, layout, compute)?;
+    let memory =
+        profile::load("local")?.profile.device.memory_gbps / cluster.profile.device.memory_gbps;
+    let (mut clock, mut prev, mut matching, mut logged, mut described) = (0.0, 0u64, 0, 0u64, 0u64);
+    let (mut sync_s, mut sync_steps) = (0.0, 0u64);
+    let (mut evals, mut clocks) = (Vec::new(), Vec::new());
+    for row in rows {
+        let steps = prev..row.step;
+        let bytes = p.bytes(steps.clone());
+        matching += usize::from(bytes == row.comm_bytes);
+        (logged, described) = (logged + row.comm_bytes, described + bytes);
+        let scale = if bytes > 0 {
+            row.comm_bytes as f64 / bytes as f64
+        } else {
+            1.0
+        };
+        let codec = row.sync_ms / 1e3 * memory;
+        (sync_s, sync_steps) = (sync_s + codec, sync_steps + (steps.end - steps.start));
+        for s in steps {
+            let t = p.step(s).1;
+            clock += t.compute + p.update + t.exposed * scale;
+        }
+        clock += codec;
+        clocks.push(clock);
+        if let Some(v) = row.val_loss {
+            evals.push(EvalTime {
+                step: row.step,
+                val_loss: v,
+                predicted_s: clock,
+            });
+        }
+        prev = row.step;
+    }
+    // The average step: the run's own sync compute, on every step.
+    p.codec = 0.0;
+    let mut average = p.average(0..prev.max(1));
+    let codec_ms = sync_s / sync_steps.max(1) as f64 * 1e3;
+    (average.codec_ms, average.ms_per_step) = (codec_ms, average.ms_per_step + codec_ms);
+    let mut out = prediction(loaded, cluster, &p, average);
+    out.steps = prev;
+    out.evals = evals;
+    out.row_clock = clocks;
+    out.bytes_check = Some(BytesCheck {
+        rows: rows.len(),
+        matching,
+        ratio: if described > 0 {
+            logged as f64 / described as f64
+        } else {
+            1.0
+        },
+    });
+    Ok(out)
+}
+
+impl std::fmt::Display for Prediction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let a = &self.average;
+        writeln!(
+            f,
+            "cluster          {} ({}): {}",
+            self.cluster, self.cluster_source, self.description
+        )?;
+        writeln!(
+            f,
+            "layout           {} ranks, {} per node, {} node{}",
+            self.world_size,
+            self.ranks_per_node,
+            self.nodes,
+            if self.nodes == 1 { "" } else { "s" }
+        )?;
+        writeln!(f, "synchronisation  {}", self.synchronisation)?;
+        writeln!(
+            f,
+            "compute          {:.2} ms/step (forward + backward)",
+            a.compute_ms
+        )?;
+        writeln!(f, "update           {:.2} ms/step (optimizer)", a.update_ms)?;
+        if a.codec_ms > 0.0 {
+            writeln!(f, "compression      {:.2} ms/step", a.codec_ms)?;
+        }
+        writeln!(f, "collectives      (averaged over {} steps)", self.steps)?;
+        for c in &a.collectives {
+            writeln!(
+                f,
+                "  {:<15} {:>10}  {} group{} of {:<3} overlap {:<8} {:>7.3}/step {:>10.3} ms each",
+                c.op,
+                human_bytes(c.bytes),
+                c.groups,
+                if c.groups == 1 { " " } else { "s" },
+                c.group_size,
+                serde_json::to_value(c.overlap)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default(),
+                c.per_step,
+                c.ms
+            )?;
+        }
+        writeln!(
+            f,
+            "communication    {:.2} ms/step, {:.2} ms exposed",
+            a.comm_ms, a.exposed_comm_ms
+        )?;
+        writeln!(
+            f,
+            "step             {:.2} ms, {:.0} tokens/s",
+            a.ms_per_step, self.tokens_per_s
+        )?;
+        if let Some(c) = &self.bytes_check {
+            writeln!(
+                f,
+                "bytes check      {} of {} rows log the described bytes (logged / described {:.3})",
+                c.matching, c.rows, c.ratio
+            )?;
+        }
+        for e in &self.evals {
+            writeln!(
+                f,
+                "  step {:>7}  val loss {:.4}  at {}",
+                e.step,
+                e.val_loss,
+                human_secs(e.predicted_s)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+fn human_bytes(b: u64) -> String {
+    let b = b as f64;
+    match b {
+        b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
+        b if b >= 1e6 => format!("{:.2} MB", b / 1e6),
+        b if b >= 1e3 => format!("{:.1} kB", b / 1e3),
+        b => format!("{b:.0} B"),
+    }
+}
+
+/// Seconds as h:mm:ss (or s with decimals under a minute).
+pub fn human_secs(s: f64) -> String {
+    if s < 60.0 {
+        return format!("{s:.2} s");
+    }
+    let t = s.round() as u64;
+    format!("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60)
+}
