@@ -4,7 +4,6 @@
 
 use std::path::Path;
 
-use nanodist::config::{self, LaunchEnv};
 use nanodist::metrics::{read_rows, Row};
 use nanodist::train;
 
@@ -13,15 +12,7 @@ use common::make_data;
 
 /// Trains the tiny config on `workers` local workers with `set`; returns the summary and the rows.
 fn train_rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> (train::Summary, Vec<Row>) {
-    let src = common::config(dir, Some(name), &["log.eval_interval=5"]);
-    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    let launch = LaunchEnv {
-        workers_flag: Some(workers),
-        ..LaunchEnv::default()
-    };
-    let loaded = config::load_str(Path::new("t.toml"), &src, &set, &launch)
-        .unwrap_or_else(|e| panic!("{set:?}: {e}"));
-    let s = train::run(&loaded).unwrap_or_else(|e| panic!("{set:?}: {e:#}"));
+    let s = common::train_tiny(dir, name, workers, set);
     let rows = read_rows(&s.run_dir.join("metrics.jsonl")).unwrap();
     (s, rows)
 }

@@ -4,31 +4,20 @@
 
 use std::path::Path;
 
-use nanodist::config::{self, LaunchEnv};
 use nanodist::predict;
-use nanodist::train;
 
 mod common;
 use common::{make_data, nanodist};
 
 /// Trains the tiny config on `workers` local workers with `set`; returns the run directory.
 fn train_run(dir: &Path, name: &str, workers: usize, set: &[&str]) -> std::path::PathBuf {
-    let src = common::config(dir, Some(name), &["log.eval_interval=5"]);
-    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    let launch = LaunchEnv {
-        workers_flag: Some(workers),
-        ..LaunchEnv::default()
-    };
-    let loaded = config::load_str(Path::new("t.toml"), &src, &set, &launch)
-        .unwrap_or_else(|e| panic!("{set:?}: {e}"));
-    train::run(&loaded)
-        .unwrap_or_else(|e| panic!("{set:?}: {e:#}"))
-        .run_dir
+    common::train_tiny(dir, name, workers, set).run_dir
 }
 
 /// Each backend's description of its steps, priced from the run directory, sums to the `comm_bytes` of
-/// every metrics row the run logged (Radius: at most, as its description bounds the masks that the data
-/// shape). The training loop of debug builds also checks every step against it as it runs.
+/// every metrics row the run logged (Radius: on its dense steps; from a config its masks are priced at
+/// their expected size, which the data makes larger or smaller). The training loop of debug builds also
+/// checks every step against the description as it runs.
 #[test]
 fn every_backends_step_description_sums_to_the_bytes_its_run_logs() {
     let d = tempfile::tempdir().unwrap();
@@ -103,9 +92,9 @@ fn every_backends_step_description_sums_to_the_bytes_its_run_logs() {
         let check = p.bytes_check.unwrap();
         assert_eq!(check.rows, 20, "{name}");
         if *name == "radius" {
-            // Dense steps match; masked steps send at most the bound.
+            // Dense steps match; masked steps send about the expected mask.
             assert!(
-                check.matching >= 4 && check.ratio <= 1.0,
+                check.matching >= 4 && check.ratio > 0.3 && check.ratio < 3.0,
                 "{name}: {check:?}"
             );
         } else {
@@ -280,43 +269,4 @@ fn compare_and_plot_price_runs_on_a_cluster() {
         "--measured",
     ]));
     assert!(m["compute_ms"].as_f64().unwrap() > 0.0);
-}
-
-/// The validation on this machine (scripts/bench/predict.py): after `calibrate --engine mpi`, predicted
-/// ms/step of real `mpirun -np 2` and `-np 4` runs (all-reduce, ring and exp gossip, PowerSGD, top-k; the
-/// quick-start model and one 4x larger) are within 30% of the measured ones. The script prints each
-/// row's error and exits 1 past the tolerance.
-#[cfg(feature = "mpi")]
-#[test]
-fn predictions_of_mpirun_runs_are_within_30_percent_of_measured() {
-    let d = tempfile::tempdir().unwrap();
-    make_data(d.path());
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = std::process::Command::new("python3")
-        .arg(root.join("scripts/bench/predict.py"))
-        .args([
-            "--nanodist",
-            env!("CARGO_BIN_EXE_nanodist"),
-            "--steps",
-            "30",
-        ])
-        .arg("--data")
-        .arg(d.path())
-        .output();
-    let out = match out {
-        Ok(o) => o,
-        Err(e) => return common::skip_python(&format!("python3: {e}")),
-    };
-    let text = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{text}");
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        text.matches("| 2 |").count() + text.matches("| 4 |").count(),
-        20,
-        "{text}"
-    );
 }

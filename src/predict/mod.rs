@@ -42,6 +42,8 @@ pub struct Predictor {
     /// Seconds of compression on steps that communicate (compressing backends).
     pub codec: f64,
     pub tokens_per_step: u64,
+    /// Seconds of each collective of the step patterns seen so far.
+    memo: std::cell::RefCell<std::collections::HashMap<Vec<Collective>, Vec<f64>>>,
 }
 
 /// The run's ranks placed `ranks_per_node` to a node (default: the cluster's devices per node).
@@ -98,20 +100,27 @@ impl Predictor {
             update,
             codec,
             tokens_per_step: plan.tokens_per_step,
+            memo: Default::default(),
         })
     }
 
     /// Step `step`'s collectives, each with its seconds, and its time.
     pub fn step(&self, step: u64) -> (Vec<(Collective, f64)>, StepTime) {
-        let comm: Vec<(Collective, f64)> = self
-            .backend
-            .step_comm(step)
-            .into_iter()
-            .map(|c| {
-                let t = model::collective_seconds(&c, &self.layout, &self.profile);
-                (c, t)
-            })
-            .collect();
+        self.price(self.backend.step_comm(step))
+    }
+
+    /// A step of these collectives: each with its seconds, and the step's time.
+    fn price(&self, described: Vec<Collective>) -> (Vec<(Collective, f64)>, StepTime) {
+        // Runs repeat a few patterns of steps: price each once.
+        let mut memo = self.memo.borrow_mut();
+        let secs = memo.entry(described.clone()).or_insert_with(|| {
+            described
+                .iter()
+                .map(|c| model::collective_seconds(c, &self.layout, &self.profile))
+                .collect()
+        });
+        let comm: Vec<(Collective, f64)> =
+            described.into_iter().zip(secs.iter().copied()).collect();
         let codec = if comm.is_empty() { 0.0 } else { self.codec };
         let refs: Vec<(&Collective, f64)> = comm.iter().map(|(c, t)| (c, *t)).collect();
         let time = model::step_time(
@@ -127,18 +136,24 @@ impl Predictor {
     pub fn average(&self, steps: std::ops::Range<u64>) -> Average {
         let n = (steps.end - steps.start).max(1) as f64;
         let mut sum = StepTime::default();
-        let mut kinds: BTreeMap<String, CollectiveRow> = BTreeMap::new();
+        // Steps repeat a few patterns: count them, then price each once.
+        let mut patterns: std::collections::HashMap<Vec<Collective>, u64> = Default::default();
         for s in steps {
-            let (comm, t) = self.step(s);
-            sum.compute += t.compute;
-            sum.serial += t.serial;
-            sum.comm += t.comm;
-            sum.exposed += t.exposed;
+            *patterns.entry(self.backend.step_comm(s)).or_default() += 1;
+        }
+        let mut kinds: BTreeMap<String, CollectiveRow> = BTreeMap::new();
+        for (described, count) in patterns {
+            let (comm, t) = self.price(described);
+            let k = count as f64;
+            sum.compute += k * t.compute;
+            sum.serial += k * t.serial;
+            sum.comm += k * t.comm;
+            sum.exposed += k * t.exposed;
             for (c, secs) in comm {
                 let row = CollectiveRow::of(&c);
                 let e = kinds.entry(row.key()).or_insert(row);
-                e.per_step += 1.0 / n;
-                e.ms += secs * 1e3;
+                e.per_step += k / n;
+                e.ms += k * secs * 1e3;
             }
         }
         let mut collectives: Vec<CollectiveRow> = kinds.into_values().collect();

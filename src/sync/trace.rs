@@ -9,7 +9,7 @@ use crate::comm::all_reduce_bytes;
 
 /// A collective over f32 words (the engines move f32 buffers; indices and quantized codes travel as f32 bit
 /// patterns).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Op {
     /// The sum of a buffer of `words` over each group (reduce-scatter + all-gather, as a ring).
@@ -22,7 +22,7 @@ pub enum Op {
 }
 
 /// What a collective may run beside.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Overlap {
     /// Nothing: the step waits for it.
@@ -36,7 +36,7 @@ pub enum Overlap {
 }
 
 /// One collective of a step.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct Collective {
     #[serde(flatten)]
     pub op: Op,

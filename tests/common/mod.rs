@@ -101,3 +101,21 @@ pub fn write_tiny_config(dir: &Path, name: &str, run_name: &str) -> std::path::P
     std::fs::write(&path, tiny_config(dir, run_name)).unwrap();
     path
 }
+
+/// Trains the tiny config (evaluated every 5 steps) on `workers` local workers with `set`, in process.
+pub fn train_tiny(
+    dir: &Path,
+    name: &str,
+    workers: usize,
+    set: &[&str],
+) -> nanodist::train::Summary {
+    let src = config(dir, Some(name), &["log.eval_interval=5"]);
+    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+    let launch = nanodist::config::LaunchEnv {
+        workers_flag: Some(workers),
+        ..Default::default()
+    };
+    let loaded = nanodist::config::load_str(Path::new("t.toml"), &src, &set, &launch)
+        .unwrap_or_else(|e| panic!("{set:?}: {e}"));
+    nanodist::train::run(&loaded).unwrap_or_else(|e| panic!("{set:?}: {e:#}"))
+}

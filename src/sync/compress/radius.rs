@@ -164,8 +164,9 @@ impl Reducer for Radius {
     }
 
     /// Dense steps and (re-)selections all-reduce the whole gradient, the others the masked values: the
-    /// current mask's, or before a run's first selection its bound (vectors whole, k (2 range + 1) values per
-    /// matrix; windows that overlap make a real mask smaller).
+    /// current mask's, or before a run's first selection its expected size (vectors whole; per matrix, the
+    /// entries within `range` of a selected one if the k selected entries scattered uniformly:
+    /// len (1 - (1 - k/len)^(2 range + 1)); a run's logged bytes show the real masks).
     fn step_comm(&self, world: usize, step: u64) -> Vec<Collective> {
         let dense = step < self.cfg.threshold
             || (step - self.cfg.threshold) % self.cfg.interval == 0
@@ -175,11 +176,15 @@ impl Reducer for Radius {
         } else if !self.mask.is_empty() {
             self.mask.len()
         } else {
-            let window = 2 * self.cfg.range as usize + 1;
+            let window = 2 * self.cfg.range as i32 + 1;
             self.tensors
                 .iter()
                 .map(|t| match t.matrix {
-                    true => (k_of(self.cfg.density, t.len) * window).min(t.len),
+                    true => {
+                        let d = k_of(self.cfg.density, t.len) as f64 / t.len as f64;
+                        let covered = 1.0 - (1.0 - d).powi(window);
+                        ((t.len as f64 * covered).round() as usize).clamp(1, t.len)
+                    }
                     false => t.len,
                 })
                 .sum()

@@ -1,0 +1,47 @@
+//! The time model against real runs: `nanodist calibrate --engine mpi`, then real `mpirun` runs against
+//! their predictions. Timing-sensitive, so in a test binary of its own (cargo runs test binaries one
+//! after another, so nothing else competes for the cores).
+#![cfg(feature = "mpi")]
+
+use std::path::Path;
+
+mod common;
+use common::make_data;
+
+/// The validation on this machine (scripts/bench/predict.py): after `calibrate --engine mpi`, predicted
+/// ms/step of real `mpirun -np 2` and `-np 4` runs (all-reduce, ring and exp gossip, PowerSGD, top-k; the
+/// quick-start model and one 4x larger) are within 30% of the measured ones. The script prints each
+/// row's error and exits 1 past the tolerance.
+#[test]
+fn predictions_of_mpirun_runs_are_within_30_percent_of_measured() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new("python3")
+        .arg(root.join("scripts/bench/predict.py"))
+        .args([
+            "--nanodist",
+            env!("CARGO_BIN_EXE_nanodist"),
+            "--steps",
+            "40",
+        ])
+        .arg("--data")
+        .arg(d.path())
+        .output();
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => return common::skip_python(&format!("python3: {e}")),
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}");
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        text.matches("| 2 |").count() + text.matches("| 4 |").count(),
+        20,
+        "{text}"
+    );
+}
