@@ -261,20 +261,33 @@ pub fn measure(
     engine: &'static str,
     shared_step: Option<f64>,
 ) -> Result<Measured> {
-    // Compute first, on every rank at once (a busy machine, as in training).
-    comm.barrier()?;
-    let peak = gemm_peak();
-    let achieved = LADDER
-        .iter()
-        .map(|&(w, rows)| training_flops(w, rows))
-        .sum::<Result<f64>>()?
-        / LADDER.len() as f64;
-    let memory = memory_bandwidth();
+    // Compute on every rank at once (a busy machine, as in training), five times spread around the link
+    // sweep; the medians, so that a passing slowdown of a shared machine does not become the profile.
+    let compute = || -> Result<(f64, f64, f64)> {
+        let achieved = LADDER
+            .iter()
+            .map(|&(w, rows)| training_flops(w, rows))
+            .sum::<Result<f64>>()?
+            / LADDER.len() as f64;
+        Ok((gemm_peak(), achieved, memory_bandwidth()))
+    };
+    let mut reps = Vec::new();
+    for _ in 0..3 {
+        comm.barrier()?;
+        reps.push(compute()?);
+    }
     let alone = lockstep_step(comm, LOCKSTEP_ROWS)?;
     // Two ranks per core with half the rows each ideally take as long; what they take beyond that is
     // lost to sharing.
     let sharing = shared_step.map_or(1.0, |shared| (alone / shared).min(1.0));
     let sweep = sweep(comm)?;
+    for _ in 0..2 {
+        comm.barrier()?;
+        reps.push(compute()?);
+    }
+    let peak = median(reps.iter().map(|r| r.0).collect());
+    let achieved = median(reps.iter().map(|r| r.1).collect());
+    let memory = median(reps.iter().map(|r| r.2).collect());
     let (alpha, bandwidth) = link_of(&sweep, comm.world_size());
     let small: Vec<(f64, f64)> = sweep
         .iter()

@@ -443,7 +443,7 @@ impl std::fmt::Display for Prediction {
                 f,
                 "  {:<15} {:>10}  {} group{} of {:<3} overlap {:<8} {:>7.3}/step {:>10.3} ms each",
                 c.op,
-                human_bytes(c.bytes),
+                crate::report::human_bytes(c.bytes as f64),
                 c.groups,
                 if c.groups == 1 { " " } else { "s" },
                 c.group_size,
@@ -482,16 +482,6 @@ impl std::fmt::Display for Prediction {
             )?;
         }
         Ok(())
-    }
-}
-
-fn human_bytes(b: u64) -> String {
-    let b = b as f64;
-    match b {
-        b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
-        b if b >= 1e6 => format!("{:.2} MB", b / 1e6),
-        b if b >= 1e3 => format!("{:.1} kB", b / 1e3),
-        b => format!("{b:.0} B"),
     }
 }
 

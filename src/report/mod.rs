@@ -201,7 +201,8 @@ pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
     }
 }
 
-fn human_bytes(b: f64) -> String {
+/// Bytes as B, kB, MB or GB.
+pub fn human_bytes(b: f64) -> String {
     match b {
         b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
         b if b >= 1e6 => format!("{:.2} MB", b / 1e6),
