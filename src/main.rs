@@ -481,7 +481,12 @@ fn predict(a: PredictArgs) -> Result<()> {
             rpn,
         )?;
         let compute = match a.measured {
-            true => Some(measured_compute(&run, &loaded, &cluster)?),
+            true => Some(predict::measured_compute(
+                &run.rows,
+                run.world_size.unwrap_or(1),
+                &loaded,
+                &cluster,
+            )?),
             false => None,
         };
         predict::predict_run(&loaded, &run.rows, &cluster, layout, compute)?
@@ -500,37 +505,6 @@ fn predict(a: PredictArgs) -> Result<()> {
         print!("{out}");
     }
     Ok(())
-}
-
-/// Seconds of compute per step on `cluster` from the run's own rows: the median over its rows of
-/// ms/step minus the communication time, scaled by the `local` device's sustained FLOP/s over the
-/// cluster's and by the tokens per rank.
-fn measured_compute(
-    run: &nanodist::report::Run,
-    loaded: &config::Loaded,
-    cluster: &predict::profile::Cluster,
-) -> Result<f64> {
-    let local = predict::profile::load("local")?.profile;
-    let mut per_step: Vec<f64> = Vec::new();
-    let mut prev = 0;
-    for r in &run.rows {
-        let steps = r.step.saturating_sub(prev);
-        prev = r.step;
-        if steps > 0 && r.val_loss.is_none() {
-            per_step.push((r.ms_per_step - r.comm_ms / steps as f64).max(0.0) / 1e3);
-        }
-    }
-    if per_step.is_empty() {
-        return Err(nanodist::bad_input!(
-            "{}: no metrics rows without an evaluation to measure the step time from",
-            run.dir.display()
-        ));
-    }
-    per_step.sort_by(f64::total_cmp);
-    let measured = per_step[per_step.len() / 2];
-    let speed = |p: &predict::profile::ClusterProfile| p.device.peak_tflops * p.device.mfu;
-    let tokens = run.world_size.unwrap_or(1) as f64 / loaded.plan.world_size as f64;
-    Ok(measured * speed(&local) / speed(&cluster.profile) * tokens)
 }
 
 fn calibrate(

@@ -7,7 +7,7 @@ pub mod calibrate;
 pub mod model;
 pub mod profile;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use anyhow::Result;
@@ -42,8 +42,6 @@ pub struct Predictor {
     /// Seconds of compression on steps that communicate (compressing backends).
     pub codec: f64,
     pub tokens_per_step: u64,
-    /// Seconds of each collective of the step patterns seen so far.
-    memo: std::cell::RefCell<std::collections::HashMap<Vec<Collective>, Vec<f64>>>,
 }
 
 /// The run's ranks placed `ranks_per_node` to a node (default: the cluster's devices per node).
@@ -100,57 +98,59 @@ impl Predictor {
             update,
             codec,
             tokens_per_step: plan.tokens_per_step,
-            memo: Default::default(),
         })
     }
 
-    /// Step `step`'s collectives, each with its seconds, and its time.
-    pub fn step(&self, step: u64) -> (Vec<(Collective, f64)>, StepTime) {
-        self.price(self.backend.step_comm(step))
+    /// How often each pattern of collectives occurs over `steps` (runs repeat a few: dense and
+    /// compressed steps, gossip rounds, sync points).
+    pub fn patterns(&self, steps: std::ops::Range<u64>) -> HashMap<Vec<Collective>, u64> {
+        let mut out: HashMap<Vec<Collective>, u64> = HashMap::new();
+        for s in steps {
+            *out.entry(self.backend.step_comm(s)).or_default() += 1;
+        }
+        out
     }
 
-    /// A step of these collectives: each with its seconds, and the step's time.
-    fn price(&self, described: Vec<Collective>) -> (Vec<(Collective, f64)>, StepTime) {
-        // Runs repeat a few patterns of steps: price each once.
-        let mut memo = self.memo.borrow_mut();
-        let secs = memo.entry(described.clone()).or_insert_with(|| {
-            described
-                .iter()
-                .map(|c| model::collective_seconds(c, &self.layout, &self.profile))
-                .collect()
-        });
-        let comm: Vec<(Collective, f64)> =
-            described.into_iter().zip(secs.iter().copied()).collect();
-        let codec = if comm.is_empty() { 0.0 } else { self.codec };
-        let refs: Vec<(&Collective, f64)> = comm.iter().map(|(c, t)| (c, *t)).collect();
+    /// A step of these collectives: each one's seconds, and the step's time.
+    fn price(&self, described: &[Collective]) -> (Vec<f64>, StepTime) {
+        let secs: Vec<f64> = described
+            .iter()
+            .map(|c| model::collective_seconds(c, &self.layout, &self.profile))
+            .collect();
+        let codec = if described.is_empty() {
+            0.0
+        } else {
+            self.codec
+        };
+        let refs: Vec<(&Collective, f64)> = described.iter().zip(secs.iter().copied()).collect();
         let time = model::step_time(
             self.compute,
             codec + self.update,
             &refs,
             self.profile.overlap_backward,
         );
-        (comm, time)
+        (secs, time)
     }
 
     /// The average step over `steps`, with each kind of collective tallied.
     pub fn average(&self, steps: std::ops::Range<u64>) -> Average {
-        let n = (steps.end - steps.start).max(1) as f64;
+        self.average_of(&self.patterns(steps))
+    }
+
+    /// The average step over steps of these patterns.
+    fn average_of(&self, patterns: &HashMap<Vec<Collective>, u64>) -> Average {
+        let n = patterns.values().sum::<u64>().max(1) as f64;
         let mut sum = StepTime::default();
-        // Steps repeat a few patterns: count them, then price each once.
-        let mut patterns: std::collections::HashMap<Vec<Collective>, u64> = Default::default();
-        for s in steps {
-            *patterns.entry(self.backend.step_comm(s)).or_default() += 1;
-        }
         let mut kinds: BTreeMap<String, CollectiveRow> = BTreeMap::new();
-        for (described, count) in patterns {
-            let (comm, t) = self.price(described);
+        for (described, &count) in patterns {
+            let (secs, t) = self.price(described);
             let k = count as f64;
             sum.compute += k * t.compute;
             sum.serial += k * t.serial;
             sum.comm += k * t.comm;
             sum.exposed += k * t.exposed;
-            for (c, secs) in comm {
-                let row = CollectiveRow::of(&c);
+            for (c, secs) in described.iter().zip(secs) {
+                let row = CollectiveRow::of(c);
                 let e = kinds.entry(row.key()).or_insert(row);
                 e.per_step += k / n;
                 e.ms += k * secs * 1e3;
@@ -170,13 +170,6 @@ impl Predictor {
             ms_per_step: sum.total() / n * 1e3,
             collectives,
         }
-    }
-
-    /// Bytes rank 0 sends in `steps` (what a run's rows log as `comm_bytes`).
-    pub fn bytes(&self, steps: std::ops::Range<u64>) -> u64 {
-        steps
-            .map(|s| trace::sent_by(&self.backend.step_comm(s), 0))
-            .sum()
     }
 }
 
@@ -363,9 +356,10 @@ pub fn predict_run(
     let (mut clock, mut prev, mut matching, mut logged, mut described) = (0.0, 0u64, 0, 0u64, 0u64);
     let (mut sync_s, mut sync_steps) = (0.0, 0u64);
     let (mut evals, mut clocks) = (Vec::new(), Vec::new());
+    let mut all: HashMap<Vec<Collective>, u64> = HashMap::new();
     for row in rows {
-        let steps = prev..row.step;
-        let bytes = p.bytes(steps.clone());
+        let interval = p.patterns(prev..row.step);
+        let bytes: u64 = interval.iter().map(|(c, k)| k * trace::sent_by(c, 0)).sum();
         matching += usize::from(bytes == row.comm_bytes);
         (logged, described) = (logged + row.comm_bytes, described + bytes);
         let scale = if bytes > 0 {
@@ -374,10 +368,11 @@ pub fn predict_run(
             1.0
         };
         let codec = row.sync_ms / 1e3 * memory;
-        (sync_s, sync_steps) = (sync_s + codec, sync_steps + (steps.end - steps.start));
-        for s in steps {
-            let t = p.step(s).1;
-            clock += t.compute + p.update + t.exposed * scale;
+        (sync_s, sync_steps) = (sync_s + codec, sync_steps + (row.step - prev));
+        for (c, k) in interval {
+            let t = p.price(&c).1;
+            clock += k as f64 * (t.compute + p.update + t.exposed * scale);
+            *all.entry(c).or_default() += k;
         }
         clock += codec;
         clocks.push(clock);
@@ -392,7 +387,7 @@ pub fn predict_run(
     }
     // The average step: the run's own sync compute, on every step.
     p.codec = 0.0;
-    let mut average = p.average(0..prev.max(1));
+    let mut average = p.average_of(&all);
     let codec_ms = sync_s / sync_steps.max(1) as f64 * 1e3;
     (average.codec_ms, average.ms_per_step) = (codec_ms, average.ms_per_step + codec_ms);
     let mut out = prediction(loaded, cluster, &p, average);
@@ -409,6 +404,37 @@ pub fn predict_run(
         },
     });
     Ok(out)
+}
+
+/// Seconds of compute per step on `cluster` from the run's own rows: the median over its rows of
+/// ms/step minus the communication time, scaled by the `local` device's sustained FLOP/s over the
+/// cluster's and by the tokens per rank.
+pub fn measured_compute(
+    rows: &[crate::metrics::Row],
+    run_world: usize,
+    loaded: &Loaded,
+    cluster: &Cluster,
+) -> Result<f64> {
+    let local = profile::load("local")?.profile;
+    let mut per_step: Vec<f64> = Vec::new();
+    let mut prev = 0;
+    for r in rows {
+        let steps = r.step.saturating_sub(prev);
+        prev = r.step;
+        if steps > 0 && r.val_loss.is_none() {
+            per_step.push((r.ms_per_step - r.comm_ms / steps as f64).max(0.0) / 1e3);
+        }
+    }
+    if per_step.is_empty() {
+        return Err(crate::bad_input!(
+            "the run has no metrics rows without an evaluation to measure the step time from"
+        ));
+    }
+    per_step.sort_by(f64::total_cmp);
+    let measured = per_step[per_step.len() / 2];
+    let speed = |p: &profile::ClusterProfile| p.device.peak_tflops * p.device.mfu;
+    let tokens = run_world as f64 / loaded.plan.world_size as f64;
+    Ok(measured * speed(&local) / speed(&cluster.profile) * tokens)
 }
 
 impl std::fmt::Display for Prediction {
