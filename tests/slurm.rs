@@ -171,10 +171,12 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
         return;
     }
     // The job has a 1-minute limit and --signal=B:USR1@30, but when Slurm sends that USR1 varies from 8 s
-    // to past a minute (limits are checked every 30 s), so the test also sends the same signal to the batch
-    // shell itself once the job has logged its first metrics row (step 250; the job's console output
-    // reaches its file only in large blocks, and a signal can take seconds to arrive): the trap, the
-    // checkpoint and the requeue are the time limit's. 20000 steps of ~2 ms outlast the delivery.
+    // to past a minute (limits are checked every 30 s, later on a loaded machine), so the test also sends
+    // the same signal to the batch shell itself once the job has logged its first metrics row (step 250),
+    // and sends it again until the shell's trap has logged it (scancel can time out while the 2-CPU node is
+    // busy): the trap, the checkpoint and the requeue are the time limit's. The batch shell writes its own
+    // lines at once (nanodist's output reaches the file in large blocks). 20000 steps of ~3.5 ms outlast
+    // the delivery.
     let (d, cfg) = setup(&[
         "train.n_steps=20000",
         "log.log_interval=250",
@@ -196,26 +198,39 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
         ],
     );
     let run = d.path().join("log").join(&id);
-    let signal = {
-        let (run, id) = (run.clone(), id.clone());
-        std::thread::spawn(move || {
-            let deadline = std::time::Instant::now() + Duration::from_secs(180);
-            while std::time::Instant::now() < deadline {
-                let rows = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
-                if rows.contains("\"step\":250") {
-                    let _ = Command::new("scancel")
-                        .args(["--batch", "--signal=USR1", &id])
-                        .output();
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        })
-    };
-    // The uninterrupted run, here, while the job runs.
+    let trapped = || job_log(&run).contains("USR1: checkpointing before the time limit");
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while !std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .contains("\"step\":250")
+    {
+        assert!(Instant::now() < deadline, "job {id} logged no step 250");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut attempts = Vec::new();
+    while !trapped() {
+        assert!(
+            Instant::now() < deadline,
+            "job {id}: no USR1 trapped after {attempts:?}:\n{}",
+            job_log(&run)
+        );
+        let out = Command::new("scancel")
+            .args(["--batch", "--signal=USR1", &id])
+            .output()
+            .unwrap();
+        attempts.push(format!(
+            "{} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+        let sent = Instant::now();
+        while !trapped() && sent.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    // The uninterrupted run, here, while the requeued job runs.
     let local = local_rows(&patched, 2);
     wait_job(&id, Duration::from_secs(420));
-    signal.join().unwrap();
     let log = job_log(&run);
     assert!(
         log.contains("USR1: checkpointing before the time limit"),
