@@ -225,8 +225,18 @@ enum Command {
         /// dashed).
         #[arg(long, value_name = "NAME|FILE")]
         cluster: Vec<String>,
+        /// The figure's title (default: the run's label, or "N runs").
+        #[arg(long)]
+        title: Option<String>,
+        /// Draw the loss on a logarithmic axis.
+        #[arg(long)]
+        log_y: bool,
+        /// Smooth each curve: the trailing mean of its last N logged points.
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        smooth: usize,
     },
-    /// Compare runs: algorithm, workers, steps, final/best val loss, tokens/s, bytes per step, time to a target.
+    /// Compare runs: algorithm, workers, steps, final/best val loss, tokens/s, bytes per step (and per phase
+    /// of a reducer that starts dense), comm share, consensus distance, time to a target.
     Compare {
         /// Run directories (log_dir/<run>).
         #[arg(required = true, num_args = 1..)]
@@ -238,6 +248,9 @@ enum Command {
         /// profile file).
         #[arg(long, value_name = "NAME|FILE")]
         cluster: Option<String>,
+        /// Print a Markdown table, CSV (one line per run) or JSON (an array of runs).
+        #[arg(long, value_enum, default_value = "markdown")]
+        format: nanodist::report::Format,
     },
     /// Predict a config's or a run's ms/step and time on a cluster (alpha-beta links, device FLOPs,
     /// each backend's own collectives and overlap).
@@ -293,7 +306,7 @@ fn check(args: ConfigArgs, tokens_per_s: Option<f64>) -> Result<()> {
         tracing::info!("note: {note}");
     }
     println!("{}: ok", loaded.path.display());
-    println!("{}", loaded.plan);
+    println!("{}", plan_text(&loaded)?);
     match tokens_per_s {
         Some(tps) if tps > 0.0 => println!(
             "run time          {} at {tps} tokens/s",
@@ -344,6 +357,15 @@ fn prepare(a: PrepareArgs) -> Result<()> {
     Ok(())
 }
 
+/// The resolved plan and what its synchronisation sends, as `check` and `train` print it.
+fn plan_text(loaded: &config::Loaded) -> Result<String> {
+    let mut text = loaded.plan.to_string();
+    for (key, value) in nanodist::sync::trace::plan_lines(&loaded.config, &loaded.plan)? {
+        text += &format!("\n{key:<17} {value}");
+    }
+    Ok(text)
+}
+
 fn train(args: ConfigArgs, opts: &nanodist::train::RunOptions) -> Result<()> {
     let loaded = load(&args)?;
     // In a multi-process job only rank 0 talks.
@@ -352,7 +374,7 @@ fn train(args: ConfigArgs, opts: &nanodist::train::RunOptions) -> Result<()> {
         for note in &loaded.notes {
             tracing::info!("note: {note}");
         }
-        eprintln!("{}", loaded.plan);
+        eprintln!("{}", plan_text(&loaded)?);
     }
     let summary = nanodist::train::run_with(&loaded, opts)?;
     if !root {
@@ -667,9 +689,17 @@ fn run(cli: Cli) -> Result<()> {
             runs,
             output,
             cluster,
+            title,
+            log_y,
+            smooth,
         } => {
             let runs = runs_on(&runs, &cluster)?;
-            let (png, svg) = nanodist::report::plot::plot(&runs, &output)?;
+            let style = nanodist::report::plot::Style {
+                title,
+                log_y,
+                smooth,
+            };
+            let (png, svg) = nanodist::report::plot::plot(&runs, &output, &style)?;
             println!("wrote {} and {}", png.display(), svg.display());
             Ok(())
         }
@@ -677,9 +707,10 @@ fn run(cli: Cli) -> Result<()> {
             runs,
             target,
             cluster,
+            format,
         } => {
             let runs = runs_on(&runs, cluster.as_slice())?;
-            print!("{}", nanodist::report::compare(&runs, target));
+            print!("{}", nanodist::report::compare(&runs, target, format)?);
             Ok(())
         }
         Command::Predict(a) => predict(a),

@@ -50,6 +50,87 @@ fn check_prints_the_resolved_plan() {
     }
 }
 
+/// `check` shows the synchronisation: workers x threads, gossip's rounds, the overlap, and the bytes each
+/// worker sends per step, per phase of a reducer that starts dense; `train` prints the same plan and a line
+/// at the step the reducer switches. The byte figures are the engines' own accounting of a ring all-reduce
+/// over each group (`comm::all_reduce_bytes`).
+#[test]
+fn check_shows_what_each_worker_sends_and_train_says_when_a_reducer_switches() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "t.toml", "plan");
+    let cfg = cfg.to_str().unwrap();
+    let numel = {
+        let src = std::fs::read_to_string(cfg).unwrap();
+        let launch = nanodist::config::LaunchEnv::default();
+        nanodist::config::load_str(Path::new("t.toml"), &src, &[], &launch)
+            .unwrap()
+            .plan
+            .n_params as usize
+    };
+    let bytes = |n: usize| {
+        let sum: u64 = (0..n)
+            .map(|r| nanodist::comm::all_reduce_bytes(numel, n, r))
+            .sum();
+        nanodist::report::human_bytes(sum as f64 / n as f64)
+    };
+    let check = |args: &[&str]| {
+        let out = nanodist(&[&["check", cfg], args].concat());
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+        text(&out)
+    };
+    let ring = check(&[
+        "--workers",
+        "4",
+        "--set",
+        "train.threads=1",
+        "--set",
+        "train.backend=\"decentdp\"",
+        "--set",
+        "train.topology=\"ring\"",
+    ]);
+    for want in [
+        "workers x threads 4 x 1".to_string(),
+        "gossip rounds     2 in a cycle (step t mixes in round t mod 2), groups of 2 rank(s)"
+            .into(),
+        "overlap           none (the step waits for its collectives)".into(),
+        format!(
+            "sent per worker   {}/step over the run's 20 steps",
+            bytes(2)
+        ),
+    ] {
+        assert!(ring.contains(&want), "missing {want:?} in:\n{ring}");
+    }
+    assert!(!ring.contains("one worker"), "{ring}");
+    let powersgd = [
+        "--workers",
+        "2",
+        "--set",
+        r#"train.compression={ name = "powersgd", rank = 2, start_iter = 10 }"#,
+    ];
+    let plan = check(&powersgd);
+    let want = format!("sent per worker   {}/step in steps 0-9 (dense), ", bytes(2));
+    assert!(plan.contains(&want), "missing {want:?} in:\n{plan}");
+    assert!(plan.contains("/step from step 10 (compressed); "), "{plan}");
+    assert!(
+        plan.contains("overlap           none (the step waits for its collectives)"),
+        "{plan}"
+    );
+    let out = nanodist(&[&["train", cfg], &powersgd[..]].concat());
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let log = text(&out);
+    assert!(log.contains(&want), "train prints the plan: {log}");
+    let switch =
+        "step 10: the reducer switches from dense all-reduce to compressed (powersgd rank 2, \
+                  dense until step 10)";
+    assert_eq!(log.matches(switch).count(), 1, "{log}");
+    let ddp = check(&["--workers", "2"]);
+    assert!(
+        ddp.contains("overlap           gradient buckets with the backward pass"),
+        "{ddp}"
+    );
+}
+
 #[test]
 fn bad_configs_and_flags_exit_2_with_the_location() {
     let dir = tempfile::tempdir().unwrap();

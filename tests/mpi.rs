@@ -151,7 +151,11 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
     make_data(d.path());
     let cases: Vec<(usize, Vec<&str>)> = vec![
         (2, vec!["train.backend=pytorchddp"]),
-        (4, vec!["train.backend=pytorchddp"]),
+        // With the evaluation before training: its step-0 row is the same under MPI.
+        (
+            4,
+            vec!["train.backend=pytorchddp", "log.eval_at_start=true"],
+        ),
         (
             4,
             vec![
@@ -209,14 +213,19 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
         let local = run_local(d.path(), &format!("{name}-local"), np, &set);
         assert_same(&local, &mpi, &format!("{set:?} np={np}"));
         // Every step sends (comm_bytes counts the algorithm's traffic only); overlapped gossip sends step
-        // t's mix during step t + 1, so its row of step 1 (after the synchronous step 0) has none.
+        // t's mix during step t + 1, so its row of step 1 (after the synchronous step 0) has none, and
+        // the evaluation before training trains no step.
         let silent = mpi.iter().filter(|r| r.comm_bytes == 0).count();
         let overlap = set.iter().any(|s| s.contains("overlap"));
+        let at_start = set.iter().any(|s| s.contains("eval_at_start"));
         assert_eq!(
             silent,
-            usize::from(overlap),
+            usize::from(overlap) + usize::from(at_start),
             "{set:?}: rows without traffic"
         );
+        if at_start {
+            assert_eq!((mpi[0].step, mpi[0].val_loss.is_some()), (0, true));
+        }
     }
 }
 

@@ -44,6 +44,11 @@ fn compare_and_plot_read_real_runs() {
         "ring",
         &["train.backend=decentdp", "train.topology=ring"],
     );
+    let powersgd = train_run(
+        d.path(),
+        "powersgd",
+        &[r#"train.compression={ name = "powersgd", rank = 2, start_iter = 10 }"#],
+    );
     let out = succeed(Command::new(EXE).arg("compare").args([&dense, &ring]));
     let table = String::from_utf8_lossy(&out.stdout).to_string();
     let rows: Vec<Vec<String>> = table
@@ -63,7 +68,14 @@ fn compare_and_plot_read_real_runs() {
         "{table}"
     );
     // The default target is the worse final val loss, so both runs reach it.
-    assert!(rows.iter().all(|r| r[9].starts_with("step ")), "{table}");
+    assert!(rows.iter().all(|r| r[11].starts_with("step ")), "{table}");
+    // Comm share in percent; a consensus distance for gossip only.
+    for r in &rows {
+        let share: f64 = r[9].trim_end_matches('%').parse().unwrap();
+        assert!(share > 0.0 && share < 100.0, "{table}");
+    }
+    assert_eq!(rows[0][10], "-", "{table}");
+    assert!(rows[1][10].parse::<f64>().unwrap() > 0.0, "{table}");
     // Bytes per step per worker. Both runs evaluate, vote and checkpoint alike, so their difference is
     // the gradient all-reduce (2 (N - 1) / N of the model at N = 4) minus the ring's pair mix (1 model).
     let mb = |cell: &str| -> f64 {
@@ -80,6 +92,77 @@ fn compare_and_plot_read_real_runs() {
     assert!(
         (got / expected - 1.0).abs() < 0.01,
         "bytes/step difference {got} vs {expected}: {table}"
+    );
+
+    // JSON and CSV: the same fields, unformatted, against the runs' own rows.
+    let json = |args: &[&Path]| -> serde_json::Value {
+        let out = succeed(
+            Command::new(EXE)
+                .arg("compare")
+                .args(args)
+                .args(["--format", "json"]),
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let all = json(&[&dense, &ring, &powersgd]);
+    let metrics = |run: &Path| nanodist::metrics::read_rows(&run.join("metrics.jsonl")).unwrap();
+    for (i, run) in [&dense, &ring, &powersgd].iter().enumerate() {
+        let rows = metrics(run);
+        let bytes: u64 = rows.iter().map(|r| r.comm_bytes).sum();
+        assert_eq!(all[i]["bytes_per_step"], bytes as f64 / 20.0);
+        assert_eq!(all[i]["workers"], 4);
+        assert_eq!(all[i]["steps"], 20);
+    }
+    let last_distance = metrics(&ring)
+        .iter()
+        .rev()
+        .find_map(|r| r.consensus_distance);
+    assert_eq!(all[1]["consensus_distance"].as_f64(), last_distance);
+    assert!(all[0]["consensus_distance"].is_null());
+    // PowerSGD from step 10: dense steps 0-9 send what the dense run sends, the compressed steps less.
+    let p = &all[2];
+    let dense_per_step = all[0]["bytes_per_step"].as_f64().unwrap();
+    assert_eq!(p["dense_bytes_per_step"].as_f64(), Some(dense_per_step));
+    let rows = metrics(&powersgd);
+    let late: u64 = rows
+        .iter()
+        .filter(|r| r.step > 10)
+        .map(|r| r.comm_bytes)
+        .sum();
+    assert_eq!(
+        p["compressed_bytes_per_step"].as_f64(),
+        Some(late as f64 / 10.0)
+    );
+    assert!((late as f64 / 10.0) < dense_per_step / 2.0);
+    assert!(all[0]["dense_bytes_per_step"].is_null());
+    let out = succeed(
+        Command::new(EXE)
+            .arg("compare")
+            .args([&dense, &powersgd])
+            .args(["--format", "csv"]),
+    );
+    let mut csv = csv::Reader::from_reader(&out.stdout[..]);
+    let head = csv.headers().unwrap().clone();
+    let lines: Vec<csv::StringRecord> = csv.records().map(Result::unwrap).collect();
+    assert_eq!(lines.len(), 2);
+    let field = |line: &csv::StringRecord, name: &str| {
+        line[head.iter().position(|h| h == name).unwrap()].to_string()
+    };
+    assert_eq!(field(&lines[0], "name"), "dense");
+    assert_eq!(field(&lines[1], "algorithm"), "pytorchddp + powersgd r2");
+    assert_eq!(field(&lines[0], "dense_bytes_per_step"), "");
+    assert_eq!(
+        field(&lines[1], "dense_bytes_per_step")
+            .parse::<f64>()
+            .unwrap(),
+        dense_per_step
+    );
+    // The Markdown table adds the phase columns when a run has phases.
+    let out = succeed(Command::new(EXE).arg("compare").args([&dense, &powersgd]));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("| dense phase | compressed phase |"),
+        "{table}"
     );
     // A target no run reaches.
     let out = Command::new(EXE)
@@ -113,10 +196,43 @@ fn compare_and_plot_read_real_runs() {
         colors.len()
     );
     let svg = std::fs::read_to_string(png.with_extension("svg")).unwrap();
-    assert!(
-        svg.contains("dense (pytorchddp, 4 workers)")
-            && svg.contains("ring (decentdp ring, 4 workers)")
+    // One legend for the four panels: each run's label once.
+    for label in [
+        "dense (pytorchddp, 4 workers)",
+        "ring (decentdp ring, 4 workers)",
+    ] {
+        assert_eq!(svg.matches(label).count(), 1, "{label}");
+    }
+    // Title, log axis and smoothing.
+    let styled = d.path().join("styled.png");
+    succeed(
+        Command::new(EXE)
+            .arg("plot")
+            .args([&dense, &ring])
+            .args(["--title", "dense vs ring", "--log-y", "--smooth", "3"])
+            .arg("--output")
+            .arg(&styled),
     );
+    let svg = std::fs::read_to_string(styled.with_extension("svg")).unwrap();
+    assert!(svg.contains("dense vs ring") && svg.contains("log scale"));
+}
+
+/// `--smooth` is a trailing mean and `--log-y` plots log10 of it, point by point.
+#[test]
+fn plot_style_smooths_and_logs_each_curve() {
+    let style = nanodist::report::plot::Style {
+        title: None,
+        log_y: true,
+        smooth: 2,
+    };
+    let got = style.apply(&[(0.0, 10.0), (1.0, 1000.0), (2.0, 10.0)]);
+    let want = [(0.0, 1.0), (1.0, 505f64.log10()), (2.0, 505f64.log10())];
+    for (g, w) in got.iter().zip(want) {
+        assert!(
+            (g.0 - w.0).abs() < 1e-12 && (g.1 - w.1).abs() < 1e-12,
+            "{got:?}"
+        );
+    }
 }
 
 #[test]

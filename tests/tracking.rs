@@ -153,29 +153,40 @@ fn tensorboard_scalars_read_back_with_the_strict_reader() {
     let tb = python_json("read_tensorboard.py", &run_dir.join("tb"));
     assert_eq!(tb["file_version"], "brain.Event:2");
     let s = &tb["scalars"];
-    for tag in [
-        "lr",
-        "loss",
-        "grad-norm",
-        "param-norm",
-        "batch size",
-        "throughput",
-        "comm bytes",
+    // Stored as f32; the JSON round trip may differ in the last printed digit.
+    let same = |a: f64, b: f64| (a - b as f32 as f64).abs() <= 1e-6 * b.abs();
+    // Grouped tags, spelled out: dashboards and scripts name them.
+    for (tag, key) in [
+        ("train/loss", "train_loss"),
+        ("train/lr", "lr"),
+        ("train/grad_norm", "grad_norm"),
+        ("train/param_norm", "param_norm"),
+        ("train/tokens_per_s", "tokens_per_s"),
+        ("train/ms_per_step", "ms_per_step"),
+        ("train/tokens", "tokens"),
+        ("comm/bytes", "comm_bytes"),
+        ("comm/ms", "comm_ms"),
+        ("comm/frac", "comm_frac"),
+        ("comm/sync_ms", "sync_ms"),
+        ("val/loss", "val_loss"),
+        ("val/ppl", "val_ppl"),
+        ("val/train_loss", "eval_train_loss"),
     ] {
-        assert_eq!(s[tag].as_object().unwrap().len(), 20, "{tag}");
+        assert_eq!(nanodist::metrics::tensorboard::tag(key), tag);
     }
+    assert_eq!(s["train/batch_size"].as_object().unwrap().len(), 20);
+    // Every numeric metric of every row is there, with the row's value.
     for r in &rows {
-        let at = |tag: &str| s[tag][r.step.to_string()].as_f64().unwrap();
-        // Stored as f32; the JSON round trip may differ in the last printed digit.
-        let same = |a: f64, b: f64| (a - b as f32 as f64).abs() <= 1e-6 * b.abs();
-        assert!(same(at("loss"), r.train_loss), "step {}", r.step);
-        assert!(same(at("lr"), r.lr), "step {}", r.step);
-        if let Some(v) = r.val_loss {
-            assert!(same(at("val loss"), v));
-            assert!(same(at("val ppl"), v.exp()));
+        for (key, v) in r.numeric().unwrap() {
+            let tag = nanodist::metrics::tensorboard::tag(&key);
+            let got = s[&tag][r.step.to_string()]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{tag} missing at step {}", r.step));
+            assert!(same(got, v), "{tag} at step {}: {got} vs {v}", r.step);
         }
     }
-    assert_eq!(s["val loss"].as_object().unwrap().len(), 2);
+    assert_eq!(s["train/loss"].as_object().unwrap().len(), 20);
+    assert_eq!(s["val/loss"].as_object().unwrap().len(), 2);
 }
 
 /// A W&B run stopped at step 10 and resumed to 20 (two offline segments of one run id).

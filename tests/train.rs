@@ -61,19 +61,22 @@ fn stopped_and_resumed_run_equals_uninterrupted_run_bit_for_bit() {
     let b = tempfile::tempdir().unwrap();
     make_data(a.path());
     make_data(b.path());
-    let full = run(a.path(), &[]);
+    // With the evaluation before training: a resumed segment does not repeat it.
+    let at_start = "log.eval_at_start=true";
+    let full = run(a.path(), &[at_start]);
     assert_eq!((full.step, full.exit.clone()), (20, Exit::Finished));
 
     // Stop at step 7 (between checkpoints: the exit path saves), then twice more, then finish.
-    let first = run(b.path(), &["train.exit_interval=7"]);
+    let first = run(b.path(), &[at_start, "train.exit_interval=7"]);
     assert_eq!((first.step, first.exit), (7, Exit::ExitInterval));
-    assert_eq!(run(b.path(), &["train.exit_interval=6"]).step, 13);
-    let last = run(b.path(), &[]);
+    assert_eq!(run(b.path(), &[at_start, "train.exit_interval=6"]).step, 13);
+    let last = run(b.path(), &[at_start]);
     assert_eq!((last.step, last.exit.clone()), (20, Exit::Finished));
 
     let rows_a = read_rows(&full.run_dir.join("metrics.jsonl")).unwrap();
     let rows_b = read_rows(&last.run_dir.join("metrics.jsonl")).unwrap();
     assert_eq!(rows_a.len(), rows_b.len());
+    assert_eq!(rows_b.iter().filter(|r| r.step == 0).count(), 1);
     for (x, y) in rows_a.iter().zip(&rows_b) {
         assert_eq!(numbers(x), numbers(y), "rows differ at step {}", x.step);
     }
@@ -110,7 +113,70 @@ fn stopped_and_resumed_run_equals_uninterrupted_run_bit_for_bit() {
         "the model should learn"
     );
     // Finished runs do nothing when started again.
-    assert_eq!(run(b.path(), &[]).step, 20);
+    assert_eq!(run(b.path(), &[at_start]).step, 20);
+}
+
+/// The evaluation before training (`log.eval_at_start`, nanoGPT's eval at iter 0) evaluates exactly the
+/// weights the run starts from: a run started from another run's final weights logs, at step 0, the val
+/// and train-split losses that run logged at its end, bit for bit; and 2 workers evaluate what 1 does.
+#[test]
+fn the_evaluation_before_training_is_a_row_at_step_0_of_the_starting_weights() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let on = "log.eval_at_start=true";
+    let first = run(d.path(), &[on, "log.run_name=\"first\""]);
+    let first_rows = read_rows(&first.run_dir.join("metrics.jsonl")).unwrap();
+    let zero = &first_rows[0];
+    assert_eq!((zero.step, zero.tokens, zero.comm_bytes), (0, 0, 0));
+    assert_eq!(zero.grad_norm, 0.0);
+    assert_eq!(Some(zero.train_loss), zero.eval_train_loss);
+    assert!(zero.val_loss.is_some() && first_rows[1].step > 0);
+    assert_eq!(first_rows.iter().filter(|r| r.step == 0).count(), 1);
+    // An untrained model of a 64-token vocabulary: about ln 64.
+    assert!(
+        (zero.val_loss.unwrap() - 64f64.ln()).abs() < 0.5,
+        "{zero:?}"
+    );
+
+    let ckpt = first.run_dir.join("checkpoints/step_00000020");
+    let from = format!("checkpoint={:?}", ckpt.display().to_string());
+    let second = run(
+        d.path(),
+        &[
+            on,
+            "log.run_name=\"second\"",
+            &from,
+            "checkpoint_mode=\"weights\"",
+        ],
+    );
+    let second_rows = read_rows(&second.run_dir.join("metrics.jsonl")).unwrap();
+    let (end, start) = (first_rows.last().unwrap(), &second_rows[0]);
+    assert_eq!(start.step, 0);
+    assert_eq!(start.val_loss, end.val_loss);
+    assert_eq!(start.eval_train_loss, end.eval_train_loss);
+
+    let off = run(d.path(), &["log.run_name=\"off\""]);
+    let off_rows = read_rows(&off.run_dir.join("metrics.jsonl")).unwrap();
+    assert!(off_rows[0].step > 0, "eval_at_start = false: no step-0 row");
+
+    let two = {
+        let launch = LaunchEnv {
+            workers_flag: Some(2),
+            ..LaunchEnv::default()
+        };
+        // 2 workers x 1 row evaluate the windows of 1 worker x 2 rows.
+        let set = vec![
+            on.to_string(),
+            "log.run_name=\"two\"".to_string(),
+            "train.local_batch_size=1".to_string(),
+        ];
+        let loaded =
+            config::load_str(Path::new("t.toml"), &config_text(d.path()), &set, &launch).unwrap();
+        train::run(&loaded).unwrap()
+    };
+    let two_rows = read_rows(&two.run_dir.join("metrics.jsonl")).unwrap();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-5 * b.abs();
+    assert!(close(two_rows[0].val_loss.unwrap(), zero.val_loss.unwrap()));
 }
 
 #[test]

@@ -25,6 +25,10 @@ pub struct LogConfig {
     /// Evaluate train and validation loss every this many steps (and at the last step).
     #[schemars(range(min = 1))]
     pub eval_interval: u64,
+    /// Evaluate before the first step, as nanoGPT does: a metrics row at step 0 with the initial model's
+    /// val loss, and as its `train_loss` the evaluation's estimate on training batches (no gradient yet:
+    /// `grad_norm` 0, no throughput). A resumed run does not repeat it.
+    pub eval_at_start: bool,
     /// Number of fixed, seeded batches averaged for each evaluation.
     #[schemars(range(min = 1))]
     pub eval_steps: u64,
@@ -57,6 +61,7 @@ impl Default for LogConfig {
             wandb_group: None,
             wandb_tags: Vec::new(),
             eval_interval: 1000,
+            eval_at_start: true,
             eval_steps: 200,
             eval_local: false,
             log_interval: 10,

@@ -153,6 +153,17 @@ impl SyncPlan {
         )
     }
 
+    /// The first step of a reducer's compressed phase, when it starts dense (Radius's `threshold`,
+    /// PowerSGD's `start_iter`); DiLoCo's reducers count syncs instead of steps and are not included.
+    pub fn dense_until(&self) -> Option<u64> {
+        match self {
+            SyncPlan::Compressed(ReducerPlan::Radius { cfg, .. }) => Some(cfg.threshold),
+            SyncPlan::Compressed(ReducerPlan::PowerSgd { cfg, .. }) => Some(cfg.start_iter),
+            _ => None,
+        }
+        .filter(|&s| s > 0)
+    }
+
     /// One line for `check` and the start of a run.
     pub fn describe(&self) -> String {
         match self {
@@ -254,6 +265,9 @@ pub struct Plan {
     pub n_params: u64,
     pub flops_per_token: u64,
     pub n_steps: u64,
+    /// Compute threads per worker, where this machine decides them (`train.threads`, else on the local
+    /// engine the cores shared by its workers); None: each process's RAYON_NUM_THREADS or cores.
+    pub threads: Option<usize>,
 }
 
 impl Plan {
@@ -269,6 +283,14 @@ impl fmt::Display for Plan {
         writeln!(f, "backend           {}", self.sync.backend_name())?;
         writeln!(f, "synchronisation   {}", self.sync.describe())?;
         writeln!(f, "world size        {}", self.world_size)?;
+        match self.threads {
+            Some(t) => writeln!(f, "workers x threads {} x {t}", self.world_size)?,
+            None => writeln!(
+                f,
+                "workers x threads {} x (each process's RAYON_NUM_THREADS, else its cores)",
+                self.world_size
+            )?,
+        }
         if let Some(l) = self.local_world_size {
             writeln!(f, "ranks per node    {l}")?;
         }
@@ -405,6 +427,13 @@ pub fn resolve(
         n_params: cfg.model.n_params(t.context_length),
         flops_per_token: cfg.model.flops_per_token(t.context_length),
         n_steps: t.n_steps,
+        threads: t.threads.or(match engine {
+            Engine::Local | Engine::Auto => {
+                let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+                Some((cores / world).max(1))
+            }
+            Engine::Mpi | Engine::Nccl => None,
+        }),
     };
     Ok((plan, notes))
 }

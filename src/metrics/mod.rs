@@ -66,9 +66,25 @@ pub struct Row {
     /// Radius: |new ∩ old| / |new| of the top-k sets at the re-selections since the last row.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub topk_overlap: Option<f64>,
-    /// PowerSGD: fraction of the parameters in compressed matrices.
+    /// PowerSGD: the fraction of the parameters in the matrices it compresses (the rest is all-reduced
+    /// dense), on rows whose interval ran compressed steps; absent while every step is dense (before
+    /// `start_iter`). Not a compression ratio: see `compression_ratio`.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub compressed_fraction: Option<f64>,
+}
+
+impl Row {
+    /// Every numeric field this row has, by its key (`step` aside): what W&B and TensorBoard receive.
+    pub fn numeric(&self) -> Result<Vec<(String, f64)>> {
+        Ok(match serde_json::to_value(self)? {
+            serde_json::Value::Object(m) => m
+                .into_iter()
+                .filter(|(k, _)| k != "step")
+                .filter_map(|(k, v)| Some((k, v.as_f64()?)))
+                .collect(),
+            _ => Vec::new(),
+        })
+    }
 }
 
 /// Appends rows to `metrics.jsonl`, one JSON object per line, flushed per row.
@@ -157,7 +173,16 @@ impl Tracker {
             None
         };
         let tb = if cfg.log.tensorboard {
-            Some(tensorboard::EventWriter::create(&run_dir.join("tb"))?)
+            let dir = run_dir.join("tb");
+            let writer = tensorboard::EventWriter::create(&dir)?;
+            // The log directory holds every run: TensorBoard shows them side by side.
+            let logdir = run_dir.parent().unwrap_or(run_dir);
+            tracing::info!(
+                "TensorBoard scalars in {} (view: tensorboard --logdir {})",
+                dir.display(),
+                logdir.display()
+            );
+            Some(writer)
         } else {
             None
         };
@@ -171,32 +196,17 @@ impl Tracker {
 
     pub fn write(&mut self, row: &Row) -> Result<()> {
         self.jsonl.write(row)?;
+        let metrics = row.numeric()?;
         if let Some(w) = self.wandb.as_mut() {
-            let metrics: Vec<(String, f64)> = match serde_json::to_value(row)? {
-                serde_json::Value::Object(m) => m
-                    .into_iter()
-                    .filter(|(k, _)| k != "step")
-                    .filter_map(|(k, v)| Some((k, v.as_f64()?)))
-                    .collect(),
-                _ => Vec::new(),
-            };
             w.log(row.step, &metrics)?;
         }
         if let Some(tb) = self.tb.as_mut() {
-            // The tag names of the seeds' TensorBoard logging.
-            let mut s: Vec<(&str, f64)> = vec![
-                ("lr", row.lr),
-                ("loss", row.train_loss),
-                ("grad-norm", row.grad_norm),
-                ("param-norm", row.param_norm),
-                ("batch size", self.batch_size),
-                ("throughput", row.tokens_per_s),
-                ("comm bytes", row.comm_bytes as f64),
-            ];
-            if let (Some(v), Some(p)) = (row.val_loss, row.val_ppl) {
-                s.extend([("val loss", v), ("val ppl", p)]);
-            }
-            tb.scalars(row.step, &s)?;
+            let mut scalars: Vec<(String, f64)> = metrics
+                .iter()
+                .map(|(k, v)| (tensorboard::tag(k), *v))
+                .collect();
+            scalars.push(("train/batch_size".into(), self.batch_size));
+            tb.scalars(row.step, &scalars)?;
         }
         Ok(())
     }

@@ -42,6 +42,34 @@ pub struct Value {
     pub simple_value: f32,
 }
 
+/// The TensorBoard tag of a metrics row's key, grouped as its dashboard shows them: `val/...` (evaluation),
+/// `comm/...` (what the synchronisation sent, how long it took, and what it did to the replicas or the
+/// gradient) and `train/...` (the rest): `val_loss` -> `val/loss`, `comm_bytes` -> `comm/bytes`,
+/// `consensus_distance` -> `comm/consensus_distance`, `train_loss` -> `train/loss`.
+pub fn tag(key: &str) -> String {
+    const COMM: [&str; 8] = [
+        "sync_ms",
+        "consensus_distance",
+        "pseudo_grad_norm",
+        "outer_lr",
+        "compression_ratio",
+        "compression_error",
+        "topk_overlap",
+        "compressed_fraction",
+    ];
+    if let Some(rest) = key.strip_prefix("val_") {
+        format!("val/{rest}")
+    } else if key == "eval_train_loss" {
+        "val/train_loss".into()
+    } else if let Some(rest) = key.strip_prefix("comm_") {
+        format!("comm/{rest}")
+    } else if COMM.contains(&key) {
+        format!("comm/{key}")
+    } else {
+        format!("train/{}", key.strip_prefix("train_").unwrap_or(key))
+    }
+}
+
 /// TFRecord's masked CRC-32C.
 pub fn masked_crc(data: &[u8]) -> u32 {
     let c = crc32c::crc32c(data);
@@ -99,11 +127,11 @@ impl EventWriter {
     }
 
     /// One event with all `scalars` of `step`; flushed so that a live TensorBoard sees it.
-    pub fn scalars(&mut self, step: u64, scalars: &[(&str, f64)]) -> Result<()> {
+    pub fn scalars(&mut self, step: u64, scalars: &[(String, f64)]) -> Result<()> {
         let value = scalars
             .iter()
             .map(|(tag, v)| Value {
-                tag: tag.to_string(),
+                tag: tag.clone(),
                 simple_value: *v as f32,
             })
             .collect();

@@ -13,7 +13,6 @@ use std::path::Path;
 use anyhow::Result;
 use serde::Serialize;
 
-use crate::comm::Shape;
 use crate::config::resolve::SyncPlan;
 use crate::config::{backend::Quantize, ConfigError, LaunchEnv, Loaded};
 use crate::sync::trace::{self, Collective, Overlap};
@@ -64,15 +63,7 @@ impl Predictor {
     ) -> Result<Self> {
         let plan = &loaded.plan;
         let cfg = &loaded.config;
-        let named = crate::model::gpt::layout(&cfg.model, cfg.train.context_length)
-            .into_iter()
-            .map(|(name, shape, _)| (name, shape));
-        let tensors = crate::sync::compress::TensorView::of_shapes(named);
-        let comm = Box::new(Shape {
-            rank: 0,
-            world: plan.world_size,
-        });
-        let backend = crate::sync::build(&plan.sync, comm, tensors)?;
+        let backend = crate::sync::described(cfg, plan)?;
         // More ranks than devices on a node share them (a CPU's cores, with `local`).
         let per_device = layout.ranks_per_node as f64 / p.devices_per_node as f64;
         let shared = match per_device > 1.0 {
@@ -104,11 +95,7 @@ impl Predictor {
     /// How often each pattern of collectives occurs over `steps` (runs repeat a few: dense and
     /// compressed steps, gossip rounds, sync points).
     pub fn patterns(&self, steps: std::ops::Range<u64>) -> HashMap<Vec<Collective>, u64> {
-        let mut out: HashMap<Vec<Collective>, u64> = HashMap::new();
-        for s in steps {
-            *out.entry(self.backend.step_comm(s)).or_default() += 1;
-        }
-        out
+        trace::patterns(self.backend.as_ref(), steps)
     }
 
     /// A step of these collectives: each one's seconds, and the step's time.

@@ -8,6 +8,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use serde::Serialize;
 
 use crate::bad_input;
 use crate::config::{Backend, Compression, Config};
@@ -120,6 +121,21 @@ impl Run {
         s
     }
 
+    /// The first step of the compressed phase of a reducer that starts dense (see
+    /// `SyncPlan::dense_until`).
+    pub fn dense_until(&self) -> Option<u64> {
+        let t = &self.config.train;
+        if t.backend != Backend::PytorchDdp {
+            return None;
+        }
+        match &t.compression {
+            Some(Compression::Radius(c)) => Some(c.threshold),
+            Some(Compression::PowerSgd(c)) => Some(c.start_iter),
+            _ => None,
+        }
+        .filter(|&s| s > 0)
+    }
+
     /// "name (algorithm, N workers)": the label of the run in plots.
     pub fn label(&self) -> String {
         match self.world_size {
@@ -145,8 +161,8 @@ impl Run {
     }
 }
 
-/// One line of the comparison table.
-#[derive(Debug, Clone, PartialEq)]
+/// One line of the comparison: the fields of `compare --format json` and the columns of `--format csv`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Summary {
     pub name: String,
     pub algorithm: String,
@@ -154,29 +170,65 @@ pub struct Summary {
     pub steps: u64,
     pub final_val: Option<f64>,
     pub best_val: Option<f64>,
-    /// Mean training throughput of the whole job over the rows (evaluation rows included).
+    /// Mean training throughput of the whole job over the rows.
     pub tokens_per_s: f64,
     /// Bytes sent per worker per step, over the run.
     pub bytes_per_step: f64,
-    /// Seconds of training until the first evaluation at or below the target.
-    pub time_to_target: Option<f64>,
+    /// A reducer that starts dense (Radius's threshold, PowerSGD's start_iter): bytes per worker per step
+    /// over the rows wholly before the switch, and over those wholly after it.
+    pub dense_bytes_per_step: Option<f64>,
+    pub compressed_bytes_per_step: Option<f64>,
+    /// The share of training time the synchronisation's collectives took.
+    pub comm_share: f64,
+    /// The last consensus distance logged (gossip and SPARTA at evaluations, DiLoCo before a sync).
+    pub consensus_distance: Option<f64>,
+    /// The val loss to reach, and when the run first reached it: step and seconds of training.
+    pub target: Option<f64>,
     pub steps_to_target: Option<u64>,
-    /// On the `--cluster`: predicted ms per step and seconds to the target.
+    pub time_to_target: Option<f64>,
+    /// On `--cluster`: its name, the predicted ms per step and seconds to the target.
+    pub cluster: Option<String>,
     pub predicted_ms_per_step: Option<f64>,
     pub predicted_to_target: Option<f64>,
+}
+
+/// Steps each row covers: from the previous row's step to its own.
+fn row_steps(rows: &[Row]) -> impl Iterator<Item = (&Row, u64)> {
+    rows.iter().scan(0u64, |prev, r| {
+        let n = r.step.saturating_sub(*prev);
+        *prev = r.step;
+        Some((r, n))
+    })
+}
+
+/// Bytes per step over the rows that `keep` (given a row's first step and its step) selects.
+fn bytes_per_step_where(rows: &[Row], keep: impl Fn(u64, u64) -> bool) -> Option<f64> {
+    let (bytes, steps) = row_steps(rows)
+        .filter(|(r, n)| *n > 0 && keep(r.step - n, r.step))
+        .fold((0u64, 0u64), |(b, s), (r, n)| (b + r.comm_bytes, s + n));
+    (steps > 0).then(|| bytes as f64 / steps as f64)
 }
 
 pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
     let last = run.rows.last();
     let steps = last.map_or(0, |r| r.step);
     let bytes: u64 = run.rows.iter().map(|r| r.comm_bytes).sum();
-    let tps: Vec<f64> = run.rows.iter().map(|r| r.tokens_per_s).collect();
+    // Rows that trained (not the evaluation at step 0).
+    let tps: Vec<f64> = row_steps(&run.rows)
+        .filter(|&(_, n)| n > 0)
+        .map(|(r, _)| r.tokens_per_s)
+        .collect();
     let hit = target.and_then(|t| {
         run.rows
             .iter()
             .position(|r| r.val_loss.is_some_and(|v| v <= t))
     });
     let hit_row = hit.map(|i| &run.rows[i]);
+    let start = run.dense_until().filter(|&s| s < steps);
+    let (comm_ms, total_ms) = row_steps(&run.rows).fold((0.0, 0.0), |(c, t), (r, n)| {
+        (c + r.comm_ms, t + r.ms_per_step * n as f64)
+    });
+    let predicted = run.predicted.first();
     Summary {
         name: run.name.clone(),
         algorithm: run.algorithm(),
@@ -191,13 +243,22 @@ pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
         },
         // The rows of a run (resumed ones included) cover steps 1..=last.
         bytes_per_step: bytes as f64 / steps.max(1) as f64,
+        dense_bytes_per_step: start
+            .and_then(|s| bytes_per_step_where(&run.rows, |_, end| end <= s)),
+        compressed_bytes_per_step: start
+            .and_then(|s| bytes_per_step_where(&run.rows, |first, _| first >= s)),
+        comm_share: if total_ms > 0.0 {
+            comm_ms / total_ms
+        } else {
+            0.0
+        },
+        consensus_distance: run.rows.iter().rev().find_map(|r| r.consensus_distance),
+        target,
         time_to_target: hit_row.map(|r| r.elapsed_s),
         steps_to_target: hit_row.map(|r| r.step),
-        predicted_ms_per_step: run.predicted.first().map(|p| p.ms_per_step),
-        predicted_to_target: run
-            .predicted
-            .first()
-            .and_then(|p| p.clock.get(hit?).copied()),
+        cluster: predicted.map(|p| p.cluster.clone()),
+        predicted_ms_per_step: predicted.map(|p| p.ms_per_step),
+        predicted_to_target: predicted.and_then(|p| p.clock.get(hit?).copied()),
     }
 }
 
@@ -211,61 +272,102 @@ pub fn human_bytes(b: f64) -> String {
     }
 }
 
-/// The comparison table in Markdown. `target` defaults to the worst final val loss of the runs, which
-/// every run with an evaluation reaches.
-pub fn compare(runs: &[Run], target: Option<f64>) -> String {
+/// How `compare` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Format {
+    /// A table to read (and to paste into notes).
+    #[default]
+    Markdown,
+    /// One line per run, the fields of `json` as columns (empty: not measured).
+    Csv,
+    /// An array of one object per run.
+    Json,
+}
+
+/// The comparison of `runs`. `target` defaults to the worst final val loss of the runs, which every run
+/// with an evaluation reaches.
+pub fn compare(runs: &[Run], target: Option<f64>, format: Format) -> Result<String> {
     let target = target.or_else(|| {
         runs.iter()
             .filter_map(|r| r.evals().last().map(|(_, v)| v))
             .reduce(f64::max)
     });
+    let summaries: Vec<Summary> = runs.iter().map(|r| summarize(r, target)).collect();
+    Ok(match format {
+        Format::Markdown => markdown(&summaries, target),
+        Format::Json => serde_json::to_string_pretty(&summaries)? + "\n",
+        Format::Csv => {
+            let mut w = csv::Writer::from_writer(Vec::new());
+            for s in &summaries {
+                w.serialize(s)?;
+            }
+            String::from_utf8(w.into_inner().map_err(|e| anyhow::anyhow!("{e}"))?)?
+        }
+    })
+}
+
+fn markdown(summaries: &[Summary], target: Option<f64>) -> String {
     let opt = |x: Option<f64>, digits: usize| x.map_or("-".into(), |v| format!("{v:.digits$}"));
-    let mut out = String::new();
-    let cluster = runs
-        .iter()
-        .find_map(|r| r.predicted.first().map(|p| p.cluster.clone()));
-    let extra = cluster.as_ref().map_or(String::new(), |c| {
-        format!(" {c}: ms/step | {c}: time to target |")
-    });
-    let _ = writeln!(
-        out,
-        "| run | algorithm | workers | steps | final val | best val | tokens/s | bytes/step/worker | to val <= {} |{extra}",
-        opt(target, 4)
-    );
-    let _ = writeln!(
-        out,
-        "|---|---|---|---|---|---|---|---|---|{}",
-        if cluster.is_some() { "---|---|" } else { "" }
-    );
-    for run in runs {
-        let s = summarize(run, target);
+    let bytes = |x: Option<f64>| x.map_or("-".into(), human_bytes);
+    let cluster = summaries.iter().find_map(|s| s.cluster.clone());
+    let phases = summaries.iter().any(|s| s.dense_bytes_per_step.is_some());
+    let mut head = vec![
+        "run".to_string(),
+        "algorithm".into(),
+        "workers".into(),
+        "steps".into(),
+        "final val".into(),
+        "best val".into(),
+        "tokens/s".into(),
+        "bytes/step/worker".into(),
+    ];
+    if phases {
+        head.extend(["dense phase".into(), "compressed phase".into()]);
+    }
+    head.extend([
+        "comm share".into(),
+        "consensus distance".into(),
+        format!("to val <= {}", opt(target, 4)),
+    ]);
+    if let Some(c) = &cluster {
+        head.extend([format!("{c}: ms/step"), format!("{c}: time to target")]);
+    }
+    let mut out = format!("| {} |\n|{}\n", head.join(" | "), "---|".repeat(head.len()));
+    for s in summaries {
         let reach = match (s.steps_to_target, s.time_to_target) {
             (Some(step), Some(t)) => format!("step {step}, {t:.1} s"),
             _ => "not reached".into(),
         };
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} | {} | {} | {} | {:.0} | {} | {} |",
-            s.name,
-            s.algorithm,
+        let mut cells = vec![
+            s.name.clone(),
+            s.algorithm.clone(),
             s.workers.map_or("?".into(), |w| w.to_string()),
-            s.steps,
+            s.steps.to_string(),
             opt(s.final_val, 4),
             opt(s.best_val, 4),
-            s.tokens_per_s,
+            format!("{:.0}", s.tokens_per_s),
             human_bytes(s.bytes_per_step),
-            reach
-        );
+        ];
+        if phases {
+            cells.extend([
+                bytes(s.dense_bytes_per_step),
+                bytes(s.compressed_bytes_per_step),
+            ]);
+        }
+        cells.extend([
+            format!("{:.1}%", s.comm_share * 100.0),
+            s.consensus_distance
+                .map_or("-".into(), |d| format!("{d:.3e}")),
+            reach,
+        ]);
         if cluster.is_some() {
-            out.pop();
-            let _ = writeln!(
-                out,
-                " {} | {} |",
+            cells.extend([
                 opt(s.predicted_ms_per_step, 1),
                 s.predicted_to_target
-                    .map_or("not reached".into(), crate::predict::human_secs)
-            );
+                    .map_or("not reached".into(), crate::predict::human_secs),
+            ]);
         }
+        let _ = writeln!(out, "| {} |", cells.join(" | "));
     }
     out
 }

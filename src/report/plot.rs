@@ -85,8 +85,6 @@ fn tick(v: &f64) -> String {
 struct Series {
     run: usize,
     dashed: bool,
-    /// The legend's label (default: solid lines are labelled with their run).
-    label: Option<String>,
     points: Vec<(f64, f64)>,
 }
 
@@ -104,7 +102,6 @@ fn predicted(runs: &[Run]) -> Vec<Series> {
             out.push(Series {
                 run: i,
                 dashed: k > 0,
-                label: Some(format!("{} on {}", run.name, p.cluster)),
                 points,
             });
         }
@@ -112,8 +109,37 @@ fn predicted(runs: &[Run]) -> Vec<Series> {
     out
 }
 
+/// How the figure is drawn (`nanodist plot --title --log-y --smooth`).
+#[derive(Debug, Clone, Default)]
+pub struct Style {
+    /// The figure's title (default: the run's label, or "N runs").
+    pub title: Option<String>,
+    /// Loss on a logarithmic axis.
+    pub log_y: bool,
+    /// Each curve as the trailing mean of its last `smooth` points (0 or 1: as logged).
+    pub smooth: usize,
+}
+
+impl Style {
+    /// A curve as drawn: smoothed, then on the loss axis's scale (log10 with `log_y`).
+    pub fn apply(&self, points: &[(f64, f64)]) -> Vec<(f64, f64)> {
+        let window = self.smooth.max(1);
+        let mut sum = 0.0;
+        let mut out = Vec::with_capacity(points.len());
+        for (i, &(x, y)) in points.iter().enumerate() {
+            sum += y;
+            if i >= window {
+                sum -= points[i - window].1;
+            }
+            let mean = sum / (i + 1).min(window) as f64;
+            out.push((x, if self.log_y { mean.log10() } else { mean }));
+        }
+        out
+    }
+}
+
 /// Draws `runs` to `output` (.png) and to the same path with .svg; returns both paths.
-pub fn plot(runs: &[Run], output: &Path) -> Result<(PathBuf, PathBuf)> {
+pub fn plot(runs: &[Run], output: &Path, style: &Style) -> Result<(PathBuf, PathBuf)> {
     if runs.is_empty() {
         return Err(bad_input!("plot: give at least one run directory"));
     }
@@ -128,39 +154,68 @@ pub fn plot(runs: &[Run], output: &Path) -> Result<(PathBuf, PathBuf)> {
     }
     register_font()?;
     let svg = output.with_extension("svg");
-    let title = if runs.len() == 1 {
-        runs[0].label()
-    } else {
-        format!("{} runs", runs.len())
-    };
+    let title = style.title.clone().unwrap_or_else(|| match runs {
+        [one] => one.label(),
+        _ => format!("{} runs", runs.len()),
+    });
     {
         let root = BitMapBackend::new(output, SIZE).into_drawing_area();
-        draw(&root, runs, &title)?;
+        draw(&root, runs, &title, style)?;
         root.present()
             .map_err(|e| anyhow!("writing {}: {e}", output.display()))?;
     }
     {
         let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
-        draw(&root, runs, &title)?;
+        draw(&root, runs, &title, style)?;
         root.present()
             .map_err(|e| anyhow!("writing {}: {e}", svg.display()))?;
     }
     Ok((output.to_path_buf(), svg))
 }
 
-fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, runs: &[Run], title: &str) -> Result<()>
+/// Height of a line of the legend, and runs per line.
+const LEGEND_LINE: i32 = 24;
+const LEGEND_COLUMNS: usize = 2;
+
+fn draw<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    runs: &[Run],
+    title: &str,
+    style: &Style,
+) -> Result<()>
 where
     DB::ErrorType: 'static,
 {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("drawing the plot: {e}");
     root.fill(&WHITE).map_err(err)?;
-    let (top, body) = root.split_vertically(50);
+    // The title, then one legend for all panels: a run keeps its color everywhere.
+    let legend_lines = runs.len().div_ceil(LEGEND_COLUMNS) as i32;
+    let (top, body) = root.split_vertically(50 + LEGEND_LINE * legend_lines + 6);
     top.draw(&Text::new(
         title.to_string(),
         (20, 12),
         ("sans-serif", 26).into_font(),
     ))
     .map_err(err)?;
+    let column_width = SIZE.0 as i32 / LEGEND_COLUMNS as i32;
+    for (i, run) in runs.iter().enumerate() {
+        let (x, y) = (
+            20 + column_width * (i % LEGEND_COLUMNS) as i32,
+            50 + LEGEND_LINE * (i / LEGEND_COLUMNS) as i32 + LEGEND_LINE / 2,
+        );
+        let (r, g, b) = COLORS[i % COLORS.len()];
+        top.draw(&PathElement::new(
+            [(x, y), (x + 30, y)],
+            RGBColor(r, g, b).stroke_width(3),
+        ))
+        .map_err(err)?;
+        top.draw(&Text::new(
+            run.label(),
+            (x + 40, y - 8),
+            ("sans-serif", 16).into_font(),
+        ))
+        .map_err(err)?;
+    }
     let panels = body.split_evenly((2, 2));
     let by = |x: &dyn Fn(&crate::metrics::Row, u64) -> f64, with_train: bool| -> Vec<Series> {
         let mut out = Vec::new();
@@ -170,7 +225,6 @@ where
                 out.push(Series {
                     run: i,
                     dashed: true,
-                    label: None,
                     points: run
                         .rows
                         .iter()
@@ -182,7 +236,6 @@ where
             out.push(Series {
                 run: i,
                 dashed: false,
-                label: None,
                 points: run
                     .rows
                     .iter()
@@ -236,18 +289,21 @@ where
             by(&|_, b| b as f64 / 1e6, false),
         ),
     ];
-    for (panel, (caption, xlabel, series)) in panels.iter().zip(specs) {
-        draw_panel(panel, runs, &caption, xlabel, &series)?;
+    for (panel, (caption, xlabel, mut series)) in panels.iter().zip(specs) {
+        for s in &mut series {
+            s.points = style.apply(&s.points);
+        }
+        draw_panel(panel, &caption, xlabel, &series, style.log_y)?;
     }
     Ok(())
 }
 
 fn draw_panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
-    runs: &[Run],
     caption: &str,
     xlabel: &str,
     series: &[Series],
+    log_y: bool,
 ) -> Result<()>
 where
     DB::ErrorType: 'static,
@@ -270,12 +326,18 @@ where
         .y_label_area_size(60)
         .build_cartesian_2d(x0..x1.max(x0 + 1e-9), (y0 - pad)..(y1 + pad))
         .map_err(err)?;
+    // On a log axis the points are log10(loss): the labels show the loss itself.
+    let y_label = |v: &f64| tick(&if log_y { 10f64.powf(*v) } else { *v });
     chart
         .configure_mesh()
         .x_desc(xlabel)
-        .y_desc("loss (nats)")
+        .y_desc(if log_y {
+            "loss (nats, log scale)"
+        } else {
+            "loss (nats)"
+        })
         .x_label_formatter(&tick)
-        .y_label_formatter(&tick)
+        .y_label_formatter(&y_label)
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(err)?;
@@ -283,34 +345,20 @@ where
         let (r, g, b) = COLORS[s.run % COLORS.len()];
         let color = RGBColor(r, g, b).to_rgba();
         let style = ShapeStyle::from(&color).stroke_width(if s.dashed { 1 } else { 2 });
-        let drawn = if s.dashed {
+        let points = s
+            .points
+            .iter()
+            .copied()
+            .filter(|(x, y)| x.is_finite() && y.is_finite());
+        if s.dashed {
             chart
-                .draw_series(DashedLineSeries::new(s.points.clone(), 6, 4, style))
-                .map_err(err)?
+                .draw_series(DashedLineSeries::new(points, 6, 4, style))
+                .map_err(err)?;
         } else {
             chart
-                .draw_series(LineSeries::new(s.points.clone(), style))
-                .map_err(err)?
-        };
-        let label = match (&s.label, s.dashed) {
-            (Some(l), _) => Some(l.clone()),
-            (None, false) => Some(runs[s.run].label()),
-            (None, true) => None,
-        };
-        if let Some(label) = label {
-            let width = if s.dashed { 1 } else { 2 };
-            drawn.label(label).legend(move |(x, y)| {
-                PathElement::new([(x, y), (x + 20, y)], color.stroke_width(width))
-            });
+                .draw_series(LineSeries::new(points, style))
+                .map_err(err)?;
         }
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(err)?;
     Ok(())
 }

@@ -13,7 +13,7 @@ pub mod trace;
 use anyhow::Result;
 
 use crate::comm::{all_reduce_mean, CommStats, Communicator};
-use crate::config::resolve::SyncPlan;
+use crate::config::resolve::{Plan, SyncPlan};
 use topology::Round;
 use trace::{Collective, Op, Overlap};
 
@@ -401,6 +401,21 @@ impl SyncBackend for Compressed {
     fn clipped_grad_norm(&self) -> Option<f64> {
         self.clipped_norm
     }
+}
+
+/// The planned backend of `cfg` on a described world (`comm::Shape`, rank 0) that never communicates:
+/// its step descriptions are what `check` shows and `predict` prices. The model's parameters are not
+/// allocated.
+pub fn described(cfg: &crate::config::Config, plan: &Plan) -> Result<Box<dyn SyncBackend>> {
+    let named = crate::model::gpt::layout(&cfg.model, cfg.train.context_length)
+        .into_iter()
+        .map(|(name, shape, _)| (name, shape));
+    let tensors = compress::TensorView::of_shapes(named);
+    let comm = Box::new(crate::comm::Shape {
+        rank: 0,
+        world: plan.world_size,
+    });
+    build(&plan.sync, comm, tensors)
 }
 
 /// The planned backend over `comm`.

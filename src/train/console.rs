@@ -178,7 +178,11 @@ impl Console {
             "Step {}, Val loss: {val:.4}, Train loss: {train:.4}, Train time: {secs:.2}s ({:.2}ms/step), \
              Total train time: {:.2}s, {:.0} tokens/s{mfu}",
             r.step,
-            secs * 1e3 / steps.max(1) as f64,
+            if steps > 0 {
+                secs * 1e3 / steps as f64
+            } else {
+                0.0
+            },
             r.elapsed_s,
             r.tokens_per_s,
         )];
@@ -193,8 +197,11 @@ impl Console {
             extra.push(format!("own-replica val loss {v:.4}"));
         }
         let comm = comm(r, row_steps);
-        if !extra.is_empty() || !comm.is_empty() {
-            lines.push(format!("Step {}: {}{comm}", r.step, extra.join(", ")));
+        if let Some(c) = comm.strip_prefix(", ") {
+            extra.push(c.to_string());
+        }
+        if !extra.is_empty() {
+            lines.push(format!("Step {}: {}", r.step, extra.join(", ")));
         }
         if self.silent {
             return;

@@ -151,10 +151,9 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
         source,
         stop: StopFlag::install()?,
         fault: fault::Fault::from_env()?,
-        worker_threads: (plan.engine == Engine::Local && plan.world_size > 1).then(|| {
-            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-            t.threads.unwrap_or((cores / plan.world_size).max(1))
-        }),
+        worker_threads: plan
+            .threads
+            .filter(|_| plan.engine == Engine::Local && plan.world_size > 1),
     };
     match (process_comm, plan.world_size) {
         (Some(comm), _) => Worker::new(&setup, comm)?.train(),

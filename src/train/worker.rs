@@ -202,11 +202,22 @@ impl<'s> Worker<'s> {
             }
             return Ok(self.summary(Exit::Finished, self.progress.best_val_loss));
         }
+        if self.progress.step == 0 && self.setup.cfg.log.eval_at_start {
+            self.evaluate_at_start()?;
+        }
         let exit = loop {
             if let Some(f) = &self.setup.fault {
                 f.check(self.sync.rank(), self.progress.step);
             }
             let lr = optim::lr_at(&t.lr_schedule, self.progress.step, t.n_steps);
+            let sync = &self.setup.plan.sync;
+            if sync.dense_until() == Some(self.progress.step) {
+                self.console.note(&format!(
+                    "step {}: the reducer switches from dense all-reduce to compressed ({})",
+                    self.progress.step,
+                    sync.describe()
+                ));
+            }
             // Debug builds (the tests) hold every step to the backend's description of it.
             let planned = cfg!(debug_assertions).then(|| {
                 let step = self.progress.step;
@@ -355,6 +366,27 @@ impl<'s> Worker<'s> {
             self.evaluate(&mut row)?;
         } else {
             self.console.progress(&row, self.since_log.steps);
+        }
+        if let Some(m) = self.metrics.as_mut() {
+            m.write(&row)?;
+        }
+        self.since_log = Interval::new(self.sync.comm_stats());
+        Ok(())
+    }
+
+    /// The evaluation before the first step (`log.eval_at_start`): a row at step 0 whose `train_loss` is
+    /// the evaluation's estimate on training batches, as nanoGPT logs it.
+    fn evaluate_at_start(&mut self) -> Result<()> {
+        let t = &self.setup.cfg.train;
+        let mut row = Row {
+            lr: optim::lr_at(&t.lr_schedule, 0, t.n_steps),
+            param_norm: optim::global_norm(&self.params),
+            elapsed_s: self.elapsed(),
+            ..Row::default()
+        };
+        self.evaluate(&mut row)?;
+        if let Some(train) = row.eval_train_loss {
+            row.train_loss = train;
         }
         if let Some(m) = self.metrics.as_mut() {
             m.write(&row)?;

@@ -27,9 +27,11 @@ pub fn make_data(dir: &Path) {
 }
 
 /// A 2-layer, 32-wide GPT over the data in `dir`, 20 steps, evaluated every 10; logs to dir/log/<run_name>.
+/// Without the evaluation before training (`log.eval_at_start`, on by default): the rows are the steps
+/// trained; the tests of that evaluation turn it on.
 pub fn tiny_config(dir: &Path, run_name: &str) -> String {
     format!(
-        "log_dir = {:?}\ndata_dir = {:?}\n[log]\nrun_name = \"{run_name}\"\neval_interval = 10\neval_steps = 4\nlog_interval = 1\n\
+        "log_dir = {:?}\ndata_dir = {:?}\n[log]\nrun_name = \"{run_name}\"\neval_interval = 10\neval_at_start = false\neval_steps = 4\nlog_interval = 1\n\
          ckpt_interval = 0\n[train]\nseed = 3\nglobal_batch_size = 8\ncontext_length = 16\nn_steps = 20\n\
          [train.lr_schedule]\nname = \"cosine\"\nlr = 3e-3\nwarmup_steps = 4\neta_min = 3e-4\n\
          [model]\nn_layers = 2\nn_heads = 2\nn_embd = 32\nvocab_size = 64\nbias = true\n",

@@ -227,14 +227,11 @@ impl Reducer for PowerSgd {
         grads: &mut [f32],
         step: u64,
     ) -> Result<Report> {
-        let fraction = Some(self.compressed_fraction());
         if step < self.cfg.start_iter {
             all_reduce_mean(comm, grads)?;
-            return Ok(Report {
-                compressed_fraction: fraction,
-                ..Report::default()
-            });
+            return Ok(Report::default());
         }
+        let fraction = Some(self.compressed_fraction());
         let n = comm.world_size() as f32;
         if self.cfg.error_feedback {
             if self.error.len() != grads.len() {
