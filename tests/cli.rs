@@ -116,9 +116,17 @@ fn check_shows_what_each_worker_sends_and_train_says_when_a_reducer_switches() {
         plan.contains("overlap           none (the step waits for its collectives)"),
         "{plan}"
     );
-    let out = nanodist(&[&["train", cfg], &powersgd[..]].concat());
+    let tensorboard = ["--set", "log.tensorboard=true"];
+    let out = nanodist(&[&["train", cfg], &powersgd[..], &tensorboard[..]].concat());
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let log = text(&out);
+    let logdir = dir.path().join("log");
+    let tb = format!(
+        "TensorBoard scalars in {}/plan/tb (view: tensorboard --logdir {})",
+        logdir.display(),
+        logdir.display()
+    );
+    assert!(log.contains(&tb), "missing {tb:?} in {log}");
     assert!(log.contains(&want), "train prints the plan: {log}");
     let switch =
         "step 10: the reducer switches from dense all-reduce to compressed (powersgd rank 2, \

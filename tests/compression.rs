@@ -361,6 +361,9 @@ fn each_reducer_trains_reports_its_metrics_and_resumes_exactly() {
         if name.starts_with("powersgd") {
             let f = late.compressed_fraction.unwrap();
             assert!(f > 0.5 && f < 1.0, "{name}: fraction {f}");
+            // Steps 0-2 (rows 1-3) are dense: nothing compressed, no fraction; step 3 compresses.
+            assert!(full[..3].iter().all(|r| r.compressed_fraction.is_none()));
+            assert_eq!(full[3].compressed_fraction, Some(f));
         }
         if name.starts_with("radius") {
             assert!(

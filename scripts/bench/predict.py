@@ -60,7 +60,9 @@ def main():
                     cmd += ["--set", s]
                 subprocess.run(cmd, env=env, cwd=ROOT, check=True, capture_output=True)
                 metrics = [json.loads(l) for l in open(os.path.join(out, run, "metrics.jsonl"))]
-                times = sorted(m["ms_per_step"] for m in metrics[1:])
+                # Trained rows after the first (the evaluation at step 0 trains nothing; the first row warms up).
+                trained = [m for m in metrics if m["step"] > 0]
+                times = sorted(m["ms_per_step"] for m in trained[1:])
                 measured = times[len(times) // 2]
                 pred = subprocess.run([a.nanodist, "predict", os.path.join(out, run), "--cluster", profile,
                                        "--ranks-per-node", str(np_), "--json"], env=env, cwd=ROOT, check=True,

@@ -106,7 +106,9 @@ def run_nanodist(exe, c, act, workers, total_threads, vocab, data_dir, env):
             cmd += ["--set", s]
         _, usage = run_measured(cmd, env=env)
         rows = [json.loads(l) for l in open(os.path.join(log, "bench/metrics.jsonl"))]
-        return statistics.mean(r["tokens_per_s"] for r in rows[1:]), usage.ru_maxrss / 1024
+        # After the warm-up interval (the evaluation at step 0 and the first logged row are not timed).
+        timed = [r["tokens_per_s"] for r in rows if r["step"] > c["warmup"]]
+        return statistics.mean(timed), usage.ru_maxrss / 1024
 
 
 def main():
