@@ -205,12 +205,12 @@ const CASES: &[Case] = &[
     ),
     (
         "unknown schedule",
-        "[train.lr_schedule]\nname = 'linear'\n",
+        "[train.lr_schedule]\nname = 'step'\n",
         &[],
         1,
         "train.lr_schedule.name",
         "bad.toml:2:8",
-        &["\"cosine\""],
+        &["\"cosine\"", "\"wsd\""],
     ),
     (
         "unknown backend",
@@ -411,6 +411,69 @@ const CASES: &[Case] = &[
         &["smaller than train.n_steps = 100"],
     ),
     (
+        "warmup not below decay_steps",
+        "[train]\nn_steps = 100\n[train.lr_schedule]\nname = 'linear'\nwarmup_steps = 50\ndecay_steps = 40\n",
+        &[],
+        1,
+        "train.lr_schedule.warmup_steps",
+        "bad.toml:5:16",
+        &["warmup_steps = 50 must be smaller than train.lr_schedule.decay_steps = 40"],
+    ),
+    (
+        "warmup as a fraction that reaches the end",
+        "[train]\nn_steps = 100\n[train.lr_schedule]\nwarmup_fraction = 1.0\n",
+        &[],
+        1,
+        "train.lr_schedule.warmup_fraction",
+        "bad.toml:4:19",
+        &["warmup_fraction = 1 (100 steps) must be smaller than train.n_steps = 100"],
+    ),
+    (
+        "warmup given twice",
+        "[train]\nn_steps = 100\n[train.lr_schedule]\nwarmup_steps = 5\nwarmup_fraction = 0.1\n",
+        &[],
+        1,
+        "train.lr_schedule.warmup_fraction",
+        "bad.toml:5:19",
+        &["warmup_steps or as warmup_fraction, not both"],
+    ),
+    (
+        "a wsd key under cosine",
+        "[train]\nn_steps = 100\n[train.lr_schedule]\nwarmup_steps = 5\ndecay_fraction = 0.2\n",
+        &[],
+        1,
+        "train.lr_schedule.decay_fraction",
+        "bad.toml:5:18",
+        &["`decay_fraction` belongs to name = \"wsd\", but the schedule is \"cosine\""],
+    ),
+    (
+        "decay_steps for a constant schedule",
+        "[train]\nn_steps = 100\n[train.lr_schedule]\nname = 'constant'\nwarmup_steps = 5\ndecay_steps = 50\n",
+        &[],
+        1,
+        "train.lr_schedule.decay_steps",
+        "bad.toml:6:15",
+        &["belongs to name = \"cosine\" or \"linear\" or \"wsd\""],
+    ),
+    (
+        "powersgd start given twice",
+        "[train.compression]\nname = 'powersgd'\nstart_iter = 10\nstart_fraction = 0.1\n",
+        &[],
+        1,
+        "train.compression.start_fraction",
+        "bad.toml:4:18",
+        &["start_iter or as start_fraction, not both"],
+    ),
+    (
+        "wsd decay inside the warm-up",
+        "[train]\nn_steps = 100\n[train.lr_schedule]\nname = 'wsd'\nwarmup_steps = 50\ndecay_fraction = 0.6\n",
+        &[],
+        1,
+        "train.lr_schedule.decay_fraction",
+        "bad.toml:6:18",
+        &["would start at step 40, inside the warm-up of 50 steps"],
+    ),
+    (
         "eta_min above lr",
         "[train.lr_schedule]\nname = 'cosine'\nlr = 1e-4\neta_min = 1e-3\n",
         &[],
@@ -609,6 +672,31 @@ fn the_alternating_exp_ring_hint_fixes_the_layout() {
         let set = vec![hint.to_string()];
         config::load_str(Path::new("ok.toml"), src, &set, &launch(workers))
             .unwrap_or_else(|e| panic!("{workers} workers with --set {hint}: {e}"));
+    }
+}
+
+/// Counts given as fractions of the run resolve into steps: PowerSGD's start_fraction is start_iter in the
+/// plan, a warmup_fraction schedule is the warmup_steps one.
+#[test]
+fn fractions_of_the_run_resolve_into_steps() {
+    let load = |src: &str| config::load_str(Path::new("ok.toml"), src, &[], &launch(2)).unwrap();
+    let by_fraction = load(
+        "[train]\nn_steps = 400\n[train.lr_schedule]\nwarmup_steps = 5\n[train.compression]\nname = 'powersgd'\nstart_fraction = 0.1\n",
+    );
+    let by_step =
+        load("[train]\nn_steps = 400\n[train.lr_schedule]\nwarmup_steps = 5\n[train.compression]\nname = 'powersgd'\nstart_iter = 40\n");
+    assert_eq!(by_fraction.plan.sync, by_step.plan.sync);
+    assert_eq!(by_fraction.plan.sync.dense_until(), Some(40));
+    let s = |src: &str| load(src).config.train.lr_schedule;
+    let (f, w) = (
+        s("[train]\nn_steps = 400\n[train.lr_schedule]\nname = 'linear'\nwarmup_fraction = 0.05\n"),
+        s("[train]\nn_steps = 400\n[train.lr_schedule]\nname = 'linear'\nwarmup_steps = 20\n"),
+    );
+    for step in [0, 7, 19, 20, 21, 200, 399, 400] {
+        assert_eq!(
+            nanodist::optim::lr_at(&f, step, 400),
+            nanodist::optim::lr_at(&w, step, 400)
+        );
     }
 }
 

@@ -201,6 +201,11 @@ pub struct PowerSgdConfig {
     pub rank: usize,
     /// Dense steps before compression starts; must be > 1 with error feedback or warm start.
     pub start_iter: u64,
+    /// The dense steps as a fraction of `train.n_steps` (rounded to steps), instead of `start_iter`
+    /// (Optimus-CC's `--grad_comp_warm_up 0.1`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub start_fraction: Option<f64>,
     /// Compress an n x m matrix only if (n + m) * r * rate < n * m.
     #[schemars(range(min = 0.0))]
     pub min_compression_rate: f64,
@@ -217,11 +222,22 @@ pub struct PowerSgdConfig {
     pub single_allreduce: bool,
 }
 
+impl PowerSgdConfig {
+    /// The first compressed step of a run of `n_steps`.
+    pub fn start_step(&self, n_steps: u64) -> u64 {
+        match self.start_fraction {
+            Some(f) => (f * n_steps as f64).round() as u64,
+            None => self.start_iter,
+        }
+    }
+}
+
 impl Default for PowerSgdConfig {
     fn default() -> Self {
         Self {
             rank: 1,
             start_iter: 1000,
+            start_fraction: None,
             min_compression_rate: 2.0,
             error_feedback: true,
             warm_start: true,

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 pub use backend::{Backend, Compression, Engine, Topology};
 pub use error::{ConfigError, Problem};
 pub use log::LogConfig;
-pub use lr::{CosineSchedule, LrSchedule};
+pub use lr::{LrSchedule, ScheduleName, WsdDecay};
 pub use model::{Activation, ModelConfig};
 pub use optim::{AccumAdamWConfig, AdamWConfig, OptimConfig};
 pub use resolve::{LaunchEnv, Plan, ReducerPlan, SyncPlan};

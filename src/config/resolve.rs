@@ -452,6 +452,23 @@ fn sync_plan(
     let mut add =
         |path: &str, message: String| problems.push(validate::problem_at(doc, path, message));
     owned_keys(t, &mut add);
+    if let Some(Compression::PowerSgd(p)) = &t.compression {
+        if p.start_fraction.is_some()
+            && super::tree::find(doc, "train.compression.start_iter").is_some()
+        {
+            add(
+                "train.compression.start_fraction",
+                "give PowerSGD's start as start_iter or as start_fraction, not both".into(),
+            );
+        }
+        if p.start_fraction.is_some() && t.backend == Backend::Diloco {
+            add(
+                "train.compression.start_fraction",
+                "under diloco the reducer's start counts syncs, not steps: give start_iter (syncs)"
+                    .into(),
+            );
+        }
+    }
     let plan = match (t.backend, &t.compression) {
         (Backend::PytorchDdp, None) => SyncPlan::AllReduce {
             bucket_elems: ((t.bucket_size_mb.unwrap_or(25.0) * 1e6 / 4.0) as usize).max(1),
@@ -541,14 +558,22 @@ fn reducer_plan(
             }
         }
         Compression::PowerSgd(p) => {
-            if p.start_iter <= 1 && (p.error_feedback || p.warm_start) {
+            // The plan holds the start as a step.
+            let start = p.start_step(t.n_steps);
+            if start <= 1 && (p.error_feedback || p.warm_start) {
+                let (key, given) = match p.start_fraction {
+                    Some(f) => (
+                        "start_fraction",
+                        format!("start_fraction = {f} ({start} steps)"),
+                    ),
+                    None => ("start_iter", format!("start_iter = {start}")),
+                };
                 add(
-                    "train.compression.start_iter",
+                    &format!("train.compression.{key}"),
                     format!(
-                        "start_iter = {} must be > 1 when error_feedback or warm_start is on (as PyTorch's \
+                        "{given} must be > 1 when error_feedback or warm_start is on (as PyTorch's \
                          PowerSGDState requires): their state is allocated during the dense steps before \
-                         compression starts",
-                        p.start_iter
+                         compression starts"
                     ),
                 );
             }
@@ -561,7 +586,11 @@ fn reducer_plan(
                 );
             }
             ReducerPlan::PowerSgd {
-                cfg: p.clone(),
+                cfg: PowerSgdConfig {
+                    start_iter: start,
+                    start_fraction: None,
+                    ..p.clone()
+                },
                 seed: t.seed,
             }
         }

@@ -5,7 +5,7 @@
 use serde_json::{Map, Value as J};
 
 use super::error::Problem;
-use super::lr::LrSchedule;
+use super::lr::ScheduleName;
 use super::tree::{find, Node, Value};
 use super::Config;
 
@@ -443,31 +443,7 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
         );
     }
     let t = &cfg.train;
-    let LrSchedule::Cosine(c) = &t.lr_schedule;
-    if c.warmup_steps >= t.n_steps {
-        // Blame a --set of either key: that is the change the user just made.
-        let mut p = problem_at_keys(
-            doc,
-            &["train.lr_schedule.warmup_steps", "train.n_steps"],
-            format!(
-                "warmup_steps = {} must be smaller than train.n_steps = {}; try --set train.n_steps={} or --set \
-                 train.lr_schedule.warmup_steps={}",
-                c.warmup_steps,
-                t.n_steps,
-                c.warmup_steps + 1,
-                t.n_steps.saturating_sub(1) / 10
-            ),
-        );
-        p.path = "train.lr_schedule.warmup_steps".into();
-        placed.push(p);
-    }
-    if c.eta_min > c.lr {
-        add(
-            "train.lr_schedule.eta_min",
-            format!("eta_min = {} is above the peak lr = {}", c.eta_min, c.lr),
-        );
-    }
-
+    schedule_rules(doc, t, &mut add, &mut placed);
     if let super::OptimConfig::Sgd(o) = &t.optim {
         if o.nesterov && o.momentum == 0.0 {
             add(
@@ -504,4 +480,110 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
 
     out.extend(placed);
     out
+}
+
+/// The learning-rate schedule's rules: one way to give the warm-up, keys that belong to other schedules,
+/// and a warm-up that ends before the decay does.
+fn schedule_rules(
+    doc: &Node,
+    t: &super::TrainConfig,
+    add: &mut dyn FnMut(&str, String),
+    placed: &mut Vec<Problem>,
+) {
+    let c = &t.lr_schedule;
+    let name = c.name;
+    if c.warmup_steps.is_some() && c.warmup_fraction.is_some() {
+        add(
+            "train.lr_schedule.warmup_fraction",
+            "give the warm-up as warmup_steps or as warmup_fraction, not both".into(),
+        );
+    }
+    let owned: [(&str, bool, &[ScheduleName]); 3] = [
+        (
+            "decay_steps",
+            c.decay_steps.is_some(),
+            &[
+                ScheduleName::Cosine,
+                ScheduleName::Linear,
+                ScheduleName::Wsd,
+            ],
+        ),
+        (
+            "decay_fraction",
+            c.decay_fraction.is_some(),
+            &[ScheduleName::Wsd],
+        ),
+        ("decay_style", c.decay_style.is_some(), &[ScheduleName::Wsd]),
+    ];
+    for (key, _, names) in owned.iter().filter(|(_, given, _)| *given) {
+        if !names.contains(&name) {
+            let names: Vec<String> = names.iter().map(|n| format!("{:?}", n.name())).collect();
+            add(
+                &format!("train.lr_schedule.{key}"),
+                format!(
+                    "`{key}` belongs to name = {}, but the schedule is {:?}",
+                    names.join(" or "),
+                    name.name()
+                ),
+            );
+        }
+    }
+    let (w, n) = (c.warmup(t.n_steps), t.n_steps);
+    let end = match name {
+        ScheduleName::Constant => n,
+        _ => c.decay_end(n),
+    };
+    if w >= end {
+        // Blame a --set of either key: that is the change the user just made.
+        let (what, fix) = match c.decay_steps.filter(|_| name != ScheduleName::Constant) {
+            Some(d) => (
+                format!("train.lr_schedule.decay_steps = {d}"),
+                format!("try --set train.lr_schedule.decay_steps={}", w + 1),
+            ),
+            None => (
+                format!("train.n_steps = {n}"),
+                format!("try --set train.n_steps={}", w + 1),
+            ),
+        };
+        let by_fraction = c.warmup_steps.is_none() && c.warmup_fraction.is_some();
+        let (warmup_key, warmup, shorter) = match by_fraction {
+            true => (
+                "train.lr_schedule.warmup_fraction",
+                format!(
+                    "warmup_fraction = {} ({w} steps)",
+                    c.warmup_fraction.unwrap_or(0.0)
+                ),
+                "warmup_fraction=0.1".to_string(),
+            ),
+            false => (
+                "train.lr_schedule.warmup_steps",
+                format!("warmup_steps = {w}"),
+                format!("warmup_steps={}", end.saturating_sub(1) / 10),
+            ),
+        };
+        let mut p = problem_at_keys(
+            doc,
+            &[warmup_key, "train.lr_schedule.decay_steps", "train.n_steps"],
+            format!(
+                "{warmup} must be smaller than {what}; {fix} or --set train.lr_schedule.{shorter}"
+            ),
+        );
+        p.path = warmup_key.into();
+        placed.push(p);
+    } else if name == ScheduleName::Wsd && c.wsd_decay_start(n) < w {
+        add(
+            "train.lr_schedule.decay_fraction",
+            format!(
+                "wsd: the final decay would start at step {}, inside the warm-up of {w} steps; lower \
+                 decay_fraction or the warm-up",
+                c.wsd_decay_start(n)
+            ),
+        );
+    }
+    if c.eta_min > c.lr {
+        add(
+            "train.lr_schedule.eta_min",
+            format!("eta_min = {} is above the peak lr = {}", c.eta_min, c.lr),
+        );
+    }
 }

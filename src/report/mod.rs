@@ -130,7 +130,7 @@ impl Run {
         }
         match &t.compression {
             Some(Compression::Radius(c)) => Some(c.threshold),
-            Some(Compression::PowerSgd(c)) => Some(c.start_iter),
+            Some(Compression::PowerSgd(c)) => Some(c.start_step(t.n_steps)),
             _ => None,
         }
         .filter(|&s| s > 0)

@@ -110,8 +110,8 @@ fn resume_changes(
     );
     if lr0 != lr1 {
         lines.push(format!(
-            "  (the learning rate at step {step} would jump from {lr0:.3e} to {lr1:.3e}: the cosine schedule spans \
-             train.n_steps)"
+            "  (the learning rate at step {step} would jump from {lr0:.3e} to {lr1:.3e}: the schedule's decay \
+             ends at train.lr_schedule.decay_steps, by default train.n_steps)"
         ));
     }
     let keys: Vec<&str> = refused.iter().map(|(k, _, _)| k.as_str()).collect();
