@@ -116,6 +116,68 @@ fn stopped_and_resumed_run_equals_uninterrupted_run_bit_for_bit() {
     assert_eq!(run(b.path(), &[at_start]).step, 20);
 }
 
+/// `train.log` holds the decentralized GPT-2 runner's lines in its exact format (prefix, 6 decimals, a space
+/// before the units), the new-best-model lines after each improvement, and nanodist's extra figures on
+/// lines of their own; a resumed run appends to it.
+#[test]
+fn train_log_has_the_seed_runners_lines() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let first = run(
+        d.path(),
+        &["log.eval_at_start=true", "train.exit_interval=12"],
+    );
+    let done = run(d.path(), &["log.eval_at_start=true"]);
+    assert_eq!((first.step, done.step), (12, 20));
+    let log = std::fs::read_to_string(done.run_dir.join("train.log")).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    let prefix = r"^\[\d{2}:\d{2}:\d{2}  INFO\] ";
+    let any = regex::Regex::new(prefix).unwrap();
+    assert!(lines.iter().all(|l| any.is_match(l)), "{log}");
+    let eval = regex::Regex::new(&format!(
+        r"{prefix}Step (\d+), Val loss: \d+\.\d{{6}}, Train loss: \d+\.\d{{6}}, Train time: \d+\.\d{{3}} s \(\d+\.\d{{3}} ms/step\), Total train time: \d+\.\d{{3}} s$"
+    ))
+    .unwrap();
+    let steps: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| eval.captures(l))
+        .map(|c| c[1].parse().unwrap())
+        .collect();
+    // Step 0, the evaluation at step 10 (first segment), and step 20 after the resume.
+    assert_eq!(steps, [0, 10, 20], "{log}");
+    let rows = read_rows(&done.run_dir.join("metrics.jsonl")).unwrap();
+    let val = |step: u64| {
+        rows.iter()
+            .find(|r| r.step == step)
+            .and_then(|r| r.val_loss)
+            .unwrap()
+    };
+    assert!(
+        log.contains(&format!("Step 10, Val loss: {:.6}, ", val(10))),
+        "{log}"
+    );
+    let saved = format!(
+        "Saved model to {}",
+        done.run_dir.join("best_model.safetensors").display()
+    );
+    for (i, l) in lines.iter().enumerate() {
+        if l.ends_with("New best model found. Saving...") {
+            assert!(lines[i + 1].ends_with(&saved), "{}", lines[i + 1]);
+        }
+    }
+    assert!(
+        log.matches("New best model found. Saving...").count() >= 2,
+        "{log}"
+    );
+    // Throughput goes on its own line after the runner's.
+    assert!(
+        regex::Regex::new(&format!(r"{prefix}Step 10: \d+ tokens/s"))
+            .unwrap()
+            .is_match(&log.lines().find(|l| l.contains("Step 10: ")).unwrap_or("")),
+        "{log}"
+    );
+}
+
 /// The evaluation before training (`log.eval_at_start`, nanoGPT's eval at iter 0) evaluates exactly the
 /// weights the run starts from: a run started from another run's final weights logs, at step 0, the val
 /// and train-split losses that run logged at its end, bit for bit; and 2 workers evaluate what 1 does.

@@ -106,11 +106,19 @@ impl Interval {
     }
 }
 
-/// Console output: a progress bar on a terminal, plain lines otherwise (sbatch logs).
+/// Console output: a progress bar on a terminal, plain lines otherwise (sbatch logs). Every line is
+/// prefixed as the decentralized GPT-2 runner's logger writes it, `[HH:MM:SS  INFO] `, and also appended to
+/// the run's `train.log` (rank 0), so scripts that parse that runner's log read nanodist's.
 pub(super) struct Console {
     bar: Option<indicatif::ProgressBar>,
     n_steps: u64,
     silent: bool,
+    log: Option<std::cell::RefCell<std::fs::File>>,
+}
+
+/// The runner's logging prefix (Python logging, `[%(asctime)s %(levelname)5s] ` with `%H:%M:%S`).
+fn prefixed(line: &str) -> String {
+    format!("[{}  INFO] {line}", chrono::Local::now().format("%H:%M:%S"))
 }
 
 impl Console {
@@ -121,6 +129,7 @@ impl Console {
                 bar: None,
                 n_steps,
                 silent: true,
+                log: None,
             };
         }
         let bar = std::io::stderr().is_terminal().then(|| {
@@ -137,6 +146,38 @@ impl Console {
             bar,
             n_steps,
             silent: false,
+            log: None,
+        }
+    }
+
+    /// Appends the console's lines to `path` (a resumed run continues its file).
+    pub fn log_to(&mut self, path: &std::path::Path) -> anyhow::Result<()> {
+        if self.silent {
+            return Ok(());
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+        self.log = Some(std::cell::RefCell::new(file));
+        Ok(())
+    }
+
+    /// One line: above the progress bar, or on stdout; and into train.log.
+    pub fn line(&self, text: &str) {
+        if self.silent {
+            return;
+        }
+        let line = prefixed(text);
+        match &self.bar {
+            Some(bar) => bar.println(&line),
+            None => println!("{line}"),
+        }
+        if let Some(log) = &self.log {
+            use std::io::Write;
+            // The log is a copy of the console: a full disk must not stop training.
+            let _ = writeln!(log.borrow_mut(), "{line}");
         }
     }
 
@@ -157,36 +198,38 @@ impl Console {
                 bar.set_position(r.step);
                 bar.set_message(msg);
             }
-            None => println!(
+            None => self.line(&format!(
                 "step {}/{} | {msg} | {:.1} ms/step",
                 r.step, self.n_steps, r.ms_per_step
-            ),
+            )),
         }
     }
 
     /// The evaluation of `r` (train time `secs` over `steps` steps since the last one; the row covers
-    /// `row_steps`): the seed runner's line, then, on a line of their own, the synchronisation's figures.
+    /// `row_steps`): the seed runner's line, exactly in its format, then on a line of its own the figures it
+    /// does not print (throughput, MFU, the synchronisation's).
     pub fn eval_line(&self, r: &Row, secs: f64, steps: u64, row_steps: u64) {
-        let mfu = r.mfu.map_or(String::new(), |m| {
-            format!(", MFU {:.2}% of an A100's bf16 peak", m * 100.0)
-        });
         let (val, train) = (
             r.val_loss.unwrap_or(f64::NAN),
             r.eval_train_loss.unwrap_or(f64::NAN),
         );
-        let mut lines = vec![format!(
-            "Step {}, Val loss: {val:.4}, Train loss: {train:.4}, Train time: {secs:.2}s ({:.2}ms/step), \
-             Total train time: {:.2}s, {:.0} tokens/s{mfu}",
-            r.step,
-            if steps > 0 {
-                secs * 1e3 / steps as f64
-            } else {
-                0.0
-            },
-            r.elapsed_s,
-            r.tokens_per_s,
-        )];
+        // The evaluation before training has trained nothing.
+        let (secs, ms) = match steps {
+            0 => (0.0, 0.0),
+            n => (secs, secs * 1e3 / n as f64),
+        };
+        self.line(&format!(
+            "Step {}, Val loss: {val:.6}, Train loss: {train:.6}, Train time: {secs:.3} s ({ms:.3} ms/step), \
+             Total train time: {:.3} s",
+            r.step, r.elapsed_s,
+        ));
         let mut extra = Vec::new();
+        if r.tokens_per_s > 0.0 {
+            extra.push(format!("{:.0} tokens/s", r.tokens_per_s));
+        }
+        if let Some(m) = r.mfu {
+            extra.push(format!("MFU {:.2}% of an A100's bf16 peak", m * 100.0));
+        }
         if let Some(d) = r.consensus_distance {
             extra.push(format!("consensus distance {d:.4e}"));
         }
@@ -196,28 +239,19 @@ impl Console {
         if let Some(v) = r.val_loss_local {
             extra.push(format!("own-replica val loss {v:.4}"));
         }
-        let comm = comm(r, row_steps);
-        if let Some(c) = comm.strip_prefix(", ") {
+        if let Some(c) = comm(r, row_steps).strip_prefix(", ") {
             extra.push(c.to_string());
         }
         if !extra.is_empty() {
-            lines.push(format!("Step {}: {}", r.step, extra.join(", ")));
-        }
-        if self.silent {
-            return;
-        }
-        for line in lines {
-            match &self.bar {
-                Some(bar) => bar.println(&line),
-                None => println!("{line}"),
-            }
+            self.line(&format!("Step {}: {}", r.step, extra.join(", ")));
         }
         if let Some(bar) = &self.bar {
             bar.set_position(r.step);
         }
     }
 
-    /// A diagnostic line through the log (stderr, timestamped), above the progress bar if there is one.
+    /// A diagnostic line: through the log (stderr, timestamped), above the progress bar if there is one,
+    /// and into train.log.
     pub fn note(&self, line: &str) {
         if self.silent {
             return;
@@ -225,6 +259,10 @@ impl Console {
         match &self.bar {
             Some(bar) => bar.suspend(|| tracing::info!("{line}")),
             None => tracing::info!("{line}"),
+        }
+        if let Some(log) = &self.log {
+            use std::io::Write;
+            let _ = writeln!(log.borrow_mut(), "{}", prefixed(line));
         }
     }
 

@@ -141,6 +141,7 @@ impl<'s> Worker<'s> {
             w.metrics = Some(Tracker::open(cfg, &setup.run_dir, Some(step))?);
         }
         w.console = Console::new(t.n_steps, step, root);
+        w.console.log_to(&setup.run_dir.join("train.log"))?;
         w.since_log.comm = w.sync.comm_stats();
         w.since_eval = (Instant::now(), step);
         w.start_step = step;
@@ -428,7 +429,10 @@ impl<'s> Worker<'s> {
             self.progress.best_val_loss = Some(val);
             if self.sync.rank() == 0 {
                 let path = self.setup.run_dir.join("best_model.safetensors");
+                self.console.line("New best model found. Saving...");
                 checkpoint::save_weights(&path, &self.model, &self.avg, step)?;
+                self.console
+                    .line(&format!("Saved model to {}", path.display()));
             }
         }
         Ok(())
