@@ -126,7 +126,44 @@ struct SbatchArgs {
     /// The nanodist binary the job runs (default: this one; it must be visible on the nodes).
     #[arg(long)]
     nanodist: Option<PathBuf>,
-    /// Print the script and the sbatch command instead of submitting.
+    /// Slurm account (#SBATCH --account).
+    #[arg(long, short = 'A')]
+    account: Option<String>,
+    /// Quality of service (#SBATCH --qos).
+    #[arg(long)]
+    qos: Option<String>,
+    /// Node features (#SBATCH --constraint), e.g. "a100&ib".
+    #[arg(long)]
+    constraint: Option<String>,
+    /// GPUs per node (#SBATCH --gpus-per-node; default: one per task on the NCCL engine).
+    #[arg(long)]
+    gpus_per_node: Option<String>,
+    /// Memory per node (#SBATCH --mem), e.g. 64G.
+    #[arg(long)]
+    mem: Option<String>,
+    /// Whole nodes (#SBATCH --exclusive).
+    #[arg(long)]
+    exclusive: bool,
+    /// Mail events (#SBATCH --mail-type), e.g. END,FAIL.
+    #[arg(long)]
+    mail_type: Option<String>,
+    /// Mail address (#SBATCH --mail-user).
+    #[arg(long)]
+    mail_user: Option<String>,
+    /// Job name (#SBATCH --job-name; default nanodist-<config name>).
+    #[arg(long)]
+    job_name: Option<String>,
+    /// Any other #SBATCH directive, as sbatch takes it (repeatable): --sbatch-arg=--reservation=big.
+    #[arg(long, value_name = "--FLAG[=VALUE]", allow_hyphen_values = true)]
+    sbatch_arg: Vec<String>,
+    /// A file of shell lines run before the launch (module load ..., source venv/bin/activate).
+    #[arg(long, value_name = "FILE")]
+    setup: Option<PathBuf>,
+    /// srun's MPI plugin (srun --mpi=...).
+    #[arg(long, default_value = "pmix")]
+    mpi: String,
+    /// Write the script to <log_dir>/sbatch/ and print it, its path and the sbatch command, instead of
+    /// submitting.
     #[arg(long)]
     dry_run: bool,
     /// Print scripts/slurm/gpu.sbatch as rendered from the template, and exit.
@@ -211,7 +248,7 @@ enum Command {
     /// Generate text from a checkpoint.
     Sample(SampleArgs),
     /// Validate a config for a Slurm job, render its batch script (scripts/slurm/) and submit it.
-    Sbatch(SbatchArgs),
+    Sbatch(Box<SbatchArgs>),
     /// Draw loss curves of runs (vs step, tokens, wall time and bytes sent) into a PNG and an SVG.
     Plot {
         /// Run directories (log_dir/<run>).
@@ -442,20 +479,40 @@ fn sbatch(a: SbatchArgs) -> Result<()> {
         array: a.array,
         signal_secs: a.signal_secs,
         nanodist: a.nanodist,
+        directives: slurm::PASSED
+            .iter()
+            .zip([
+                a.account,
+                a.qos,
+                a.constraint,
+                a.gpus_per_node,
+                a.mem,
+                a.mail_type,
+                a.mail_user,
+                a.job_name,
+            ])
+            .filter_map(|(k, v)| Some((*k, v?)))
+            .collect(),
+        exclusive: a.exclusive,
+        sbatch_args: a.sbatch_arg,
+        setup: a.setup,
+        mpi: a.mpi,
     };
     let job = slurm::prepare(&config, &a.set, &opts)?;
     if a.dry_run {
+        let path = slurm::write_script(&job)?;
         print!("{}", job.script);
-        println!("# submit with: {}", slurm::command_line(&job));
+        println!("# written to {}", path.display());
+        println!("# submit with: {}", slurm::command_line(&job, &path));
         return Ok(());
     }
     let (id, path) = slurm::submit(&job)?;
     println!(
-        "submitted job {id} ({} task(s), engine {}): script {}; run directory {}/{id}",
+        "submitted job {id} ({} task(s), engine {}): script {}; run directory {}",
         job.tasks,
         job.loaded.plan.engine.name(),
         path.display(),
-        job.loaded.config.log_dir
+        slurm::run_dir(&job, &id).display()
     );
     Ok(())
 }
@@ -684,7 +741,7 @@ fn run(cli: Cli) -> Result<()> {
             max_tokens,
         } => eval(ckpt, data, batch_size, max_tokens),
         Command::Sample(a) => sample(a),
-        Command::Sbatch(a) => sbatch(a),
+        Command::Sbatch(a) => sbatch(*a),
         Command::Plot {
             runs,
             output,

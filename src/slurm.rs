@@ -28,7 +28,29 @@ pub struct JobOptions {
     pub signal_secs: u32,
     /// The nanodist binary the job runs (default: this one).
     pub nanodist: Option<PathBuf>,
+    /// `#SBATCH` directives passed as they are: account, qos, constraint, gpus-per-node, mem, mail-type,
+    /// mail-user, job-name (key, value); `exclusive` is bare.
+    pub directives: Vec<(&'static str, String)>,
+    pub exclusive: bool,
+    /// Further directives, each `--flag=value` or `--flag` (`--sbatch-arg`).
+    pub sbatch_args: Vec<String>,
+    /// Lines run before the launch (`--setup FILE`: module loads, environments).
+    pub setup: Option<PathBuf>,
+    /// srun's MPI plugin (`--mpi`).
+    pub mpi: String,
 }
+
+/// The `#SBATCH` keys that `nanodist sbatch` passes from flags of the same name.
+pub const PASSED: [&str; 8] = [
+    "account",
+    "qos",
+    "constraint",
+    "gpus-per-node",
+    "mem",
+    "mail-type",
+    "mail-user",
+    "job-name",
+];
 
 /// A rendered job: the script, its arguments and the loaded config it was validated as.
 #[derive(Debug)]
@@ -47,8 +69,13 @@ fn set_directive(lines: &mut Vec<String>, key: &str, value: Option<&str>) {
     let at = lines
         .iter()
         .position(|l| l.starts_with(&prefix) || *l == bare);
+    // An empty value is a bare flag (`#SBATCH --exclusive`).
+    let line = |v: &str| match v {
+        "" => bare.clone(),
+        v => format!("{prefix}{v}"),
+    };
     match (at, value) {
-        (Some(i), Some(v)) => lines[i] = format!("{prefix}{v}"),
+        (Some(i), Some(v)) => lines[i] = line(v),
         (Some(i), None) => {
             lines.remove(i);
         }
@@ -57,7 +84,7 @@ fn set_directive(lines: &mut Vec<String>, key: &str, value: Option<&str>) {
                 .iter()
                 .rposition(|l| l.starts_with("#SBATCH "))
                 .map_or(1, |i| i + 1);
-            lines.insert(last, format!("{prefix}{v}"));
+            lines.insert(last, line(v));
         }
         (None, None) => {}
     }
@@ -85,6 +112,15 @@ pub fn shell_quote(s: &str) -> String {
 
 /// Renders the template with `directives` and `variables` (both (key, value); None removes a directive).
 pub fn render(directives: &[(&str, Option<String>)], variables: &[(&str, String)]) -> String {
+    render_with(directives, variables, &[])
+}
+
+/// `render`, with `setup` lines run before the launch.
+fn render_with(
+    directives: &[(&str, Option<String>)],
+    variables: &[(&str, String)],
+    setup: &[String],
+) -> String {
     let mut lines: Vec<String> = TEMPLATE.lines().map(str::to_string).collect();
     for (k, v) in directives {
         set_directive(&mut lines, k, v.as_deref());
@@ -92,7 +128,52 @@ pub fn render(directives: &[(&str, Option<String>)], variables: &[(&str, String)
     for (k, v) in variables {
         set_variable(&mut lines, k, v);
     }
+    if let Some(at) = lines.iter().position(|l| l.starts_with("srun ")) {
+        lines.splice(at..at, setup.iter().cloned());
+    }
     lines.join("\n") + "\n"
+}
+
+/// A `--sbatch-arg` as the directive it becomes: (key, value), "" for a bare flag.
+fn sbatch_arg(arg: &str) -> Result<(String, String)> {
+    let bad = || {
+        bad_input!(
+            "--sbatch-arg {arg:?}: expected --flag=value or --flag, as sbatch takes it (e.g. \
+             --sbatch-arg=--reservation=big)"
+        )
+    };
+    let flag = arg.strip_prefix("--").ok_or_else(bad)?;
+    let (key, value) = flag.split_once('=').unwrap_or((flag, ""));
+    let key_ok = !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+    if !key_ok || value.contains(['\n', '\r']) {
+        return Err(bad());
+    }
+    Ok((key.to_string(), value.to_string()))
+}
+
+/// The lines of a `--setup` file, to run before the launch.
+fn setup_lines(path: &Path) -> Result<Vec<String>> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| bad_input!("--setup {}: {e}", path.display()))?;
+    let mut lines = vec![format!("# Site setup from {}", path.display())];
+    lines.extend(text.lines().map(str::to_string));
+    Ok(lines)
+}
+
+/// CPUs of a node of `partition` (the default partition when None), as Slurm knows them; None when sinfo
+/// does not answer.
+fn node_cpus(partition: Option<&str>) -> Option<usize> {
+    let mut cmd = Command::new("sinfo");
+    cmd.args(["-h", "-o", "%c"]);
+    if let Some(p) = partition {
+        cmd.args(["-p", p]);
+    }
+    let out = cmd.output().ok().filter(|o| o.status.success())?;
+    // The smallest node of the partition, so that every node can hold the tasks.
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().trim_end_matches('+').parse::<usize>().ok())
+        .min()
 }
 
 /// The GPU template (scripts/slurm/gpu.sbatch): one task per GPU on the NCCL engine.
@@ -175,47 +256,90 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
     let own_binary = opts.nanodist.is_none();
     preflight::check(&loaded, preflight::Host::Job { own_binary })?;
     let cfg = &loaded.config;
-    let threads = cfg.train.threads.unwrap_or(1);
-    let cpus = opts.cpus_per_task.unwrap_or(if engine == Engine::Local {
-        loaded.plan.world_size * threads
-    } else {
-        threads
-    });
+    // CPUs per task: given, else train.threads (times the workers of the local engine), else the node's
+    // CPUs shared by its tasks (each rank's threads follow: the script sets RAYON_NUM_THREADS from them).
+    let per_worker = |threads: usize| match engine {
+        Engine::Local => loaded.plan.world_size * threads,
+        _ => threads,
+    };
+    let cpus = match (opts.cpus_per_task, cfg.train.threads) {
+        (Some(c), _) => c,
+        (None, Some(t)) => per_worker(t),
+        (None, None) => node_cpus(opts.partition.as_deref())
+            .map_or(per_worker(1), |c| (c / tasks_per_node).max(1)),
+    };
+    let setup = match &opts.setup {
+        Some(p) => setup_lines(p)?,
+        None => Vec::new(),
+    };
+    let mpi_ok = !opts.mpi.is_empty()
+        && opts
+            .mpi
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-".contains(c));
+    if !mpi_ok {
+        return Err(bad_input!(
+            "--mpi {:?}: an srun MPI plugin name, e.g. pmix, pmi2 or none (srun --mpi=list shows them)",
+            opts.mpi
+        ));
+    }
+    let extra = opts
+        .sbatch_args
+        .iter()
+        .map(|a| sbatch_arg(a))
+        .collect::<Result<Vec<_>>>()?;
     let log_dir = crate::error::absolute(Path::new(&cfg.log_dir));
     let nanodist = match &opts.nanodist {
         Some(p) => crate::error::absolute(p),
         None => std::env::current_exe().context("locating the nanodist binary")?,
     };
     let gpus = (engine == Engine::Nccl).then(|| tasks_per_node.to_string());
-    let script = render(
-        &[
-            (
-                "job-name",
-                Some(format!(
-                    "nanodist-{}",
-                    config_abs
-                        .file_stem()
-                        .map_or("run".into(), |s| s.to_string_lossy().to_string())
-                )),
-            ),
-            ("nodes", Some(nodes.to_string())),
-            ("ntasks-per-node", Some(tasks_per_node.to_string())),
-            ("cpus-per-task", Some(cpus.to_string())),
-            ("gpus-per-node", gpus),
-            ("time", opts.time.clone()),
-            ("partition", opts.partition.clone()),
-            ("array", opts.array.clone()),
-            ("signal", Some(format!("B:USR1@{}", opts.signal_secs))),
-            (
-                "output",
-                Some(format!("{}/slurm-%j.out", log_dir.display())),
-            ),
-        ],
+    let mut directives: Vec<(&str, Option<String>)> = vec![
+        (
+            "job-name",
+            Some(format!(
+                "nanodist-{}",
+                config_abs
+                    .file_stem()
+                    .map_or("run".into(), |s| s.to_string_lossy().to_string())
+            )),
+        ),
+        ("nodes", Some(nodes.to_string())),
+        ("ntasks-per-node", Some(tasks_per_node.to_string())),
+        ("cpus-per-task", Some(cpus.to_string())),
+        ("gpus-per-node", gpus),
+        ("time", opts.time.clone()),
+        ("partition", opts.partition.clone()),
+        ("array", opts.array.clone()),
+        ("signal", Some(format!("B:USR1@{}", opts.signal_secs))),
+        (
+            "output",
+            Some(format!("{}/slurm-%j.out", log_dir.display())),
+        ),
+    ];
+    // The flags passed as they are come after the derived ones, so that they win.
+    directives.extend(opts.directives.iter().map(|(k, v)| (*k, Some(v.clone()))));
+    if opts.exclusive {
+        directives.push(("exclusive", Some(String::new())));
+    }
+    directives.extend(extra.iter().map(|(k, v)| (k.as_str(), Some(v.clone()))));
+    let run_name = cfg.log.run_name.clone().unwrap_or_default();
+    let script = render_with(
+        &directives,
         &[
             ("NANODIST", shell_quote(&nanodist.display().to_string())),
             ("LOG_DIR", shell_quote(&log_dir.display().to_string())),
             ("ENGINE", engine.name().to_string()),
+            (
+                "RUN_NAME",
+                match run_name.as_str() {
+                    "" => String::new(),
+                    name => shell_quote(name),
+                },
+            ),
+            ("MPI", opts.mpi.clone()),
         ],
+        &setup,
     );
     let mut args = vec![config_abs.display().to_string()];
     for s in set.iter().take(set.len() - 1) {
@@ -229,8 +353,8 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
     })
 }
 
-/// Writes the script to `<log_dir>/sbatch/` and submits it; returns the job id.
-pub fn submit(job: &Job) -> Result<(String, PathBuf)> {
+/// Writes the script to `<log_dir>/sbatch/`; returns its path.
+pub fn write_script(job: &Job) -> Result<PathBuf> {
     let log_dir = crate::error::absolute(Path::new(&job.loaded.config.log_dir));
     let dir = log_dir.join("sbatch");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -239,6 +363,18 @@ pub fn submit(job: &Job) -> Result<(String, PathBuf)> {
         .replace(':', "-");
     let path = dir.join(format!("{stamp}-{}.sbatch", std::process::id()));
     crate::data::format::write_atomic(&path, job.script.as_bytes())?;
+    Ok(path)
+}
+
+/// The run directory the job will use: `<log_dir>/<log.run_name>`, else `<log_dir>/<job id>`.
+pub fn run_dir(job: &Job, id: &str) -> PathBuf {
+    let cfg = &job.loaded.config;
+    crate::error::absolute(Path::new(&cfg.log_dir)).join(cfg.log.run_name.as_deref().unwrap_or(id))
+}
+
+/// Writes the script to `<log_dir>/sbatch/` and submits it; returns the job id and the script's path.
+pub fn submit(job: &Job) -> Result<(String, PathBuf)> {
+    let path = write_script(job)?;
     let out = Command::new("sbatch")
         .arg("--parsable")
         .arg(&path)
@@ -266,12 +402,15 @@ pub fn submit(job: &Job) -> Result<(String, PathBuf)> {
     Ok((id, path))
 }
 
-/// The sbatch command line for `job` (printed by --dry-run).
-pub fn command_line(job: &Job) -> String {
-    std::iter::once("sbatch SCRIPT".to_string())
-        .chain(job.args.iter().map(|a| shell_quote(a)))
-        .collect::<Vec<_>>()
-        .join(" ")
+/// The sbatch command that submits `job` from its script at `script` (printed by --dry-run).
+pub fn command_line(job: &Job, script: &Path) -> String {
+    std::iter::once(format!(
+        "sbatch {}",
+        shell_quote(&script.display().to_string())
+    ))
+    .chain(job.args.iter().map(|a| shell_quote(a)))
+    .collect::<Vec<_>>()
+    .join(" ")
 }
 
 #[cfg(test)]

@@ -139,6 +139,118 @@ fn check_shows_what_each_worker_sends_and_train_says_when_a_reducer_switches() {
     );
 }
 
+/// `sbatch --dry-run` writes the script it would submit, with every flag passed into its `#SBATCH` lines, the
+/// site setup before the launch, the MPI plugin and the run's name; the printed command submits that file.
+#[test]
+fn sbatch_dry_run_writes_the_script_with_every_passed_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "t.toml", "named");
+    let cfg = cfg.to_str().unwrap();
+    let setup = dir.path().join("site.sh");
+    std::fs::write(
+        &setup,
+        "module load openmpi/4.1\nsource /opt/venv/bin/activate\n",
+    )
+    .unwrap();
+    let out = nanodist(&[
+        "sbatch",
+        cfg,
+        "--dry-run",
+        "-A",
+        "acct",
+        "--qos",
+        "high",
+        "--constraint",
+        "a100&ib",
+        "--gpus-per-node",
+        "4",
+        "--mem",
+        "64G",
+        "--exclusive",
+        "--mail-type",
+        "END,FAIL",
+        "--mail-user",
+        "me@example.org",
+        "--job-name",
+        "myjob",
+        "--sbatch-arg=--reservation=big",
+        "--sbatch-arg",
+        "--hint=nomultithread",
+        "--setup",
+        setup.to_str().unwrap(),
+        "--mpi",
+        "pmi2",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let printed = String::from_utf8_lossy(&out.stdout).to_string();
+    for want in [
+        "#SBATCH --account=acct\n",
+        "#SBATCH --qos=high\n",
+        "#SBATCH --constraint=a100&ib\n",
+        "#SBATCH --gpus-per-node=4\n",
+        "#SBATCH --mem=64G\n",
+        "#SBATCH --exclusive\n",
+        "#SBATCH --mail-type=END,FAIL\n",
+        "#SBATCH --mail-user=me@example.org\n",
+        "#SBATCH --job-name=myjob\n",
+        "#SBATCH --reservation=big\n",
+        "#SBATCH --hint=nomultithread\n",
+        "\nRUN_NAME=named\n",
+        "\nMPI=pmi2\n",
+    ] {
+        assert!(printed.contains(want), "missing {want:?} in:\n{printed}");
+    }
+    assert_eq!(printed.matches("--job-name").count(), 1, "{printed}");
+    // Every directive before the first command (sbatch stops reading them there).
+    let first_command = printed.find("\nNANODIST=").unwrap();
+    assert!(printed.rfind("#SBATCH").unwrap() < first_command);
+    // The site setup runs right before the launch.
+    let module = printed.find("module load openmpi/4.1").unwrap();
+    let venv = printed.find("source /opt/venv/bin/activate").unwrap();
+    let srun = printed.find("\nsrun --mpi=\"$MPI\"").unwrap();
+    assert!(
+        first_command < module && module < venv && venv < srun,
+        "{printed}"
+    );
+    // The script is written where the message says, and the command submits it.
+    let written = printed
+        .lines()
+        .find_map(|l| l.strip_prefix("# written to "))
+        .unwrap();
+    let script = std::fs::read_to_string(written).unwrap();
+    assert!(printed.starts_with(&script));
+    let submit = printed
+        .lines()
+        .find_map(|l| l.strip_prefix("# submit with: "))
+        .unwrap();
+    assert!(
+        submit.starts_with(&format!("sbatch {written} ")),
+        "{submit}"
+    );
+    let syntax = std::process::Command::new("bash")
+        .args(["-n", written])
+        .status()
+        .unwrap();
+    assert!(syntax.success());
+    // Bad flags exit 2 and say what is allowed.
+    for (args, says) in [
+        (
+            &["--sbatch-arg", "reservation=big"][..],
+            "expected --flag=value",
+        ),
+        (&["--mpi", "pm ix"][..], "an srun MPI plugin name"),
+        (
+            &["--setup", "/nonexistent/site.sh"][..],
+            "--setup /nonexistent/site.sh",
+        ),
+    ] {
+        let out = nanodist(&[&["sbatch", cfg, "--dry-run"], args].concat());
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+        assert!(text(&out).contains(says), "{args:?}: {}", text(&out));
+    }
+}
+
 #[test]
 fn bad_configs_and_flags_exit_2_with_the_location() {
     let dir = tempfile::tempdir().unwrap();

@@ -45,11 +45,14 @@ fn slurm_up() -> bool {
     up
 }
 
-/// `nanodist sbatch CONFIG ARGS...`; returns the job id.
+/// `nanodist sbatch CONFIG ARGS...` with one CPU per task (the node claims 4 CPUs on 2 cores, so that 4-rank
+/// jobs fit: the default, the node's CPUs shared by the tasks, would oversubscribe the cores); returns the
+/// job id.
 fn sbatch(cfg: &Path, args: &[&str]) -> String {
     let out = Command::new(EXE)
         .arg("sbatch")
         .arg(cfg)
+        .args(["--cpus-per-task", "1"])
         .args(args)
         .output()
         .unwrap();
@@ -164,6 +167,61 @@ fn sbatch_runs_a_two_rank_mpi_job_to_the_end() {
     );
 }
 
+/// A config with `log.run_name`: the job's output lands in that run directory with the run's files, and the
+/// submit message names it. Without --cpus-per-task or train.threads, each task gets the node's CPUs shared
+/// by the tasks (this node: 4 CPUs, 2 tasks).
+#[test]
+fn a_named_run_keeps_its_job_output_and_tasks_share_the_nodes_cpus() {
+    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    if !slurm_up() {
+        return;
+    }
+    let (d, cfg) = setup(&["log.run_name=\"named\""]);
+    let dry = Command::new(EXE)
+        .arg("sbatch")
+        .arg(&cfg)
+        .args(["--tasks-per-node", "2", "--dry-run"])
+        .output()
+        .unwrap();
+    let script = String::from_utf8_lossy(&dry.stdout);
+    let cpus = Command::new("sinfo")
+        .args(["-h", "-o", "%c"])
+        .output()
+        .unwrap();
+    let cpus: usize = String::from_utf8_lossy(&cpus.stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        script.contains(&format!("#SBATCH --cpus-per-task={}\n", (cpus / 2).max(1))),
+        "{script}"
+    );
+    let out = Command::new(EXE)
+        .arg("sbatch")
+        .arg(&cfg)
+        .args([
+            "--tasks-per-node",
+            "2",
+            "--time",
+            "00:05:00",
+            "--cpus-per-task",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let message = String::from_utf8_lossy(&out.stdout).to_string();
+    let run = d.path().join("log").join("named");
+    assert!(
+        message.ends_with(&format!("run directory {}\n", run.display())),
+        "{message}"
+    );
+    let id = message.split_whitespace().nth(2).unwrap().to_string();
+    wait_job(&id, Duration::from_secs(240));
+    let log = std::fs::read_to_string(run.join(format!("slurm-{id}.out"))).unwrap();
+    assert!(log.contains("finished at step 20"), "{log}");
+    assert!(run.join("metrics.jsonl").is_file() && !d.path().join("log").join(&id).exists());
+}
+
 #[test]
 fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run() {
     let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
@@ -171,13 +229,14 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
         return;
     }
     // The job has a 3-minute limit and --signal=B:USR1@150, so Slurm itself sends USR1 to the batch shell
-    // about 30 s in. But on this 2-CPU node, busy with the job's two ranks, Slurm's daemons deliver signals
-    // late (16 s to more than a minute after `scancel --batch --signal=USR1` returned, measured), so the
-    // test also sends the same USR1 to the batch shell itself, by its PID, once the job has logged its first
-    // metrics row (step 250): the trap, the checkpoint and the requeue are the time limit's. Whichever USR1
-    // comes first stops the job; a later one (e.g. Slurm's, in the requeued job) requeues it once more,
-    // which the run survives the same way. 20000 steps of ~3.5 ms outlast the delivery, and a requeued job
-    // finishes within its own 3 minutes.
+    // about 30 s in, and the shell passes it to the ranks through srun. But on this 2-CPU node, busy with
+    // the job's two ranks, Slurm's RPCs time out or arrive late (scancel's and --signal's USR1 16 s to over a
+    // minute late, srun's forwarding to the ranks lost; measured), so the test delivers the time limit's
+    // signals itself once the job has logged its first metrics row (step 250): USR1 to the batch shell (its
+    // trap marks the job for requeue) and to the ranks (what srun forwards). The checkpoint, the requeue and
+    // the resume are the job's own. A later USR1 (Slurm's, in the requeued job) requeues it once more, which
+    // the run survives the same way; a requeued job finishes within its own 3 minutes. The uninterrupted
+    // run trains first, so that the job has the node to itself.
     let (d, cfg) = setup(&[
         "train.n_steps=20000",
         "log.log_interval=250",
@@ -187,6 +246,7 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
         "train.context_length=32",
     ]);
     let patched = std::fs::read_to_string(&cfg).unwrap();
+    let local = local_rows(&patched, 2);
     let id = sbatch(
         &cfg,
         &[
@@ -207,23 +267,27 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
         assert!(Instant::now() < deadline, "job {id} logged no step 250");
         std::thread::sleep(Duration::from_millis(100));
     }
-    // The batch shell: bash running slurmd's copy of the script, job<id>/slurm_script.
-    let pgrep = Command::new("pgrep")
-        .args(["-f", &format!("job0*{id}/slurm_script")])
-        .output()
-        .unwrap();
-    let pids = String::from_utf8_lossy(&pgrep.stdout).to_string();
-    let shell = pids
-        .split_whitespace()
-        .next()
-        .unwrap_or_else(|| panic!("job {id}: no batch shell found:\n{}", job_log(&run)));
-    let kill = Command::new("kill")
-        .args(["-USR1", shell])
-        .status()
-        .unwrap();
-    assert!(kill.success(), "kill -USR1 {shell}");
-    // The uninterrupted run, here, while the requeued job runs.
-    let local = local_rows(&patched, 2);
+    // The batch shell (bash running slurmd's copy of the script, job<id>/slurm_script), then the ranks
+    // (and srun, whose command line names the same config).
+    let cfg_abs = std::fs::canonicalize(&cfg).unwrap();
+    for pattern in [
+        format!("job0*{id}/slurm_script"),
+        format!("train {}", cfg_abs.display()),
+    ] {
+        let pgrep = Command::new("pgrep")
+            .args(["-f", &pattern])
+            .output()
+            .unwrap();
+        let pids = String::from_utf8_lossy(&pgrep.stdout).to_string();
+        assert!(
+            !pids.trim().is_empty(),
+            "job {id}: no process matches {pattern:?}:\n{}",
+            job_log(&run)
+        );
+        for pid in pids.split_whitespace() {
+            let _ = Command::new("kill").args(["-USR1", pid]).status();
+        }
+    }
     wait_job(&id, Duration::from_secs(420));
     let log = job_log(&run);
     assert!(

@@ -173,7 +173,7 @@ fn train_log_has_the_seed_runners_lines() {
     assert!(
         regex::Regex::new(&format!(r"{prefix}Step 10: \d+ tokens/s"))
             .unwrap()
-            .is_match(&log.lines().find(|l| l.contains("Step 10: ")).unwrap_or("")),
+            .is_match(log.lines().find(|l| l.contains("Step 10: ")).unwrap_or("")),
         "{log}"
     );
 }
