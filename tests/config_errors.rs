@@ -465,6 +465,24 @@ const CASES: &[Case] = &[
         &["start_iter or as start_fraction, not both"],
     ),
     (
+        "steps and samples both given",
+        "[train]\nn_steps = 100\ntrain_samples = 800\n",
+        &[],
+        1,
+        "train.train_samples",
+        "bad.toml:3:17",
+        &["give train.n_steps or train.train_samples, not both"],
+    ),
+    (
+        "warm-up in steps and in samples",
+        "[train.lr_schedule]\nwarmup_steps = 10\nlr_warmup_samples = 800\n",
+        &[],
+        1,
+        "train.lr_schedule.lr_warmup_samples",
+        "bad.toml:3:21",
+        &["give train.lr_schedule.warmup_steps or train.lr_schedule.lr_warmup_samples, not both"],
+    ),
+    (
         "wsd decay inside the warm-up",
         "[train]\nn_steps = 100\n[train.lr_schedule]\nname = 'wsd'\nwarmup_steps = 50\ndecay_fraction = 0.6\n",
         &[],
@@ -698,6 +716,26 @@ fn fractions_of_the_run_resolve_into_steps() {
             nanodist::optim::lr_at(&w, step, 400)
         );
     }
+    // BigScience's sample counts, rounded up to whole global batches of 8: 3199 samples are 400 steps,
+    // 81 warm-up samples 11 steps, 2000 decay samples 250 steps; the config keeps the steps only.
+    let by_samples = load(
+        "[train]\nglobal_batch_size = 8\ntrain_samples = 3199\n[train.lr_schedule]\nname = 'linear'\n\
+         lr_warmup_samples = 81\nlr_decay_samples = 2000\n",
+    );
+    let t = &by_samples.config.train;
+    assert_eq!(t.n_steps, 400);
+    assert_eq!(t.train_samples, None);
+    assert_eq!(
+        (t.lr_schedule.warmup_steps, t.lr_schedule.decay_steps),
+        (Some(11), Some(250))
+    );
+    assert_eq!(by_samples.plan.n_steps, 400);
+    assert!(by_samples
+        .notes
+        .iter()
+        .any(|n| n == "train.train_samples = 3199: train.n_steps = 400 (steps of global_batch_size 8, rounded up)"),
+        "{:?}", by_samples.notes);
+    assert!(!by_samples.config.to_toml().contains("samples"));
 }
 
 #[test]

@@ -25,6 +25,11 @@ pub struct LrSchedule {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1.0))]
     pub warmup_fraction: Option<f64>,
+    /// The warm-up in samples (Megatron's `--lr-warmup-samples`), instead of `warmup_steps`: rounded up
+    /// to whole steps of `train.global_batch_size`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub lr_warmup_samples: Option<u64>,
     /// The final learning rate (cosine, linear, wsd).
     #[schemars(range(min = 0.0))]
     pub eta_min: f64,
@@ -33,6 +38,11 @@ pub struct LrSchedule {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub decay_steps: Option<u64>,
+    /// The end of the decay in samples (Megatron's `--lr-decay-samples`), instead of `decay_steps`:
+    /// rounded up to whole steps of `train.global_batch_size`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub lr_decay_samples: Option<u64>,
     /// "wsd": the length of the final decay as a fraction of `train.n_steps` (default 0.1); it ends at
     /// `decay_steps`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -112,8 +122,10 @@ impl Default for LrSchedule {
             lr: 6e-4,
             warmup_steps: None,
             warmup_fraction: None,
+            lr_warmup_samples: None,
             eta_min: 6e-5,
             decay_steps: None,
+            lr_decay_samples: None,
             decay_fraction: None,
             decay_style: None,
         }

@@ -192,9 +192,61 @@ pub fn load_str(
     })
 }
 
-/// Parses and shape-checks a document with overrides (no cross-field rules).
+/// Parses and shape-checks a document with overrides (no cross-field rules); counts given in samples
+/// become steps (`samples_to_steps`).
 pub fn parse(src: &str, overrides: &[String]) -> Result<(Config, tree::Node), Vec<Problem>> {
-    parse_as(src, overrides, &schema())
+    let (mut config, doc) = parse_as(src, overrides, &schema())?;
+    samples_to_steps(&mut config, &doc)?;
+    Ok((config, doc))
+}
+
+/// BigScience's sample counts (`train.train_samples`, `train.lr_schedule.lr_warmup_samples`,
+/// `lr_decay_samples`) as the step counts they stand for, rounded up to whole steps of the global batch;
+/// the config keeps the steps only (what the run writes and resumes with). A count given both ways is an
+/// error.
+fn samples_to_steps(cfg: &mut Config, doc: &tree::Node) -> Result<(), Vec<Problem>> {
+    let batch = cfg.train.global_batch_size.max(1) as u64;
+    let steps = |samples: u64| samples.div_ceil(batch);
+    let given = |path: &str| tree::find(doc, path).is_some();
+    let mut problems = Vec::new();
+    let mut both = |samples: &str, steps: &[&str]| {
+        if given(samples) {
+            if let Some(s) = steps.iter().find(|s| given(s)) {
+                problems.push(validate::problem_at(
+                    doc,
+                    samples,
+                    format!("give {s} or {samples}, not both"),
+                ));
+            }
+        }
+    };
+    both("train.train_samples", &["train.n_steps"]);
+    both(
+        "train.lr_schedule.lr_warmup_samples",
+        &[
+            "train.lr_schedule.warmup_steps",
+            "train.lr_schedule.warmup_fraction",
+        ],
+    );
+    both(
+        "train.lr_schedule.lr_decay_samples",
+        &["train.lr_schedule.decay_steps"],
+    );
+    if !problems.is_empty() {
+        return Err(problems);
+    }
+    let t = &mut cfg.train;
+    if let Some(s) = t.train_samples.take() {
+        t.n_steps = steps(s);
+    }
+    let lr = &mut t.lr_schedule;
+    if let Some(s) = lr.lr_warmup_samples.take() {
+        lr.warmup_steps = Some(steps(s));
+    }
+    if let Some(s) = lr.lr_decay_samples.take() {
+        lr.decay_steps = Some(steps(s));
+    }
+    Ok(())
 }
 
 /// Parses a TOML document of any wire type `T` (a config, a cluster profile), applies `--set` overrides

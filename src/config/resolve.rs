@@ -404,6 +404,30 @@ pub fn resolve(
             topology.name()
         ));
     }
+    // Sample counts, as the steps they became (config::parse rounds them up to whole global batches).
+    let lr = &t.lr_schedule;
+    for (key, steps) in [
+        (
+            "train.train_samples",
+            format!("train.n_steps = {}", t.n_steps),
+        ),
+        (
+            "train.lr_schedule.lr_warmup_samples",
+            format!("warmup_steps = {}", lr.warmup(t.n_steps)),
+        ),
+        (
+            "train.lr_schedule.lr_decay_samples",
+            format!("decay_steps = {}", lr.decay_end(t.n_steps)),
+        ),
+    ] {
+        if let Some(node) = super::tree::find(doc, key) {
+            notes.push(format!(
+                "{key} = {}: {steps} (steps of global_batch_size {}, rounded up)",
+                node.value.to_json(),
+                t.global_batch_size
+            ));
+        }
+    }
     if t.compile {
         notes.push(
             "train.compile = true has no meaning for nanodist (no torch.compile): ignored".into(),

@@ -80,6 +80,11 @@ pub struct TrainConfig {
     /// Total optimizer steps of the run.
     #[schemars(range(min = 1, max = 1_000_000_000_000_u64))]
     pub n_steps: u64,
+    /// The run's length in samples (sequences) instead of `n_steps`, as BigScience's Megatron runs give it
+    /// (`--train-samples`): n_steps = ceil(train_samples / global_batch_size).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub train_samples: Option<u64>,
     /// Clip the gradient to this global norm (0 disables clipping).
     #[schemars(range(min = 0.0))]
     pub grad_norm_clip: f64,
@@ -121,6 +126,7 @@ impl Default for TrainConfig {
             local_batch_size: None,
             context_length: 1024,
             n_steps: 600_000,
+            train_samples: None,
             grad_norm_clip: 1.0,
             compile: false,
             amp: false,
