@@ -294,10 +294,10 @@ fn cli_prepare_bad_input_exits_2() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not UTF-8"));
 }
 
-/// Parquet shards with a `text` column (Hugging Face dataset layout), written with the parquet crate.
+/// Writes `n` parquet shards of 25 documents each, with an `id` and a `text` column (the Hugging Face
+/// dataset layout), as `dir/train-0000N.parquet`; returns the documents in order.
 #[cfg(feature = "parquet")]
-#[test]
-fn parquet_shards_are_read_by_column() {
+fn write_parquet_shards(dir: &Path, n: usize) -> Vec<String> {
     use std::sync::Arc;
 
     use parquet::basic::Compression;
@@ -306,11 +306,9 @@ fn parquet_shards_are_read_by_column() {
     use parquet::file::writer::SerializedFileWriter;
     use parquet::schema::parser::parse_message_type;
 
-    let dir = tempfile::tempdir().unwrap();
-    let shards = dir.path().join("shards");
-    std::fs::create_dir_all(&shards).unwrap();
+    std::fs::create_dir_all(dir).unwrap();
     let mut all = Vec::new();
-    for shard in 0..2 {
+    for shard in 0..n {
         let docs: Vec<String> = (0..25)
             .map(|i| format!("shard {shard} document {i}: naïve text 🦀"))
             .collect();
@@ -323,7 +321,7 @@ fn parquet_shards_are_read_by_column() {
                 .set_compression(Compression::SNAPPY)
                 .build(),
         );
-        let file = std::fs::File::create(shards.join(format!("train-{shard:05}.parquet"))).unwrap();
+        let file = std::fs::File::create(dir.join(format!("train-{shard:05}.parquet"))).unwrap();
         let mut w = SerializedFileWriter::new(file, schema, props).unwrap();
         let mut rg = w.next_row_group().unwrap();
         let mut col = rg.next_column().unwrap().unwrap();
@@ -341,6 +339,16 @@ fn parquet_shards_are_read_by_column() {
         w.close().unwrap();
         all.extend(docs);
     }
+    all
+}
+
+/// Parquet shards with a `text` column (Hugging Face dataset layout), written with the parquet crate.
+#[cfg(feature = "parquet")]
+#[test]
+fn parquet_shards_are_read_by_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = dir.path().join("shards");
+    let all = write_parquet_shards(&shards, 2);
     let m = data::prepare(&opts(vec![shards.clone()], dir.path().join("out")))
         .unwrap()
         .meta;
@@ -357,4 +365,53 @@ fn parquet_shards_are_read_by_column() {
         err.contains("train-00000.parquet: row 1") && err.contains("no column \"body\""),
         "{err}"
     );
+}
+
+/// scripts/data/openwebtext.sh on local parquet shards in the Hub conversion's layout (no network in tests):
+/// the files it writes are `nanodist prepare`'s on the same shards, with the seed configs' tokenizer.
+#[cfg(feature = "parquet")]
+#[test]
+fn the_openwebtext_script_prepares_parquet_shards_as_the_seed_configs_expect() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = dir.path().join("hub/plain_text/train");
+    write_parquet_shards(&shards, 3);
+    let out = dir.path().join("openwebtext");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let script = root.join("scripts/data/openwebtext.sh");
+    let run = |args: &[&str]| {
+        Command::new("bash")
+            .arg(&script)
+            .args(args)
+            .env("NANODIST", env!("CARGO_BIN_EXE_nanodist"))
+            .output()
+            .unwrap()
+    };
+    let from = dir.path().join("hub");
+    let done = run(&[
+        "--from",
+        from.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--val-fraction",
+        "0.1",
+    ]);
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    let mut o = opts(vec![from], dir.path().join("direct"));
+    (o.val_fraction, o.seed, o.format) = (0.1, 2357, OutputFormat::Nanogpt);
+    o.threads = None;
+    let direct = data::prepare(&o).unwrap().meta;
+    assert_eq!(direct.tokenizer.name(), "gpt2");
+    for file in ["train.bin", "val.bin"] {
+        assert!(
+            std::fs::read(out.join(file)).unwrap()
+                == std::fs::read(dir.path().join("direct").join(file)).unwrap(),
+            "{file} differs from nanodist prepare's"
+        );
+    }
+    let bad = run(&["--nope"]);
+    assert_eq!(bad.status.code(), Some(2));
 }

@@ -228,19 +228,20 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
     if !slurm_up() {
         return;
     }
-    // The job has a 3-minute limit and --signal=B:USR1@150, so Slurm itself sends USR1 to the batch shell
-    // about 30 s in, and the shell passes it to the ranks through srun. But on this 2-CPU node, busy with
-    // the job's two ranks, Slurm's RPCs time out or arrive late (scancel's and --signal's USR1 16 s to over a
-    // minute late, srun's forwarding to the ranks lost; measured), so the test delivers the time limit's
-    // signals itself once the job has logged its first metrics row (step 250): USR1 to the batch shell (its
-    // trap marks the job for requeue) and to the ranks (what srun forwards). The checkpoint, the requeue and
-    // the resume are the job's own. A later USR1 (Slurm's, in the requeued job) requeues it once more, which
-    // the run survives the same way; a requeued job finishes within its own 3 minutes. The uninterrupted
-    // run trains first, so that the job has the node to itself.
+    // The job has a 10-minute limit and --signal=B:USR1@540, so Slurm itself sends USR1 to the batch shell
+    // about a minute in, and the shell passes it to the ranks through srun. On this 2-CPU node, busy with
+    // the job's two ranks, everything beside the job runs late: sbatch returned up to a minute after the
+    // job started, Slurm's signals and this test's own deliveries landed 16 s to over a minute late
+    // (measured), so a 20000-step job could end first. So the job is 60000 steps (~3.5 min), and the test
+    // also delivers the time limit's signals itself once the job has logged its first metrics row (step
+    // 250): USR1 to the batch shell (its trap marks the job for requeue) and to the ranks (what srun
+    // forwards). The checkpoint, the requeue and the resume are the job's own. A later USR1 (Slurm's, in
+    // the requeued job) requeues it once more, which the run survives the same way. The uninterrupted run
+    // trains first, so that the job has the node to itself.
     let (d, cfg) = setup(&[
-        "train.n_steps=20000",
+        "train.n_steps=60000",
         "log.log_interval=250",
-        "log.eval_interval=5000",
+        "log.eval_interval=20000",
         "log.ckpt_interval=0",
         "model.n_embd=64",
         "train.context_length=32",
@@ -253,42 +254,37 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
             "--tasks-per-node",
             "2",
             "--time",
-            "00:03:00",
+            "00:10:00",
             "--signal-secs",
-            "150",
+            "540",
         ],
     );
     let run = d.path().join("log").join(&id);
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while !std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .contains("\"step\":250")
-    {
-        assert!(Instant::now() < deadline, "job {id} logged no step 250");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // The batch shell (bash running slurmd's copy of the script, job<id>/slurm_script), then the ranks
-    // (and srun, whose command line names the same config).
+    // The delivery runs as a shell loop beside the job (from this test process, pgrep and kill were seen
+    // to wait until the job had ended): once the job has logged step 250, USR1 to the batch shell
+    // (bash running slurmd's copy of the script, job<id>/slurm_script), then to the ranks and srun (their
+    // command lines name the config), again every 3 s until the ranks say they stopped.
     let cfg_abs = std::fs::canonicalize(&cfg).unwrap();
-    for pattern in [
-        format!("job0*{id}/slurm_script"),
-        format!("train {}", cfg_abs.display()),
-    ] {
-        let pgrep = Command::new("pgrep")
-            .args(["-f", &pattern])
-            .output()
-            .unwrap();
-        let pids = String::from_utf8_lossy(&pgrep.stdout).to_string();
-        assert!(
-            !pids.trim().is_empty(),
-            "job {id}: no process matches {pattern:?}:\n{}",
-            job_log(&run)
-        );
-        for pid in pids.split_whitespace() {
-            let _ = Command::new("kill").args(["-USR1", pid]).status();
-        }
-    }
-    wait_job(&id, Duration::from_secs(420));
+    let signaller = Command::new("bash")
+        .arg("-c")
+        .arg(
+            r#"for _ in $(seq 1 1800); do grep -q '"step":250' "$RUN/metrics.jsonl" 2>/dev/null && break; sleep 0.1; done
+for _ in $(seq 1 60); do
+    echo "at $(date +%T.%N):"
+    for p in $(pgrep -f "job0*$ID/slurm_script") $(pgrep -f "train $CFG"); do kill -USR1 "$p" && echo "$p $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null)"; done
+    for _ in $(seq 1 30); do cat "$RUN"/slurm-*.out 2>/dev/null | grep -q 'stopped by SIGUSR1' && exit 0; sleep 0.1; done
+done"#,
+        )
+        .env("RUN", &run)
+        .env("ID", &id)
+        .env("CFG", &cfg_abs)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_job(&id, Duration::from_secs(1200));
+    let signalled = signaller.wait_with_output().unwrap();
+    let signalled = String::from_utf8_lossy(&signalled.stdout).to_string();
+
     let log = job_log(&run);
     assert!(
         log.contains("USR1: checkpointing before the time limit"),
@@ -296,11 +292,11 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
     );
     assert!(
         log.contains("stopped by SIGUSR1 after saving a checkpoint"),
-        "{log}"
+        "USR1 sent {signalled}\n{log}"
     );
     assert!(log.contains("requeueing job"), "{log}");
     assert!(log.contains("(restart 1)"), "{log}");
-    assert!(log.contains("finished at step 20000"), "{log}");
+    assert!(log.contains("finished at step 60000"), "{log}");
     let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
     assert_same_losses(&rows, &local, "requeued job");
 }
