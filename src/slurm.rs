@@ -205,6 +205,56 @@ fn check_time(time: &str) -> Result<()> {
     Ok(())
 }
 
+/// CPUs per task: given, else train.threads (times the workers of the local engine), else the node's CPUs
+/// shared by its tasks (each rank's threads follow: the script sets RAYON_NUM_THREADS from them).
+fn cpus_per_task(
+    opts: &JobOptions,
+    threads: Option<usize>,
+    engine: Engine,
+    world: usize,
+    tasks_per_node: usize,
+) -> usize {
+    let per_worker = |threads: usize| match engine {
+        Engine::Local => world * threads,
+        _ => threads,
+    };
+    match (opts.cpus_per_task, threads) {
+        (Some(c), _) => c,
+        (None, Some(t)) => per_worker(t),
+        (None, None) => node_cpus(opts.partition.as_deref())
+            .map_or(per_worker(1), |c| (c / tasks_per_node).max(1)),
+    }
+}
+
+/// `--sbatch-arg` directives as (key, value), "" for a bare flag.
+type Directives = Vec<(String, String)>;
+
+/// The site's additions, checked: the `--setup` lines and the `--sbatch-arg` directives; `--mpi` must
+/// name a plugin.
+fn site(opts: &JobOptions) -> Result<(Vec<String>, Directives)> {
+    let mpi_ok = !opts.mpi.is_empty()
+        && opts
+            .mpi
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-".contains(c));
+    if !mpi_ok {
+        return Err(bad_input!(
+            "--mpi {:?}: an srun MPI plugin name, e.g. pmix, pmi2 or none (srun --mpi=list shows them)",
+            opts.mpi
+        ));
+    }
+    let setup = match &opts.setup {
+        Some(p) => setup_lines(p)?,
+        None => Vec::new(),
+    };
+    let extra = opts
+        .sbatch_args
+        .iter()
+        .map(|a| sbatch_arg(a))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((setup, extra))
+}
+
 /// Validates `config` (with `set`) for the job described by `opts` and renders its script.
 pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> {
     let config_abs = std::fs::canonicalize(config)
@@ -256,38 +306,14 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
     let own_binary = opts.nanodist.is_none();
     preflight::check(&loaded, preflight::Host::Job { own_binary })?;
     let cfg = &loaded.config;
-    // CPUs per task: given, else train.threads (times the workers of the local engine), else the node's
-    // CPUs shared by its tasks (each rank's threads follow: the script sets RAYON_NUM_THREADS from them).
-    let per_worker = |threads: usize| match engine {
-        Engine::Local => loaded.plan.world_size * threads,
-        _ => threads,
-    };
-    let cpus = match (opts.cpus_per_task, cfg.train.threads) {
-        (Some(c), _) => c,
-        (None, Some(t)) => per_worker(t),
-        (None, None) => node_cpus(opts.partition.as_deref())
-            .map_or(per_worker(1), |c| (c / tasks_per_node).max(1)),
-    };
-    let setup = match &opts.setup {
-        Some(p) => setup_lines(p)?,
-        None => Vec::new(),
-    };
-    let mpi_ok = !opts.mpi.is_empty()
-        && opts
-            .mpi
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "_-".contains(c));
-    if !mpi_ok {
-        return Err(bad_input!(
-            "--mpi {:?}: an srun MPI plugin name, e.g. pmix, pmi2 or none (srun --mpi=list shows them)",
-            opts.mpi
-        ));
-    }
-    let extra = opts
-        .sbatch_args
-        .iter()
-        .map(|a| sbatch_arg(a))
-        .collect::<Result<Vec<_>>>()?;
+    let cpus = cpus_per_task(
+        opts,
+        cfg.train.threads,
+        engine,
+        loaded.plan.world_size,
+        tasks_per_node,
+    );
+    let (setup, extra) = site(opts)?;
     let log_dir = crate::error::absolute(Path::new(&cfg.log_dir));
     let nanodist = match &opts.nanodist {
         Some(p) => crate::error::absolute(p),

@@ -174,9 +174,14 @@ impl Console {
             Some(bar) => bar.println(&line),
             None => println!("{line}"),
         }
+        self.append(&line);
+    }
+
+    /// Appends a prefixed line to train.log; the log is a copy of the console, so a full disk must not
+    /// stop training.
+    fn append(&self, line: &str) {
         if let Some(log) = &self.log {
             use std::io::Write;
-            // The log is a copy of the console: a full disk must not stop training.
             let _ = writeln!(log.borrow_mut(), "{line}");
         }
     }
@@ -260,10 +265,7 @@ impl Console {
             Some(bar) => bar.suspend(|| tracing::info!("{line}")),
             None => tracing::info!("{line}"),
         }
-        if let Some(log) = &self.log {
-            use std::io::Write;
-            let _ = writeln!(log.borrow_mut(), "{}", prefixed(line));
-        }
+        self.append(&prefixed(line));
     }
 
     pub fn finish(&self) {
