@@ -474,6 +474,42 @@ const CASES: &[Case] = &[
         &["give train.n_steps or train.train_samples, not both"],
     ),
     (
+        "ramp-up start at the full batch",
+        "[train]\nglobal_batch_size = 16\nrampup_batch_size = [16, 4, 100]\n",
+        &[],
+        1,
+        "train.rampup_batch_size",
+        "bad.toml:3:21",
+        &["starts at 16 sequences", "not below global_batch_size = 16", "--rampup-batch-size"],
+    ),
+    (
+        "ramp-up increment that misses the full batch",
+        "[train]\nglobal_batch_size = 16\nrampup_batch_size = [4, 5, 100]\n",
+        &[],
+        1,
+        "train.rampup_batch_size",
+        "bad.toml:3:21",
+        &["16 - 4 = 12 is not a multiple of the increment 5"],
+    ),
+    (
+        "ramp-up batch that is not whole micro-steps",
+        "[train]\nglobal_batch_size = 16\nlocal_batch_size = 2\nrampup_batch_size = [4, 4, 100]\n",
+        &[],
+        4,
+        "train.rampup_batch_size",
+        "bad.toml:4:21",
+        &["must be multiples of local_batch_size (2) x world size (4) = 8"],
+    ),
+    (
+        "ramp-up the workers cannot share",
+        "[train]\nglobal_batch_size = 16\nrampup_batch_size = [6, 2, 100]\n",
+        &[],
+        4,
+        "train.rampup_batch_size",
+        "bad.toml:3:21",
+        &["start 6 and increment 2", "world size 4", "train.local_batch_size"],
+    ),
+    (
         "warm-up in steps and in samples",
         "[train.lr_schedule]\nwarmup_steps = 10\nlr_warmup_samples = 800\n",
         &[],
@@ -736,6 +772,25 @@ fn fractions_of_the_run_resolve_into_steps() {
         .any(|n| n == "train.train_samples = 3199: train.n_steps = 400 (steps of global_batch_size 8, rounded up)"),
         "{:?}", by_samples.notes);
     assert!(!by_samples.config.to_toml().contains("samples"));
+    // With a ramp-up (batches 2, 2, 4, 6, then 8 from step 4: 14 samples before it), the counts become
+    // the steps whose real batches reach them.
+    let ramped = load(
+        "[train]\nglobal_batch_size = 8\nrampup_batch_size = [2, 2, 12]\ntrain_samples = 3199\n\
+         [train.lr_schedule]\nname = 'linear'\nlr_warmup_samples = 5\nlr_decay_samples = 15\n",
+    );
+    let t = &ramped.config.train;
+    // 3199 - 14 = 3185 samples after step 4: 399 more steps of 8 (rounded up).
+    assert_eq!(t.n_steps, 4 + 399);
+    assert_eq!(
+        (t.lr_schedule.warmup_steps, t.lr_schedule.decay_steps),
+        (Some(3), Some(5))
+    );
+    assert_eq!(ramped.plan.batches.samples_before(4), 14);
+    assert!(
+        ramped.notes.iter().any(|n| n.contains("ramping batches")),
+        "{:?}",
+        ramped.notes
+    );
 }
 
 #[test]

@@ -72,6 +72,95 @@ fn allreduce_with_n_workers_at_batch_b_equals_one_worker_at_batch_n_b() {
     }
 }
 
+/// Megatron's batches for global 8 from 2 by 2 over 12 samples: 2, 2, 4, 6, then 8 from step 4.
+const RAMP: [&str; 1] = ["train.rampup_batch_size=[2, 2, 12]"];
+const RAMP_BATCHES: [u64; 5] = [2, 2, 4, 6, 8];
+
+fn ramp_batch(step: u64) -> u64 {
+    RAMP_BATCHES[(step as usize).min(RAMP_BATCHES.len() - 1)]
+}
+
+#[test]
+fn during_a_batch_ramp_up_two_workers_equal_one_worker_with_twice_the_batch_at_every_size() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    // One worker with micro-batches of 2 (1 to 4 micro-steps), two workers of 1 each, one worker of 1 (2
+    // to 8 micro-steps): the same rows at every step.
+    let one = train_with(d.path(), 1, &[RAMP[0], "log.run_name=\"one\""]);
+    let two = train_with(d.path(), 2, &[RAMP[0], "log.run_name=\"two\""]);
+    let accum = train_with(
+        d.path(),
+        1,
+        &[RAMP[0], "train.local_batch_size=1", "log.run_name=\"acc\""],
+    );
+    assert_eq!(one.len(), 20);
+    // The first two steps train on the batch of 2 as a run whose global batch is 2.
+    let small = train_with(
+        d.path(),
+        1,
+        &["train.global_batch_size=2", "log.run_name=\"small\""],
+    );
+    for (a, m) in one.iter().zip(&small).take(2) {
+        assert_eq!(
+            (a.train_loss, a.grad_norm, a.tokens),
+            (m.train_loss, m.grad_norm, m.tokens),
+            "step {}",
+            a.step
+        );
+    }
+    assert_ne!(one[2].train_loss, small[2].train_loss, "step 3 has 4 rows");
+    for other in [&two, &accum] {
+        assert_eq!(one.len(), other.len());
+        for (a, m) in one.iter().zip(other.iter()) {
+            assert_eq!(a.batch_size, ramp_batch(a.step - 1), "step {}", a.step);
+            assert_eq!((a.batch_size, a.tokens), (m.batch_size, m.tokens));
+            let close = |x: f64, y: f64| (x - y).abs() <= 1e-4 * (1.0 + x.abs());
+            assert!(
+                close(a.train_loss, m.train_loss) && close(a.grad_norm, m.grad_norm),
+                "step {} (batch {}): loss {} vs {}, grad norm {} vs {}",
+                a.step,
+                a.batch_size,
+                a.train_loss,
+                m.train_loss,
+                a.grad_norm,
+                m.grad_norm
+            );
+        }
+    }
+}
+
+#[test]
+fn every_backend_trains_through_a_batch_ramp_up() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    // 4 workers of one sequence: batches 4, 4, 8, 12, then 16 (global 16 from 4 by 4 over 24 samples).
+    let batches = [4u64, 4, 8, 12, 16];
+    for (name, set) in common::EVERY_BACKEND {
+        let mut set = set.to_vec();
+        set.extend([
+            "train.global_batch_size=16",
+            "train.rampup_batch_size=[4, 4, 24]",
+            "train.n_steps=8",
+        ]);
+        // Debug builds also hold every step's traffic to the backend's description.
+        let s = common::train_tiny(d.path(), name, 4, &set);
+        assert_eq!(s.step, 8, "{name}");
+        let rows = read_rows(&s.run_dir.join("metrics.jsonl")).unwrap();
+        let seen: Vec<u64> = rows.iter().map(|r| r.batch_size).take(5).collect();
+        assert_eq!(seen, batches, "{name}");
+        assert_eq!(
+            rows.last().unwrap().tokens,
+            (4 + 4 + 8 + 12 + 16 * 4) * 16,
+            "{name}"
+        );
+        assert!(
+            rows.iter()
+                .all(|r| r.train_loss.is_finite() && r.grad_norm.is_finite()),
+            "{name}"
+        );
+    }
+}
+
 #[test]
 fn gossip_runs_on_every_topology_and_complete_keeps_replicas_identical() {
     let d = tempfile::tempdir().unwrap();

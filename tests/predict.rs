@@ -22,62 +22,8 @@ fn train_run(dir: &Path, name: &str, workers: usize, set: &[&str]) -> std::path:
 fn every_backends_step_description_sums_to_the_bytes_its_run_logs() {
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
-    let cases: &[(&str, &[&str])] = &[
-        ("allreduce", &["train.bucket_size_mb=0.004"]),
-        ("ring", &["train.backend=\"decentdp\"", "train.topology=\"ring\""]),
-        (
-            "exp-overlap",
-            &["train.backend=\"decentdp\"", "train.topology=\"exp\"", "train.overlap=true"],
-        ),
-        (
-            "alt",
-            &[
-                "train.backend=\"decentdp\"",
-                "train.topology=\"alternating-exp-ring\"",
-                "train.ranks_per_node=2",
-            ],
-        ),
-        ("topk", &["train.compression={ name = \"topk\", density = 0.05 }"]),
-        (
-            "radius",
-            &["train.compression={ name = \"radius\", density = 0.05, interval = 4, threshold = 3, range = 1 }"],
-        ),
-        (
-            "powersgd",
-            &["train.compression={ name = \"powersgd\", rank = 2, start_iter = 3 }"],
-        ),
-        (
-            "powersgd1",
-            &["train.compression={ name = \"powersgd\", rank = 2, start_iter = 3, single_allreduce = true }"],
-        ),
-        ("diloco", &["train.backend=\"diloco\"", "train.diloco={ sync_every = 4 }"]),
-        (
-            "streaming",
-            &[
-                "train.backend=\"diloco\"",
-                "train.diloco={ sync_every = 4, fragments = 2, fragment_delay = 1, fragment_alpha = 0.5, quantize = \"fp8\" }",
-            ],
-        ),
-        (
-            "diloco-topk",
-            &[
-                "train.backend=\"diloco\"",
-                "train.diloco={ sync_every = 2 }",
-                "train.compression={ name = \"topk\", density = 0.1 }",
-            ],
-        ),
-        ("sparta", &["train.backend=\"sparta\"", "train.sparta={ p = 0.1 }"]),
-        (
-            "demo",
-            &[
-                "train.backend=\"demo\"",
-                "train.optim={ name = \"sgd\", weight_decay = 0.01 }",
-                "train.demo={ topk = 8, chunk = 16 }",
-            ],
-        ),
-    ];
     let cluster = predict::profile::load("a100-ib100").unwrap();
-    for (name, set) in cases {
+    for (name, set) in common::EVERY_BACKEND {
         let run = train_run(d.path(), name, 4, set);
         let rows = nanodist::metrics::read_rows(&run.join("metrics.jsonl")).unwrap();
         let (loaded, layout) = predict::load(

@@ -116,6 +116,40 @@ fn stopped_and_resumed_run_equals_uninterrupted_run_bit_for_bit() {
     assert_eq!(run(b.path(), &[at_start]).step, 20);
 }
 
+#[test]
+fn a_run_stopped_inside_a_batch_ramp_up_resumes_bit_for_bit() {
+    // Megatron's batches for global 8 from 2 by 2 over 12 samples: 2, 2, 4, 6, then 8 from step 4; with a
+    // local batch of 2, one to four micro-steps.
+    let ramp = [
+        "train.global_batch_size=8",
+        "train.rampup_batch_size=[2, 2, 12]",
+    ];
+    let batches = [2u64, 2, 4, 6, 8];
+    let batch_of = |step: u64| batches[(step as usize).min(4)];
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    make_data(a.path());
+    make_data(b.path());
+    let full = run(a.path(), &ramp);
+    // Stop after step 3, whose successor is the first at batch 6; then after the ramp's last change.
+    let at = |n: &'static str| [ramp[0], ramp[1], n];
+    assert_eq!(run(b.path(), &at("train.exit_interval=3")).step, 3);
+    assert_eq!(run(b.path(), &at("train.exit_interval=2")).step, 5);
+    let last = run(b.path(), &ramp);
+    assert_eq!(last.step, 20);
+    let rows_a = read_rows(&full.run_dir.join("metrics.jsonl")).unwrap();
+    let rows_b = read_rows(&last.run_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(rows_a.len(), rows_b.len());
+    for (x, y) in rows_a.iter().zip(&rows_b) {
+        assert_eq!(numbers(x), numbers(y), "rows differ at step {}", x.step);
+        assert_eq!(x.batch_size, y.batch_size);
+        // The row's batch is its last step's; its tokens, every step's real batch (context 16).
+        assert_eq!(x.batch_size, batch_of(x.step - 1), "step {}", x.step);
+        let tokens: u64 = (0..x.step).map(batch_of).sum::<u64>() * 16;
+        assert_eq!(x.tokens, tokens, "step {}", x.step);
+    }
+}
+
 /// `train.log` holds the decentralized GPT-2 runner's lines in its exact format (prefix, 6 decimals, a space
 /// before the units), the new-best-model lines after each improvement, and nanodist's extra figures on
 /// lines of their own; a resumed run appends to it.

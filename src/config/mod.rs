@@ -5,6 +5,7 @@
 //! rules, and resolve the launch-dependent numbers into a [`Plan`].
 
 pub mod backend;
+pub mod batch;
 pub mod error;
 pub mod log;
 pub mod lr;
@@ -201,12 +202,20 @@ pub fn parse(src: &str, overrides: &[String]) -> Result<(Config, tree::Node), Ve
 }
 
 /// BigScience's sample counts (`train.train_samples`, `train.lr_schedule.lr_warmup_samples`,
-/// `lr_decay_samples`) as the step counts they stand for, rounded up to whole steps of the global batch;
-/// the config keeps the steps only (what the run writes and resumes with). A count given both ways is an
-/// error.
+/// `lr_decay_samples`) as the step counts they stand for: the steps whose batches (the ramp-up's, if any)
+/// reach the count; the config keeps the steps only (what the run writes and resumes with). A count given
+/// both ways is an error, and so is a ramp-up that breaks Megatron's rules (it sizes the steps).
 fn samples_to_steps(cfg: &mut Config, doc: &tree::Node) -> Result<(), Vec<Problem>> {
-    let batch = cfg.train.global_batch_size.max(1) as u64;
-    let steps = |samples: u64| samples.div_ceil(batch);
+    let t = &cfg.train;
+    let batches = batch::BatchSchedule::of(t.global_batch_size as u64, t.rampup_batch_size)
+        .map_err(|e| {
+            vec![validate::problem_at(
+                doc,
+                "train.rampup_batch_size",
+                format!("{e} (Megatron's --rampup-batch-size rules)"),
+            )]
+        })?;
+    let steps = |samples: u64| batches.steps_for(samples);
     let given = |path: &str| tree::find(doc, path).is_some();
     let mut problems = Vec::new();
     let mut both = |samples: &str, steps: &[&str]| {

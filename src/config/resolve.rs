@@ -6,6 +6,7 @@ use super::backend::{
     Backend, Compression, DemoConfig, DilocoConfig, Engine, PowerSgdConfig, Quantize, RadiusConfig,
     TopKConfig, Topology,
 };
+use super::batch::BatchSchedule;
 use super::error::Problem;
 use super::tree::Node;
 use super::{validate, Config, OptimConfig};
@@ -260,8 +261,12 @@ pub struct Plan {
     /// Ranks per node, when known (the local engine is one node).
     pub local_world_size: Option<usize>,
     pub local_batch_size: usize,
+    /// Micro-steps and tokens of a step at the full global batch.
     pub accum_steps: usize,
     pub tokens_per_step: u64,
+    pub context_length: usize,
+    /// Each step's global batch (constant, or ramping up).
+    pub batches: BatchSchedule,
     pub n_params: u64,
     pub flops_per_token: u64,
     pub n_steps: u64,
@@ -273,7 +278,22 @@ pub struct Plan {
 impl Plan {
     /// Seconds for the whole run at `tokens_per_s`.
     pub fn run_seconds(&self, tokens_per_s: f64) -> f64 {
-        (self.tokens_per_step as f64 * self.n_steps as f64) / tokens_per_s
+        self.tokens_before(self.n_steps) as f64 / tokens_per_s
+    }
+
+    /// Micro-steps of each worker in `step`.
+    pub fn accum_at(&self, step: u64) -> usize {
+        self.batches.batch_at(step) as usize / (self.local_batch_size * self.world_size)
+    }
+
+    /// Tokens of the global batch of `step`.
+    pub fn tokens_at(&self, step: u64) -> u64 {
+        self.batches.batch_at(step) * self.context_length as u64
+    }
+
+    /// Tokens of the steps before `step`.
+    pub fn tokens_before(&self, step: u64) -> u64 {
+        self.batches.samples_before(step) * self.context_length as u64
     }
 }
 
@@ -295,8 +315,40 @@ impl fmt::Display for Plan {
             writeln!(f, "ranks per node    {l}")?;
         }
         writeln!(f, "local batch       {} sequences", self.local_batch_size)?;
-        writeln!(f, "accumulation      {} micro-steps", self.accum_steps)?;
-        writeln!(f, "tokens per step   {}", self.tokens_per_step)?;
+        let full = match self.batches.ramps() {
+            true => " at the full batch",
+            false => "",
+        };
+        writeln!(
+            f,
+            "accumulation      {} micro-steps{full}",
+            self.accum_steps
+        )?;
+        writeln!(f, "tokens per step   {}{full}", self.tokens_per_step)?;
+        if self.batches.ramps() {
+            let stages: Vec<(u64, u64)> = self.batches.stages().collect();
+            let shown: Vec<String> = stages
+                .iter()
+                .take(4)
+                .map(|(step, b)| format!("{b} from step {step}"))
+                .collect();
+            writeln!(
+                f,
+                "batch ramp-up     {}{} ({} stages; accumulation {} -> {} micro-steps)",
+                shown.join(", "),
+                match stages.len() > 4 {
+                    true => format!(
+                        ", ..., {} from step {}",
+                        self.batches.global(),
+                        self.batches.full_from()
+                    ),
+                    false => String::new(),
+                },
+                stages.len(),
+                self.accum_at(0),
+                self.accum_steps
+            )?;
+        }
         writeln!(
             f,
             "parameters        {} ({:.2}M)",
@@ -307,7 +359,7 @@ impl fmt::Display for Plan {
         write!(
             f,
             "total tokens      {:.3e} over {} steps",
-            self.tokens_per_step as f64 * self.n_steps as f64,
+            self.tokens_before(self.n_steps) as f64,
             self.n_steps
         )
     }
@@ -422,9 +474,15 @@ pub fn resolve(
     ] {
         if let Some(node) = super::tree::find(doc, key) {
             notes.push(format!(
-                "{key} = {}: {steps} (steps of global_batch_size {}, rounded up)",
+                "{key} = {}: {steps} ({})",
                 node.value.to_json(),
-                t.global_batch_size
+                match t.rampup_batch_size {
+                    None => format!(
+                        "steps of global_batch_size {}, rounded up",
+                        t.global_batch_size
+                    ),
+                    Some(_) => "the steps whose ramping batches reach it".into(),
+                }
             ));
         }
     }
@@ -438,8 +496,11 @@ pub fn resolve(
             "train.amp = true: mixed precision applies to CUDA only; training in f32 on CPU".into(),
         );
     }
-    let local = t.local_batch_size.unwrap_or(t.global_batch_size / world);
+    let local = t.local_batch(world);
     let accum = t.global_batch_size / (local * world);
+    // config::parse checked the ramp-up's own rules.
+    let batches = BatchSchedule::of(t.global_batch_size as u64, t.rampup_batch_size)
+        .map_err(|e| vec![validate::problem_at(doc, "train.rampup_batch_size", e)])?;
     let plan = Plan {
         engine,
         sync,
@@ -448,6 +509,8 @@ pub fn resolve(
         local_batch_size: local,
         accum_steps: accum,
         tokens_per_step: (t.global_batch_size * t.context_length) as u64,
+        context_length: t.context_length,
+        batches,
         n_params: cfg.model.n_params(t.context_length),
         flops_per_token: cfg.model.flops_per_token(t.context_length),
         n_steps: t.n_steps,

@@ -71,7 +71,14 @@ pub struct TrainConfig {
     /// Sequences per optimizer step summed over all workers and accumulation steps.
     #[schemars(range(min = 1, max = 16777216))]
     pub global_batch_size: usize,
-    /// Sequences per worker per forward pass (default: global_batch_size / world size, no accumulation).
+    /// Batch-size ramp-up, Megatron's `--rampup-batch-size START INCREMENT SAMPLES`: the global batch
+    /// starts at `start` sequences and grows by `increment` every samples / ((global_batch_size - start) /
+    /// increment) samples until it is global_batch_size. The local batch stays and the accumulation steps
+    /// follow, so start and increment are multiples of local_batch_size x world size.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rampup_batch_size: Option<[u64; 3]>,
+    /// Sequences per worker per forward pass (default: global_batch_size / world size, no accumulation;
+    /// with a ramp-up, the largest local batch that divides every batch of the ramp).
     #[schemars(range(min = 1, max = 16777216))]
     pub local_batch_size: Option<usize>,
     /// Tokens per sequence (packed windows of the token stream).
@@ -81,7 +88,8 @@ pub struct TrainConfig {
     #[schemars(range(min = 1, max = 1_000_000_000_000_u64))]
     pub n_steps: u64,
     /// The run's length in samples (sequences) instead of `n_steps`, as BigScience's Megatron runs give it
-    /// (`--train-samples`): n_steps = ceil(train_samples / global_batch_size).
+    /// (`--train-samples`): n_steps is the number of steps whose batches reach train_samples
+    /// (ceil(train_samples / global_batch_size) without a ramp-up).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub train_samples: Option<u64>,
@@ -123,6 +131,7 @@ impl Default for TrainConfig {
             comm_timeout_secs: 300.0,
             seed: 42,
             global_batch_size: 480,
+            rampup_batch_size: None,
             local_batch_size: None,
             context_length: 1024,
             n_steps: 600_000,
@@ -135,5 +144,27 @@ impl Default for TrainConfig {
             optim: OptimConfig::default(),
             lr_schedule: LrSchedule::default(),
         }
+    }
+}
+
+impl TrainConfig {
+    /// Sequences per worker per forward pass on `world` workers: `local_batch_size`, else the global batch
+    /// shared by the workers (with a ramp-up: gcd(start, increment) shared, which divides every batch of
+    /// the ramp). 0 when the workers cannot share it (a validation error).
+    pub fn local_batch(&self, world: usize) -> usize {
+        let world = world.max(1);
+        let shared = match self.rampup_batch_size {
+            None => self.global_batch_size,
+            Some([start, increment, _]) => {
+                let (mut a, mut b) = (start as usize, increment as usize);
+                while b != 0 {
+                    (a, b) = (b, a % b);
+                }
+                a
+            }
+        };
+        let even = shared % world == 0;
+        self.local_batch_size
+            .unwrap_or(if even { shared / world } else { 0 })
     }
 }

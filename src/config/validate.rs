@@ -453,18 +453,27 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
         }
     }
 
-    // Batch arithmetic: global = local x world x accumulation.
-    let local = t
-        .local_batch_size
-        .unwrap_or(t.global_batch_size / world.max(1));
+    // Batch arithmetic: every batch (global, and the ramp-up's) = local x world x accumulation.
+    let local = t.local_batch(world);
     let per_step = local.saturating_mul(world);
-    if t.local_batch_size.is_none() && t.global_batch_size % world != 0 {
+    let ramp = t.rampup_batch_size;
+    if t.local_batch_size.is_none() && local == 0 {
+        let (key, what) = match ramp {
+            None => (
+                "train.global_batch_size",
+                format!("global_batch_size = {}", t.global_batch_size),
+            ),
+            Some([start, inc, _]) => (
+                "train.rampup_batch_size",
+                format!(
+                    "the ramp-up's start {start} and increment {inc} have no common divisor that"
+                ),
+            ),
+        };
         add(
-            "train.global_batch_size",
+            key,
             format!(
-                "global_batch_size = {} is not divisible by the world size {world}; set a global batch that is, \
-                 or set train.local_batch_size",
-                t.global_batch_size
+                "{what} is not divisible by the world size {world}; make it so, or set train.local_batch_size"
             ),
         );
     } else if local == 0 || per_step == 0 || t.global_batch_size % per_step != 0 {
@@ -474,6 +483,16 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
                 "global_batch_size = {} is not divisible by local_batch_size ({local}) x world size ({world}) = {per_step}; \
                  gradient accumulation steps must be a whole number",
                 t.global_batch_size
+            ),
+        );
+    } else if let Some([start, inc, _]) =
+        ramp.filter(|[s, i, _]| *s % per_step as u64 != 0 || *i % per_step as u64 != 0)
+    {
+        add(
+            "train.rampup_batch_size",
+            format!(
+                "the ramp-up's start {start} and increment {inc} must be multiples of local_batch_size ({local}) x \
+                 world size ({world}) = {per_step}: each step's batch is whole micro-steps of every worker"
             ),
         );
     }

@@ -19,6 +19,9 @@ pub mod wandb;
 pub struct Row {
     pub step: u64,
     pub tokens: u64,
+    /// Sequences in the global batch of the row's last step (it changes with `train.rampup_batch_size`).
+    #[serde(default)]
+    pub batch_size: u64,
     pub lr: f64,
     pub train_loss: f64,
     pub grad_norm: f64,
@@ -156,7 +159,6 @@ pub struct Tracker {
     jsonl: JsonlSink,
     wandb: Option<wandb::Run>,
     tb: Option<tensorboard::EventWriter>,
-    batch_size: f64,
 }
 
 impl Tracker {
@@ -190,7 +192,6 @@ impl Tracker {
             jsonl: JsonlSink::open(&run_dir.join("metrics.jsonl"), resume_step)?,
             wandb,
             tb,
-            batch_size: cfg.train.global_batch_size as f64,
         })
     }
 
@@ -201,11 +202,10 @@ impl Tracker {
             w.log(row.step, &metrics)?;
         }
         if let Some(tb) = self.tb.as_mut() {
-            let mut scalars: Vec<(String, f64)> = metrics
+            let scalars: Vec<(String, f64)> = metrics
                 .iter()
                 .map(|(k, v)| (tensorboard::tag(k), *v))
                 .collect();
-            scalars.push(("train/batch_size".into(), self.batch_size));
             tb.scalars(row.step, &scalars)?;
         }
         Ok(())

@@ -40,7 +40,8 @@ pub struct Predictor {
     pub update: f64,
     /// Seconds of compression on steps that communicate (compressing backends).
     pub codec: f64,
-    pub tokens_per_step: u64,
+    /// Tokens of the mean step (with a ramp-up, the early steps are smaller).
+    pub tokens_per_step: f64,
 }
 
 /// The run's ranks placed `ranks_per_node` to a node (default: the cluster's devices per node).
@@ -70,8 +71,9 @@ impl Predictor {
             true => per_device / p.device.sharing_efficiency,
             false => 1.0,
         };
-        let flops =
-            plan.flops_per_token as f64 * plan.tokens_per_step as f64 / plan.world_size as f64;
+        let n = plan.n_steps.max(1);
+        let tokens_per_step = plan.tokens_before(n) as f64 / n as f64;
+        let flops = plan.flops_per_token as f64 * tokens_per_step / plan.world_size as f64;
         let update =
             UPDATE_BYTES_PER_PARAM * plan.n_params as f64 / (p.device.memory_gbps * 1e9) * shared;
         let compute =
@@ -88,7 +90,7 @@ impl Predictor {
             compute,
             update,
             codec,
-            tokens_per_step: plan.tokens_per_step,
+            tokens_per_step,
         })
     }
 
@@ -308,7 +310,7 @@ pub fn prediction(
     p: &Predictor,
     average: Average,
 ) -> Prediction {
-    let tokens_per_s = p.tokens_per_step as f64 / (average.ms_per_step / 1e3);
+    let tokens_per_s = p.tokens_per_step / (average.ms_per_step / 1e3);
     Prediction {
         cluster: cluster.name.clone(),
         cluster_source: cluster.source.clone(),

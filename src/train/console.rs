@@ -23,8 +23,9 @@ fn comm(r: &Row, steps: u64) -> String {
 /// Counters since the last metrics row.
 pub(super) struct Interval {
     start: Instant,
-    /// Steps timed in this process (throughput).
+    /// Steps timed in this process (throughput), and their tokens.
     pub steps: u64,
+    tokens: u64,
     /// Steps whose loss is in `loss_sum` (restored across a resume).
     pub loss_steps: u64,
     pub loss_sum: f64,
@@ -41,6 +42,7 @@ impl Interval {
         Self {
             start: Instant::now(),
             steps: 0,
+            tokens: 0,
             loss_steps: 0,
             loss_sum: 0.0,
             comm,
@@ -66,9 +68,10 @@ impl Interval {
         self.control.seconds += after.seconds - before.seconds;
     }
 
-    /// One more step, with its training loss.
-    pub fn add_step(&mut self, loss: f64) {
+    /// One more step, with its training loss and its global batch's tokens.
+    pub fn add_step(&mut self, loss: f64, tokens: u64) {
         self.steps += 1;
+        self.tokens += tokens;
         self.loss_steps += 1;
         self.loss_sum += loss;
     }
@@ -84,7 +87,6 @@ impl Interval {
         lr: f64,
         train_loss: f64,
         grad_norm: f64,
-        tokens_per_step: u64,
         comm: CommStats,
     ) -> Row {
         let secs = self.start.elapsed().as_secs_f64().max(1e-9);
@@ -95,7 +97,7 @@ impl Interval {
             lr,
             train_loss,
             grad_norm,
-            tokens_per_s: (tokens_per_step * self.steps) as f64 / secs,
+            tokens_per_s: self.tokens as f64 / secs,
             ms_per_step: secs * 1e3 / self.steps as f64,
             comm_bytes: comm.bytes_sent - self.comm.bytes_sent - self.control.bytes_sent,
             comm_ms: comm_s * 1e3,

@@ -245,7 +245,8 @@ impl<'s> Worker<'s> {
                     );
                 }
             }
-            self.since_log.add_step(loss);
+            self.since_log
+                .add_step(loss, self.setup.plan.tokens_at(self.progress.step - 1));
             let step = self.progress.step;
             let eval_due = step % self.setup.cfg.log.eval_interval == 0 || step == t.n_steps;
             if step % self.setup.cfg.log.log_interval == 0 || eval_due {
@@ -272,10 +273,10 @@ impl<'s> Worker<'s> {
     /// the last step (overlapped gossip) runs beside it. Returns the mean loss over the micro-steps.
     fn forward_backward(&mut self) -> Result<f64> {
         let plan = &self.setup.plan;
-        let (local_b, accum) = (plan.local_batch_size, plan.accum_steps);
+        let step = self.progress.step;
+        let (local_b, accum) = (plan.local_batch_size, plan.accum_at(step));
         let (rank, world) = (self.sync.rank(), self.sync.world_size());
         let ctx = self.setup.cfg.train.context_length;
-        let step = self.progress.step;
         let (model, grads, dropout, sampler) = (
             &self.model,
             &mut self.grads,
@@ -312,8 +313,8 @@ impl<'s> Worker<'s> {
         self.sync.after_step(&mut self.params, self.progress.step)?;
         self.since_log.sync_end(start, self.sync.comm_stats());
         self.model.params.set_flat(&self.params)?;
+        self.progress.tokens += self.setup.plan.tokens_at(self.progress.step);
         self.progress.step += 1;
-        self.progress.tokens += self.setup.plan.tokens_per_step;
         Ok(())
     }
 
@@ -343,9 +344,10 @@ impl<'s> Worker<'s> {
             lr,
             means[0] as f64,
             grad_norm,
-            plan.tokens_per_step,
             self.sync.comm_stats(),
         );
+        // The batch of the row's last step.
+        row.batch_size = plan.batches.batch_at(self.progress.step.saturating_sub(1));
         let mut rest = means[1..].iter().map(|&x| x as f64);
         let [norm, distance] = per_rank.map(|v| v.and_then(|_| rest.next()));
         (row.pseudo_grad_norm, row.consensus_distance) = (norm, distance);
@@ -381,6 +383,7 @@ impl<'s> Worker<'s> {
         let t = &self.setup.cfg.train;
         let mut row = Row {
             lr: optim::lr_at(&t.lr_schedule, 0, t.n_steps),
+            batch_size: self.setup.plan.batches.batch_at(0),
             param_norm: optim::global_norm(&self.params),
             elapsed_s: self.elapsed(),
             ..Row::default()

@@ -121,3 +121,60 @@ pub fn train_tiny(
         .unwrap_or_else(|e| panic!("{set:?}: {e}"));
     nanodist::train::run(&loaded).unwrap_or_else(|e| panic!("{set:?}: {e:#}"))
 }
+
+/// One run of every synchronisation (backends, topologies, reducers, low-communication methods) for 4
+/// workers in 2 nodes: (name, `--set`s over the tiny config).
+pub const EVERY_BACKEND: &[(&str, &[&str])] = &[
+    ("allreduce", &["train.bucket_size_mb=0.004"]),
+    ("ring", &["train.backend=\"decentdp\"", "train.topology=\"ring\""]),
+    (
+        "exp-overlap",
+        &["train.backend=\"decentdp\"", "train.topology=\"exp\"", "train.overlap=true"],
+    ),
+    (
+        "alt",
+        &[
+            "train.backend=\"decentdp\"",
+            "train.topology=\"alternating-exp-ring\"",
+            "train.ranks_per_node=2",
+        ],
+    ),
+    ("topk", &["train.compression={ name = \"topk\", density = 0.05 }"]),
+    (
+        "radius",
+        &["train.compression={ name = \"radius\", density = 0.05, interval = 4, threshold = 3, range = 1 }"],
+    ),
+    (
+        "powersgd",
+        &["train.compression={ name = \"powersgd\", rank = 2, start_iter = 3 }"],
+    ),
+    (
+        "powersgd1",
+        &["train.compression={ name = \"powersgd\", rank = 2, start_iter = 3, single_allreduce = true }"],
+    ),
+    ("diloco", &["train.backend=\"diloco\"", "train.diloco={ sync_every = 4 }"]),
+    (
+        "streaming",
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4, fragments = 2, fragment_delay = 1, fragment_alpha = 0.5, quantize = \"fp8\" }",
+        ],
+    ),
+    (
+        "diloco-topk",
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 2 }",
+            "train.compression={ name = \"topk\", density = 0.1 }",
+        ],
+    ),
+    ("sparta", &["train.backend=\"sparta\"", "train.sparta={ p = 0.1 }"]),
+    (
+        "demo",
+        &[
+            "train.backend=\"demo\"",
+            "train.optim={ name = \"sgd\", weight_decay = 0.01 }",
+            "train.demo={ topk = 8, chunk = 16 }",
+        ],
+    ),
+];
