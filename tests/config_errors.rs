@@ -740,7 +740,7 @@ fn fractions_of_the_run_resolve_into_steps() {
     let by_step =
         load("[train]\nn_steps = 400\n[train.lr_schedule]\nwarmup_steps = 5\n[train.compression]\nname = 'powersgd'\nstart_iter = 40\n");
     assert_eq!(by_fraction.plan.sync, by_step.plan.sync);
-    assert_eq!(by_fraction.plan.sync.dense_until(), Some(40));
+    assert_eq!(by_fraction.config.train.dense_until(), Some(40));
     let s = |src: &str| load(src).config.train.lr_schedule;
     let (f, w) = (
         s("[train]\nn_steps = 400\n[train.lr_schedule]\nname = 'linear'\nwarmup_fraction = 0.05\n"),

@@ -154,17 +154,6 @@ impl SyncPlan {
         )
     }
 
-    /// The first step of a reducer's compressed phase, when it starts dense (Radius's `threshold`,
-    /// PowerSGD's `start_iter`); DiLoCo's reducers count syncs instead of steps and are not included.
-    pub fn dense_until(&self) -> Option<u64> {
-        match self {
-            SyncPlan::Compressed(ReducerPlan::Radius { cfg, .. }) => Some(cfg.threshold),
-            SyncPlan::Compressed(ReducerPlan::PowerSgd { cfg, .. }) => Some(cfg.start_iter),
-            _ => None,
-        }
-        .filter(|&s| s > 0)
-    }
-
     /// One line for `check` and the start of a run.
     pub fn describe(&self) -> String {
         match self {

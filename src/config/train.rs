@@ -148,6 +148,20 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// The first step of the compressed phase of a reducer that starts dense (Radius's `threshold`,
+    /// PowerSGD's start); None when every step is alike. DiLoCo's reducers count syncs, not steps.
+    pub fn dense_until(&self) -> Option<u64> {
+        if self.backend != Backend::PytorchDdp {
+            return None;
+        }
+        match &self.compression {
+            Some(Compression::Radius(c)) => Some(c.threshold),
+            Some(Compression::PowerSgd(c)) => Some(c.start_step(self.n_steps)),
+            _ => None,
+        }
+        .filter(|&s| s > 0)
+    }
+
     /// Sequences per worker per forward pass on `world` workers: `local_batch_size`, else the global batch
     /// shared by the workers (with a ramp-up: gcd(start, increment) shared, which divides every batch of
     /// the ramp). 0 when the workers cannot share it (a validation error).

@@ -121,21 +121,6 @@ impl Run {
         s
     }
 
-    /// The first step of the compressed phase of a reducer that starts dense (see
-    /// `SyncPlan::dense_until`).
-    pub fn dense_until(&self) -> Option<u64> {
-        let t = &self.config.train;
-        if t.backend != Backend::PytorchDdp {
-            return None;
-        }
-        match &t.compression {
-            Some(Compression::Radius(c)) => Some(c.threshold),
-            Some(Compression::PowerSgd(c)) => Some(c.start_step(t.n_steps)),
-            _ => None,
-        }
-        .filter(|&s| s > 0)
-    }
-
     /// "name (algorithm, N workers)": the label of the run in plots.
     pub fn label(&self) -> String {
         match self.world_size {
@@ -224,7 +209,7 @@ pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
             .position(|r| r.val_loss.is_some_and(|v| v <= t))
     });
     let hit_row = hit.map(|i| &run.rows[i]);
-    let start = run.dense_until().filter(|&s| s < steps);
+    let start = run.config.train.dense_until().filter(|&s| s < steps);
     let (comm_ms, total_ms) = row_steps(&run.rows).fold((0.0, 0.0), |(c, t), (r, n)| {
         (c + r.comm_ms, t + r.ms_per_step * n as f64)
     });

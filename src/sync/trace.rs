@@ -224,7 +224,7 @@ pub fn plan_lines(cfg: &Config, plan: &Plan) -> Result<Vec<(&'static str, String
     let world = plan.world_size;
     let over = |steps: Range<u64>| rate(bytes_per_step(&patterns(backend, steps), world));
     let whole = rate(bytes_per_step(&whole, world));
-    let sent = match plan.sync.dense_until().filter(|&s| s < n) {
+    let sent = match cfg.train.dense_until().filter(|&s| s < n) {
         Some(start) => format!(
             "{} in steps 0-{} (dense), {} from step {start} (compressed); {whole} over the run",
             over(0..start),

@@ -212,7 +212,7 @@ impl<'s> Worker<'s> {
             }
             let lr = optim::lr_at(&t.lr_schedule, self.progress.step, t.n_steps);
             let sync = &self.setup.plan.sync;
-            if sync.dense_until() == Some(self.progress.step) {
+            if t.dense_until() == Some(self.progress.step) {
                 self.console.note(&format!(
                     "step {}: the reducer switches from dense all-reduce to compressed ({})",
                     self.progress.step,
