@@ -210,6 +210,31 @@ fn train_log_has_the_seed_runners_lines() {
             .is_match(log.lines().find(|l| l.contains("Step 10: ")).unwrap_or("")),
         "{log}"
     );
+    // On CPU, MFU is a fraction of the `local` profile's GEMM peak per thread times the threads that
+    // computed (one worker here), and the line says so.
+    let local = nanodist::predict::profile::load("local").unwrap();
+    let loaded = config::load_str(
+        Path::new("t.toml"),
+        &config_text(d.path()),
+        &[],
+        &LaunchEnv::default(),
+    )
+    .unwrap();
+    let threads = loaded.plan.threads.unwrap();
+    let peak = local.profile.device.peak_tflops * 1e12 * threads as f64;
+    for r in rows.iter().filter(|r| r.step > 0) {
+        let want = loaded.plan.flops_per_token as f64 * r.tokens_per_s / peak;
+        let mfu = r.mfu.unwrap();
+        assert!(
+            (mfu - want).abs() <= 1e-12 * want,
+            "step {}: {mfu} vs {want}",
+            r.step
+        );
+    }
+    assert!(
+        log.contains(&format!("of {threads} thread(s)' f32 GEMM peak")),
+        "{log}"
+    );
 }
 
 /// The evaluation before training (`log.eval_at_start`, nanoGPT's eval at iter 0) evaluates exactly the

@@ -116,6 +116,8 @@ pub(super) struct Console {
     n_steps: u64,
     silent: bool,
     log: Option<std::cell::RefCell<std::fs::File>>,
+    /// What the rows' MFU is a fraction of ("of an A100's bf16 peak").
+    pub mfu_label: String,
 }
 
 /// The runner's logging prefix (Python logging, `[%(asctime)s %(levelname)5s] ` with `%H:%M:%S`).
@@ -132,6 +134,7 @@ impl Console {
                 n_steps,
                 silent: true,
                 log: None,
+                mfu_label: String::new(),
             };
         }
         let bar = std::io::stderr().is_terminal().then(|| {
@@ -149,6 +152,7 @@ impl Console {
             n_steps,
             silent: false,
             log: None,
+            mfu_label: String::new(),
         }
     }
 
@@ -235,7 +239,7 @@ impl Console {
             extra.push(format!("{:.0} tokens/s", r.tokens_per_s));
         }
         if let Some(m) = r.mfu {
-            extra.push(format!("MFU {:.2}% of an A100's bf16 peak", m * 100.0));
+            extra.push(format!("MFU {:.2}% {}", m * 100.0, self.mfu_label));
         }
         if let Some(d) = r.consensus_distance {
             extra.push(format!("consensus distance {d:.4e}"));

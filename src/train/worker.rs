@@ -17,8 +17,29 @@ use crate::model::Gpt;
 use crate::optim::{self, Optimizer, Segment};
 use crate::sync::SyncBackend;
 
-/// A100 bf16 dense peak, nanoGPT's reference for MFU.
+/// A100 bf16 dense peak, nanoGPT's reference for MFU on GPUs.
 const A100_BF16_PEAK_FLOPS: f64 = 312e12;
+
+/// The peak FLOP/s that MFU divides by, and how the console names it. On CUDA, nanoGPT's convention: an
+/// A100's bf16 peak. On CPU, the `local` cluster profile's single-thread f32 GEMM peak (what `nanodist
+/// calibrate` measured; a `config/clusters/local.toml` of this machine's takes precedence over the
+/// built-in one) times the threads that compute: every worker's.
+fn mfu_peak(cuda: bool, threads: usize, world: usize) -> Option<(f64, String)> {
+    if cuda {
+        return Some((A100_BF16_PEAK_FLOPS, "of an A100's bf16 peak".into()));
+    }
+    let local = crate::predict::profile::load("local").ok()?;
+    let per_thread = local.profile.device.peak_tflops * 1e12;
+    let n = threads * world;
+    Some((
+        per_thread * n as f64,
+        format!(
+            "of {n} thread(s)' f32 GEMM peak ({:.0} GFLOP/s each, cluster profile {})",
+            per_thread / 1e9,
+            local.source
+        ),
+    ))
+}
 const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
 
 /// Why a rank wants to stop after a step, in rising priority: when ranks disagree, the highest wins. A
@@ -76,6 +97,8 @@ pub(super) struct Worker<'s> {
     start_step: u64,
     metrics: Option<Tracker>,
     console: Console,
+    /// What MFU divides by (see `mfu_peak`).
+    mfu_peak: Option<f64>,
 }
 
 impl<'s> Worker<'s> {
@@ -132,6 +155,7 @@ impl<'s> Worker<'s> {
             start_step: 0,
             metrics: None,
             console: Console::new(t.n_steps, 0, false),
+            mfu_peak: None,
         };
         if let Some((dir, mode)) = &setup.source {
             w.restore(dir, *mode)?;
@@ -142,6 +166,14 @@ impl<'s> Worker<'s> {
         }
         w.console = Console::new(t.n_steps, step, root);
         w.console.log_to(&setup.run_dir.join("train.log"))?;
+        let threads = w
+            .pool
+            .as_ref()
+            .map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
+        if let Some((peak, label)) = mfu_peak(device.is_cuda(), threads, w.sync.world_size()) {
+            w.mfu_peak = Some(peak);
+            w.console.mfu_label = label;
+        }
         w.since_log.comm = w.sync.comm_stats();
         w.since_eval = (Instant::now(), step);
         w.start_step = step;
@@ -354,13 +386,9 @@ impl<'s> Worker<'s> {
         row.outer_lr = m.outer_lr;
         row.param_norm = optim::global_norm(&self.params);
         row.elapsed_s = self.elapsed();
-        // MFU against the device that runs, or not at all: on CPU nanodist knows no peak (yet), on CUDA it
-        // reports nanoGPT's convention, an A100's bf16 peak, and says so.
         row.mfu = self
-            .model
-            .device()
-            .is_cuda()
-            .then(|| plan.flops_per_token as f64 * row.tokens_per_s / A100_BF16_PEAK_FLOPS);
+            .mfu_peak
+            .map(|peak| plan.flops_per_token as f64 * row.tokens_per_s / peak);
         row.compression_ratio = m.compression_ratio;
         row.compression_error = m.compression_error;
         row.topk_overlap = m.topk_overlap;
