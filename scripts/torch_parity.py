@@ -31,9 +31,10 @@ class LayerNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c, n_head, bias, act):
+    def __init__(self, c, n_head, bias, act, sdpa=False):
         super().__init__()
         self.n_head = n_head
+        self.sdpa = sdpa
         self.ln_1 = LayerNorm(c, bias)
         self.c_attn = nn.Linear(c, 3 * c, bias=bias)
         self.attn_proj = nn.Linear(c, c, bias=bias)
@@ -46,6 +47,10 @@ class Block(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.sdpa:
+            # nanoGPT's path on PyTorch >= 2.0 (flash attention where the backend has it).
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+            return self.attn_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
         att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
@@ -63,7 +68,11 @@ class GPT(nn.Module):
         c = cfg["n_embd"]
         self.wte = nn.Embedding(cfg["vocab_size"], c)
         self.wpe = nn.Embedding(cfg["context_length"], c)
-        self.h = nn.ModuleList(Block(c, cfg["n_heads"], cfg["bias"], cfg["activation"]) for _ in range(cfg["n_layers"]))
+        # attention = "sdpa": nanoGPT's F.scaled_dot_product_attention(is_causal=True); else the T x T mask
+        # materialized (nanoGPT's fallback; the parity reference).
+        sdpa = cfg.get("attention") == "sdpa"
+        self.h = nn.ModuleList(Block(c, cfg["n_heads"], cfg["bias"], cfg["activation"], sdpa)
+                               for _ in range(cfg["n_layers"]))
         self.ln_f = LayerNorm(c, cfg["bias"])
 
     def forward(self, idx, targets):

@@ -1,17 +1,23 @@
 #!/usr/bin/env python3
-"""Benchmark: training tokens/s and peak RSS of nanodist vs PyTorch nanoGPT on the same CPU.
+"""Benchmark: training tokens/s, peak RSS and fraction of the CPU's GEMM peak of nanodist vs PyTorch nanoGPT.
 
 Same model (nanoGPT's GPT-2, scripts/torch_parity.py), same batch and context, same total thread count, same
-character-level Shakespeare (nanoGPT's shakespeare_char setting, which both configs below come from), AdamW. Runs alternate (nanodist, then PyTorch; erf-GELU and tanh-GELU for each)
-and the median of several runs is printed with the ratio. nanodist runs twice per setting: one worker
-with all the threads ("1xT"), and T local workers of one thread each splitting the same global batch
-("Tx1": data parallel inside the process, the same update up to float summation order). Each run trains `--steps` steps; the first
-`--warmup` steps are not timed.
+character-level Shakespeare, AdamW, tanh- or erf-GELU as the row says. The baseline is nanoGPT as it runs on
+PyTorch >= 2.0: attention by F.scaled_dot_product_attention(is_causal=True) ("torch SDPA"); the materialized
+T x T mask variant is an extra row ("torch mask", nanoGPT's fallback). nanodist runs with one worker and all the
+threads ("1xT") and, on the small configs, T local workers of one thread each splitting the same global batch
+("Tx1"). Runs alternate between the implementations; each row is the median of --runs runs, each training
+`steps` steps of which the first `warmup` are not timed.
 
-    python3 scripts/bench/train.py [--runs 3] [--threads 2] [--configs cpu,medium]
+The same run measures the machine's f32 GEMM peak with T threads (the best of numpy's BLAS and torch.mm over
+square sizes 512-2048) and prints each row's achieved FLOP/s (tokens/s x nanodist's FLOPs per token, the
+6N + 12 L T C estimate nanoGPT's MFU uses) as a fraction of it.
 
-Configs: cpu = nanoGPT's CPU config (n_layers 4, n_heads 4, n_embd 128, context 64, batch 12);
-medium = (6, 6, 384, 256, 8). Installs torch into .venv when it is missing.
+    python3 scripts/bench/train.py [--runs 3] [--threads 2] [--configs cpu,medium,gpt2]
+
+Configs: cpu = nanoGPT's CPU config (n_layers 4, n_heads 4, n_embd 128, context 64, batch 12); medium = (6, 6,
+384, 256, 8); gpt2 = the seed's GPT-2 small (12, 12, 768, context 1024, batch 1, vocabulary 50304), a few steps.
+Installs torch into .venv/torch when it is missing.
 """
 import argparse
 import json
@@ -25,7 +31,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIGS = {
     "cpu": dict(n_layers=4, n_heads=4, n_embd=128, context=64, batch=12, steps=60, warmup=10),
     "medium": dict(n_layers=6, n_heads=6, n_embd=384, context=256, batch=8, steps=16, warmup=4),
+    "gpt2": dict(n_layers=12, n_heads=12, n_embd=768, context=1024, batch=1, steps=6, warmup=2, vocab=50304),
 }
+
+GEMM_PEAK = r"""
+import json, sys, time
+import numpy as np, torch
+torch.set_num_threads(int(sys.argv[1]))
+best = 0.0
+for n in (512, 1024, 2048):
+    a = np.random.rand(n, n).astype(np.float32)
+    b = np.random.rand(n, n).astype(np.float32)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    for mm in (lambda: a @ b, lambda: torch.mm(ta, tb)):
+        mm()
+        for _ in range(5):
+            t = time.perf_counter()
+            mm()
+            best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
+print(json.dumps({"flops": best}))
+"""
 
 TORCH_RUN = r"""
 import json, os, sys, time, resource
@@ -36,7 +61,8 @@ cfg = json.loads(sys.argv[2])
 torch.set_num_threads(cfg["threads"])
 torch.manual_seed(0)
 model = GPT(dict(n_layers=cfg["n_layers"], n_heads=cfg["n_heads"], n_embd=cfg["n_embd"], vocab_size=cfg["vocab"],
-                 context_length=cfg["context"], bias=False, activation=cfg["activation"]))
+                 context_length=cfg["context"], bias=False, activation=cfg["activation"],
+                 attention=cfg["attention"]))
 decay = [p for p in model.parameters() if p.dim() >= 2]
 no_decay = [p for p in model.parameters() if p.dim() < 2]
 opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -69,11 +95,12 @@ def python_with_torch():
         return sys.executable
     except ImportError:
         pass
-    venv = os.path.join(ROOT, ".venv")
+    venv = os.path.join(ROOT, ".venv", "torch")
     py = os.path.join(venv, "bin", "python")
     if not os.path.exists(py):
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    subprocess.run([py, "-m", "pip", "install", "--quiet", "torch", "numpy", "safetensors"], check=True)
+    if subprocess.run([py, "-c", "import torch, numpy, safetensors"], capture_output=True).returncode != 0:
+        subprocess.run([py, "-m", "pip", "install", "--quiet", "torch", "numpy", "safetensors"], check=True)
     return py
 
 
@@ -89,20 +116,32 @@ def run_measured(cmd, **kw):
     return out, usage
 
 
+def nanodist_sets(c, act, workers, total_threads, vocab, data_dir, log):
+    return [f"model.n_layers={c['n_layers']}", f"model.n_heads={c['n_heads']}",
+            f"model.n_embd={c['n_embd']}", f"model.vocab_size={vocab}", f"model.activation={act}",
+            f"train.context_length={c['context']}", f"train.global_batch_size={c['batch']}",
+            f"train.local_batch_size={c['batch'] // workers}",
+            f"train.n_steps={c['steps']}", "train.lr_schedule.warmup_steps=2",
+            f"train.threads={total_threads // workers}", f"log.log_interval={c['warmup']}",
+            f"log.eval_interval={c['steps']}", "log.eval_steps=1", "log.ckpt_interval=0",
+            f"log_dir={log!r}".replace("'", '"'), 'log.run_name="bench"',
+            f'data_dir="{data_dir}"']
+
+
+def flops_per_token(exe, c, vocab, data_dir):
+    """nanodist's training FLOPs per token of the config (`nanodist check`)."""
+    cmd = [exe, "check", os.path.join(ROOT, "config/gpt2-small.toml"), "--workers", "1"]
+    for s in nanodist_sets(c, "gelu", 1, 1, vocab, data_dir, "/tmp"):
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return float(next(l.split()[-1] for l in out.splitlines() if l.startswith("FLOPs per token")))
+
+
 def run_nanodist(exe, c, act, workers, total_threads, vocab, data_dir, env):
     """One nanodist run: `workers` local workers of total_threads / workers threads; (tokens/s, peak RSS MB)."""
     with tempfile.TemporaryDirectory() as log:
-        sets = [f"model.n_layers={c['n_layers']}", f"model.n_heads={c['n_heads']}",
-                f"model.n_embd={c['n_embd']}", f"model.vocab_size={vocab}", f"model.activation={act}",
-                f"train.context_length={c['context']}", f"train.global_batch_size={c['batch']}",
-                f"train.local_batch_size={c['batch'] // workers}",
-                f"train.n_steps={c['steps']}", "train.lr_schedule.warmup_steps=2",
-                f"train.threads={total_threads // workers}", f"log.log_interval={c['warmup']}",
-                f"log.eval_interval={c['steps']}", "log.eval_steps=1", "log.ckpt_interval=0",
-                f"log_dir={log!r}".replace("'", '"'), 'log.run_name="bench"',
-                f'data_dir="{data_dir}"']
         cmd = [exe, "train", os.path.join(ROOT, "config/gpt2-small.toml"), "--workers", str(workers)]
-        for s in sets:
+        for s in nanodist_sets(c, act, workers, total_threads, vocab, data_dir, log):
             cmd += ["--set", s]
         _, usage = run_measured(cmd, env=env)
         rows = [json.loads(l) for l in open(os.path.join(log, "bench/metrics.jsonl"))]
@@ -126,32 +165,43 @@ def main():
                         data_dir, "--val-fraction", "0.1", "--tokenizer", "char"], check=True, stdout=subprocess.DEVNULL)
     vocab = json.load(open(os.path.join(data_dir, "meta.json")))["vocab_size"]
     py = python_with_torch()
-    env = {**os.environ, "RAYON_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
-    print(f"threads {args.threads}, median of {args.runs} runs, tokens/s after warm-up steps, peak RSS in MB, "
-          f"char vocabulary of {vocab}", flush=True)
-    print(f"{'config':<8} {'impl':<27} {'tokens/s':>10} {'RSS MB':>8} {'vs torch erf':>13} {'vs torch tanh':>14}")
+    env = {**os.environ, "RAYON_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads),
+           "OPENBLAS_NUM_THREADS": str(args.threads)}
+    peak = json.loads(subprocess.run([py, "-c", GEMM_PEAK, str(args.threads)], env=env, check=True,
+                                     capture_output=True, text=True).stdout)["flops"]
+    print(f"threads {args.threads}; f32 GEMM peak of this machine with {args.threads} threads: {peak / 1e9:.0f} GFLOP/s "
+          f"(numpy/torch BLAS, 512-2048 square); median of {args.runs} alternating runs; tokens/s after the warm-up "
+          f"steps; peak RSS in MB; char data (vocabulary {vocab}; gpt2: 50304)", flush=True)
+    print(f"{'config':<7} {'impl':<26} {'tokens/s':>9} {'vs torch SDPA':>14} {'GEMM peak':>10} {'RSS MB':>7}")
     for name in args.configs.split(","):
         c = CONFIGS[name]
+        v = c.get("vocab", vocab)
+        fpt = flops_per_token(exe, c, v, data_dir)
+        # (label, implementation, activation): the big config runs nanoGPT's default GELU only.
+        acts = ("gelu",) if name == "gpt2" else ("gelu", "gelu_tanh")
+        rows = [(f"nanodist 1x{args.threads}", ("nanodist", 1), a) for a in acts]
+        if name != "gpt2":
+            rows.append((f"nanodist {args.threads}x1", ("nanodist", args.threads), "gelu_tanh"))
+        rows += [("torch SDPA", ("torch", "sdpa"), a) for a in acts]
+        rows.append(("torch mask", ("torch", "mask"), acts[-1]))
         res = {}
         for _ in range(args.runs):
-            for act in ("gelu", "gelu_tanh"):
-                for workers in (1, args.threads):
-                    key = f"nanodist {workers}x{args.threads // workers}"
-                    res.setdefault((key, act), []).append(run_nanodist(exe, c, act, workers, args.threads,
-                                                                       vocab, data_dir, env))
-                cfg = dict(c, activation=act, threads=args.threads, vocab=vocab, data=os.path.join(data_dir, "train.bin"))
-                out, usage = run_measured([py, "-c", TORCH_RUN, ROOT, json.dumps(cfg)], env=env)
-                res.setdefault(("torch", act), []).append((json.loads(out)["tokens_per_s"], usage.ru_maxrss / 1024))
+            for label, (impl, how), act in rows:
+                if impl == "nanodist":
+                    r = run_nanodist(exe, c, act, how, args.threads, v, data_dir, env)
+                else:
+                    cfg = dict(c, activation=act, threads=args.threads, vocab=v, attention=how,
+                               data=os.path.join(data_dir, "train.bin"))
+                    out, usage = run_measured([py, "-c", TORCH_RUN, ROOT, json.dumps(cfg)], env=env)
+                    r = (json.loads(out)["tokens_per_s"], usage.ru_maxrss / 1024)
+                res.setdefault((label, act), []).append(r)
         med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
-        impls = [f"nanodist 1x{args.threads}", f"nanodist {args.threads}x1", "torch"]
-        for impl in impls:
-            for act in ("gelu", "gelu_tanh"):
-                if (impl, act) not in med:
-                    continue
-                tps, rss = med[(impl, act)]
-                label = f"{impl} {'erf' if act == 'gelu' else 'tanh'}-GELU"
-                print(f"{name:<8} {label:<27} {tps:>10.0f} {rss:>8.0f} {tps / med[('torch', 'gelu')][0]:>13.2f} "
-                      f"{tps / med[('torch', 'gelu_tanh')][0]:>14.2f}", flush=True)
+        for label, _, act in rows:
+            tps, rss = med[(label, act)]
+            base = med[("torch SDPA", act)][0]
+            text = f"{label} {'erf' if act == 'gelu' else 'tanh'}-GELU"
+            print(f"{name:<7} {text:<26} {tps:>9.0f} {tps / base:>13.2f}x {tps * fpt / peak:>9.1%} {rss:>7.0f}",
+                  flush=True)
 
 
 if __name__ == "__main__":
