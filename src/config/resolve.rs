@@ -445,7 +445,40 @@ pub fn resolve(
             topology.name()
         ));
     }
-    // Sample counts, as the steps they became (config::parse rounds them up to whole global batches).
+    notes.extend(key_notes(t, doc));
+    let local = t.local_batch(world);
+    let accum = t.global_batch_size / (local * world);
+    // config::parse checked the ramp-up's own rules.
+    let batches = BatchSchedule::of(t.global_batch_size as u64, t.rampup_batch_size)
+        .map_err(|e| vec![validate::problem_at(doc, "train.rampup_batch_size", e)])?;
+    let plan = Plan {
+        engine,
+        sync,
+        world_size: world,
+        local_world_size: local_world,
+        local_batch_size: local,
+        accum_steps: accum,
+        tokens_per_step: (t.global_batch_size * t.context_length) as u64,
+        context_length: t.context_length,
+        batches,
+        n_params: cfg.model.n_params(t.context_length),
+        flops_per_token: cfg.model.flops_per_token(t.context_length),
+        n_steps: t.n_steps,
+        threads: t.threads.or(match engine {
+            Engine::Local | Engine::Auto => {
+                let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+                Some((cores / world).max(1))
+            }
+            Engine::Mpi | Engine::Nccl => None,
+        }),
+    };
+    Ok((plan, notes))
+}
+
+/// Notes on keys as the run takes them: sample counts as the steps they became (config::parse converted
+/// them), and keys that have no effect here.
+fn key_notes(t: &super::TrainConfig, doc: &Node) -> Vec<String> {
+    let mut notes = Vec::new();
     let lr = &t.lr_schedule;
     for (key, steps) in [
         (
@@ -485,33 +518,7 @@ pub fn resolve(
             "train.amp = true: mixed precision applies to CUDA only; training in f32 on CPU".into(),
         );
     }
-    let local = t.local_batch(world);
-    let accum = t.global_batch_size / (local * world);
-    // config::parse checked the ramp-up's own rules.
-    let batches = BatchSchedule::of(t.global_batch_size as u64, t.rampup_batch_size)
-        .map_err(|e| vec![validate::problem_at(doc, "train.rampup_batch_size", e)])?;
-    let plan = Plan {
-        engine,
-        sync,
-        world_size: world,
-        local_world_size: local_world,
-        local_batch_size: local,
-        accum_steps: accum,
-        tokens_per_step: (t.global_batch_size * t.context_length) as u64,
-        context_length: t.context_length,
-        batches,
-        n_params: cfg.model.n_params(t.context_length),
-        flops_per_token: cfg.model.flops_per_token(t.context_length),
-        n_steps: t.n_steps,
-        threads: t.threads.or(match engine {
-            Engine::Local | Engine::Auto => {
-                let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-                Some((cores / world).max(1))
-            }
-            Engine::Mpi | Engine::Nccl => None,
-        }),
-    };
-    Ok((plan, notes))
+    notes
 }
 
 /// The synchronisation plan: keys that belong to another backend are errors, defaults are filled in,
