@@ -117,21 +117,27 @@ pub fn eval_file(
             data.display()
         ));
     }
-    // Windows of up to t + 1 tokens, overlapping by one, so each target is predicted once.
+    // Windows of up to t + 1 tokens, overlapping by one, so each target is predicted once; the full
+    // windows go `batch_size` to a forward pass, the shorter last one alone.
     let starts: Vec<usize> = (0..n - 1).step_by(t).collect();
     let (mut total, mut count) = (0.0f64, 0usize);
-    for chunk in starts.chunks(batch_size.max(1)) {
+    let window = |s: usize, len: usize| (&tokens[s..s + len], &tokens[s + 1..s + 1 + len]);
+    let (full, last): (Vec<usize>, Vec<usize>) = starts.iter().partition(|&&s| s + t < n);
+    let batches = full.chunks(batch_size.max(1)).map(|c| (c, t));
+    for (chunk, len) in batches.chain(last.chunks(1).map(|c| (c, n - 1 - c[0]))) {
+        let mut batch = crate::data::Batch {
+            b: chunk.len(),
+            t: len,
+            x: Vec::with_capacity(chunk.len() * len),
+            y: Vec::with_capacity(chunk.len() * len),
+        };
         for &s in chunk {
-            let len = t.min(n - 1 - s);
-            let batch = crate::data::Batch {
-                b: 1,
-                t: len,
-                x: tokens[s..s + len].to_vec(),
-                y: tokens[s + 1..s + 1 + len].to_vec(),
-            };
-            total += tr.model.batch_loss(&batch)? as f64 * len as f64;
-            count += len;
+            let (x, y) = window(s, len);
+            batch.x.extend_from_slice(x);
+            batch.y.extend_from_slice(y);
         }
+        total += tr.model.batch_loss(&batch)? as f64 * (chunk.len() * len) as f64;
+        count += chunk.len() * len;
     }
     Ok(EvalResult {
         loss: total / count as f64,

@@ -345,6 +345,20 @@ fn eval_and_sample_use_the_trained_checkpoint() {
         r.loss
     );
     assert!(r.loss < (48f64).ln(), "better than uniform");
+    // Windows batched into one forward pass give the loss of one window at a time (the last, shorter
+    // window alone either way).
+    for batch in [1, 16] {
+        let b =
+            nanodist::generate::eval_file(&s.run_dir, &d.path().join("val.bin"), batch, Some(2000))
+                .unwrap();
+        assert_eq!((b.tokens, b.windows), (r.tokens, r.windows));
+        assert!(
+            (b.loss - r.loss).abs() <= 1e-5 * r.loss,
+            "batch {batch}: {} vs {}",
+            b.loss,
+            r.loss
+        );
+    }
 }
 
 fn wait_for(path: &Path, timeout: Duration) -> bool {
