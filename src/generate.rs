@@ -121,6 +121,7 @@ pub fn eval_file(
     // windows go `batch_size` to a forward pass, the shorter last one alone.
     let starts: Vec<usize> = (0..n - 1).step_by(t).collect();
     let (mut total, mut count) = (0.0f64, 0usize);
+    let mut scratch = crate::model::Scratch::default();
     let window = |s: usize, len: usize| (&tokens[s..s + len], &tokens[s + 1..s + 1 + len]);
     let (full, last): (Vec<usize>, Vec<usize>) = starts.iter().partition(|&&s| s + t < n);
     let batches = full.chunks(batch_size.max(1)).map(|c| (c, t));
@@ -136,7 +137,7 @@ pub fn eval_file(
             batch.x.extend_from_slice(x);
             batch.y.extend_from_slice(y);
         }
-        total += tr.model.batch_loss(&batch)? as f64 * (chunk.len() * len) as f64;
+        total += tr.model.batch_loss(&mut scratch, &batch)? as f64 * (chunk.len() * len) as f64;
         count += chunk.len() * len;
     }
     Ok(EvalResult {

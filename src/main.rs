@@ -781,6 +781,24 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// On Linux mimalloc commits its arenas eagerly and then keeps their freed pages: with hundreds of local
+/// workers that held ~9 MB per worker above what they use (128 workers of the quick-start model: 4.9 GB
+/// peak RSS, 3.8 GB with eager commit off, the same step time). The option must be set before the first
+/// arena is reserved, i.e. before the Rust runtime's first allocation: from an ELF constructor.
+#[cfg(target_os = "linux")]
+#[used]
+#[link_section = ".init_array"]
+static MIMALLOC_OPTIONS: extern "C" fn() = mimalloc_options;
+
+#[cfg(target_os = "linux")]
+extern "C" fn mimalloc_options() {
+    /// `mi_option_arena_eager_commit`: index 4 of `mi_option_e` in mimalloc v2 and v3 (the bindings
+    /// name only some options).
+    const ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
+    // SAFETY: sets one of mimalloc's global options; it allocates nothing and reads nothing of ours.
+    unsafe { libmimalloc_sys::mi_option_set(ARENA_EAGER_COMMIT, 0) };
+}
+
 fn main() -> ExitCode {
     // candle runs its elementwise ops on a spin-waiting barrier pool beside rayon's. Training on CPU does
     // not use it (the CPU engine runs on rayon alone), but candle's graph does (generation); on a few cores

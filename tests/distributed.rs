@@ -508,10 +508,23 @@ const SIXTY_FOUR: &[(&str, &[&str])] = &[
     ),
     (
         "exp-overlap",
-        &["train.backend=\"decentdp\"", "train.topology=\"exp\"", "train.overlap=true"],
+        &[
+            "train.backend=\"decentdp\"",
+            "train.topology=\"exp\"",
+            "train.overlap=true",
+        ],
     ),
-    ("topk", &["train.compression={ name = \"topk\", density = 0.05 }"]),
-    ("diloco", &["train.backend=\"diloco\"", "train.diloco={ sync_every = 3 }"]),
+    (
+        "topk",
+        &["train.compression={ name = \"topk\", density = 0.05 }"],
+    ),
+    (
+        "diloco",
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 3 }",
+        ],
+    ),
 ];
 
 /// A row as the golden file keeps it: step, train loss, grad norm, val loss, bytes sent.

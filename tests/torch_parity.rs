@@ -106,7 +106,9 @@ fn logits_loss_and_gradients_match_pytorch() {
             y: ids("y"),
         };
         let mut g = vec![0.0f32; m.params.numel];
-        let loss = m.loss_and_grads(&batch, None, 1.0, &mut g).unwrap();
+        let loss = m
+            .loss_and_grads(&mut Default::default(), &batch, None, 1.0, &mut g)
+            .unwrap();
         close(
             loss as f64,
             want["loss"].as_f64().unwrap(),

@@ -262,6 +262,9 @@ pub struct Plan {
     /// Compute threads per worker, where this machine decides them (`train.threads`, else on the local
     /// engine the cores shared by its workers); None: each process's RAYON_NUM_THREADS or cores.
     pub threads: Option<usize>,
+    /// Forward/backward passes that run at once in this process: on the local engine cores / threads
+    /// (at most one per worker, at least one; see `train::compute`), else 1.
+    pub compute_slots: usize,
 }
 
 impl Plan {
@@ -293,7 +296,11 @@ impl fmt::Display for Plan {
         writeln!(f, "synchronisation   {}", self.sync.describe())?;
         writeln!(f, "world size        {}", self.world_size)?;
         match self.threads {
-            Some(t) => writeln!(f, "workers x threads {} x {t}", self.world_size)?,
+            Some(t) => writeln!(
+                f,
+                "workers x threads {} x {t} ({} computing at once)",
+                self.world_size, self.compute_slots
+            )?,
             None => writeln!(
                 f,
                 "workers x threads {} x (each process's RAYON_NUM_THREADS, else its cores)",
@@ -451,6 +458,15 @@ pub fn resolve(
     // config::parse checked the ramp-up's own rules.
     let batches = BatchSchedule::of(t.global_batch_size as u64, t.rampup_batch_size)
         .map_err(|e| vec![validate::problem_at(doc, "train.rampup_batch_size", e)])?;
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let threads = t.threads.or(match engine {
+        Engine::Local | Engine::Auto => Some((cores / world).max(1)),
+        Engine::Mpi | Engine::Nccl => None,
+    });
+    let compute_slots = match (engine, threads) {
+        (Engine::Local | Engine::Auto, Some(threads)) => (cores / threads).clamp(1, world),
+        _ => 1,
+    };
     let plan = Plan {
         engine,
         sync,
@@ -464,13 +480,8 @@ pub fn resolve(
         n_params: cfg.model.n_params(t.context_length),
         flops_per_token: cfg.model.flops_per_token(t.context_length),
         n_steps: t.n_steps,
-        threads: t.threads.or(match engine {
-            Engine::Local | Engine::Auto => {
-                let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-                Some((cores / world).max(1))
-            }
-            Engine::Mpi | Engine::Nccl => None,
-        }),
+        threads,
+        compute_slots,
     };
     Ok((plan, notes))
 }

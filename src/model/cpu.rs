@@ -190,9 +190,11 @@ struct Layer {
 }
 
 /// Saved activations of one forward (per layer, stacked) and the backward's scratch; kept across steps
-/// and reallocated only when the batch shape changes.
+/// and reallocated only when the model or batch shape changes.
 #[derive(Default)]
 struct Acts {
+    /// The model's layers, width, heads and vocabulary the buffers are sized for.
+    dims: (usize, usize, usize, usize),
     b: usize,
     t: usize,
     /// Residual stream entering each layer, and entering the final LayerNorm (L + 1) x N x C.
@@ -227,7 +229,63 @@ struct Acts {
     dqkv: Vec<f32>,
 }
 
-/// The CPU engine of one model: parameter layout and activation buffers.
+/// The memory one forward/backward works in: the activations it saves and the backward's scratch. It
+/// belongs to whoever computes, not to the model: N workers on C cores need only C of them (see
+/// `train::compute`), and it is reused across steps (resized only when the shapes change).
+#[derive(Default)]
+pub struct Scratch {
+    acts: Acts,
+}
+
+/// The lengths of a Scratch's buffers for a model (layers, width, heads, vocabulary) and a b x t batch:
+/// f32 buffers in `Acts` field order (res .. dqkv), then the three (mean, 1/std) buffers.
+fn sizes(dims: (usize, usize, usize, usize), b: usize, t: usize, dropout: bool) -> [usize; 21] {
+    let (l, c, h, v) = dims;
+    let n = b * t;
+    let nc = n * c;
+    let masks = if dropout { (2 * l + 1) * nc } else { 0 };
+    [
+        (l + 1) * nc,      // res
+        l * nc,            // res2
+        l * nc,            // xn1
+        l * nc,            // xn2
+        l * 3 * nc,        // qkv
+        l * b * h * t * t, // att
+        l * nc,            // atty
+        l * 4 * nc,        // fc
+        l * 4 * nc,        // gelu
+        nc,                // xf
+        n * v,             // logits
+        n,                 // lse
+        masks,             // masks
+        nc,                // dres
+        nc,                // dc
+        nc,                // dc2
+        4 * nc,            // d4c
+        3 * nc,            // dqkv
+        l * n,             // stats1
+        l * n,             // stats2
+        n,                 // statsf
+    ]
+}
+
+/// Bytes of the Scratch of one forward/backward of a b x t batch through a model of `n_layers` x
+/// `n_embd` with `n_heads` heads and `vocab` tokens.
+pub fn scratch_bytes(
+    n_layers: usize,
+    n_embd: usize,
+    n_heads: usize,
+    vocab: usize,
+    b: usize,
+    t: usize,
+    dropout: bool,
+) -> u64 {
+    let s = sizes((n_layers, n_embd, n_heads, vocab), b, t, dropout);
+    let (f32s, stats) = s.split_at(18);
+    (4 * f32s.iter().sum::<usize>() + 8 * stats.iter().sum::<usize>()) as u64
+}
+
+/// The CPU engine of one model: its parameter layout (the values come with each call).
 pub struct CpuGpt {
     n_layers: usize,
     c: usize,
@@ -241,7 +299,6 @@ pub struct CpuGpt {
     wpe: Slot,
     layers: Vec<Layer>,
     lnf: Norm,
-    acts: Acts,
 }
 
 impl CpuGpt {
@@ -298,20 +355,28 @@ impl CpuGpt {
             wpe: off("transformer.wpe.weight", model.context_length * c)?,
             layers,
             lnf: norm("transformer.ln_f")?,
-            acts: Acts::default(),
         })
     }
 
     /// Mean cross-entropy of next tokens `y` after `x` (both b x t, row-major) with the parameters `ps`.
-    pub fn loss(&mut self, ps: &ParamSet, x: &[u32], y: &[u32], b: usize, t: usize) -> Result<f32> {
-        with_params(ps, |p| self.forward(p, x, y, b, t, None))?
+    pub fn loss(
+        &self,
+        scratch: &mut Scratch,
+        ps: &ParamSet,
+        x: &[u32],
+        y: &[u32],
+        b: usize,
+        t: usize,
+    ) -> Result<f32> {
+        with_params(ps, |p| self.forward(&mut scratch.acts, p, x, y, b, t, None))?
     }
 
     /// The loss of one micro-batch, and `scale` times its gradient added into `grads` (flat order).
     /// `dropout` draws the masks when the model has dropout > 0.
     #[allow(clippy::too_many_arguments)]
     pub fn loss_and_grads(
-        &mut self,
+        &self,
+        scratch: &mut Scratch,
         ps: &ParamSet,
         x: &[u32],
         y: &[u32],
@@ -328,14 +393,16 @@ impl CpuGpt {
             self.numel
         );
         with_params(ps, |p| {
-            let loss = self.forward(p, x, y, b, t, dropout)?;
-            self.backward(p, x, y, scale, grads);
+            let loss = self.forward(&mut scratch.acts, p, x, y, b, t, dropout)?;
+            self.backward(&mut scratch.acts, p, x, y, scale, grads);
             Ok(loss)
         })?
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn forward(
-        &mut self,
+        &self,
+        a: &mut Acts,
         p: &Params,
         x: &[u32],
         y: &[u32],
@@ -357,11 +424,10 @@ impl CpuGpt {
             bail!("token {bad} is outside the vocabulary of {}", self.vocab);
         }
         let mut drop = if self.dropout > 0.0 { dropout } else { None };
-        self.shape(b, t, drop.is_some());
+        self.shape(a, b, t, drop.is_some());
         let (c, v, h, l_n) = (self.c, self.vocab, self.heads, self.n_layers);
         let n = b * t;
         let nc = n * c;
-        let a = &mut self.acts;
 
         // Embeddings.
         {
@@ -456,50 +522,59 @@ impl CpuGpt {
         Ok((sums.iter().sum::<f64>() / n as f64) as f32)
     }
 
-    /// Resizes the activation buffers for a b x t batch (a no-op when the shape is unchanged).
-    fn shape(&mut self, b: usize, t: usize, dropout: bool) {
+    /// Resizes the activation buffers for this model and a b x t batch (a no-op when nothing changed).
+    fn shape(&self, a: &mut Acts, b: usize, t: usize, dropout: bool) {
         let (c, l, h, v) = (self.c, self.n_layers, self.heads, self.vocab);
-        let a = &mut self.acts;
         a.dropped = dropout;
         let masks = if dropout { (2 * l + 1) * b * t * c } else { 0 };
-        if a.b == b && a.t == t && a.masks.len() >= masks {
+        let dims = (l, c, h, v);
+        if a.dims == dims && a.b == b && a.t == t && a.masks.len() >= masks {
             return;
         }
-        let n = b * t;
-        let nc = n * c;
+        let [res, res2, xn1, xn2, qkv, att, atty, fc, gelu, xf, logits, lse, masks, dres, dc, dc2, d4c, dqkv, stats1, stats2, statsf] =
+            sizes(dims, b, t, dropout);
         let z = |len: usize| vec![0.0f32; len];
+        let s = |len: usize| vec![(0.0f32, 0.0f32); len];
         *a = Acts {
+            dims,
             b,
             t,
-            res: z((l + 1) * nc),
-            res2: z(l * nc),
-            xn1: z(l * nc),
-            xn2: z(l * nc),
-            stats1: vec![(0.0, 0.0); l * n],
-            stats2: vec![(0.0, 0.0); l * n],
-            statsf: vec![(0.0, 0.0); n],
-            qkv: z(l * 3 * nc),
-            att: z(l * b * h * t * t),
-            atty: z(l * nc),
-            fc: z(l * 4 * nc),
-            gelu: z(l * 4 * nc),
-            xf: z(nc),
-            logits: z(n * v),
-            lse: z(n),
+            res: z(res),
+            res2: z(res2),
+            xn1: z(xn1),
+            xn2: z(xn2),
+            stats1: s(stats1),
+            stats2: s(stats2),
+            statsf: s(statsf),
+            qkv: z(qkv),
+            att: z(att),
+            atty: z(atty),
+            fc: z(fc),
+            gelu: z(gelu),
+            xf: z(xf),
+            logits: z(logits),
+            lse: z(lse),
             masks: z(masks),
             dropped: dropout,
-            dres: z(nc),
-            dc: z(nc),
-            dc2: z(nc),
-            d4c: z(4 * nc),
-            dqkv: z(3 * nc),
+            dres: z(dres),
+            dc: z(dc),
+            dc2: z(dc2),
+            d4c: z(d4c),
+            dqkv: z(dqkv),
         };
     }
 
     /// Backward of the last `forward`, adding scale * gradients into `grads`.
-    fn backward(&mut self, p: &Params, x: &[u32], y: &[u32], scale: f32, grads: &mut [f32]) {
+    fn backward(
+        &self,
+        a: &mut Acts,
+        p: &Params,
+        x: &[u32],
+        y: &[u32],
+        scale: f32,
+        grads: &mut [f32],
+    ) {
         let (c, v, h) = (self.c, self.vocab, self.heads);
-        let a = &mut self.acts;
         let (b, t) = (a.b, a.t);
         let n = b * t;
         let nc = n * c;
@@ -657,11 +732,10 @@ impl CpuGpt {
 
 impl std::fmt::Debug for CpuGpt {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let a = &self.acts;
         write!(
             f,
-            "CpuGpt {{ layers: {}, batch: {} x {} }}",
-            self.n_layers, a.b, a.t
+            "CpuGpt {{ layers: {}, width: {} }}",
+            self.n_layers, self.c
         )
     }
 }
@@ -1043,12 +1117,23 @@ mod tests {
             let y = tokens(b * t, 5, 29);
             let mut rng_ref = ChaCha8Rng::seed_from_u64(4);
             let (loss_ref, g_ref) = reference(&m, &x, &y, b, t, Some(&mut rng_ref), 0.5);
-            let mut cpu = CpuGpt::new(&m).unwrap();
+            let cpu = CpuGpt::new(&m).unwrap();
+            let mut scratch = Scratch::default();
             // Gradients accumulate: start from a non-zero buffer.
             let mut g = vec![1.0f32; m.params.numel];
             let mut rng = ChaCha8Rng::seed_from_u64(4);
             let loss = cpu
-                .loss_and_grads(&m.params, &x, &y, b, t, Some(&mut rng), 0.5, &mut g)
+                .loss_and_grads(
+                    &mut scratch,
+                    &m.params,
+                    &x,
+                    &y,
+                    b,
+                    t,
+                    Some(&mut rng),
+                    0.5,
+                    &mut g,
+                )
                 .unwrap();
             let case = format!("bias {bias} {act:?} dropout {dropout} C {c} H {heads} B {b} T {t}");
             assert!(
@@ -1075,7 +1160,7 @@ mod tests {
             );
             // The forward-only loss (no dropout) is candle's eval loss.
             let (eval_ref, _) = reference(&m, &x, &y, b, t, None, 1.0);
-            let eval = cpu.loss(&m.params, &x, &y, b, t).unwrap();
+            let eval = cpu.loss(&mut scratch, &m.params, &x, &y, b, t).unwrap();
             assert!(
                 (eval - eval_ref).abs() <= 1e-5 * eval_ref,
                 "{case}: eval {eval} vs {eval_ref}"
@@ -1083,17 +1168,53 @@ mod tests {
         }
     }
 
+    /// `scratch_bytes` (what `check` budgets per compute slot) is what a forward/backward allocates, and
+    /// a scratch moves between models and shapes.
+    #[test]
+    fn scratch_bytes_is_the_size_of_the_buffers_a_step_allocates() {
+        let mut scratch = Scratch::default();
+        for (layers, c, heads, b, t, dropout) in [(2, 16, 2, 3, 5, 0.0), (1, 8, 4, 2, 16, 0.1)] {
+            let m = model(true, Activation::Gelu, dropout, layers, c, heads);
+            let cpu = CpuGpt::new(&m).unwrap();
+            let (x, y) = (tokens(b * t, 5, 29), tokens(b * t, 7, 29));
+            let mut g = vec![0.0f32; m.params.numel];
+            let mut rng = ChaCha8Rng::seed_from_u64(1);
+            cpu.loss_and_grads(
+                &mut scratch,
+                &m.params,
+                &x,
+                &y,
+                b,
+                t,
+                Some(&mut rng),
+                1.0,
+                &mut g,
+            )
+            .unwrap();
+            let a = &scratch.acts;
+            let f32s = [
+                &a.res, &a.res2, &a.xn1, &a.xn2, &a.qkv, &a.att, &a.atty, &a.fc, &a.gelu, &a.xf,
+                &a.logits, &a.lse, &a.masks, &a.dres, &a.dc, &a.dc2, &a.d4c, &a.dqkv,
+            ];
+            let stats = a.stats1.len() + a.stats2.len() + a.statsf.len();
+            let held = 4 * f32s.iter().map(|v| v.len()).sum::<usize>() + 8 * stats;
+            let want = scratch_bytes(layers, c, heads, 29, b, t, dropout > 0.0);
+            assert_eq!(held as u64, want);
+        }
+    }
+
     #[test]
     fn bad_tokens_and_shapes_are_errors() {
         let m = model(false, Activation::Gelu, 0.0, 1, 8, 2);
-        let mut cpu = CpuGpt::new(&m).unwrap();
+        let cpu = CpuGpt::new(&m).unwrap();
+        let mut scratch = Scratch::default();
         let e = cpu
-            .loss(&m.params, &[1, 29], &[1, 2], 1, 2)
+            .loss(&mut scratch, &m.params, &[1, 29], &[1, 2], 1, 2)
             .unwrap_err()
             .to_string();
         assert!(e.contains("outside the vocabulary of 29"), "{e}");
         let e = cpu
-            .loss(&m.params, &[1; 17], &[1; 17], 1, 17)
+            .loss(&mut scratch, &m.params, &[1; 17], &[1; 17], 1, 17)
             .unwrap_err()
             .to_string();
         assert!(e.contains("longer than the model's context of 16"), "{e}");

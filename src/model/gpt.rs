@@ -9,15 +9,13 @@
 //! Training and evaluation on CPU run on the hand-written engine of `cpu` (same function, tested against
 //! this graph); the graph runs on GPUs, and serves generation and the tests as the reference.
 
-use std::sync::Mutex;
-
 use anyhow::Result;
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
-use super::cpu::CpuGpt;
+use super::cpu::{CpuGpt, Scratch};
 use super::params::ParamSet;
 use crate::config::ModelConfig;
 use crate::data::Batch;
@@ -32,7 +30,7 @@ pub struct Gpt {
     pub params: ParamSet,
     device: Device,
     /// The CPU engine (on CPU), or None: candle's graph and autograd.
-    cpu: Option<Mutex<CpuGpt>>,
+    cpu: Option<CpuGpt>,
     /// The dtype of the matmuls: F32, or BF16 for mixed precision (inputs rounded to bf16, products
     /// accumulated in f32 by the GEMM and returned as f32; parameters and everything else stay f32).
     matmul_dtype: DType,
@@ -137,7 +135,7 @@ impl Gpt {
             matmul_dtype: DType::F32,
         };
         if device.is_cpu() {
-            gpt.cpu = Some(Mutex::new(CpuGpt::new(&gpt)?));
+            gpt.cpu = Some(CpuGpt::new(&gpt)?);
         }
         Ok(gpt)
     }
@@ -166,17 +164,19 @@ impl Gpt {
     }
 
     /// The loss of `batch`, and `scale` times its gradient added into `grads` (flat, name order).
-    /// `dropout` draws the dropout masks when the model has dropout > 0.
+    /// `dropout` draws the dropout masks when the model has dropout > 0. The CPU engine computes in
+    /// `scratch` (the graph keeps its own tensors).
     pub fn loss_and_grads(
         &self,
+        scratch: &mut Scratch,
         batch: &Batch,
         dropout: Option<&mut ChaCha8Rng>,
         scale: f32,
         grads: &mut [f32],
     ) -> Result<f32> {
         if let Some(cpu) = &self.cpu {
-            let mut cpu = cpu.lock().unwrap_or_else(|e| e.into_inner());
             return cpu.loss_and_grads(
+                scratch,
                 &self.params,
                 &batch.x,
                 &batch.y,
@@ -194,11 +194,10 @@ impl Gpt {
         Ok(loss.to_scalar::<f32>()?)
     }
 
-    /// The loss of `batch` (no dropout).
-    pub fn batch_loss(&self, batch: &Batch) -> Result<f32> {
+    /// The loss of `batch` (no dropout), computed in `scratch` on the CPU engine.
+    pub fn batch_loss(&self, scratch: &mut Scratch, batch: &Batch) -> Result<f32> {
         if let Some(cpu) = &self.cpu {
-            let mut cpu = cpu.lock().unwrap_or_else(|e| e.into_inner());
-            return cpu.loss(&self.params, &batch.x, &batch.y, batch.b, batch.t);
+            return cpu.loss(scratch, &self.params, &batch.x, &batch.y, batch.b, batch.t);
         }
         let (x, y) = self.batch_tensors(batch)?;
         Ok(self.loss(&x, &y, None)?.to_scalar::<f32>()?)
@@ -438,11 +437,12 @@ mod tests {
             let y: Vec<u32> = (0..12).map(|i| (i * 5 % 11) as u32).collect();
             let batch = Batch { b: 2, t: 6, x, y };
             let mut flat_g = vec![0.0f32; m.params.numel];
-            m.loss_and_grads(&batch, None, 1.0, &mut flat_g).unwrap();
+            m.loss_and_grads(&mut Scratch::default(), &batch, None, 1.0, &mut flat_g)
+                .unwrap();
             let base = m.params.to_flat().unwrap();
             let loss_at = |flat: &[f32]| -> f64 {
                 m.params.set_flat(flat).unwrap();
-                m.batch_loss(&batch).unwrap() as f64
+                m.batch_loss(&mut Scratch::default(), &batch).unwrap() as f64
             };
             let eps = 1e-2f32;
             let mut checked = 0;
@@ -519,6 +519,7 @@ mod tests {
         );
         let mut flat = m.params.to_flat().unwrap();
         let mut grads = vec![0.0f32; m.params.numel];
+        let mut scratch = Scratch::default();
         let v = cfg.vocab_size as u32;
         (0..steps)
             .map(|step| {
@@ -526,7 +527,9 @@ mod tests {
                 let y: Vec<u32> = x.iter().map(|t| (t * 3 + 1) % v).collect();
                 let batch = Batch { b: 4, t: 12, x, y };
                 grads.iter_mut().for_each(|g| *g = 0.0);
-                let loss = m.loss_and_grads(&batch, None, 1.0, &mut grads).unwrap();
+                let loss = m
+                    .loss_and_grads(&mut scratch, &batch, None, 1.0, &mut grads)
+                    .unwrap();
                 opt.step(&mut flat, &grads, 3e-3);
                 m.params.set_flat(&flat).unwrap();
                 loss

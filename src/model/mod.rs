@@ -5,5 +5,6 @@ pub mod gpt;
 pub mod ops;
 pub mod params;
 
+pub use cpu::Scratch;
 pub use gpt::Gpt;
 pub use params::{Param, ParamSet};

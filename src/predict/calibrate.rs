@@ -160,6 +160,7 @@ struct Probe {
     model: crate::model::gpt::Gpt,
     batch: crate::data::Batch,
     grads: Vec<f32>,
+    scratch: crate::model::Scratch,
 }
 
 impl Probe {
@@ -182,6 +183,7 @@ impl Probe {
             model,
             batch: crate::data::Batch { b, t, x, y },
             grads,
+            scratch: Default::default(),
         })
     }
 
@@ -189,7 +191,7 @@ impl Probe {
     fn step(&mut self) -> Result<f64> {
         let s = Instant::now();
         self.model
-            .loss_and_grads(&self.batch, None, 1.0, &mut self.grads)?;
+            .loss_and_grads(&mut self.scratch, &self.batch, None, 1.0, &mut self.grads)?;
         Ok(s.elapsed().as_secs_f64())
     }
 

@@ -327,6 +327,20 @@ fn hf_config(model: &Gpt) -> serde_json::Value {
     })
 }
 
+/// Writes one rank's state file of a checkpoint.
+pub fn write_rank(path: &Path, state: &RankState) -> Result<()> {
+    let mut tensors: Vec<(String, &[f32], Vec<usize>)> =
+        vec![("params".into(), &state.params, vec![state.params.len()])];
+    for (n, b) in &state.optimizer.buffers {
+        tensors.push((format!("optim.{n}"), b, vec![b.len()]));
+    }
+    for (n, b) in &state.reducer {
+        tensors.push((format!("reducer.{n}"), b, vec![b.len()]));
+    }
+    let st_meta = BTreeMap::from([("nanodist".to_string(), serde_json::to_string(&state.meta)?)]);
+    write_safetensors(path, &tensors, st_meta)
+}
+
 /// Writes the model alone (best_model.safetensors), atomically.
 pub fn save_weights(path: &Path, model: &Gpt, flat: &[f32], step: u64) -> Result<()> {
     let tmp = tmp_path(path);
@@ -342,14 +356,16 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Saves a checkpoint into `ckpt_dir/step_NNNNNNNN`, keeping only the newest `keep`. Every rank calls it
-/// at the same step: each writes its own `rank_R.safetensors`; rank 0 then writes the model (`avg`: the
+/// at the same step: each writes its own `rank_R.safetensors` (`write_rank` with the backend and the
+/// file's path; see `write_rank`), so that a rank's copy of its state exists only while it writes
+/// it; rank 0 then writes the model (`avg`: the
 /// replicas' average, in HF layout), hashes every file, writes the manifest and renames the directory
 /// into place. Returns the directory.
 pub fn save(
     sync: &mut dyn crate::sync::SyncBackend,
     ckpt_dir: &Path,
     model: &Gpt,
-    state: &RankState,
+    write_rank: impl FnOnce(&dyn crate::sync::SyncBackend, &Path) -> Result<()>,
     avg: &[f32],
     mut manifest: Manifest,
     keep: usize,
@@ -367,20 +383,7 @@ pub fn save(
         std::fs::create_dir_all(&tmp)?;
     }
     sync.barrier()?;
-    let mut tensors: Vec<(String, &[f32], Vec<usize>)> =
-        vec![("params".into(), &state.params, vec![state.params.len()])];
-    for (n, b) in &state.optimizer.buffers {
-        tensors.push((format!("optim.{n}"), b, vec![b.len()]));
-    }
-    for (n, b) in &state.reducer {
-        tensors.push((format!("reducer.{n}"), b, vec![b.len()]));
-    }
-    let st_meta = BTreeMap::from([("nanodist".to_string(), serde_json::to_string(&state.meta)?)]);
-    write_safetensors(
-        &tmp.join(format!("rank_{rank}.safetensors")),
-        &tensors,
-        st_meta,
-    )?;
+    write_rank(&*sync, &tmp.join(format!("rank_{rank}.safetensors")))?;
     sync.barrier()?;
     if root {
         write_hf_weights(&tmp.join("model.safetensors"), model, avg, manifest.step)?;

@@ -3,6 +3,7 @@
 //! anything, connects the engine, and starts the workers.
 
 pub mod checkpoint;
+mod compute;
 mod console;
 mod engine;
 pub mod fault;
@@ -83,9 +84,9 @@ pub(crate) struct Setup {
     source: Option<(PathBuf, CheckpointMode)>,
     stop: StopFlag,
     fault: Option<fault::Fault>,
-    /// Local engine with several workers: each computes on its own thread pool of this size, so that
-    /// workers x threads fit the cores instead of all queueing on one shared pool.
-    worker_threads: Option<usize>,
+    /// Where the workers compute: the local engine's slots (cores / threads of them, shared by all its
+    /// workers), else this process's rayon pool.
+    compute: compute::Compute,
 }
 
 /// How `train` treats an existing run directory.
@@ -151,9 +152,12 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
         source,
         stop: StopFlag::install()?,
         fault: fault::Fault::from_env()?,
-        worker_threads: plan
-            .threads
-            .filter(|_| plan.engine == Engine::Local && plan.world_size > 1),
+        compute: match plan.threads {
+            Some(threads) if plan.engine == Engine::Local && plan.world_size > 1 => {
+                compute::Compute::pools(plan.compute_slots, threads)?
+            }
+            _ => compute::Compute::here(),
+        },
     };
     match (process_comm, plan.world_size) {
         (Some(comm), _) => Worker::new(&setup, comm)?.train(),

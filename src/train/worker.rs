@@ -23,14 +23,13 @@ const A100_BF16_PEAK_FLOPS: f64 = 312e12;
 /// The peak FLOP/s that MFU divides by, and how the console names it. On CUDA, nanoGPT's convention: an
 /// A100's bf16 peak. On CPU, the `local` cluster profile's single-thread f32 GEMM peak (what `nanodist
 /// calibrate` measured; a `config/clusters/local.toml` of this machine's takes precedence over the
-/// built-in one) times the threads that compute: every worker's.
-fn mfu_peak(cuda: bool, threads: usize, world: usize) -> Option<(f64, String)> {
+/// built-in one) times the threads that compute at once in the whole job.
+fn mfu_peak(cuda: bool, n: usize) -> Option<(f64, String)> {
     if cuda {
         return Some((A100_BF16_PEAK_FLOPS, "of an A100's bf16 peak".into()));
     }
     let local = crate::predict::profile::load("local").ok()?;
     let per_thread = local.profile.device.peak_tflops * 1e12;
-    let n = threads * world;
     Some((
         per_thread * n as f64,
         format!(
@@ -76,14 +75,13 @@ impl Vote {
 
 pub(super) struct Worker<'s> {
     setup: &'s Setup,
-    pool: Option<rayon::ThreadPool>,
     model: Gpt,
     sync: Box<dyn SyncBackend>,
     opt: Box<dyn Optimizer>,
-    /// The parameters (name-ordered flat buffer), this step's gradient, and the replicas' average.
+    /// The parameters (name-ordered flat buffer) and this step's gradient. (The replicas' average, which
+    /// evaluations and checkpoints need, lives only while they run.)
     params: Vec<f32>,
     grads: Vec<f32>,
-    avg: Vec<f32>,
     sampler: Sampler,
     dropout: ChaCha8Rng,
     progress: Progress,
@@ -107,15 +105,6 @@ impl<'s> Worker<'s> {
         let (cfg, plan) = (&setup.cfg, &setup.plan);
         let t = &cfg.train;
         let device = crate::device::select(t.device, comm.rank())?;
-        let pool = match setup.worker_threads {
-            Some(n) => Some(
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(n)
-                    .build()
-                    .context("starting a worker's thread pool")?,
-            ),
-            None => None,
-        };
         // Mixed precision on GPUs: bf16 matmuls, f32 master weights, optimizer and reducer state.
         let model = Gpt::new(&cfg.model, t.context_length, t.seed, &device)?
             .with_amp(t.amp && device.is_cuda());
@@ -137,10 +126,8 @@ impl<'s> Worker<'s> {
         let root = sync.rank() == 0;
         let mut w = Self {
             setup,
-            pool,
             params: model.params.to_flat()?,
             grads: vec![0.0; model.params.numel],
-            avg: Vec::new(),
             model,
             sync,
             opt,
@@ -166,11 +153,13 @@ impl<'s> Worker<'s> {
         }
         w.console = Console::new(t.n_steps, step, root);
         w.console.log_to(&setup.run_dir.join("train.log"))?;
-        let threads = w
-            .pool
-            .as_ref()
-            .map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
-        if let Some((peak, label)) = mfu_peak(device.is_cuda(), threads, w.sync.world_size()) {
+        // The local engine's slots compute for all its workers; each process of a multi-process job
+        // computes on its own threads.
+        let threads = match setup.plan.engine {
+            crate::config::Engine::Local => setup.compute.threads(),
+            _ => setup.compute.threads() * w.sync.world_size(),
+        };
+        if let Some((peak, label)) = mfu_peak(device.is_cuda(), threads) {
             w.mfu_peak = Some(peak);
             w.console.mfu_label = label;
         }
@@ -315,10 +304,9 @@ impl<'s> Worker<'s> {
             &mut self.dropout,
             &mut self.sampler,
         );
-        let data = &self.setup.train_data;
-        let pool = self.pool.as_ref();
+        let (data, compute) = (&self.setup.train_data, &self.setup.compute);
         let loss_sum = overlapped(self.sync.as_mut(), || {
-            on(pool, || {
+            compute.run(|scratch| {
                 grads.iter_mut().for_each(|g| *g = 0.0);
                 let mut loss_sum = 0.0f64;
                 for micro in 0..accum as u64 {
@@ -327,7 +315,8 @@ impl<'s> Worker<'s> {
                     let batch = sampler.batch(data, step, first_row, local_b, ctx);
                     // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
                     let scale = 1.0 / accum as f32;
-                    loss_sum += model.loss_and_grads(&batch, Some(dropout), scale, grads)? as f64;
+                    loss_sum +=
+                        model.loss_and_grads(scratch, &batch, Some(dropout), scale, grads)? as f64;
                 }
                 Ok(loss_sum)
             })
@@ -437,8 +426,9 @@ impl<'s> Worker<'s> {
             step - self.since_eval.1,
         );
         // Evaluate the average of the replicas, then continue from the local ones.
-        let distance = self.sync.average(&self.params, &mut self.avg)?;
-        self.model.params.set_flat(&self.avg)?;
+        let mut avg = Vec::new();
+        let distance = self.sync.average(&self.params, &mut avg)?;
+        self.model.params.set_flat(&avg)?;
         let setup = self.setup;
         let val = self.eval_shared(&setup.val_data, Split::Val)?;
         let train = self.eval_shared(&setup.train_data, Split::Train)?;
@@ -461,7 +451,7 @@ impl<'s> Worker<'s> {
             if self.sync.rank() == 0 {
                 let path = self.setup.run_dir.join("best_model.safetensors");
                 self.console.line("New best model found. Saving...");
-                checkpoint::save_weights(&path, &self.model, &self.avg, step)?;
+                checkpoint::save_weights(&path, &self.model, &avg, step)?;
                 self.console
                     .line(&format!("Saved model to {}", path.display()));
             }
@@ -476,9 +466,11 @@ impl<'s> Worker<'s> {
         let rank = self.sync.rank();
         let spec = self.eval_spec();
         let model = &self.model;
-        let mut acc = [on(self.pool.as_ref(), || {
-            spec.rows(model, data, split, rank..rank + 1)
-        })? as f32];
+        let mut acc = [self
+            .setup
+            .compute
+            .run(|scratch| spec.rows(model, scratch, data, split, rank..rank + 1))?
+            as f32];
         self.sync.mean_scalars(&mut acc)?;
         Ok(acc[0] as f64)
     }
@@ -488,9 +480,11 @@ impl<'s> Worker<'s> {
         let (rank, n) = (self.sync.rank(), self.sync.world_size());
         let (spec, model, data) = (self.eval_spec(), &self.model, &self.setup.val_data);
         let mut all = vec![0.0f32; n];
-        all[rank] = on(self.pool.as_ref(), || {
-            spec.rows(model, data, Split::Val, 0..n)
-        })? as f32;
+        all[rank] = self
+            .setup
+            .compute
+            .run(|scratch| spec.rows(model, scratch, data, Split::Val, 0..n))?
+            as f32;
         // The mean of a vector with one non-zero slot per rank gathers the ranks' values.
         self.sync.mean_scalars(&mut all)?;
         let losses: Vec<f64> = all.iter().map(|&x| x as f64 * n as f64).collect();
@@ -548,14 +542,6 @@ impl<'s> Worker<'s> {
         let setup = self.setup;
         let mut progress = self.progress.clone();
         progress.elapsed_s = self.elapsed();
-        let state = RankState::new(
-            self.sync.rank(),
-            self.params.clone(),
-            self.opt.state(),
-            self.sync.state(),
-            self.dropout.get_word_pos(),
-            (self.since_log.loss_sum, self.since_log.loss_steps),
-        );
         let manifest = Manifest::new(
             &progress,
             self.sync.world_size(),
@@ -566,13 +552,30 @@ impl<'s> Worker<'s> {
         if let Some(m) = self.metrics.as_mut() {
             m.sync()?;
         }
-        self.sync.average(&self.params, &mut self.avg)?;
+        let mut avg = Vec::new();
+        self.sync.average(&self.params, &mut avg)?;
+        let (params, opt, dropout) = (&self.params, &self.opt, &self.dropout);
+        let loss_since_log = (self.since_log.loss_sum, self.since_log.loss_steps);
+        // The rank's copy of its state, made and written while it holds a compute slot: on the local
+        // engine, as many copies at once as slots, not one per worker.
+        let write_rank = |sync: &dyn SyncBackend, path: &std::path::Path| {
+            let _slot = setup.compute.hold();
+            let state = RankState::new(
+                sync.rank(),
+                params.clone(),
+                opt.state(),
+                sync.state(),
+                dropout.get_word_pos(),
+                loss_since_log,
+            );
+            checkpoint::write_rank(path, &state)
+        };
         let dir = checkpoint::save(
             self.sync.as_mut(),
             &setup.run_dir.join("checkpoints"),
             &self.model,
-            &state,
-            &self.avg,
+            write_rank,
+            &avg,
             manifest,
             setup.cfg.log.keep_checkpoints as usize,
         )?;
@@ -611,6 +614,7 @@ impl EvalSpec {
     fn rows(
         &self,
         model: &Gpt,
+        scratch: &mut crate::model::Scratch,
         data: &Blend,
         split: Split,
         slices: std::ops::Range<usize>,
@@ -622,7 +626,7 @@ impl EvalSpec {
             for r in slices.clone() {
                 let first = i * per_step + (r * b) as u64;
                 let batch = eval_batch(self.seed, split, first, data, b, model.context_length);
-                sum += model.batch_loss(&batch)? as f64;
+                sum += model.batch_loss(scratch, &batch)? as f64;
                 count += 1;
             }
         }
@@ -649,14 +653,6 @@ fn overlapped<T: Send>(
         comm?;
         out
     })
-}
-
-/// Runs `f` on `pool` when there is one (a local worker's own threads), else on the calling thread.
-fn on<T: Send>(pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> T + Send) -> T {
-    match pool {
-        Some(p) => p.install(f),
-        None => f(),
-    }
 }
 
 #[cfg(test)]
