@@ -400,6 +400,10 @@ fn plan_text(loaded: &config::Loaded) -> Result<String> {
     for (key, value) in nanodist::sync::trace::plan_lines(&loaded.config, &loaded.plan)? {
         text += &format!("\n{key:<17} {value}");
     }
+    if loaded.config.train.device == config::Device::Cpu {
+        let memory = nanodist::train::memory::estimate(&loaded.config, &loaded.plan);
+        text += &format!("\n{:<17} {memory}", "memory");
+    }
     Ok(text)
 }
 

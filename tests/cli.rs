@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::Output;
 
-use common::{make_data, nanodist, write_tiny_config};
+use common::{make_data, nanodist, nanodist_with, write_tiny_config};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -18,16 +18,20 @@ fn check_prints_the_resolved_plan() {
     let dir = tempfile::tempdir().unwrap();
     make_data(dir.path());
     let data = format!("data_dir={:?}", dir.path().display().to_string());
-    let out = nanodist(&[
-        "check",
-        cfg.to_str().unwrap(),
-        "--set",
-        &data,
-        "--workers",
-        "4",
-        "--tokens-per-s",
-        "100000",
-    ]);
+    // Four workers of GPT-2 small need ~28 GB: the plan is printed for a machine that has them.
+    let out = nanodist_with(
+        &[
+            "check",
+            cfg.to_str().unwrap(),
+            "--set",
+            &data,
+            "--workers",
+            "4",
+            "--tokens-per-s",
+            "100000",
+        ],
+        &[("NANODIST_MEMORY_GB", "1000")],
+    );
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -44,10 +48,56 @@ fn check_prints_the_resolved_plan() {
         "tokens per step   491520",
         "parameters        124373760",
         "run time          34d 03:12:00",
+        "peak: 4 worker(s) x 3.5 GB (3.0 GB state + 497 MB at evaluations and steps)",
         "note: train.compile = true has no meaning",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
     }
+}
+
+/// A local run that cannot fit in memory is refused by `check` and `train` alike, before any work, with the
+/// estimate's numbers.
+#[test]
+fn check_and_train_refuse_local_workers_that_do_not_fit_in_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "t.toml", "mem");
+    let run = |cmd: &str, gb: &str| {
+        let args = [cmd, cfg.to_str().unwrap(), "--workers", "8"];
+        nanodist_with(&args, &[("NANODIST_MEMORY_GB", gb)])
+    };
+    let ok = run("check", "100");
+    assert_eq!(ok.status.code(), Some(0), "{}", text(&ok));
+    let line = text(&ok)
+        .lines()
+        .find(|l| l.starts_with("memory "))
+        .map(String::from)
+        .unwrap_or_else(|| panic!("no memory line in {}", text(&ok)));
+    assert!(line.contains("peak: 8 worker(s) x"), "{line}");
+    for cmd in ["check", "train"] {
+        // Below the process's own share: refused on any machine.
+        let out = run(cmd, "0.05");
+        let err = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{cmd}: {err}");
+        for want in [
+            "8 local worker(s) need about",
+            "50.0 MB is available",
+            "peak: 8 worker(s)",
+        ] {
+            assert!(err.contains(want), "{cmd}: missing {want:?} in {err}");
+        }
+        assert!(
+            !dir.path().join("log/mem").exists(),
+            "{cmd} created the run"
+        );
+    }
+    let bad = run("check", "lots");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        text(&bad).contains("NANODIST_MEMORY_GB=lots"),
+        "{}",
+        text(&bad)
+    );
 }
 
 /// `check` shows the synchronisation: workers x threads, gossip's rounds, the overlap, and the bytes each
@@ -561,7 +611,12 @@ fn one_worker_gossip_passes_check_sbatch_and_train_alike() {
     let data = format!("data_dir={:?}", dir.path().display().to_string());
     let seed = root().join("config/decent-gpt2-small.toml");
     let seed = seed.to_str().unwrap();
-    let check = nanodist(&["check", seed, "--set", &data]);
+    // One worker with the seed's whole batch needs ~700 GB (its attention probabilities): checked as
+    // for a machine that has them.
+    let check = nanodist_with(
+        &["check", seed, "--set", &data],
+        &[("NANODIST_MEMORY_GB", "1000")],
+    );
     assert_eq!(check.status.code(), Some(0), "{}", text(&check));
     assert!(text(&check).contains("degenerates to local training"));
     let dry = nanodist(&[

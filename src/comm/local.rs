@@ -1,8 +1,11 @@
 //! The `local` engine: N workers as threads of one process, exchanging through shared memory.
 //!
-//! Every collective is: deposit this rank's buffer in its slot, wait at a barrier, read the slots, wait
-//! again before the slots are reused. Reductions add the slots in rank order 0..N on every rank, so all
-//! ranks get bit-identical results and runs are reproducible. Barriers time out and name the ranks that
+//! Reductions (all-reduce, group all-reduce) copy nothing: each rank publishes where its buffer is, sums
+//! its own chunk of every member's buffer into its buffer (reduce-scatter), then copies the other chunks
+//! from their owners (all-gather), with a barrier between the phases: O(len) work and no extra memory per
+//! rank at any world size. Elements are added in the group's rank order on every rank, so all ranks get
+//! bit-identical results and runs are reproducible. The other collectives deposit this rank's buffer in
+//! its slot, wait at a barrier, read the slots, and wait again before the slots are reused. Barriers time out and name the ranks that
 //! never arrived; a worker that fails marks the group failed so the others stop at once instead of
 //! waiting for the timeout.
 
@@ -11,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use super::{all_reduce_bytes, check_gather, CommStats, Communicator};
+use super::{all_reduce_bytes, check_gather, chunk, CommStats, Communicator};
 
 struct Barrier {
     generation: u64,
@@ -20,11 +23,28 @@ struct Barrier {
     failed: Option<(usize, String)>,
 }
 
+/// A rank's buffer during a reduction: published before its first barrier, read by the other members
+/// until its last (see `LocalComm::reduce`).
+#[derive(Clone, Copy)]
+struct View {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: a View is dereferenced only inside the reduction that published it, between its barriers, while
+// its owner is inside the same reduction and touches its buffer only through this pointer; the chunks
+// written and read in each phase are disjoint (see `LocalComm::reduce`).
+unsafe impl Send for View {}
+
+/// Elements summed at a time in a reduction (a 16 kB accumulator on the stack).
+const BLOCK: usize = 4096;
+
 struct Shared {
     n: usize,
     timeout: Duration,
     barrier: Mutex<Barrier>,
     cv: Condvar,
+    views: Vec<Mutex<View>>,
     slots: Vec<RwLock<Vec<f32>>>,
     /// Point-to-point mailboxes, index src * n + dst.
     mail: Vec<Mutex<Vec<f32>>>,
@@ -94,6 +114,14 @@ pub fn group(n: usize, timeout: Duration) -> Vec<LocalComm> {
             failed: None,
         }),
         cv: Condvar::new(),
+        views: (0..n)
+            .map(|_| {
+                Mutex::new(View {
+                    ptr: std::ptr::null_mut(),
+                    len: 0,
+                })
+            })
+            .collect(),
         slots: (0..n).map(|_| RwLock::new(Vec::new())).collect(),
         mail: (0..n * n).map(|_| Mutex::new(Vec::new())).collect(),
     });
@@ -161,6 +189,74 @@ impl LocalComm {
         }
     }
 
+    /// `buf` summed over the members of `group` (in the group's order), in place on every member.
+    ///
+    /// Phase 1: every member publishes a pointer to its buffer (barrier). Phase 2: the member at position
+    /// p sums chunk p of every member's buffer, block by block, and writes it into chunk p of its own
+    /// (barrier). Phase 3: it copies every other chunk q from member q's buffer, where it is final
+    /// (barrier). In phase 2 a buffer's chunk p is written by its owner alone and read by nobody else; in
+    /// phase 3 chunk q is only read; the barriers order the phases. The owner reaches its buffer only
+    /// through the published pointer until the last barrier, after which nobody else does.
+    fn reduce(&self, buf: &mut [f32], group: &[usize]) -> Result<()> {
+        let me = self.rank;
+        let Some(pos) = group.iter().position(|&r| r == me) else {
+            bail!("rank {me}: reduction over {group:?}, which does not include it");
+        };
+        let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+        *self.shared.views[me]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = View { ptr, len };
+        self.shared.wait(me)?;
+        let views: Vec<View> = group
+            .iter()
+            .map(|&r| {
+                *self.shared.views[r]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+            })
+            .collect();
+        // Every member sees the same lengths, so all of them stop here together.
+        if let Some((r, v)) = group.iter().zip(&views).find(|(_, v)| v.len != len) {
+            bail!(
+                "rank {me}: all-reduce of {len} values, rank {r} reduces {} (ranks must reduce the same length)",
+                v.len
+            );
+        }
+        let mine = chunk(len, group.len(), pos);
+        let mut acc = [0.0f32; BLOCK];
+        for start in mine.clone().step_by(BLOCK) {
+            let n = BLOCK.min(mine.end - start);
+            let acc = &mut acc[..n];
+            for (j, v) in views.iter().enumerate() {
+                // SAFETY: in bounds (every length is `len`); chunk `mine` of each buffer is written by
+                // nobody during this phase but by this rank below, after these reads.
+                let src = unsafe { std::slice::from_raw_parts(v.ptr.add(start), n) };
+                if j == 0 {
+                    acc.copy_from_slice(src);
+                } else {
+                    acc.iter_mut().zip(src).for_each(|(a, s)| *a += s);
+                }
+            }
+            // SAFETY: this rank's own buffer, chunk `mine`, which nobody else touches in this phase.
+            unsafe { std::slice::from_raw_parts_mut(ptr.add(start), n) }.copy_from_slice(acc);
+        }
+        self.shared.wait(me)?;
+        for (q, v) in views.iter().enumerate().filter(|&(q, _)| q != pos) {
+            let theirs = chunk(len, group.len(), q);
+            // SAFETY: member q's chunk q is final and only read in this phase; this rank writes its own
+            // chunk q, which nobody reads in this phase.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    v.ptr.add(theirs.start),
+                    ptr.add(theirs.start),
+                    theirs.len(),
+                )
+            };
+        }
+        self.shared.wait(me)?;
+        Ok(())
+    }
+
     fn account(&mut self, bytes: u64, start: Instant) {
         self.stats.bytes_sent += bytes;
         self.stats.seconds += start.elapsed().as_secs_f64();
@@ -178,11 +274,8 @@ impl Communicator for LocalComm {
 
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
         let start = Instant::now();
-        self.deposit(buf);
-        self.shared.wait(self.rank)?;
         let all: Vec<usize> = (0..self.shared.n).collect();
-        self.sum_slots(&all, buf);
-        self.shared.wait(self.rank)?;
+        self.reduce(buf, &all)?;
         // What the MPI engine's reduce-scatter + all-gather sends from this rank.
         self.account(all_reduce_bytes(buf.len(), self.shared.n, self.rank), start);
         Ok(())
@@ -190,10 +283,7 @@ impl Communicator for LocalComm {
 
     fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()> {
         let start = Instant::now();
-        self.deposit(buf);
-        self.shared.wait(self.rank)?;
-        self.sum_slots(group, buf);
-        self.shared.wait(self.rank)?;
+        self.reduce(buf, group)?;
         // What the MPI engine's reduce-scatter + all-gather within the group sends from this rank.
         let pos = group.iter().position(|&r| r == self.rank).unwrap_or(0);
         self.account(all_reduce_bytes(buf.len(), group.len(), pos), start);

@@ -21,6 +21,20 @@ pub fn for_run(
     }
 }
 
+/// Whole-model buffers (of the parameters' size) that the loop's optimizer of `for_run` keeps.
+pub fn state_buffers(
+    optim: &crate::config::OptimConfig,
+    sync: &crate::config::resolve::SyncPlan,
+) -> u64 {
+    use crate::config::OptimConfig;
+    match (sync.plain_sgd_in_loop(), optim) {
+        (Some(_), _) => 0,
+        (None, OptimConfig::AdamW(_)) => 2,
+        (None, OptimConfig::AccumAdamW(_)) => 3,
+        (None, OptimConfig::Sgd(c)) => u64::from(c.momentum > 0.0),
+    }
+}
+
 /// Global L2 norm of a gradient (f64 accumulation).
 pub fn global_norm(g: &[f32]) -> f64 {
     g.iter()
@@ -58,5 +72,39 @@ mod tests {
         let mut g = vec![30.0f32, 40.0];
         clip_grad_norm(&mut g, 0.0);
         assert_eq!(g, vec![30.0, 40.0]);
+    }
+
+    /// `state_buffers` (what `check` budgets) is what each optimizer holds after a step.
+    #[test]
+    fn state_buffers_counts_what_the_optimizers_hold() {
+        use crate::config::optim::SgdConfig;
+        use crate::config::resolve::SyncPlan;
+        use crate::config::OptimConfig;
+        let sgd = |momentum| {
+            OptimConfig::Sgd(SgdConfig {
+                momentum,
+                nesterov: false,
+                weight_decay: 0.0,
+            })
+        };
+        let accum = OptimConfig::AccumAdamW(Default::default());
+        let dense = SyncPlan::AllReduce { bucket_elems: 8 };
+        for optim in [OptimConfig::default(), accum, sgd(0.0), sgd(0.9)] {
+            let numel = 10;
+            let seg = vec![Segment {
+                offset: 0,
+                len: numel,
+                decay: true,
+            }];
+            let mut opt = for_run(&optim, &dense, seg, numel);
+            let mut p = vec![1.0f32; numel];
+            opt.step(&mut p, &[0.5; 10], 0.1);
+            let held: usize = opt.state().buffers.iter().map(|(_, b)| b.len()).sum();
+            assert_eq!(
+                held as u64,
+                state_buffers(&optim, &dense) * numel as u64,
+                "{optim:?}"
+            );
+        }
     }
 }

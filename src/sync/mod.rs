@@ -450,3 +450,86 @@ pub fn build(
         }
     })
 }
+
+/// What one worker's backend holds, in f32 values, for a model of `numel` parameters on `world` workers:
+/// `kept` for the whole run (residuals, send buffers, DiLoCo's global model), `during_step` at most
+/// beside it while a step runs (gathered messages, copies that live for one reduction). Bounds, not
+/// exact counts where the size depends on the data (top-k's and Radius's selections count every tensor
+/// as a matrix); `tests/memory.rs` holds them to what the backends allocate.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Footprint {
+    pub kept: u64,
+    pub during_step: u64,
+}
+
+pub fn footprint(plan: &SyncPlan, numel: u64, world: u64) -> Footprint {
+    let part = |f: f64| (f * numel as f64).ceil() as u64;
+    match plan {
+        SyncPlan::AllReduce { .. } => Footprint::default(),
+        // The send buffer of the mix (overlap keeps it between steps).
+        SyncPlan::Gossip { .. } => Footprint {
+            kept: numel,
+            during_step: 0,
+        },
+        SyncPlan::Compressed(r) => reducer_footprint(r, numel, world),
+        SyncPlan::Diloco { cfg, reducer } => {
+            let r = reducer
+                .as_ref()
+                .map_or_else(Footprint::default, |r| reducer_footprint(r, numel, world));
+            let momentum = if cfg.outer_momentum > 0.0 { numel } else { 0 };
+            // The global model and momentum; a sync's pseudo-gradient, its local copy, and the delayed
+            // fragment in flight.
+            Footprint {
+                kept: numel + momentum + r.kept + numel.div_ceil(cfg.fragments.max(1)),
+                during_step: 2 * numel + r.during_step,
+            }
+        }
+        // The step's indices and values (their buffers are kept for the next step) and the message.
+        SyncPlan::Sparta { p, .. } => Footprint {
+            kept: 2 * part(*p),
+            during_step: 2 * part(*p),
+        },
+        // The momentum and the last message (kept by the local engine's all-gather); per step the
+        // chunks' residuals and transforms, and every rank's coefficients.
+        SyncPlan::Demo { cfg, .. } => {
+            let chunk = (cfg.chunk * cfg.chunk) as u64;
+            let sent = 2 * numel.div_ceil(chunk) * cfg.topk as u64;
+            Footprint {
+                kept: numel + sent,
+                during_step: 4 * numel + sent * (world + 1),
+            }
+        }
+    }
+}
+
+fn reducer_footprint(r: &crate::config::resolve::ReducerPlan, numel: u64, world: u64) -> Footprint {
+    use crate::config::resolve::ReducerPlan;
+    let part = |f: f64| (f * numel as f64).ceil() as u64;
+    match r {
+        // The residual and the last message (the local engine's all-gather keeps it); per step the
+        // selection (indices, values), its packed message and every rank's.
+        ReducerPlan::TopK(c) => {
+            let k = part(c.density);
+            Footprint {
+                kept: if c.error_feedback { numel } else { 0 } + 2 * k,
+                during_step: 2 * k + 2 * k * (world + 1) + numel / 8,
+            }
+        }
+        // The residual, the mask and the kept core (u32 each), Adam's moments with correction; per step
+        // the masked values.
+        ReducerPlan::Radius { cfg, correction } => {
+            let mask = part((cfg.density * (2 * cfg.range + 1) as f64).min(1.0));
+            let adam = if correction.is_some() { 2 * numel } else { 0 };
+            Footprint {
+                kept: numel + mask + part(cfg.density) + adam,
+                during_step: mask + numel / 8,
+            }
+        }
+        // The error and the factors P, Q (rank x (rows + cols) per matrix, below 2 rank sqrt-ish: bounded
+        // by the parameters); per step the input copy and the factors' all-reduce buffers.
+        ReducerPlan::PowerSgd { cfg, .. } => Footprint {
+            kept: if cfg.error_feedback { numel } else { 0 } + part(0.25).min(numel),
+            during_step: numel + part(0.25).min(numel),
+        },
+    }
+}

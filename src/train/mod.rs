@@ -7,6 +7,7 @@ mod compute;
 mod console;
 mod engine;
 pub mod fault;
+pub mod memory;
 pub mod preflight;
 pub mod signals;
 mod worker;

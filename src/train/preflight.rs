@@ -41,6 +41,7 @@ pub fn check(loaded: &Loaded, host: Host) -> Result<Ready> {
     }
     if host == Host::Here {
         crate::device::check(cfg.train.device)?;
+        fits_in_memory(loaded)?;
     }
     let sample_len = cfg.train.context_length + 1;
     let train_data = Blend::open(cfg, Split::Train, sample_len, cfg.model.vocab_size)?;
@@ -175,6 +176,36 @@ pub fn compatible(loaded: &Loaded, dir: &Path, source: Source, allow: &[String])
         ));
     }
     Ok(())
+}
+
+/// The local engine's workers on CPU fit in this machine's memory (see `memory`): a run that cannot is
+/// refused with the numbers, before the kernel would kill it halfway.
+fn fits_in_memory(loaded: &Loaded) -> Result<()> {
+    let (cfg, plan) = (&loaded.config, &loaded.plan);
+    if plan.engine != Engine::Local || cfg.train.device != Device::Cpu {
+        return Ok(());
+    }
+    let need = super::memory::estimate(cfg, plan);
+    let Some(have) = super::memory::available()? else {
+        return Ok(());
+    };
+    if need.peak() <= have {
+        return Ok(());
+    }
+    let fit = have.saturating_sub(need.shared()) / need.per_worker().max(1);
+    let fewer = match fit {
+        0 => String::new(),
+        n => format!("at most {n} workers here (--workers, train.workers), "),
+    };
+    Err(bad_input!(
+        "{}: {} local worker(s) need about {} of memory ({need}), and {} is available (MemAvailable \
+         within the cgroup's limit, or $NANODIST_MEMORY_GB); run {fewer}a smaller model or batch, or \
+         the MPI engine across nodes",
+        loaded.path.display(),
+        plan.world_size,
+        super::memory::human(need.peak()),
+        super::memory::human(have),
+    ))
 }
 
 /// Whether this build can run `engine` on `device`.

@@ -91,8 +91,14 @@ pub fn config(dir: &Path, run_name: Option<&str>, set: &[&str]) -> String {
 
 /// Runs the nanodist binary with `args`.
 pub fn nanodist(args: &[&str]) -> Output {
+    nanodist_with(args, &[])
+}
+
+/// Runs the nanodist binary with `args` and the environment variables `env` added.
+pub fn nanodist_with(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_nanodist"))
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .unwrap()
 }

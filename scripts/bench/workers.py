@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Many local workers on one machine: peak RSS and ms per worker-step of the quick-start model at 8 to 512
+workers (batch 1 sequence per worker), on exp gossip with AccumAdamW and on all-reduce with AdamW, next to
+
+  - the state floor: workers x the bytes of one worker's training state (parameters, gradient, the
+    optimizer's moments and AccumAdamW's accumulated gradient, gossip's send buffer), and
+  - `nanodist check`'s estimate of the peak (the number it refuses runs by).
+
+    python3 scripts/bench/workers.py [--workers 8 32 128 256 512] [--steps 12]
+
+Needs ./target/release/nanodist (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
+Every run ends with its evaluation and final checkpoint (part of the peak), then its directory is deleted:
+512 workers write ~7 GB of checkpoint. ms per worker-step is the median step time of the steps after the
+first two, divided by the workers.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.join(ROOT, "target/release/nanodist")
+CONFIG = os.path.join(ROOT, "config/quickstart-char.toml")
+
+# (label, --set overrides, whole-model buffers of state per worker: parameters, gradient, optimizer, backend)
+BACKENDS = [
+    ("exp gossip + AccumAdamW",
+     ["train.backend=decentdp", "train.topology=exp", "train.optim.name=accumadamw",
+      "train.optim.accum_steps=4"], 2 + 3 + 1),
+    ("all-reduce + AdamW", ["train.backend=pytorchddp"], 2 + 2),
+]
+
+
+def run(args, env=None):
+    return subprocess.run([BIN] + args, capture_output=True, text=True, env=env)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128, 256, 512])
+    ap.add_argument("--steps", type=int, default=12)
+    a = ap.parse_args()
+    data = os.path.join(ROOT, "data/shakespeare_char")
+    rows = []
+    for label, sets, buffers in BACKENDS:
+        base = None
+        for n in a.workers:
+            out = tempfile.mkdtemp(prefix="nanodist-workers-")
+            overrides = sets + [
+                f"data_dir={json.dumps(data)}", f"log_dir={json.dumps(out)}", "log.run_name=\"w\"",
+                f"train.global_batch_size={n}", f"train.n_steps={a.steps}",
+                "train.lr_schedule.warmup_steps=0", "log.eval_at_start=false", "log.eval_steps=2",
+                "log.log_interval=1", f"log.eval_interval={a.steps}", f"log.ckpt_interval={a.steps}",
+            ]
+            args = [CONFIG, "--workers", str(n)] + [x for s in overrides for x in ("--set", s)]
+            check = run(["check"] + args)
+            if check.returncode != 0:
+                print(f"{label} x {n}: check refused: {check.stderr.strip()}")
+                shutil.rmtree(out, ignore_errors=True)
+                continue
+            text = check.stdout + check.stderr
+            params = int(re.search(r"parameters\s+(\d+)", text).group(1))
+            estimate = re.search(r"memory\s+([\d.]+ [kMG]B) peak", text).group(1)
+            timed = subprocess.run(["/usr/bin/time", "-f", "%M", BIN, "train"] + args,
+                                   capture_output=True, text=True)
+            if timed.returncode != 0:
+                print(f"{label} x {n}: train failed: {timed.stderr[-2000:]}")
+                shutil.rmtree(out, ignore_errors=True)
+                continue
+            rss = int(timed.stderr.strip().splitlines()[-1]) * 1024
+            with open(os.path.join(out, "w/metrics.jsonl")) as f:
+                steps = [json.loads(line) for line in f]
+            ms = statistics.median(r["ms_per_step"] for r in steps if r["step"] > 2)
+            shutil.rmtree(out, ignore_errors=True)
+            per = ms / n
+            base = base or per
+            floor = 4 * params * buffers
+            rows.append((label, n, rss, estimate, floor * n, rss / n / floor, ms, per, per / base))
+            print(f"{label} x {n}: {rss / 1e9:.2f} GB, {per:.2f} ms per worker-step", flush=True)
+    print()
+    print("| backend | workers | peak RSS | `check` estimate | state floor | RSS per worker / state | ms per step | "
+          "ms per worker-step | vs the first |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, n, rss, est, floor, ratio, ms, per, rel in rows:
+        print(f"| {label} | {n} | {rss / 1e9:.2f} GB | {est} | {floor / 1e9:.2f} GB | {ratio:.2f}x | {ms:.0f} | "
+              f"{per:.2f} | {rel:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+//! The peak memory of a run's process, estimated before it starts: `check` prints it and `train` refuses a
+//! run on the local engine that cannot fit in this machine's memory.
+//!
+//! Per worker, its state: parameters, gradient, the optimizer's buffers, the backend's (`sync::footprint`),
+//! and the model's own copy of the parameters (the tensors candle's graph computes with). At evaluations and checkpoints every worker also
+//! holds the replicas' average; during a step, the backend's per-step buffers. Per compute slot (see
+//! `train::compute`): the activations of one forward/backward and its GEMM packing buffers, or a copy of
+//! a rank's state while a checkpoint writes it. Then the process itself, with rank 0's copy of the model
+//! in HF layout. `tests/memory.rs` holds the estimate to the allocations of real runs, and
+//! `scripts/bench/workers.sh` to the peak RSS of 8 to 512 workers.
+
+use crate::config::{Config, Engine, Plan};
+
+/// The process's binary, its runtime, the data indexes and the metrics writers, measured: a one-worker
+/// run of the quick-start model peaks at ~45 MB RSS, most of it the binary's pages.
+const PROCESS_BYTES: u64 = 64 << 20;
+/// Per worker beyond its buffers: its thread's stack and allocator heap, its console and sampler.
+const WORKER_OVERHEAD_BYTES: u64 = 256 << 10;
+/// Per compute thread: GEMM's packing buffers (gemm sizes them from the caches: 2.1 MB on the CI machine
+/// class, measured in tests/memory.rs).
+const GEMM_PACK_BYTES: u64 = 3 << 20;
+
+/// Bytes of one run's process at its peak, in parts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Estimate {
+    /// Workers in this process: all of them on the local engine, else one.
+    pub workers: u64,
+    /// Each worker's state for the whole run (its buffers).
+    pub state: u64,
+    /// Each worker's buffers beside its state at the peak: the average at an evaluation or checkpoint,
+    /// or the backend's per-step buffers, whichever is larger.
+    pub transient: u64,
+    /// Compute slots, and what each holds at most: the activations and scratch of a forward/backward, or
+    /// the copy of a rank's state a checkpoint writes.
+    pub slots: u64,
+    pub scratch: u64,
+    /// GEMM's packing buffers of each slot's threads.
+    pub gemm_pack: u64,
+    /// What is not an allocation of ours: per worker (thread stack, allocator heap) and the process.
+    pub worker_overhead: u64,
+    pub fixed: u64,
+    /// Rank 0's copy of the model in HF layout, while it writes one.
+    pub model_copy: u64,
+}
+
+impl Estimate {
+    /// The process's peak resident memory.
+    pub fn peak(&self) -> u64 {
+        self.buffers() + self.workers * self.worker_overhead + self.fixed
+    }
+
+    /// The allocations of the peak: workers' state and transients, the slots' scratch and GEMM buffers,
+    /// rank 0's model copy.
+    pub fn buffers(&self) -> u64 {
+        self.workers * (self.state + self.transient)
+            + self.slots * (self.scratch + self.gemm_pack)
+            + self.model_copy
+    }
+
+    /// Per worker at the peak, overhead included.
+    pub fn per_worker(&self) -> u64 {
+        self.state + self.transient + self.worker_overhead
+    }
+
+    /// Everything but the workers: the slots and the process.
+    pub fn shared(&self) -> u64 {
+        self.slots * (self.scratch + self.gemm_pack) + self.model_copy + self.fixed
+    }
+}
+
+/// The estimate for `cfg` as `plan` runs it (one process of a multi-process job, or all the local
+/// engine's workers).
+pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
+    let t = &cfg.train;
+    let numel = plan.n_params;
+    let local = matches!(plan.engine, Engine::Local | Engine::Auto);
+    let workers = if local { plan.world_size as u64 } else { 1 };
+    let sync = crate::sync::footprint(&plan.sync, numel, plan.world_size as u64);
+    let optimizer = crate::optim::state_buffers(&t.optim, &plan.sync);
+    // Parameters, gradient and the model's copy (the local engine's reductions copy nothing; its
+    // all-gathers keep their last message, counted by the backends that gather).
+    let state = 4 * (numel * (3 + optimizer) + sync.kept);
+    let transient = 4 * numel.max(sync.during_step);
+    let checkpoint_copy = 4 * (numel * (1 + optimizer) + sync.kept);
+    let m = &cfg.model;
+    let scratch = crate::model::cpu::scratch_bytes(
+        m.n_layers,
+        m.n_embd,
+        m.n_heads,
+        m.vocab_size,
+        plan.local_batch_size,
+        t.context_length,
+        m.dropout > 0.0,
+    );
+    let threads = plan
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |c| c.get()))
+        as u64;
+    Estimate {
+        workers,
+        state,
+        transient,
+        slots: plan.compute_slots as u64,
+        scratch: scratch.max(checkpoint_copy),
+        gemm_pack: threads * GEMM_PACK_BYTES,
+        worker_overhead: WORKER_OVERHEAD_BYTES,
+        fixed: PROCESS_BYTES,
+        model_copy: 4 * numel,
+    }
+}
+
+/// Bytes this process may take: $NANODIST_MEMORY_GB when set (a share of a node, or a test's machine),
+/// else the kernel's MemAvailable within the cgroup's limit when one is set; None where nothing says.
+pub fn available() -> anyhow::Result<Option<u64>> {
+    if let Some(v) = std::env::var_os("NANODIST_MEMORY_GB") {
+        let v = v.to_string_lossy();
+        return match v.trim().parse::<f64>() {
+            Ok(gb) if gb > 0.0 => Ok(Some((gb * 1e9) as u64)),
+            _ => Err(crate::bad_input!(
+                "NANODIST_MEMORY_GB={v}: expected the memory this run may use, in GB (a positive number)"
+            )),
+        };
+    }
+    Ok(from_kernel())
+}
+
+fn from_kernel() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let avail = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())?
+        * 1024;
+    let cgroup = || -> Option<u64> {
+        let max = std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok()?;
+        let used = std::fs::read_to_string("/sys/fs/cgroup/memory.current").ok()?;
+        let (max, used) = (
+            max.trim().parse::<u64>().ok()?,
+            used.trim().parse::<u64>().ok()?,
+        );
+        Some(max.saturating_sub(used))
+    };
+    Some(cgroup().map_or(avail, |c| c.min(avail)))
+}
+
+/// `n` bytes for people: "3.2 GB", "497 MB", "1.3 MB", "260 kB".
+pub fn human(n: u64) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.1} GB", n / 1e9)
+    } else if n >= 1e8 {
+        format!("{:.0} MB", n / 1e6)
+    } else if n >= 1e6 {
+        format!("{:.1} MB", n / 1e6)
+    } else {
+        format!("{:.0} kB", n / 1e3)
+    }
+}
+
+impl std::fmt::Display for Estimate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} peak: {} worker(s) x {} ({} state + {} at evaluations and steps) + {} compute slot(s) x {} + {} process",
+            human(self.peak()),
+            self.workers,
+            human(self.per_worker()),
+            human(self.state),
+            human(self.transient),
+            self.slots,
+            human(self.scratch + self.gemm_pack),
+            human(self.fixed)
+        )
+    }
+}
