@@ -6,11 +6,12 @@ workers (batch 1 sequence per worker), on exp gossip with AccumAdamW and on all-
     optimizer's moments and AccumAdamW's accumulated gradient, gossip's send buffer), and
   - `nanodist check`'s estimate of the peak (the number it refuses runs by).
 
-    python3 scripts/bench/workers.py [--workers 8 32 128 256 512] [--steps 12]
+    python3 scripts/bench/workers.py [--workers 8 32 128 256 512] [--steps 12] [--out DIR]
 
 Needs ./target/release/nanodist (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 Every run ends with its evaluation and final checkpoint (part of the peak), then its directory is deleted:
-512 workers write ~7 GB of checkpoint. ms per worker-step is the median step time of the steps after the
+512 workers write ~7 GB of checkpoint (--out puts the run directories elsewhere than a new temporary one,
+e.g. /dev/shm where the disk is short: tmpfs pages are not the process's RSS). ms per worker-step is the median step time of the steps after the
 first two, divided by the workers.
 """
 import argparse
@@ -43,13 +44,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128, 256, 512])
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", help="where the run directories go (default: a new temporary directory)")
     a = ap.parse_args()
     data = os.path.join(ROOT, "data/shakespeare_char")
     rows = []
     for label, sets, buffers in BACKENDS:
         base = None
         for n in a.workers:
-            out = tempfile.mkdtemp(prefix="nanodist-workers-")
+            out = tempfile.mkdtemp(prefix="nanodist-workers-", dir=a.out)
             overrides = sets + [
                 f"data_dir={json.dumps(data)}", f"log_dir={json.dumps(out)}", "log.run_name=\"w\"",
                 f"train.global_batch_size={n}", f"train.n_steps={a.steps}",
