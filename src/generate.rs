@@ -20,7 +20,9 @@ pub struct Trained {
     pub weights: PathBuf,
     pub step: u64,
     pub config: Config,
+    /// The model on the CPU engine, and its weights (flat, name order).
     pub model: Gpt,
+    pub flat: Vec<f32>,
     tokenizer: Option<Tokenizer>,
 }
 
@@ -55,7 +57,6 @@ pub fn load(ckpt: &Path) -> Result<Trained> {
     // The model file holds the replicas' average (identical replicas for all-reduce).
     let weights = file.unwrap_or_else(|| dir.join("model.safetensors"));
     let (flat, step) = checkpoint::read_hf_weights(&weights, &model)?;
-    model.params.set_flat(&flat)?;
     let step = step.unwrap_or(manifest.step);
     tracing::info!("loaded {} (step {step})", weights.display());
     let tokenizer = manifest.tokenizer;
@@ -65,6 +66,7 @@ pub fn load(ckpt: &Path) -> Result<Trained> {
         step,
         config,
         model,
+        flat,
         tokenizer,
     })
 }
@@ -137,7 +139,8 @@ pub fn eval_file(
             batch.x.extend_from_slice(x);
             batch.y.extend_from_slice(y);
         }
-        total += tr.model.batch_loss(&mut scratch, &batch)? as f64 * (chunk.len() * len) as f64;
+        total += tr.model.batch_loss(&mut scratch, &tr.flat, &batch)? as f64
+            * (chunk.len() * len) as f64;
         count += chunk.len() * len;
     }
     Ok(EvalResult {
@@ -174,11 +177,13 @@ pub fn sample(ckpt: &Path, prompt: &str, o: &SampleOptions) -> Result<String> {
     let mut rng = ChaCha8Rng::seed_from_u64(o.seed);
     let vocab = tokenizer.vocab_size();
     let t = tr.model.context_length;
+    // Generation runs on candle's graph (one sequence a token at a time).
+    let graph = Gpt::new(&tr.config.model, t, 0, &Device::Cpu)?.graph()?;
+    graph.load(&tr.flat)?;
     for _ in 0..o.max_new_tokens {
         let ctx = &ids[ids.len().saturating_sub(t)..];
         let x = Tensor::from_slice(ctx, (1, ctx.len()), &Device::Cpu)?;
-        let logits = tr
-            .model
+        let logits = graph
             .forward(&x, None)?
             .i(ctx.len() - 1)?
             .to_vec1::<f32>()?;

@@ -115,10 +115,9 @@ fn mm(out: &mut [f32], out_rs: usize, a: M, b: M, acc: bool, scale: f32, par: Pa
     }
 }
 
-/// One parameter: its index in the parameter set and its place in the flat gradient buffer.
+/// One parameter: its place in the flat weights and gradient.
 #[derive(Debug, Clone, Copy)]
 struct Slot {
-    idx: usize,
     off: usize,
     len: usize,
 }
@@ -129,38 +128,13 @@ impl Slot {
     }
 }
 
-/// The parameters' values, borrowed from their candle storage for one forward/backward.
-struct Params<'a>(Vec<&'a [f32]>);
+/// The parameters' values for one forward/backward: the caller's flat weights (name order).
+struct Params<'a>(&'a [f32]);
 
 impl Params<'_> {
     fn get(&self, s: Slot) -> &[f32] {
-        self.0[s.idx]
+        &self.0[s.off..][..s.len]
     }
-}
-
-/// Runs `f` on the CPU data of every parameter of `ps`.
-fn with_params<R>(ps: &ParamSet, f: impl FnOnce(&Params) -> R) -> Result<R> {
-    let guards: Vec<_> = ps
-        .params
-        .iter()
-        .map(|p| p.var.as_tensor().storage_and_layout())
-        .collect();
-    let mut slices = Vec::with_capacity(guards.len());
-    for ((storage, layout), p) in guards.iter().zip(&ps.params) {
-        let data = match &**storage {
-            candle_core::Storage::Cpu(s) => s.as_slice::<f32>()?,
-            _ => bail!("parameter {} is not in CPU memory", p.name),
-        };
-        match layout.contiguous_offsets() {
-            Some((a, b)) if b - a == p.len => slices.push(&data[a..b]),
-            _ => bail!(
-                "parameter {} is not a contiguous f32 tensor of {} values",
-                p.name,
-                p.len
-            ),
-        }
-    }
-    Ok(f(&Params(slices)))
 }
 
 /// A Linear's weight [out, in] and bias.
@@ -358,17 +332,29 @@ impl CpuGpt {
         })
     }
 
-    /// Mean cross-entropy of next tokens `y` after `x` (both b x t, row-major) with the parameters `ps`.
+    /// The weights as the engine reads them: `weights` must hold every parameter (flat, name order).
+    fn params<'w>(&self, weights: &'w [f32]) -> Result<Params<'w>> {
+        ensure!(
+            weights.len() == self.numel,
+            "{} weights for a model of {} parameters",
+            weights.len(),
+            self.numel
+        );
+        Ok(Params(weights))
+    }
+
+    /// Mean cross-entropy of next tokens `y` after `x` (both b x t, row-major) with `weights`.
     pub fn loss(
         &self,
         scratch: &mut Scratch,
-        ps: &ParamSet,
+        weights: &[f32],
         x: &[u32],
         y: &[u32],
         b: usize,
         t: usize,
     ) -> Result<f32> {
-        with_params(ps, |p| self.forward(&mut scratch.acts, p, x, y, b, t, None))?
+        let p = self.params(weights)?;
+        self.forward(&mut scratch.acts, &p, x, y, b, t, None)
     }
 
     /// The loss of one micro-batch, and `scale` times its gradient added into `grads` (flat order).
@@ -377,7 +363,7 @@ impl CpuGpt {
     pub fn loss_and_grads(
         &self,
         scratch: &mut Scratch,
-        ps: &ParamSet,
+        weights: &[f32],
         x: &[u32],
         y: &[u32],
         b: usize,
@@ -392,11 +378,10 @@ impl CpuGpt {
             grads.len(),
             self.numel
         );
-        with_params(ps, |p| {
-            let loss = self.forward(&mut scratch.acts, p, x, y, b, t, dropout)?;
-            self.backward(&mut scratch.acts, p, x, y, scale, grads);
-            Ok(loss)
-        })?
+        let p = self.params(weights)?;
+        let loss = self.forward(&mut scratch.acts, &p, x, y, b, t, dropout)?;
+        self.backward(&mut scratch.acts, &p, x, y, scale, grads);
+        Ok(loss)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -752,7 +737,6 @@ fn slot(ps: &ParamSet, name: &str, len: usize) -> Result<Slot> {
         param.len
     );
     Ok(Slot {
-        idx,
         off: param.offset,
         len,
     })
@@ -1072,7 +1056,10 @@ mod tests {
             bias,
             activation,
         };
-        let m = Gpt::new(&cfg, 16, 3, &Device::Cpu).unwrap().graph();
+        let m = Gpt::new(&cfg, 16, 3, &Device::Cpu)
+            .unwrap()
+            .graph()
+            .unwrap();
         super::super::gpt::perturb(&m, 0.2);
         m
     }
@@ -1125,7 +1112,7 @@ mod tests {
             let loss = cpu
                 .loss_and_grads(
                     &mut scratch,
-                    &m.params,
+                    &m.params.to_flat().unwrap(),
                     &x,
                     &y,
                     b,
@@ -1160,7 +1147,9 @@ mod tests {
             );
             // The forward-only loss (no dropout) is candle's eval loss.
             let (eval_ref, _) = reference(&m, &x, &y, b, t, None, 1.0);
-            let eval = cpu.loss(&mut scratch, &m.params, &x, &y, b, t).unwrap();
+            let eval = cpu
+                .loss(&mut scratch, &m.params.to_flat().unwrap(), &x, &y, b, t)
+                .unwrap();
             assert!(
                 (eval - eval_ref).abs() <= 1e-5 * eval_ref,
                 "{case}: eval {eval} vs {eval_ref}"
@@ -1181,7 +1170,7 @@ mod tests {
             let mut rng = ChaCha8Rng::seed_from_u64(1);
             cpu.loss_and_grads(
                 &mut scratch,
-                &m.params,
+                &m.params.to_flat().unwrap(),
                 &x,
                 &y,
                 b,
@@ -1209,12 +1198,26 @@ mod tests {
         let cpu = CpuGpt::new(&m).unwrap();
         let mut scratch = Scratch::default();
         let e = cpu
-            .loss(&mut scratch, &m.params, &[1, 29], &[1, 2], 1, 2)
+            .loss(
+                &mut scratch,
+                &m.params.to_flat().unwrap(),
+                &[1, 29],
+                &[1, 2],
+                1,
+                2,
+            )
             .unwrap_err()
             .to_string();
         assert!(e.contains("outside the vocabulary of 29"), "{e}");
         let e = cpu
-            .loss(&mut scratch, &m.params, &[1; 17], &[1; 17], 1, 17)
+            .loss(
+                &mut scratch,
+                &m.params.to_flat().unwrap(),
+                &[1; 17],
+                &[1; 17],
+                1,
+                17,
+            )
             .unwrap_err()
             .to_string();
         assert!(e.contains("longer than the model's context of 16"), "{e}");

@@ -22,12 +22,16 @@ use crate::data::Batch;
 
 const LN_EPS: f64 = 1e-5;
 
-/// The model: hyper-parameters, context length and parameters.
+/// The model: hyper-parameters, context length and parameters. On the CPU engine `params` is the layout
+/// alone and every computation takes the flat weights it computes with; candle's graph (GPUs, `graph()`)
+/// computes with its tensors, set by `load`.
 #[derive(Debug)]
 pub struct Gpt {
     pub cfg: ModelConfig,
     pub context_length: usize,
     pub params: ParamSet,
+    /// The seed of the initial weights (`initial_weights`).
+    seed: u64,
     device: Device,
     /// The CPU engine (on CPU), or None: candle's graph and autograd.
     cpu: Option<CpuGpt>,
@@ -101,35 +105,54 @@ pub fn layout(cfg: &ModelConfig, context_length: usize) -> Vec<(String, Vec<usiz
     items
 }
 
+/// nanoGPT's initial values of every parameter of [`layout`], drawn from `seed`: (name, values, shape).
+fn initial_items(
+    cfg: &ModelConfig,
+    context_length: usize,
+    seed: u64,
+) -> Vec<(String, Vec<f32>, Vec<usize>)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    // Values in layout order: the random draws follow wte, wpe, then each block's matrices.
+    layout(cfg, context_length)
+        .into_iter()
+        .map(|(name, shape, init)| {
+            let n = shape.iter().product();
+            let values = match init {
+                Init::Normal(std) => {
+                    let dist = Normal::new(0.0f32, std as f32).expect("positive std");
+                    (0..n).map(|_| dist.sample(&mut rng)).collect()
+                }
+                Init::Ones => vec![1.0f32; n],
+                Init::Zeros => vec![0.0f32; n],
+            };
+            (name, values, shape)
+        })
+        .collect()
+}
+
 impl Gpt {
-    /// A freshly initialised model (nanoGPT's init, see [`layout`]). Deterministic in `seed`.
+    /// A model (nanoGPT's init, see [`layout`], deterministic in `seed`): on CPU the CPU engine, which
+    /// holds no weights (`initial_weights` gives them); elsewhere candle's graph with its tensors.
     pub fn new(
         cfg: &ModelConfig,
         context_length: usize,
         seed: u64,
         device: &Device,
     ) -> Result<Self> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        // Values in layout order: the random draws follow wte, wpe, then each block's matrices.
-        let items = layout(cfg, context_length)
-            .into_iter()
-            .map(|(name, shape, init)| {
-                let n = shape.iter().product();
-                let values = match init {
-                    Init::Normal(std) => {
-                        let dist = Normal::new(0.0f32, std as f32).expect("positive std");
-                        (0..n).map(|_| dist.sample(&mut rng)).collect()
-                    }
-                    Init::Ones => vec![1.0f32; n],
-                    Init::Zeros => vec![0.0f32; n],
-                };
-                (name, values, shape)
-            })
-            .collect();
+        let params = if device.is_cpu() {
+            let shapes = layout(cfg, context_length)
+                .into_iter()
+                .map(|(name, shape, _)| (name, shape))
+                .collect();
+            ParamSet::layout(shapes)
+        } else {
+            ParamSet::new(initial_items(cfg, context_length, seed), device)?
+        };
         let mut gpt = Self {
             cfg: cfg.clone(),
             context_length,
-            params: ParamSet::new(items, device)?,
+            params,
+            seed,
             device: device.clone(),
             cpu: None,
             matmul_dtype: DType::F32,
@@ -138,6 +161,33 @@ impl Gpt {
             gpt.cpu = Some(CpuGpt::new(&gpt)?);
         }
         Ok(gpt)
+    }
+
+    /// The initial weights, flat in name order (the values `new` drew, drawn again).
+    pub fn initial_weights(&self) -> Vec<f32> {
+        let mut items = initial_items(&self.cfg, self.context_length, self.seed);
+        items.sort_by(|a, b| a.0.cmp(&b.0));
+        // Sized once: a collected Vec could keep up to twice the model's size as spare capacity.
+        let mut flat = Vec::with_capacity(self.params.numel);
+        for (_, v, _) in items {
+            flat.extend_from_slice(&v);
+        }
+        flat
+    }
+
+    /// Makes `weights` (flat, name order) the ones candle's graph computes with; the CPU engine takes
+    /// them with each call instead, and only checks their length here.
+    pub fn load(&self, weights: &[f32]) -> Result<()> {
+        if self.cpu.is_some() {
+            anyhow::ensure!(
+                weights.len() == self.params.numel,
+                "{} weights for a model of {} parameters",
+                weights.len(),
+                self.params.numel
+            );
+            return Ok(());
+        }
+        self.params.set_flat(weights)
     }
 
     /// Mixed precision: the matmuls in bf16 (`on`), the rest in f32.
@@ -157,18 +207,24 @@ impl Gpt {
             .to_dtype(DType::F32)?)
     }
 
-    /// The same model on candle's graph and autograd even on CPU (the reference of the CPU engine).
-    pub fn graph(mut self) -> Self {
-        self.cpu = None;
-        self
+    /// The same model on candle's graph and autograd even on CPU (the reference of the CPU engine, and
+    /// generation), with tensors holding the initial weights.
+    pub fn graph(mut self) -> Result<Self> {
+        if self.cpu.take().is_some() {
+            let items = initial_items(&self.cfg, self.context_length, self.seed);
+            self.params = ParamSet::new(items, &self.device)?;
+        }
+        Ok(self)
     }
 
     /// The loss of `batch`, and `scale` times its gradient added into `grads` (flat, name order).
-    /// `dropout` draws the dropout masks when the model has dropout > 0. The CPU engine computes in
-    /// `scratch` (the graph keeps its own tensors).
+    /// `dropout` draws the dropout masks when the model has dropout > 0. The CPU engine computes with
+    /// `weights` in `scratch`; the graph with the weights last `load`ed, in its own tensors.
+    #[allow(clippy::too_many_arguments)]
     pub fn loss_and_grads(
         &self,
         scratch: &mut Scratch,
+        weights: &[f32],
         batch: &Batch,
         dropout: Option<&mut ChaCha8Rng>,
         scale: f32,
@@ -176,15 +232,7 @@ impl Gpt {
     ) -> Result<f32> {
         if let Some(cpu) = &self.cpu {
             return cpu.loss_and_grads(
-                scratch,
-                &self.params,
-                &batch.x,
-                &batch.y,
-                batch.b,
-                batch.t,
-                dropout,
-                scale,
-                grads,
+                scratch, weights, &batch.x, &batch.y, batch.b, batch.t, dropout, scale, grads,
             );
         }
         let (x, y) = self.batch_tensors(batch)?;
@@ -194,10 +242,11 @@ impl Gpt {
         Ok(loss.to_scalar::<f32>()?)
     }
 
-    /// The loss of `batch` (no dropout), computed in `scratch` on the CPU engine.
-    pub fn batch_loss(&self, scratch: &mut Scratch, batch: &Batch) -> Result<f32> {
+    /// The loss of `batch` (no dropout): on the CPU engine with `weights`, in `scratch`; on the graph with
+    /// the weights last `load`ed.
+    pub fn batch_loss(&self, scratch: &mut Scratch, weights: &[f32], batch: &Batch) -> Result<f32> {
         if let Some(cpu) = &self.cpu {
-            return cpu.loss(scratch, &self.params, &batch.x, &batch.y, batch.b, batch.t);
+            return cpu.loss(scratch, weights, &batch.x, &batch.y, batch.b, batch.t);
         }
         let (x, y) = self.batch_tensors(batch)?;
         Ok(self.loss(&x, &y, None)?.to_scalar::<f32>()?)
@@ -356,20 +405,19 @@ fn dropout_mask(x: &Tensor, p: f64, rng: &mut ChaCha8Rng) -> Result<Tensor> {
     Ok(x.mul(&mask)?)
 }
 
-/// Adds N(0, std) noise to every parameter: with nanoGPT's zero biases and unit gains some gradients
-/// vanish by symmetry, and tests want non-trivial weights.
+/// The initial weights plus N(0, std) noise, loaded into `m` and returned: with nanoGPT's zero biases and
+/// unit gains some gradients vanish by symmetry, and tests want non-trivial weights.
 #[cfg(test)]
-pub(crate) fn perturb(m: &Gpt, std: f32) {
+pub(crate) fn perturb(m: &Gpt, std: f32) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let dist = Normal::new(0.0f32, std).expect("positive std");
     let flat: Vec<f32> = m
-        .params
-        .to_flat()
-        .expect("parameters")
+        .initial_weights()
         .iter()
         .map(|v| v + dist.sample(&mut rng))
         .collect();
-    m.params.set_flat(&flat).expect("parameters");
+    m.load(&flat).expect("parameters");
+    flat
 }
 
 #[cfg(test)]
@@ -399,20 +447,20 @@ mod tests {
         )
     }
 
-    fn perturb(m: &Gpt) {
-        super::perturb(m, 0.3);
+    fn perturb(m: &Gpt) -> Vec<f32> {
+        super::perturb(m, 0.3)
     }
 
     #[test]
     fn every_parameter_gets_a_finite_nonzero_gradient() {
         for (bias, act) in [(true, Activation::Gelu), (false, Activation::GeluTanh)] {
-            let m = tiny(bias, act);
+            let m = tiny(bias, act).graph().unwrap();
             perturb(&m);
             let (x, y) = batch(&m);
             let grads = m.loss(&x, &y, None).unwrap().backward().unwrap();
             for p in &m.params.params {
                 let g = grads
-                    .get(p.var.as_tensor())
+                    .get(p.var.as_ref().unwrap().as_tensor())
                     .unwrap_or_else(|| panic!("{} has no gradient", p.name));
                 let v = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 assert!(
@@ -430,19 +478,25 @@ mod tests {
     fn gradients_match_finite_differences() {
         for m in [
             tiny(true, Activation::Gelu),
-            tiny(true, Activation::Gelu).graph(),
+            tiny(true, Activation::Gelu).graph().unwrap(),
         ] {
-            perturb(&m);
+            let base = perturb(&m);
             let x: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
             let y: Vec<u32> = (0..12).map(|i| (i * 5 % 11) as u32).collect();
             let batch = Batch { b: 2, t: 6, x, y };
             let mut flat_g = vec![0.0f32; m.params.numel];
-            m.loss_and_grads(&mut Scratch::default(), &batch, None, 1.0, &mut flat_g)
-                .unwrap();
-            let base = m.params.to_flat().unwrap();
+            m.loss_and_grads(
+                &mut Scratch::default(),
+                &base,
+                &batch,
+                None,
+                1.0,
+                &mut flat_g,
+            )
+            .unwrap();
             let loss_at = |flat: &[f32]| -> f64 {
-                m.params.set_flat(flat).unwrap();
-                m.batch_loss(&mut Scratch::default(), &batch).unwrap() as f64
+                m.load(flat).unwrap();
+                m.batch_loss(&mut Scratch::default(), flat, &batch).unwrap() as f64
             };
             let eps = 1e-2f32;
             let mut checked = 0;
@@ -471,9 +525,12 @@ mod tests {
 
     #[test]
     fn init_is_deterministic_and_scaled_like_nanogpt() {
-        let a = tiny(true, Activation::Gelu).params.to_flat().unwrap();
-        let b = tiny(true, Activation::Gelu).params.to_flat().unwrap();
+        let a = tiny(true, Activation::Gelu).initial_weights();
+        let b = tiny(true, Activation::Gelu).initial_weights();
         assert_eq!(a, b);
+        // The graph's tensors start from the same weights.
+        let g = tiny(true, Activation::Gelu).graph().unwrap();
+        assert_eq!(g.params.to_flat().unwrap(), a);
         let cfg = ModelConfig {
             n_layers: 8,
             n_embd: 64,
@@ -481,7 +538,10 @@ mod tests {
             vocab_size: 512,
             ..ModelConfig::default()
         };
-        let m = Gpt::new(&cfg, 32, 1, &Device::Cpu).unwrap();
+        let m = Gpt::new(&cfg, 32, 1, &Device::Cpu)
+            .unwrap()
+            .graph()
+            .unwrap();
         let std = |name: &str| {
             let v = m
                 .params
@@ -517,7 +577,7 @@ mod tests {
             segments,
             m.params.numel,
         );
-        let mut flat = m.params.to_flat().unwrap();
+        let mut flat = m.initial_weights();
         let mut grads = vec![0.0f32; m.params.numel];
         let mut scratch = Scratch::default();
         let v = cfg.vocab_size as u32;
@@ -528,10 +588,10 @@ mod tests {
                 let batch = Batch { b: 4, t: 12, x, y };
                 grads.iter_mut().for_each(|g| *g = 0.0);
                 let loss = m
-                    .loss_and_grads(&mut scratch, &batch, None, 1.0, &mut grads)
+                    .loss_and_grads(&mut scratch, &flat, &batch, None, 1.0, &mut grads)
                     .unwrap();
                 opt.step(&mut flat, &grads, 3e-3);
-                m.params.set_flat(&flat).unwrap();
+                m.load(&flat).unwrap();
                 loss
             })
             .collect()
@@ -555,7 +615,7 @@ mod tests {
     fn fifty_training_steps_on_the_cpu_engine_match_candle_autograd() {
         for act in [Activation::Gelu, Activation::GeluTanh] {
             let engine = adamw_losses(&small(act), 50, |m| m);
-            let reference = adamw_losses(&small(act), 50, Gpt::graph);
+            let reference = adamw_losses(&small(act), 50, |m| m.graph().unwrap());
             for (i, (a, b)) in engine.iter().zip(&reference).enumerate() {
                 assert!(
                     (a - b).abs() <= 1e-4 * b.abs(),
@@ -572,8 +632,8 @@ mod tests {
     #[test]
     fn bf16_matmuls_follow_the_f32_loss_curve() {
         let cfg = small(Activation::GeluTanh);
-        let f32_run = adamw_losses(&cfg, 40, Gpt::graph);
-        let amp = adamw_losses(&cfg, 40, |m| m.graph().with_amp(true));
+        let f32_run = adamw_losses(&cfg, 40, |m| m.graph().unwrap());
+        let amp = adamw_losses(&cfg, 40, |m| m.graph().unwrap().with_amp(true));
         let mut differs = false;
         for (i, (a, b)) in amp.iter().zip(&f32_run).enumerate() {
             assert!(

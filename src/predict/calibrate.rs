@@ -160,6 +160,7 @@ struct Probe {
     model: crate::model::gpt::Gpt,
     batch: crate::data::Batch,
     grads: Vec<f32>,
+    weights: Vec<f32>,
     scratch: crate::model::Scratch,
 }
 
@@ -180,6 +181,7 @@ impl Probe {
         let grads = vec![0.0f32; model.params.numel];
         Ok(Self {
             cfg,
+            weights: model.initial_weights(),
             model,
             batch: crate::data::Batch { b, t, x, y },
             grads,
@@ -190,8 +192,14 @@ impl Probe {
     /// One forward and backward pass; its seconds.
     fn step(&mut self) -> Result<f64> {
         let s = Instant::now();
-        self.model
-            .loss_and_grads(&mut self.scratch, &self.batch, None, 1.0, &mut self.grads)?;
+        self.model.loss_and_grads(
+            &mut self.scratch,
+            &self.weights,
+            &self.batch,
+            None,
+            1.0,
+            &mut self.grads,
+        )?;
         Ok(s.elapsed().as_secs_f64())
     }
 

@@ -1,8 +1,8 @@
 //! The peak memory of a run's process, estimated before it starts: `check` prints it and `train` refuses a
 //! run on the local engine that cannot fit in this machine's memory.
 //!
-//! Per worker, its state: parameters, gradient, the optimizer's buffers, the backend's (`sync::footprint`),
-//! and the model's own copy of the parameters (the tensors candle's graph computes with). At evaluations and checkpoints every worker also
+//! Per worker, its state: parameters, gradient, the optimizer's buffers and the backend's
+//! (`sync::footprint`); the CPU engine computes from the worker's parameters, without a copy. At evaluations and checkpoints every worker also
 //! holds the replicas' average; during a step, the backend's per-step buffers. Per compute slot (see
 //! `train::compute`): the activations of one forward/backward and its GEMM packing buffers, or a copy of
 //! a rank's state while a checkpoint writes it. Then the process itself, with rank 0's copy of the model
@@ -78,9 +78,9 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
     let workers = if local { plan.world_size as u64 } else { 1 };
     let sync = crate::sync::footprint(&plan.sync, numel, plan.world_size as u64);
     let optimizer = crate::optim::state_buffers(&t.optim, &plan.sync);
-    // Parameters, gradient and the model's copy (the local engine's reductions copy nothing; its
-    // all-gathers keep their last message, counted by the backends that gather).
-    let state = 4 * (numel * (3 + optimizer) + sync.kept);
+    // Parameters and gradient (the local engine's reductions copy nothing; its all-gathers keep their
+    // last message, counted by the backends that gather).
+    let state = 4 * (numel * (2 + optimizer) + sync.kept);
     let transient = 4 * numel.max(sync.during_step);
     let checkpoint_copy = 4 * (numel * (1 + optimizer) + sync.kept);
     let m = &cfg.model;

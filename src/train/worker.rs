@@ -126,7 +126,7 @@ impl<'s> Worker<'s> {
         let root = sync.rank() == 0;
         let mut w = Self {
             setup,
-            params: model.params.to_flat()?,
+            params: model.initial_weights(),
             grads: vec![0.0; model.params.numel],
             model,
             sync,
@@ -196,7 +196,7 @@ impl<'s> Worker<'s> {
                     checkpoint::read_hf_weights(&dir.join("model.safetensors"), &self.model)?.0;
             }
         }
-        self.model.params.set_flat(&self.params)?;
+        self.model.load(&self.params)?;
         if rank == 0 {
             tracing::info!(
                 "resumed from {} ({}) at step {}",
@@ -298,8 +298,9 @@ impl<'s> Worker<'s> {
         let (local_b, accum) = (plan.local_batch_size, plan.accum_at(step));
         let (rank, world) = (self.sync.rank(), self.sync.world_size());
         let ctx = self.setup.cfg.train.context_length;
-        let (model, grads, dropout, sampler) = (
+        let (model, weights, grads, dropout, sampler) = (
             &self.model,
+            &self.params,
             &mut self.grads,
             &mut self.dropout,
             &mut self.sampler,
@@ -315,8 +316,14 @@ impl<'s> Worker<'s> {
                     let batch = sampler.batch(data, step, first_row, local_b, ctx);
                     // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
                     let scale = 1.0 / accum as f32;
-                    loss_sum +=
-                        model.loss_and_grads(scratch, &batch, Some(dropout), scale, grads)? as f64;
+                    loss_sum += model.loss_and_grads(
+                        scratch,
+                        weights,
+                        &batch,
+                        Some(dropout),
+                        scale,
+                        grads,
+                    )? as f64;
                 }
                 Ok(loss_sum)
             })
@@ -333,7 +340,7 @@ impl<'s> Worker<'s> {
         let start = self.since_log.sync_start(self.sync.comm_stats());
         self.sync.after_step(&mut self.params, self.progress.step)?;
         self.since_log.sync_end(start, self.sync.comm_stats());
-        self.model.params.set_flat(&self.params)?;
+        self.model.load(&self.params)?;
         self.progress.tokens += self.setup.plan.tokens_at(self.progress.step);
         self.progress.step += 1;
         Ok(())
@@ -428,11 +435,11 @@ impl<'s> Worker<'s> {
         // Evaluate the average of the replicas, then continue from the local ones.
         let mut avg = Vec::new();
         let distance = self.sync.average(&self.params, &mut avg)?;
-        self.model.params.set_flat(&avg)?;
+        self.model.load(&avg)?;
         let setup = self.setup;
-        let val = self.eval_shared(&setup.val_data, Split::Val)?;
-        let train = self.eval_shared(&setup.train_data, Split::Train)?;
-        self.model.params.set_flat(&self.params)?;
+        let val = self.eval_shared(&avg, &setup.val_data, Split::Val)?;
+        let train = self.eval_shared(&avg, &setup.train_data, Split::Train)?;
+        self.model.load(&self.params)?;
         if cfg.log.eval_local {
             let (mean, max) = self.eval_local()?;
             (row.val_loss_local, row.val_loss_local_max) = (Some(mean), Some(max));
@@ -462,14 +469,14 @@ impl<'s> Worker<'s> {
     /// Mean loss over `log.eval_steps` fixed batches of `split`. Batch i is windows i*E..(i+1)*E with
     /// E = local batch x world size (one micro-step of the global batch); rank r evaluates its b rows of
     /// each, so N workers x b evaluate exactly the windows of 1 worker x N*b.
-    fn eval_shared(&mut self, data: &Blend, split: Split) -> Result<f64> {
+    fn eval_shared(&mut self, weights: &[f32], data: &Blend, split: Split) -> Result<f64> {
         let rank = self.sync.rank();
         let spec = self.eval_spec();
         let model = &self.model;
         let mut acc = [self
             .setup
             .compute
-            .run(|scratch| spec.rows(model, scratch, data, split, rank..rank + 1))?
+            .run(|scratch| spec.rows(model, scratch, weights, data, split, rank..rank + 1))?
             as f32];
         self.sync.mean_scalars(&mut acc)?;
         Ok(acc[0] as f64)
@@ -479,11 +486,12 @@ impl<'s> Worker<'s> {
     fn eval_local(&mut self) -> Result<(f64, f64)> {
         let (rank, n) = (self.sync.rank(), self.sync.world_size());
         let (spec, model, data) = (self.eval_spec(), &self.model, &self.setup.val_data);
+        let weights = &self.params;
         let mut all = vec![0.0f32; n];
         all[rank] = self
             .setup
             .compute
-            .run(|scratch| spec.rows(model, scratch, data, Split::Val, 0..n))?
+            .run(|scratch| spec.rows(model, scratch, weights, data, Split::Val, 0..n))?
             as f32;
         // The mean of a vector with one non-zero slot per rank gathers the ranks' values.
         self.sync.mean_scalars(&mut all)?;
@@ -615,6 +623,7 @@ impl EvalSpec {
         &self,
         model: &Gpt,
         scratch: &mut crate::model::Scratch,
+        weights: &[f32],
         data: &Blend,
         split: Split,
         slices: std::ops::Range<usize>,
@@ -626,7 +635,7 @@ impl EvalSpec {
             for r in slices.clone() {
                 let first = i * per_step + (r * b) as u64;
                 let batch = eval_batch(self.seed, split, first, data, b, model.context_length);
-                sum += model.batch_loss(scratch, &batch)? as f64;
+                sum += model.batch_loss(scratch, weights, &batch)? as f64;
                 count += 1;
             }
         }
