@@ -189,7 +189,8 @@ impl LocalComm {
         }
     }
 
-    /// `buf` summed over the members of `group` (in the group's order), in place on every member.
+    /// `buf` summed over the members of `group` (in the group's order), times `scale` when given, in place
+    /// on every member.
     ///
     /// Phase 1: every member publishes a pointer to its buffer (barrier). Phase 2: the member at position
     /// p sums chunk p of every member's buffer, block by block, and writes it into chunk p of its own
@@ -197,7 +198,7 @@ impl LocalComm {
     /// (barrier). In phase 2 a buffer's chunk p is written by its owner alone and read by nobody else; in
     /// phase 3 chunk q is only read; the barriers order the phases. The owner reaches its buffer only
     /// through the published pointer until the last barrier, after which nobody else does.
-    fn reduce(&self, buf: &mut [f32], group: &[usize]) -> Result<()> {
+    fn reduce(&self, buf: &mut [f32], group: &[usize], scale: Option<f32>) -> Result<()> {
         let me = self.rank;
         let Some(pos) = group.iter().position(|&r| r == me) else {
             bail!("rank {me}: reduction over {group:?}, which does not include it");
@@ -237,6 +238,9 @@ impl LocalComm {
                     acc.iter_mut().zip(src).for_each(|(a, s)| *a += s);
                 }
             }
+            if let Some(s) = scale {
+                acc.iter_mut().for_each(|a| *a *= s);
+            }
             // SAFETY: this rank's own buffer, chunk `mine`, which nobody else touches in this phase.
             unsafe { std::slice::from_raw_parts_mut(ptr.add(start), n) }.copy_from_slice(acc);
         }
@@ -257,6 +261,16 @@ impl LocalComm {
         Ok(())
     }
 
+    /// All-reduce over every rank, times `scale` when given.
+    fn all_reduce(&mut self, buf: &mut [f32], scale: Option<f32>) -> Result<()> {
+        let start = Instant::now();
+        let all: Vec<usize> = (0..self.shared.n).collect();
+        self.reduce(buf, &all, scale)?;
+        // What the MPI engine's reduce-scatter + all-gather sends from this rank.
+        self.account(all_reduce_bytes(buf.len(), self.shared.n, self.rank), start);
+        Ok(())
+    }
+
     fn account(&mut self, bytes: u64, start: Instant) {
         self.stats.bytes_sent += bytes;
         self.stats.seconds += start.elapsed().as_secs_f64();
@@ -273,17 +287,16 @@ impl Communicator for LocalComm {
     }
 
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
-        let start = Instant::now();
-        let all: Vec<usize> = (0..self.shared.n).collect();
-        self.reduce(buf, &all)?;
-        // What the MPI engine's reduce-scatter + all-gather sends from this rank.
-        self.account(all_reduce_bytes(buf.len(), self.shared.n, self.rank), start);
-        Ok(())
+        self.all_reduce(buf, None)
+    }
+
+    fn all_reduce_sum_scaled(&mut self, buf: &mut [f32], scale: f32) -> Result<()> {
+        self.all_reduce(buf, Some(scale))
     }
 
     fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()> {
         let start = Instant::now();
-        self.reduce(buf, group)?;
+        self.reduce(buf, group, None)?;
         // What the MPI engine's reduce-scatter + all-gather within the group sends from this rank.
         let pos = group.iter().position(|&r| r == self.rank).unwrap_or(0);
         self.account(all_reduce_bytes(buf.len(), group.len(), pos), start);

@@ -47,9 +47,7 @@ pub fn all_reduce_bytes(len: usize, n: usize, rank: usize) -> u64 {
 pub fn all_reduce_mean(comm: &mut dyn Communicator, buf: &mut [f32]) -> Result<()> {
     let n = comm.world_size();
     if n > 1 {
-        comm.all_reduce_sum(buf)?;
-        let inv = 1.0 / n as f32;
-        buf.iter_mut().for_each(|x| *x *= inv);
+        comm.all_reduce_sum_scaled(buf, 1.0 / n as f32)?;
     }
     Ok(())
 }
@@ -155,6 +153,14 @@ pub trait Communicator {
     fn world_size(&self) -> usize;
     /// Element-wise sum over all ranks, in place.
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()>;
+    /// The sum over all ranks times `scale` (the mean, with 1 / N), in place: each element's sum, then
+    /// its product with `scale`. The local engine multiplies while it reduces (one pass over the buffer
+    /// less); the others reduce, then scale.
+    fn all_reduce_sum_scaled(&mut self, buf: &mut [f32], scale: f32) -> Result<()> {
+        self.all_reduce_sum(buf)?;
+        buf.iter_mut().for_each(|x| *x *= scale);
+        Ok(())
+    }
     /// Sum over the ranks of `group` (this rank among them), in place. Every rank calls it in the same
     /// round, each with its own group; groups of one round are disjoint (gossip mixing).
     fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()>;
