@@ -12,8 +12,10 @@ Needs ./target/release/nanodist (cargo build --release [--features mpi]) and dat
 included; with more workers than cores the compute share is inflated by oversubscription.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -46,6 +48,7 @@ def main():
     a = ap.parse_args()
     exe = os.path.join(ROOT, "target", "release", "nanodist")
     out = tempfile.mkdtemp(prefix="nanodist-comm-")
+    atexit.register(shutil.rmtree, out, True)  # runs leave GBs of checkpoints
     table = []
     for n in a.workers:
         for label, sets, groups in cases(n):

@@ -10,8 +10,10 @@ count; control traffic such as loss means is not in it).
 Needs `./target/release/nanodist` (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -36,6 +38,7 @@ def main():
     a = ap.parse_args()
     exe = os.path.join(ROOT, "target", "release", "nanodist")
     out = tempfile.mkdtemp(prefix="nanodist-lowcomm-")
+    atexit.register(shutil.rmtree, out, True)  # runs leave GBs of checkpoints
     table = []
     for workers in a.workers:
         base = None

@@ -10,8 +10,10 @@ directory on that profile. Exits 1 when a prediction is off by more than --toler
 tests/predict.rs runs it (on synthetic data, debug build) and asserts the tolerance.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,6 +43,7 @@ def main():
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     out = tempfile.mkdtemp(prefix="nanodist-predict-")
+    atexit.register(shutil.rmtree, out, True)  # runs leave GBs of checkpoints
     profile = os.path.join(out, "local.toml")
     cal = subprocess.run([a.nanodist, "calibrate", "--engine", "mpi", "--output", profile], env=env,
                          cwd=ROOT, check=True, capture_output=True, text=True)

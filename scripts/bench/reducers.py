@@ -10,8 +10,10 @@ its ratio to dense.
 Needs `./target/release/nanodist` (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -41,6 +43,7 @@ def main():
     exe = os.path.join(ROOT, "target", "release", "nanodist")
     table = runs(a.steps)
     out = tempfile.mkdtemp(prefix="nanodist-reducers-")
+    atexit.register(shutil.rmtree, out, True)  # runs leave GBs of checkpoints
     rows = []
     for name, setting, comp, start in table:
         run = name.replace(" ", "-")
