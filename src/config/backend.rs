@@ -100,13 +100,26 @@ impl Engine {
     }
 }
 
-/// Gradient compression for gradient-averaging backends, selected by `name`.
+/// Compression, selected by `name`: of gradients for the gradient-averaging backends (topk, radius,
+/// powersgd), of pseudo-gradients for diloco, of gossip messages for decentdp (CHOCO-SGD: topk, randomk,
+/// qsgd, sign).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "name", deny_unknown_fields)]
 pub enum Compression {
-    /// Per-tensor top-k sparsification with error feedback; values and indices are all-gathered.
+    /// Per-tensor top-k sparsification (with error feedback when reducing gradients); values and indices
+    /// are sent.
     #[serde(rename = "topk")]
     TopK(TopKConfig),
+    /// decentdp only: per tensor, a random `density` of the entries, drawn from a seed the receivers
+    /// share (only values are sent).
+    #[serde(rename = "randomk")]
+    RandomK(RandomKConfig),
+    /// decentdp only: QSGD, per tensor the 2-norm and each entry's sign and stochastic level in 0..=levels.
+    #[serde(rename = "qsgd")]
+    Qsgd(QsgdConfig),
+    /// decentdp only: per tensor the signs, scaled by the mean magnitude (||x||_1 / d): one bit an entry.
+    #[serde(rename = "sign")]
+    Sign(SignConfig),
     /// Radius stable top-k: a mask re-selected every `interval` steps from the averaged gradient and shared
     /// by all ranks, so other steps all-reduce only the selected values.
     #[serde(rename = "radius")]
@@ -122,8 +135,93 @@ impl Compression {
             Compression::TopK(_) => "topk",
             Compression::Radius(_) => "radius",
             Compression::PowerSgd(_) => "powersgd",
+            Compression::RandomK(_) => "randomk",
+            Compression::Qsgd(_) => "qsgd",
+            Compression::Sign(_) => "sign",
         }
     }
+
+    /// The consensus step given for compressed gossip (`None`: not given).
+    pub fn consensus_step(&self) -> Option<ConsensusStep> {
+        match self {
+            Compression::TopK(c) => c.consensus_step,
+            Compression::RandomK(c) => c.consensus_step,
+            Compression::Qsgd(c) => c.consensus_step,
+            Compression::Sign(c) => c.consensus_step,
+            Compression::Radius(_) | Compression::PowerSgd(_) => None,
+        }
+    }
+}
+
+/// CHOCO's consensus step size gamma: a number in (0, 1], or "auto" to tune it at the start of the run
+/// (the consensus simulated on random vectors with the run's mixing schedule and compressor).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum ConsensusStep {
+    Value(#[schemars(extend("exclusiveMinimum" = 0), range(max = 1.0))] f64),
+    Auto(Auto),
+}
+
+/// The word "auto".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Auto {
+    #[serde(rename = "auto")]
+    Auto,
+}
+
+/// Random-k options (compressed gossip).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct RandomKConfig {
+    /// Fraction of each tensor's entries sent per step, in (0, 1].
+    #[schemars(extend("exclusiveMinimum" = 0), range(max = 1.0))]
+    pub density: f64,
+    /// Consensus step gamma (default 0.9, CHOCO's), or "auto".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consensus_step: Option<ConsensusStep>,
+}
+
+impl Default for RandomKConfig {
+    fn default() -> Self {
+        Self {
+            density: 0.01,
+            consensus_step: None,
+        }
+    }
+}
+
+/// QSGD options (compressed gossip); defaults: CHOCO's 4-bit quantization, rescaled.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct QsgdConfig {
+    /// Levels s of |x_i| / ||x||: each entry travels as its sign and a level in 0..=s.
+    #[schemars(range(min = 1, max = 65535))]
+    pub levels: u32,
+    /// Divide by tau = 1 + min(d / s^2, sqrt(d) / s) (CHOCO's "qsgd-biased"), which contracts as CHOCO
+    /// needs; false: unbiased QSGD.
+    pub biased: bool,
+    /// Consensus step gamma (default 0.9, CHOCO's), or "auto".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consensus_step: Option<ConsensusStep>,
+}
+
+impl Default for QsgdConfig {
+    fn default() -> Self {
+        Self {
+            levels: 15,
+            biased: true,
+            consensus_step: None,
+        }
+    }
+}
+
+/// Sign options (compressed gossip).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct SignConfig {
+    /// Consensus step gamma (default 0.9, CHOCO's), or "auto".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consensus_step: Option<ConsensusStep>,
 }
 
 /// Top-k options.
@@ -133,16 +231,29 @@ pub struct TopKConfig {
     /// Fraction of each tensor's entries sent per step, in (0, 1].
     #[schemars(extend("exclusiveMinimum" = 0), range(max = 1.0))]
     pub density: f64,
-    /// Keep what was not sent as a residual added to the next gradient.
-    pub error_feedback: bool,
+    /// Keep what was not sent as a residual added to the next gradient (default true; gradient reducers
+    /// only: under decentdp, CHOCO's public copies are the memory).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error_feedback: Option<bool>,
+    /// decentdp only: consensus step gamma (default 0.9, CHOCO's), or "auto".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consensus_step: Option<ConsensusStep>,
 }
 
 impl Default for TopKConfig {
     fn default() -> Self {
         Self {
             density: 0.01,
-            error_feedback: true,
+            error_feedback: None,
+            consensus_step: None,
         }
+    }
+}
+
+impl TopKConfig {
+    /// Whether the reducer keeps a residual (the default).
+    pub fn error_feedback_on(&self) -> bool {
+        self.error_feedback.unwrap_or(true)
     }
 }
 

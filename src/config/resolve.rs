@@ -10,6 +10,7 @@ use super::batch::BatchSchedule;
 use super::error::Problem;
 use super::tree::Node;
 use super::{validate, Config, OptimConfig};
+use crate::sync::choco::{ChocoPlan, Compressor};
 
 /// What the launcher says about this process. Built from `--workers` and the environment
 /// (`mpirun`, `srun`, torchrun conventions).
@@ -73,6 +74,8 @@ pub enum SyncPlan {
         topology: Topology,
         overlap: bool,
         ranks_per_node: usize,
+        /// CHOCO-SGD compressed gossip (`[train.compression]` under decentdp).
+        choco: Option<ChocoPlan>,
     },
     /// Gradient averaging through a compressed reducer.
     Compressed(ReducerPlan),
@@ -167,14 +170,24 @@ impl SyncPlan {
                 topology,
                 overlap,
                 ranks_per_node,
+                choco,
             } => format!(
-                "gossip over {:?}, {ranks_per_node} rank(s) per node, {}",
+                "gossip over {:?}, {ranks_per_node} rank(s) per node, {}{}",
                 topology.name(),
                 if *overlap {
                     "overlapped"
                 } else {
                     "synchronous"
-                }
+                },
+                choco.as_ref().map_or(String::new(), |c| format!(
+                    ", CHOCO compressed: {}, consensus step {}",
+                    c.compressor.describe(),
+                    if c.tuned {
+                        format!("{:.4} (auto: tuned on the consensus of random vectors)", c.gamma)
+                    } else {
+                        c.gamma.to_string()
+                    }
+                ))
             ),
             SyncPlan::Diloco { cfg, reducer } => format!(
                 "diloco: sync every {} steps, outer SGD lr {} momentum {}{}, {} fragment(s){}, quantize {}{}",
@@ -213,7 +226,8 @@ impl ReducerPlan {
         match self {
             ReducerPlan::TopK(k) => format!(
                 "top-k density {}, error feedback {}",
-                k.density, k.error_feedback
+                k.density,
+                k.error_feedback_on()
             ),
             ReducerPlan::Radius { cfg, correction } => format!(
                 "radius density {}, interval {}, dense until step {}{}",
@@ -567,9 +581,12 @@ fn sync_plan(
         (Backend::PytorchDdp, None) => SyncPlan::AllReduce {
             bucket_elems: ((t.bucket_size_mb.unwrap_or(25.0) * 1e6 / 4.0) as usize).max(1),
         },
-        (Backend::PytorchDdp, Some(c)) => SyncPlan::Compressed(reducer_plan(t, c, &mut add)),
+        (Backend::PytorchDdp, Some(c)) => SyncPlan::Compressed(reducer_plan(t, c, &mut add)?),
         (Backend::Diloco, c) => {
-            let reducer = c.as_ref().map(|c| reducer_plan(t, c, &mut add));
+            let reducer = match c {
+                Some(c) => Some(reducer_plan(t, c, &mut add)?),
+                None => None,
+            };
             diloco_plan(t, reducer, &mut add)
         }
         (Backend::Sparta, _) => SyncPlan::Sparta {
@@ -577,7 +594,7 @@ fn sync_plan(
             seed: t.seed,
         },
         (Backend::Demo, _) => demo_plan(t, &mut add),
-        (Backend::DecentDp, _) => gossip_plan(t, world, local_world, &mut add),
+        (Backend::DecentDp, c) => gossip_plan(t, c.as_ref(), world, local_world, &mut add)?,
     };
     (problems.len() == before).then_some(plan)
 }
@@ -593,7 +610,7 @@ fn owned_keys(t: &super::TrainConfig, add: &mut dyn FnMut(&str, String)) {
         (
             "compression",
             t.compression.is_some(),
-            &[Backend::PytorchDdp, Backend::Diloco],
+            &[Backend::PytorchDdp, Backend::Diloco, Backend::DecentDp],
         ),
         ("topology", t.topology.is_some(), &[Backend::DecentDp]),
         ("overlap", t.overlap.is_some(), &[Backend::DecentDp]),
@@ -616,15 +633,38 @@ fn owned_keys(t: &super::TrainConfig, add: &mut dyn FnMut(&str, String)) {
     }
 }
 
-/// A reducer's rules: Radius's correction needs AdamW; PowerSGD's state needs dense steps first, and
-/// its single all-reduce needs a warm start.
+/// A reducer's rules: gossip's compressors and CHOCO's consensus step do not reduce gradients;
+/// Radius's correction needs AdamW; PowerSGD's state needs dense steps first, and its single all-reduce
+/// needs a warm start. `None` when a problem was found.
 fn reducer_plan(
     t: &super::TrainConfig,
     c: &Compression,
     add: &mut dyn FnMut(&str, String),
-) -> ReducerPlan {
-    match c {
+) -> Option<ReducerPlan> {
+    if c.consensus_step().is_some() {
+        add(
+            "train.compression.consensus_step",
+            format!(
+                "`consensus_step` is CHOCO's, for compressed gossip (backend = \"decentdp\"), but backend = {:?}",
+                t.backend.name()
+            ),
+        );
+        return None;
+    }
+    Some(match c {
         Compression::TopK(k) => ReducerPlan::TopK(k.clone()),
+        Compression::RandomK(_) | Compression::Qsgd(_) | Compression::Sign(_) => {
+            add(
+                "train.compression.name",
+                format!(
+                    "compressor {:?} compresses gossip messages (CHOCO, backend = \"decentdp\"); under backend = \
+                     {:?} the compressors are \"topk\", \"radius\" and \"powersgd\"",
+                    c.name(),
+                    t.backend.name()
+                ),
+            );
+            return None;
+        }
         Compression::Radius(r) => {
             let correction = match (&t.optim, r.correction) {
                 (_, false) => None,
@@ -688,16 +728,18 @@ fn reducer_plan(
                 seed: t.seed,
             }
         }
-    }
+    })
 }
 
-/// Gossip's rules: the topology fits the world size and node layout (`sync::topology::fits`).
+/// Gossip's rules: the topology fits the world size and node layout (`sync::topology::fits`); a
+/// compressor makes it CHOCO (`choco_plan`). `None` when a problem was found.
 fn gossip_plan(
     t: &super::TrainConfig,
+    compression: Option<&Compression>,
     world: usize,
     local_world: Option<usize>,
     add: &mut dyn FnMut(&str, String),
-) -> SyncPlan {
+) -> Option<SyncPlan> {
     let topology = t.topology.unwrap_or_default();
     let ranks_per_node = match local_world {
         Some(l) => l,
@@ -714,12 +756,86 @@ fn gossip_plan(
     };
     if let Err(msg) = crate::sync::topology::fits(topology, world, ranks_per_node) {
         add("train.topology", msg);
+        return None;
     }
-    SyncPlan::Gossip {
+    let choco = match compression {
+        Some(c) => Some(choco_plan(t, c, world, ranks_per_node, add)?),
+        None => None,
+    };
+    Some(SyncPlan::Gossip {
         topology,
         overlap: t.overlap.unwrap_or(false),
         ranks_per_node,
-    }
+        choco,
+    })
+}
+
+/// Compressed gossip's rules: CHOCO's compressors only, no error feedback (the public copies are the
+/// memory); the consensus step as given, CHOCO's default, or tuned for "auto".
+fn choco_plan(
+    t: &super::TrainConfig,
+    c: &Compression,
+    world: usize,
+    ranks_per_node: usize,
+    add: &mut dyn FnMut(&str, String),
+) -> Option<ChocoPlan> {
+    use super::backend::ConsensusStep;
+    let compressor = match c {
+        Compression::TopK(k) => {
+            if k.error_feedback.is_some() {
+                add(
+                    "train.compression.error_feedback",
+                    "error_feedback does not apply to compressed gossip: CHOCO's public copies are its \
+                     memory (what a worker has not sent stays in x - x_hat and goes out in later rounds); \
+                     remove the key"
+                        .into(),
+                );
+                return None;
+            }
+            Compressor::TopK { density: k.density }
+        }
+        Compression::RandomK(r) => Compressor::RandomK { density: r.density },
+        Compression::Qsgd(q) => Compressor::Qsgd {
+            levels: q.levels,
+            biased: q.biased,
+        },
+        Compression::Sign(_) => Compressor::Sign,
+        Compression::Radius(_) | Compression::PowerSgd(_) => {
+            add(
+                "train.compression.name",
+                format!(
+                    "compressor {:?} reduces gradients (backend = \"pytorchddp\" or \"diloco\"); compressed \
+                     gossip (backend = \"decentdp\", CHOCO) takes \"topk\", \"randomk\", \"qsgd\" or \"sign\"",
+                    c.name()
+                ),
+            );
+            return None;
+        }
+    };
+    let (gamma, tuned) = match c.consensus_step() {
+        Some(ConsensusStep::Value(g)) => (g, false),
+        None => (crate::sync::choco::DEFAULT_GAMMA, false),
+        Some(ConsensusStep::Auto(_)) => {
+            let rounds = crate::sync::topology::rounds(
+                t.topology.unwrap_or_default(),
+                world,
+                ranks_per_node,
+            );
+            match rounds.and_then(|r| crate::sync::choco::tune_gamma(&r, compressor, t.seed)) {
+                Ok(g) => (g, true),
+                Err(e) => {
+                    add("train.compression.consensus_step", format!("{e:#}"));
+                    return None;
+                }
+            }
+        }
+    };
+    Some(ChocoPlan {
+        compressor,
+        gamma,
+        tuned,
+        seed: t.seed,
+    })
 }
 
 /// DiLoCo's rules: fragments divide sync_every, the delay fits a period, compression only of whole-model

@@ -214,7 +214,15 @@ impl<'a> Walker<'a> {
             }
             return;
         }
-        // General case: the first branch that matches wins; otherwise report the closest branch.
+        // General case: the first branch that matches wins; otherwise report the closest branch, among
+        // equals one of the node's type (a misspelt word is reported against the words, not numbers).
+        let mut live = live;
+        live.sort_by_key(|b| {
+            let saved = std::mem::take(&mut self.problems);
+            let same_type = self.check_type(b, node, path);
+            self.problems = saved;
+            !same_type
+        });
         let mut best: Option<Vec<Problem>> = None;
         for b in &live {
             let saved = std::mem::take(&mut self.problems);

@@ -74,6 +74,9 @@ pub struct Row {
     /// `start_iter`). Not a compression ratio: see `compression_ratio`.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub compressed_fraction: Option<f64>,
+    /// Compressed gossip (CHOCO): the consensus step gamma, as given or tuned ("auto").
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub consensus_step: Option<f64>,
 }
 
 impl Row {

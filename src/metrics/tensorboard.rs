@@ -47,7 +47,7 @@ pub struct Value {
 /// gradient) and `train/...` (the rest): `val_loss` -> `val/loss`, `comm_bytes` -> `comm/bytes`,
 /// `consensus_distance` -> `comm/consensus_distance`, `train_loss` -> `train/loss`.
 pub fn tag(key: &str) -> String {
-    const COMM: [&str; 8] = [
+    const COMM: [&str; 9] = [
         "sync_ms",
         "consensus_distance",
         "pseudo_grad_norm",
@@ -56,6 +56,7 @@ pub fn tag(key: &str) -> String {
         "compression_error",
         "topk_overlap",
         "compressed_fraction",
+        "consensus_step",
     ];
     if let Some(rest) = key.strip_prefix("val_") {
         format!("val/{rest}")

@@ -167,7 +167,8 @@ fn compresses(plan: &SyncPlan) -> bool {
     match plan {
         SyncPlan::Compressed(_) | SyncPlan::Demo { .. } => true,
         SyncPlan::Diloco { cfg, reducer } => reducer.is_some() || cfg.quantize != Quantize::None,
-        SyncPlan::AllReduce { .. } | SyncPlan::Gossip { .. } | SyncPlan::Sparta { .. } => false,
+        SyncPlan::Gossip { choco, .. } => choco.is_some(),
+        SyncPlan::AllReduce { .. } | SyncPlan::Sparta { .. } => false,
     }
 }
 

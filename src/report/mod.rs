@@ -116,6 +116,9 @@ impl Run {
             Some(Compression::TopK(c)) => s += &format!(" + topk {}", c.density),
             Some(Compression::Radius(c)) => s += &format!(" + radius {}", c.density),
             Some(Compression::PowerSgd(c)) => s += &format!(" + powersgd r{}", c.rank),
+            Some(Compression::RandomK(c)) => s += &format!(" + randomk {}", c.density),
+            Some(Compression::Qsgd(c)) => s += &format!(" + qsgd s{}", c.levels),
+            Some(Compression::Sign(_)) => s += " + sign",
             None => {}
         }
         s

@@ -2,6 +2,7 @@
 //! (allreduce, compressed reducers, DeMo), mix or sync parameters after it (gossip, DiLoCo, SPARTA), and
 //! the model to evaluate and checkpoint (the replicas' average, or DiLoCo's global model).
 
+pub mod choco;
 pub mod compress;
 pub mod demo;
 pub mod diloco;
@@ -105,6 +106,8 @@ pub struct Metrics {
     pub outer_lr: Option<f64>,
     /// DiLoCo: this rank's distance from the average just before the last sync.
     pub consensus_distance: Option<f64>,
+    /// Compressed gossip: the consensus step gamma.
+    pub consensus_step: Option<f64>,
 }
 
 fn average_with(comm: &mut dyn Communicator, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
@@ -434,9 +437,13 @@ pub fn build(
             topology,
             overlap,
             ranks_per_node,
+            choco,
         } => {
             let rounds = topology::rounds(*topology, comm.world_size(), *ranks_per_node)?;
-            Box::new(Gossip::new(comm, rounds, *overlap, numel))
+            match choco {
+                Some(c) => Box::new(choco::Choco::new(comm, rounds, *overlap, c, &tensors)?),
+                None => Box::new(Gossip::new(comm, rounds, *overlap, numel)),
+            }
         }
         SyncPlan::Diloco { cfg, reducer } => {
             let reducer = reducer
@@ -462,15 +469,22 @@ pub struct Footprint {
     pub during_step: u64,
 }
 
-pub fn footprint(plan: &SyncPlan, numel: u64, world: u64) -> Footprint {
+pub fn footprint(plan: &SyncPlan, tensors: &[compress::TensorView], world: u64) -> Footprint {
+    let numel = tensors.iter().map(|t| t.len as u64).sum::<u64>();
     let part = |f: f64| (f * numel as f64).ceil() as u64;
     match plan {
         SyncPlan::AllReduce { .. } => Footprint::default(),
         // The send buffer of the mix (overlap keeps it between steps).
-        SyncPlan::Gossip { .. } => Footprint {
+        SyncPlan::Gossip { choco: None, .. } => Footprint {
             kept: numel,
             during_step: 0,
         },
+        SyncPlan::Gossip {
+            topology,
+            ranks_per_node,
+            choco: Some(c),
+            ..
+        } => choco::footprint(c, *topology, world as usize, *ranks_per_node, tensors),
         SyncPlan::Compressed(r) => reducer_footprint(r, numel, world),
         SyncPlan::Diloco { cfg, reducer } => {
             let r = reducer
@@ -511,7 +525,7 @@ fn reducer_footprint(r: &crate::config::resolve::ReducerPlan, numel: u64, world:
         ReducerPlan::TopK(c) => {
             let k = part(c.density);
             Footprint {
-                kept: if c.error_feedback { numel } else { 0 } + 2 * k,
+                kept: if c.error_feedback_on() { numel } else { 0 } + 2 * k,
                 during_step: 2 * k + 2 * k * (world + 1) + numel / 8,
             }
         }

@@ -159,6 +159,7 @@ pub fn plan_lines(cfg: &Config, plan: &Plan) -> Result<Vec<(&'static str, String
     if let SyncPlan::Gossip {
         topology,
         ranks_per_node,
+        choco,
         ..
     } = &plan.sync
     {
@@ -176,6 +177,18 @@ pub fn plan_lines(cfg: &Config, plan: &Plan) -> Result<Vec<(&'static str, String
                 sizes.join(" or ")
             ),
         ));
+        if choco.is_some() {
+            let channels = super::choco::Channels::new(&rounds, 0, 0)?.count();
+            lines.push((
+                "public copies",
+                format!(
+                    "{channels} group(s) a worker meets x (copy + memory) = {} model-sized buffers per \
+                     worker ({})",
+                    2 * channels,
+                    human_bytes((8 * channels as u64 * plan.n_params) as f64)
+                ),
+            ));
+        }
     }
     let n = plan.n_steps;
     // What the collectives may overlap, and on how many steps (overlapped gossip mixes step 0

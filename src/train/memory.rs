@@ -77,7 +77,11 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
     let numel = plan.n_params;
     let local = matches!(plan.engine, Engine::Local | Engine::Auto);
     let workers = if local { plan.world_size as u64 } else { 1 };
-    let sync = crate::sync::footprint(&plan.sync, numel, plan.world_size as u64);
+    let named = crate::model::gpt::layout(&cfg.model, t.context_length)
+        .into_iter()
+        .map(|(name, shape, _)| (name, shape));
+    let tensors = crate::sync::compress::TensorView::of_shapes(named);
+    let sync = crate::sync::footprint(&plan.sync, &tensors, plan.world_size as u64);
     let optimizer = crate::optim::state_buffers(&t.optim, &plan.sync);
     // Parameters and gradient (the local engine's reductions copy nothing; its all-gathers keep their
     // last message, counted by the backends that gather).

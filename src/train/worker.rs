@@ -389,6 +389,7 @@ impl<'s> Worker<'s> {
         row.compression_error = m.compression_error;
         row.topk_overlap = m.topk_overlap;
         row.compressed_fraction = m.compressed_fraction;
+        row.consensus_step = m.consensus_step;
         if eval_due {
             self.evaluate(&mut row)?;
         } else {

@@ -145,6 +145,24 @@ pub const EVERY_BACKEND: &[(&str, &[&str])] = &[
             "train.ranks_per_node=2",
         ],
     ),
+    (
+        "choco-exp-overlap",
+        &[
+            "train.backend=\"decentdp\"",
+            "train.topology=\"exp\"",
+            "train.overlap=true",
+            "train.compression={ name = \"topk\", density = 0.1, consensus_step = 0.3 }",
+        ],
+    ),
+    (
+        "choco-alt-qsgd",
+        &[
+            "train.backend=\"decentdp\"",
+            "train.topology=\"alternating-exp-ring\"",
+            "train.ranks_per_node=2",
+            "train.compression={ name = \"qsgd\", levels = 7, consensus_step = 0.3 }",
+        ],
+    ),
     ("topk", &["train.compression={ name = \"topk\", density = 0.05 }"]),
     (
         "radius",

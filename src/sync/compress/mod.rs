@@ -112,7 +112,9 @@ pub trait Reducer {
 /// The planned reducer (its rules were checked when the plan was resolved).
 pub fn build(plan: &ReducerPlan, tensors: Vec<TensorView>) -> Box<dyn Reducer> {
     match plan {
-        ReducerPlan::TopK(k) => Box::new(topk::TopK::new(tensors, k.density, k.error_feedback)),
+        ReducerPlan::TopK(k) => {
+            Box::new(topk::TopK::new(tensors, k.density, k.error_feedback_on()))
+        }
         ReducerPlan::Radius { cfg, correction } => {
             let numel = tensors.iter().map(|t| t.len).sum();
             let radius = Box::new(radius::Radius::new(tensors, cfg.clone()));

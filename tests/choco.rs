@@ -1,0 +1,220 @@
+//! Compressed gossip (CHOCO-SGD) end to end: with every entry sent and gamma = 1 it is uncompressed
+//! gossip, every compressor resumes bit for bit on ring and exp (overlapped too), its messages are the
+//! bytes the format defines, and "auto" tunes the consensus step and logs it.
+
+use std::path::Path;
+
+use nanodist::metrics::{read_rows, Row};
+
+mod common;
+use common::make_data;
+
+fn rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> (u64, Vec<Row>) {
+    let s = common::train_tiny(dir, name, workers, set);
+    (s.step, read_rows(&s.run_dir.join("metrics.jsonl")).unwrap())
+}
+
+/// Everything a resumed run must reproduce bit for bit.
+fn exact(r: &Row) -> impl PartialEq + std::fmt::Debug {
+    (
+        (r.step, r.tokens, r.lr.to_bits(), r.train_loss.to_bits()),
+        (r.grad_norm.to_bits(), r.param_norm.to_bits()),
+        (r.val_loss.map(f64::to_bits), r.comm_bytes),
+        (
+            r.consensus_distance.map(f64::to_bits),
+            r.compression_ratio.map(f64::to_bits),
+            r.consensus_step.map(f64::to_bits),
+        ),
+    )
+}
+
+const COMPRESSORS: [&str; 4] = [
+    "{ name = \"topk\", density = 0.2, consensus_step = 0.3 }",
+    "{ name = \"randomk\", density = 0.2, consensus_step = 0.2 }",
+    "{ name = \"qsgd\", levels = 7, consensus_step = 0.3 }",
+    "{ name = \"sign\", consensus_step = \"auto\" }",
+];
+
+fn gossip(topology: &str) -> Vec<String> {
+    vec![
+        "train.backend=\"decentdp\"".into(),
+        format!("train.topology=\"{topology}\""),
+    ]
+}
+
+#[test]
+fn every_entry_sent_with_gamma_one_is_uncompressed_gossip() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    for (topology, extra) in [
+        ("ring", None),
+        ("exp", Some("train.overlap=true")),
+        ("alternating-exp-ring", Some("train.ranks_per_node=2")),
+    ] {
+        let mut plain = gossip(topology);
+        plain.extend(extra.map(String::from));
+        let mut choco = plain.clone();
+        choco.push(
+            "train.compression={ name = \"topk\", density = 1.0, consensus_step = 1.0 }".into(),
+        );
+        let plain: Vec<&str> = plain.iter().map(String::as_str).collect();
+        let choco: Vec<&str> = choco.iter().map(String::as_str).collect();
+        let (_, a) = rows(d.path(), &format!("plain-{topology}"), 4, &plain);
+        let (_, b) = rows(d.path(), &format!("choco-{topology}"), 4, &choco);
+        assert_eq!(a.len(), b.len());
+        // x_hat + (x - x_hat) is x up to rounding: the runs agree to float precision, not bit for bit.
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-4 * (1.0 + x.abs());
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                close(x.train_loss, y.train_loss),
+                "{topology} step {}: {} vs {}",
+                x.step,
+                x.train_loss,
+                y.train_loss
+            );
+            if let (Some(p), Some(q)) = (x.consensus_distance, y.consensus_distance) {
+                assert!(
+                    (p - q).abs() <= 1e-3 * p + 1e-6,
+                    "{topology}: distance {p} vs {q}"
+                );
+            }
+        }
+        assert!(b.iter().all(|r| r.consensus_step == Some(1.0)));
+    }
+}
+
+#[test]
+fn each_compressor_on_ring_and_exp_trains_and_resumes_bit_for_bit() {
+    for (topology, overlap) in [("ring", false), ("exp", true)] {
+        for (i, compression) in COMPRESSORS.iter().enumerate() {
+            let d = tempfile::tempdir().unwrap();
+            make_data(d.path());
+            let mut set = gossip(topology);
+            if overlap {
+                set.push("train.overlap=true".into());
+            }
+            set.push(format!("train.compression={compression}"));
+            let set: Vec<&str> = set.iter().map(String::as_str).collect();
+            let what = format!("{topology} {compression}");
+            let (_, full) = rows(d.path(), "full", 4, &set);
+            let mut first = set.clone();
+            first.push("train.exit_interval=5");
+            let (step, _) = rows(d.path(), "cut", 4, &first);
+            assert_eq!(step, 5, "{what}");
+            let (step, cut) = rows(d.path(), "cut", 4, &set);
+            assert_eq!(step, 20, "{what}");
+            assert_eq!(
+                full.iter().map(exact).collect::<Vec<_>>(),
+                cut.iter().map(exact).collect::<Vec<_>>(),
+                "case {i}: {what}"
+            );
+            let last = full.last().unwrap();
+            assert!(
+                last.val_loss.unwrap() < full[0].train_loss - 0.3,
+                "{what} learns: {:?} from {}",
+                last.val_loss,
+                full[0].train_loss
+            );
+            assert!(last.consensus_distance.unwrap() > 0.0, "{what}");
+            // Less than uncompressed gossip sends (the ratio of its bytes to ours).
+            assert!(last.compression_ratio.unwrap() > 1.5, "{what}: {last:?}");
+            let gamma = last.consensus_step.unwrap();
+            assert!(gamma > 0.0 && gamma <= 1.0, "{what}: gamma {gamma}");
+        }
+    }
+}
+
+/// Words of one message of the tiny model, from the formats' definitions: top-k sends values and
+/// indices, random-k values, QSGD a norm and 4 bits an entry (7 levels and a sign), sign a scale and a
+/// bit an entry; per tensor, words rounded up.
+fn message_words(compressor: &str, lens: &[usize]) -> usize {
+    lens.iter()
+        .map(|&n| match compressor {
+            "topk" => 2 * ((0.2 * n as f64) as usize).max(1),
+            "randomk" => ((0.2 * n as f64) as usize).max(1),
+            "qsgd" => 1 + (4 * n).div_ceil(32),
+            "sign" => 1 + n.div_ceil(32),
+            other => panic!("{other}"),
+        })
+        .sum()
+}
+
+#[test]
+fn each_step_sends_one_compressed_message_to_each_peer() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let model = nanodist::config::ModelConfig {
+        n_layers: 2,
+        n_heads: 2,
+        n_embd: 32,
+        vocab_size: 64,
+        bias: true,
+        ..Default::default()
+    };
+    let lens: Vec<usize> = nanodist::model::gpt::layout(&model, 16)
+        .into_iter()
+        .map(|(_, shape, _)| shape.iter().product())
+        .collect();
+    for (name, compression) in ["topk", "randomk", "qsgd", "sign"].iter().zip(COMPRESSORS) {
+        // exp on 4 workers: one peer per step; complete: all 3 others.
+        for (topology, peers) in [("exp", 1), ("complete", 3)] {
+            let mut set = gossip(topology);
+            set.push(format!("train.compression={compression}"));
+            let set: Vec<&str> = set.iter().map(String::as_str).collect();
+            let (_, r) = rows(d.path(), &format!("{name}-{topology}"), 4, &set);
+            let want = 4 * peers * message_words(name, &lens) as u64;
+            for row in &r {
+                assert_eq!(row.comm_bytes, want, "{name} {topology} step {}", row.step);
+            }
+        }
+    }
+}
+
+#[test]
+fn auto_tunes_the_consensus_step_prints_and_logs_it() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let cfg = common::write_tiny_config(d.path(), "t.toml", "auto");
+    let args = [
+        "check",
+        cfg.to_str().unwrap(),
+        "--workers",
+        "4",
+        "--set",
+        "train.backend=\"decentdp\"",
+        "--set",
+        "train.topology=\"ring\"",
+        "--set",
+        "train.compression={ name = \"topk\", density = 0.05, consensus_step = \"auto\" }",
+    ];
+    let out = common::nanodist(&args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let gamma: f64 = text
+        .split("consensus step ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no tuned consensus step in:\n{text}"));
+    assert!(text.contains("(auto: tuned"), "{text}");
+    assert!(text.contains("public copies     2 group(s)"), "{text}");
+    // Aggressive compression needs a small step; the same on every call.
+    assert!(gamma > 1e-3 && gamma < 0.5, "{gamma}");
+    let again = common::nanodist(&args);
+    assert_eq!(String::from_utf8_lossy(&again.stdout), text);
+    let (_, r) = rows(
+        d.path(),
+        "auto-run",
+        4,
+        &[
+            "train.backend=\"decentdp\"",
+            "train.topology=\"ring\"",
+            "train.compression={ name = \"topk\", density = 0.05, consensus_step = \"auto\" }",
+        ],
+    );
+    for row in &r {
+        let logged = row.consensus_step.unwrap();
+        // Printed to 4 decimals.
+        assert!((logged - gamma).abs() < 1e-3 * gamma, "{logged} vs {gamma}");
+    }
+}
