@@ -1,7 +1,8 @@
 //! Benchmark: compress + decompress throughput of each reducer on one GPT-2-small-sized gradient
 //! (124M floats, the real tensor shapes), in GB/s of gradient processed, next to this machine's memcpy
 //! bandwidth measured in the same run. World size 1, so this is the reducers' own compute (selection,
-//! packing, low-rank products), not the network.
+//! packing, low-rank products), not the network. Also compressed gossip's codecs (CHOCO): encode of
+//! x - x_hat, then decode into the public copy and the memory.
 //!
 //!     cargo run --release --example bench_reducers [-- --runs 3]
 
@@ -9,6 +10,7 @@ use std::time::Instant;
 
 use nanodist::comm::Solo;
 use nanodist::config::backend::{PowerSgdConfig, RadiusConfig};
+use nanodist::sync::choco::{Codec, Compressor};
 use nanodist::sync::compress::{
     powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer, TensorView,
 };
@@ -133,6 +135,37 @@ fn main() -> anyhow::Result<()> {
         }
         let s = median(speeds);
         println!("| {name} | {s:.2} | {:.3} |", s / memcpy);
+    }
+    let zero = vec![0.0f32; numel];
+    let (mut hat, mut memory, mut msg) = (vec![0.0f32; numel], vec![0.0f32; numel], Vec::new());
+    for c in [
+        Compressor::TopK { density: 0.01 },
+        Compressor::RandomK { density: 0.01 },
+        Compressor::Qsgd {
+            levels: 15,
+            biased: true,
+            bucket: 512,
+        },
+        Compressor::Sign,
+    ] {
+        let codec = Codec::new(c, &tensors, 0);
+        let speeds = (0..runs as u64)
+            .map(|step| {
+                let t = Instant::now();
+                codec.encode(&grad, &zero, step, 0, &mut msg);
+                codec.decode(&msg, step, 0, |i, q| {
+                    hat[i] += q;
+                    memory[i] += 0.5 * q;
+                });
+                gb / t.elapsed().as_secs_f64()
+            })
+            .collect();
+        let s = median(speeds);
+        println!(
+            "| choco {} (encode + decode) | {s:.2} | {:.3} |",
+            c.describe(),
+            s / memcpy
+        );
     }
     Ok(())
 }

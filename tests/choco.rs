@@ -125,14 +125,14 @@ fn each_compressor_on_ring_and_exp_trains_and_resumes_bit_for_bit() {
 }
 
 /// Words of one message of the tiny model, from the formats' definitions: top-k sends values and
-/// indices, random-k values, QSGD a norm and 4 bits an entry (7 levels and a sign), sign a scale and a
-/// bit an entry; per tensor, words rounded up.
+/// indices, random-k values, QSGD a norm per 512 entries (its default bucket) and 4 bits an entry (7
+/// levels and a sign), sign a scale and a bit an entry; per tensor, words rounded up.
 fn message_words(compressor: &str, lens: &[usize]) -> usize {
     lens.iter()
         .map(|&n| match compressor {
             "topk" => 2 * ((0.2 * n as f64) as usize).max(1),
             "randomk" => ((0.2 * n as f64) as usize).max(1),
-            "qsgd" => 1 + (4 * n).div_ceil(32),
+            "qsgd" => n.div_ceil(512) + (4 * n).div_ceil(32),
             "sign" => 1 + n.div_ceil(32),
             other => panic!("{other}"),
         })

@@ -200,6 +200,10 @@ pub struct QsgdConfig {
     /// Divide by tau = 1 + min(d / s^2, sqrt(d) / s) (CHOCO's "qsgd-biased"), which contracts as CHOCO
     /// needs; false: unbiased QSGD.
     pub biased: bool,
+    /// Entries that share one 2-norm (QSGD's buckets; 512 as in the QSGD paper): tau, and so the
+    /// compressor's quality and the consensus step it needs, stay the same for tensors of any size.
+    /// 0: one norm per tensor, as CHOCO's reference (tau then grows with sqrt(tensor size)).
+    pub bucket: usize,
     /// Consensus step gamma (default 0.9, CHOCO's), or "auto".
     #[serde(skip_serializing_if = "Option::is_none")]
     pub consensus_step: Option<ConsensusStep>,
@@ -210,6 +214,7 @@ impl Default for QsgdConfig {
         Self {
             levels: 15,
             biased: true,
+            bucket: 512,
             consensus_step: None,
         }
     }

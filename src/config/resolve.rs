@@ -798,6 +798,7 @@ fn choco_plan(
         Compression::Qsgd(q) => Compressor::Qsgd {
             levels: q.levels,
             biased: q.biased,
+            bucket: q.bucket,
         },
         Compression::Sign(_) => Compressor::Sign,
         Compression::Radius(_) | Compression::PowerSgd(_) => {

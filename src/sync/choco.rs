@@ -32,7 +32,7 @@ use rayon::prelude::*;
 
 use super::compress::{self, k_of, TensorView};
 use super::topology::Round;
-use super::trace::{Collective, Op, Overlap};
+use super::trace::{Collective, Op};
 use super::{Metrics, SyncBackend};
 use crate::comm::{all_reduce_bytes, pack_u64, unpack_u64, Communicator};
 use crate::kernels;
@@ -42,7 +42,12 @@ use crate::kernels;
 pub enum Compressor {
     TopK { density: f64 },
     RandomK { density: f64 },
-    Qsgd { levels: u32, biased: bool },
+    /// One 2-norm per `bucket` consecutive entries of a tensor (0: per tensor).
+    Qsgd {
+        levels: u32,
+        biased: bool,
+        bucket: usize,
+    },
     Sign,
 }
 
@@ -51,9 +56,17 @@ impl Compressor {
         match self {
             Compressor::TopK { density } => format!("top-k density {density}"),
             Compressor::RandomK { density } => format!("random-k density {density}"),
-            Compressor::Qsgd { levels, biased } => format!(
-                "qsgd {levels} levels ({} bits an entry){}",
+            Compressor::Qsgd {
+                levels,
+                biased,
+                bucket,
+            } => format!(
+                "qsgd {levels} levels ({} bits an entry), {}{}",
                 qsgd_bits(*levels),
+                match bucket {
+                    0 => "one norm per tensor".to_string(),
+                    b => format!("one norm per {b} entries"),
+                },
                 if *biased { ", rescaled" } else { ", unbiased" }
             ),
             Compressor::Sign => "sign (1 bit an entry)".into(),
@@ -86,6 +99,22 @@ fn mix(parts: &[u64]) -> u64 {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     })
+}
+
+/// The ranges of a tensor of `len` entries that share one QSGD norm (`bucket` 0: the whole tensor).
+fn buckets(len: usize, bucket: usize) -> Vec<std::ops::Range<usize>> {
+    let b = if bucket == 0 { len.max(1) } else { bucket };
+    (0..len).step_by(b).map(|s| s..(s + b).min(len)).collect()
+}
+
+/// QSGD's rescaling for `d` entries: tau = 1 + min(d / s^2, sqrt(d) / s) when biased (CHOCO's
+/// "qsgd-biased"), else 1.
+pub fn qsgd_tau(levels: u32, d: usize, biased: bool) -> f32 {
+    if !biased {
+        return 1.0;
+    }
+    let (s, d) = (levels as f32, d as f32);
+    1.0 + (d / (s * s)).min(d.sqrt() / s)
 }
 
 /// Bits of one QSGD entry: a sign and a level in 0..=levels.
@@ -123,8 +152,8 @@ impl Codec {
             let words = match compressor {
                 Compressor::TopK { .. } => 2 * k,
                 Compressor::RandomK { .. } => k,
-                Compressor::Qsgd { levels, .. } => {
-                    1 + (len * qsgd_bits(levels) as usize).div_ceil(32)
+                Compressor::Qsgd { levels, bucket, .. } => {
+                    buckets(len, bucket).len() + (len * qsgd_bits(levels) as usize).div_ceil(32)
                 }
                 Compressor::Sign => 1 + len.div_ceil(32),
             };
@@ -170,7 +199,7 @@ impl Codec {
             outs.push(head);
             rest = tail;
         }
-        outs.into_par_iter().enumerate().for_each(|(t, out)| {
+        outs.into_iter().enumerate().for_each(|(t, out)| {
             let (off, len) = self.tensors[t];
             let u: Vec<f32> = x[off..off + len]
                 .iter()
@@ -196,30 +225,36 @@ impl Codec {
                     *o = u[i];
                 }
             }
-            Compressor::Qsgd { levels, .. } => {
-                let norm = u.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt() as f32;
-                out[0] = norm;
-                if norm == 0.0 || !norm.is_finite() {
-                    return;
-                }
+            Compressor::Qsgd { levels, bucket, .. } => {
+                let ranges = buckets(len, bucket);
+                let (norms, codes) = out.split_at_mut(ranges.len());
                 let (bits, s) = (qsgd_bits(levels), levels as f32);
                 let mut rng = self.rng(QSGD_KEY, step, rank, t);
-                let mut w = BitWriter::new(&mut out[1..]);
-                for &v in u {
-                    let lf = s * v.abs() / norm;
-                    let lo = lf.floor();
-                    let up = rng.random::<f32>() < lf - lo;
-                    let level = ((lo as u32) + u32::from(up)).min(levels);
-                    let neg = u32::from(v < 0.0);
-                    w.put(level | neg << (bits - 1), bits);
+                let mut w = BitWriter::new(codes);
+                for (norm_out, r) in norms.iter_mut().zip(ranges) {
+                    let vals = &u[r];
+                    let norm = vals.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt() as f32;
+                    *norm_out = norm;
+                    let usable = norm > 0.0 && norm.is_finite();
+                    for &v in vals {
+                        let lf = if usable { s * v.abs() / norm } else { 0.0 };
+                        let lo = lf.floor();
+                        let up = rng.random::<f32>() < lf - lo;
+                        let level = ((lo as u32) + u32::from(up)).min(levels);
+                        let neg = u32::from(v < 0.0);
+                        w.put(level | neg << (bits - 1), bits);
+                    }
                 }
             }
             Compressor::Sign => {
                 out[0] =
                     (u.iter().map(|&v| v.abs() as f64).sum::<f64>() / len.max(1) as f64) as f32;
-                let mut w = BitWriter::new(&mut out[1..]);
-                for &v in u {
-                    w.put(u32::from(v < 0.0), 1);
+                for (word, vals) in out[1..].iter_mut().zip(u.chunks(32)) {
+                    let bits = vals
+                        .iter()
+                        .enumerate()
+                        .fold(0u32, |b, (i, &v)| b | u32::from(v < 0.0) << i);
+                    *word = f32::from_bits(bits);
                 }
             }
         }
@@ -242,29 +277,33 @@ impl Codec {
                         f(off + i, *v);
                     }
                 }
-                Compressor::Qsgd { levels, biased } => {
-                    let s = levels as f32;
-                    let tau = if biased {
-                        let d = len as f32;
-                        1.0 + (d / (s * s)).min(d.sqrt() / s)
-                    } else {
-                        1.0
-                    };
-                    let unit = part[0] / s / tau;
+                Compressor::Qsgd {
+                    levels,
+                    biased,
+                    bucket,
+                } => {
+                    let ranges = buckets(len, bucket);
+                    let (norms, codes) = part.split_at(ranges.len());
                     let bits = qsgd_bits(levels);
-                    let mut r = BitReader::new(&part[1..]);
-                    for i in 0..len {
-                        let code = r.get(bits);
-                        let level = (code & ((1 << (bits - 1)) - 1)) as f32;
-                        let q = unit * level;
-                        f(off + i, if code >> (bits - 1) == 1 { -q } else { q });
+                    let mut r = BitReader::new(codes);
+                    for (norm, range) in norms.iter().zip(ranges) {
+                        let unit = norm / levels as f32 / qsgd_tau(levels, range.len(), biased);
+                        for i in range {
+                            let code = r.get(bits);
+                            let level = (code & ((1 << (bits - 1)) - 1)) as f32;
+                            let q = unit * level;
+                            f(off + i, if code >> (bits - 1) == 1 { -q } else { q });
+                        }
                     }
                 }
                 Compressor::Sign => {
                     let scale = part[0];
-                    let mut r = BitReader::new(&part[1..]);
-                    for i in 0..len {
-                        f(off + i, if r.get(1) == 1 { -scale } else { scale });
+                    for (w, word) in part[1..].iter().enumerate() {
+                        let bits = word.to_bits();
+                        for i in 0..32.min(len - 32 * w) {
+                            let q = if bits >> i & 1 == 1 { -scale } else { scale };
+                            f(off + 32 * w + i, q);
+                        }
                     }
                 }
             }
@@ -348,16 +387,26 @@ struct Channel {
     /// The weight of the rank itself and of each other member.
     own: f32,
     other: f32,
-    /// This rank's public copy x_hat_{i,G}.
+    /// This rank's public copy x_hat_{i,G} (empty: zero, until the channel first meets).
     hat: Vec<f32>,
-    /// The memory s_{i,G} = sum_j w_ij x_hat_{j,G}.
+    /// The memory s_{i,G} = sum_j w_ij x_hat_{j,G} (empty: zero).
     memory: Vec<f32>,
+}
+
+/// A channel's buffer, allocated (as zeros) when the channel first meets: a described backend (`check`)
+/// allocates none.
+fn allocated(v: &mut Vec<f32>, numel: usize) -> &mut [f32] {
+    if v.len() != numel {
+        *v = vec![0.0; numel];
+    }
+    v
 }
 
 /// A rank's channels and which one each round uses (None: alone in that round).
 #[derive(Debug, Clone)]
 pub struct Channels {
     rank: usize,
+    numel: usize,
     list: Vec<Channel>,
     of_round: Vec<Option<usize>>,
 }
@@ -384,14 +433,15 @@ impl Channels {
                     ranks: group.ranks.clone(),
                     own: own as f32,
                     other: other as f32,
-                    hat: vec![0.0; numel],
-                    memory: vec![0.0; numel],
+                    hat: Vec::new(),
+                    memory: Vec::new(),
                 });
                 list.len() - 1
             })));
         }
         Ok(Self {
             rank,
+            numel,
             list,
             of_round,
         })
@@ -408,9 +458,12 @@ impl Channels {
     }
 
     /// This rank's message in `round`: Q(x - x_hat).
-    fn encode(&self, codec: &Codec, round: usize, x: &[f32], step: u64, msg: &mut Vec<f32>) {
+    fn encode(&mut self, codec: &Codec, round: usize, x: &[f32], step: u64, msg: &mut Vec<f32>) {
         match self.of_round[round] {
-            Some(c) => codec.encode(x, &self.list[c].hat, step, self.rank, msg),
+            Some(c) => {
+                let hat = allocated(&mut self.list[c].hat, self.numel);
+                codec.encode(x, hat, step, self.rank, msg)
+            }
             None => msg.clear(),
         }
     }
@@ -429,21 +482,27 @@ impl Channels {
         let Some(c) = self.of_round[round] else {
             return;
         };
-        let ch = &mut self.list[c];
-        for (pos, &j) in ch.ranks.iter().enumerate() {
+        let Channel {
+            ranks,
+            own,
+            other,
+            hat,
+            memory,
+        } = &mut self.list[c];
+        let (own, other) = (*own, *other);
+        let (hat, memory) = (allocated(hat, self.numel), allocated(memory, self.numel));
+        for (pos, &j) in ranks.iter().enumerate() {
             if j == self.rank {
-                let (own, hat, memory) = (ch.own, &mut ch.hat, &mut ch.memory);
                 codec.decode(msg(pos), step, j, |i, q| {
                     hat[i] += q;
                     memory[i] += own * q;
                 });
             } else {
-                let (other, memory) = (ch.other, &mut ch.memory);
                 codec.decode(msg(pos), step, j, |i, q| memory[i] += other * q);
             }
         }
-        x.par_iter_mut()
-            .zip(ch.memory.par_iter().zip(ch.hat.par_iter()))
+        x.iter_mut()
+            .zip(memory.iter().zip(hat.iter()))
             .for_each(|(x, (s, h))| *x += gamma * (s - h));
     }
 
@@ -452,9 +511,16 @@ impl Channels {
             .iter()
             .enumerate()
             .flat_map(|(c, ch)| {
+                let saved = |v: &Vec<f32>| {
+                    if v.is_empty() {
+                        vec![0.0; self.numel]
+                    } else {
+                        v.clone()
+                    }
+                };
                 [
-                    (format!("choco.hat.{c}"), ch.hat.clone()),
-                    (format!("choco.memory.{c}"), ch.memory.clone()),
+                    (format!("choco.hat.{c}"), saved(&ch.hat)),
+                    (format!("choco.memory.{c}"), saved(&ch.memory)),
                 ]
             })
             .collect()
@@ -462,9 +528,9 @@ impl Channels {
 
     fn load_state(&mut self, state: &mut compress::State) -> Result<()> {
         for (c, ch) in self.list.iter_mut().enumerate() {
-            let n = ch.hat.len();
-            ch.hat = compress::take(state, &format!("choco.hat.{c}"), Some(n))?;
-            ch.memory = compress::take(state, &format!("choco.memory.{c}"), Some(n))?;
+            let n = Some(self.numel);
+            ch.hat = compress::take(state, &format!("choco.hat.{c}"), n)?;
+            ch.memory = compress::take(state, &format!("choco.memory.{c}"), n)?;
         }
         Ok(())
     }
@@ -579,25 +645,11 @@ impl SyncBackend for Choco {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
-    /// Each group's members exchange their compressed messages (an all-gather within the group):
-    /// synchronous, or with `overlap` the previous step's, beside this step's forward and backward.
+    /// Each group's members exchange their compressed messages (an all-gather within the group), when
+    /// uncompressed gossip would all-reduce.
     fn step_comm(&self, step: u64) -> Vec<Collective> {
-        let words = self.codec.words() as u64;
-        let mix = |step: u64, overlap| Collective {
-            op: Op::AllGather {
-                pieces: vec![words],
-            },
-            groups: self.rounds[self.round_of(step)]
-                .iter()
-                .map(|g| g.ranks.clone())
-                .collect(),
-            overlap,
-        };
-        match (self.overlap, step) {
-            (false, _) | (true, 0) => vec![mix(step, Overlap::None)],
-            (true, 1) => Vec::new(),
-            (true, _) => vec![mix(step - 1, Overlap::Compute)],
-        }
+        let pieces = vec![self.codec.words() as u64];
+        super::gossip_step_comm(&self.rounds, self.overlap, step, Op::AllGather { pieces })
     }
     fn has_pending(&self) -> bool {
         matches!(self.pending, Some(Pending { sent: false, .. }))
@@ -742,7 +794,7 @@ impl Simulation {
         let round = (step % self.rounds.len() as u64) as usize;
         let msgs: Vec<Vec<f32>> = self
             .nodes
-            .iter()
+            .iter_mut()
             .zip(xs.iter())
             .map(|(node, x)| {
                 let mut m = Vec::new();
@@ -774,10 +826,12 @@ impl Simulation {
                 .map(|(&a, &m)| (a as f64 - m).powi(2))
                 .sum::<f64>();
             for ch in &node.list {
+                // A channel that has not met yet holds zero.
+                let hat = |i: usize| ch.hat.get(i).copied().unwrap_or(0.0) as f64;
                 e += x
                     .iter()
-                    .zip(&ch.hat)
-                    .map(|(&a, &h)| (a as f64 - h as f64).powi(2))
+                    .enumerate()
+                    .map(|(i, &a)| (a as f64 - hat(i)).powi(2))
                     .sum::<f64>();
             }
         }
@@ -874,10 +928,12 @@ mod tests {
         Compressor::Qsgd {
             levels: 3,
             biased: true,
+            bucket: 16,
         },
         Compressor::Qsgd {
             levels: 15,
             biased: false,
+            bucket: 0,
         },
         Compressor::Sign,
     ];
@@ -940,15 +996,22 @@ mod tests {
                         assert_eq!(kept, k_of(density, t.len));
                         assert!((0..t.len).all(|i| q[i] == 0.0 || q[i] == u[i]));
                     }
-                    Compressor::Qsgd { levels, biased } => {
-                        let norm = u.iter().map(|v| v * v).sum::<f32>().sqrt();
+                    Compressor::Qsgd {
+                        levels,
+                        biased,
+                        bucket,
+                    } => {
                         let s = levels as f32;
-                        let tau = if biased {
-                            1.0 + (d / (s * s)).min(d.sqrt() / s)
-                        } else {
-                            1.0
-                        };
+                        let b = if bucket == 0 { t.len } else { bucket };
                         for i in 0..t.len {
+                            let r = (i / b * b)..((i / b + 1) * b).min(t.len);
+                            let norm = u[r.clone()].iter().map(|v| v * v).sum::<f32>().sqrt();
+                            let nb = r.len() as f32;
+                            let tau = if biased {
+                                1.0 + (nb / (s * s)).min(nb.sqrt() / s)
+                            } else {
+                                1.0
+                            };
                             // |q| tau s / norm is the level: floor or ceil of s |u| / norm, same sign.
                             let level = q[i].abs() * tau * s / norm;
                             let lf = s * u[i].abs() / norm;
@@ -985,6 +1048,7 @@ mod tests {
             Compressor::Qsgd {
                 levels: 2,
                 biased: false,
+                bucket: 0,
             },
             &tensors,
             1,

@@ -269,25 +269,10 @@ impl SyncBackend for Gossip {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
-    /// The group all-reduce of the round's parameters: synchronous, or with `overlap` the previous
-    /// step's mix, run beside this step's forward and backward (step 0 mixes synchronously, so step 1
-    /// has nothing to send).
+    /// The group all-reduce of the round's parameters.
     fn step_comm(&self, step: u64) -> Vec<Collective> {
-        let mix = |step: u64, overlap| {
-            let round = &self.rounds[(step % self.rounds.len() as u64) as usize];
-            Collective {
-                op: Op::AllReduce {
-                    words: self.numel as u64,
-                },
-                groups: round.iter().map(|g| g.ranks.clone()).collect(),
-                overlap,
-            }
-        };
-        match (self.overlap, step) {
-            (false, _) | (true, 0) => vec![mix(step, Overlap::None)],
-            (true, 1) => Vec::new(),
-            (true, _) => vec![mix(step - 1, Overlap::Compute)],
-        }
+        let words = self.numel as u64;
+        gossip_step_comm(&self.rounds, self.overlap, step, Op::AllReduce { words })
     }
     fn has_pending(&self) -> bool {
         matches!(self.pending, Some((_, false)))
@@ -344,6 +329,25 @@ impl SyncBackend for Gossip {
         self.buf = compress::take(&mut state, "gossip.pending", None)?;
         self.pending = Some((round, false));
         Ok(())
+    }
+}
+
+/// The collectives of step `step` of a gossip over `rounds` whose mix runs `op` in each round's groups:
+/// synchronous, or with `overlap` the previous step's mix, run beside this step's forward and backward
+/// (step 0 mixes synchronously, so step 1 has nothing to send).
+fn gossip_step_comm(rounds: &[Round], overlap: bool, step: u64, op: Op) -> Vec<Collective> {
+    let mix = |step: u64, overlap| Collective {
+        op: op.clone(),
+        groups: rounds[(step % rounds.len() as u64) as usize]
+            .iter()
+            .map(|g| g.ranks.clone())
+            .collect(),
+        overlap,
+    };
+    match (overlap, step) {
+        (false, _) | (true, 0) => vec![mix(step, Overlap::None)],
+        (true, 1) => Vec::new(),
+        (true, _) => vec![mix(step - 1, Overlap::Compute)],
     }
 }
 
