@@ -218,3 +218,50 @@ fn auto_tunes_the_consensus_step_prints_and_logs_it() {
         assert!((logged - gamma).abs() < 1e-3 * gamma, "{logged} vs {gamma}");
     }
 }
+
+#[test]
+fn gossip_checkpoints_switch_to_and_from_compression_with_one_change() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let plain = [
+        "train.backend=\"decentdp\"",
+        "train.topology=\"exp\"",
+        "train.overlap=true",
+    ];
+    let compressed = "train.compression={ name = \"sign\", consensus_step = 0.3 }";
+    // Each run stops at step 10 with an overlapped mix pending; the next one starts from its checkpoint
+    // with the other algorithm.
+    let mut first = plain.to_vec();
+    first.extend([compressed, "train.exit_interval=10"]);
+    let (step, _) = rows(d.path(), "choco", 4, &first);
+    assert_eq!(step, 10);
+    let from_choco = format!(
+        "checkpoint={:?}",
+        d.path().join("log/choco").display().to_string()
+    );
+    let mut second = plain.to_vec();
+    second.extend([from_choco.as_str(), "train.exit_interval=5"]);
+    let (step, r) = rows(d.path(), "plain", 4, &second);
+    assert_eq!(
+        (step, r[0].step),
+        (15, 11),
+        "plain gossip continues from step 10"
+    );
+    let from_plain = format!(
+        "checkpoint={:?}",
+        d.path().join("log/plain").display().to_string()
+    );
+    let mut third = plain.to_vec();
+    third.extend([compressed, from_plain.as_str()]);
+    let (step, r) = rows(d.path(), "choco-again", 4, &third);
+    assert_eq!(
+        (step, r[0].step),
+        (20, 16),
+        "compressed gossip continues from step 15"
+    );
+    // The first step sends nothing: plain gossip's pending mix is not CHOCO's to send.
+    assert_eq!(r[0].comm_bytes, 0);
+    assert!(r[1..]
+        .iter()
+        .all(|r| r.compression_ratio.is_some_and(|c| c > 5.0)));
+}

@@ -40,8 +40,12 @@ use crate::kernels;
 /// The message compressor of compressed gossip.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Compressor {
-    TopK { density: f64 },
-    RandomK { density: f64 },
+    TopK {
+        density: f64,
+    },
+    RandomK {
+        density: f64,
+    },
     /// One 2-norm per `bucket` consecutive entries of a tensor (0: per tensor).
     Qsgd {
         levels: u32,
@@ -700,8 +704,9 @@ impl SyncBackend for Choco {
     }
     fn load_state(&mut self, mut state: compress::State) -> Result<()> {
         self.pending = None;
-        if state.is_empty() {
-            // A checkpoint of uncompressed gossip: the public copies start at zero, as at step 0.
+        if !state.iter().any(|(n, _)| n.starts_with("choco.")) {
+            // A checkpoint of uncompressed gossip: the public copies start at zero, as at step 0 (a mix
+            // it left pending is not sent).
             self.channels = Channels::new(&self.rounds, self.comm.rank(), self.numel)?;
             return Ok(());
         }
