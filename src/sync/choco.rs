@@ -35,7 +35,6 @@ use super::topology::Round;
 use super::trace::{Collective, Op};
 use super::{Metrics, SyncBackend};
 use crate::comm::{all_reduce_bytes, pack_u64, unpack_u64, Communicator};
-use crate::kernels;
 
 /// The message compressor of compressed gossip.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -219,10 +218,8 @@ impl Codec {
         match self.compressor {
             Compressor::TopK { .. } => {
                 let k = self.ks[t];
-                let (mut idx, mut vals) = (Vec::with_capacity(k), Vec::with_capacity(k));
-                kernels::top_k(u, k, 0, &mut idx, &mut vals);
-                out[..k].copy_from_slice(&vals);
-                out[k..].copy_from_slice(&compress::indices_to_f32(&idx));
+                let (vals, idx) = out.split_at_mut(k);
+                top_k(u, vals, idx);
             }
             Compressor::RandomK { .. } => {
                 for (o, i) in out.iter_mut().zip(self.random_indices(step, rank, t)) {
@@ -310,6 +307,34 @@ impl Codec {
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The `vals.len()` entries of largest magnitude of `x`, ties towards lower indices, in index order, into
+/// `vals` and (as u32 bit patterns) `idx`: the selection of `kernels::top_k` (the CUDA twin the reducers
+/// run), computed the CPU's way, by one `select_nth_unstable` of the magnitudes' bits and one scan.
+fn top_k(x: &[f32], vals: &mut [f32], idx: &mut [f32]) {
+    let k = vals.len().min(x.len());
+    if k == 0 {
+        return;
+    }
+    let key = |v: f32| v.to_bits() & 0x7fff_ffff;
+    let mut keys: Vec<u32> = x.iter().map(|&v| key(v)).collect();
+    let n = keys.len();
+    let (_, &mut t, above) = keys.select_nth_unstable(n - k);
+    let mut ties = k - above.iter().filter(|&&a| a > t).count();
+    let mut slot = 0;
+    for (i, &v) in x.iter().enumerate() {
+        let kv = key(v);
+        if kv > t || (kv == t && ties > 0) {
+            ties -= usize::from(kv == t);
+            vals[slot] = v;
+            idx[slot] = f32::from_bits(i as u32);
+            slot += 1;
+            if slot == k {
+                break;
             }
         }
     }
@@ -925,6 +950,7 @@ pub fn tune_gamma(rounds: &[Round], compressor: Compressor, seed: u64) -> Result
 mod tests {
     use super::*;
     use crate::config::Topology;
+    use crate::kernels;
     use crate::sync::topology;
 
     const COMPRESSORS: [Compressor; 5] = [
@@ -1041,6 +1067,26 @@ mod tests {
                 assert_eq!(msg, other, "{c:?}: deterministic");
             }
             assert!(seen > 0);
+        }
+    }
+
+    #[test]
+    fn top_k_selects_what_the_reducers_kernel_selects() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        for n in [1usize, 7, 100, 5000] {
+            // Few distinct magnitudes: many ties.
+            let x: Vec<f32> = (0..n)
+                .map(|_| rng.random_range(-4i32..=4) as f32 * 0.5)
+                .collect();
+            for k in [1, n / 3 + 1, n] {
+                let (mut want_i, mut want_v) = (Vec::new(), Vec::new());
+                kernels::top_k(&x, k, 0, &mut want_i, &mut want_v);
+                let (mut v, mut i) = (vec![0.0; k], vec![0.0; k]);
+                top_k(&x, &mut v, &mut i);
+                assert_eq!(v, want_v, "n {n} k {k}");
+                assert_eq!(compress::f32_to_indices(&i), want_i, "n {n} k {k}");
+            }
         }
     }
 
