@@ -223,14 +223,9 @@ fn auto_tunes_the_consensus_step_prints_and_logs_it() {
 fn gossip_checkpoints_switch_to_and_from_compression_with_one_change() {
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
-    let plain = [
-        "train.backend=\"decentdp\"",
-        "train.topology=\"exp\"",
-        "train.overlap=true",
-    ];
+    let plain = ["train.backend=\"decentdp\"", "train.topology=\"exp\""];
     let compressed = "train.compression={ name = \"sign\", consensus_step = 0.3 }";
-    // Each run stops at step 10 with an overlapped mix pending; the next one starts from its checkpoint
-    // with the other algorithm.
+    // Each run stops at step 10; the next one starts from its checkpoint with the other algorithm.
     let mut first = plain.to_vec();
     first.extend([compressed, "train.exit_interval=10"]);
     let (step, _) = rows(d.path(), "choco", 4, &first);
@@ -247,6 +242,7 @@ fn gossip_checkpoints_switch_to_and_from_compression_with_one_change() {
         (15, 11),
         "plain gossip continues from step 10"
     );
+    assert!(r.iter().all(|r| r.compression_ratio.is_none()));
     let from_plain = format!(
         "checkpoint={:?}",
         d.path().join("log/plain").display().to_string()
@@ -259,9 +255,33 @@ fn gossip_checkpoints_switch_to_and_from_compression_with_one_change() {
         (20, 16),
         "compressed gossip continues from step 15"
     );
-    // The first step sends nothing: plain gossip's pending mix is not CHOCO's to send.
-    assert_eq!(r[0].comm_bytes, 0);
-    assert!(r[1..]
+    assert!(r
         .iter()
         .all(|r| r.compression_ratio.is_some_and(|c| c > 5.0)));
+
+    // An overlapped run stops with its message in flight: the other algorithm refuses to drop it.
+    let cfg = common::write_tiny_config(d.path(), "t.toml", "overlapped");
+    let cfg = cfg.to_str().unwrap();
+    let train = |extra: &[&str]| {
+        let mut args = vec!["train", cfg, "--workers", "4"];
+        for s in plain
+            .iter()
+            .chain(["train.overlap=true"].iter())
+            .chain(extra)
+        {
+            args.extend(["--set", s]);
+        }
+        common::nanodist(&args)
+    };
+    assert!(train(&[compressed, "train.exit_interval=5"])
+        .status
+        .success());
+    let ckpt = format!(
+        "checkpoint={:?}",
+        d.path().join("log/overlapped").display().to_string()
+    );
+    let out = train(&[ckpt.as_str(), "log.run_name=\"switched\""]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("left a message in flight"), "{err}");
 }

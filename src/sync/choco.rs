@@ -729,9 +729,9 @@ impl SyncBackend for Choco {
     }
     fn load_state(&mut self, mut state: compress::State) -> Result<()> {
         self.pending = None;
+        super::pending_of_the_other_kind(&state, "gossip.pending", "plain gossip")?;
         if !state.iter().any(|(n, _)| n.starts_with("choco.")) {
-            // A checkpoint of uncompressed gossip: the public copies start at zero, as at step 0 (a mix
-            // it left pending is not sent).
+            // A checkpoint of uncompressed gossip: the public copies start at zero, as at step 0.
             self.channels = Channels::new(&self.rounds, self.comm.rank(), self.numel)?;
             return Ok(());
         }

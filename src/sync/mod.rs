@@ -314,10 +314,12 @@ impl SyncBackend for Gossip {
             _ => Vec::new(),
         }
     }
-    /// A checkpoint without a pending mix (a synchronous run, or compressed gossip's, whose state is
-    /// not this backend's) starts with nothing pending.
+    /// A checkpoint without a pending mix (a synchronous run, or compressed gossip's channels, which
+    /// plain gossip does not need) starts with nothing pending; compressed gossip's pending message
+    /// cannot be sent by plain gossip.
     fn load_state(&mut self, mut state: compress::State) -> Result<()> {
         self.pending = None;
+        pending_of_the_other_kind(&state, "choco.pending", "compressed gossip (CHOCO)")?;
         if !state.iter().any(|(n, _)| n == "gossip.pending") {
             return Ok(());
         }
@@ -332,6 +334,19 @@ impl SyncBackend for Gossip {
         self.pending = Some((round, false));
         Ok(())
     }
+}
+
+/// Refuses a checkpoint whose overlapped gossip left a message of the other kind (plain or compressed)
+/// in flight: this backend cannot send it, and dropping it would change the run.
+fn pending_of_the_other_kind(state: &compress::State, key: &str, kind: &str) -> Result<()> {
+    if state.iter().any(|(n, _)| n == key) {
+        anyhow::bail!(crate::error::BadInput(format!(
+            "checkpoint: its overlapped {kind} left a message in flight, which this run's gossip cannot \
+             send; resume with the checkpoint's own [train.compression] setting, or switch from a \
+             checkpoint of a synchronous run (train.overlap = false)"
+        )));
+    }
+    Ok(())
 }
 
 /// The collectives of step `step` of a gossip over `rounds` whose mix runs `op` in each round's groups:
