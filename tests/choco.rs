@@ -7,25 +7,11 @@ use std::path::Path;
 use nanodist::metrics::{read_rows, Row};
 
 mod common;
-use common::make_data;
+use common::{exact, make_data};
 
 fn rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> (u64, Vec<Row>) {
     let s = common::train_tiny(dir, name, workers, set);
     (s.step, read_rows(&s.run_dir.join("metrics.jsonl")).unwrap())
-}
-
-/// Everything a resumed run must reproduce bit for bit.
-fn exact(r: &Row) -> impl PartialEq + std::fmt::Debug {
-    (
-        (r.step, r.tokens, r.lr.to_bits(), r.train_loss.to_bits()),
-        (r.grad_norm.to_bits(), r.param_norm.to_bits()),
-        (r.val_loss.map(f64::to_bits), r.comm_bytes),
-        (
-            r.consensus_distance.map(f64::to_bits),
-            r.compression_ratio.map(f64::to_bits),
-            r.consensus_step.map(f64::to_bits),
-        ),
-    )
 }
 
 const COMPRESSORS: [&str; 4] = [

@@ -8,7 +8,7 @@ use nanodist::metrics::{read_rows, Row};
 use nanodist::train;
 
 mod common;
-use common::make_data;
+use common::{exact, make_data};
 
 /// Trains the tiny config on `workers` local workers with `set`; returns the summary and the rows.
 fn train_rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> (train::Summary, Vec<Row>) {
@@ -38,20 +38,6 @@ fn assert_close(a: &[Row], b: &[Row], tol: f64, what: &str) {
             assert!(close(p, q), "{what} step {}: val {p} vs {q}", x.step);
         }
     }
-}
-
-/// Everything a resumed run must reproduce bit for bit.
-fn exact(r: &Row) -> impl PartialEq + std::fmt::Debug {
-    (
-        (r.step, r.tokens, r.lr.to_bits(), r.train_loss.to_bits()),
-        (r.grad_norm.to_bits(), r.param_norm.to_bits()),
-        (r.val_loss.map(f64::to_bits), r.comm_bytes),
-        (
-            r.consensus_distance.map(f64::to_bits),
-            r.pseudo_grad_norm.map(f64::to_bits),
-            r.compression_ratio.map(f64::to_bits),
-        ),
-    )
 }
 
 const DILOCO_LOCALSGD_EVERY_STEP: &str =

@@ -202,3 +202,18 @@ pub const EVERY_BACKEND: &[(&str, &[&str])] = &[
         ],
     ),
 ];
+
+/// Everything a resumed run must reproduce bit for bit: every field a row computes (timings aside).
+pub fn exact(r: &nanodist::metrics::Row) -> impl PartialEq + std::fmt::Debug {
+    (
+        (r.step, r.tokens, r.lr.to_bits(), r.train_loss.to_bits()),
+        (r.grad_norm.to_bits(), r.param_norm.to_bits()),
+        (r.val_loss.map(f64::to_bits), r.comm_bytes),
+        (
+            r.consensus_distance.map(f64::to_bits),
+            r.pseudo_grad_norm.map(f64::to_bits),
+            r.compression_ratio.map(f64::to_bits),
+            r.consensus_step.map(f64::to_bits),
+        ),
+    )
+}
