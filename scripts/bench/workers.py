@@ -6,7 +6,7 @@ workers (batch 1 sequence per worker), on exp gossip with AccumAdamW and on all-
     optimizer's moments and AccumAdamW's accumulated gradient, gossip's send buffer), and
   - `nanodist check`'s estimate of the peak (the number it refuses runs by).
 
-    python3 scripts/bench/workers.py [--workers 8 32 128 256 512] [--steps 12] [--out DIR]
+    python3 scripts/bench/workers.py [--workers 8 32 128 256 512] [--steps 12] [--out DIR] [--only WORD]
 
 Needs ./target/release/nanodist (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 Every run ends with its evaluation and final checkpoint (part of the peak), then its directory is deleted:
@@ -45,10 +45,13 @@ def main():
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128, 256, 512])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", help="where the run directories go (default: a new temporary directory)")
+    ap.add_argument("--only", help="run only the backends whose label contains WORD (e.g. all-reduce)")
     a = ap.parse_args()
     data = os.path.join(ROOT, "data/shakespeare_char")
     rows = []
     for label, sets, buffers in BACKENDS:
+        if a.only and a.only not in label:
+            continue
         base = None
         for n in a.workers:
             out = tempfile.mkdtemp(prefix="nanodist-workers-", dir=a.out)
