@@ -268,11 +268,11 @@ fn ring_gossip_shrinks_consensus_distance_and_keeps_the_mean() {
         );
         let mut p = replica(rank);
         let mut avg = Vec::new();
-        let mut dists = vec![g.average(&p, &mut avg).unwrap().unwrap()];
+        let mut dists = vec![g.average(&p, &mut avg).unwrap().1.unwrap()];
         let mean0 = avg.clone();
         for step in 0..12 {
             g.after_step(&mut p, step).unwrap();
-            dists.push(g.average(&p, &mut avg).unwrap().unwrap());
+            dists.push(g.average(&p, &mut avg).unwrap().1.unwrap());
         }
         (dists, mean0, avg)
     });

@@ -44,10 +44,44 @@ impl OptimState {
     }
 }
 
+/// An optimizer's state borrowed in place (what a checkpoint writes, without a copy of the buffers).
+pub struct OptimView<'a> {
+    pub name: &'static str,
+    pub step: u64,
+    pub buffers: Vec<(&'static str, &'a [f32])>,
+}
+
+impl OptimView<'_> {
+    /// Name and step, without the buffers.
+    pub fn header(&self) -> OptimState {
+        OptimState {
+            name: self.name.into(),
+            step: self.step,
+            buffers: Vec::new(),
+        }
+    }
+
+    pub fn to_state(&self) -> OptimState {
+        OptimState {
+            buffers: self
+                .buffers
+                .iter()
+                .map(|&(n, b)| (n.into(), b.to_vec()))
+                .collect(),
+            ..self.header()
+        }
+    }
+}
+
 pub trait Optimizer: Send {
     /// One update of `params` with gradient `grads` at learning rate `lr`.
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64);
-    fn state(&self) -> OptimState;
+    /// The step count and buffers, borrowed.
+    fn view(&self) -> OptimView<'_>;
+    /// The step count and a copy of the buffers.
+    fn state(&self) -> OptimState {
+        self.view().to_state()
+    }
     fn load_state(&mut self, state: OptimState) -> Result<()>;
 }
 
@@ -116,14 +150,11 @@ impl Optimizer for AdamW {
         }
     }
 
-    fn state(&self) -> OptimState {
-        OptimState {
-            name: "adamw".into(),
+    fn view(&self) -> OptimView<'_> {
+        OptimView {
+            name: "adamw",
             step: self.t,
-            buffers: vec![
-                ("exp_avg".into(), self.m.clone()),
-                ("exp_avg_sq".into(), self.v.clone()),
-            ],
+            buffers: vec![("exp_avg", &self.m), ("exp_avg_sq", &self.v)],
         }
     }
 
@@ -177,8 +208,12 @@ impl Optimizer for Sgd {
         }
     }
 
-    fn state(&self) -> OptimState {
-        Self::state_at(self.t)
+    fn view(&self) -> OptimView<'_> {
+        OptimView {
+            name: "sgd",
+            step: self.t,
+            buffers: Vec::new(),
+        }
     }
 
     fn load_state(&mut self, state: OptimState) -> Result<()> {
@@ -270,14 +305,14 @@ impl Optimizer for MomentumSgd {
         }
     }
 
-    fn state(&self) -> OptimState {
-        OptimState {
-            name: "sgd".into(),
+    fn view(&self) -> OptimView<'_> {
+        OptimView {
+            name: "sgd",
             step: self.t,
             buffers: if self.buf.is_empty() {
                 Vec::new()
             } else {
-                vec![("momentum_buffer".into(), self.buf.clone())]
+                vec![("momentum_buffer", &self.buf)]
             },
         }
     }
@@ -346,14 +381,14 @@ impl Optimizer for AccumAdamW {
         }
     }
 
-    fn state(&self) -> OptimState {
-        OptimState {
-            name: "accumadamw".into(),
+    fn view(&self) -> OptimView<'_> {
+        OptimView {
+            name: "accumadamw",
             step: self.t,
             buffers: vec![
-                ("committed_m".into(), self.sm.clone()),
-                ("committed_v".into(), self.sv.clone()),
-                ("grad_mean".into(), self.acc.clone()),
+                ("committed_m", &self.sm),
+                ("committed_v", &self.sv),
+                ("grad_mean", &self.acc),
             ],
         }
     }

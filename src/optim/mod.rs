@@ -4,7 +4,7 @@
 pub mod adamw;
 pub mod schedule;
 
-pub use adamw::{build, sgd_update, OptimState, Optimizer, Segment, Sgd};
+pub use adamw::{build, sgd_update, OptimState, OptimView, Optimizer, Segment, Sgd};
 pub use schedule::lr_at;
 
 /// The optimizer the training loop steps: the configured one, or SGD with decoupled weight decay when

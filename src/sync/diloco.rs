@@ -306,14 +306,17 @@ impl SyncBackend for Diloco {
         Ok(())
     }
     /// Evaluation and checkpoints use the global model.
-    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<Option<f64>> {
+    fn average<'a>(
+        &mut self,
+        params: &'a [f32],
+        avg: &'a mut Vec<f32>,
+    ) -> Result<(&'a [f32], Option<f64>)> {
+        if self.backup.is_empty() {
+            return Ok((params, None));
+        }
         avg.clear();
-        avg.extend_from_slice(if self.backup.is_empty() {
-            params
-        } else {
-            &self.backup
-        });
-        Ok(None)
+        avg.extend_from_slice(&self.backup);
+        Ok((avg, None))
     }
     fn take_metrics(&mut self) -> Metrics {
         let mut m = self.tally.take();

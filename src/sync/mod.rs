@@ -62,11 +62,16 @@ pub trait SyncBackend {
     fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
         all_reduce_mean(self.comm_mut(), xs)
     }
-    /// The model to evaluate and checkpoint into `avg`: the global average of the replicas (DiLoCo: its
-    /// global model). Returns the consensus distance (mean over ranks of ||x_i - avg||) for backends
-    /// whose replicas differ between syncs. Replicas themselves are left as they are.
-    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<Option<f64>> {
-        average_with(self.comm_mut(), params, avg).map(Some)
+    /// The model to evaluate and checkpoint: the global average of the replicas (DiLoCo: its global
+    /// model), computed into `avg`, or `params` itself where that is the model (one worker: no copy).
+    /// Also the consensus distance (mean over ranks of ||x_i - avg||) for backends whose replicas differ
+    /// between syncs. Replicas themselves are left as they are.
+    fn average<'a>(
+        &mut self,
+        params: &'a [f32],
+        avg: &'a mut Vec<f32>,
+    ) -> Result<(&'a [f32], Option<f64>)> {
+        average_with(self.comm_mut(), params, avg).map(|(m, d)| (m, Some(d)))
     }
     fn barrier(&mut self) -> Result<()> {
         self.comm_mut().barrier()
@@ -110,13 +115,17 @@ pub struct Metrics {
     pub consensus_step: Option<f64>,
 }
 
-fn average_with(comm: &mut dyn Communicator, params: &[f32], avg: &mut Vec<f32>) -> Result<f64> {
+fn average_with<'a>(
+    comm: &mut dyn Communicator,
+    params: &'a [f32],
+    avg: &'a mut Vec<f32>,
+) -> Result<(&'a [f32], f64)> {
     let n = comm.world_size();
+    if n == 1 {
+        return Ok((params, 0.0));
+    }
     avg.clear();
     avg.extend_from_slice(params);
-    if n == 1 {
-        return Ok(0.0);
-    }
     all_reduce_mean(comm, avg)?;
     let mut dist = [params
         .iter()
@@ -125,7 +134,7 @@ fn average_with(comm: &mut dyn Communicator, params: &[f32], avg: &mut Vec<f32>)
         .sum::<f64>()
         .sqrt() as f32];
     comm.all_reduce_sum(&mut dist)?;
-    Ok(dist[0] as f64 / n as f64)
+    Ok((avg, dist[0] as f64 / n as f64))
 }
 
 /// Data parallel by gradient averaging, as PyTorch DDP: buckets of the name-ordered flat gradient are
@@ -175,8 +184,12 @@ impl SyncBackend for AllReduce {
         Ok(())
     }
     /// The replicas are equal: their average is the model, and there is no consensus distance.
-    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<Option<f64>> {
-        average_with(self.comm_mut(), params, avg).map(|_| None)
+    fn average<'a>(
+        &mut self,
+        params: &'a [f32],
+        avg: &'a mut Vec<f32>,
+    ) -> Result<(&'a [f32], Option<f64>)> {
+        average_with(self.comm_mut(), params, avg).map(|(m, _)| (m, None))
     }
 }
 
@@ -419,8 +432,12 @@ impl SyncBackend for Compressed {
         self.tally.take()
     }
     /// The replicas are equal: their average is the model, and there is no consensus distance.
-    fn average(&mut self, params: &[f32], avg: &mut Vec<f32>) -> Result<Option<f64>> {
-        average_with(self.comm_mut(), params, avg).map(|_| None)
+    fn average<'a>(
+        &mut self,
+        params: &'a [f32],
+        avg: &'a mut Vec<f32>,
+    ) -> Result<(&'a [f32], Option<f64>)> {
+        average_with(self.comm_mut(), params, avg).map(|(m, _)| (m, None))
     }
     fn clipped_grad_norm(&self) -> Option<f64> {
         self.clipped_norm

@@ -133,13 +133,22 @@ pub struct RankState {
     pub meta: RankMeta,
 }
 
-impl RankState {
+/// One rank's share of a checkpoint as `write_rank` writes it: borrowed from the running worker, so that
+/// a checkpoint holds no second copy of the parameters or the optimizer's buffers.
+pub struct RankView<'a> {
+    pub params: &'a [f32],
+    pub optimizer: crate::optim::OptimView<'a>,
+    pub reducer: crate::sync::compress::State,
+    pub meta: RankMeta,
+}
+
+impl<'a> RankView<'a> {
     /// Rank `rank`'s state: its parameters, optimizer and reducer state, the position of its dropout
     /// RNG and the training loss summed since the last metrics row.
     pub fn new(
         rank: usize,
-        params: Vec<f32>,
-        optimizer: OptimState,
+        params: &'a [f32],
+        optimizer: crate::optim::OptimView<'a>,
         reducer: crate::sync::compress::State,
         dropout_word_pos: u128,
         loss_since_log: (f64, u64),
@@ -149,7 +158,7 @@ impl RankState {
             dropout_word_pos: [(dropout_word_pos >> 64) as u64, dropout_word_pos as u64],
             loss_since_log,
             // The metadata's copy: name and step (the buffers are tensors of their own).
-            optimizer: optimizer.clone_header(),
+            optimizer: optimizer.header(),
         };
         Self {
             params,
@@ -211,23 +220,61 @@ fn bytes_f32(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// A tensor's values as a file is written from them: borrowed in place, or made one tensor at a time.
+enum Values<'a> {
+    Slice(&'a [f32]),
+    /// A row-major rows x cols matrix, written transposed (cols x rows).
+    Transposed(&'a [f32], usize, usize),
+    Zeros(usize),
+}
+
+impl Values<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Values::Slice(v) => v.len(),
+            Values::Transposed(v, ..) => v.len(),
+            Values::Zeros(n) => *n,
+        }
+    }
+
+    /// The values, in `buf` where they have to be made.
+    fn get<'b>(&'b self, buf: &'b mut Vec<f32>) -> &'b [f32] {
+        match *self {
+            Values::Slice(v) => v,
+            Values::Transposed(v, rows, cols) => {
+                buf.clear();
+                buf.resize(v.len(), 0.0);
+                for r in 0..rows {
+                    for c in 0..cols {
+                        buf[c * rows + r] = v[r * cols + c];
+                    }
+                }
+                buf
+            }
+            Values::Zeros(n) => {
+                buf.clear();
+                buf.resize(n, 0.0);
+                buf
+            }
+        }
+    }
+}
+
 /// The model's weights in HF GPT-2 layout: Conv1D matrices transposed to [in, out], zero biases when the
 /// model has none (HF GPT-2 always has them).
-pub fn hf_tensors(model: &Gpt, flat: &[f32]) -> Vec<(String, Vec<f32>, Vec<usize>)> {
+fn hf_tensors<'a>(model: &Gpt, flat: &'a [f32]) -> Vec<(String, Values<'a>, Vec<usize>)> {
     let mut out = Vec::new();
     for p in &model.params.params {
         let v = &flat[p.offset..p.offset + p.len];
         if is_conv1d(&p.name) {
             let (rows, cols) = (p.shape[0], p.shape[1]);
-            let mut t = vec![0.0f32; v.len()];
-            for r in 0..rows {
-                for c in 0..cols {
-                    t[c * rows + r] = v[r * cols + c];
-                }
-            }
-            out.push((p.name.clone(), t, vec![cols, rows]));
+            out.push((
+                p.name.clone(),
+                Values::Transposed(v, rows, cols),
+                vec![cols, rows],
+            ));
         } else {
-            out.push((p.name.clone(), v.to_vec(), p.shape.clone()));
+            out.push((p.name.clone(), Values::Slice(v), p.shape.clone()));
         }
         if !model.cfg.bias {
             if let Some(prefix) = p.name.strip_suffix(".weight") {
@@ -237,26 +284,26 @@ pub fn hf_tensors(model: &Gpt, flat: &[f32]) -> Vec<(String, Vec<f32>, Vec<usize
                     } else {
                         p.len
                     };
-                    out.push((format!("{prefix}.bias"), vec![0.0; n], vec![n]));
+                    out.push((format!("{prefix}.bias"), Values::Zeros(n), vec![n]));
                 }
             }
         }
     }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
     out
 }
 
 /// Writes `tensors` (name, values, shape) as safetensors to `path` and fsyncs it, streaming from the
-/// buffers. The header is written here rather than by the safetensors crate, whose metadata map is a
-/// `HashMap` serialized in random order: identical states must give identical files (checksums compare).
-/// Tensors are laid out in name order (all f32, so this is the order the crate itself would use), and
-/// `meta` and the header's keys are sorted; the crate reads the file back (`restore`, the tests).
+/// buffers (a tensor that has to be made, transposed or zero, is made alone). The header is written here
+/// rather than by the safetensors crate, whose metadata map is a `HashMap` serialized in random order:
+/// identical states must give identical files (checksums compare). Tensors are laid out in name order
+/// (all f32, so this is the order the crate itself would use), and `meta` and the header's keys are
+/// sorted; the crate reads the file back (`restore`, the tests).
 fn write_safetensors(
     path: &Path,
-    tensors: &[(String, &[f32], Vec<usize>)],
+    tensors: &[(String, Values, Vec<usize>)],
     meta: BTreeMap<String, String>,
 ) -> Result<()> {
-    let mut order: Vec<&(String, &[f32], Vec<usize>)> = tensors.iter().collect();
+    let mut order: Vec<&(String, Values, Vec<usize>)> = tensors.iter().collect();
     order.sort_by(|a, b| a.0.cmp(&b.0));
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), serde_json::to_value(&meta)?);
@@ -277,7 +324,9 @@ fn write_safetensors(
         let mut f = std::io::BufWriter::new(File::create(path)?);
         f.write_all(&(text.len() as u64).to_le_bytes())?;
         f.write_all(&text)?;
-        for (_, data, _) in &order {
+        let mut buf = Vec::new();
+        for (_, values, _) in &order {
+            let data = values.get(&mut buf);
             if cfg!(target_endian = "little") {
                 f.write_all(bytemuck::cast_slice(data))?;
             } else {
@@ -297,12 +346,7 @@ fn write_hf_weights(path: &Path, model: &Gpt, flat: &[f32], step: u64) -> Result
         ("format".to_string(), "pt".to_string()),
         ("step".to_string(), step.to_string()),
     ]);
-    let tensors = hf_tensors(model, flat);
-    let views: Vec<(String, &[f32], Vec<usize>)> = tensors
-        .iter()
-        .map(|(n, v, s)| (n.clone(), v.as_slice(), s.clone()))
-        .collect();
-    write_safetensors(path, &views, meta)
+    write_safetensors(path, &hf_tensors(model, flat), meta)
 }
 
 /// HF `config.json` for the model.
@@ -328,14 +372,17 @@ fn hf_config(model: &Gpt) -> serde_json::Value {
 }
 
 /// Writes one rank's state file of a checkpoint.
-pub fn write_rank(path: &Path, state: &RankState) -> Result<()> {
-    let mut tensors: Vec<(String, &[f32], Vec<usize>)> =
-        vec![("params".into(), &state.params, vec![state.params.len()])];
+pub fn write_rank(path: &Path, state: &RankView) -> Result<()> {
+    let mut tensors = vec![(
+        "params".to_string(),
+        Values::Slice(state.params),
+        vec![state.params.len()],
+    )];
     for (n, b) in &state.optimizer.buffers {
-        tensors.push((format!("optim.{n}"), b, vec![b.len()]));
+        tensors.push((format!("optim.{n}"), Values::Slice(b), vec![b.len()]));
     }
     for (n, b) in &state.reducer {
-        tensors.push((format!("reducer.{n}"), b, vec![b.len()]));
+        tensors.push((format!("reducer.{n}"), Values::Slice(b), vec![b.len()]));
     }
     let st_meta = BTreeMap::from([("nanodist".to_string(), serde_json::to_string(&state.meta)?)]);
     write_safetensors(path, &tensors, st_meta)
@@ -623,8 +670,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = (vec![1.0f32, -2.5, 3.25], vec![0.5f32; 7]);
         let tensors = vec![
-            ("zeta".to_string(), &a[..], vec![3]),
-            ("alpha".to_string(), &b[..], vec![7]),
+            ("zeta".to_string(), Values::Slice(&a), vec![3]),
+            ("alpha".to_string(), Values::Slice(&b), vec![7]),
         ];
         let meta: BTreeMap<String, String> = (0..12)
             .map(|i| (format!("key{i}"), format!("value {i}")))

@@ -2,13 +2,15 @@
 //! run on the local engine that cannot fit in this machine's memory.
 //!
 //! Per worker, its state: parameters, gradient, the optimizer's buffers and the backend's
-//! (`sync::footprint`); the CPU engine computes from the worker's parameters, without a copy. At evaluations and checkpoints every worker also
-//! holds the replicas' average; during a step, the backend's per-step buffers. Per compute slot (see
-//! `train::compute`): the activations of one forward/backward and its GEMM packing buffers, or a copy of
-//! a rank's state while a checkpoint writes it. Then the process itself, with rank 0's copy of the model
-//! in HF layout. `tests/memory.rs` holds the estimate to the allocations of real runs, and
+//! (`sync::footprint`); the CPU engine computes from the worker's parameters, without a copy. At
+//! evaluations and checkpoints every worker also holds the replicas' average (not with one worker);
+//! during a step, the backend's per-step buffers. Per compute slot (see `train::compute`): the
+//! activations of one forward/backward and its GEMM packing buffers, or the copy of a backend's state
+//! while a checkpoint writes it (parameters and optimizer are written in place). Then the process itself,
+//! with rank 0's copy of one tensor in HF layout. `tests/memory.rs` holds the estimate to the allocations of real runs, and
 //! `scripts/bench/workers.sh` to the peak RSS of 8 to 512 workers.
 
+use crate::config::resolve::SyncPlan;
 use crate::config::{Config, Engine, Plan};
 
 /// The process's binary, its runtime, the data indexes and the metrics writers, measured: a one-worker
@@ -41,7 +43,7 @@ pub struct Estimate {
     /// What is not an allocation of ours: per worker (thread stack, allocator heap) and the process.
     pub worker_overhead: u64,
     pub fixed: u64,
-    /// Rank 0's copy of the model in HF layout, while it writes one.
+    /// Rank 0's copy of a tensor of the model in HF layout, while it writes one.
     pub model_copy: u64,
 }
 
@@ -86,8 +88,16 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
     // Parameters and gradient (the local engine's reductions copy nothing; its all-gathers keep their
     // last message, counted by the backends that gather).
     let state = 4 * (numel * (2 + optimizer) + sync.kept);
-    let transient = 4 * numel.max(sync.during_step);
-    let checkpoint_copy = 4 * (numel * (1 + optimizer) + sync.kept);
+    // The average to evaluate and checkpoint is a copy when there are replicas to average, and DiLoCo's
+    // global model is one at any world size; one worker evaluates its own parameters.
+    let average = if plan.world_size > 1 || matches!(plan.sync, SyncPlan::Diloco { .. }) {
+        numel
+    } else {
+        0
+    };
+    let transient = 4 * average.max(sync.during_step);
+    // A checkpoint writes the parameters and the optimizer in place; the backend's state is a copy.
+    let checkpoint_copy = 4 * sync.kept;
     let m = &cfg.model;
     let scratch = crate::model::cpu::scratch_bytes(
         m.n_layers,
@@ -111,7 +121,8 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
         gemm_pack: threads * GEMM_PACK_BYTES,
         worker_overhead: WORKER_OVERHEAD_BYTES,
         fixed: PROCESS_BYTES,
-        model_copy: 4 * numel,
+        // The largest tensor transposed into HF layout (the MLP's c_fc / c_proj: 4 C x C).
+        model_copy: 4 * 4 * (m.n_embd as u64).pow(2),
     }
 }
 

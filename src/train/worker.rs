@@ -6,7 +6,8 @@ use anyhow::{Context, Result};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::checkpoint::{self, Manifest, Progress, RankState};
+use super::checkpoint::{self, Manifest, Progress, RankView};
+use super::compute::Compute;
 use super::console::{Console, Interval};
 use super::{Exit, Setup, Summary};
 use crate::comm::Communicator;
@@ -434,15 +435,34 @@ impl<'s> Worker<'s> {
             step - self.since_eval.1,
         );
         // Evaluate the average of the replicas, then continue from the local ones.
-        let mut avg = Vec::new();
-        let distance = self.sync.average(&self.params, &mut avg)?;
-        self.model.load(&avg)?;
         let setup = self.setup;
-        let val = self.eval_shared(&avg, &setup.val_data, Split::Val)?;
-        let train = self.eval_shared(&avg, &setup.train_data, Split::Train)?;
+        let spec = self.eval_spec();
+        let mut avg = Vec::new();
+        let (weights, distance) = self.sync.average(&self.params, &mut avg)?;
+        self.model.load(weights)?;
+        let (sync, compute, model) = (self.sync.as_mut(), &setup.compute, &self.model);
+        let val = eval_shared(
+            sync,
+            compute,
+            model,
+            &spec,
+            weights,
+            &setup.val_data,
+            Split::Val,
+        )?;
+        let train = eval_shared(
+            sync,
+            compute,
+            model,
+            &spec,
+            weights,
+            &setup.train_data,
+            Split::Train,
+        )?;
         self.model.load(&self.params)?;
         if cfg.log.eval_local {
-            let (mean, max) = self.eval_local()?;
+            let (mean, max) =
+                eval_local(sync, compute, model, &spec, &self.params, &setup.val_data)?;
             (row.val_loss_local, row.val_loss_local_max) = (Some(mean), Some(max));
         }
         self.since_eval = (Instant::now(), step);
@@ -457,50 +477,14 @@ impl<'s> Worker<'s> {
         if self.progress.best_val_loss.is_none_or(|b| val < b) {
             self.progress.best_val_loss = Some(val);
             if self.sync.rank() == 0 {
-                let path = self.setup.run_dir.join("best_model.safetensors");
+                let path = setup.run_dir.join("best_model.safetensors");
                 self.console.line("New best model found. Saving...");
-                checkpoint::save_weights(&path, &self.model, &avg, step)?;
+                checkpoint::save_weights(&path, &self.model, weights, step)?;
                 self.console
                     .line(&format!("Saved model to {}", path.display()));
             }
         }
         Ok(())
-    }
-
-    /// Mean loss over `log.eval_steps` fixed batches of `split`. Batch i is windows i*E..(i+1)*E with
-    /// E = local batch x world size (one micro-step of the global batch); rank r evaluates its b rows of
-    /// each, so N workers x b evaluate exactly the windows of 1 worker x N*b.
-    fn eval_shared(&mut self, weights: &[f32], data: &Blend, split: Split) -> Result<f64> {
-        let rank = self.sync.rank();
-        let spec = self.eval_spec();
-        let model = &self.model;
-        let mut acc = [self
-            .setup
-            .compute
-            .run(|scratch| spec.rows(model, scratch, weights, data, split, rank..rank + 1))?
-            as f32];
-        self.sync.mean_scalars(&mut acc)?;
-        Ok(acc[0] as f64)
-    }
-
-    /// This rank's own model on all the windows of `eval_shared`; returns (mean, max) over the ranks.
-    fn eval_local(&mut self) -> Result<(f64, f64)> {
-        let (rank, n) = (self.sync.rank(), self.sync.world_size());
-        let (spec, model, data) = (self.eval_spec(), &self.model, &self.setup.val_data);
-        let weights = &self.params;
-        let mut all = vec![0.0f32; n];
-        all[rank] = self
-            .setup
-            .compute
-            .run(|scratch| spec.rows(model, scratch, weights, data, Split::Val, 0..n))?
-            as f32;
-        // The mean of a vector with one non-zero slot per rank gathers the ranks' values.
-        self.sync.mean_scalars(&mut all)?;
-        let losses: Vec<f64> = all.iter().map(|&x| x as f64 * n as f64).collect();
-        Ok((
-            losses.iter().sum::<f64>() / n as f64,
-            losses.iter().cloned().fold(f64::MIN, f64::max),
-        ))
     }
 
     fn eval_spec(&self) -> EvalSpec {
@@ -562,17 +546,17 @@ impl<'s> Worker<'s> {
             m.sync()?;
         }
         let mut avg = Vec::new();
-        self.sync.average(&self.params, &mut avg)?;
+        let (model_weights, _) = self.sync.average(&self.params, &mut avg)?;
         let (params, opt, dropout) = (&self.params, &self.opt, &self.dropout);
         let loss_since_log = (self.since_log.loss_sum, self.since_log.loss_steps);
-        // The rank's copy of its state, made and written while it holds a compute slot: on the local
-        // engine, as many copies at once as slots, not one per worker.
+        // The rank's state, written from its buffers in place (only the reducer's state is a copy) while
+        // it holds a compute slot: on the local engine, as many writes and copies at once as slots.
         let write_rank = |sync: &dyn SyncBackend, path: &std::path::Path| {
             let _slot = setup.compute.hold();
-            let state = RankState::new(
+            let state = RankView::new(
                 sync.rank(),
-                params.clone(),
-                opt.state(),
+                params,
+                opt.view(),
                 sync.state(),
                 dropout.get_word_pos(),
                 loss_since_log,
@@ -584,7 +568,7 @@ impl<'s> Worker<'s> {
             &setup.run_dir.join("checkpoints"),
             &self.model,
             write_rank,
-            &avg,
+            model_weights,
             manifest,
             setup.cfg.log.keep_checkpoints as usize,
         )?;
@@ -642,6 +626,49 @@ impl EvalSpec {
         }
         Ok(sum / count as f64)
     }
+}
+
+/// Mean loss over `log.eval_steps` fixed batches of `split`. Batch i is windows i*E..(i+1)*E with
+/// E = local batch x world size (one micro-step of the global batch); rank r evaluates its b rows of
+/// each, so N workers x b evaluate exactly the windows of 1 worker x N*b.
+fn eval_shared(
+    sync: &mut dyn SyncBackend,
+    compute: &Compute,
+    model: &Gpt,
+    spec: &EvalSpec,
+    weights: &[f32],
+    data: &Blend,
+    split: Split,
+) -> Result<f64> {
+    let rank = sync.rank();
+    let mut acc = [compute
+        .run(|scratch| spec.rows(model, scratch, weights, data, split, rank..rank + 1))?
+        as f32];
+    sync.mean_scalars(&mut acc)?;
+    Ok(acc[0] as f64)
+}
+
+/// Each rank's own model (`weights`) on all the windows of `eval_shared`; returns (mean, max) over the
+/// ranks.
+fn eval_local(
+    sync: &mut dyn SyncBackend,
+    compute: &Compute,
+    model: &Gpt,
+    spec: &EvalSpec,
+    weights: &[f32],
+    data: &Blend,
+) -> Result<(f64, f64)> {
+    let (rank, n) = (sync.rank(), sync.world_size());
+    let mut all = vec![0.0f32; n];
+    all[rank] =
+        compute.run(|scratch| spec.rows(model, scratch, weights, data, Split::Val, 0..n))? as f32;
+    // The mean of a vector with one non-zero slot per rank gathers the ranks' values.
+    sync.mean_scalars(&mut all)?;
+    let losses: Vec<f64> = all.iter().map(|&x| x as f64 * n as f64).collect();
+    Ok((
+        losses.iter().sum::<f64>() / n as f64,
+        losses.iter().cloned().fold(f64::MIN, f64::max),
+    ))
 }
 
 /// Runs `compute` and, when the backend has communication pending, that communication at the same time:
