@@ -11,6 +11,7 @@
 
 use anyhow::{bail, ensure, Result};
 use gemm::Parallelism;
+use multiversion::multiversion;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -486,25 +487,7 @@ impl CpuGpt {
             par(),
         );
 
-        // Cross-entropy, per-task sums in f64 added in task order (deterministic for any thread count).
-        let per = rows_per_task(n, v);
-        let sums: Vec<f64> = a
-            .logits
-            .par_chunks(per * v)
-            .zip(a.lse.par_chunks_mut(per))
-            .zip(y.par_chunks(per))
-            .map(|((z, lse_out), y)| {
-                z.chunks(v)
-                    .zip(lse_out.iter_mut())
-                    .zip(y)
-                    .map(|((row, o), &target)| {
-                        *o = lse(row);
-                        (*o - row[target as usize]) as f64
-                    })
-                    .sum::<f64>()
-            })
-            .collect();
-        Ok((sums.iter().sum::<f64>() / n as f64) as f32)
+        Ok(cross_entropy(&a.logits, &mut a.lse, y, v))
     }
 
     /// Resizes the activation buffers for this model and a b x t batch (a no-op when nothing changed).
@@ -565,20 +548,7 @@ impl CpuGpt {
         let nc = n * c;
         let dropout = a.dropped;
 
-        // d loss / d logits = scale / N * (softmax - onehot), in place.
-        let per = rows_per_task(n, v);
-        let k = scale / n as f32;
-        a.logits
-            .par_chunks_mut(per * v)
-            .zip(a.lse.par_chunks(per))
-            .zip(y.par_chunks(per))
-            .for_each(|((z, lse), y)| {
-                for ((row, &l), &target) in z.chunks_mut(v).zip(lse).zip(y) {
-                    row.iter_mut()
-                        .for_each(|z| *z = k * super::ops::exp(*z - l));
-                    row[target as usize] -= k;
-                }
-            });
+        cross_entropy_backward(&mut a.logits, &a.lse, y, v, scale / n as f32);
         // lm head (tied to wte): dwte += dlogits^T xf, dxf = dlogits wte.
         let dlogits = M::new(&a.logits, n, v);
         mm(
@@ -725,6 +695,47 @@ impl std::fmt::Debug for CpuGpt {
     }
 }
 
+/// Mean cross-entropy of the rows of `logits` (width v) against `y`, saving each row's log-sum-exp; per
+/// task sums in f64 added in task order (deterministic for any thread count).
+#[multiversion(targets = "simd")]
+fn cross_entropy(logits: &[f32], lse_out: &mut [f32], y: &[u32], v: usize) -> f32 {
+    let n = y.len();
+    let per = rows_per_task(n, v);
+    let sums: Vec<f64> = logits
+        .par_chunks(per * v)
+        .zip(lse_out.par_chunks_mut(per))
+        .zip(y.par_chunks(per))
+        .map(|((z, lse_out), y)| {
+            z.chunks(v)
+                .zip(lse_out.iter_mut())
+                .zip(y)
+                .map(|((row, o), &target)| {
+                    *o = lse(row);
+                    (*o - row[target as usize]) as f64
+                })
+                .sum::<f64>()
+        })
+        .collect();
+    (sums.iter().sum::<f64>() / n as f64) as f32
+}
+
+/// d loss / d logits = k (softmax - onehot), in place, from the rows' log-sum-exp.
+#[multiversion(targets = "simd")]
+fn cross_entropy_backward(logits: &mut [f32], lse: &[f32], y: &[u32], v: usize, k: f32) {
+    let per = rows_per_task(y.len(), v);
+    logits
+        .par_chunks_mut(per * v)
+        .zip(lse.par_chunks(per))
+        .zip(y.par_chunks(per))
+        .for_each(|((z, lse), y)| {
+            for ((row, &l), &target) in z.chunks_mut(v).zip(lse).zip(y) {
+                row.iter_mut()
+                    .for_each(|z| *z = k * super::ops::exp(*z - l));
+                row[target as usize] -= k;
+            }
+        });
+}
+
 fn slot(ps: &ParamSet, name: &str, len: usize) -> Result<Slot> {
     let idx = ps
         .params
@@ -743,6 +754,7 @@ fn slot(ps: &ParamSet, name: &str, len: usize) -> Result<Slot> {
 }
 
 /// out = x W^T + b for x (n, in).
+#[multiversion(targets = "simd")]
 fn linear(p: &Params, lin: Linear, x: &[f32], n: usize, out: &mut [f32]) {
     let w = M::new(p.get(lin.w), lin.out, lin.inp);
     let acc = match lin.b {
@@ -790,6 +802,7 @@ fn linear_backward(
 
 /// acc[j] += sum over rows of m[., j], with per-task partial sums added in task order (the result does
 /// not depend on the thread count).
+#[multiversion(targets = "simd")]
 fn column_sums_into(acc: &mut [f32], m: &[f32], cols: usize) {
     let per = rows_per_task(m.len() / cols, cols);
     let partial: Vec<Vec<f32>> = m
@@ -808,6 +821,7 @@ fn column_sums_into(acc: &mut [f32], m: &[f32], cols: usize) {
 }
 
 /// LayerNorm of the rows of x (width c) into y, saving each row's (mean, 1/std).
+#[multiversion(targets = "simd")]
 fn layer_norm(
     x: &[f32],
     p: &Params,
@@ -839,6 +853,7 @@ fn layer_norm(
 /// Backward of `layer_norm`: dx += rstd (g w - mean(g w) - xhat mean(g w xhat)), dw += sum g xhat,
 /// db += sum g.
 #[allow(clippy::too_many_arguments)]
+#[multiversion(targets = "simd")]
 fn layer_norm_backward(
     x: &[f32],
     p: &Params,
@@ -896,6 +911,7 @@ fn layer_norm_backward(
 
 /// Causal self-attention of qkv (n, 3C: q | k | v, heads side by side) into y (n, C), saving the
 /// probabilities (B, H, T, T; zero above the diagonal). One task per sequence.
+#[multiversion(targets = "simd")]
 fn attention_forward(qkv: &[f32], att: &mut [f32], y: &mut [f32], t: usize, c: usize, h: usize) {
     let hs = c / h;
     let scale = 1.0 / (hs as f32).sqrt();
@@ -912,12 +928,9 @@ fn attention_forward(qkv: &[f32], att: &mut [f32], y: &mut [f32], t: usize, c: u
                 for (i, row) in pr.chunks_mut(t).enumerate() {
                     let (keep, masked) = row.split_at_mut(i + 1);
                     let max = keep.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                    let mut sum = 0.0f32;
-                    for s in keep.iter_mut() {
-                        *s = super::ops::exp(*s - max);
-                        sum += *s;
-                    }
-                    let inv = 1.0 / sum;
+                    // The exponentials in a loop of their own (it vectorizes), then their sum in order.
+                    keep.iter_mut().for_each(|s| *s = super::ops::exp(*s - max));
+                    let inv = 1.0 / keep.iter().sum::<f32>();
                     keep.iter_mut().for_each(|s| *s *= inv);
                     masked.iter_mut().for_each(|s| *s = 0.0);
                 }
@@ -936,6 +949,7 @@ fn attention_forward(qkv: &[f32], att: &mut [f32], y: &mut [f32], t: usize, c: u
 
 /// Backward of `attention_forward` given dy (n, C): dqkv (n, 3C) is overwritten.
 #[allow(clippy::too_many_arguments)]
+#[multiversion(targets = "simd")]
 fn attention_backward(
     qkv: &[f32],
     att: &[f32],
@@ -1002,6 +1016,7 @@ fn attention_backward(
 }
 
 /// out = a + b.
+#[multiversion(targets = "simd")]
 fn add(out: &mut [f32], a: &[f32], b: &[f32]) {
     out.iter_mut()
         .zip(a)
@@ -1010,6 +1025,7 @@ fn add(out: &mut [f32], a: &[f32], b: &[f32]) {
 }
 
 /// out = a * b.
+#[multiversion(targets = "simd")]
 fn mul(out: &mut [f32], a: &[f32], b: &[f32]) {
     out.iter_mut()
         .zip(a)
@@ -1018,6 +1034,7 @@ fn mul(out: &mut [f32], a: &[f32], b: &[f32]) {
 }
 
 /// out = f(x), in parallel chunks.
+#[multiversion(targets = "simd")]
 fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
@@ -1025,6 +1042,7 @@ fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
 }
 
 /// g *= f(x), in parallel chunks.
+#[multiversion(targets = "simd")]
 fn map_mul(g: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     g.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
