@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
-use candle_core::{Device, IndexOp, Tensor};
+use candle_core::Device;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -177,16 +177,13 @@ pub fn sample(ckpt: &Path, prompt: &str, o: &SampleOptions) -> Result<String> {
     let mut rng = ChaCha8Rng::seed_from_u64(o.seed);
     let vocab = tokenizer.vocab_size();
     let t = tr.model.context_length;
-    // Generation runs on candle's graph (one sequence a token at a time).
-    let graph = Gpt::new(&tr.config.model, t, 0, &Device::Cpu)?.graph()?;
-    graph.load(&tr.flat)?;
+    // Generation runs on the CPU engine, as nanoGPT's does: the whole (cropped) context a token at a time.
+    let mut scratch = crate::model::Scratch::default();
     for _ in 0..o.max_new_tokens {
         let ctx = &ids[ids.len().saturating_sub(t)..];
-        let x = Tensor::from_slice(ctx, (1, ctx.len()), &Device::Cpu)?;
-        let logits = graph
-            .forward(&x, None)?
-            .i(ctx.len() - 1)?
-            .to_vec1::<f32>()?;
+        let logits = tr
+            .model
+            .last_logits(&mut scratch, &tr.flat, ctx, 1, ctx.len())?;
         // Padded vocabulary entries beyond the tokenizer's are never sampled.
         if o.temperature == 0.0 {
             // Greedy: the most likely token (the lowest id among equals).

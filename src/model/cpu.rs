@@ -397,7 +397,69 @@ impl CpuGpt {
         dropout: Option<&mut ChaCha8Rng>,
     ) -> Result<f32> {
         ensure!(
-            x.len() == b * t && y.len() == b * t,
+            y.len() == x.len(),
+            "{} targets for {} tokens",
+            y.len(),
+            x.len()
+        );
+        self.check_tokens(y)?;
+        self.hidden(a, p, x, b, t, dropout)?;
+        let (c, v, n) = (self.c, self.vocab, b * t);
+        let wte = M::new(p.get(self.wte), v, c);
+        mm(
+            &mut a.logits,
+            v,
+            M::new(&a.xf, n, c),
+            wte.t(),
+            false,
+            1.0,
+            par(),
+        );
+        Ok(cross_entropy(&a.logits, &mut a.lse, y, v))
+    }
+
+    /// The logits of the last position of each of the b sequences of `x` (b x t tokens), (b, vocab) in
+    /// order: what sampling needs, without the other positions' logits.
+    pub fn last_logits(
+        &self,
+        scratch: &mut Scratch,
+        weights: &[f32],
+        x: &[u32],
+        b: usize,
+        t: usize,
+    ) -> Result<Vec<f32>> {
+        let p = self.params(weights)?;
+        let a = &mut scratch.acts;
+        self.hidden(a, &p, x, b, t, None)?;
+        let (c, v) = (self.c, self.vocab);
+        let wte = M::new(p.get(self.wte), v, c);
+        let mut out = vec![0.0f32; b * v];
+        for (s, o) in out.chunks_mut(v).enumerate() {
+            let last = &a.xf[(s * t + t - 1) * c..][..c];
+            mm(o, v, M::new(last, 1, c), wte.t(), false, 1.0, par());
+        }
+        Ok(out)
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        if let Some(&bad) = tokens.iter().find(|&&v| v as usize >= self.vocab) {
+            bail!("token {bad} is outside the vocabulary of {}", self.vocab);
+        }
+        Ok(())
+    }
+
+    /// The forward pass up to the final LayerNorm (`a.xf`), keeping what the backward needs.
+    fn hidden(
+        &self,
+        a: &mut Acts,
+        p: &Params,
+        x: &[u32],
+        b: usize,
+        t: usize,
+        dropout: Option<&mut ChaCha8Rng>,
+    ) -> Result<()> {
+        ensure!(
+            x.len() == b * t,
             "batch of {} tokens for shape {b} x {t}",
             x.len()
         );
@@ -406,12 +468,10 @@ impl CpuGpt {
             "sequence of {t} tokens is longer than the model's context of {}",
             self.context
         );
-        if let Some(&bad) = x.iter().chain(y).find(|&&v| v as usize >= self.vocab) {
-            bail!("token {bad} is outside the vocabulary of {}", self.vocab);
-        }
+        self.check_tokens(x)?;
         let mut drop = if self.dropout > 0.0 { dropout } else { None };
         self.shape(a, b, t, drop.is_some());
-        let (c, v, h, l_n) = (self.c, self.vocab, self.heads, self.n_layers);
+        let (c, h, l_n) = (self.c, self.heads, self.n_layers);
         let n = b * t;
         let nc = n * c;
 
@@ -476,18 +536,7 @@ impl CpuGpt {
         }
         let res_f = &a.res[l_n * nc..][..nc];
         layer_norm(res_f, p, self.lnf, c, &mut a.xf, &mut a.statsf);
-        let wte = M::new(p.get(self.wte), v, c);
-        mm(
-            &mut a.logits,
-            v,
-            M::new(&a.xf, n, c),
-            wte.t(),
-            false,
-            1.0,
-            par(),
-        );
-
-        Ok(cross_entropy(&a.logits, &mut a.lse, y, v))
+        Ok(())
     }
 
     /// Resizes the activation buffers for this model and a b x t batch (a no-op when nothing changed).
@@ -1207,6 +1256,29 @@ mod tests {
             let held = 4 * f32s.iter().map(|v| v.len()).sum::<usize>() + 8 * stats;
             let want = scratch_bytes(layers, c, heads, 29, b, t, dropout > 0.0);
             assert_eq!(held as u64, want);
+        }
+    }
+
+    /// The logits of each sequence's last position (what sampling reads) are candle's forward's, for
+    /// full and shorter sequences, with and without bias.
+    #[test]
+    fn last_logits_match_the_graph() {
+        for (bias, b, t) in [(true, 2, 16), (false, 3, 5)] {
+            let m = model(bias, Activation::GeluTanh, 0.0, 2, 16, 2);
+            let cpu = CpuGpt::new(&m).unwrap();
+            let x = tokens(b * t, 7, 29);
+            let mut scratch = Scratch::default();
+            let flat = m.params.to_flat().unwrap();
+            let got = cpu.last_logits(&mut scratch, &flat, &x, b, t).unwrap();
+            let xt = Tensor::from_slice(&x, (b, t), &Device::Cpu).unwrap();
+            let all = m.forward(&xt, None).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(got.len(), b * 29);
+            for (s, row) in got.chunks(29).enumerate() {
+                let want = &all[s * t + t - 1];
+                for (g, w) in row.iter().zip(want) {
+                    assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{g} vs {w}");
+                }
+            }
         }
     }
 

@@ -252,6 +252,27 @@ impl Gpt {
         Ok(self.loss(&x, &y, None)?.to_scalar::<f32>()?)
     }
 
+    /// The logits of the last position of each of the b sequences of `x` (b x t tokens), (b, vocab) in
+    /// order: on the CPU engine with `weights`, in `scratch`; on the graph with the weights last `load`ed.
+    pub fn last_logits(
+        &self,
+        scratch: &mut Scratch,
+        weights: &[f32],
+        x: &[u32],
+        b: usize,
+        t: usize,
+    ) -> Result<Vec<f32>> {
+        if let Some(cpu) = &self.cpu {
+            return cpu.last_logits(scratch, weights, x, b, t);
+        }
+        let xt = Tensor::from_slice(x, (b, t), &self.device)?;
+        let logits = self.forward(&xt, None)?;
+        let rows: Vec<Tensor> = (0..b)
+            .map(|s| logits.i(s * t + t - 1))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::cat(&rows, 0)?.to_vec1::<f32>()?)
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }
