@@ -1034,8 +1034,9 @@ fn attention_backward(
                     Parallelism::None,
                 );
                 // dS = P (dP - rowsum(P dP)); zero where P is.
-                for (ds, pr) in ds.chunks_mut(t).zip(pr.chunks(t)) {
-                    let dot: f32 = ds.iter().zip(pr).map(|(d, p)| d * p).sum();
+                for (i, (ds, pr)) in ds.chunks_mut(t).zip(pr.chunks(t)).enumerate() {
+                    // P is zero above the diagonal: those terms would add zeros to this serial sum.
+                    let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
                     ds.iter_mut()
                         .zip(pr)
                         .for_each(|(d, &p)| *d = p * (*d - dot));
