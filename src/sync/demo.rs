@@ -290,12 +290,8 @@ impl SyncBackend for Demo {
         self.grad_norm
     }
     /// Every rank applies the same direction: the replicas stay equal, no consensus distance.
-    fn average<'a>(
-        &mut self,
-        params: &'a [f32],
-        avg: &'a mut Vec<f32>,
-    ) -> Result<(&'a [f32], Option<f64>)> {
-        super::average_with(self.comm.as_mut(), params, avg).map(|(m, _)| (m, None))
+    fn replicas_differ(&self) -> bool {
+        false
     }
     fn state(&self) -> State {
         if self.delta.is_empty() {

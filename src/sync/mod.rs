@@ -71,7 +71,12 @@ pub trait SyncBackend {
         params: &'a [f32],
         avg: &'a mut Vec<f32>,
     ) -> Result<(&'a [f32], Option<f64>)> {
-        average_with(self.comm_mut(), params, avg).map(|(m, d)| (m, Some(d)))
+        let differ = self.replicas_differ();
+        average_with(self.comm_mut(), params, avg).map(|(m, d)| (m, differ.then_some(d)))
+    }
+    /// Whether the replicas differ between syncs (then `average` reports the consensus distance).
+    fn replicas_differ(&self) -> bool {
+        true
     }
     fn barrier(&mut self) -> Result<()> {
         self.comm_mut().barrier()
@@ -184,12 +189,8 @@ impl SyncBackend for AllReduce {
         Ok(())
     }
     /// The replicas are equal: their average is the model, and there is no consensus distance.
-    fn average<'a>(
-        &mut self,
-        params: &'a [f32],
-        avg: &'a mut Vec<f32>,
-    ) -> Result<(&'a [f32], Option<f64>)> {
-        average_with(self.comm_mut(), params, avg).map(|(m, _)| (m, None))
+    fn replicas_differ(&self) -> bool {
+        false
     }
 }
 
@@ -432,12 +433,8 @@ impl SyncBackend for Compressed {
         self.tally.take()
     }
     /// The replicas are equal: their average is the model, and there is no consensus distance.
-    fn average<'a>(
-        &mut self,
-        params: &'a [f32],
-        avg: &'a mut Vec<f32>,
-    ) -> Result<(&'a [f32], Option<f64>)> {
-        average_with(self.comm_mut(), params, avg).map(|(m, _)| (m, None))
+    fn replicas_differ(&self) -> bool {
+        false
     }
     fn clipped_grad_norm(&self) -> Option<f64> {
         self.clipped_norm
