@@ -558,7 +558,10 @@ fn sixty_four_golden() -> std::path::PathBuf {
 
 /// Results do not depend on how the local engine schedules its workers: 64 workers give the rows they
 /// gave when every worker had its own thread, pool and buffers (tests/golden/workers64.json, written by
-/// the ignored test below from that engine), bit for bit (serde_json writes and reads f64 exactly).
+/// the ignored test below from that engine), bit for bit (serde_json writes and reads f64 exactly). One
+/// exception: the logged gradient norm's f64 sum of squares has since taken the blocked order of the GPU
+/// kernel (`kernels::optim::sum_squares`), which moves its last digits (1e-14 relative); the losses,
+/// which the clipping by that norm feeds, are still bit for bit.
 #[test]
 fn sixty_four_workers_train_as_they_did_before_the_shared_compute_pool() {
     let d = tempfile::tempdir().unwrap();
@@ -566,7 +569,20 @@ fn sixty_four_workers_train_as_they_did_before_the_shared_compute_pool() {
     let got = sixty_four_workers(d.path());
     let want: Vec<(String, Vec<Kept>)> =
         serde_json::from_str(&std::fs::read_to_string(sixty_four_golden()).unwrap()).unwrap();
-    assert_eq!(got, want);
+    let norms_apart = |rows: &mut Vec<Kept>| -> Vec<f64> {
+        rows.iter_mut()
+            .map(|r| std::mem::replace(&mut r.2, 0.0))
+            .collect()
+    };
+    assert_eq!(got.len(), want.len());
+    for ((name, mut got), (want_name, mut want)) in got.into_iter().zip(want) {
+        assert_eq!(name, want_name);
+        let (g, w) = (norms_apart(&mut got), norms_apart(&mut want));
+        assert_eq!(got, want, "{name}: rows other than the gradient norm");
+        for (g, w) in g.iter().zip(&w) {
+            assert!((g - w).abs() <= 1e-12 * w, "{name}: grad norm {g} vs {w}");
+        }
+    }
 }
 
 #[test]

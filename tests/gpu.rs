@@ -1,5 +1,5 @@
-//! GPU checks, run by scripts/gpu-selftest.sh on a machine with a GPU: every reducer kernel against its
-//! CPU twin (bit for bit: same algorithm, same blocking, no contracted multiply-adds), and the NCCL engine
+//! GPU checks, run by scripts/gpu-selftest.sh on a machine with a GPU: every reducer and optimizer kernel
+//! against its CPU twin (bit for bit: same algorithm, same blocking, no contracted multiply-adds), and the NCCL engine
 //! at world size 1. CI compiles them (`cargo check --all-targets --features cuda,mpi`); without a GPU
 //! they fail at their first line, naming the missing device.
 #![cfg(feature = "cuda")]
@@ -11,6 +11,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use nanodist::comm::Communicator;
 use nanodist::cuda::Kernels;
 use nanodist::kernels as twin;
+use nanodist::optim::Segment;
 use rand::{Rng, SeedableRng};
 
 fn kernels() -> Kernels {
@@ -117,6 +118,114 @@ fn gram_schmidt_kernel_equals_its_twin() {
             bits(&p),
             "{rows} x {cols}"
         );
+    }
+}
+
+/// Segments of a GPT-like layout: long decaying matrices, short non-decaying vectors, and an empty one.
+fn segments() -> Vec<Segment> {
+    let mut off = 0;
+    [
+        (70_001, true),
+        (769, false),
+        (0, false),
+        (300_017, true),
+        (1, false),
+    ]
+    .into_iter()
+    .map(|(len, decay)| {
+        let s = Segment {
+            offset: off,
+            len,
+            decay,
+        };
+        off += len;
+        s
+    })
+    .collect()
+}
+
+#[test]
+fn optimizer_kernels_equal_their_twins_over_several_steps() {
+    use twin::optim::{AccumStep, AdamWStep, SgdStep};
+    let k = kernels();
+    let s = k.stream();
+    let segs = segments();
+    let n = segs.last().map(|s| s.offset + s.len).unwrap();
+    let dsegs = k.segments(&segs).unwrap();
+    let up = |v: &[f32]| s.clone_htod(v).unwrap();
+    let down = |v: &cudarc::driver::CudaSlice<f32>| bits(&s.clone_dtoh(v).unwrap());
+    let p0 = values(n, 7, false);
+    // AdamW, AccumAdamW (k = 2: commits and look-ahead steps), torch SGD (with and without momentum,
+    // Nesterov), decoupled SGD: five steps each, compared after every step.
+    let (mut p, mut m, mut v) = (p0.clone(), vec![0.0f32; n], vec![0.0f32; n]);
+    let (mut dp, mut dm, mut dv) = (up(&p), up(&m), up(&v));
+    let (mut q, mut sm, mut sv, mut acc) = (
+        p0.clone(),
+        vec![0.0f32; n],
+        vec![0.0f32; n],
+        vec![0.0f32; n],
+    );
+    let (mut dq, mut dsm, mut dsv, mut dacc) = (up(&q), up(&sm), up(&sv), up(&acc));
+    let (mut r, mut buf) = (p0.clone(), vec![0.0f32; n]);
+    let (mut dr, mut dbuf) = (up(&r), up(&buf));
+    let (mut u, mut w) = (p0.clone(), p0.clone());
+    let (mut du, mut dw) = (up(&u), up(&w));
+    for t in 1..=5u64 {
+        let g = values(n, 100 + t, t % 2 == 0);
+        let dg = up(&g);
+        let lr = 1e-3 * t as f64;
+        let c = AdamWStep::new([0.9, 0.95], 1e-8, 0.1, lr, t);
+        twin::optim::adamw(&mut p, &g, &mut m, &mut v, &segs, &c);
+        k.adamw(&mut dp, &dg, &mut dm, &mut dv, &dsegs, &c).unwrap();
+        let c = AccumStep::new([0.9, 0.99], 1e-8, 0.1, 2, lr, t);
+        twin::optim::accum_adamw(&mut q, &g, &mut sm, &mut sv, &mut acc, &segs, &c);
+        k.accum_adamw(&mut dq, &dg, &mut dsm, &mut dsv, &mut dacc, &dsegs, &c)
+            .unwrap();
+        let c = SgdStep {
+            wd: 0.01,
+            momentum: 0.9,
+            lr: lr as f32,
+            nesterov: true,
+            first: t == 1,
+        };
+        twin::optim::momentum_sgd(&mut r, &g, &mut buf, &segs, &c);
+        k.momentum_sgd(&mut dr, &dg, Some(&mut dbuf), &dsegs, &c)
+            .unwrap();
+        let plain = SgdStep {
+            momentum: 0.0,
+            nesterov: false,
+            ..c
+        };
+        twin::optim::momentum_sgd(&mut u, &g, &mut [], &segs, &plain);
+        k.momentum_sgd(&mut du, &dg, None, &dsegs, &plain).unwrap();
+        twin::optim::sgd(&mut w, &g, &segs, 0.1, lr);
+        k.sgd(&mut dw, &dg, &dsegs, 0.1, lr).unwrap();
+        for (name, dev, host) in [
+            ("adamw p", &dp, &p),
+            ("adamw m", &dm, &m),
+            ("adamw v", &dv, &v),
+            ("accumadamw p", &dq, &q),
+            ("accumadamw sm", &dsm, &sm),
+            ("accumadamw sv", &dsv, &sv),
+            ("accumadamw acc", &dacc, &acc),
+            ("nesterov p", &dr, &r),
+            ("nesterov buf", &dbuf, &buf),
+            ("sgd p", &du, &u),
+            ("decoupled sgd p", &dw, &w),
+        ] {
+            assert_eq!(down(dev), bits(host), "{name} after step {t}");
+        }
+    }
+}
+
+#[test]
+fn sum_squares_kernel_equals_its_twin() {
+    let k = kernels();
+    for n in [0, 1, 4095, 4096, 4097, 1_000_003] {
+        let x = values(n, n as u64, false);
+        let got = k.sum_squares(&k.stream().clone_htod(&x).unwrap()).unwrap();
+        let want = twin::optim::sum_squares(&x);
+        assert_eq!(got.to_bits(), want.to_bits(), "n = {n}: {got} vs {want}");
     }
 }
 

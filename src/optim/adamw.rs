@@ -4,6 +4,7 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::config::OptimConfig;
+use crate::kernels::optim as kernels;
 
 /// A parameter's range in the flat buffer and whether weight decay applies to it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -11,17 +12,6 @@ pub struct Segment {
     pub offset: usize,
     pub len: usize,
     pub decay: bool,
-}
-
-impl Segment {
-    /// The decoupled weight decay factor 1 - lr wd of one step (1 for segments without decay).
-    fn decay_factor(&self, lr: f64, wd: f64) -> f32 {
-        if self.decay {
-            (1.0 - lr * wd) as f32
-        } else {
-            1.0
-        }
-    }
 }
 
 /// Optimizer state for checkpoints: the step count and named flat buffers.
@@ -125,29 +115,8 @@ pub struct AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
         self.t += 1;
-        let [b1, b2] = self.betas;
-        let bc1 = 1.0 - b1.powi(self.t as i32);
-        let bc2_sqrt = (1.0 - b2.powi(self.t as i32)).sqrt();
-        let step_size = (lr / bc1) as f32;
-        let (one_minus_b1, b2f, one_minus_b2) = ((1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
-        let (bc2_sqrt, eps) = (bc2_sqrt as f32, self.eps as f32);
-        for s in &self.segments {
-            let decay = s.decay_factor(lr, self.wd);
-            let r = s.offset..s.offset + s.len;
-            let (p, g, m, v) = (
-                &mut params[r.clone()],
-                &grads[r.clone()],
-                &mut self.m[r.clone()],
-                &mut self.v[r],
-            );
-            for i in 0..p.len() {
-                p[i] *= decay; // decoupled weight decay first
-                m[i] += (g[i] - m[i]) * one_minus_b1; // exp_avg.lerp_(grad, 1 - beta1)
-                v[i] = v[i] * b2f + one_minus_b2 * g[i] * g[i]; // exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
-                let denom = v[i].sqrt() / bc2_sqrt + eps;
-                p[i] -= step_size * (m[i] / denom);
-            }
-        }
+        let c = kernels::AdamWStep::new(self.betas, self.eps, self.wd, lr, self.t);
+        kernels::adamw(params, grads, &mut self.m, &mut self.v, &self.segments, &c);
     }
 
     fn view(&self) -> OptimView<'_> {
@@ -198,14 +167,7 @@ impl Sgd {
 impl Optimizer for Sgd {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
         self.t += 1;
-        let step = lr as f32;
-        for s in &self.segments {
-            let decay = s.decay_factor(lr, self.wd);
-            let r = s.offset..s.offset + s.len;
-            for (p, g) in params[r.clone()].iter_mut().zip(&grads[r]) {
-                *p = *p * decay - step * g;
-            }
-        }
+        kernels::sgd(params, grads, &self.segments, self.wd, lr);
     }
 
     fn view(&self) -> OptimView<'_> {
@@ -251,58 +213,17 @@ impl MomentumSgd {
     }
 }
 
-/// One torch.optim.SGD update of `p` with gradient `g` (see `MomentumSgd`); `buf` is the momentum buffer
-/// (empty without momentum) and `first` whether it is still unset.
-#[allow(clippy::too_many_arguments)]
-pub fn sgd_update(
-    p: &mut [f32],
-    g: &[f32],
-    buf: &mut [f32],
-    first: bool,
-    momentum: f32,
-    nesterov: bool,
-    lr: f32,
-    wd: f32,
-) {
-    if buf.is_empty() {
-        for (p, &g) in p.iter_mut().zip(g) {
-            let g = if wd != 0.0 { g + wd * *p } else { g };
-            *p -= lr * g;
-        }
-        return;
-    }
-    for ((p, &g), b) in p.iter_mut().zip(g).zip(buf) {
-        let g = if wd != 0.0 { g + wd * *p } else { g };
-        *b = if first { g } else { momentum * *b + g };
-        let d = if nesterov { g + momentum * *b } else { *b };
-        *p -= lr * d;
-    }
-}
-
 impl Optimizer for MomentumSgd {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
-        let first = self.t == 0;
+        let c = kernels::SgdStep {
+            wd: self.wd as f32,
+            momentum: self.momentum as f32,
+            lr: lr as f32,
+            nesterov: self.nesterov,
+            first: self.t == 0,
+        };
         self.t += 1;
-        for s in &self.segments {
-            let wd = if s.decay { self.wd as f32 } else { 0.0 };
-            let r = s.offset..s.offset + s.len;
-            let buf = if self.buf.is_empty() {
-                &mut []
-            } else {
-                &mut self.buf[r.clone()]
-            };
-            let (p, g) = (&mut params[r.clone()], &grads[r]);
-            sgd_update(
-                p,
-                g,
-                buf,
-                first,
-                self.momentum as f32,
-                self.nesterov,
-                lr as f32,
-                wd,
-            );
-        }
+        kernels::momentum_sgd(params, grads, &mut self.buf, &self.segments, &c);
     }
 
     fn view(&self) -> OptimView<'_> {
@@ -348,37 +269,9 @@ pub struct AccumAdamW {
 impl Optimizer for AccumAdamW {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
         self.t += 1;
-        let [b1, b2] = self.betas;
-        let c = self.t.div_ceil(self.k) as i32;
-        let bc1 = 1.0 - b1.powi(c);
-        let bc2_sqrt = (1.0 - b2.powi(c)).sqrt() as f32;
-        let step_size = (lr / bc1) as f32;
-        let commit = self.t % self.k == 0;
-        let (ob1, ob2, b1f, b2f) = ((1.0 - b1) as f32, (1.0 - b2) as f32, b1 as f32, b2 as f32);
-        let (inv_k, eps) = (1.0 / self.k as f32, self.eps as f32);
-        for s in &self.segments {
-            let decay = s.decay_factor(lr, self.wd);
-            let r = s.offset..s.offset + s.len;
-            let p = &mut params[r.clone()];
-            let g = &grads[r.clone()];
-            let (sm, sv, acc) = (
-                &mut self.sm[r.clone()],
-                &mut self.sv[r.clone()],
-                &mut self.acc[r],
-            );
-            for i in 0..p.len() {
-                p[i] *= decay;
-                acc[i] += g[i] * inv_k;
-                let m = sm[i] + ob1 * g[i];
-                let v = sv[i] + ob2 * g[i] * g[i];
-                p[i] -= step_size * m / (v.sqrt() / bc2_sqrt + eps);
-                if commit {
-                    sm[i] = b1f * (sm[i] + ob1 * acc[i]);
-                    sv[i] = b2f * (sv[i] + ob2 * acc[i] * acc[i]);
-                    acc[i] = 0.0;
-                }
-            }
-        }
+        let c = kernels::AccumStep::new(self.betas, self.eps, self.wd, self.k, lr, self.t);
+        let (sm, sv, acc) = (&mut self.sm, &mut self.sv, &mut self.acc);
+        kernels::accum_adamw(params, grads, sm, sv, acc, &self.segments, &c);
     }
 
     fn view(&self) -> OptimView<'_> {

@@ -4,7 +4,7 @@
 pub mod adamw;
 pub mod schedule;
 
-pub use adamw::{build, sgd_update, OptimState, OptimView, Optimizer, Segment, Sgd};
+pub use adamw::{build, OptimState, OptimView, Optimizer, Segment, Sgd};
 pub use schedule::lr_at;
 
 /// The optimizer the training loop steps: the configured one, or SGD with decoupled weight decay when
@@ -35,12 +35,9 @@ pub fn state_buffers(
     }
 }
 
-/// Global L2 norm of a gradient (f64 accumulation).
+/// Global L2 norm of a flat buffer: the f64 sum of squares of the `sum_squares` kernel (its CPU twin).
 pub fn global_norm(g: &[f32]) -> f64 {
-    g.iter()
-        .map(|&x| (x as f64) * (x as f64))
-        .sum::<f64>()
-        .sqrt()
+    crate::kernels::optim::sum_squares(g).sqrt()
 }
 
 /// torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.

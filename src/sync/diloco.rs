@@ -26,7 +26,8 @@ use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
 use crate::comm::{all_reduce_mean, pack_u64, unpack_u64, Communicator};
 use crate::config::backend::{DilocoConfig, Quantize};
-use crate::optim::{global_norm, sgd_update};
+use crate::kernels::optim as kernels;
+use crate::optim::{global_norm, Segment};
 
 struct Fragment {
     range: Range<usize>,
@@ -188,17 +189,19 @@ impl Diloco {
             &mut self.momentum[r.clone()]
         };
         let c = &self.cfg;
-        let (mu, lr) = (c.outer_momentum as f32, c.outer_lr as f32);
-        sgd_update(
-            &mut self.backup[r.clone()],
-            mean,
-            buf,
+        let step = kernels::SgdStep {
+            wd: 0.0,
+            momentum: c.outer_momentum as f32,
+            lr: c.outer_lr as f32,
+            nesterov: c.nesterov,
             first,
-            mu,
-            c.nesterov,
-            lr,
-            0.0,
-        );
+        };
+        let whole = [Segment {
+            offset: 0,
+            len: r.len(),
+            decay: false,
+        }];
+        kernels::momentum_sgd(&mut self.backup[r.clone()], mean, buf, &whole, &step);
         let alpha = c.fragment_alpha as f32;
         if alpha == 0.0 {
             params[r.clone()].copy_from_slice(&self.backup[r]);

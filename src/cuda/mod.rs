@@ -1,7 +1,8 @@
-//! Launchers of the reducer kernels (kernels/reducers.cu, compiled to PTX by build.rs). Each one runs its
-//! kernel with the grid its CPU twin in `crate::kernels` mirrors, and shares the twin's host-side steps
-//! (the radix digit search, the scan of tile counts); `tests/gpu.rs` (run by scripts/gpu-selftest.sh)
-//! compares every launcher with its twin on a GPU.
+//! Launchers of the CUDA kernels (kernels/*.cu, compiled to PTX by build.rs): the reducers' here, the
+//! optimizers' in `optim`. Each one runs its kernel with the grid its CPU twin in `crate::kernels`
+//! mirrors, and shares the twin's host-side steps (the radix digit search, the scan of tile counts, the
+//! sum over tiles); `tests/gpu.rs` (run by scripts/gpu-selftest.sh) compares every launcher with its twin
+//! on a GPU.
 
 use std::sync::Arc;
 
@@ -13,7 +14,11 @@ use cudarc::nvrtc::Ptx;
 
 use crate::kernels::{self, Threshold, BLOCK, TILE};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/reducers.ptx"));
+/// The PTX of every kernel file.
+const PTX: [&str; 2] = [
+    include_str!(concat!(env!("OUT_DIR"), "/reducers.ptx")),
+    include_str!(concat!(env!("OUT_DIR"), "/optim.ptx")),
+];
 
 /// Grid-stride kernels stop growing the grid here (enough blocks to fill an H100 several times).
 const MAX_BLOCKS: usize = 4096;
@@ -64,19 +69,23 @@ macro_rules! per_index {
     }};
 }
 
+mod optim;
+pub use optim::DeviceSegments;
+
 pub struct Kernels {
     stream: Arc<CudaStream>,
-    module: Arc<CudaModule>,
+    modules: Vec<Arc<CudaModule>>,
 }
 
 impl Kernels {
     /// Loads the PTX into the context of `stream`; every launch goes to `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
-        let module = stream
-            .context()
-            .load_module(Ptx::from_src(PTX))
-            .context("loading the reducer kernels' PTX (CUDA 13 PTX needs driver R580 or newer)")?;
-        Ok(Self { stream, module })
+        let modules = PTX
+            .iter()
+            .map(|ptx| stream.context().load_module(Ptx::from_src(*ptx)))
+            .collect::<Result<_, _>>()
+            .context("loading the kernels' PTX (CUDA 13 PTX needs driver R580 or newer)")?;
+        Ok(Self { stream, modules })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -84,9 +93,10 @@ impl Kernels {
     }
 
     fn f(&self, name: &str) -> Result<CudaFunction> {
-        self.module
-            .load_function(name)
-            .with_context(|| format!("kernel {name}"))
+        self.modules
+            .iter()
+            .find_map(|m| m.load_function(name).ok())
+            .with_context(|| format!("no kernel {name} in the PTX"))
     }
 
     /// The k entries of largest |x| in index order (indices base + i, and values), as `kernels::top_k`.

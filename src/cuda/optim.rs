@@ -1,0 +1,168 @@
+//! Launchers of the optimizer kernels (kernels/optim.cu); their CPU twins are in `crate::kernels::optim`,
+//! which also computes each step's coefficients for both.
+
+use anyhow::{ensure, Result};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{grid, u32_of, Kernels, MAX_BLOCKS};
+use crate::kernels::optim::{self as twin, AccumStep, AdamWStep, SgdStep};
+use crate::kernels::BLOCK;
+use crate::optim::Segment;
+
+/// A flat buffer's segment table on the device (see optim.cu), with the grid that covers it.
+pub struct DeviceSegments {
+    table: CudaSlice<u32>,
+    cfg: LaunchConfig,
+}
+
+impl Kernels {
+    /// Uploads the segment table of `segments` (one block row per segment).
+    pub fn segments(&self, segments: &[Segment]) -> Result<DeviceSegments> {
+        ensure!(
+            segments.len() <= 65_535,
+            "{} parameters: the optimizer kernels take at most 65535 (one grid row each)",
+            segments.len()
+        );
+        let longest = segments.iter().map(|s| s.len).max().unwrap_or(0);
+        let mut cfg = grid(longest.div_ceil(BLOCK).min(MAX_BLOCKS / 4));
+        cfg.grid_dim.1 = segments.len().max(1) as u32;
+        let table = if segments.is_empty() {
+            // One empty segment: the grid's single row does nothing.
+            self.stream.clone_htod(&[0u32, 0, 0])?
+        } else {
+            self.stream.clone_htod(&twin::segment_table(segments)?)?
+        };
+        Ok(DeviceSegments { table, cfg })
+    }
+
+    /// AdamW over the segments (twin: `kernels::optim::adamw`).
+    pub fn adamw(
+        &self,
+        p: &mut CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        segs: &DeviceSegments,
+        c: &AdamWStep,
+    ) -> Result<()> {
+        launch!(
+            self,
+            "adamw",
+            segs.cfg,
+            p,
+            g,
+            m,
+            v,
+            &segs.table,
+            &c.decay,
+            &c.one_minus_b1,
+            &c.b2,
+            &c.one_minus_b2,
+            &c.bc2_sqrt,
+            &c.eps,
+            &c.step_size
+        );
+        Ok(())
+    }
+
+    /// AccumAdamW over the segments (twin: `kernels::optim::accum_adamw`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn accum_adamw(
+        &self,
+        p: &mut CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        sm: &mut CudaSlice<f32>,
+        sv: &mut CudaSlice<f32>,
+        acc: &mut CudaSlice<f32>,
+        segs: &DeviceSegments,
+        c: &AccumStep,
+    ) -> Result<()> {
+        let commit = u32::from(c.commit);
+        launch!(
+            self,
+            "accum_adamw",
+            segs.cfg,
+            p,
+            g,
+            sm,
+            sv,
+            acc,
+            &segs.table,
+            &c.decay,
+            &c.one_minus_b1,
+            &c.one_minus_b2,
+            &c.b1,
+            &c.b2,
+            &c.inv_k,
+            &c.bc2_sqrt,
+            &c.eps,
+            &c.step_size,
+            &commit
+        );
+        Ok(())
+    }
+
+    /// SGD with decoupled weight decay (twin: `kernels::optim::sgd`).
+    pub fn sgd(
+        &self,
+        p: &mut CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        segs: &DeviceSegments,
+        wd: f64,
+        lr: f64,
+    ) -> Result<()> {
+        let (decay, lr) = (twin::decay_factor(lr, wd), lr as f32);
+        launch!(self, "sgd", segs.cfg, p, g, &segs.table, &decay, &lr);
+        Ok(())
+    }
+
+    /// Torch's SGD, with the momentum buffer `buf` when there is one (twin:
+    /// `kernels::optim::momentum_sgd`).
+    pub fn momentum_sgd(
+        &self,
+        p: &mut CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        buf: Option<&mut CudaSlice<f32>>,
+        segs: &DeviceSegments,
+        c: &SgdStep,
+    ) -> Result<()> {
+        let has_buf = u32::from(buf.is_some());
+        let (first, nesterov) = (u32::from(c.first), u32::from(c.nesterov));
+        // Without momentum the kernel never reads `buf`: a one-element stand-in fills the argument.
+        let mut none = None;
+        let buf: &mut CudaSlice<f32> = match buf {
+            Some(b) => b,
+            None => none.insert(self.stream.alloc_zeros::<f32>(1)?),
+        };
+        launch!(
+            self,
+            "momentum_sgd",
+            segs.cfg,
+            p,
+            g,
+            buf,
+            &has_buf,
+            &segs.table,
+            &c.wd,
+            &c.momentum,
+            &c.lr,
+            &first,
+            &nesterov
+        );
+        Ok(())
+    }
+
+    /// The f64 sum of squares of `x`: per tile on the device, the tiles added in order on the host
+    /// (twin: `kernels::optim::sum_squares`).
+    pub fn sum_squares(&self, x: &CudaSlice<f32>) -> Result<f64> {
+        let n = u32_of(x.len(), "length")?;
+        let tiles = x.len().div_ceil(twin::TILE);
+        if tiles == 0 {
+            return Ok(0.0);
+        }
+        let mut partial = self.stream.alloc_zeros::<f64>(tiles)?;
+        launch!(self, "sum_squares", grid(tiles), x, &n, &mut partial);
+        let partial = self.stream.clone_dtoh(&partial)?;
+        Ok(partial.iter().fold(0.0, |a, b| a + b))
+    }
+}

@@ -1,0 +1,427 @@
+//! CPU twins of the optimizer kernels in `kernels/optim.cu`: the same operations in the same order per
+//! element (the update kernels), and the same blocking of the f64 sum of squares behind every global norm,
+//! so that a kernel and its twin agree bit for bit. The optimizers in `crate::optim` run these twins on
+//! CPU; the coefficients of a step are computed once on the host (`AdamWStep`, `AccumStep`) for both.
+
+use crate::optim::Segment;
+
+/// Elements per block of `sum_squares` (`TILE` in optim.cu).
+pub const TILE: usize = 4096;
+// Threads per block (`BLOCK` in optim.cu and reducers.cu).
+use super::BLOCK;
+
+/// The segment table of the update kernels: (offset, length, decays) per parameter, as u32.
+pub fn segment_table(segments: &[Segment]) -> anyhow::Result<Vec<u32>> {
+    let mut t = Vec::with_capacity(3 * segments.len());
+    for s in segments {
+        let end = u32::try_from(s.offset + s.len).map_err(|_| {
+            anyhow::anyhow!(
+                "a model of more than {} parameters does not fit the optimizer kernels' 32-bit indices",
+                u32::MAX
+            )
+        })?;
+        t.extend([end - s.len as u32, s.len as u32, u32::from(s.decay)]);
+    }
+    Ok(t)
+}
+
+/// The weight decay factor 1 - lr wd of a decaying segment, in f32 as the kernels take it.
+pub fn decay_factor(lr: f64, wd: f64) -> f32 {
+    (1.0 - lr * wd) as f32
+}
+
+/// One AdamW step's coefficients (torch.optim.AdamW, single-tensor): bias corrections of step `t`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    pub decay: f32,
+    pub one_minus_b1: f32,
+    pub b2: f32,
+    pub one_minus_b2: f32,
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+    pub step_size: f32,
+}
+
+impl AdamWStep {
+    pub fn new(betas: [f64; 2], eps: f64, wd: f64, lr: f64, t: u64) -> Self {
+        let [b1, b2] = betas;
+        let bc1 = 1.0 - b1.powi(t as i32);
+        let bc2_sqrt = (1.0 - b2.powi(t as i32)).sqrt();
+        Self {
+            decay: decay_factor(lr, wd),
+            one_minus_b1: (1.0 - b1) as f32,
+            b2: b2 as f32,
+            one_minus_b2: (1.0 - b2) as f32,
+            bc2_sqrt: bc2_sqrt as f32,
+            eps: eps as f32,
+            step_size: (lr / bc1) as f32,
+        }
+    }
+}
+
+/// Twin of `adamw`: decoupled weight decay first, exp_avg.lerp_(g, 1 - b1),
+/// exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2), p -= step_size (m / (sqrt(v) / bc2_sqrt + eps)).
+pub fn adamw(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    segments: &[Segment],
+    c: &AdamWStep,
+) {
+    for s in segments {
+        let r = s.offset..s.offset + s.len;
+        let (p, g, m, v) = (
+            &mut p[r.clone()],
+            &g[r.clone()],
+            &mut m[r.clone()],
+            &mut v[r],
+        );
+        for i in 0..p.len() {
+            let pi = if s.decay { p[i] * c.decay } else { p[i] };
+            m[i] += (g[i] - m[i]) * c.one_minus_b1;
+            v[i] = v[i] * c.b2 + c.one_minus_b2 * g[i] * g[i];
+            let denom = v[i].sqrt() / c.bc2_sqrt + c.eps;
+            p[i] = pi - c.step_size * (m[i] / denom);
+        }
+    }
+}
+
+/// One AccumAdamW step's coefficients: bias corrections counted in commits (every `k` steps).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AccumStep {
+    pub decay: f32,
+    pub one_minus_b1: f32,
+    pub one_minus_b2: f32,
+    pub b1: f32,
+    pub b2: f32,
+    pub inv_k: f32,
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+    pub step_size: f32,
+    pub commit: bool,
+}
+
+impl AccumStep {
+    pub fn new(betas: [f64; 2], eps: f64, wd: f64, k: u64, lr: f64, t: u64) -> Self {
+        let [b1, b2] = betas;
+        let c = t.div_ceil(k) as i32;
+        let bc1 = 1.0 - b1.powi(c);
+        Self {
+            decay: decay_factor(lr, wd),
+            one_minus_b1: (1.0 - b1) as f32,
+            one_minus_b2: (1.0 - b2) as f32,
+            b1: b1 as f32,
+            b2: b2 as f32,
+            inv_k: 1.0 / k as f32,
+            bc2_sqrt: (1.0 - b2.powi(c)).sqrt() as f32,
+            eps: eps as f32,
+            step_size: (lr / bc1) as f32,
+            commit: t % k == 0,
+        }
+    }
+}
+
+/// Twin of `accum_adamw`: the look-ahead step from the committed moments (stored pre-multiplied by the
+/// betas, as Decent-DP's), the running mean `acc` of the gradients, and the commit every k-th step.
+pub fn accum_adamw(
+    p: &mut [f32],
+    g: &[f32],
+    sm: &mut [f32],
+    sv: &mut [f32],
+    acc: &mut [f32],
+    segments: &[Segment],
+    c: &AccumStep,
+) {
+    for s in segments {
+        let r = s.offset..s.offset + s.len;
+        let (p, g) = (&mut p[r.clone()], &g[r.clone()]);
+        let (sm, sv, acc) = (&mut sm[r.clone()], &mut sv[r.clone()], &mut acc[r]);
+        for i in 0..p.len() {
+            let pi = if s.decay { p[i] * c.decay } else { p[i] };
+            let a = acc[i] + g[i] * c.inv_k;
+            let m = sm[i] + c.one_minus_b1 * g[i];
+            let v = sv[i] + c.one_minus_b2 * g[i] * g[i];
+            p[i] = pi - c.step_size * m / (v.sqrt() / c.bc2_sqrt + c.eps);
+            if c.commit {
+                sm[i] = c.b1 * (sm[i] + c.one_minus_b1 * a);
+                sv[i] = c.b2 * (sv[i] + c.one_minus_b2 * a * a);
+                acc[i] = 0.0;
+            } else {
+                acc[i] = a;
+            }
+        }
+    }
+}
+
+/// Twin of `sgd`: p = p (1 - lr wd) - lr g, the decay on decaying segments.
+pub fn sgd(p: &mut [f32], g: &[f32], segments: &[Segment], wd: f64, lr: f64) {
+    let (decay, lr32) = (decay_factor(lr, wd), lr as f32);
+    for s in segments {
+        let r = s.offset..s.offset + s.len;
+        for (p, g) in p[r.clone()].iter_mut().zip(&g[r]) {
+            let pi = if s.decay { *p * decay } else { *p };
+            *p = pi - lr32 * g;
+        }
+    }
+}
+
+/// Torch's SGD hyperparameters of one step (see `momentum_sgd`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdStep {
+    pub wd: f32,
+    pub momentum: f32,
+    pub lr: f32,
+    pub nesterov: bool,
+    /// Whether the momentum buffer is still unset (torch's first step).
+    pub first: bool,
+}
+
+/// Twin of `momentum_sgd` (torch.optim.SGD, foreach=False): g' = g + wd p (decaying segments); with a
+/// momentum buffer (non-empty `buf`), b = g' at the first step, then b = mu b + g', and the direction is
+/// g' + mu b with Nesterov, else b; without one, g'; p -= lr d.
+pub fn momentum_sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], segments: &[Segment], c: &SgdStep) {
+    for s in segments {
+        let r = s.offset..s.offset + s.len;
+        let wd = if s.decay { c.wd } else { 0.0 };
+        let (p, g) = (&mut p[r.clone()], &g[r.clone()]);
+        if buf.is_empty() {
+            for (p, &g) in p.iter_mut().zip(g) {
+                let g = if wd != 0.0 { g + wd * *p } else { g };
+                *p -= c.lr * g;
+            }
+            continue;
+        }
+        for ((p, &g), b) in p.iter_mut().zip(g).zip(&mut buf[r]) {
+            let g = if wd != 0.0 { g + wd * *p } else { g };
+            *b = if c.first { g } else { c.momentum * *b + g };
+            let d = if c.nesterov { g + c.momentum * *b } else { *b };
+            *p -= c.lr * d;
+        }
+    }
+}
+
+/// Twin of `sum_squares`: the f64 sum of squares of one tile (each square is exact in f64). "Thread" t
+/// adds the elements t, t + BLOCK, ... in order; then the tree over the BLOCK partial sums.
+pub fn tile_sum_squares(tile: &[f32]) -> f64 {
+    let mut sh = [0.0f64; BLOCK];
+    // Row by row over the tile, so that the lanes' additions vectorize; each lane keeps its own order.
+    for row in tile.chunks(BLOCK) {
+        for (s, &x) in sh.iter_mut().zip(row) {
+            let v = x as f64;
+            *s += v * v;
+        }
+    }
+    let mut k = BLOCK / 2;
+    while k > 0 {
+        for t in 0..k {
+            sh[t] += sh[t + k];
+        }
+        k /= 2;
+    }
+    sh[0]
+}
+
+/// The sum of squares of `x` as the kernel and its host step compute it: per tile (`tile_sum_squares`),
+/// then the tiles' sums added in order.
+pub fn sum_squares(x: &[f32]) -> f64 {
+    x.chunks(TILE).map(tile_sum_squares).fold(0.0, |a, b| a + b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A flat buffer cut into segments of random lengths, alternating decay.
+    fn layout() -> impl Strategy<Value = Vec<Segment>> {
+        prop::collection::vec((0usize..300, any::<bool>()), 1..8).prop_map(|lens| {
+            let mut off = 0;
+            lens.into_iter()
+                .map(|(len, decay)| {
+                    let s = Segment {
+                        offset: off,
+                        len,
+                        decay,
+                    };
+                    off += len;
+                    s
+                })
+                .collect()
+        })
+    }
+
+    fn numel(segs: &[Segment]) -> usize {
+        segs.last().map_or(0, |s| s.offset + s.len)
+    }
+
+    fn vals(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(lo..hi)).collect()
+    }
+
+    fn close(a: f32, b: f64, tol: f64) -> bool {
+        (a as f64 - b).abs() <= tol * (1.0 + b.abs())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// AdamW against its textbook form in f64 (Loshchilov & Hutter with torch's eps placement):
+        /// p (1 - lr wd) - lr / bc1 * m / (sqrt(v / bc2) + eps), over several steps.
+        #[test]
+        fn adamw_follows_the_reference_update(segs in layout(), seed in 0u64..1000, lr in 1e-4f64..1e-1, wd in 0.0f64..0.2) {
+            let n = numel(&segs);
+            let (betas, eps) = ([0.9, 0.95], 1e-8);
+            let mut p = vals(n, seed, -1.0, 1.0);
+            let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+            let mut rp: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+            let (mut rm, mut rv) = (vec![0.0f64; n], vec![0.0f64; n]);
+            for t in 1..=5u64 {
+                let g = vals(n, seed + t, -1.0, 1.0);
+                adamw(&mut p, &g, &mut m, &mut v, &segs, &AdamWStep::new(betas, eps, wd, lr, t));
+                for s in &segs {
+                    for i in s.offset..s.offset + s.len {
+                        let gi = g[i] as f64;
+                        if s.decay { rp[i] *= 1.0 - lr * wd; }
+                        rm[i] = betas[0] * rm[i] + (1.0 - betas[0]) * gi;
+                        rv[i] = betas[1] * rv[i] + (1.0 - betas[1]) * gi * gi;
+                        let (bc1, bc2) = (1.0 - betas[0].powi(t as i32), 1.0 - betas[1].powi(t as i32));
+                        rp[i] -= lr / bc1 * rm[i] / ((rv[i] / bc2).sqrt() + eps);
+                    }
+                }
+            }
+            for i in 0..n {
+                prop_assert!(close(p[i], rp[i], 1e-5), "p[{i}] = {} vs {}", p[i], rp[i]);
+            }
+        }
+
+        /// AccumAdamW against Decent-DP's update written out in f64: moments committed every k steps
+        /// from the mean gradient, look-ahead moments from the committed ones in between.
+        #[test]
+        fn accum_adamw_follows_the_reference_update(segs in layout(), seed in 0u64..1000, k in 1u64..4, lr in 1e-4f64..1e-1, wd in 0.0f64..0.2) {
+            let n = numel(&segs);
+            let (betas, eps) = ([0.9, 0.99], 1e-8);
+            let mut p = vals(n, seed, -1.0, 1.0);
+            let (mut sm, mut sv, mut acc) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+            let mut rp: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+            // Reference: unscaled committed moments M, V and the gradient sum of the window.
+            let (mut rm, mut rv, mut rsum) = (vec![0.0f64; n], vec![0.0f64; n], vec![0.0f64; n]);
+            for t in 1..=7u64 {
+                let g = vals(n, seed + t, -1.0, 1.0);
+                accum_adamw(&mut p, &g, &mut sm, &mut sv, &mut acc, &segs, &AccumStep::new(betas, eps, wd, k, lr, t));
+                let c = t.div_ceil(k) as i32;
+                for s in &segs {
+                    for i in s.offset..s.offset + s.len {
+                        let gi = g[i] as f64;
+                        if s.decay { rp[i] *= 1.0 - lr * wd; }
+                        let m = betas[0] * rm[i] + (1.0 - betas[0]) * gi;
+                        let v = betas[1] * rv[i] + (1.0 - betas[1]) * gi * gi;
+                        let (bc1, bc2) = (1.0 - betas[0].powi(c), 1.0 - betas[1].powi(c));
+                        rp[i] -= lr / bc1 * m / (v.sqrt() / bc2.sqrt() + eps);
+                        rsum[i] += gi;
+                        if t % k == 0 {
+                            let mean = rsum[i] / k as f64;
+                            rm[i] = betas[0] * rm[i] + (1.0 - betas[0]) * mean;
+                            rv[i] = betas[1] * rv[i] + (1.0 - betas[1]) * mean * mean;
+                            rsum[i] = 0.0;
+                        }
+                    }
+                }
+            }
+            for i in 0..n {
+                prop_assert!(close(p[i], rp[i], 1e-4), "p[{i}] = {} vs {}", p[i], rp[i]);
+            }
+        }
+
+        /// Torch's SGD (heavy ball and Nesterov, coupled weight decay) and SGD with decoupled decay,
+        /// against their recurrences in f64.
+        #[test]
+        fn sgd_variants_follow_their_recurrences(segs in layout(), seed in 0u64..1000, mu in prop_oneof![Just(0.0f32), 0.1f32..0.95], nesterov in any::<bool>(), wd in 0.0f32..0.1) {
+            let n = numel(&segs);
+            let lr = 0.05f32;
+            let mut p = vals(n, seed, -1.0, 1.0);
+            let mut q = p.clone();
+            let mut buf = if mu > 0.0 { vec![0.0f32; n] } else { Vec::new() };
+            let mut rp: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+            let mut rq = rp.clone();
+            let mut rb = vec![0.0f64; n];
+            for t in 0..4 {
+                let g = vals(n, seed + 10 + t, -1.0, 1.0);
+                let c = SgdStep { wd, momentum: mu, lr, nesterov, first: t == 0 };
+                momentum_sgd(&mut p, &g, &mut buf, &segs, &c);
+                sgd(&mut q, &g, &segs, wd as f64, lr as f64);
+                for s in &segs {
+                    for i in s.offset..s.offset + s.len {
+                        let (mu, lr) = (mu as f64, lr as f64);
+                        let wd = if s.decay { wd as f64 } else { 0.0 };
+                        let gi = g[i] as f64 + wd * rp[i];
+                        rb[i] = if t == 0 { gi } else { mu * rb[i] + gi };
+                        let d = if mu == 0.0 { gi } else if nesterov { gi + mu * rb[i] } else { rb[i] };
+                        rp[i] -= lr * d;
+                        rq[i] = rq[i] * (1.0 - lr * wd) - lr * g[i] as f64;
+                    }
+                }
+            }
+            for i in 0..n {
+                prop_assert!(close(p[i], rp[i], 1e-5), "momentum p[{i}] = {} vs {}", p[i], rp[i]);
+                prop_assert!(close(q[i], rq[i], 1e-5), "decoupled p[{i}] = {} vs {}", q[i], rq[i]);
+            }
+        }
+
+        /// The blocked f64 sum of squares is the sum of squares (to f64 rounding), at any length.
+        #[test]
+        fn sum_squares_is_the_sum_of_squares(n in 0usize..20_000, seed in 0u64..1000, scale in prop_oneof![Just(1.0f32), Just(1e-20), Just(1e18)]) {
+            let x: Vec<f32> = vals(n, seed, -1.0, 1.0).iter().map(|v| v * scale).collect();
+            // Neumaier's compensated sum: exact to about one rounding.
+            let (mut want, mut comp) = (0.0f64, 0.0f64);
+            for &v in &x {
+                let sq = (v as f64) * (v as f64);
+                let t = want + sq;
+                comp += if want.abs() >= sq { (want - t) + sq } else { (sq - t) + want };
+                want = t;
+            }
+            let want = want + comp;
+            let got = sum_squares(&x);
+            // Blocked: 16 additions per lane, 8 in the tree, then one per tile.
+            let bound = (24.0 + x.len().div_ceil(TILE) as f64) * f64::EPSILON * want;
+            prop_assert!((got - want).abs() <= bound, "{got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn the_constants_and_kernels_are_the_cuda_files() {
+        let src = include_str!("../../kernels/optim.cu");
+        for (name, value) in [("BLOCK", BLOCK), ("TILE", TILE)] {
+            let line = format!("#define {name} {value} ");
+            assert!(src.contains(&line), "optim.cu lacks `{line}`");
+        }
+        for kernel in ["adamw", "accum_adamw", "sgd", "momentum_sgd", "sum_squares"] {
+            assert!(src.contains(&format!("__global__ void {kernel}(")));
+        }
+    }
+
+    #[test]
+    fn the_segment_table_holds_offset_length_and_decay() {
+        let segs = [
+            Segment {
+                offset: 0,
+                len: 3,
+                decay: true,
+            },
+            Segment {
+                offset: 3,
+                len: 2,
+                decay: false,
+            },
+        ];
+        assert_eq!(segment_table(&segs).unwrap(), vec![0, 3, 1, 3, 2, 0]);
+        let huge = [Segment {
+            offset: u32::MAX as usize,
+            len: 2,
+            decay: true,
+        }];
+        assert!(segment_table(&huge).is_err());
+    }
+}
