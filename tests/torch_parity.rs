@@ -58,7 +58,7 @@ fn logits_loss_and_gradients_match_pytorch() {
         let flat = checkpoint::read_hf_weights(&golden(&format!("parity_{case}.safetensors")), &m)
             .map(|(flat, _)| flat)
             .unwrap();
-        graph.load(&flat).unwrap();
+        graph.load((&flat).into()).unwrap();
         let ids = |k: &str| -> Vec<u32> { serde_json::from_value(meta[k].clone()).unwrap() };
         let x = Tensor::from_vec(ids("x"), (B, T), &Device::Cpu).unwrap();
         let y = Tensor::from_vec(ids("y"), (B, T), &Device::Cpu).unwrap();
@@ -109,7 +109,14 @@ fn logits_loss_and_gradients_match_pytorch() {
         };
         let mut g = vec![0.0f32; m.params.numel];
         let loss = m
-            .loss_and_grads(&mut Default::default(), &flat, &batch, None, 1.0, &mut g)
+            .loss_and_grads(
+                &mut Default::default(),
+                (&flat).into(),
+                &batch,
+                None,
+                1.0,
+                (&mut g).into(),
+            )
             .unwrap();
         close(
             loss as f64,

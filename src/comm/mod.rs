@@ -179,6 +179,16 @@ pub trait Communicator {
     fn barrier(&mut self) -> Result<()>;
     /// Totals since the start.
     fn stats(&self) -> CommStats;
+    /// Whether this engine runs collectives on GPU buffers (NCCL), so that callers need no host copy.
+    #[cfg(feature = "cuda")]
+    fn device_collectives(&self) -> bool {
+        false
+    }
+    /// `all_reduce_sum` of a GPU buffer, in place on the device (engines with `device_collectives`).
+    #[cfg(feature = "cuda")]
+    fn all_reduce_sum_device(&mut self, _buf: &mut cudarc::driver::CudaViewMut<f32>) -> Result<()> {
+        anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
+    }
 }
 
 /// World size 1: every collective is the identity and nothing crosses a wire.

@@ -1,6 +1,7 @@
 //! The `nccl` engine: one process per GPU, collectives through NCCL (cudarc's `nccl` module) on a CUDA
 //! stream of their own, so that the gossip of step t runs beside the compute of step t + 1 on candle's
-//! stream. The training loop hands host buffers to every `Communicator`; this engine stages them through
+//! stream. The dense all-reduce of gradients on the GPU runs on the gradient buffer itself
+//! (`all_reduce_sum_device`); the other collectives take host buffers, which this engine stages through
 //! device buffers that it keeps between calls. The world all-reduce is NCCL's; group sums (gossip) and
 //! `exchange` are grouped ncclSend/ncclRecv (group start/end), the group sum through the same
 //! reduce-scatter + all-gather as the MPI engine. Each call waits at most `comm_timeout_secs` for the
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaViewMut};
 use cudarc::nccl::{result as nccl, Comm, Id, ReduceOp};
 
 use super::{all_reduce_bytes, check_gather, group_sum, CommStats, Communicator};
@@ -243,5 +244,24 @@ impl Communicator for NcclComm {
 
     fn stats(&self) -> CommStats {
         self.stats.clone()
+    }
+
+    fn device_collectives(&self) -> bool {
+        true
+    }
+
+    /// NCCL's all-reduce on the buffer itself, on this engine's stream: cudarc's events order it after
+    /// the kernels that wrote the buffer and before those that read it on the model's stream.
+    fn all_reduce_sum_device(&mut self, buf: &mut CudaViewMut<f32>) -> Result<()> {
+        if self.n == 1 {
+            return Ok(());
+        }
+        let start = Instant::now();
+        self.comm
+            .all_reduce_in_place(buf, &ReduceOp::Sum)
+            .map_err(nccl_err)?;
+        self.wait("all_reduce")?;
+        self.account(all_reduce_bytes(buf.len(), self.n, self.rank), start);
+        Ok(())
     }
 }

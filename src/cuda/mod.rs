@@ -200,6 +200,26 @@ impl Kernels {
         Ok(())
     }
 
+    /// dst[at..at + src.len()] += src (the `ef_accumulate` kernel on a view).
+    pub fn add_at(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        at: usize,
+        src: &cudarc::driver::CudaView<f32>,
+    ) -> Result<()> {
+        let n = u32_of(src.len(), "length")?;
+        let mut view = dst.slice_mut(at..at + src.len());
+        launch!(
+            self,
+            "ef_accumulate",
+            per_element(src.len()),
+            &mut view,
+            src,
+            &n
+        );
+        Ok(())
+    }
+
     /// x *= s.
     pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<()> {
         let n = u32_of(x.len(), "length")?;

@@ -1151,7 +1151,10 @@ mod tests {
         let loss = m.loss(&xt, &yt, rng).unwrap();
         let mut g = vec![0.0f32; m.params.numel];
         m.params
-            .accumulate_grads(&(&loss * scale).unwrap().backward().unwrap(), &mut g)
+            .accumulate_grads(
+                &(&loss * scale).unwrap().backward().unwrap(),
+                (&mut g).into(),
+            )
             .unwrap();
         (loss.to_scalar::<f32>().unwrap(), g)
     }

@@ -9,7 +9,7 @@
 //! Training and evaluation on CPU run on the hand-written engine of `cpu` (same function, tested against
 //! this graph); the graph runs on GPUs, and serves generation and the tests as the reference.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, IndexOp, Tensor, D};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -19,6 +19,7 @@ use super::cpu::{CpuGpt, Scratch};
 use super::params::ParamSet;
 use crate::config::ModelConfig;
 use crate::data::Batch;
+use crate::flat::{FlatMut, FlatRef, Place};
 
 const LN_EPS: f64 = 1e-5;
 
@@ -38,6 +39,9 @@ pub struct Gpt {
     /// The dtype of the matmuls: F32, or BF16 for mixed precision (inputs rounded to bf16, products
     /// accumulated in f32 by the GEMM and returned as f32; parameters and everything else stay f32).
     matmul_dtype: DType,
+    /// Where the training state's flat buffers go: the host, or the model's GPU (with the kernels on
+    /// candle's stream, so that they run in order with the model's own).
+    place: Place,
 }
 
 /// HF GPT-2 parameter names of the four projections that HF stores transposed (Conv1D).
@@ -130,6 +134,17 @@ fn initial_items(
         .collect()
 }
 
+/// Host buffers for a model on the CPU; on a GPU, buffers there with the kernels on candle's stream.
+fn place_of(device: &Device) -> Result<Place> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => Ok(Place::Cuda(std::sync::Arc::new(crate::cuda::Kernels::new(
+            d.cuda_stream(),
+        )?))),
+        _ => Ok(Place::Host),
+    }
+}
+
 impl Gpt {
     /// A model (nanoGPT's init, see [`layout`], deterministic in `seed`): on CPU the CPU engine, which
     /// holds no weights (`initial_weights` gives them); elsewhere candle's graph with its tensors.
@@ -156,11 +171,17 @@ impl Gpt {
             device: device.clone(),
             cpu: None,
             matmul_dtype: DType::F32,
+            place: place_of(device)?,
         };
         if device.is_cpu() {
             gpt.cpu = Some(CpuGpt::new(&gpt)?);
         }
         Ok(gpt)
+    }
+
+    /// Where the flat buffers of a worker of this model live (see `crate::flat`).
+    pub fn place(&self) -> &Place {
+        &self.place
     }
 
     /// The initial weights, flat in name order (the values `new` drew, drawn again).
@@ -177,7 +198,7 @@ impl Gpt {
 
     /// Makes `weights` (flat, name order) the ones candle's graph computes with; the CPU engine takes
     /// them with each call instead, and only checks their length here.
-    pub fn load(&self, weights: &[f32]) -> Result<()> {
+    pub fn load(&self, weights: FlatRef<'_>) -> Result<()> {
         if self.cpu.is_some() {
             anyhow::ensure!(
                 weights.len() == self.params.numel,
@@ -187,7 +208,11 @@ impl Gpt {
             );
             return Ok(());
         }
-        self.params.set_flat(weights)
+        match weights {
+            FlatRef::Host(w) => self.params.set_flat(w),
+            #[cfg(feature = "cuda")]
+            FlatRef::Cuda(d) => self.params.set_flat_device(d),
+        }
     }
 
     /// Mixed precision: the matmuls in bf16 (`on`), the rest in f32.
@@ -219,18 +244,24 @@ impl Gpt {
 
     /// The loss of `batch`, and `scale` times its gradient added into `grads` (flat, name order).
     /// `dropout` draws the dropout masks when the model has dropout > 0. The CPU engine computes with
-    /// `weights` in `scratch`; the graph with the weights last `load`ed, in its own tensors.
+    /// `weights` in `scratch`; the graph with the weights last `load`ed, in its own tensors, and adds
+    /// into `grads` where they live (host or GPU).
     #[allow(clippy::too_many_arguments)]
     pub fn loss_and_grads(
         &self,
         scratch: &mut Scratch,
-        weights: &[f32],
+        weights: FlatRef<'_>,
         batch: &Batch,
         dropout: Option<&mut ChaCha8Rng>,
         scale: f32,
-        grads: &mut [f32],
+        grads: FlatMut<'_>,
     ) -> Result<f32> {
         if let Some(cpu) = &self.cpu {
+            let (weights, grads) = match (weights, grads) {
+                (FlatRef::Host(w), FlatMut::Host(g)) => (w, g),
+                #[cfg(feature = "cuda")]
+                _ => anyhow::bail!("internal error: the CPU engine computes on host buffers"),
+            };
             return cpu.loss_and_grads(
                 scratch, weights, &batch.x, &batch.y, batch.b, batch.t, dropout, scale, grads,
             );
@@ -350,6 +381,17 @@ impl Gpt {
     /// when the model trains with dropout > 0.
     pub fn forward(&self, x: &Tensor, mut dropout: Option<&mut ChaCha8Rng>) -> Result<Tensor> {
         let (b, t) = x.dims2()?;
+        let mut h = self.embed(x, &mut dropout)?;
+        let mask = causal_mask(t, &self.device)?;
+        for i in 0..self.cfg.n_layers {
+            h = self.block(&h, i, b, t, &mask, &mut dropout)?;
+        }
+        self.head(&h)
+    }
+
+    /// Token + position embeddings (B*T, C), with dropout.
+    fn embed(&self, x: &Tensor, dropout: &mut Option<&mut ChaCha8Rng>) -> Result<Tensor> {
+        let (b, t) = x.dims2()?;
         anyhow::ensure!(
             t <= self.context_length,
             "sequence of {t} tokens is longer than the model's context of {}",
@@ -359,44 +401,119 @@ impl Gpt {
         let wte = self.p("transformer.wte.weight")?;
         let tok = wte.index_select(&x.flatten_all()?, 0)?; // (B*T, C)
         let pos = self.p("transformer.wpe.weight")?.narrow(0, 0, t)?;
-        let mut h = tok
+        let h = tok
             .reshape((b, t, c))?
             .broadcast_add(&pos)?
             .reshape((b * t, c))?;
-        let p = self.cfg.dropout;
-        let mut drop = |h: Tensor| -> Result<Tensor> {
-            match dropout.as_deref_mut() {
-                Some(rng) if p > 0.0 => dropout_mask(&h, p, rng),
-                _ => Ok(h),
-            }
-        };
-        h = drop(h)?;
-        let mask = causal_mask(t, &self.device)?;
-        for i in 0..self.cfg.n_layers {
-            let pre = format!("transformer.h.{i}");
-            let a = self.attention(
-                &self.layer_norm(&h, &format!("{pre}.ln_1"))?,
-                b,
-                t,
-                &format!("{pre}.attn"),
-                &mask,
-            )?;
-            h = (h + drop(a)?)?;
-            let m = self.mlp(
-                &self.layer_norm(&h, &format!("{pre}.ln_2"))?,
-                &format!("{pre}.mlp"),
-            )?;
-            h = (h + drop(m)?)?;
+        self.drop(h, dropout)
+    }
+
+    fn drop(&self, h: Tensor, dropout: &mut Option<&mut ChaCha8Rng>) -> Result<Tensor> {
+        match dropout.as_deref_mut() {
+            Some(rng) if self.cfg.dropout > 0.0 => dropout_mask(&h, self.cfg.dropout, rng),
+            _ => Ok(h),
         }
-        let h = self.layer_norm(&h, "transformer.ln_f")?;
-        self.mm(&h, &wte.t()?)
+    }
+
+    /// Block `i`: h + attn(ln_1(h)), then + mlp(ln_2(.)), each branch with dropout.
+    fn block(
+        &self,
+        h: &Tensor,
+        i: usize,
+        b: usize,
+        t: usize,
+        mask: &Tensor,
+        dropout: &mut Option<&mut ChaCha8Rng>,
+    ) -> Result<Tensor> {
+        let pre = format!("transformer.h.{i}");
+        let a = self.attention(
+            &self.layer_norm(h, &format!("{pre}.ln_1"))?,
+            b,
+            t,
+            &format!("{pre}.attn"),
+            mask,
+        )?;
+        let h = (h + self.drop(a, dropout)?)?;
+        let m = self.mlp(
+            &self.layer_norm(&h, &format!("{pre}.ln_2"))?,
+            &format!("{pre}.mlp"),
+        )?;
+        Ok((h + self.drop(m, dropout)?)?)
+    }
+
+    /// The final LayerNorm and the lm head tied to the token embedding: logits (B*T, vocab).
+    fn head(&self, h: &Tensor) -> Result<Tensor> {
+        let h = self.layer_norm(h, "transformer.ln_f")?;
+        self.mm(&h, &self.p("transformer.wte.weight")?.t()?)
     }
 
     /// Mean cross-entropy of next-token targets `y` (B, T).
     pub fn loss(&self, x: &Tensor, y: &Tensor, dropout: Option<&mut ChaCha8Rng>) -> Result<Tensor> {
         let logits = self.forward(x, dropout)?;
-        let y = y.flatten_all()?;
-        Ok(candle_nn::loss::cross_entropy(&logits, &y)?)
+        self.cross_entropy(&logits, y)
+    }
+
+    fn cross_entropy(&self, logits: &Tensor, y: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::loss::cross_entropy(logits, &y.flatten_all()?)?)
+    }
+
+    /// `loss_and_grads` on candle's graph in stages, as DDP's overlap needs: the head, then the blocks
+    /// from the last to the first, then the embeddings, each stage's backward from the gradient at its
+    /// output. After each stage, `ready` gets `grads` and the flat range of the parameters whose
+    /// gradient is then complete (ln_f; block i; wte and wpe, wte's head share included), every
+    /// parameter once, so that a backend can start reducing it while the next stage computes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn loss_and_grads_staged(
+        &self,
+        batch: &Batch,
+        mut dropout: Option<&mut ChaCha8Rng>,
+        scale: f32,
+        mut grads: FlatMut<'_>,
+        ready: &mut dyn FnMut(FlatMut<'_>, std::ops::Range<usize>) -> Result<()>,
+    ) -> Result<f32> {
+        anyhow::ensure!(
+            self.cpu.is_none(),
+            "internal error: the staged backward runs on candle's graph"
+        );
+        let (x, y) = self.batch_tensors(batch)?;
+        let (b, t) = x.dims2()?;
+        let mask = causal_mask(t, &self.device)?;
+        // Each stage's input is a leaf (a detached copy as a Var), so that each backward stops there.
+        let leaf = |h: &Tensor| candle_core::Var::from_tensor(&h.detach());
+        let h0 = self.embed(&x, &mut dropout)?;
+        let (mut inputs, mut outputs) = (vec![leaf(&h0)?], Vec::new());
+        for i in 0..self.cfg.n_layers {
+            let h = self.block(inputs[i].as_tensor(), i, b, t, &mask, &mut dropout)?;
+            inputs.push(leaf(&h)?);
+            outputs.push(h);
+        }
+        let top = inputs.last().expect("the embedding's leaf");
+        let loss = self.cross_entropy(&self.head(top.as_tensor())?, &y)?;
+        let g = (&loss * scale as f64)?.backward()?;
+        self.params.accumulate_grads(&g, grads.reborrow())?;
+        ready(grads.reborrow(), self.params.range_of("transformer.ln_f.")?)?;
+        let grad_of = |g: &candle_core::backprop::GradStore, v: &candle_core::Var| {
+            g.get(v.as_tensor())
+                .cloned()
+                .context("internal error: a stage's input has no gradient")
+        };
+        let mut up = grad_of(&g, top)?;
+        for i in (0..self.cfg.n_layers).rev() {
+            // d/dh sum(h * up) = up: the backward of block i from the gradient at its output.
+            let g = (&outputs[i] * &up)?.sum_all()?.backward()?;
+            self.params.accumulate_grads(&g, grads.reborrow())?;
+            ready(
+                grads.reborrow(),
+                self.params.range_of(&format!("transformer.h.{i}."))?,
+            )?;
+            up = grad_of(&g, &inputs[i])?;
+        }
+        let g = (&h0 * &up)?.sum_all()?.backward()?;
+        self.params.accumulate_grads(&g, grads.reborrow())?;
+        for emb in ["transformer.wpe.", "transformer.wte."] {
+            ready(grads.reborrow(), self.params.range_of(emb)?)?;
+        }
+        Ok(loss.to_scalar::<f32>()?)
     }
 
     /// Builds (x, y) tensors from a sampled batch.
@@ -437,7 +554,7 @@ pub(crate) fn perturb(m: &Gpt, std: f32) -> Vec<f32> {
         .iter()
         .map(|v| v + dist.sample(&mut rng))
         .collect();
-    m.load(&flat).expect("parameters");
+    m.load((&flat).into()).expect("parameters");
     flat
 }
 
@@ -494,6 +611,67 @@ mod tests {
         }
     }
 
+    /// DDP's staged backward gives the monolithic backward's loss and gradient (to f32 rounding: sums
+    /// meet in another order), with dropout; each range it reports is complete when reported, and the
+    /// ranges cover every parameter once, the last block first.
+    #[test]
+    fn the_staged_backward_is_the_backward_and_reports_each_range_once_complete() {
+        for (bias, dropout) in [(true, 0.0), (false, 0.2)] {
+            let mut m = tiny(bias, Activation::Gelu);
+            m.cfg.dropout = dropout;
+            let m = m.graph().unwrap();
+            let base = perturb(&m);
+            let x: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
+            let y: Vec<u32> = (0..12).map(|i| (i * 5 % 11) as u32).collect();
+            let batch = Batch { b: 2, t: 6, x, y };
+            let rng = || ChaCha8Rng::seed_from_u64(5);
+            let mut want = vec![0.0f32; m.params.numel];
+            let (mut r1, mut r2) = (rng(), rng());
+            let loss = m
+                .loss_and_grads(
+                    &mut Scratch::default(),
+                    (&base).into(),
+                    &batch,
+                    Some(&mut r1),
+                    0.5,
+                    (&mut want).into(),
+                )
+                .unwrap();
+            let mut got = vec![0.0f32; m.params.numel];
+            let mut seen = Vec::new();
+            let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * (1.0 + b.abs());
+            let staged = m
+                .loss_and_grads_staged(
+                    &batch,
+                    Some(&mut r2),
+                    0.5,
+                    (&mut got).into(),
+                    &mut |g, r| {
+                        let g = g.as_ref().to_host().unwrap();
+                        for i in r.clone() {
+                            assert!(
+                                close(g[i], want[i]),
+                                "{i} in {r:?}: {} vs {}",
+                                g[i],
+                                want[i]
+                            );
+                        }
+                        seen.push(r);
+                        Ok(())
+                    },
+                )
+                .unwrap();
+            assert!(close(staged, loss), "{staged} vs {loss}");
+            let mut covered = vec![0u8; m.params.numel];
+            seen.iter()
+                .flat_map(|r| r.clone())
+                .for_each(|i| covered[i] += 1);
+            assert!(covered.iter().all(|&c| c == 1), "{seen:?}");
+            let last_block = m.params.range_of("transformer.h.1.").unwrap();
+            assert_eq!((seen.len(), &seen[1]), (5, &last_block));
+        }
+    }
+
     /// Both the CPU engine and candle's graph.
     #[test]
     fn gradients_match_finite_differences() {
@@ -508,15 +686,15 @@ mod tests {
             let mut flat_g = vec![0.0f32; m.params.numel];
             m.loss_and_grads(
                 &mut Scratch::default(),
-                &base,
+                (&base).into(),
                 &batch,
                 None,
                 1.0,
-                &mut flat_g,
+                (&mut flat_g).into(),
             )
             .unwrap();
             let loss_at = |flat: &[f32]| -> f64 {
-                m.load(flat).unwrap();
+                m.load(flat.into()).unwrap();
                 m.batch_loss(&mut Scratch::default(), flat, &batch).unwrap() as f64
             };
             let eps = 1e-2f32;
@@ -597,7 +775,9 @@ mod tests {
             &crate::config::OptimConfig::default(),
             segments,
             m.params.numel,
-        );
+            &crate::flat::Place::Host,
+        )
+        .unwrap();
         let mut flat = m.initial_weights();
         let mut grads = vec![0.0f32; m.params.numel];
         let mut scratch = Scratch::default();
@@ -609,10 +789,17 @@ mod tests {
                 let batch = Batch { b: 4, t: 12, x, y };
                 grads.iter_mut().for_each(|g| *g = 0.0);
                 let loss = m
-                    .loss_and_grads(&mut scratch, &flat, &batch, None, 1.0, &mut grads)
+                    .loss_and_grads(
+                        &mut scratch,
+                        (&flat).into(),
+                        &batch,
+                        None,
+                        1.0,
+                        (&mut grads).into(),
+                    )
                     .unwrap();
-                opt.step(&mut flat, &grads, 3e-3);
-                m.load(&flat).unwrap();
+                opt.step((&mut flat).into(), (&grads).into(), 3e-3).unwrap();
+                m.load((&flat).into()).unwrap();
                 loss
             })
             .collect()

@@ -7,6 +7,8 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 
+use crate::flat::FlatMut;
+
 /// One parameter: its place in the flat buffer, and its candle `Var` in a set made for the graph.
 #[derive(Debug, Clone)]
 pub struct Param {
@@ -79,6 +81,20 @@ impl ParamSet {
         }
     }
 
+    /// The flat range of the parameters whose names start with `prefix` (they are contiguous: the set
+    /// is sorted by name).
+    pub fn range_of(&self, prefix: &str) -> Result<std::ops::Range<usize>> {
+        let mut of = self.params.iter().filter(|p| p.name.starts_with(prefix));
+        let first = of
+            .next()
+            .with_context(|| format!("no parameter under {prefix}"))?;
+        let end = of.fold(first.offset + first.len, |end, p| {
+            debug_assert_eq!(p.offset, end, "parameters under {prefix} are contiguous");
+            p.offset + p.len
+        });
+        Ok(first.offset..end)
+    }
+
     fn var(p: &Param) -> Result<&Var> {
         p.var.as_ref().with_context(|| {
             format!(
@@ -125,22 +141,68 @@ impl ParamSet {
         Ok(())
     }
 
-    /// Adds the gradients of `grads` into `flat` (name order), treating a missing gradient as zero.
+    /// Adds the gradients of `grads` into `flat` (name order), treating a missing gradient as zero: on
+    /// the host, or on the GPU where the gradients are (no copy through host memory).
     pub fn accumulate_grads(
         &self,
         grads: &candle_core::backprop::GradStore,
-        flat: &mut [f32],
+        flat: FlatMut<'_>,
     ) -> Result<()> {
-        for p in &self.params {
-            if let Some(g) = grads.get(Self::var(p)?.as_tensor()) {
-                let g = g.to_dtype(DType::F32)?.flatten_all()?;
-                let g = g
-                    .to_vec1::<f32>()
-                    .with_context(|| format!("gradient of {}", p.name))?;
-                for (a, b) in flat[p.offset..p.offset + p.len].iter_mut().zip(&g) {
-                    *a += b;
+        match flat {
+            FlatMut::Host(flat) => {
+                for p in &self.params {
+                    if let Some(g) = grads.get(Self::var(p)?.as_tensor()) {
+                        let g = g.to_dtype(DType::F32)?.flatten_all()?;
+                        let g = g
+                            .to_vec1::<f32>()
+                            .with_context(|| format!("gradient of {}", p.name))?;
+                        for (a, b) in flat[p.offset..p.offset + p.len].iter_mut().zip(&g) {
+                            *a += b;
+                        }
+                    }
                 }
             }
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) => {
+                for p in &self.params {
+                    if let Some(g) = grads.get(Self::var(p)?.as_tensor()) {
+                        let g = g.to_dtype(DType::F32)?.contiguous()?;
+                        let (storage, layout) = g.storage_and_layout();
+                        let candle_core::Storage::Cuda(cs) = &*storage else {
+                            bail!("gradient of {} is not on the GPU", p.name);
+                        };
+                        let at = layout.start_offset();
+                        let src = cs.as_cuda_slice::<f32>()?.slice(at..at + p.len);
+                        d.kernels.add_at(&mut d.buf, p.offset, &src)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets every parameter from a flat buffer on the GPU: a device-to-device copy per tensor.
+    #[cfg(feature = "cuda")]
+    pub fn set_flat_device(&self, flat: &crate::flat::DeviceFlat) -> Result<()> {
+        use candle_core::{op::BackpropOp, CudaStorage, Storage};
+        if flat.buf.len() != self.numel {
+            bail!(
+                "flat buffer of {} values for {} parameters",
+                flat.buf.len(),
+                self.numel
+            );
+        }
+        let stream = flat.kernels.stream();
+        for p in &self.params {
+            let var = Self::var(p)?;
+            let Device::Cuda(dev) = var.device() else {
+                bail!("parameter {} is not on the GPU", p.name);
+            };
+            let mut part = stream.alloc_zeros::<f32>(p.len)?;
+            stream.memcpy_dtod(&flat.buf.slice(p.offset..p.offset + p.len), &mut part)?;
+            let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(part, dev.clone()));
+            let t = Tensor::from_storage(storage, p.shape.as_slice(), BackpropOp::none(), false);
+            var.set(&t)?;
         }
         Ok(())
     }

@@ -4,6 +4,9 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::config::OptimConfig;
+#[cfg(feature = "cuda")]
+use crate::flat::MIXED;
+use crate::flat::{Flat, FlatMut, FlatRef, Place};
 use crate::kernels::optim as kernels;
 
 /// A parameter's range in the flat buffer and whether weight decay applies to it.
@@ -34,11 +37,12 @@ impl OptimState {
     }
 }
 
-/// An optimizer's state borrowed in place (what a checkpoint writes, without a copy of the buffers).
+/// An optimizer's state borrowed in place, wherever its buffers live (what a checkpoint writes, without
+/// a copy of the buffers in host memory).
 pub struct OptimView<'a> {
     pub name: &'static str,
     pub step: u64,
-    pub buffers: Vec<(&'static str, &'a [f32])>,
+    pub buffers: Vec<(&'static str, FlatRef<'a>)>,
 }
 
 impl OptimView<'_> {
@@ -51,79 +55,138 @@ impl OptimView<'_> {
         }
     }
 
-    pub fn to_state(&self) -> OptimState {
-        OptimState {
-            buffers: self
-                .buffers
-                .iter()
-                .map(|&(n, b)| (n.into(), b.to_vec()))
-                .collect(),
+    /// Name, step and a host copy of the buffers.
+    pub fn to_state(&self) -> Result<OptimState> {
+        let buffers = self
+            .buffers
+            .iter()
+            .map(|&(n, b)| Ok((n.into(), b.to_host()?.into_owned())))
+            .collect::<Result<_>>()?;
+        Ok(OptimState {
+            buffers,
             ..self.header()
-        }
+        })
     }
 }
 
 pub trait Optimizer: Send {
-    /// One update of `params` with gradient `grads` at learning rate `lr`.
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64);
+    /// One update of `params` with gradient `grads` at learning rate `lr`, where the buffers live (the
+    /// kernels of `kernels/optim.cu` on the GPU, their CPU twins on the host).
+    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()>;
     /// The step count and buffers, borrowed.
     fn view(&self) -> OptimView<'_>;
-    /// The step count and a copy of the buffers.
-    fn state(&self) -> OptimState {
+    /// The step count and a host copy of the buffers.
+    fn state(&self) -> Result<OptimState> {
         self.view().to_state()
     }
+    /// Takes a saved state (host buffers, moved to where this optimizer's buffers live).
     fn load_state(&mut self, state: OptimState) -> Result<()>;
 }
 
-/// Builds the configured optimizer for a flat buffer laid out as `segments`.
-pub fn build(cfg: &OptimConfig, segments: Vec<Segment>, numel: usize) -> Box<dyn Optimizer> {
-    match cfg {
+/// A flat buffer's parameter segments, and their table on the GPU once a step has run there.
+pub struct Segments {
+    host: Vec<Segment>,
+    #[cfg(feature = "cuda")]
+    device: Option<crate::cuda::DeviceSegments>,
+}
+
+impl Segments {
+    pub fn new(host: Vec<Segment>) -> Self {
+        Self {
+            host,
+            #[cfg(feature = "cuda")]
+            device: None,
+        }
+    }
+
+    /// The table on the GPU of `k` (uploaded at the first call).
+    #[cfg(feature = "cuda")]
+    fn device(&mut self, k: &crate::cuda::Kernels) -> Result<&crate::cuda::DeviceSegments> {
+        if self.device.is_none() {
+            self.device = Some(k.segments(&self.host)?);
+        }
+        Ok(self.device.as_ref().expect("set above"))
+    }
+}
+
+/// Builds the configured optimizer for a flat buffer laid out as `segments`, its state in `place`.
+pub fn build(
+    cfg: &OptimConfig,
+    segments: Vec<Segment>,
+    numel: usize,
+    place: &Place,
+) -> Result<Box<dyn Optimizer>> {
+    let segs = Segments::new(segments);
+    Ok(match cfg {
         OptimConfig::AdamW(c) => Box::new(AdamW {
             betas: c.betas,
             eps: c.eps,
             wd: c.weight_decay,
-            segments,
-            m: vec![0.0; numel],
-            v: vec![0.0; numel],
+            segs,
+            m: place.zeros(numel)?,
+            v: place.zeros(numel)?,
             t: 0,
         }),
-        OptimConfig::Sgd(c) => Box::new(MomentumSgd::new(c, segments, numel)),
+        OptimConfig::Sgd(c) => Box::new(MomentumSgd {
+            momentum: c.momentum,
+            nesterov: c.nesterov,
+            wd: c.weight_decay,
+            segs,
+            buf: place.zeros(if c.momentum > 0.0 { numel } else { 0 })?,
+            t: 0,
+        }),
         OptimConfig::AccumAdamW(c) => Box::new(AccumAdamW {
             betas: c.betas,
             eps: c.eps,
             wd: c.weight_decay,
             k: c.accum_steps,
-            segments,
-            sm: vec![0.0; numel],
-            sv: vec![0.0; numel],
-            acc: vec![0.0; numel],
+            segs,
+            sm: place.zeros(numel)?,
+            sv: place.zeros(numel)?,
+            acc: place.zeros(numel)?,
             t: 0,
         }),
-    }
+    })
 }
 
 pub struct AdamW {
     betas: [f64; 2],
     eps: f64,
     wd: f64,
-    segments: Vec<Segment>,
-    m: Vec<f32>,
-    v: Vec<f32>,
+    segs: Segments,
+    m: Flat,
+    v: Flat,
     t: u64,
 }
 
 impl Optimizer for AdamW {
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
         self.t += 1;
         let c = kernels::AdamWStep::new(self.betas, self.eps, self.wd, lr, self.t);
-        kernels::adamw(params, grads, &mut self.m, &mut self.v, &self.segments, &c);
+        match (params, grads, &mut self.m, &mut self.v) {
+            (FlatMut::Host(p), FlatRef::Host(g), Flat::Host(m), Flat::Host(v)) => {
+                kernels::adamw(p, g, m, v, &self.segs.host, &c)
+            }
+            #[cfg(feature = "cuda")]
+            (FlatMut::Cuda(p), FlatRef::Cuda(g), Flat::Cuda(m), Flat::Cuda(v)) => {
+                let k = p.kernels.clone();
+                let segs = self.segs.device(&k)?;
+                k.adamw(&mut p.buf, &g.buf, &mut m.buf, &mut v.buf, segs, &c)?
+            }
+            #[cfg(feature = "cuda")]
+            _ => bail!(MIXED),
+        }
+        Ok(())
     }
 
     fn view(&self) -> OptimView<'_> {
         OptimView {
             name: "adamw",
             step: self.t,
-            buffers: vec![("exp_avg", &self.m), ("exp_avg_sq", &self.v)],
+            buffers: vec![
+                ("exp_avg", self.m.as_ref()),
+                ("exp_avg_sq", self.v.as_ref()),
+            ],
         }
     }
 
@@ -135,8 +198,8 @@ impl Optimizer for AdamW {
             self.m.len(),
             &mut self.t,
         )?;
-        self.m = m;
-        self.v = v;
+        let place = self.m.place();
+        (self.m, self.v) = (place.from_host(m)?, place.from_host(v)?);
         Ok(())
     }
 }
@@ -145,13 +208,17 @@ impl Optimizer for AdamW {
 /// Adam inside its reducer (`sync::compress::correction`), where g is Adam's direction.
 pub struct Sgd {
     wd: f64,
-    segments: Vec<Segment>,
+    segs: Segments,
     t: u64,
 }
 
 impl Sgd {
     pub fn new(wd: f64, segments: Vec<Segment>) -> Self {
-        Self { wd, segments, t: 0 }
+        Self {
+            wd,
+            segs: Segments::new(segments),
+            t: 0,
+        }
     }
 
     /// The state of an SGD that has taken `step` steps (it has no buffers).
@@ -165,9 +232,22 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
         self.t += 1;
-        kernels::sgd(params, grads, &self.segments, self.wd, lr);
+        match (params, grads) {
+            (FlatMut::Host(p), FlatRef::Host(g)) => {
+                kernels::sgd(p, g, &self.segs.host, self.wd, lr)
+            }
+            #[cfg(feature = "cuda")]
+            (FlatMut::Cuda(p), FlatRef::Cuda(g)) => {
+                let k = p.kernels.clone();
+                let segs = self.segs.device(&k)?;
+                k.sgd(&mut p.buf, &g.buf, segs, self.wd, lr)?
+            }
+            #[cfg(feature = "cuda")]
+            _ => bail!(MIXED),
+        }
+        Ok(())
     }
 
     fn view(&self) -> OptimView<'_> {
@@ -191,30 +271,14 @@ pub struct MomentumSgd {
     momentum: f64,
     nesterov: bool,
     wd: f64,
-    segments: Vec<Segment>,
-    buf: Vec<f32>,
+    segs: Segments,
+    /// The momentum buffer (empty without momentum).
+    buf: Flat,
     t: u64,
 }
 
-impl MomentumSgd {
-    pub fn new(c: &crate::config::optim::SgdConfig, segments: Vec<Segment>, numel: usize) -> Self {
-        Self {
-            momentum: c.momentum,
-            nesterov: c.nesterov,
-            wd: c.weight_decay,
-            segments,
-            buf: if c.momentum > 0.0 {
-                vec![0.0; numel]
-            } else {
-                Vec::new()
-            },
-            t: 0,
-        }
-    }
-}
-
 impl Optimizer for MomentumSgd {
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
         let c = kernels::SgdStep {
             wd: self.wd as f32,
             momentum: self.momentum as f32,
@@ -223,7 +287,21 @@ impl Optimizer for MomentumSgd {
             first: self.t == 0,
         };
         self.t += 1;
-        kernels::momentum_sgd(params, grads, &mut self.buf, &self.segments, &c);
+        match (params, grads, &mut self.buf) {
+            (FlatMut::Host(p), FlatRef::Host(g), Flat::Host(b)) => {
+                kernels::momentum_sgd(p, g, b, &self.segs.host, &c)
+            }
+            #[cfg(feature = "cuda")]
+            (FlatMut::Cuda(p), FlatRef::Cuda(g), Flat::Cuda(b)) => {
+                let k = p.kernels.clone();
+                let segs = self.segs.device(&k)?;
+                let b = (!b.buf.is_empty()).then_some(&mut b.buf);
+                k.momentum_sgd(&mut p.buf, &g.buf, b, segs, &c)?
+            }
+            #[cfg(feature = "cuda")]
+            _ => bail!(MIXED),
+        }
+        Ok(())
     }
 
     fn view(&self) -> OptimView<'_> {
@@ -233,7 +311,7 @@ impl Optimizer for MomentumSgd {
             buffers: if self.buf.is_empty() {
                 Vec::new()
             } else {
-                vec![("momentum_buffer", &self.buf)]
+                vec![("momentum_buffer", self.buf.as_ref())]
             },
         }
     }
@@ -244,7 +322,7 @@ impl Optimizer for MomentumSgd {
         } else {
             let n = self.buf.len();
             let [b] = take(state, "sgd", ["momentum_buffer"], n, &mut self.t)?;
-            self.buf = b;
+            self.buf = self.buf.place().from_host(b)?;
         }
         Ok(())
     }
@@ -257,21 +335,44 @@ pub struct AccumAdamW {
     eps: f64,
     wd: f64,
     k: u64,
-    segments: Vec<Segment>,
+    segs: Segments,
     /// Committed moments, stored pre-multiplied by beta1 / beta2 (as the reference).
-    sm: Vec<f32>,
-    sv: Vec<f32>,
+    sm: Flat,
+    sv: Flat,
     /// Running mean of the gradients since the last commit.
-    acc: Vec<f32>,
+    acc: Flat,
     t: u64,
 }
 
 impl Optimizer for AccumAdamW {
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
         self.t += 1;
         let c = kernels::AccumStep::new(self.betas, self.eps, self.wd, self.k, lr, self.t);
-        let (sm, sv, acc) = (&mut self.sm, &mut self.sv, &mut self.acc);
-        kernels::accum_adamw(params, grads, sm, sv, acc, &self.segments, &c);
+        match (params, grads, &mut self.sm, &mut self.sv, &mut self.acc) {
+            (
+                FlatMut::Host(p),
+                FlatRef::Host(g),
+                Flat::Host(sm),
+                Flat::Host(sv),
+                Flat::Host(acc),
+            ) => kernels::accum_adamw(p, g, sm, sv, acc, &self.segs.host, &c),
+            #[cfg(feature = "cuda")]
+            (
+                FlatMut::Cuda(p),
+                FlatRef::Cuda(g),
+                Flat::Cuda(sm),
+                Flat::Cuda(sv),
+                Flat::Cuda(acc),
+            ) => {
+                let k = p.kernels.clone();
+                let segs = self.segs.device(&k)?;
+                let (sm, sv, acc) = (&mut sm.buf, &mut sv.buf, &mut acc.buf);
+                k.accum_adamw(&mut p.buf, &g.buf, sm, sv, acc, segs, &c)?
+            }
+            #[cfg(feature = "cuda")]
+            _ => bail!(MIXED),
+        }
+        Ok(())
     }
 
     fn view(&self) -> OptimView<'_> {
@@ -279,9 +380,9 @@ impl Optimizer for AccumAdamW {
             name: "accumadamw",
             step: self.t,
             buffers: vec![
-                ("committed_m", &self.sm),
-                ("committed_v", &self.sv),
-                ("grad_mean", &self.acc),
+                ("committed_m", self.sm.as_ref()),
+                ("committed_v", self.sv.as_ref()),
+                ("grad_mean", self.acc.as_ref()),
             ],
         }
     }
@@ -294,7 +395,12 @@ impl Optimizer for AccumAdamW {
             self.sm.len(),
             &mut self.t,
         )?;
-        (self.sm, self.sv, self.acc) = (sm, sv, acc);
+        let place = self.sm.place();
+        (self.sm, self.sv, self.acc) = (
+            place.from_host(sm)?,
+            place.from_host(sv)?,
+            place.from_host(acc)?,
+        );
         Ok(())
     }
 }
@@ -360,11 +466,11 @@ mod tests {
                 decay: false,
             },
         ];
-        let mut opt = build(&cfg, segs, 3);
+        let mut opt = build(&cfg, segs, 3, &Place::Host).unwrap();
         let mut p = vec![1.0f32, -2.0, 0.5];
         for t in 1..=3 {
             let g = [0.1 * t as f32, -0.2, 0.3 / t as f32];
-            opt.step(&mut p, &g, 0.1);
+            opt.step((&mut p).into(), (&g[..]).into(), 0.1).unwrap();
         }
         let want = reference_adamw(
             &[1.0, -2.0, 0.5],
@@ -424,7 +530,9 @@ mod tests {
                 decay: true,
             }],
             1,
-        );
+            &Place::Host,
+        )
+        .unwrap();
         let mut p = vec![0.0f32];
         let gs = [1.0f64, 3.0, -2.0, 0.5];
         // f64 transcription of Decent-DP's optim.py.
@@ -432,7 +540,8 @@ mod tests {
         let (mut sm, mut sv, mut acc, mut q) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
         for (i, &g) in gs.iter().enumerate() {
             let t = i as u64 + 1;
-            opt.step(&mut p, &[g as f32], lr);
+            opt.step((&mut p).into(), (&[g as f32][..]).into(), lr)
+                .unwrap();
             acc += g / k as f64;
             let m = sm + (1.0 - b1) * g;
             let v = sv + (1.0 - b2) * g * g;
@@ -455,22 +564,26 @@ mod tests {
             len: 2,
             decay: true,
         }];
-        let mut a = build(&cfg, seg.clone(), 2);
+        let mut a = build(&cfg, seg.clone(), 2, &Place::Host).unwrap();
         let mut p = vec![1.0f32, 2.0];
-        a.step(&mut p, &[0.5, -0.5], 0.01);
-        let mut b = build(&cfg, seg.clone(), 2);
-        b.load_state(a.state()).unwrap();
+        a.step((&mut p).into(), (&[0.5, -0.5][..]).into(), 0.01)
+            .unwrap();
+        let mut b = build(&cfg, seg.clone(), 2, &Place::Host).unwrap();
+        b.load_state(a.state().unwrap()).unwrap();
         let mut p2 = p.clone();
-        a.step(&mut p, &[0.1, 0.2], 0.01);
-        b.step(&mut p2, &[0.1, 0.2], 0.01);
+        let g = [0.1f32, 0.2];
+        a.step((&mut p).into(), (&g[..]).into(), 0.01).unwrap();
+        b.step((&mut p2).into(), (&g[..]).into(), 0.01).unwrap();
         assert_eq!(p, p2);
         let mut c = build(
             &OptimConfig::AccumAdamW(AccumAdamWConfig::default()),
             seg,
             2,
-        );
+            &Place::Host,
+        )
+        .unwrap();
         assert!(c
-            .load_state(a.state())
+            .load_state(a.state().unwrap())
             .unwrap_err()
             .to_string()
             .contains("weights"));

@@ -7,6 +7,10 @@ pub mod schedule;
 pub use adamw::{build, OptimState, OptimView, Optimizer, Segment, Sgd};
 pub use schedule::lr_at;
 
+use anyhow::Result;
+
+use crate::flat::{FlatMut, FlatRef, Place};
+
 /// The optimizer the training loop steps: the configured one, or SGD with decoupled weight decay when
 /// Radius runs Adam inside its reducer (`sync::compress::correction`) or DeMo computes the direction.
 pub fn for_run(
@@ -14,10 +18,11 @@ pub fn for_run(
     sync: &crate::config::resolve::SyncPlan,
     segments: Vec<Segment>,
     numel: usize,
-) -> Box<dyn Optimizer> {
+    place: &Place,
+) -> Result<Box<dyn Optimizer>> {
     match sync.plain_sgd_in_loop() {
-        Some(wd) => Box::new(Sgd::new(wd, segments)),
-        None => build(optim, segments, numel),
+        Some(wd) => Ok(Box::new(Sgd::new(wd, segments))),
+        None => build(optim, segments, numel, place),
     }
 }
 
@@ -40,18 +45,27 @@ pub fn global_norm(g: &[f32]) -> f64 {
     crate::kernels::optim::sum_squares(g).sqrt()
 }
 
+/// Global L2 norm of a flat buffer wherever it lives (the `sum_squares` kernel on the GPU).
+pub fn norm(x: FlatRef<'_>) -> Result<f64> {
+    Ok(x.sum_squares()?.sqrt())
+}
+
 /// torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
 /// Returns the norm before clipping. `max_norm <= 0` disables clipping.
 pub fn clip_grad_norm(g: &mut [f32], max_norm: f64) -> f64 {
-    let norm = global_norm(g);
+    clip_flat(g.into(), max_norm).expect("host buffers: the kernels' twins cannot fail")
+}
+
+/// `clip_grad_norm` of a buffer wherever it lives (the `sum_squares` and `scale` kernels on the GPU).
+pub fn clip_flat(mut g: FlatMut<'_>, max_norm: f64) -> Result<f64> {
+    let norm = g.as_ref().sum_squares()?.sqrt();
     if max_norm > 0.0 {
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
-            let c = coef as f32;
-            g.iter_mut().for_each(|x| *x *= c);
+            g.scale(coef as f32)?;
         }
     }
-    norm
+    Ok(norm)
 }
 
 #[cfg(test)]
@@ -93,10 +107,11 @@ mod tests {
                 len: numel,
                 decay: true,
             }];
-            let mut opt = for_run(&optim, &dense, seg, numel);
+            let mut opt = for_run(&optim, &dense, seg, numel, &Place::Host).unwrap();
             let mut p = vec![1.0f32; numel];
-            opt.step(&mut p, &[0.5; 10], 0.1);
-            let held: usize = opt.state().buffers.iter().map(|(_, b)| b.len()).sum();
+            opt.step((&mut p).into(), (&[0.5; 10][..]).into(), 0.1)
+                .unwrap();
+            let held: usize = opt.view().buffers.iter().map(|(_, b)| b.len()).sum();
             assert_eq!(
                 held as u64,
                 state_buffers(&optim, &dense) * numel as u64,

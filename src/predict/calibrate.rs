@@ -194,11 +194,11 @@ impl Probe {
         let s = Instant::now();
         self.model.loss_and_grads(
             &mut self.scratch,
-            &self.weights,
+            (&self.weights).into(),
             &self.batch,
             None,
             1.0,
-            &mut self.grads,
+            (&mut self.grads).into(),
         )?;
         Ok(s.elapsed().as_secs_f64())
     }

@@ -290,6 +290,9 @@ impl SyncBackend for Demo {
         self.grad_norm
     }
     /// Every rank applies the same direction: the replicas stay equal, no consensus distance.
+    fn touches_params(&self) -> bool {
+        false
+    }
     fn replicas_differ(&self) -> bool {
         false
     }

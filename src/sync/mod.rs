@@ -15,6 +15,7 @@ use anyhow::Result;
 
 use crate::comm::{all_reduce_mean, CommStats, Communicator};
 use crate::config::resolve::{Plan, SyncPlan};
+use crate::flat::FlatMut;
 use topology::Round;
 use trace::{Collective, Op, Overlap};
 
@@ -38,6 +39,16 @@ pub trait SyncBackend {
     /// Backends that leave gradients local (gossip, DiLoCo, SPARTA) keep this default.
     fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
         Ok(())
+    }
+    /// `reduce_grads` on the gradient wherever it lives: on the GPU through a host copy, unless the
+    /// backend reduces there itself (the dense all-reduce on an engine with device collectives).
+    fn reduce_flat(&mut self, grads: FlatMut<'_>, step: u64, lr: f64) -> Result<()> {
+        grads.through_host(|g| self.reduce_grads(g, step, lr))
+    }
+    /// Whether `before_step` and `after_step` do anything: the loop calls them (on the GPU, through a
+    /// host copy of the parameters) only when they do. The backends whose replicas stay equal do not.
+    fn touches_params(&self) -> bool {
+        true
     }
     /// Runs after the optimizer step of step `step` (gossip mixes parameters here, DiLoCo and SPARTA
     /// sync them); gradient-reducing backends keep this default.
@@ -188,8 +199,33 @@ impl SyncBackend for AllReduce {
         }
         Ok(())
     }
+    /// On the GPU with an engine that has device collectives (NCCL): the buckets' sums on the device,
+    /// then one scaling by 1 / N (the host path's arithmetic: the sum, then times 1 / N).
+    fn reduce_flat(&mut self, grads: FlatMut<'_>, step: u64, lr: f64) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        let grads = match grads {
+            FlatMut::Cuda(d) if self.comm.device_collectives() => {
+                let n = self.comm.world_size();
+                if n == 1 {
+                    return Ok(());
+                }
+                let len = d.buf.len();
+                for at in (0..len).step_by(self.bucket_elems) {
+                    let end = (at + self.bucket_elems).min(len);
+                    self.comm
+                        .all_reduce_sum_device(&mut d.buf.slice_mut(at..end))?;
+                }
+                return d.kernels.scale(&mut d.buf, 1.0 / n as f32);
+            }
+            g => g,
+        };
+        grads.through_host(|g| self.reduce_grads(g, step, lr))
+    }
     /// The replicas are equal: their average is the model, and there is no consensus distance.
     fn replicas_differ(&self) -> bool {
+        false
+    }
+    fn touches_params(&self) -> bool {
         false
     }
 }
@@ -433,6 +469,9 @@ impl SyncBackend for Compressed {
         self.tally.take()
     }
     /// The replicas are equal: their average is the model, and there is no consensus distance.
+    fn touches_params(&self) -> bool {
+        false
+    }
     fn replicas_differ(&self) -> bool {
         false
     }

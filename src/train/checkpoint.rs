@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 
 use crate::bad_input;
 use crate::data::format::{commit, tmp_path};
+use crate::flat::FlatRef;
 use crate::model::gpt::is_conv1d;
 use crate::model::Gpt;
 use crate::optim::OptimState;
@@ -136,7 +137,7 @@ pub struct RankState {
 /// One rank's share of a checkpoint as `write_rank` writes it: borrowed from the running worker, so that
 /// a checkpoint holds no second copy of the parameters or the optimizer's buffers.
 pub struct RankView<'a> {
-    pub params: &'a [f32],
+    pub params: FlatRef<'a>,
     pub optimizer: crate::optim::OptimView<'a>,
     pub reducer: crate::sync::compress::State,
     pub meta: RankMeta,
@@ -147,7 +148,7 @@ impl<'a> RankView<'a> {
     /// RNG and the training loss summed since the last metrics row.
     pub fn new(
         rank: usize,
-        params: &'a [f32],
+        params: FlatRef<'a>,
         optimizer: crate::optim::OptimView<'a>,
         reducer: crate::sync::compress::State,
         dropout_word_pos: u128,
@@ -373,12 +374,20 @@ fn hf_config(model: &Gpt) -> serde_json::Value {
 
 /// Writes one rank's state file of a checkpoint.
 pub fn write_rank(path: &Path, state: &RankView) -> Result<()> {
+    // Host buffers are written in place; GPU buffers through a host copy.
+    let params = state.params.to_host()?;
+    let optim = state
+        .optimizer
+        .buffers
+        .iter()
+        .map(|&(n, b)| Ok((n, b.to_host()?)))
+        .collect::<Result<Vec<_>>>()?;
     let mut tensors = vec![(
         "params".to_string(),
-        Values::Slice(state.params),
-        vec![state.params.len()],
+        Values::Slice(&params),
+        vec![params.len()],
     )];
-    for (n, b) in &state.optimizer.buffers {
+    for (n, b) in &optim {
         tensors.push((format!("optim.{n}"), Values::Slice(b), vec![b.len()]));
     }
     for (n, b) in &state.reducer {

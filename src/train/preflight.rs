@@ -62,8 +62,9 @@ pub fn check(loaded: &Loaded, host: Host) -> Result<Ready> {
 }
 
 /// Config keys a resume may change freely: logging and evaluation, and how this invocation runs (not what
-/// it computes).
-const FREE_TO_CHANGE: [&str; 10] = [
+/// it computes). The device is one: checkpoints hold host copies of the same buffers on CPU and GPU, so a
+/// CUDA run resumes on CPU and the other way round (with the other device's arithmetic from there on).
+const FREE_TO_CHANGE: [&str; 11] = [
     "log.",
     "checkpoint",
     "checkpoint_mode",
@@ -74,6 +75,7 @@ const FREE_TO_CHANGE: [&str; 10] = [
     "train.comm_timeout_secs",
     "train.engine",
     "train.workers",
+    "train.device",
 ];
 
 /// Whether `key` is `pattern` or lies under it (`pattern` = "train.optim" covers "train.optim.betas").

@@ -13,6 +13,7 @@ use super::{Exit, Setup, Summary};
 use crate::comm::Communicator;
 use crate::config::CheckpointMode;
 use crate::data::{eval_batch, Blend, Sampler, Split};
+use crate::flat::{Flat, FlatRef};
 use crate::metrics::{Row, Tracker};
 use crate::model::Gpt;
 use crate::optim::{self, Optimizer, Segment};
@@ -79,10 +80,11 @@ pub(super) struct Worker<'s> {
     model: Gpt,
     sync: Box<dyn SyncBackend>,
     opt: Box<dyn Optimizer>,
-    /// The parameters (name-ordered flat buffer) and this step's gradient. (The replicas' average, which
-    /// evaluations and checkpoints need, lives only while they run.)
-    params: Vec<f32>,
-    grads: Vec<f32>,
+    /// The parameters (name-ordered flat buffer) and this step's gradient, on the model's device (see
+    /// `crate::flat`). (The replicas' average, which evaluations and checkpoints need, lives only while
+    /// they run.)
+    params: Flat,
+    grads: Flat,
     sampler: Sampler,
     dropout: ChaCha8Rng,
     progress: Progress,
@@ -121,14 +123,16 @@ impl<'s> Worker<'s> {
                 decay: p.decays(),
             })
             .collect();
-        let opt = optim::for_run(&t.optim, &plan.sync, segments, model.params.numel);
+        let place = model.place().clone();
+        let numel = model.params.numel;
+        let opt = optim::for_run(&t.optim, &plan.sync, segments, numel, &place)?;
         let mut dropout = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
         dropout.set_stream(sync.rank() as u64);
         let root = sync.rank() == 0;
         let mut w = Self {
             setup,
-            params: model.initial_weights(),
-            grads: vec![0.0; model.params.numel],
+            params: place.from_host(model.initial_weights())?,
+            grads: place.zeros(numel)?,
             model,
             sync,
             opt,
@@ -190,14 +194,15 @@ impl<'s> Worker<'s> {
                 self.sync.load_state(reducer)?;
                 self.dropout.set_word_pos(r.state.meta.dropout_pos());
                 (self.since_log.loss_sum, self.since_log.loss_steps) = r.state.meta.loss_since_log;
-                self.params = r.state.params;
+                self.params = self.model.place().from_host(r.state.params)?;
             }
             CheckpointMode::Weights => {
-                self.params =
-                    checkpoint::read_hf_weights(&dir.join("model.safetensors"), &self.model)?.0;
+                let (weights, _) =
+                    checkpoint::read_hf_weights(&dir.join("model.safetensors"), &self.model)?;
+                self.params = self.model.place().from_host(weights)?;
             }
         }
-        self.model.load(&self.params)?;
+        self.model.load(self.params.as_ref())?;
         if rank == 0 {
             tracing::info!(
                 "resumed from {} ({}) at step {}",
@@ -249,11 +254,11 @@ impl<'s> Worker<'s> {
             let loss = self.forward_backward()?;
             let sync_start = self.since_log.sync_start(self.sync.comm_stats());
             self.sync
-                .reduce_grads(&mut self.grads, self.progress.step, lr)?;
+                .reduce_flat(self.grads.as_mut(), self.progress.step, lr)?;
             self.since_log.sync_end(sync_start, self.sync.comm_stats());
             let grad_norm = match self.sync.clipped_grad_norm() {
                 Some(norm) => norm,
-                None => optim::clip_grad_norm(&mut self.grads, t.grad_norm_clip),
+                None => optim::clip_flat(self.grads.as_mut(), t.grad_norm_clip)?,
             };
             self.update(lr)?;
             if let Some((planned, before)) = planned {
@@ -301,7 +306,7 @@ impl<'s> Worker<'s> {
         let ctx = self.setup.cfg.train.context_length;
         let (model, weights, grads, dropout, sampler) = (
             &self.model,
-            &self.params,
+            self.params.as_ref(),
             &mut self.grads,
             &mut self.dropout,
             &mut self.sampler,
@@ -309,7 +314,7 @@ impl<'s> Worker<'s> {
         let (data, compute) = (&self.setup.train_data, &self.setup.compute);
         let loss_sum = overlapped(self.sync.as_mut(), || {
             compute.run(|scratch| {
-                grads.iter_mut().for_each(|g| *g = 0.0);
+                grads.as_mut().fill_zero()?;
                 let mut loss_sum = 0.0f64;
                 for micro in 0..accum as u64 {
                     // Rows of this rank and micro-step in the step's global batch (see data::sampler).
@@ -323,7 +328,7 @@ impl<'s> Worker<'s> {
                         &batch,
                         Some(dropout),
                         scale,
-                        grads,
+                        grads.as_mut(),
                     )? as f64;
                 }
                 Ok(loss_sum)
@@ -335,13 +340,23 @@ impl<'s> Worker<'s> {
     /// The optimizer step between the backend's hooks (gossip mixes after it), then the model's weights.
     fn update(&mut self, lr: f64) -> Result<()> {
         let start = self.since_log.sync_start(self.sync.comm_stats());
-        self.sync.before_step(&mut self.params)?;
+        let (step, touches) = (self.progress.step, self.sync.touches_params());
+        if touches {
+            let sync = self.sync.as_mut();
+            self.params.as_mut().through_host(|p| sync.before_step(p))?;
+        }
         self.since_log.sync_end(start, self.sync.comm_stats());
-        self.opt.step(&mut self.params, &self.grads, lr);
+        self.opt
+            .step(self.params.as_mut(), self.grads.as_ref(), lr)?;
         let start = self.since_log.sync_start(self.sync.comm_stats());
-        self.sync.after_step(&mut self.params, self.progress.step)?;
+        if touches {
+            let sync = self.sync.as_mut();
+            self.params
+                .as_mut()
+                .through_host(|p| sync.after_step(p, step))?;
+        }
         self.since_log.sync_end(start, self.sync.comm_stats());
-        self.model.load(&self.params)?;
+        self.model.load(self.params.as_ref())?;
         self.progress.tokens += self.setup.plan.tokens_at(self.progress.step);
         self.progress.step += 1;
         Ok(())
@@ -381,7 +396,7 @@ impl<'s> Worker<'s> {
         let [norm, distance] = per_rank.map(|v| v.and_then(|_| rest.next()));
         (row.pseudo_grad_norm, row.consensus_distance) = (norm, distance);
         row.outer_lr = m.outer_lr;
-        row.param_norm = optim::global_norm(&self.params);
+        row.param_norm = optim::norm(self.params.as_ref())?;
         row.elapsed_s = self.elapsed();
         row.mfu = self
             .mfu_peak
@@ -410,7 +425,7 @@ impl<'s> Worker<'s> {
         let mut row = Row {
             lr: optim::lr_at(&t.lr_schedule, 0, t.n_steps),
             batch_size: self.setup.plan.batches.batch_at(0),
-            param_norm: optim::global_norm(&self.params),
+            param_norm: optim::norm(self.params.as_ref())?,
             elapsed_s: self.elapsed(),
             ..Row::default()
         };
@@ -437,9 +452,11 @@ impl<'s> Worker<'s> {
         // Evaluate the average of the replicas, then continue from the local ones.
         let setup = self.setup;
         let spec = self.eval_spec();
+        // On the GPU, the evaluations run from a host copy of the parameters.
+        let params = self.params.to_host()?;
         let mut avg = Vec::new();
-        let (weights, distance) = self.sync.average(&self.params, &mut avg)?;
-        self.model.load(weights)?;
+        let (weights, distance) = self.sync.average(&params, &mut avg)?;
+        self.model.load(weights.into())?;
         let (sync, compute, model) = (self.sync.as_mut(), &setup.compute, &self.model);
         let val = eval_shared(
             sync,
@@ -459,10 +476,9 @@ impl<'s> Worker<'s> {
             &setup.train_data,
             Split::Train,
         )?;
-        self.model.load(&self.params)?;
+        self.model.load(self.params.as_ref())?;
         if cfg.log.eval_local {
-            let (mean, max) =
-                eval_local(sync, compute, model, &spec, &self.params, &setup.val_data)?;
+            let (mean, max) = eval_local(sync, compute, model, &spec, &params, &setup.val_data)?;
             (row.val_loss_local, row.val_loss_local_max) = (Some(mean), Some(max));
         }
         self.since_eval = (Instant::now(), step);
@@ -545,9 +561,12 @@ impl<'s> Worker<'s> {
         if let Some(m) = self.metrics.as_mut() {
             m.sync()?;
         }
+        // One host copy of the parameters on the GPU (borrowed on the host) serves the average and the
+        // rank's file.
+        let params = self.params.to_host()?;
         let mut avg = Vec::new();
-        let (model_weights, _) = self.sync.average(&self.params, &mut avg)?;
-        let (params, opt, dropout) = (&self.params, &self.opt, &self.dropout);
+        let (model_weights, _) = self.sync.average(&params, &mut avg)?;
+        let (params, opt, dropout) = (&params, &self.opt, &self.dropout);
         let loss_since_log = (self.since_log.loss_sum, self.since_log.loss_steps);
         // The rank's state, written from its buffers in place (only the reducer's state is a copy) while
         // it holds a compute slot: on the local engine, as many writes and copies at once as slots.
@@ -555,7 +574,7 @@ impl<'s> Worker<'s> {
             let _slot = setup.compute.hold();
             let state = RankView::new(
                 sync.rank(),
-                params,
+                FlatRef::Host(params),
                 opt.view(),
                 sync.state(),
                 dropout.get_word_pos(),

@@ -62,7 +62,8 @@ fn adam(numel: usize, betas: [f64; 2], eps: f64) -> Box<dyn Optimizer> {
         len: numel,
         decay: false,
     };
-    optim::build(&cfg, vec![all], numel)
+    optim::build(&cfg, vec![all], numel, &crate::flat::Place::Host)
+        .expect("host buffers: building cannot fail")
 }
 
 impl Reducer for Corrected {
@@ -76,7 +77,8 @@ impl Reducer for Corrected {
         report.grad_norm = Some(optim::clip_grad_norm(grads, self.clip));
         self.direction.clear();
         self.direction.resize(grads.len(), 0.0);
-        self.adam.step(&mut self.direction, grads, 1.0);
+        self.adam
+            .step((&mut self.direction).into(), (&*grads).into(), 1.0)?;
         for (g, d) in grads.iter_mut().zip(&self.direction) {
             *g = -d;
         }
@@ -89,7 +91,8 @@ impl Reducer for Corrected {
 
     fn state(&self) -> State {
         let mut state = self.inner.state();
-        push_adam(&mut state, self.adam.state());
+        let adam = self.adam.state();
+        push_adam(&mut state, adam.expect("host buffers: a copy cannot fail"));
         state
     }
 

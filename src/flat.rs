@@ -1,0 +1,267 @@
+//! Where a rank's flat buffers live (parameters, gradients, optimizer state): host memory, or the GPU
+//! with `train.device = "cuda"`. One buffer per kind in name order, as `model::ParamSet` lays it out; on
+//! the GPU the step's arithmetic runs as the kernels of `crate::cuda` (their CPU twins in
+//! `crate::kernels` run on host buffers), and the host sees copies only for checkpoints, evaluations and
+//! logged scalars.
+
+use std::borrow::Cow;
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+
+use anyhow::Result;
+
+#[cfg(feature = "cuda")]
+use crate::cuda::Kernels;
+
+/// A buffer on the GPU with the kernels (on the model's stream) that compute on it.
+#[cfg(feature = "cuda")]
+pub struct DeviceFlat {
+    pub buf: cudarc::driver::CudaSlice<f32>,
+    pub kernels: Arc<Kernels>,
+}
+
+/// An owned flat buffer.
+pub enum Flat {
+    Host(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Cuda(DeviceFlat),
+}
+
+/// A flat buffer borrowed for writing.
+pub enum FlatMut<'a> {
+    Host(&'a mut [f32]),
+    #[cfg(feature = "cuda")]
+    Cuda(&'a mut DeviceFlat),
+}
+
+/// A flat buffer borrowed for reading.
+#[derive(Clone, Copy)]
+pub enum FlatRef<'a> {
+    Host(&'a [f32]),
+    #[cfg(feature = "cuda")]
+    Cuda(&'a DeviceFlat),
+}
+
+/// Where new buffers go: host memory, or the GPU of the given kernels' stream.
+#[derive(Clone, Default)]
+pub enum Place {
+    #[default]
+    Host,
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<Kernels>),
+}
+
+impl std::fmt::Debug for Place {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Place::Host => f.write_str("host"),
+            #[cfg(feature = "cuda")]
+            Place::Cuda(_) => f.write_str("cuda"),
+        }
+    }
+}
+
+/// The error of an operation given buffers in different places (a bug, not an input error).
+#[cfg(feature = "cuda")]
+pub const MIXED: &str =
+    "internal error: flat buffers in host memory and on the GPU in one operation";
+
+impl Place {
+    pub fn zeros(&self, n: usize) -> Result<Flat> {
+        match self {
+            Place::Host => Ok(Flat::Host(vec![0.0; n])),
+            #[cfg(feature = "cuda")]
+            Place::Cuda(k) => Ok(Flat::Cuda(DeviceFlat {
+                buf: k.stream().alloc_zeros::<f32>(n)?,
+                kernels: k.clone(),
+            })),
+        }
+    }
+
+    /// `values` in this place (moved, on the host).
+    pub fn from_host(&self, values: Vec<f32>) -> Result<Flat> {
+        match self {
+            Place::Host => Ok(Flat::Host(values)),
+            #[cfg(feature = "cuda")]
+            Place::Cuda(k) => Ok(Flat::Cuda(DeviceFlat {
+                buf: k.stream().clone_htod(&values)?,
+                kernels: k.clone(),
+            })),
+        }
+    }
+}
+
+impl Flat {
+    pub fn len(&self) -> usize {
+        self.as_ref().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn as_ref(&self) -> FlatRef<'_> {
+        match self {
+            Flat::Host(v) => FlatRef::Host(v),
+            #[cfg(feature = "cuda")]
+            Flat::Cuda(d) => FlatRef::Cuda(d),
+        }
+    }
+
+    pub fn as_mut(&mut self) -> FlatMut<'_> {
+        match self {
+            Flat::Host(v) => FlatMut::Host(v),
+            #[cfg(feature = "cuda")]
+            Flat::Cuda(d) => FlatMut::Cuda(d),
+        }
+    }
+
+    /// The values on the host: borrowed there, a copy from the GPU.
+    pub fn to_host(&self) -> Result<Cow<'_, [f32]>> {
+        self.as_ref().to_host()
+    }
+
+    /// Where this buffer is (for buffers made beside it).
+    pub fn place(&self) -> Place {
+        match self {
+            Flat::Host(_) => Place::Host,
+            #[cfg(feature = "cuda")]
+            Flat::Cuda(d) => Place::Cuda(d.kernels.clone()),
+        }
+    }
+}
+
+impl<'a> FlatRef<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            FlatRef::Host(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            FlatRef::Cuda(d) => d.buf.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values on the host: borrowed there, a copy from the GPU.
+    pub fn to_host(self) -> Result<Cow<'a, [f32]>> {
+        match self {
+            FlatRef::Host(v) => Ok(Cow::Borrowed(v)),
+            #[cfg(feature = "cuda")]
+            FlatRef::Cuda(d) => Ok(Cow::Owned(d.kernels.stream().clone_dtoh(&d.buf)?)),
+        }
+    }
+
+    /// The f64 sum of squares (the `sum_squares` kernel, or its twin on the host).
+    pub fn sum_squares(self) -> Result<f64> {
+        match self {
+            FlatRef::Host(v) => Ok(crate::kernels::optim::sum_squares(v)),
+            #[cfg(feature = "cuda")]
+            FlatRef::Cuda(d) => d.kernels.sum_squares(&d.buf),
+        }
+    }
+}
+
+impl FlatMut<'_> {
+    pub fn as_ref(&self) -> FlatRef<'_> {
+        match self {
+            FlatMut::Host(v) => FlatRef::Host(v),
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) => FlatRef::Cuda(d),
+        }
+    }
+
+    pub fn reborrow(&mut self) -> FlatMut<'_> {
+        match self {
+            FlatMut::Host(v) => FlatMut::Host(v),
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) => FlatMut::Cuda(d),
+        }
+    }
+
+    /// x *= s (the `scale` kernel, or its twin).
+    pub fn scale(&mut self, s: f32) -> Result<()> {
+        match self {
+            FlatMut::Host(v) => crate::kernels::scale(v, s),
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) => d.kernels.scale(&mut d.buf, s)?,
+        }
+        Ok(())
+    }
+
+    /// Sets every value to zero.
+    pub fn fill_zero(&mut self) -> Result<()> {
+        match self {
+            FlatMut::Host(v) => v.iter_mut().for_each(|x| *x = 0.0),
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) => d.kernels.stream().memset_zeros(&mut d.buf)?,
+        }
+        Ok(())
+    }
+
+    /// Runs `f`, which works on host memory, on this buffer: in place on the host; on the GPU through a
+    /// copy down and back up (the hooks of the sync backends that have no device path yet).
+    pub fn through_host<T>(self, f: impl FnOnce(&mut [f32]) -> Result<T>) -> Result<T> {
+        match self {
+            FlatMut::Host(v) => f(v),
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) => {
+                let stream = d.kernels.stream().clone();
+                let mut host = stream.clone_dtoh(&d.buf)?;
+                let out = f(&mut host)?;
+                stream.memcpy_htod(&host, &mut d.buf)?;
+                Ok(out)
+            }
+        }
+    }
+}
+
+impl<'a> From<&'a mut [f32]> for FlatMut<'a> {
+    fn from(v: &'a mut [f32]) -> Self {
+        FlatMut::Host(v)
+    }
+}
+
+impl<'a> From<&'a mut Vec<f32>> for FlatMut<'a> {
+    fn from(v: &'a mut Vec<f32>) -> Self {
+        FlatMut::Host(v)
+    }
+}
+
+impl<'a> From<&'a [f32]> for FlatRef<'a> {
+    fn from(v: &'a [f32]) -> Self {
+        FlatRef::Host(v)
+    }
+}
+
+impl<'a> From<&'a Vec<f32>> for FlatRef<'a> {
+    fn from(v: &'a Vec<f32>) -> Self {
+        FlatRef::Host(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_buffers_are_borrowed_in_place_and_changed_in_place() {
+        let mut f = Place::Host.from_host(vec![3.0, 4.0]).unwrap();
+        assert!(matches!(f.to_host().unwrap(), Cow::Borrowed(_)));
+        assert_eq!(f.as_ref().sum_squares().unwrap(), 25.0);
+        f.as_mut().scale(0.5).unwrap();
+        assert_eq!(&*f.to_host().unwrap(), &[1.5, 2.0]);
+        let doubled = f
+            .as_mut()
+            .through_host(|v| {
+                v.iter_mut().for_each(|x| *x *= 2.0);
+                Ok(v.len())
+            })
+            .unwrap();
+        assert_eq!((doubled, &*f.to_host().unwrap()), (2, &[3.0f32, 4.0][..]));
+        f.as_mut().fill_zero().unwrap();
+        assert_eq!(&*f.to_host().unwrap(), &[0.0, 0.0]);
+        assert_eq!(Place::Host.zeros(3).unwrap().len(), 3);
+    }
+}
