@@ -78,6 +78,36 @@ impl Place {
         }
     }
 
+    /// Zeros for a buffer that collectives on another stream use in parts while the model's stream
+    /// writes other parts (the gradient under DDP's overlap). On the GPU it is allocated outside
+    /// cudarc's automatic event tracking, which would order every use of the buffer after the last use
+    /// of any part of it on another stream, and so serialize the overlap; the collectives order the
+    /// streams with events of their own (`Communicator::all_reduce_sum_device`, `finish_device`), and
+    /// everything else that touches the buffer runs on the model's stream.
+    pub fn zeros_for_collectives(&self, n: usize) -> Result<Flat> {
+        match self {
+            Place::Host => self.zeros(n),
+            #[cfg(feature = "cuda")]
+            Place::Cuda(k) => {
+                let ctx = k.stream().context();
+                let tracking = ctx.is_event_tracking();
+                // SAFETY: the flag affects slices allocated while it is off: this one alone (a worker
+                // allocates its buffers on its own thread before it starts). The buffer's cross-stream
+                // uses are ordered by events, its collectives are waited for (`finish_device`) before
+                // the model's stream writes the next step's gradient into it, and it is freed after.
+                unsafe { ctx.disable_event_tracking() };
+                let buf = k.stream().alloc_zeros::<f32>(n);
+                if tracking {
+                    unsafe { ctx.enable_event_tracking() };
+                }
+                Ok(Flat::Cuda(DeviceFlat {
+                    buf: buf?,
+                    kernels: k.clone(),
+                }))
+            }
+        }
+    }
+
     /// `values` in this place (moved, on the host).
     pub fn from_host(&self, values: Vec<f32>) -> Result<Flat> {
         match self {

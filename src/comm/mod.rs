@@ -184,10 +184,21 @@ pub trait Communicator {
     fn device_collectives(&self) -> bool {
         false
     }
-    /// `all_reduce_sum` of a GPU buffer, in place on the device (engines with `device_collectives`).
+    /// Enqueues `all_reduce_sum` of a GPU buffer, in place on the device, after the work queued so far
+    /// on stream `after` (engines with `device_collectives`); `finish_device` waits for it.
     #[cfg(feature = "cuda")]
-    fn all_reduce_sum_device(&mut self, _buf: &mut cudarc::driver::CudaViewMut<f32>) -> Result<()> {
+    fn all_reduce_sum_device(
+        &mut self,
+        _buf: &mut cudarc::driver::CudaViewMut<f32>,
+        _after: &cudarc::driver::CudaStream,
+    ) -> Result<()> {
         anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
+    }
+    /// Waits for the collectives enqueued on the device (at most the engine's timeout), and makes the
+    /// work queued next on stream `before` wait for them too.
+    #[cfg(feature = "cuda")]
+    fn finish_device(&mut self, _before: &cudarc::driver::CudaStream) -> Result<()> {
+        Ok(())
     }
 }
 

@@ -27,6 +27,8 @@ pub struct NcclComm {
     staging: Vec<CudaSlice<f32>>,
     scratch: Vec<f32>,
     stats: CommStats,
+    /// When the first device collective not yet waited for was enqueued.
+    device_since: Option<Instant>,
 }
 
 fn nccl_err(e: nccl::NcclError) -> anyhow::Error {
@@ -70,6 +72,7 @@ impl NcclComm {
             staging: Vec::new(),
             scratch: Vec::new(),
             stats: CommStats::default(),
+            device_since: None,
         })
     }
 
@@ -250,18 +253,33 @@ impl Communicator for NcclComm {
         true
     }
 
-    /// NCCL's all-reduce on the buffer itself, on this engine's stream: cudarc's events order it after
-    /// the kernels that wrote the buffer and before those that read it on the model's stream.
-    fn all_reduce_sum_device(&mut self, buf: &mut CudaViewMut<f32>) -> Result<()> {
+    /// NCCL's all-reduce on the buffer itself, on this engine's stream, ordered after the work queued on
+    /// `after` by an event (the gradient buffer is outside cudarc's automatic tracking: see
+    /// `Place::zeros_for_collectives`); counted when enqueued, timed by `finish_device`.
+    fn all_reduce_sum_device(
+        &mut self,
+        buf: &mut CudaViewMut<f32>,
+        after: &CudaStream,
+    ) -> Result<()> {
         if self.n == 1 {
             return Ok(());
         }
-        let start = Instant::now();
+        self.device_since.get_or_insert_with(Instant::now);
+        self.stream.wait(&after.record_event(None)?)?;
         self.comm
             .all_reduce_in_place(buf, &ReduceOp::Sum)
             .map_err(nccl_err)?;
+        self.stats.bytes_sent += all_reduce_bytes(buf.len(), self.n, self.rank);
+        Ok(())
+    }
+
+    fn finish_device(&mut self, before: &CudaStream) -> Result<()> {
+        let Some(start) = self.device_since.take() else {
+            return Ok(());
+        };
         self.wait("all_reduce")?;
-        self.account(all_reduce_bytes(buf.len(), self.n, self.rank), start);
+        before.wait(&self.stream.record_event(None)?)?;
+        self.stats.seconds += start.elapsed().as_secs_f64();
         Ok(())
     }
 }

@@ -204,6 +204,9 @@ impl ParamSet {
             let t = Tensor::from_storage(storage, p.shape.as_slice(), BackpropOp::none(), false);
             var.set(&t)?;
         }
+        // Candle's stream is the CUDA per-thread stream of the calling thread, and the gradient may be
+        // computed on another thread (beside overlapped gossip): the weights are in place before it reads.
+        stream.synchronize()?;
         Ok(())
     }
 }

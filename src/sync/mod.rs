@@ -15,7 +15,7 @@ use anyhow::Result;
 
 use crate::comm::{all_reduce_mean, CommStats, Communicator};
 use crate::config::resolve::{Plan, SyncPlan};
-use crate::flat::FlatMut;
+use crate::flat::{FlatMut, FlatRef};
 use topology::Round;
 use trace::{Collective, Op, Overlap};
 
@@ -44,6 +44,17 @@ pub trait SyncBackend {
     /// backend reduces there itself (the dense all-reduce on an engine with device collectives).
     fn reduce_flat(&mut self, grads: FlatMut<'_>, step: u64, lr: f64) -> Result<()> {
         grads.through_host(|g| self.reduce_grads(g, step, lr))
+    }
+    /// DDP's overlap of the backward: whether this backend reduces ranges of the gradient `grads` while
+    /// the backward runs (the dense all-reduce on an engine with device collectives). The loop then runs
+    /// the step's last micro-step as the staged backward and calls `grads_ready` with each range of the
+    /// gradient as soon as it is complete; `reduce_flat` finishes what they started.
+    fn overlaps_backward(&self, _grads: FlatRef<'_>) -> bool {
+        false
+    }
+    /// A range of the gradient is complete (see `overlaps_backward`).
+    fn grads_ready(&mut self, _grads: FlatMut<'_>, _range: std::ops::Range<usize>) -> Result<()> {
+        Ok(())
     }
     /// Whether `before_step` and `after_step` do anything: the loop calls them (on the GPU, through a
     /// host copy of the parameters) only when they do. The backends whose replicas stay equal do not.
@@ -159,6 +170,10 @@ pub struct AllReduce {
     comm: Box<dyn Communicator>,
     bucket_elems: usize,
     numel: usize,
+    /// DDP's overlap on the GPU: per bucket, the elements of this step's gradient not yet ready (None
+    /// before the backward's first ready range); a bucket's all-reduce starts when it reaches 0.
+    #[cfg(feature = "cuda")]
+    waiting: Option<Vec<usize>>,
 }
 
 impl AllReduce {
@@ -167,7 +182,27 @@ impl AllReduce {
             comm,
             bucket_elems: bucket_elems.max(1),
             numel,
+            #[cfg(feature = "cuda")]
+            waiting: None,
         }
+    }
+
+    fn buckets(&self) -> usize {
+        self.numel.div_ceil(self.bucket_elems)
+    }
+
+    /// The flat range of bucket `b` (the buckets of `reduce_grads` and `step_comm`).
+    fn bucket(&self, b: usize) -> std::ops::Range<usize> {
+        b * self.bucket_elems..((b + 1) * self.bucket_elems).min(self.numel)
+    }
+
+    /// Enqueues the all-reduce (sum) of bucket `b` of a GPU gradient on the engine's stream, after the
+    /// work already queued on the model's stream.
+    #[cfg(feature = "cuda")]
+    fn start_bucket(&mut self, d: &mut crate::flat::DeviceFlat, b: usize) -> Result<()> {
+        let mut bucket = d.buf.slice_mut(self.bucket(b));
+        self.comm
+            .all_reduce_sum_device(&mut bucket, d.kernels.stream())
     }
 }
 
@@ -181,14 +216,13 @@ impl SyncBackend for AllReduce {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
-    /// One all-reduce per bucket; each may overlap the backward pass on a cluster (DDP), although
-    /// nanodist's engines reduce after it.
+    /// One all-reduce per bucket; each may overlap the backward pass (DDP): on the GPU with NCCL a bucket
+    /// starts as soon as the staged backward completes it; the CPU engines reduce after the backward.
     fn step_comm(&self, _step: u64) -> Vec<Collective> {
         let n = self.world_size();
-        (0..self.numel)
-            .step_by(self.bucket_elems)
-            .map(|at| {
-                let words = (self.numel - at).min(self.bucket_elems) as u64;
+        (0..self.buckets())
+            .map(|b| {
+                let words = self.bucket(b).len() as u64;
                 Collective::world(Op::AllReduce { words }, n, Overlap::Backward)
             })
             .collect()
@@ -199,8 +233,9 @@ impl SyncBackend for AllReduce {
         }
         Ok(())
     }
-    /// On the GPU with an engine that has device collectives (NCCL): the buckets' sums on the device,
-    /// then one scaling by 1 / N (the host path's arithmetic: the sum, then times 1 / N).
+    /// On the GPU with an engine that has device collectives (NCCL): the buckets' sums on the device
+    /// (started during the backward when it overlaps, see `grads_ready`), then one scaling by 1 / N (the
+    /// host path's arithmetic: the sum, then times 1 / N).
     fn reduce_flat(&mut self, grads: FlatMut<'_>, step: u64, lr: f64) -> Result<()> {
         #[cfg(feature = "cuda")]
         let grads = match grads {
@@ -209,17 +244,49 @@ impl SyncBackend for AllReduce {
                 if n == 1 {
                     return Ok(());
                 }
-                let len = d.buf.len();
-                for at in (0..len).step_by(self.bucket_elems) {
-                    let end = (at + self.bucket_elems).min(len);
-                    self.comm
-                        .all_reduce_sum_device(&mut d.buf.slice_mut(at..end))?;
+                // Without the overlap every bucket starts here; with it, any the backward left.
+                let waiting = self.waiting.take();
+                for b in 0..self.buckets() {
+                    if waiting.as_ref().is_none_or(|w| w[b] > 0) {
+                        self.start_bucket(d, b)?;
+                    }
                 }
+                self.comm.finish_device(d.kernels.stream())?;
                 return d.kernels.scale(&mut d.buf, 1.0 / n as f32);
             }
             g => g,
         };
         grads.through_host(|g| self.reduce_grads(g, step, lr))
+    }
+    #[cfg(feature = "cuda")]
+    fn overlaps_backward(&self, grads: FlatRef<'_>) -> bool {
+        matches!(grads, FlatRef::Cuda(_))
+            && self.comm.device_collectives()
+            && self.comm.world_size() > 1
+    }
+    /// Counts the range's elements off their buckets and starts the all-reduce of each bucket that is
+    /// complete, on the engine's stream (DDP's overlap: buckets in the order they become ready).
+    #[cfg(feature = "cuda")]
+    fn grads_ready(&mut self, grads: FlatMut<'_>, range: std::ops::Range<usize>) -> Result<()> {
+        let FlatMut::Cuda(d) = grads else {
+            anyhow::bail!("internal error: the overlapped all-reduce runs on GPU buffers");
+        };
+        if self.waiting.is_none() {
+            self.waiting = Some((0..self.buckets()).map(|b| self.bucket(b).len()).collect());
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        for b in range.start / self.bucket_elems..=(range.end - 1) / self.bucket_elems {
+            let part = self.bucket(b);
+            let overlap = part.end.min(range.end) - part.start.max(range.start);
+            let waiting = self.waiting.as_mut().expect("set above");
+            waiting[b] -= overlap;
+            if waiting[b] == 0 {
+                self.start_bucket(d, b)?;
+            }
+        }
+        Ok(())
     }
     /// The replicas are equal: their average is the model, and there is no consensus distance.
     fn replicas_differ(&self) -> bool {

@@ -13,9 +13,9 @@ use super::{Exit, Setup, Summary};
 use crate::comm::Communicator;
 use crate::config::CheckpointMode;
 use crate::data::{eval_batch, Blend, Sampler, Split};
-use crate::flat::{Flat, FlatRef};
+use crate::flat::{Flat, FlatMut, FlatRef};
 use crate::metrics::{Row, Tracker};
-use crate::model::Gpt;
+use crate::model::{Gpt, Scratch};
 use crate::optim::{self, Optimizer, Segment};
 use crate::sync::SyncBackend;
 
@@ -42,6 +42,9 @@ fn mfu_peak(cuda: bool, n: usize) -> Option<(f64, String)> {
     ))
 }
 const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
+
+/// What the staged backward calls with each complete range of the gradient (`SyncBackend::grads_ready`).
+type Ready<'a> = dyn FnMut(FlatMut<'_>, std::ops::Range<usize>) -> Result<()> + 'a;
 
 /// Why a rank wants to stop after a step, in rising priority: when ranks disagree, the highest wins. A
 /// run that reached n_steps is finished whatever else happened; a signal beats the time limits.
@@ -132,7 +135,7 @@ impl<'s> Worker<'s> {
         let mut w = Self {
             setup,
             params: place.from_host(model.initial_weights())?,
-            grads: place.zeros(numel)?,
+            grads: place.zeros_for_collectives(numel)?,
             model,
             sync,
             opt,
@@ -297,13 +300,17 @@ impl<'s> Worker<'s> {
     }
 
     /// This rank's gradient of the step, accumulated over the micro-steps; communication left pending by
-    /// the last step (overlapped gossip) runs beside it. Returns the mean loss over the micro-steps.
+    /// the last step (overlapped gossip) runs beside it. With a backend that overlaps the backward (DDP on
+    /// GPUs), the last micro-step's backward runs in stages and hands each complete range of the gradient
+    /// to the backend, which starts reducing it while the next stage computes. Returns the mean loss over
+    /// the micro-steps.
     fn forward_backward(&mut self) -> Result<f64> {
         let plan = &self.setup.plan;
         let step = self.progress.step;
         let (local_b, accum) = (plan.local_batch_size, plan.accum_at(step));
         let (rank, world) = (self.sync.rank(), self.sync.world_size());
         let ctx = self.setup.cfg.train.context_length;
+        let overlap_backward = self.sync.overlaps_backward(self.grads.as_ref());
         let (model, weights, grads, dropout, sampler) = (
             &self.model,
             self.params.as_ref(),
@@ -312,28 +319,35 @@ impl<'s> Worker<'s> {
             &mut self.sampler,
         );
         let (data, compute) = (&self.setup.train_data, &self.setup.compute);
-        let loss_sum = overlapped(self.sync.as_mut(), || {
-            compute.run(|scratch| {
-                grads.as_mut().fill_zero()?;
-                let mut loss_sum = 0.0f64;
-                for micro in 0..accum as u64 {
-                    // Rows of this rank and micro-step in the step's global batch (see data::sampler).
-                    let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
-                    let batch = sampler.batch(data, step, first_row, local_b, ctx);
-                    // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
-                    let scale = 1.0 / accum as f32;
-                    loss_sum += model.loss_and_grads(
-                        scratch,
-                        weights,
-                        &batch,
-                        Some(dropout),
-                        scale,
-                        grads.as_mut(),
-                    )? as f64;
-                }
-                Ok(loss_sum)
-            })
-        })?;
+        let mut micro_steps = |scratch: &mut Scratch, mut ready: Option<&mut Ready<'_>>| {
+            grads.as_mut().fill_zero()?;
+            let mut loss_sum = 0.0f64;
+            for micro in 0..accum as u64 {
+                // Rows of this rank and micro-step in the step's global batch (see data::sampler).
+                let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
+                let batch = sampler.batch(data, step, first_row, local_b, ctx);
+                // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
+                let scale = 1.0 / accum as f32;
+                let (g, drop) = (grads.as_mut(), Some(&mut *dropout));
+                loss_sum += match ready.as_deref_mut() {
+                    Some(ready) if micro + 1 == accum as u64 => {
+                        model.loss_and_grads_staged(&batch, drop, scale, g, ready)?
+                    }
+                    _ => model.loss_and_grads(scratch, weights, &batch, drop, scale, g)?,
+                } as f64;
+            }
+            anyhow::Ok(loss_sum)
+        };
+        let loss_sum = if overlap_backward {
+            // On the GPU, on this thread: candle's graph computes without a CPU compute slot.
+            let sync = self.sync.as_mut();
+            let mut ready = |g: FlatMut<'_>, r| sync.grads_ready(g, r);
+            micro_steps(&mut Scratch::default(), Some(&mut ready))?
+        } else {
+            overlapped(self.sync.as_mut(), || {
+                compute.run(|scratch| micro_steps(scratch, None))
+            })?
+        };
         Ok(loss_sum / accum as f64)
     }
 
