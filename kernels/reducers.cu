@@ -1,6 +1,6 @@
-// CUDA kernels of the compressed reducers: top-k selection without a sort (radix select of the threshold,
-// then an index-ordered compaction), gather / scatter over index lists, the error-feedback update, and
-// PowerSGD's Gram-Schmidt orthogonalization.
+// CUDA kernels of the compressed reducers and of gossip: top-k selection without a sort (radix select of
+// the threshold, then an index-ordered compaction), gather / scatter over index lists, the error-feedback
+// update, PowerSGD's Gram-Schmidt orthogonalization, and gossip's scaled copy and mix.
 //
 // Every kernel has a CPU twin in src/kernels/mod.rs that implements the same algorithm with the same
 // blocking and summation order; the CPU tests exercise the twins and scripts/gpu-selftest.sh compares each
@@ -136,6 +136,16 @@ extern "C" __global__ void ef_accumulate(float* acc, const float* g, unsigned n)
 
 extern "C" __global__ void scale(float* x, unsigned n, float s) {
     for (unsigned i = blockIdx.x * BLOCK + threadIdx.x; i < n; i += gridDim.x * BLOCK) x[i] *= s;
+}
+
+// Gossip's mix: x = own * x + b (b: the group's sum of the members' scaled copies), and the scaled copy
+// dst = s * src that each member contributes.
+extern "C" __global__ void mix(float* x, const float* b, unsigned n, float own) {
+    for (unsigned i = blockIdx.x * BLOCK + threadIdx.x; i < n; i += gridDim.x * BLOCK) x[i] = own * x[i] + b[i];
+}
+
+extern "C" __global__ void scaled_copy(float* dst, const float* src, unsigned n, float s) {
+    for (unsigned i = blockIdx.x * BLOCK + threadIdx.x; i < n; i += gridDim.x * BLOCK) dst[i] = src[i] * s;
 }
 
 // Sum over the block: thread t's partial sum, then a tree over the BLOCK partial sums (stride BLOCK / 2,

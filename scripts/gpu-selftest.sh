@@ -34,7 +34,7 @@ out=$(cargo test --release --features cuda,mpi --test gpu -- --test-threads=1 2>
 echo "$out" | tail -20
 for t in top_k_kernel_equals_its_twin gather_scatter_and_error_feedback_kernels_equal_their_twins \
          gram_schmidt_kernel_equals_its_twin optimizer_kernels_equal_their_twins_over_several_steps \
-         sum_squares_kernel_equals_its_twin nccl_engine_at_world_size_one; do
+         sum_squares_kernel_equals_its_twin gossip_kernels_equal_their_twins nccl_engine_at_world_size_one; do
     if echo "$out" | grep -q "test $t ... ok"; then record "$t" PASS; else record "$t" FAIL; fi
 done
 

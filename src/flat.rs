@@ -153,11 +153,19 @@ impl Flat {
 
     /// Where this buffer is (for buffers made beside it).
     pub fn place(&self) -> Place {
-        match self {
-            Flat::Host(_) => Place::Host,
+        self.as_ref().place()
+    }
+
+    /// Whether this buffer has the length of `other` and lives in the same kind of memory.
+    pub fn beside(&self, other: FlatRef<'_>) -> bool {
+        let same_kind = match (self, other) {
+            (Flat::Host(_), FlatRef::Host(_)) => true,
             #[cfg(feature = "cuda")]
-            Flat::Cuda(d) => Place::Cuda(d.kernels.clone()),
-        }
+            (Flat::Cuda(_), FlatRef::Cuda(_)) => true,
+            #[cfg(feature = "cuda")]
+            _ => false,
+        };
+        same_kind && self.len() == other.len()
     }
 }
 
@@ -180,6 +188,15 @@ impl<'a> FlatRef<'a> {
             FlatRef::Host(v) => Ok(Cow::Borrowed(v)),
             #[cfg(feature = "cuda")]
             FlatRef::Cuda(d) => Ok(Cow::Owned(d.kernels.stream().clone_dtoh(&d.buf)?)),
+        }
+    }
+
+    /// Where this buffer is (for buffers made beside it).
+    pub fn place(self) -> Place {
+        match self {
+            FlatRef::Host(_) => Place::Host,
+            #[cfg(feature = "cuda")]
+            FlatRef::Cuda(d) => Place::Cuda(d.kernels.clone()),
         }
     }
 

@@ -219,6 +219,24 @@ fn optimizer_kernels_equal_their_twins_over_several_steps() {
 }
 
 #[test]
+fn gossip_kernels_equal_their_twins() {
+    let k = kernels();
+    let s = k.stream();
+    let n = 100_003;
+    let (x, b) = (values(n, 11, false), values(n, 12, false));
+    let (mut dx, db) = (s.clone_htod(&x).unwrap(), s.clone_htod(&b).unwrap());
+    let mut dsent = s.alloc_zeros::<f32>(n).unwrap();
+    k.scaled_copy(&mut dsent, &dx, 0.3).unwrap();
+    k.mix(&mut dx, &db, 0.7).unwrap();
+    let mut sent = vec![0.0; n];
+    twin::scaled_copy(&mut sent, &x, 0.3);
+    let mut mixed = x.clone();
+    twin::mix(&mut mixed, &b, 0.7);
+    assert_eq!(bits(&s.clone_dtoh(&dsent).unwrap()), bits(&sent));
+    assert_eq!(bits(&s.clone_dtoh(&dx).unwrap()), bits(&mixed));
+}
+
+#[test]
 fn sum_squares_kernel_equals_its_twin() {
     let k = kernels();
     for n in [0, 1, 4095, 4096, 4097, 1_000_003] {

@@ -194,6 +194,16 @@ pub trait Communicator {
     ) -> Result<()> {
         anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
     }
+    /// `group_all_reduce_sum` of a GPU buffer, in place on the device (engines with
+    /// `device_collectives`), done when it returns.
+    #[cfg(feature = "cuda")]
+    fn group_all_reduce_sum_device(
+        &mut self,
+        _buf: &mut cudarc::driver::CudaSlice<f32>,
+        _group: &[usize],
+    ) -> Result<()> {
+        anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
+    }
     /// Waits for the collectives enqueued on the device (at most the engine's timeout), and makes the
     /// work queued next on stream `before` wait for them too.
     #[cfg(feature = "cuda")]

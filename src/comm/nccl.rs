@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaViewMut};
 use cudarc::nccl::{result as nccl, Comm, Id, ReduceOp};
 
-use super::{all_reduce_bytes, check_gather, group_sum, CommStats, Communicator};
+use super::{all_reduce_bytes, check_gather, chunk, group_sum, CommStats, Communicator};
 
 pub struct NcclComm {
     rank: usize,
@@ -29,6 +29,8 @@ pub struct NcclComm {
     stats: CommStats,
     /// When the first device collective not yet waited for was enqueued.
     device_since: Option<Instant>,
+    /// Kernels on this engine's stream (the additions of the group sum).
+    kernels: crate::cuda::Kernels,
 }
 
 fn nccl_err(e: nccl::NcclError) -> anyhow::Error {
@@ -67,12 +69,13 @@ impl NcclComm {
             rank,
             n,
             comm,
-            stream,
             timeout,
             staging: Vec::new(),
             scratch: Vec::new(),
             stats: CommStats::default(),
             device_since: None,
+            kernels: crate::cuda::Kernels::new(stream.clone())?,
+            stream,
         })
     }
 
@@ -270,6 +273,85 @@ impl Communicator for NcclComm {
             .all_reduce_in_place(buf, &ReduceOp::Sum)
             .map_err(nccl_err)?;
         self.stats.bytes_sent += all_reduce_bytes(buf.len(), self.n, self.rank);
+        Ok(())
+    }
+
+    /// The group sum of `group_sum` (the MPI engine's and the host path's order: a reduce-scatter in
+    /// which member i owns chunk i and adds the members' copies in group order, then an all-gather), on
+    /// the buffer itself: grouped ncclSend/ncclRecv into device scratch, the additions by the `add_at`
+    /// kernel, all on this engine's stream.
+    fn group_all_reduce_sum_device(
+        &mut self,
+        buf: &mut CudaSlice<f32>,
+        group: &[usize],
+    ) -> Result<()> {
+        let Some(me) = group.iter().position(|&r| r == self.rank) else {
+            bail!(
+                "rank {} called a group all-reduce for group {group:?} without being in it",
+                self.rank
+            );
+        };
+        let (g, len) = (group.len(), buf.len());
+        if g == 1 {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mine = chunk(len, g, me);
+        let m = mine.len();
+        self.staging(0, m * g)?;
+        self.staging(1, m.max(1))?;
+        let others = || (0..g).filter(move |&i| i != me);
+        // Reduce-scatter: member i's copy of my chunk into scratch slot i.
+        let mut bytes = 0u64;
+        nccl::group_start().map_err(nccl_err)?;
+        for i in others() {
+            let c = chunk(len, g, i);
+            bytes += 4 * c.len() as u64;
+            self.comm
+                .send(&buf.slice(c), group[i] as i32)
+                .map_err(nccl_err)?;
+        }
+        for i in others() {
+            let mut slot = self.staging[0].slice_mut(i * m..(i + 1) * m);
+            self.comm
+                .recv(&mut slot, group[i] as i32)
+                .map_err(nccl_err)?;
+        }
+        nccl::group_end().map_err(nccl_err)?;
+        // ((x0 + x1) + x2) + ... in group order, my own copy in slot `me`.
+        let s = self.stream.clone();
+        s.memcpy_dtod(
+            &buf.slice(mine.clone()),
+            &mut self.staging[0].slice_mut(me * m..(me + 1) * m),
+        )?;
+        s.memcpy_dtod(
+            &self.staging[0].slice(..m),
+            &mut buf.slice_mut(mine.clone()),
+        )?;
+        for i in 1..g {
+            let part = self.staging[0].slice(i * m..(i + 1) * m);
+            self.kernels.add_at(buf, mine.start, &part)?;
+        }
+        // All-gather the reduced chunks.
+        s.memcpy_dtod(
+            &buf.slice(mine.clone()),
+            &mut self.staging[1].slice_mut(..m),
+        )?;
+        nccl::group_start().map_err(nccl_err)?;
+        for i in others() {
+            bytes += 4 * m as u64;
+            self.comm
+                .send(&self.staging[1].slice(..m), group[i] as i32)
+                .map_err(nccl_err)?;
+        }
+        for i in others() {
+            self.comm
+                .recv(&mut buf.slice_mut(chunk(len, g, i)), group[i] as i32)
+                .map_err(nccl_err)?;
+        }
+        nccl::group_end().map_err(nccl_err)?;
+        self.wait("group all-reduce")?;
+        self.account(bytes, start);
         Ok(())
     }
 

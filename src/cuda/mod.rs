@@ -220,6 +220,33 @@ impl Kernels {
         Ok(())
     }
 
+    /// x = own * x + b (gossip's mix).
+    pub fn mix(&self, x: &mut CudaSlice<f32>, b: &CudaSlice<f32>, own: f32) -> Result<()> {
+        let n = u32_of(x.len().min(b.len()), "length")?;
+        launch!(self, "mix", per_element(n as usize), x, b, &n, &own);
+        Ok(())
+    }
+
+    /// dst = src * s.
+    pub fn scaled_copy(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        src: &CudaSlice<f32>,
+        s: f32,
+    ) -> Result<()> {
+        let n = u32_of(dst.len().min(src.len()), "length")?;
+        launch!(
+            self,
+            "scaled_copy",
+            per_element(n as usize),
+            dst,
+            src,
+            &n,
+            &s
+        );
+        Ok(())
+    }
+
     /// x *= s.
     pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<()> {
         let n = u32_of(x.len(), "length")?;

@@ -204,6 +204,16 @@ pub fn scale(x: &mut [f32], s: f32) {
     x.par_iter_mut().with_min_len(1 << 14).for_each(|v| *v *= s);
 }
 
+/// Twin of `mix`: x = own * x + b.
+pub fn mix(x: &mut [f32], b: &[f32], own: f32) {
+    x.iter_mut().zip(b).for_each(|(x, b)| *x = own * *x + b);
+}
+
+/// Twin of `scaled_copy`: dst = src * s.
+pub fn scaled_copy(dst: &mut [f32], src: &[f32], s: f32) {
+    dst.iter_mut().zip(src).for_each(|(d, x)| *d = x * s);
+}
+
 /// Twin of `block_sum`: the tree over the BLOCK partial sums (stride BLOCK / 2, ..., 1).
 fn block_sum(sh: &mut [f32; BLOCK]) -> f32 {
     let mut s = BLOCK / 2;
@@ -407,6 +417,8 @@ mod tests {
             "ef_accumulate",
             "scale",
             "gram_schmidt",
+            "mix",
+            "scaled_copy",
         ] {
             assert!(src.contains(&format!("__global__ void {kernel}(")));
         }

@@ -715,7 +715,7 @@ impl SyncBackend for Choco {
         Ok(())
     }
     /// The channels' public copies and memories, and a message that waits to be sent.
-    fn state(&self) -> compress::State {
+    fn state(&self) -> Result<compress::State> {
         let mut state = self.channels.state();
         if let Some(p @ Pending { sent: false, .. }) = self.pending {
             let [hi, lo] = pack_u64(p.step);
@@ -725,7 +725,7 @@ impl SyncBackend for Choco {
                 ("choco.pending_step".into(), vec![hi, lo]),
             ]);
         }
-        state
+        Ok(state)
     }
     fn load_state(&mut self, mut state: compress::State) -> Result<()> {
         self.pending = None;

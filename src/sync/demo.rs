@@ -296,11 +296,11 @@ impl SyncBackend for Demo {
     fn replicas_differ(&self) -> bool {
         false
     }
-    fn state(&self) -> State {
+    fn state(&self) -> Result<State> {
         if self.delta.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        vec![("demo.delta".into(), self.delta.clone())]
+        Ok(vec![("demo.delta".into(), self.delta.clone())])
     }
     fn load_state(&mut self, mut state: State) -> Result<()> {
         self.delta = if state.is_empty() {

@@ -330,9 +330,9 @@ impl SyncBackend for Diloco {
         }
         m
     }
-    fn state(&self) -> State {
+    fn state(&self) -> Result<State> {
         if self.backup.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let mut s: State = vec![("diloco.backup".into(), self.backup.clone())];
         if !self.momentum.is_empty() {
@@ -359,7 +359,7 @@ impl SyncBackend for Diloco {
                     .map(|(n, b)| (format!("compress.{n}"), b)),
             );
         }
-        s
+        Ok(s)
     }
     fn load_state(&mut self, mut state: State) -> Result<()> {
         let numel = self.fragments.last().map_or(0, |f| f.range.end);

@@ -15,7 +15,7 @@ use anyhow::Result;
 
 use crate::comm::{all_reduce_mean, CommStats, Communicator};
 use crate::config::resolve::{Plan, SyncPlan};
-use crate::flat::{FlatMut, FlatRef};
+use crate::flat::{Flat, FlatMut, FlatRef};
 use topology::Round;
 use trace::{Collective, Op, Overlap};
 
@@ -80,6 +80,14 @@ pub trait SyncBackend {
     fn before_step(&mut self, _params: &mut [f32]) -> Result<()> {
         Ok(())
     }
+    /// `before_step` and `after_step` on the parameters wherever they live, as the loop calls them: on the
+    /// GPU through a host copy, unless the backend mixes there itself (gossip).
+    fn before_step_flat(&mut self, params: FlatMut<'_>) -> Result<()> {
+        params.through_host(|p| self.before_step(p))
+    }
+    fn after_step_flat(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
+        params.through_host(|p| self.after_step(p, step))
+    }
     /// Mean over workers of a few scalars (losses for logging).
     fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
         all_reduce_mean(self.comm_mut(), xs)
@@ -107,8 +115,8 @@ pub trait SyncBackend {
         self.comm().stats()
     }
     /// State to checkpoint (a compressed reducer's residuals, masks, factors); empty for the others.
-    fn state(&self) -> compress::State {
-        Vec::new()
+    fn state(&self) -> Result<compress::State> {
+        Ok(Vec::new())
     }
     fn load_state(&mut self, _state: compress::State) -> Result<()> {
         Ok(())
@@ -310,7 +318,8 @@ pub struct Gossip {
     rounds: Vec<Round>,
     overlap: bool,
     numel: usize,
-    buf: Vec<f32>,
+    /// The send buffer, where the parameters are: this rank's scaled copy, then the group's sum.
+    buf: Flat,
     /// Overlap: the round whose send buffer waits in `buf`, and whether its all-reduce has run.
     pending: Option<(usize, bool)>,
 }
@@ -327,7 +336,7 @@ impl Gossip {
             rounds,
             overlap,
             numel,
-            buf: Vec::new(),
+            buf: Flat::Host(Vec::new()),
             pending: None,
         }
     }
@@ -347,30 +356,61 @@ impl Gossip {
         Ok((&group.ranks, group.weight as f32 - other, other))
     }
 
-    /// Fills the send buffer with other * x for `round`.
-    fn prepare(&mut self, params: &[f32], round: usize) -> Result<()> {
+    /// Fills the send buffer with other * x for `round` (where x is; the `scaled_copy` kernel or its twin).
+    fn prepare(&mut self, params: FlatRef<'_>, round: usize) -> Result<()> {
         let (_, _, other) = self.weights(round)?;
-        self.buf.clear();
-        self.buf.extend(params.iter().map(|x| x * other));
-        Ok(())
-    }
-
-    /// The group all-reduce of the send buffer (a single rank's group sends nothing).
-    fn send(&mut self, round: usize) -> Result<()> {
-        let group = self.weights(round)?.0.to_vec();
-        if group.len() > 1 {
-            self.comm.group_all_reduce_sum(&mut self.buf, &group)?;
+        if !self.buf.beside(params) {
+            self.buf = params.place().zeros(params.len())?;
+        }
+        match (&mut self.buf, params) {
+            (Flat::Host(b), FlatRef::Host(p)) => {
+                b.resize(p.len(), 0.0);
+                crate::kernels::scaled_copy(b, p, other);
+            }
+            #[cfg(feature = "cuda")]
+            (Flat::Cuda(b), FlatRef::Cuda(p)) => {
+                b.kernels.scaled_copy(&mut b.buf, &p.buf, other)?
+            }
+            #[cfg(feature = "cuda")]
+            _ => anyhow::bail!(crate::flat::MIXED),
         }
         Ok(())
     }
 
-    /// x <- own * x + the group's sum in the buffer.
-    fn apply(&self, params: &mut [f32], round: usize) -> Result<()> {
-        let (group, own, _) = self.weights(round)?;
-        if group.len() > 1 {
-            for (p, b) in params.iter_mut().zip(&self.buf) {
-                *p = own * *p + b;
+    /// The group all-reduce of the send buffer (a single rank's group sends nothing): on the device
+    /// where the engine has device collectives, else through host memory.
+    fn send(&mut self, round: usize) -> Result<()> {
+        let group = self.weights(round)?.0.to_vec();
+        if group.len() == 1 {
+            return Ok(());
+        }
+        let comm = self.comm.as_mut();
+        match self.buf.as_mut() {
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) if comm.device_collectives() => {
+                comm.group_all_reduce_sum_device(&mut d.buf, &group)
             }
+            b => b.through_host(|b| comm.group_all_reduce_sum(b, &group)),
+        }
+    }
+
+    /// x <- own * x + the group's sum in the buffer (the `mix` kernel or its twin). A buffer restored
+    /// from a checkpoint is in host memory; it joins the parameters first.
+    fn apply(&mut self, params: FlatMut<'_>, round: usize) -> Result<()> {
+        let (group, own, _) = self.weights(round)?;
+        if group.len() == 1 {
+            return Ok(());
+        }
+        if !self.buf.beside(params.as_ref()) {
+            let host = self.buf.to_host()?.into_owned();
+            self.buf = params.as_ref().place().from_host(host)?;
+        }
+        match (params, &self.buf) {
+            (FlatMut::Host(p), Flat::Host(b)) => crate::kernels::mix(p, b, own),
+            #[cfg(feature = "cuda")]
+            (FlatMut::Cuda(p), Flat::Cuda(b)) => p.kernels.mix(&mut p.buf, &b.buf, own)?,
+            #[cfg(feature = "cuda")]
+            _ => anyhow::bail!(crate::flat::MIXED),
         }
         Ok(())
     }
@@ -402,6 +442,12 @@ impl SyncBackend for Gossip {
         Ok(())
     }
     fn before_step(&mut self, params: &mut [f32]) -> Result<()> {
+        self.before_step_flat(params.into())
+    }
+    fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
+        self.after_step_flat(params.into(), step)
+    }
+    fn before_step_flat(&mut self, params: FlatMut<'_>) -> Result<()> {
         self.communicate()?;
         if let Some((round, _)) = self.pending.take() {
             self.apply(params, round)?;
@@ -410,9 +456,9 @@ impl SyncBackend for Gossip {
     }
     /// x_i <- w x_i + (1 - w) / (|R| - 1) * sum_{j != i} x_j, computed as Decent-DP does: the group
     /// sums x_j (1 - w) / (|R| - 1) over all members, and the local copy is scaled by w - (1 - w) / (|R| - 1).
-    fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
+    fn after_step_flat(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
         let round = (step % self.rounds.len() as u64) as usize;
-        self.prepare(params, round)?;
+        self.prepare(params.as_ref(), round)?;
         if self.overlap && step > 0 {
             self.pending = Some((round, false));
             return Ok(());
@@ -422,14 +468,14 @@ impl SyncBackend for Gossip {
     }
     /// A pending mix is saved as it waits: its send buffer and round (not yet sent), so a resumed run
     /// sends exactly what the uninterrupted one sends.
-    fn state(&self) -> compress::State {
-        match self.pending {
+    fn state(&self) -> Result<compress::State> {
+        Ok(match self.pending {
             Some((round, false)) => vec![
-                ("gossip.pending".into(), self.buf.clone()),
+                ("gossip.pending".into(), self.buf.to_host()?.into_owned()),
                 ("gossip.pending_round".into(), vec![round as f32]),
             ],
             _ => Vec::new(),
-        }
+        })
     }
     /// A checkpoint without a pending mix (a synchronous run, or compressed gossip's channels, which
     /// plain gossip does not need) starts with nothing pending; compressed gossip's pending message
@@ -447,7 +493,7 @@ impl SyncBackend for Gossip {
                 self.rounds.len()
             )));
         }
-        self.buf = compress::take(&mut state, "gossip.pending", None)?;
+        self.buf = Flat::Host(compress::take(&mut state, "gossip.pending", None)?);
         self.pending = Some((round, false));
         Ok(())
     }
@@ -526,8 +572,8 @@ impl SyncBackend for Compressed {
             .add(grads.len(), n, rank, &before, &self.comm.stats(), &report);
         Ok(())
     }
-    fn state(&self) -> compress::State {
-        self.reducer.state()
+    fn state(&self) -> Result<compress::State> {
+        Ok(self.reducer.state())
     }
     fn load_state(&mut self, state: compress::State) -> Result<()> {
         self.reducer.load_state(state)

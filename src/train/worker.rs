@@ -356,18 +356,14 @@ impl<'s> Worker<'s> {
         let start = self.since_log.sync_start(self.sync.comm_stats());
         let (step, touches) = (self.progress.step, self.sync.touches_params());
         if touches {
-            let sync = self.sync.as_mut();
-            self.params.as_mut().through_host(|p| sync.before_step(p))?;
+            self.sync.before_step_flat(self.params.as_mut())?;
         }
         self.since_log.sync_end(start, self.sync.comm_stats());
         self.opt
             .step(self.params.as_mut(), self.grads.as_ref(), lr)?;
         let start = self.since_log.sync_start(self.sync.comm_stats());
         if touches {
-            let sync = self.sync.as_mut();
-            self.params
-                .as_mut()
-                .through_host(|p| sync.after_step(p, step))?;
+            self.sync.after_step_flat(self.params.as_mut(), step)?;
         }
         self.since_log.sync_end(start, self.sync.comm_stats());
         self.model.load(self.params.as_ref())?;
@@ -590,7 +586,7 @@ impl<'s> Worker<'s> {
                 sync.rank(),
                 FlatRef::Host(params),
                 opt.view(),
-                sync.state(),
+                sync.state()?,
                 dropout.get_word_pos(),
                 loss_since_log,
             );
