@@ -41,7 +41,7 @@ done
 [ -d data/shakespeare_char ] || { ./scripts/fetch_corpus.sh && $bin prepare --input data/corpus/shakespeare \
     --output data/shakespeare_char --tokenizer char --val-fraction 0.1; }
 logs=$(mktemp -d)
-common=(--set train.n_steps=$steps --set log.log_interval=5 --set log.eval_interval=$steps --set log.eval_steps=2
+common=(--set train.n_steps=$steps --set train.lr_schedule.warmup_steps=2 --set log.log_interval=5 --set log.eval_interval=$steps --set log.eval_steps=2
         --set log.ckpt_interval=0 --set "log_dir=\"$logs\"")
 gpu_run() { # name gpus args...
     local name=$1 g=$2; shift 2

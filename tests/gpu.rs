@@ -123,25 +123,13 @@ fn gram_schmidt_kernel_equals_its_twin() {
 
 /// Segments of a GPT-like layout: long decaying matrices, short non-decaying vectors, and an empty one.
 fn segments() -> Vec<Segment> {
-    let mut off = 0;
-    [
+    Segment::end_to_end([
         (70_001, true),
         (769, false),
         (0, false),
         (300_017, true),
         (1, false),
-    ]
-    .into_iter()
-    .map(|(len, decay)| {
-        let s = Segment {
-            offset: off,
-            len,
-            decay,
-        };
-        off += len;
-        s
-    })
-    .collect()
+    ])
 }
 
 #[test]

@@ -25,7 +25,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import flops_per_token  # noqa: E402  (nanodist's FLOPs per token of a config)
+from train import TORCH_RUN, flops_per_token  # noqa: E402  (nanoGPT's step; nanodist's FLOPs per token)
 
 # Dense bf16 peaks (no sparsity) by the name nvidia-smi prints, from NVIDIA's data sheets.
 BF16_PEAK = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
@@ -41,47 +41,6 @@ BACKENDS = {
     "diloco": ["train.backend=\"diloco\"", "train.diloco={sync_every=5}"],
 }
 
-TORCH_GPU = r"""
-import json, os, sys, time
-import numpy as np, torch
-sys.path.insert(0, os.path.join(sys.argv[1], "scripts"))
-from torch_parity import GPT
-cfg = json.loads(sys.argv[2])
-torch.manual_seed(0)
-torch.backends.cuda.matmul.allow_tf32 = True
-torch.backends.cudnn.allow_tf32 = True
-dev = "cuda"
-model = GPT(dict(n_layers=cfg["n_layers"], n_heads=cfg["n_heads"], n_embd=cfg["n_embd"], vocab_size=cfg["vocab"],
-                 context_length=cfg["context"], bias=False, activation="gelu", attention="sdpa")).to(dev)
-decay = [p for p in model.parameters() if p.dim() >= 2]
-no_decay = [p for p in model.parameters() if p.dim() < 2]
-opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                        lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-if cfg["compile"]:
-    model = torch.compile(model)
-data = np.memmap(cfg["data"], dtype=np.uint16, mode="r")
-rng = np.random.default_rng(0)
-T, B = cfg["context"], cfg["batch"]
-def batch():
-    ix = rng.integers(0, len(data) - T - 1, B)
-    x = torch.stack([torch.from_numpy(data[i:i + T].astype(np.int64)) for i in ix])
-    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
-    return x.pin_memory().to(dev, non_blocking=True), y.pin_memory().to(dev, non_blocking=True)
-for step in range(cfg["steps"]):
-    if step == cfg["warmup"]:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-    x, y = batch()
-    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-        _, loss = model(x, y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-torch.cuda.synchronize()
-secs = time.perf_counter() - start
-print(json.dumps({"tokens_per_s": (cfg["steps"] - cfg["warmup"]) * B * T / secs, "loss": loss.item()}))
-"""
 
 
 def gpus():
@@ -122,9 +81,9 @@ def nanodist(a, world, extra):
 
 
 def torch_run(a, compile_):
-    cfg = dict(GPT2, batch=a.batch, steps=a.steps, warmup=a.warmup, compile=compile_,
-               data=os.path.join(a.data, "train.bin"))
-    p = subprocess.run([a.python, "-c", TORCH_GPU, ROOT, json.dumps(cfg)], capture_output=True, text=True)
+    cfg = dict(GPT2, batch=a.batch, steps=a.steps, warmup=a.warmup, compile=compile_, device="cuda", threads=4,
+               activation="gelu", attention="sdpa", data=os.path.join(a.data, "train.bin"))
+    p = subprocess.run([a.python, "-c", TORCH_RUN, ROOT, json.dumps(cfg)], capture_output=True, text=True)
     if p.returncode != 0:
         return None, (p.stderr.strip().splitlines() or ["failed"])[-1]
     return json.loads(p.stdout)["tokens_per_s"], None

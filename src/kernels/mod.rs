@@ -214,8 +214,9 @@ pub fn scaled_copy(dst: &mut [f32], src: &[f32], s: f32) {
     dst.iter_mut().zip(src).for_each(|(d, x)| *d = x * s);
 }
 
-/// Twin of `block_sum`: the tree over the BLOCK partial sums (stride BLOCK / 2, ..., 1).
-fn block_sum(sh: &mut [f32; BLOCK]) -> f32 {
+/// Twin of `block_sum` (and of `sum_squares`'s tree in f64): the tree over the BLOCK partial sums
+/// (stride BLOCK / 2, ..., 1).
+pub(crate) fn block_sum<T: Copy + std::ops::AddAssign>(sh: &mut [T; BLOCK]) -> T {
     let mut s = BLOCK / 2;
     while s > 0 {
         for t in 0..s {

@@ -212,14 +212,7 @@ pub fn tile_sum_squares(tile: &[f32]) -> f64 {
             *s += v * v;
         }
     }
-    let mut k = BLOCK / 2;
-    while k > 0 {
-        for t in 0..k {
-            sh[t] += sh[t + k];
-        }
-        k /= 2;
-    }
-    sh[0]
+    super::block_sum(&mut sh)
 }
 
 /// The sum of squares of `x` as the kernel and its host step compute it: per tile (`tile_sum_squares`),
@@ -235,20 +228,7 @@ mod tests {
 
     /// A flat buffer cut into segments of random lengths, alternating decay.
     fn layout() -> impl Strategy<Value = Vec<Segment>> {
-        prop::collection::vec((0usize..300, any::<bool>()), 1..8).prop_map(|lens| {
-            let mut off = 0;
-            lens.into_iter()
-                .map(|(len, decay)| {
-                    let s = Segment {
-                        offset: off,
-                        len,
-                        decay,
-                    };
-                    off += len;
-                    s
-                })
-                .collect()
-        })
+        prop::collection::vec((0usize..300, any::<bool>()), 1..8).prop_map(Segment::end_to_end)
     }
 
     fn numel(segs: &[Segment]) -> usize {

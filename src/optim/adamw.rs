@@ -17,6 +17,24 @@ pub struct Segment {
     pub decay: bool,
 }
 
+impl Segment {
+    /// Segments of the given (length, decay) laid end to end from offset 0.
+    pub fn end_to_end(parts: impl IntoIterator<Item = (usize, bool)>) -> Vec<Segment> {
+        let mut offset = 0;
+        parts
+            .into_iter()
+            .map(|(len, decay)| {
+                offset += len;
+                Segment {
+                    offset: offset - len,
+                    len,
+                    decay,
+                }
+            })
+            .collect()
+    }
+}
+
 /// Optimizer state for checkpoints: the step count and named flat buffers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OptimState {
