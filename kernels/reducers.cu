@@ -122,6 +122,12 @@ extern "C" __global__ void gather_clear(float* acc, const unsigned* idx, float* 
     }
 }
 
+// dense[idx[j]] = vals[j] (SPARTA puts the averaged entries back).
+extern "C" __global__ void scatter(float* dense, const unsigned* idx, const float* vals, unsigned k) {
+    unsigned j = blockIdx.x * BLOCK + threadIdx.x;
+    if (j < k) dense[idx[j]] = vals[j];
+}
+
 // dense[idx[j]] += vals[j] (distinct indices within one call; one call per rank, in rank order, keeps
 // the sums of overlapping selections in rank order).
 extern "C" __global__ void scatter_add(float* dense, const unsigned* idx, const float* vals, unsigned k) {

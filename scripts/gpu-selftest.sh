@@ -34,7 +34,8 @@ out=$(cargo test --release --features cuda,mpi --test gpu -- --test-threads=1 2>
 echo "$out" | tail -20
 for t in top_k_kernel_equals_its_twin gather_scatter_and_error_feedback_kernels_equal_their_twins \
          gram_schmidt_kernel_equals_its_twin optimizer_kernels_equal_their_twins_over_several_steps \
-         sum_squares_kernel_equals_its_twin gossip_kernels_equal_their_twins nccl_engine_at_world_size_one; do
+         sum_squares_kernel_equals_its_twin gossip_kernels_equal_their_twins nccl_engine_at_world_size_one \
+         top_k_reducer_on_the_gpu_equals_its_host_path; do
     if echo "$out" | grep -q "test $t ... ok"; then record "$t" PASS; else record "$t" FAIL; fi
 done
 
@@ -76,6 +77,7 @@ backends=(
     "topk|--set train.compression={name=\"topk\",density=0.1}"
     "radius|--set train.compression={name=\"radius\",density=0.1,interval=10,threshold=10}"
     "powersgd|--set train.compression={name=\"powersgd\",rank=4,start_iter=10}"
+    "sparta|--set train.backend=\"sparta\" --set train.sparta.p=0.05"
     "amp-bf16|--set train.amp=true"
 )
 for b in "${backends[@]}"; do

@@ -62,7 +62,7 @@ fn run(
                 g
             })
             .collect();
-        (outs, r.state())
+        (outs, r.state().unwrap())
     })
 }
 

@@ -53,7 +53,7 @@ fn top_k_kernel_equals_its_twin() {
         let (mut idx, mut val) = (Vec::new(), Vec::new());
         twin::top_k(&x, kk, 100, &mut idx, &mut val);
         let dx = s.clone_htod(&x).unwrap();
-        let (gi, gv) = k.top_k(&dx, kk, 100).unwrap();
+        let (gi, gv) = k.top_k(&dx.slice(..), kk, 100).unwrap();
         assert_eq!(s.clone_dtoh(&gi).unwrap(), idx, "indices, n {n} k {kk}");
         assert_eq!(
             bits(&s.clone_dtoh(&gv).unwrap()),
@@ -91,7 +91,8 @@ fn gather_scatter_and_error_feedback_kernels_equal_their_twins() {
     let mut dsent = s.alloc_zeros::<f32>(idx.len()).unwrap();
     k.gather_clear(&mut dacc, &didx, &mut dsent).unwrap();
     let mut ddense = s.alloc_zeros::<f32>(n).unwrap();
-    k.scatter_add(&mut ddense, &didx, &dsent).unwrap();
+    k.scatter_add(&mut ddense, &didx.slice(..), &dsent.slice(..))
+        .unwrap();
     k.scale(&mut ddense, 0.25).unwrap();
     assert_eq!(bits(&s.clone_dtoh(&dgathered).unwrap()), bits(&gathered));
     assert_eq!(bits(&s.clone_dtoh(&dsent).unwrap()), bits(&sent));
@@ -251,4 +252,49 @@ fn nccl_engine_at_world_size_one() {
     c.broadcast(&mut buf, 0).unwrap();
     assert_eq!(buf, before);
     c.barrier().unwrap();
+}
+
+/// The top-k reducer's device path (its kernels, NCCL on device buffers) against its host path (the
+/// twins), with error feedback over several steps, at world size 1: the same reduced gradient, residual
+/// and compression error, bit for bit.
+#[test]
+fn top_k_reducer_on_the_gpu_equals_its_host_path() {
+    use nanodist::flat::{DeviceFlat, FlatMut};
+    use nanodist::sync::compress::{topk::TopK, Reducer, TensorView};
+    let k = Arc::new(kernels());
+    let s = k.stream().clone();
+    let mut nccl =
+        nanodist::comm::nccl::NcclComm::init(0, 1, 0, Duration::from_secs(30), |_| Ok(()))
+            .expect("NCCL on GPU 0");
+    let tensors = TensorView::from_shapes(&[(300, 200, true), (777, 1, false), (50, 129, true)]);
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    let (mut host, mut dev) = (
+        TopK::new(tensors.clone(), 0.05, true),
+        TopK::new(tensors, 0.05, true),
+    );
+    for step in 0..4 {
+        let g = values(n, 40 + step, step % 2 == 1);
+        let mut hg = g.clone();
+        let hr = host
+            .reduce(&mut nanodist::comm::Solo, &mut hg, step)
+            .unwrap();
+        let mut d = DeviceFlat {
+            buf: s.clone_htod(&g).unwrap(),
+            kernels: k.clone(),
+        };
+        let dr = dev
+            .reduce_flat(&mut nccl, FlatMut::Cuda(&mut d), step)
+            .unwrap();
+        assert_eq!(
+            bits(&s.clone_dtoh(&d.buf).unwrap()),
+            bits(&hg),
+            "step {step}"
+        );
+        assert_eq!(dr.error.map(f64::to_bits), hr.error.map(f64::to_bits));
+        assert_eq!(
+            dev.state().unwrap(),
+            host.state().unwrap(),
+            "residual after step {step}"
+        );
+    }
 }

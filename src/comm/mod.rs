@@ -204,6 +204,16 @@ pub trait Communicator {
     ) -> Result<()> {
         anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
     }
+    /// `all_gather` of GPU buffers on the device (engines with `device_collectives`), done when it
+    /// returns.
+    #[cfg(feature = "cuda")]
+    fn all_gather_device(
+        &mut self,
+        _send: &cudarc::driver::CudaView<f32>,
+        _out: &mut cudarc::driver::CudaSlice<f32>,
+    ) -> Result<()> {
+        anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
+    }
     /// Waits for the collectives enqueued on the device (at most the engine's timeout), and makes the
     /// work queued next on stream `before` wait for them too.
     #[cfg(feature = "cuda")]

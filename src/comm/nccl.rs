@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaViewMut};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use cudarc::nccl::{result as nccl, Comm, Id, ReduceOp};
 
 use super::{all_reduce_bytes, check_gather, chunk, group_sum, CommStats, Communicator};
@@ -352,6 +352,22 @@ impl Communicator for NcclComm {
         nccl::group_end().map_err(nccl_err)?;
         self.wait("group all-reduce")?;
         self.account(bytes, start);
+        Ok(())
+    }
+
+    fn all_gather_device(&mut self, send: &CudaView<f32>, out: &mut CudaSlice<f32>) -> Result<()> {
+        if out.len() != self.n * send.len() {
+            bail!(
+                "all_gather: output holds {} values, expected world size {} x {}",
+                out.len(),
+                self.n,
+                send.len()
+            );
+        }
+        let start = Instant::now();
+        self.comm.all_gather(send, out).map_err(nccl_err)?;
+        self.wait("all_gather")?;
+        self.account(4 * (send.len() * (self.n - 1)) as u64, start);
         Ok(())
     }
 

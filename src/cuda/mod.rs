@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -102,7 +102,7 @@ impl Kernels {
     /// The k entries of largest |x| in index order (indices base + i, and values), as `kernels::top_k`.
     pub fn top_k(
         &self,
-        x: &CudaSlice<f32>,
+        x: &CudaView<f32>,
         k: usize,
         base: u32,
     ) -> Result<(CudaSlice<u32>, CudaSlice<f32>)> {
@@ -183,12 +183,22 @@ impl Kernels {
         per_index!(self, "gather_clear", acc, idx, out)
     }
 
-    /// dense[idx[j]] += vals[j] (distinct indices).
-    pub fn scatter_add(
+    /// dense[idx[j]] = vals[j].
+    pub fn scatter(
         &self,
         dense: &mut CudaSlice<f32>,
         idx: &CudaSlice<u32>,
         vals: &CudaSlice<f32>,
+    ) -> Result<()> {
+        per_index!(self, "scatter", dense, idx, vals)
+    }
+
+    /// dense[idx[j]] += vals[j] (distinct indices).
+    pub fn scatter_add(
+        &self,
+        dense: &mut CudaSlice<f32>,
+        idx: &CudaView<u32>,
+        vals: &CudaView<f32>,
     ) -> Result<()> {
         per_index!(self, "scatter_add", dense, idx, vals)
     }
@@ -201,12 +211,7 @@ impl Kernels {
     }
 
     /// dst[at..at + src.len()] += src (the `ef_accumulate` kernel on a view).
-    pub fn add_at(
-        &self,
-        dst: &mut CudaSlice<f32>,
-        at: usize,
-        src: &cudarc::driver::CudaView<f32>,
-    ) -> Result<()> {
+    pub fn add_at(&self, dst: &mut CudaSlice<f32>, at: usize, src: &CudaView<f32>) -> Result<()> {
         let n = u32_of(src.len(), "length")?;
         let mut view = dst.slice_mut(at..at + src.len());
         launch!(

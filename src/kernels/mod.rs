@@ -184,6 +184,13 @@ pub fn gather_clear(acc: &mut [f32], idx: &[u32], out: &mut [f32]) {
     });
 }
 
+/// Twin of `scatter`: dense[idx[j]] = vals[j].
+pub fn scatter(dense: &mut [f32], idx: &[u32], vals: &[f32]) {
+    idx.iter()
+        .zip(vals)
+        .for_each(|(&i, &v)| dense[i as usize] = v);
+}
+
 /// Twin of `scatter_add`: dense[idx[j]] += vals[j].
 pub fn scatter_add(dense: &mut [f32], idx: &[u32], vals: &[f32]) {
     idx.iter()
@@ -322,6 +329,9 @@ mod tests {
             // Scatter into zeros gives x on the selection and zero elsewhere.
             let mut dense = vec![0.0; x.len()];
             scatter_add(&mut dense, &idx, &got);
+            let mut put = vec![0.0; x.len()];
+            scatter(&mut put, &idx, &got);
+            prop_assert_eq!(&put, &dense);
             let mut acc = x.clone();
             let mut sent = vec![0.0; k];
             gather_clear(&mut acc, &idx, &mut sent);
@@ -392,6 +402,24 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// Gossip's twins are their formulas, element by element, in f32.
+        #[test]
+        fn mix_and_scaled_copy_are_their_formulas(
+            x in prop::collection::vec(-1e3f32..1e3, 0..500), own in -2f32..2.0, s in -2f32..2.0
+        ) {
+            let b: Vec<f32> = x.iter().map(|v| v * 0.5 - 1.0).collect();
+            let mut m = x.clone();
+            mix(&mut m, &b, own);
+            let mut c = vec![0.0; x.len()];
+            scaled_copy(&mut c, &x, s);
+            for i in 0..x.len() {
+                prop_assert_eq!(m[i].to_bits(), (own * x[i] + b[i]).to_bits());
+                prop_assert_eq!(c[i].to_bits(), (x[i] * s).to_bits());
+            }
+        }
+    }
+
     #[test]
     fn zero_columns_stay_zero() {
         let mut p = vec![0.0f32; 12];
@@ -415,6 +443,7 @@ mod tests {
             "gather",
             "gather_clear",
             "scatter_add",
+            "scatter",
             "ef_accumulate",
             "scale",
             "gram_schmidt",

@@ -354,7 +354,7 @@ impl SyncBackend for Diloco {
         }
         if let Some(r) = &self.reducer {
             s.extend(
-                r.state()
+                r.state()?
                     .into_iter()
                     .map(|(n, b)| (format!("compress.{n}"), b)),
             );

@@ -563,17 +563,22 @@ impl SyncBackend for Compressed {
     fn step_comm(&self, step: u64) -> Vec<Collective> {
         self.reducer.step_comm(self.world_size(), step)
     }
-    fn reduce_grads(&mut self, grads: &mut [f32], step: u64, _lr: f64) -> Result<()> {
+    fn reduce_grads(&mut self, grads: &mut [f32], step: u64, lr: f64) -> Result<()> {
+        self.reduce_flat(grads.into(), step, lr)
+    }
+    /// The reducer on the gradient where it lives (see `compress::Reducer::reduce_flat`).
+    fn reduce_flat(&mut self, grads: FlatMut<'_>, step: u64, _lr: f64) -> Result<()> {
         let before = self.comm.stats();
-        let report = self.reducer.reduce(self.comm.as_mut(), grads, step)?;
+        let len = grads.as_ref().len();
+        let report = self.reducer.reduce_flat(self.comm.as_mut(), grads, step)?;
         self.clipped_norm = report.grad_norm;
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
         self.tally
-            .add(grads.len(), n, rank, &before, &self.comm.stats(), &report);
+            .add(len, n, rank, &before, &self.comm.stats(), &report);
         Ok(())
     }
     fn state(&self) -> Result<compress::State> {
-        Ok(self.reducer.state())
+        self.reducer.state()
     }
     fn load_state(&mut self, state: compress::State) -> Result<()> {
         self.reducer.load_state(state)

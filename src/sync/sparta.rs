@@ -14,6 +14,9 @@ use rand_chacha::ChaCha8Rng;
 use super::trace::{Collective, Op, Overlap};
 use super::SyncBackend;
 use crate::comm::{all_reduce_mean, Communicator};
+#[cfg(feature = "cuda")]
+use crate::flat::FlatMut;
+use crate::kernels;
 
 const MASK_KEY: u64 = 0x7370_6172_7461; // "sparta"
 
@@ -87,16 +90,38 @@ impl SyncBackend for Sparta {
             Overlap::None,
         )]
     }
+    /// The selected entries' mean over the ranks replaces them (the `gather` and `scatter` kernels'
+    /// twins).
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
         mask(self.seed, step, self.p, params.len(), &mut self.idx);
-        self.vals.clear();
-        self.vals
-            .extend(self.idx.iter().map(|&i| params[i as usize]));
+        self.vals.resize(self.idx.len(), 0.0);
+        kernels::gather(params, &self.idx, &mut self.vals);
         all_reduce_mean(self.comm.as_mut(), &mut self.vals)?;
-        for (&i, &v) in self.idx.iter().zip(&self.vals) {
-            params[i as usize] = v;
-        }
+        kernels::scatter(params, &self.idx, &self.vals);
         Ok(())
+    }
+    /// On the GPU with device collectives: the mask drawn on the host, the rest on the device (the
+    /// mean as the host's: the sum, then times 1 / N).
+    #[cfg(feature = "cuda")]
+    fn after_step_flat(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
+        let d = match params {
+            FlatMut::Cuda(d) if self.comm.device_collectives() => d,
+            p => return p.through_host(|p| self.after_step(p, step)),
+        };
+        let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
+        mask(self.seed, step, self.p, d.buf.len(), &mut self.idx);
+        let n = self.comm.world_size();
+        if self.idx.is_empty() || n == 1 {
+            return Ok(());
+        }
+        let idx = s.clone_htod(&self.idx)?;
+        let mut vals = s.alloc_zeros::<f32>(self.idx.len())?;
+        k.gather(&d.buf, &idx, &mut vals)?;
+        self.comm
+            .all_reduce_sum_device(&mut vals.slice_mut(..), &s)?;
+        self.comm.finish_device(&s)?;
+        k.scale(&mut vals, 1.0 / n as f32)?;
+        k.scatter(&mut d.buf, &idx, &vals)
     }
 }
 

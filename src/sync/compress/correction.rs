@@ -89,11 +89,10 @@ impl Reducer for Corrected {
         self.inner.step_comm(world, step)
     }
 
-    fn state(&self) -> State {
-        let mut state = self.inner.state();
-        let adam = self.adam.state();
-        push_adam(&mut state, adam.expect("host buffers: a copy cannot fail"));
-        state
+    fn state(&self) -> Result<State> {
+        let mut state = self.inner.state()?;
+        push_adam(&mut state, self.adam.state()?);
+        Ok(state)
     }
 
     fn load_state(&mut self, state: State) -> Result<()> {

@@ -13,6 +13,7 @@ use anyhow::{bail, Result};
 use super::trace::{Collective, Op, Overlap};
 use crate::comm::{all_reduce_bytes, CommStats, Communicator};
 use crate::config::resolve::ReducerPlan;
+use crate::flat::FlatMut;
 use crate::model::params::Param;
 
 /// One parameter tensor in the flat gradient, viewed as a `rows x cols` matrix (rows = first dimension).
@@ -102,9 +103,20 @@ pub trait Reducer {
         grads: &mut [f32],
         step: u64,
     ) -> Result<Report>;
+    /// `reduce` on the gradient wherever it lives: on the GPU through a host copy, unless the reducer
+    /// runs its CUDA kernels there (top-k on an engine with device collectives).
+    fn reduce_flat(
+        &mut self,
+        comm: &mut dyn Communicator,
+        grads: FlatMut<'_>,
+        step: u64,
+    ) -> Result<Report> {
+        grads.through_host(|g| self.reduce(comm, g, step))
+    }
     /// The collectives of step `step` over `world` ranks (what `reduce` runs then).
     fn step_comm(&self, world: usize, step: u64) -> Vec<Collective>;
-    fn state(&self) -> State;
+    /// The state to checkpoint (host copies of device buffers).
+    fn state(&self) -> Result<State>;
     /// Restores `state()`; an empty state (a dense checkpoint) starts the reducer fresh.
     fn load_state(&mut self, state: State) -> Result<()>;
 }

@@ -324,12 +324,12 @@ impl Reducer for PowerSgd {
         vec![all_reduce(side + dense, world)]
     }
 
-    fn state(&self) -> State {
+    fn state(&self) -> Result<State> {
         if self.compressed_steps == 0 {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let steps = self.compressed_steps;
-        vec![
+        Ok(vec![
             ("p".into(), self.p.clone()),
             ("q".into(), self.q.clone()),
             ("error".into(), self.error.clone()),
@@ -337,7 +337,7 @@ impl Reducer for PowerSgd {
                 "compressed_steps".into(),
                 crate::comm::pack_u64(steps).to_vec(),
             ),
-        ]
+        ])
     }
 
     fn load_state(&mut self, mut state: State) -> Result<()> {

@@ -192,15 +192,15 @@ impl Reducer for Radius {
         vec![all_reduce(words, world)]
     }
 
-    fn state(&self) -> State {
+    fn state(&self) -> Result<State> {
         if self.mask.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        vec![
+        Ok(vec![
             ("residual".into(), self.residual.clone()),
             ("mask".into(), indices_to_f32(&self.mask)),
             ("core".into(), indices_to_f32(&self.core)),
-        ]
+        ])
     }
 
     fn load_state(&mut self, mut state: State) -> Result<()> {

@@ -1,6 +1,8 @@
 //! Top-k sparsification with error feedback. Per matrix tensor, each rank keeps the k = density * numel
 //! entries of largest magnitude of gradient + residual, all-gathers (values, indices) since every rank
 //! picks different indices, and keeps what it did not send as its next residual. Vectors go dense.
+//! On the GPU (an engine with device collectives) the same steps run as the CUDA kernels whose twins
+//! the host path runs, on device buffers, the residual included.
 
 use anyhow::Result;
 use rayon::prelude::*;
@@ -18,7 +20,11 @@ pub struct TopK {
     error_feedback: bool,
     /// Entries kept per tensor (0 for vectors, which are all-reduced whole).
     k: Vec<usize>,
+    /// The residual in host memory (the host path, and a restored checkpoint until the first GPU step).
     residual: Vec<f32>,
+    /// The residual on the GPU (the device path).
+    #[cfg(feature = "cuda")]
+    device_residual: Option<cudarc::driver::CudaSlice<f32>>,
 }
 
 impl TopK {
@@ -32,11 +38,130 @@ impl TopK {
             error_feedback,
             k,
             residual: Vec::new(),
+            #[cfg(feature = "cuda")]
+            device_residual: None,
         }
     }
 
     fn numel(&self) -> usize {
         self.tensors.iter().map(|t| t.len).sum()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl TopK {
+    /// `reduce` on the GPU: the same steps in the same order as the host path, each a kernel (its twin
+    /// is what the host path runs), the vectors' all-reduce and the (values, indices) all-gather on the
+    /// device. The host sees the selection's digit histograms (the radix select) and two norms.
+    fn reduce_device(
+        &mut self,
+        comm: &mut dyn Communicator,
+        d: &mut crate::flat::DeviceFlat,
+    ) -> Result<Report> {
+        use anyhow::Context;
+        let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
+        let (n, len) = (comm.world_size(), d.buf.len());
+        if self.error_feedback {
+            if self.device_residual.as_ref().map(|r| r.len()) != Some(len) {
+                // A restored residual moves to the GPU; otherwise it starts at zero.
+                let restored = std::mem::take(&mut self.residual);
+                self.device_residual = Some(if restored.len() == len {
+                    s.clone_htod(&restored)?
+                } else {
+                    s.alloc_zeros::<f32>(len)?
+                });
+            }
+            k.ef_accumulate(
+                &mut d.buf,
+                self.device_residual.as_ref().expect("set above"),
+            )?;
+        }
+        // Dense part: the vectors, in one all-reduce (the mean: the sum, then times 1 / N).
+        let vectors: Vec<_> = self.tensors.iter().filter(|t| !t.matrix).cloned().collect();
+        let dense_len: usize = vectors.iter().map(|t| t.len).sum();
+        let mut dense = s.alloc_zeros::<f32>(dense_len.max(1))?;
+        let mut at = 0;
+        for t in &vectors {
+            s.memcpy_dtod(
+                &d.buf.slice(t.range()),
+                &mut dense.slice_mut(at..at + t.len),
+            )?;
+            at += t.len;
+        }
+        if n > 1 && dense_len > 0 {
+            comm.all_reduce_sum_device(&mut dense.slice_mut(..dense_len), &s)?;
+            comm.finish_device(&s)?;
+            k.scale(&mut dense, 1.0 / n as f32)?;
+        }
+        // Sparse part: per-tensor selections, packed as [values | indices].
+        let mut selected = Vec::new();
+        for (t, &kk) in self.tensors.iter().zip(&self.k) {
+            if t.matrix && kk > 0 {
+                let (idx, vals) = k.top_k(&d.buf.slice(t.range()), kk, t.offset as u32)?;
+                selected.push((idx, vals, kk.min(t.len)));
+            }
+        }
+        let total: usize = selected.iter().map(|(_, _, c)| c).sum();
+        let mut send = s.alloc_zeros::<f32>((2 * total).max(1))?;
+        let mut idx_all = s.alloc_zeros::<u32>(total.max(1))?;
+        let mut at = 0;
+        for (idx, vals, c) in &selected {
+            s.memcpy_dtod(&vals.slice(..*c), &mut send.slice_mut(at..at + c))?;
+            s.memcpy_dtod(&idx.slice(..*c), &mut idx_all.slice_mut(at..at + c))?;
+            // SAFETY: u32 and f32 have the same size; the bits travel as f32 (`indices_to_f32`).
+            let bits = unsafe { idx.transmute::<f32>(*c) }.context("index bits")?;
+            s.memcpy_dtod(&bits, &mut send.slice_mut(total + at..total + at + c))?;
+            at += c;
+        }
+        let mut all = s.alloc_zeros::<f32>((2 * total * n).max(1))?;
+        if total > 0 {
+            comm.all_gather_device(&send.slice(..2 * total), &mut all)?;
+        }
+        let acc_norm = k.sum_squares(&d.buf)?.sqrt();
+        // The new residual: everything not sent (vectors are exact and leave none).
+        let mut residual = match self.device_residual.take() {
+            Some(r) if r.len() == len => r,
+            _ => s.alloc_zeros::<f32>(len)?,
+        };
+        s.memcpy_dtod(&d.buf, &mut residual)?;
+        for t in &vectors {
+            s.memset_zeros(&mut residual.slice_mut(t.range()))?;
+        }
+        if total > 0 {
+            // `idx_all` holds exactly the `total` indices here.
+            let mut sent = s.alloc_zeros::<f32>(total)?;
+            k.gather_clear(&mut residual, &idx_all, &mut sent)?;
+        }
+        let lost = k.sum_squares(&residual)?.sqrt();
+        // Decompress: rank-ordered sums of every rank's values, then the mean; vectors from the dense part.
+        for t in self.tensors.iter().filter(|t| t.matrix) {
+            s.memset_zeros(&mut d.buf.slice_mut(t.range()))?;
+        }
+        for r in (0..n).filter(|_| total > 0) {
+            let part = all.slice(r * 2 * total..(r + 1) * 2 * total);
+            let vals = part.slice(..total);
+            // SAFETY: the indices' bits, as packed above.
+            let ids =
+                unsafe { part.slice(total..).transmute::<u32>(total) }.context("index bits")?;
+            k.scatter_add(&mut d.buf, &ids, &vals)?;
+        }
+        // Times 1 / N everywhere, then the vectors' mean over it (the host path scales the matrices only).
+        k.scale(&mut d.buf, 1.0 / n as f32)?;
+        let mut at = 0;
+        for t in &vectors {
+            s.memcpy_dtod(
+                &dense.slice(at..at + t.len),
+                &mut d.buf.slice_mut(t.range()),
+            )?;
+            at += t.len;
+        }
+        if self.error_feedback {
+            self.device_residual = Some(residual);
+        }
+        Ok(Report {
+            error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
+            ..Report::default()
+        })
     }
 }
 
@@ -125,6 +250,21 @@ impl Reducer for TopK {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn reduce_flat(
+        &mut self,
+        comm: &mut dyn Communicator,
+        grads: crate::flat::FlatMut<'_>,
+        step: u64,
+    ) -> Result<Report> {
+        match grads {
+            crate::flat::FlatMut::Cuda(d) if comm.device_collectives() => {
+                self.reduce_device(comm, d)
+            }
+            g => g.through_host(|g| self.reduce(comm, g, step)),
+        }
+    }
+
     /// The vectors in one all-reduce, then every rank's (values, indices) all-gathered.
     fn step_comm(&self, world: usize, _step: u64) -> Vec<Collective> {
         let dense = self
@@ -146,14 +286,22 @@ impl Reducer for TopK {
         ]
     }
 
-    fn state(&self) -> State {
-        if self.residual.is_empty() {
-            return Vec::new();
+    fn state(&self) -> Result<State> {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.device_residual {
+            return Ok(vec![("residual".into(), r.stream().clone_dtoh(r)?)]);
         }
-        vec![("residual".into(), self.residual.clone())]
+        if self.residual.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(vec![("residual".into(), self.residual.clone())])
     }
 
     fn load_state(&mut self, mut state: State) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            self.device_residual = None;
+        }
         if state.is_empty() {
             self.residual.clear();
             return Ok(());
