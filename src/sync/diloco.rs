@@ -26,6 +26,7 @@ use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
 use crate::comm::{all_reduce_mean, pack_u64, unpack_u64, Communicator};
 use crate::config::backend::{DilocoConfig, Quantize};
+use crate::flat::FlatMut;
 use crate::kernels::optim as kernels;
 use crate::optim::{global_norm, Segment};
 
@@ -307,6 +308,23 @@ impl SyncBackend for Diloco {
             }
         }
         Ok(())
+    }
+    /// The hooks act only at the first step and at sync points: on the GPU the parameters cross to the
+    /// host then, not at every step.
+    fn before_step_flat(&mut self, params: FlatMut<'_>) -> Result<()> {
+        if !self.backup.is_empty() {
+            return Ok(());
+        }
+        params.through_host(|p| self.before_step(p))
+    }
+    fn after_step_flat(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
+        let done = step + 1;
+        let syncs = self.inflight.as_ref().is_some_and(|f| f.sync_at == done)
+            || self.fragment_at(done + self.cfg.fragment_delay).is_some();
+        if !syncs {
+            return Ok(());
+        }
+        params.through_host(|p| self.after_step(p, step))
     }
     /// Evaluation and checkpoints use the global model.
     fn average<'a>(
