@@ -117,13 +117,19 @@ impl Segments {
         }
     }
 
-    /// The table on the GPU of `k` (uploaded at the first call).
+    /// The kernels of the GPU buffer `p` and the table there (uploaded at the first call).
     #[cfg(feature = "cuda")]
-    fn device(&mut self, k: &crate::cuda::Kernels) -> Result<&crate::cuda::DeviceSegments> {
+    fn device(
+        &mut self,
+        p: &crate::flat::DeviceFlat,
+    ) -> Result<(
+        std::sync::Arc<crate::cuda::Kernels>,
+        &crate::cuda::DeviceSegments,
+    )> {
         if self.device.is_none() {
-            self.device = Some(k.segments(&self.host)?);
+            self.device = Some(p.kernels.segments(&self.host)?);
         }
-        Ok(self.device.as_ref().expect("set above"))
+        Ok((p.kernels.clone(), self.device.as_ref().expect("set above")))
     }
 }
 
@@ -187,8 +193,7 @@ impl Optimizer for AdamW {
             }
             #[cfg(feature = "cuda")]
             (FlatMut::Cuda(p), FlatRef::Cuda(g), Flat::Cuda(m), Flat::Cuda(v)) => {
-                let k = p.kernels.clone();
-                let segs = self.segs.device(&k)?;
+                let (k, segs) = self.segs.device(p)?;
                 k.adamw(&mut p.buf, &g.buf, &mut m.buf, &mut v.buf, segs, &c)?
             }
             #[cfg(feature = "cuda")]
@@ -258,8 +263,7 @@ impl Optimizer for Sgd {
             }
             #[cfg(feature = "cuda")]
             (FlatMut::Cuda(p), FlatRef::Cuda(g)) => {
-                let k = p.kernels.clone();
-                let segs = self.segs.device(&k)?;
+                let (k, segs) = self.segs.device(p)?;
                 k.sgd(&mut p.buf, &g.buf, segs, self.wd, lr)?
             }
             #[cfg(feature = "cuda")]
@@ -311,8 +315,7 @@ impl Optimizer for MomentumSgd {
             }
             #[cfg(feature = "cuda")]
             (FlatMut::Cuda(p), FlatRef::Cuda(g), Flat::Cuda(b)) => {
-                let k = p.kernels.clone();
-                let segs = self.segs.device(&k)?;
+                let (k, segs) = self.segs.device(p)?;
                 let b = (!b.buf.is_empty()).then_some(&mut b.buf);
                 k.momentum_sgd(&mut p.buf, &g.buf, b, segs, &c)?
             }
@@ -382,8 +385,7 @@ impl Optimizer for AccumAdamW {
                 Flat::Cuda(sv),
                 Flat::Cuda(acc),
             ) => {
-                let k = p.kernels.clone();
-                let segs = self.segs.device(&k)?;
+                let (k, segs) = self.segs.device(p)?;
                 let (sm, sv, acc) = (&mut sm.buf, &mut sv.buf, &mut acc.buf);
                 k.accum_adamw(&mut p.buf, &g.buf, sm, sv, acc, segs, &c)?
             }
