@@ -9,7 +9,8 @@
 //
 // The update kernels run over a segment table: segs[3 s .. 3 s + 3] = (offset, length, decays) of
 // parameter s in the flat buffer. Block row blockIdx.y is segment s; weight decay applies where `decays`
-// is set (nanoGPT: tensors of rank >= 2).
+// is set (nanoGPT: tensors of rank >= 2). Each reads the gradient times `gscale`: the clipping's factor
+// (1 without clipping), applied in the update's pass instead of a pass of its own.
 
 #define BLOCK 256   // threads per block
 #define TILE 4096   // elements per block of sum_squares (BLOCK threads x 16)
@@ -25,10 +26,10 @@
 // p -= step_size (m / (sqrt(v) / bc2_sqrt + eps)).
 extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, const unsigned* segs,
                                  float decay, float one_minus_b1, float b2, float one_minus_b2,
-                                 float bc2_sqrt, float eps, float step_size) {
+                                 float bc2_sqrt, float eps, float step_size, float gscale) {
     FOR_SEGMENT(segs, i, decays) {
         float pi = decays ? p[i] * decay : p[i];
-        float gi = g[i], mi = m[i], vi = v[i];
+        float gi = g[i] * gscale, mi = m[i], vi = v[i];
         mi += (gi - mi) * one_minus_b1;
         vi = vi * b2 + one_minus_b2 * gi * gi;
         float denom = sqrtf(vi) / bc2_sqrt + eps;
@@ -43,10 +44,11 @@ extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, c
 extern "C" __global__ void accum_adamw(float* p, const float* g, float* sm, float* sv, float* acc,
                                        const unsigned* segs, float decay, float one_minus_b1,
                                        float one_minus_b2, float b1, float b2, float inv_k,
-                                       float bc2_sqrt, float eps, float step_size, unsigned commit) {
+                                       float bc2_sqrt, float eps, float step_size, unsigned commit,
+                                       float gscale) {
     FOR_SEGMENT(segs, i, decays) {
         float pi = decays ? p[i] * decay : p[i];
-        float gi = g[i], smi = sm[i], svi = sv[i];
+        float gi = g[i] * gscale, smi = sm[i], svi = sv[i];
         float ai = acc[i] + gi * inv_k;
         float mi = smi + one_minus_b1 * gi;
         float vi = svi + one_minus_b2 * gi * gi;
@@ -62,10 +64,11 @@ extern "C" __global__ void accum_adamw(float* p, const float* g, float* sm, floa
 }
 
 // SGD with decoupled weight decay: p = p (1 - lr wd) - lr g (decay on decaying segments).
-extern "C" __global__ void sgd(float* p, const float* g, const unsigned* segs, float decay, float lr) {
+extern "C" __global__ void sgd(float* p, const float* g, const unsigned* segs, float decay, float lr,
+                               float gscale) {
     FOR_SEGMENT(segs, i, decays) {
         float pi = decays ? p[i] * decay : p[i];
-        p[i] = pi - lr * g[i];
+        p[i] = pi - lr * (g[i] * gscale);
     }
 }
 
@@ -74,9 +77,9 @@ extern "C" __global__ void sgd(float* p, const float* g, const unsigned* segs, f
 // (momentum > 0).
 extern "C" __global__ void momentum_sgd(float* p, const float* g, float* buf, unsigned has_buf,
                                         const unsigned* segs, float wd, float mu, float lr,
-                                        unsigned first, unsigned nesterov) {
+                                        unsigned first, unsigned nesterov, float gscale) {
     FOR_SEGMENT(segs, i, decays) {
-        float gi = g[i];
+        float gi = g[i] * gscale;
         if (decays && wd != 0.0f) gi = gi + wd * p[i];
         if (!has_buf) {
             p[i] -= lr * gi;

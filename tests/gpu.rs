@@ -163,7 +163,10 @@ fn optimizer_kernels_equal_their_twins_over_several_steps() {
         let g = values(n, 100 + t, t % 2 == 0);
         let dg = up(&g);
         let lr = 1e-3 * t as f64;
-        let c = AdamWStep::new([0.9, 0.95], 1e-8, 0.1, lr, t);
+        let c = AdamWStep {
+            grad_scale: 0.7,
+            ..AdamWStep::new([0.9, 0.95], 1e-8, 0.1, lr, t)
+        };
         twin::optim::adamw(&mut p, &g, &mut m, &mut v, &segs, &c);
         k.adamw(&mut dp, &dg, &mut dm, &mut dv, &dsegs, &c).unwrap();
         let c = AccumStep::new([0.9, 0.99], 1e-8, 0.1, 2, lr, t);
@@ -176,6 +179,7 @@ fn optimizer_kernels_equal_their_twins_over_several_steps() {
             lr: lr as f32,
             nesterov: true,
             first: t == 1,
+            grad_scale: 0.5,
         };
         twin::optim::momentum_sgd(&mut r, &g, &mut buf, &segs, &c);
         k.momentum_sgd(&mut dr, &dg, Some(&mut dbuf), &dsegs, &c)
@@ -187,8 +191,8 @@ fn optimizer_kernels_equal_their_twins_over_several_steps() {
         };
         twin::optim::momentum_sgd(&mut u, &g, &mut [], &segs, &plain);
         k.momentum_sgd(&mut du, &dg, None, &dsegs, &plain).unwrap();
-        twin::optim::sgd(&mut w, &g, &segs, 0.1, lr);
-        k.sgd(&mut dw, &dg, &dsegs, 0.1, lr).unwrap();
+        twin::optim::sgd(&mut w, &g, &segs, 0.1, lr, 0.9);
+        k.sgd(&mut dw, &dg, &dsegs, 0.1, lr, 0.9).unwrap();
         for (name, dev, host) in [
             ("adamw p", &dp, &p),
             ("adamw m", &dm, &m),

@@ -60,7 +60,8 @@ impl Kernels {
             &c.one_minus_b2,
             &c.bc2_sqrt,
             &c.eps,
-            &c.step_size
+            &c.step_size,
+            &c.grad_scale
         );
         Ok(())
     }
@@ -97,7 +98,8 @@ impl Kernels {
             &c.bc2_sqrt,
             &c.eps,
             &c.step_size,
-            &commit
+            &commit,
+            &c.grad_scale
         );
         Ok(())
     }
@@ -110,9 +112,20 @@ impl Kernels {
         segs: &DeviceSegments,
         wd: f64,
         lr: f64,
+        grad_scale: f32,
     ) -> Result<()> {
         let (decay, lr) = (twin::decay_factor(lr, wd), lr as f32);
-        launch!(self, "sgd", segs.cfg, p, g, &segs.table, &decay, &lr);
+        launch!(
+            self,
+            "sgd",
+            segs.cfg,
+            p,
+            g,
+            &segs.table,
+            &decay,
+            &lr,
+            &grad_scale
+        );
         Ok(())
     }
 
@@ -147,7 +160,8 @@ impl Kernels {
             &c.momentum,
             &c.lr,
             &first,
-            &nesterov
+            &nesterov,
+            &c.grad_scale
         );
         Ok(())
     }

@@ -30,9 +30,11 @@ pub fn decay_factor(lr: f64, wd: f64) -> f32 {
     (1.0 - lr * wd) as f32
 }
 
-/// One AdamW step's coefficients (torch.optim.AdamW, single-tensor): bias corrections of step `t`.
+/// One AdamW step's coefficients (torch.optim.AdamW, single-tensor): bias corrections of step `t`, and
+/// `grad_scale`, the clipping's factor on the gradient (1: none).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWStep {
+    pub grad_scale: f32,
     pub decay: f32,
     pub one_minus_b1: f32,
     pub b2: f32,
@@ -48,6 +50,7 @@ impl AdamWStep {
         let bc1 = 1.0 - b1.powi(t as i32);
         let bc2_sqrt = (1.0 - b2.powi(t as i32)).sqrt();
         Self {
+            grad_scale: 1.0,
             decay: decay_factor(lr, wd),
             one_minus_b1: (1.0 - b1) as f32,
             b2: b2 as f32,
@@ -79,17 +82,20 @@ pub fn adamw(
         );
         for i in 0..p.len() {
             let pi = if s.decay { p[i] * c.decay } else { p[i] };
-            m[i] += (g[i] - m[i]) * c.one_minus_b1;
-            v[i] = v[i] * c.b2 + c.one_minus_b2 * g[i] * g[i];
+            let gi = g[i] * c.grad_scale;
+            m[i] += (gi - m[i]) * c.one_minus_b1;
+            v[i] = v[i] * c.b2 + c.one_minus_b2 * gi * gi;
             let denom = v[i].sqrt() / c.bc2_sqrt + c.eps;
             p[i] = pi - c.step_size * (m[i] / denom);
         }
     }
 }
 
-/// One AccumAdamW step's coefficients: bias corrections counted in commits (every `k` steps).
+/// One AccumAdamW step's coefficients: bias corrections counted in commits (every `k` steps), and the
+/// clipping's factor on the gradient.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AccumStep {
+    pub grad_scale: f32,
     pub decay: f32,
     pub one_minus_b1: f32,
     pub one_minus_b2: f32,
@@ -108,6 +114,7 @@ impl AccumStep {
         let c = t.div_ceil(k) as i32;
         let bc1 = 1.0 - b1.powi(c);
         Self {
+            grad_scale: 1.0,
             decay: decay_factor(lr, wd),
             one_minus_b1: (1.0 - b1) as f32,
             one_minus_b2: (1.0 - b2) as f32,
@@ -139,9 +146,10 @@ pub fn accum_adamw(
         let (sm, sv, acc) = (&mut sm[r.clone()], &mut sv[r.clone()], &mut acc[r]);
         for i in 0..p.len() {
             let pi = if s.decay { p[i] * c.decay } else { p[i] };
-            let a = acc[i] + g[i] * c.inv_k;
-            let m = sm[i] + c.one_minus_b1 * g[i];
-            let v = sv[i] + c.one_minus_b2 * g[i] * g[i];
+            let gi = g[i] * c.grad_scale;
+            let a = acc[i] + gi * c.inv_k;
+            let m = sm[i] + c.one_minus_b1 * gi;
+            let v = sv[i] + c.one_minus_b2 * gi * gi;
             p[i] = pi - c.step_size * m / (v.sqrt() / c.bc2_sqrt + c.eps);
             if c.commit {
                 sm[i] = c.b1 * (sm[i] + c.one_minus_b1 * a);
@@ -154,14 +162,14 @@ pub fn accum_adamw(
     }
 }
 
-/// Twin of `sgd`: p = p (1 - lr wd) - lr g, the decay on decaying segments.
-pub fn sgd(p: &mut [f32], g: &[f32], segments: &[Segment], wd: f64, lr: f64) {
+/// Twin of `sgd`: p = p (1 - lr wd) - lr (g grad_scale), the decay on decaying segments.
+pub fn sgd(p: &mut [f32], g: &[f32], segments: &[Segment], wd: f64, lr: f64, grad_scale: f32) {
     let (decay, lr32) = (decay_factor(lr, wd), lr as f32);
     for s in segments {
         let r = s.offset..s.offset + s.len;
         for (p, g) in p[r.clone()].iter_mut().zip(&g[r]) {
             let pi = if s.decay { *p * decay } else { *p };
-            *p = pi - lr32 * g;
+            *p = pi - lr32 * (g * grad_scale);
         }
     }
 }
@@ -175,6 +183,8 @@ pub struct SgdStep {
     pub nesterov: bool,
     /// Whether the momentum buffer is still unset (torch's first step).
     pub first: bool,
+    /// The clipping's factor on the gradient (1: none).
+    pub grad_scale: f32,
 }
 
 /// Twin of `momentum_sgd` (torch.optim.SGD, foreach=False): g' = g + wd p (decaying segments); with a
@@ -187,12 +197,14 @@ pub fn momentum_sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], segments: &[Segme
         let (p, g) = (&mut p[r.clone()], &g[r.clone()]);
         if buf.is_empty() {
             for (p, &g) in p.iter_mut().zip(g) {
+                let g = g * c.grad_scale;
                 let g = if wd != 0.0 { g + wd * *p } else { g };
                 *p -= c.lr * g;
             }
             continue;
         }
         for ((p, &g), b) in p.iter_mut().zip(g).zip(&mut buf[r]) {
+            let g = g * c.grad_scale;
             let g = if wd != 0.0 { g + wd * *p } else { g };
             *b = if c.first { g } else { c.momentum * *b + g };
             let d = if c.nesterov { g + c.momentum * *b } else { *b };
@@ -329,9 +341,9 @@ mod tests {
             let mut rb = vec![0.0f64; n];
             for t in 0..4 {
                 let g = vals(n, seed + 10 + t, -1.0, 1.0);
-                let c = SgdStep { wd, momentum: mu, lr, nesterov, first: t == 0 };
+                let c = SgdStep { wd, momentum: mu, lr, nesterov, first: t == 0, grad_scale: 1.0 };
                 momentum_sgd(&mut p, &g, &mut buf, &segs, &c);
-                sgd(&mut q, &g, &segs, wd as f64, lr as f64);
+                sgd(&mut q, &g, &segs, wd as f64, lr as f64, 1.0);
                 for s in &segs {
                     for i in s.offset..s.offset + s.len {
                         let (mu, lr) = (mu as f64, lr as f64);

@@ -90,7 +90,18 @@ impl OptimView<'_> {
 pub trait Optimizer: Send {
     /// One update of `params` with gradient `grads` at learning rate `lr`, where the buffers live (the
     /// kernels of `kernels/optim.cu` on the GPU, their CPU twins on the host).
-    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()>;
+    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
+        self.step_scaled(params, grads, lr, 1.0)
+    }
+    /// `step` with the gradient times `grad_scale` (gradient clipping's factor), applied as the update
+    /// reads it: the same values as scaling the gradient first, without a pass of its own.
+    fn step_scaled(
+        &mut self,
+        params: FlatMut<'_>,
+        grads: FlatRef<'_>,
+        lr: f64,
+        grad_scale: f32,
+    ) -> Result<()>;
     /// The step count and buffers, borrowed.
     fn view(&self) -> OptimView<'_>;
     /// The step count and a host copy of the buffers.
@@ -184,9 +195,18 @@ pub struct AdamW {
 }
 
 impl Optimizer for AdamW {
-    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
+    fn step_scaled(
+        &mut self,
+        params: FlatMut<'_>,
+        grads: FlatRef<'_>,
+        lr: f64,
+        grad_scale: f32,
+    ) -> Result<()> {
         self.t += 1;
-        let c = kernels::AdamWStep::new(self.betas, self.eps, self.wd, lr, self.t);
+        let c = kernels::AdamWStep {
+            grad_scale,
+            ..kernels::AdamWStep::new(self.betas, self.eps, self.wd, lr, self.t)
+        };
         match (params, grads, &mut self.m, &mut self.v) {
             (FlatMut::Host(p), FlatRef::Host(g), Flat::Host(m), Flat::Host(v)) => {
                 kernels::adamw(p, g, m, v, &self.segs.host, &c)
@@ -255,16 +275,22 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
-    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
+    fn step_scaled(
+        &mut self,
+        params: FlatMut<'_>,
+        grads: FlatRef<'_>,
+        lr: f64,
+        grad_scale: f32,
+    ) -> Result<()> {
         self.t += 1;
         match (params, grads) {
             (FlatMut::Host(p), FlatRef::Host(g)) => {
-                kernels::sgd(p, g, &self.segs.host, self.wd, lr)
+                kernels::sgd(p, g, &self.segs.host, self.wd, lr, grad_scale)
             }
             #[cfg(feature = "cuda")]
             (FlatMut::Cuda(p), FlatRef::Cuda(g)) => {
                 let (k, segs) = self.segs.device(p)?;
-                k.sgd(&mut p.buf, &g.buf, segs, self.wd, lr)?
+                k.sgd(&mut p.buf, &g.buf, segs, self.wd, lr, grad_scale)?
             }
             #[cfg(feature = "cuda")]
             _ => bail!(MIXED),
@@ -300,13 +326,20 @@ pub struct MomentumSgd {
 }
 
 impl Optimizer for MomentumSgd {
-    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
+    fn step_scaled(
+        &mut self,
+        params: FlatMut<'_>,
+        grads: FlatRef<'_>,
+        lr: f64,
+        grad_scale: f32,
+    ) -> Result<()> {
         let c = kernels::SgdStep {
             wd: self.wd as f32,
             momentum: self.momentum as f32,
             lr: lr as f32,
             nesterov: self.nesterov,
             first: self.t == 0,
+            grad_scale,
         };
         self.t += 1;
         match (params, grads, &mut self.buf) {
@@ -366,9 +399,18 @@ pub struct AccumAdamW {
 }
 
 impl Optimizer for AccumAdamW {
-    fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
+    fn step_scaled(
+        &mut self,
+        params: FlatMut<'_>,
+        grads: FlatRef<'_>,
+        lr: f64,
+        grad_scale: f32,
+    ) -> Result<()> {
         self.t += 1;
-        let c = kernels::AccumStep::new(self.betas, self.eps, self.wd, self.k, lr, self.t);
+        let c = kernels::AccumStep {
+            grad_scale,
+            ..kernels::AccumStep::new(self.betas, self.eps, self.wd, self.k, lr, self.t)
+        };
         match (params, grads, &mut self.sm, &mut self.sv, &mut self.acc) {
             (
                 FlatMut::Host(p),

@@ -9,7 +9,7 @@ pub use schedule::lr_at;
 
 use anyhow::Result;
 
-use crate::flat::{FlatMut, FlatRef, Place};
+use crate::flat::{FlatRef, Place};
 
 /// The optimizer the training loop steps: the configured one, or SGD with decoupled weight decay when
 /// Radius runs Adam inside its reducer (`sync::compress::correction`) or DeMo computes the direction.
@@ -51,21 +51,26 @@ pub fn norm(x: FlatRef<'_>) -> Result<f64> {
 }
 
 /// torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
-/// Returns the norm before clipping. `max_norm <= 0` disables clipping.
+/// Returns the norm before clipping. `max_norm <= 0` disables clipping. (The training loop applies the
+/// factor in the optimizer's pass instead: `Optimizer::step_scaled`.)
 pub fn clip_grad_norm(g: &mut [f32], max_norm: f64) -> f64 {
-    clip_flat(g.into(), max_norm).expect("host buffers: the kernels' twins cannot fail")
+    let norm = global_norm(g);
+    let c = clip_factor(norm, max_norm);
+    if c < 1.0 {
+        crate::kernels::scale(g, c);
+    }
+    norm
 }
 
-/// `clip_grad_norm` of a buffer wherever it lives (the `sum_squares` and `scale` kernels on the GPU).
-pub fn clip_flat(mut g: FlatMut<'_>, max_norm: f64) -> Result<f64> {
-    let norm = g.as_ref().sum_squares()?.sqrt();
-    if max_norm > 0.0 {
-        let coef = max_norm / (norm + 1e-6);
-        if coef < 1.0 {
-            g.scale(coef as f32)?;
-        }
+/// The factor torch.nn.utils.clip_grad_norm_ scales a gradient of global norm `norm` by:
+/// max_norm / (norm + 1e-6) when that is below 1, else 1 (`max_norm <= 0` disables clipping).
+pub fn clip_factor(norm: f64, max_norm: f64) -> f32 {
+    let coef = max_norm / (norm + 1e-6);
+    if max_norm > 0.0 && coef < 1.0 {
+        coef as f32
+    } else {
+        1.0
     }
-    Ok(norm)
 }
 
 #[cfg(test)]
@@ -83,6 +88,49 @@ mod tests {
         let mut g = vec![30.0f32, 40.0];
         clip_grad_norm(&mut g, 0.0);
         assert_eq!(g, vec![30.0, 40.0]);
+    }
+
+    /// The clipping folded into the update (`step_scaled`) gives what scaling the gradient first gave,
+    /// bit for bit, for every optimizer the loop runs.
+    #[test]
+    fn a_scaled_step_is_the_step_of_the_scaled_gradient() {
+        use crate::config::optim::SgdConfig;
+        use crate::config::resolve::SyncPlan;
+        use crate::config::OptimConfig;
+        let sgd = |momentum, nesterov| {
+            OptimConfig::Sgd(SgdConfig {
+                momentum,
+                nesterov,
+                weight_decay: 0.1,
+            })
+        };
+        let accum = OptimConfig::AccumAdamW(crate::config::AccumAdamWConfig {
+            accum_steps: 2,
+            ..Default::default()
+        });
+        let dense = SyncPlan::AllReduce { bucket_elems: 8 };
+        let segs = Segment::end_to_end([(7, true), (3, false)]);
+        for optim in [
+            OptimConfig::default(),
+            accum,
+            sgd(0.0, false),
+            sgd(0.9, true),
+        ] {
+            let mut a = for_run(&optim, &dense, segs.clone(), 10, &Place::Host).unwrap();
+            let mut b = for_run(&optim, &dense, segs.clone(), 10, &Place::Host).unwrap();
+            let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
+            for t in 0..4 {
+                let g: Vec<f32> = (0..10).map(|i| (i as f32 - 4.5) * (t + 1) as f32).collect();
+                let mut clipped = g.clone();
+                let norm = clip_grad_norm(&mut clipped, 1.0);
+                let c = clip_factor(norm, 1.0);
+                a.step((&mut pa).into(), (&clipped).into(), 0.01).unwrap();
+                b.step_scaled((&mut pb).into(), (&g).into(), 0.01, c)
+                    .unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&pa), bits(&pb), "{optim:?} step {t}");
+            }
+        }
     }
 
     /// `state_buffers` (what `check` budgets) is what each optimizer holds after a step.

@@ -196,6 +196,7 @@ impl Diloco {
             lr: c.outer_lr as f32,
             nesterov: c.nesterov,
             first,
+            grad_scale: 1.0,
         };
         let whole = [Segment {
             offset: 0,

@@ -259,11 +259,15 @@ impl<'s> Worker<'s> {
             self.sync
                 .reduce_flat(self.grads.as_mut(), self.progress.step, lr)?;
             self.since_log.sync_end(sync_start, self.sync.comm_stats());
-            let grad_norm = match self.sync.clipped_grad_norm() {
-                Some(norm) => norm,
-                None => optim::clip_flat(self.grads.as_mut(), t.grad_norm_clip)?,
+            // Clipping: the norm here, its factor applied as the optimizer reads the gradient.
+            let (grad_norm, grad_scale) = match self.sync.clipped_grad_norm() {
+                Some(norm) => (norm, 1.0),
+                None => {
+                    let norm = optim::norm(self.grads.as_ref())?;
+                    (norm, optim::clip_factor(norm, t.grad_norm_clip))
+                }
             };
-            self.update(lr)?;
+            self.update(lr, grad_scale)?;
             if let Some((planned, before)) = planned {
                 let (sent, rank) = (self.sync.comm_stats().bytes_sent - before, self.sync.rank());
                 let want = crate::sync::trace::sent_by(&planned, rank);
@@ -351,8 +355,9 @@ impl<'s> Worker<'s> {
         Ok(loss_sum / accum as f64)
     }
 
-    /// The optimizer step between the backend's hooks (gossip mixes after it), then the model's weights.
-    fn update(&mut self, lr: f64) -> Result<()> {
+    /// The optimizer step (the gradient times `grad_scale`, clipping's factor) between the backend's hooks
+    /// (gossip mixes after it), then the model's weights.
+    fn update(&mut self, lr: f64, grad_scale: f32) -> Result<()> {
         let start = self.since_log.sync_start(self.sync.comm_stats());
         let (step, touches) = (self.progress.step, self.sync.touches_params());
         if touches {
@@ -360,7 +365,7 @@ impl<'s> Worker<'s> {
         }
         self.since_log.sync_end(start, self.sync.comm_stats());
         self.opt
-            .step(self.params.as_mut(), self.grads.as_ref(), lr)?;
+            .step_scaled(self.params.as_mut(), self.grads.as_ref(), lr, grad_scale)?;
         let start = self.since_log.sync_start(self.sync.comm_stats());
         if touches {
             self.sync.after_step_flat(self.params.as_mut(), step)?;
