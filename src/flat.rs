@@ -5,10 +5,12 @@
 //! logged scalars.
 
 use std::borrow::Cow;
+use std::ops::Range;
 #[cfg(feature = "cuda")]
 use std::sync::Arc;
 
 use anyhow::Result;
+use candle_core::{Shape, Tensor};
 
 #[cfg(feature = "cuda")]
 use crate::cuda::Kernels;
@@ -156,6 +158,17 @@ impl Flat {
         self.as_ref().place()
     }
 
+    /// Moves this buffer's values to `place` (nothing to do where they are already).
+    pub fn move_to(&mut self, place: &Place) -> Result<()> {
+        let here = matches!((&*self, place), (Flat::Host(_), Place::Host));
+        #[cfg(feature = "cuda")]
+        let here = here || matches!((&*self, place), (Flat::Cuda(_), Place::Cuda(_)));
+        if !here {
+            *self = place.from_host(self.to_host()?.into_owned())?;
+        }
+        Ok(())
+    }
+
     /// Whether this buffer has the length of `other` and lives in the same kind of memory.
     pub fn beside(&self, other: FlatRef<'_>) -> bool {
         let same_kind = match (self, other) {
@@ -200,6 +213,36 @@ impl<'a> FlatRef<'a> {
         }
     }
 
+    /// A candle tensor of `shape` holding a copy of the values in `ranges`, one after the other: on the
+    /// CPU, or on this buffer's GPU, where candle's operations (cuBLAS matmuls) run on its stream.
+    pub fn tensor(self, ranges: &[Range<usize>], shape: impl Into<Shape>) -> Result<Tensor> {
+        match self {
+            FlatRef::Host(v) => {
+                let n = ranges.iter().map(|r| r.len()).sum();
+                let mut vals = Vec::with_capacity(n);
+                ranges
+                    .iter()
+                    .for_each(|r| vals.extend_from_slice(&v[r.clone()]));
+                Ok(Tensor::from_vec(vals, shape, &candle_core::Device::Cpu)?)
+            }
+            #[cfg(feature = "cuda")]
+            FlatRef::Cuda(d) => {
+                let s = d.kernels.stream();
+                let n = ranges.iter().map(|r| r.len()).sum();
+                let mut part = s.alloc_zeros::<f32>(n)?;
+                let mut at = 0;
+                for r in ranges {
+                    s.memcpy_dtod(
+                        &d.buf.slice(r.clone()),
+                        &mut part.slice_mut(at..at + r.len()),
+                    )?;
+                    at += r.len();
+                }
+                d.kernels.tensor(part, shape)
+            }
+        }
+    }
+
     /// The f64 sum of squares (the `sum_squares` kernel, or its twin on the host).
     pub fn sum_squares(self) -> Result<f64> {
         match self {
@@ -233,6 +276,121 @@ impl FlatMut<'_> {
             FlatMut::Host(v) => v.iter_mut().for_each(|x| *x = 0.0),
             #[cfg(feature = "cuda")]
             FlatMut::Cuda(d) => d.kernels.stream().memset_zeros(&mut d.buf)?,
+        }
+        Ok(())
+    }
+
+    /// self[at..at + range.len()] = src[range].
+    pub fn copy_from(&mut self, at: usize, src: FlatRef<'_>, range: Range<usize>) -> Result<()> {
+        let n = range.len();
+        match (self, src) {
+            (FlatMut::Host(d), FlatRef::Host(x)) => d[at..at + n].copy_from_slice(&x[range]),
+            #[cfg(feature = "cuda")]
+            (FlatMut::Cuda(d), FlatRef::Cuda(x)) => d
+                .kernels
+                .stream()
+                .memcpy_dtod(&x.buf.slice(range), &mut d.buf.slice_mut(at..at + n))?,
+            #[cfg(feature = "cuda")]
+            _ => anyhow::bail!(MIXED),
+        }
+        Ok(())
+    }
+
+    /// self[at..at + values.len()] = values (from host memory).
+    pub fn copy_from_host(&mut self, at: usize, values: &[f32]) -> Result<()> {
+        let n = values.len();
+        match self {
+            FlatMut::Host(d) => d[at..at + n].copy_from_slice(values),
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) => d
+                .kernels
+                .stream()
+                .memcpy_htod(values, &mut d.buf.slice_mut(at..at + n))?,
+        }
+        Ok(())
+    }
+
+    /// self[at..at + t.elem_count()] = the values of `t` (a tensor on this buffer's device).
+    pub fn copy_from_tensor(&mut self, at: usize, t: &Tensor) -> Result<()> {
+        let n = t.elem_count();
+        match self {
+            FlatMut::Host(d) => {
+                d[at..at + n].copy_from_slice(&t.flatten_all()?.to_vec1::<f32>()?);
+            }
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) => {
+                let t = t.contiguous()?;
+                let (storage, layout) = t.storage_and_layout();
+                let candle_core::Storage::Cuda(c) = &*storage else {
+                    anyhow::bail!(MIXED);
+                };
+                let o = layout.start_offset();
+                let src = c.as_cuda_slice::<f32>()?.slice(o..o + n);
+                let s = d.kernels.stream().clone();
+                s.memcpy_dtod(&src, &mut d.buf.slice_mut(at..at + n))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// self += src (the `ef_accumulate` kernel, or its twin on the host).
+    pub fn add(&mut self, src: FlatRef<'_>) -> Result<()> {
+        match (self, src) {
+            (FlatMut::Host(d), FlatRef::Host(x)) => crate::kernels::ef_accumulate(d, x),
+            #[cfg(feature = "cuda")]
+            (FlatMut::Cuda(d), FlatRef::Cuda(x)) => d.kernels.ef_accumulate(&mut d.buf, &x.buf)?,
+            #[cfg(feature = "cuda")]
+            _ => anyhow::bail!(MIXED),
+        }
+        Ok(())
+    }
+
+    /// Gram-Schmidt on the columns of the row-major rows x cols matrices stored back to back in
+    /// self[range] (the `gram_schmidt` kernel, or its twin on the host).
+    pub fn gram_schmidt(
+        &mut self,
+        range: Range<usize>,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<()> {
+        match self {
+            FlatMut::Host(d) => crate::kernels::gram_schmidt(&mut d[range], rows, cols, eps),
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) => {
+                let k = d.kernels.clone();
+                k.gram_schmidt(&mut d.buf.slice_mut(range), rows, cols, eps)?
+            }
+        }
+        Ok(())
+    }
+
+    /// self = own * self + b (the `mix` kernel, or its twin on the host).
+    pub fn mix(&mut self, b: FlatRef<'_>, own: f32) -> Result<()> {
+        match (self, b) {
+            (FlatMut::Host(x), FlatRef::Host(b)) => crate::kernels::mix(x, b, own),
+            #[cfg(feature = "cuda")]
+            (FlatMut::Cuda(x), FlatRef::Cuda(b)) => {
+                let k = x.kernels.clone();
+                k.mix(&mut x.buf.slice_mut(..), &b.buf.slice(..), own)?
+            }
+            #[cfg(feature = "cuda")]
+            _ => anyhow::bail!(MIXED),
+        }
+        Ok(())
+    }
+
+    /// self = src * s (the `scaled_copy` kernel, or its twin on the host).
+    pub fn assign_scaled(&mut self, src: FlatRef<'_>, s: f32) -> Result<()> {
+        match (self, src) {
+            (FlatMut::Host(d), FlatRef::Host(x)) => crate::kernels::scaled_copy(d, x, s),
+            #[cfg(feature = "cuda")]
+            (FlatMut::Cuda(d), FlatRef::Cuda(x)) => {
+                let k = d.kernels.clone();
+                k.scaled_copy(&mut d.buf.slice_mut(..), &x.buf.slice(..), s)?
+            }
+            #[cfg(feature = "cuda")]
+            _ => anyhow::bail!(MIXED),
         }
         Ok(())
     }

@@ -10,6 +10,8 @@ pub mod nccl;
 
 use anyhow::Result;
 
+use crate::flat::FlatMut;
+
 /// Bytes this rank sent and seconds it spent in collectives, totals since the communicator started.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CommStats {
@@ -48,6 +50,50 @@ pub fn all_reduce_mean(comm: &mut dyn Communicator, buf: &mut [f32]) -> Result<(
     let n = comm.world_size();
     if n > 1 {
         comm.all_reduce_sum_scaled(buf, 1.0 / n as f32)?;
+    }
+    Ok(())
+}
+
+/// `all_reduce_mean` of a flat buffer wherever it lives: on the GPU with the engine's device
+/// collectives, otherwise through host memory.
+pub fn all_reduce_mean_flat(comm: &mut dyn Communicator, buf: FlatMut<'_>) -> Result<()> {
+    match buf {
+        #[cfg(feature = "cuda")]
+        FlatMut::Cuda(d) if comm.device_collectives() => {
+            all_reduce_mean_device(comm, &mut d.buf, &d.kernels)
+        }
+        b => b.through_host(|h| all_reduce_mean(comm, h)),
+    }
+}
+
+/// `all_reduce_sum` of a flat buffer wherever it lives (as `all_reduce_mean_flat`).
+pub fn all_reduce_sum_flat(comm: &mut dyn Communicator, buf: FlatMut<'_>) -> Result<()> {
+    match buf {
+        #[cfg(feature = "cuda")]
+        FlatMut::Cuda(d) if comm.device_collectives() => {
+            if comm.world_size() > 1 && !d.buf.is_empty() {
+                comm.all_reduce_sum_device(&mut d.buf.slice_mut(..), d.kernels.stream())?;
+                comm.finish_device(d.kernels.stream())?;
+            }
+            Ok(())
+        }
+        b => b.through_host(|h| comm.all_reduce_sum(h)),
+    }
+}
+
+/// `all_reduce_mean` of a GPU buffer, in place on the device (engines with `device_collectives`): the
+/// rank-ordered sum, then times 1 / N (the `scale` kernel), as on the host.
+#[cfg(feature = "cuda")]
+pub fn all_reduce_mean_device(
+    comm: &mut dyn Communicator,
+    buf: &mut cudarc::driver::CudaSlice<f32>,
+    kernels: &crate::cuda::Kernels,
+) -> Result<()> {
+    let n = comm.world_size();
+    if n > 1 && !buf.is_empty() {
+        comm.all_reduce_sum_device(&mut buf.slice_mut(..), kernels.stream())?;
+        comm.finish_device(kernels.stream())?;
+        kernels.scale(buf, 1.0 / n as f32)?;
     }
     Ok(())
 }

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -75,6 +76,8 @@ pub use optim::DeviceSegments;
 pub struct Kernels {
     stream: Arc<CudaStream>,
     modules: Vec<Arc<CudaModule>>,
+    /// The candle device whose stream this is (for candle's operations on the same buffers).
+    candle: Option<candle_core::CudaDevice>,
 }
 
 impl Kernels {
@@ -85,11 +88,30 @@ impl Kernels {
             .map(|ptx| stream.context().load_module(Ptx::from_src(*ptx)))
             .collect::<Result<_, _>>()
             .context("loading the kernels' PTX (CUDA 13 PTX needs driver R580 or newer)")?;
-        Ok(Self { stream, modules })
+        Ok(Self {
+            stream,
+            modules,
+            candle: None,
+        })
+    }
+
+    /// The kernels on the stream of candle's device `dev`, which candle's operations also use.
+    pub fn for_candle(dev: &candle_core::CudaDevice) -> Result<Self> {
+        Ok(Self {
+            candle: Some(dev.clone()),
+            ..Self::new(dev.cuda_stream())?
+        })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Candle's device of this stream (kernels made by `for_candle`).
+    pub fn candle_device(&self) -> Result<&candle_core::CudaDevice> {
+        self.candle
+            .as_ref()
+            .context("internal error: these kernels were made without a candle device")
     }
 
     fn f(&self, name: &str) -> Result<CudaFunction> {
@@ -97,6 +119,23 @@ impl Kernels {
             .iter()
             .find_map(|m| m.load_function(name).ok())
             .with_context(|| format!("no kernel {name} in the PTX"))
+    }
+
+    /// A candle tensor of `shape` on this stream's device, holding `buf`.
+    pub fn tensor(
+        &self,
+        buf: CudaSlice<f32>,
+        shape: impl Into<candle_core::Shape>,
+    ) -> Result<candle_core::Tensor> {
+        use candle_core::{op::BackpropOp, CudaStorage, Storage, Tensor};
+        let dev = self.candle_device()?.clone();
+        let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(buf, dev));
+        Ok(Tensor::from_storage(
+            storage,
+            shape,
+            BackpropOp::none(),
+            false,
+        ))
     }
 
     /// The k entries of largest |x| in index order (indices base + i, and values), as `kernels::top_k`.
@@ -226,7 +265,7 @@ impl Kernels {
     }
 
     /// x = own * x + b (gossip's mix).
-    pub fn mix(&self, x: &mut CudaSlice<f32>, b: &CudaSlice<f32>, own: f32) -> Result<()> {
+    pub fn mix(&self, x: &mut CudaViewMut<f32>, b: &CudaView<f32>, own: f32) -> Result<()> {
         let n = u32_of(x.len().min(b.len()), "length")?;
         launch!(self, "mix", per_element(n as usize), x, b, &n, &own);
         Ok(())
@@ -235,8 +274,8 @@ impl Kernels {
     /// dst = src * s.
     pub fn scaled_copy(
         &self,
-        dst: &mut CudaSlice<f32>,
-        src: &CudaSlice<f32>,
+        dst: &mut CudaViewMut<f32>,
+        src: &CudaView<f32>,
         s: f32,
     ) -> Result<()> {
         let n = u32_of(dst.len().min(src.len()), "length")?;
@@ -262,7 +301,7 @@ impl Kernels {
     /// Gram-Schmidt on the columns of the row-major rows x cols matrices stored back to back in `p`.
     pub fn gram_schmidt(
         &self,
-        p: &mut CudaSlice<f32>,
+        p: &mut CudaViewMut<f32>,
         rows: usize,
         cols: usize,
         eps: f32,

@@ -2,7 +2,7 @@
 //! which also computes each step's coefficients for both.
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 use super::{grid, u32_of, Kernels, MAX_BLOCKS};
 use crate::kernels::optim::{self as twin, AccumStep, AdamWStep, SgdStep};
@@ -133,19 +133,22 @@ impl Kernels {
     /// `kernels::optim::momentum_sgd`).
     pub fn momentum_sgd(
         &self,
-        p: &mut CudaSlice<f32>,
-        g: &CudaSlice<f32>,
-        buf: Option<&mut CudaSlice<f32>>,
+        p: &mut CudaViewMut<f32>,
+        g: &CudaView<f32>,
+        buf: Option<&mut CudaViewMut<f32>>,
         segs: &DeviceSegments,
         c: &SgdStep,
     ) -> Result<()> {
         let has_buf = u32::from(buf.is_some());
         let (first, nesterov) = (u32::from(c.first), u32::from(c.nesterov));
         // Without momentum the kernel never reads `buf`: a one-element stand-in fills the argument.
-        let mut none = None;
-        let buf: &mut CudaSlice<f32> = match buf {
-            Some(b) => b,
-            None => none.insert(self.stream.alloc_zeros::<f32>(1)?),
+        let mut stand_in;
+        let mut buf = match buf {
+            Some(b) => b.slice_mut(..),
+            None => {
+                stand_in = self.stream.alloc_zeros::<f32>(1)?;
+                stand_in.slice_mut(..)
+            }
         };
         launch!(
             self,
@@ -153,7 +156,7 @@ impl Kernels {
             segs.cfg,
             p,
             g,
-            buf,
+            &mut buf,
             &has_buf,
             &segs.table,
             &c.wd,

@@ -138,9 +138,9 @@ fn initial_items(
 fn place_of(device: &Device) -> Result<Place> {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(d) => Ok(Place::Cuda(std::sync::Arc::new(crate::cuda::Kernels::new(
-            d.cuda_stream(),
-        )?))),
+        Device::Cuda(d) => Ok(Place::Cuda(std::sync::Arc::new(
+            crate::cuda::Kernels::for_candle(d)?,
+        ))),
         _ => Ok(Place::Host),
     }
 }

@@ -184,7 +184,6 @@ impl ParamSet {
     /// Sets every parameter from a flat buffer on the GPU: a device-to-device copy per tensor.
     #[cfg(feature = "cuda")]
     pub fn set_flat_device(&self, flat: &crate::flat::DeviceFlat) -> Result<()> {
-        use candle_core::{op::BackpropOp, CudaStorage, Storage};
         if flat.buf.len() != self.numel {
             bail!(
                 "flat buffer of {} values for {} parameters",
@@ -195,14 +194,12 @@ impl ParamSet {
         let stream = flat.kernels.stream();
         for p in &self.params {
             let var = Self::var(p)?;
-            let Device::Cuda(dev) = var.device() else {
+            if !var.device().is_cuda() {
                 bail!("parameter {} is not on the GPU", p.name);
-            };
+            }
             let mut part = stream.alloc_zeros::<f32>(p.len)?;
             stream.memcpy_dtod(&flat.buf.slice(p.offset..p.offset + p.len), &mut part)?;
-            let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(part, dev.clone()));
-            let t = Tensor::from_storage(storage, p.shape.as_slice(), BackpropOp::none(), false);
-            var.set(&t)?;
+            var.set(&flat.kernels.tensor(part, p.shape.as_slice())?)?;
         }
         // Candle's stream is the CUDA per-thread stream of the calling thread, and the gradient may be
         // computed on another thread (beside overlapped gossip): the weights are in place before it reads.

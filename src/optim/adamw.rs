@@ -349,8 +349,14 @@ impl Optimizer for MomentumSgd {
             #[cfg(feature = "cuda")]
             (FlatMut::Cuda(p), FlatRef::Cuda(g), Flat::Cuda(b)) => {
                 let (k, segs) = self.segs.device(p)?;
-                let b = (!b.buf.is_empty()).then_some(&mut b.buf);
-                k.momentum_sgd(&mut p.buf, &g.buf, b, segs, &c)?
+                let mut b = (!b.buf.is_empty()).then(|| b.buf.slice_mut(..));
+                k.momentum_sgd(
+                    &mut p.buf.slice_mut(..),
+                    &g.buf.slice(..),
+                    b.as_mut(),
+                    segs,
+                    &c,
+                )?
             }
             #[cfg(feature = "cuda")]
             _ => bail!(MIXED),

@@ -24,11 +24,11 @@ use anyhow::{bail, Result};
 use super::compress::{self, take, Reducer, State, TensorView};
 use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
-use crate::comm::{all_reduce_mean, pack_u64, unpack_u64, Communicator};
+use crate::comm::{all_reduce_mean_flat, pack_u64, unpack_u64, Communicator};
 use crate::config::backend::{DilocoConfig, Quantize};
-use crate::flat::FlatMut;
+use crate::flat::{Flat, FlatMut, FlatRef, Place};
 use crate::kernels::optim as kernels;
-use crate::optim::{global_norm, Segment};
+use crate::optim::{norm, Segment};
 
 struct Fragment {
     range: Range<usize>,
@@ -41,7 +41,7 @@ struct InFlight {
     fragment: usize,
     /// Inner steps done at the sync point.
     sync_at: u64,
-    delta: Vec<f32>,
+    delta: Flat,
     reduced: bool,
 }
 
@@ -51,9 +51,10 @@ pub struct Diloco {
     fragments: Vec<Fragment>,
     reducer: Option<Box<dyn Reducer>>,
     tally: compress::Tally,
-    /// The global model (outer parameters) and the outer momentum, whole-model buffers.
-    backup: Vec<f32>,
-    momentum: Vec<f32>,
+    /// The global model (outer parameters) and the outer momentum (empty without momentum),
+    /// whole-model buffers beside the parameters: on the GPU with them.
+    backup: Flat,
+    momentum: Flat,
     /// Outer steps taken per fragment.
     outer_steps: Vec<u64>,
     inflight: Option<InFlight>,
@@ -128,8 +129,8 @@ impl Diloco {
             cfg,
             reducer,
             tally: compress::Tally::default(),
-            backup: Vec::new(),
-            momentum: Vec::new(),
+            backup: Flat::Host(Vec::new()),
+            momentum: Flat::Host(Vec::new()),
             inflight: None,
             syncs: 0,
             pending: None,
@@ -148,47 +149,44 @@ impl Diloco {
     }
 
     /// Averages `delta` (this rank's pseudo-gradient of `fragment`) over the workers, in place.
-    fn reduce(&mut self, fragment: usize, delta: &mut [f32]) -> Result<()> {
-        let local = delta.to_vec();
+    fn reduce(&mut self, fragment: usize, delta: &mut Flat) -> Result<()> {
+        let (len, place) = (delta.len(), delta.place());
+        let mut local = place.zeros(len)?;
+        local.as_mut().copy_from(0, delta.as_ref(), 0..len)?;
         let before = self.comm.stats();
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
+        let comm = self.comm.as_mut();
         let report = match (&mut self.reducer, self.cfg.quantize) {
-            (Some(r), _) => r.reduce(self.comm.as_mut(), delta, self.syncs)?,
+            (Some(r), _) => r.reduce_flat(comm, delta.as_mut(), self.syncs)?,
             (None, Quantize::None) => {
-                all_reduce_mean(self.comm.as_mut(), delta)?;
+                all_reduce_mean_flat(comm, delta.as_mut())?;
                 compress::Report::default()
             }
             (None, q) => {
                 let rows = &self.fragments[fragment].rows;
-                super::quantize::all_reduce_mean(self.comm.as_mut(), delta, rows, q)?;
+                delta
+                    .as_mut()
+                    .through_host(|d| super::quantize::all_reduce_mean(comm, d, rows, q))?;
                 compress::Report::default()
             }
         };
         self.syncs += 1;
         if self.reducer.is_some() || self.cfg.quantize != Quantize::None {
             self.tally
-                .add(delta.len(), n, rank, &before, &self.comm.stats(), &report);
+                .add(len, n, rank, &before, &self.comm.stats(), &report);
         }
-        let distance = local
-            .iter()
-            .zip(delta.iter())
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum::<f64>()
-            .sqrt();
-        self.pending = Some((global_norm(&local), distance));
+        let local_norm = norm(local.as_ref())?;
+        // The distance from the average: || -local + mean || (the `mix` kernel), which is || local - mean ||.
+        local.as_mut().mix(delta.as_ref(), -1.0)?;
+        self.pending = Some((local_norm, norm(local.as_ref())?));
         Ok(())
     }
 
     /// The outer step of `fragment` with the averaged pseudo-gradient, then the worker's parameters.
-    fn apply(&mut self, fragment: usize, mean: &[f32], params: &mut [f32]) {
+    fn apply(&mut self, fragment: usize, mean: FlatRef<'_>, params: FlatMut<'_>) -> Result<()> {
         let r = self.fragments[fragment].range.clone();
         let first = self.outer_steps[fragment] == 0;
         self.outer_steps[fragment] += 1;
-        let buf = if self.momentum.is_empty() {
-            &mut []
-        } else {
-            &mut self.momentum[r.clone()]
-        };
         let c = &self.cfg;
         let step = kernels::SgdStep {
             wd: 0.0,
@@ -203,25 +201,83 @@ impl Diloco {
             len: r.len(),
             decay: false,
         }];
-        kernels::momentum_sgd(&mut self.backup[r.clone()], mean, buf, &whole, &step);
         let alpha = c.fragment_alpha as f32;
-        if alpha == 0.0 {
-            params[r.clone()].copy_from_slice(&self.backup[r]);
-        } else {
-            for (p, b) in params[r.clone()].iter_mut().zip(&self.backup[r]) {
-                *p = (1.0 - alpha) * b + alpha * *p;
+        match (&mut self.backup, &mut self.momentum, mean, params) {
+            (Flat::Host(b), Flat::Host(m), FlatRef::Host(mean), FlatMut::Host(p)) => {
+                let buf = if m.is_empty() {
+                    &mut []
+                } else {
+                    &mut m[r.clone()]
+                };
+                kernels::momentum_sgd(&mut b[r.clone()], mean, buf, &whole, &step);
+                if alpha == 0.0 {
+                    p[r.clone()].copy_from_slice(&b[r]);
+                } else {
+                    for (p, b) in p[r.clone()].iter_mut().zip(&b[r]) {
+                        *p = (1.0 - alpha) * b + alpha * *p;
+                    }
+                }
             }
+            #[cfg(feature = "cuda")]
+            (Flat::Cuda(b), m, FlatRef::Cuda(mean), FlatMut::Cuda(p)) => {
+                let k = b.kernels.clone();
+                let s = k.stream();
+                let mut buf = match m {
+                    m if m.is_empty() => None,
+                    Flat::Cuda(m) => Some(m.buf.slice_mut(r.clone())),
+                    Flat::Host(_) => bail!(crate::flat::MIXED),
+                };
+                let segs = k.segments(&whole)?;
+                let (mut br, mean) = (b.buf.slice_mut(r.clone()), mean.buf.slice(..));
+                k.momentum_sgd(&mut br, &mean, buf.as_mut(), &segs, &step)?;
+                if alpha == 0.0 {
+                    s.memcpy_dtod(&b.buf.slice(r.clone()), &mut p.buf.slice_mut(r))?;
+                } else {
+                    // alpha p + ((1 - alpha) b) (the `mix` kernel): the host's sum, in the other order.
+                    let mut scaled = s.alloc_zeros::<f32>(r.len())?;
+                    let b = b.buf.slice(r.clone());
+                    k.scaled_copy(&mut scaled.slice_mut(..), &b, 1.0 - alpha)?;
+                    k.mix(&mut p.buf.slice_mut(r), &scaled.slice(..), alpha)?;
+                }
+            }
+            #[cfg(feature = "cuda")]
+            _ => bail!(crate::flat::MIXED),
         }
+        Ok(())
     }
 
     /// This rank's pseudo-gradient of `fragment`: backup - local.
-    fn delta(&self, fragment: usize, params: &[f32]) -> Vec<f32> {
+    fn delta(&self, fragment: usize, params: FlatRef<'_>) -> Result<Flat> {
         let r = self.fragments[fragment].range.clone();
-        self.backup[r.clone()]
-            .iter()
-            .zip(&params[r])
-            .map(|(b, p)| b - p)
-            .collect()
+        match (&self.backup, params) {
+            (Flat::Host(b), FlatRef::Host(p)) => Ok(Flat::Host(
+                b[r.clone()].iter().zip(&p[r]).map(|(b, p)| b - p).collect(),
+            )),
+            #[cfg(feature = "cuda")]
+            (Flat::Cuda(b), FlatRef::Cuda(p)) => {
+                // -local + backup (the `mix` kernel), which is backup - local exactly.
+                let s = b.kernels.stream();
+                let mut d = s.alloc_zeros::<f32>(r.len())?;
+                s.memcpy_dtod(&p.buf.slice(r.clone()), &mut d)?;
+                b.kernels.mix(&mut d.slice_mut(..), &b.buf.slice(r), -1.0)?;
+                Ok(Flat::Cuda(crate::flat::DeviceFlat {
+                    buf: d,
+                    kernels: b.kernels.clone(),
+                }))
+            }
+            #[cfg(feature = "cuda")]
+            _ => bail!(crate::flat::MIXED),
+        }
+    }
+
+    /// Moves the state beside the parameters (a restored state is in host memory).
+    fn settle(&mut self, place: &Place) -> Result<()> {
+        self.backup.move_to(place)?;
+        self.momentum.move_to(place)?;
+        if let Some(f) = &mut self.inflight {
+            f.delta.move_to(place)?;
+        }
+        Ok(())
     }
 }
 
@@ -275,30 +331,44 @@ impl SyncBackend for Diloco {
         }
         Ok(())
     }
-    /// The global model starts as the initial parameters (a resume restores it).
     fn before_step(&mut self, params: &mut [f32]) -> Result<()> {
+        self.before_step_flat(params.into())
+    }
+    fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
+        self.after_step_flat(params.into(), step)
+    }
+    /// The global model starts as the initial parameters (a resume restores it), beside them.
+    fn before_step_flat(&mut self, params: FlatMut<'_>) -> Result<()> {
         if self.backup.is_empty() {
-            self.backup = params.to_vec();
-            if self.cfg.outer_momentum > 0.0 {
-                self.momentum = vec![0.0; params.len()];
-            }
+            let (place, n) = (params.as_ref().place(), params.as_ref().len());
+            self.backup = place.zeros(n)?;
+            self.backup.as_mut().copy_from(0, params.as_ref(), 0..n)?;
+            let momentum = if self.cfg.outer_momentum > 0.0 { n } else { 0 };
+            self.momentum = place.zeros(momentum)?;
         }
         Ok(())
     }
-    fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
+    /// Acts only at sync points (and at the step a delayed fragment's delta is taken).
+    fn after_step_flat(&mut self, mut params: FlatMut<'_>, step: u64) -> Result<()> {
         let done = step + 1;
-        if self.inflight.as_ref().is_some_and(|f| f.sync_at == done) {
+        let at = done + self.cfg.fragment_delay;
+        let arrives = self.inflight.as_ref().is_some_and(|f| f.sync_at == done);
+        let leaves = self.fragment_at(at);
+        if !arrives && leaves.is_none() {
+            return Ok(());
+        }
+        self.settle(&params.as_ref().place())?;
+        if arrives {
             self.communicate()?;
             if let Some(f) = self.inflight.take() {
-                self.apply(f.fragment, &f.delta, params);
+                self.apply(f.fragment, f.delta.as_ref(), params.reborrow())?;
             }
         }
-        let at = done + self.cfg.fragment_delay;
-        if let Some(fragment) = self.fragment_at(at) {
-            let mut delta = self.delta(fragment, params);
+        if let Some(fragment) = leaves {
+            let mut delta = self.delta(fragment, params.as_ref())?;
             if at == done {
                 self.reduce(fragment, &mut delta)?;
-                self.apply(fragment, &delta, params);
+                self.apply(fragment, delta.as_ref(), params)?;
             } else {
                 self.inflight = Some(InFlight {
                     fragment,
@@ -310,23 +380,6 @@ impl SyncBackend for Diloco {
         }
         Ok(())
     }
-    /// The hooks act only at the first step and at sync points: on the GPU the parameters cross to the
-    /// host then, not at every step.
-    fn before_step_flat(&mut self, params: FlatMut<'_>) -> Result<()> {
-        if !self.backup.is_empty() {
-            return Ok(());
-        }
-        params.through_host(|p| self.before_step(p))
-    }
-    fn after_step_flat(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
-        let done = step + 1;
-        let syncs = self.inflight.as_ref().is_some_and(|f| f.sync_at == done)
-            || self.fragment_at(done + self.cfg.fragment_delay).is_some();
-        if !syncs {
-            return Ok(());
-        }
-        params.through_host(|p| self.after_step(p, step))
-    }
     /// Evaluation and checkpoints use the global model.
     fn average<'a>(
         &mut self,
@@ -337,7 +390,7 @@ impl SyncBackend for Diloco {
             return Ok((params, None));
         }
         avg.clear();
-        avg.extend_from_slice(&self.backup);
+        avg.extend_from_slice(&self.backup.to_host()?);
         Ok((avg, None))
     }
     fn take_metrics(&mut self) -> Metrics {
@@ -353,16 +406,17 @@ impl SyncBackend for Diloco {
         if self.backup.is_empty() {
             return Ok(Vec::new());
         }
-        let mut s: State = vec![("diloco.backup".into(), self.backup.clone())];
+        let host = |f: &Flat| -> Result<Vec<f32>> { Ok(f.to_host()?.into_owned()) };
+        let mut s: State = vec![("diloco.backup".into(), host(&self.backup)?)];
         if !self.momentum.is_empty() {
-            s.push(("diloco.momentum".into(), self.momentum.clone()));
+            s.push(("diloco.momentum".into(), host(&self.momentum)?));
         }
         let words = |xs: &[u64]| xs.iter().flat_map(|&x| pack_u64(x)).collect::<Vec<f32>>();
         s.push(("diloco.outer_steps".into(), words(&self.outer_steps)));
         s.push(("diloco.syncs".into(), words(&[self.syncs])));
         if let Some(f) = &self.inflight {
             let meta = [f.fragment as u64, f.sync_at, f.reduced as u64];
-            s.push(("diloco.inflight".into(), f.delta.clone()));
+            s.push(("diloco.inflight".into(), host(&f.delta)?));
             s.push(("diloco.inflight_meta".into(), words(&meta)));
         }
         if let Some((norm, distance)) = self.pending {
@@ -398,12 +452,12 @@ impl SyncBackend for Diloco {
         }
         let u64s =
             |v: Vec<f32>| -> Vec<u64> { v.chunks(2).map(|c| unpack_u64([c[0], c[1]])).collect() };
-        self.backup = take(&mut state, "diloco.backup", Some(numel))?;
-        self.momentum = if self.cfg.outer_momentum > 0.0 {
+        self.backup = Flat::Host(take(&mut state, "diloco.backup", Some(numel))?);
+        self.momentum = Flat::Host(if self.cfg.outer_momentum > 0.0 {
             take(&mut state, "diloco.momentum", Some(numel))?
         } else {
             Vec::new()
-        };
+        });
         let f = self.fragments.len();
         self.outer_steps = u64s(take(&mut state, "diloco.outer_steps", Some(2 * f))?);
         self.syncs = u64s(take(&mut state, "diloco.syncs", Some(2))?)[0];
@@ -416,7 +470,7 @@ impl SyncBackend for Diloco {
                     "checkpoint: DiLoCo fragment {fragment} in flight, but the run has {f} fragments"
                 )));
             };
-            let delta = take(&mut state, "diloco.inflight", Some(fr.range.len()))?;
+            let delta = Flat::Host(take(&mut state, "diloco.inflight", Some(fr.range.len()))?);
             self.inflight = Some(InFlight {
                 fragment,
                 sync_at: meta[1],

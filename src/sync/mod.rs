@@ -362,19 +362,7 @@ impl Gossip {
         if !self.buf.beside(params) {
             self.buf = params.place().zeros(params.len())?;
         }
-        match (&mut self.buf, params) {
-            (Flat::Host(b), FlatRef::Host(p)) => {
-                b.resize(p.len(), 0.0);
-                crate::kernels::scaled_copy(b, p, other);
-            }
-            #[cfg(feature = "cuda")]
-            (Flat::Cuda(b), FlatRef::Cuda(p)) => {
-                b.kernels.scaled_copy(&mut b.buf, &p.buf, other)?
-            }
-            #[cfg(feature = "cuda")]
-            _ => anyhow::bail!(crate::flat::MIXED),
-        }
-        Ok(())
+        self.buf.as_mut().assign_scaled(params, other)
     }
 
     /// The group all-reduce of the send buffer (a single rank's group sends nothing): on the device
@@ -396,7 +384,7 @@ impl Gossip {
 
     /// x <- own * x + the group's sum in the buffer (the `mix` kernel or its twin). A buffer restored
     /// from a checkpoint is in host memory; it joins the parameters first.
-    fn apply(&mut self, params: FlatMut<'_>, round: usize) -> Result<()> {
+    fn apply(&mut self, mut params: FlatMut<'_>, round: usize) -> Result<()> {
         let (group, own, _) = self.weights(round)?;
         if group.len() == 1 {
             return Ok(());
@@ -405,14 +393,7 @@ impl Gossip {
             let host = self.buf.to_host()?.into_owned();
             self.buf = params.as_ref().place().from_host(host)?;
         }
-        match (params, &self.buf) {
-            (FlatMut::Host(p), Flat::Host(b)) => crate::kernels::mix(p, b, own),
-            #[cfg(feature = "cuda")]
-            (FlatMut::Cuda(p), Flat::Cuda(b)) => p.kernels.mix(&mut p.buf, &b.buf, own)?,
-            #[cfg(feature = "cuda")]
-            _ => anyhow::bail!(crate::flat::MIXED),
-        }
-        Ok(())
+        params.mix(self.buf.as_ref(), own)
     }
 }
 

@@ -117,10 +117,7 @@ impl SyncBackend for Sparta {
         let idx = s.clone_htod(&self.idx)?;
         let mut vals = s.alloc_zeros::<f32>(self.idx.len())?;
         k.gather(&d.buf, &idx, &mut vals)?;
-        self.comm
-            .all_reduce_sum_device(&mut vals.slice_mut(..), &s)?;
-        self.comm.finish_device(&s)?;
-        k.scale(&mut vals, 1.0 / n as f32)?;
+        crate::comm::all_reduce_mean_device(self.comm.as_mut(), &mut vals, &k)?;
         k.scatter(&mut d.buf, &idx, &vals)
     }
 }

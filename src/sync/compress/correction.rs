@@ -12,6 +12,7 @@ use anyhow::Result;
 
 use super::{Reducer, Report, State};
 use crate::comm::Communicator;
+use crate::flat::{Flat, FlatMut, Place};
 use crate::optim::{self, OptimState, Optimizer, Segment};
 
 /// The Adam state's buffers in the reducer state are `correction.<AdamW buffer name>` (the rest of the
@@ -26,7 +27,8 @@ pub struct Corrected {
     eps: f64,
     clip: f64,
     numel: usize,
-    direction: Vec<f32>,
+    /// Adam's output buffer, beside the gradient (and Adam's moments with it).
+    direction: Flat,
 }
 
 impl Corrected {
@@ -41,17 +43,18 @@ impl Corrected {
     ) -> Self {
         Self {
             inner,
-            adam: adam(numel, betas, eps),
+            adam: adam(numel, betas, eps, &Place::Host)
+                .expect("host buffers: building cannot fail"),
             betas,
             eps,
             clip,
             numel,
-            direction: Vec::new(),
+            direction: Flat::Host(Vec::new()),
         }
     }
 }
 
-fn adam(numel: usize, betas: [f64; 2], eps: f64) -> Box<dyn Optimizer> {
+fn adam(numel: usize, betas: [f64; 2], eps: f64, place: &Place) -> Result<Box<dyn Optimizer>> {
     let cfg = crate::config::OptimConfig::AdamW(crate::config::AdamWConfig {
         betas,
         eps,
@@ -62,8 +65,7 @@ fn adam(numel: usize, betas: [f64; 2], eps: f64) -> Box<dyn Optimizer> {
         len: numel,
         decay: false,
     };
-    optim::build(&cfg, vec![all], numel, &crate::flat::Place::Host)
-        .expect("host buffers: building cannot fail")
+    optim::build(&cfg, vec![all], numel, place)
 }
 
 impl Reducer for Corrected {
@@ -73,15 +75,32 @@ impl Reducer for Corrected {
         grads: &mut [f32],
         step: u64,
     ) -> Result<Report> {
-        let mut report = self.inner.reduce(comm, grads, step)?;
-        report.grad_norm = Some(optim::clip_grad_norm(grads, self.clip));
-        self.direction.clear();
-        self.direction.resize(grads.len(), 0.0);
-        self.adam
-            .step((&mut self.direction).into(), (&*grads).into(), 1.0)?;
-        for (g, d) in grads.iter_mut().zip(&self.direction) {
-            *g = -d;
+        self.reduce_flat(comm, grads.into(), step)
+    }
+
+    /// The inner reduction, then Adam on its clipped output (clipping's factor applied as Adam reads
+    /// the gradient, as the loop's optimizer does), wherever the gradient lives: Adam's moments and its
+    /// output move beside it (with their state) the first time.
+    fn reduce_flat(
+        &mut self,
+        comm: &mut dyn Communicator,
+        mut grads: FlatMut<'_>,
+        step: u64,
+    ) -> Result<Report> {
+        let mut report = self.inner.reduce_flat(comm, grads.reborrow(), step)?;
+        let norm = optim::norm(grads.as_ref())?;
+        report.grad_norm = Some(norm);
+        if !self.direction.beside(grads.as_ref()) {
+            let place = grads.as_ref().place();
+            let mut moved = adam(self.numel, self.betas, self.eps, &place)?;
+            moved.load_state(self.adam.state()?)?;
+            (self.adam, self.direction) = (moved, place.zeros(self.numel)?);
         }
+        self.direction.as_mut().fill_zero()?;
+        let clip = optim::clip_factor(norm, self.clip);
+        self.adam
+            .step_scaled(self.direction.as_mut(), grads.as_ref(), 1.0, clip)?;
+        grads.assign_scaled(self.direction.as_ref(), -1.0)?;
         Ok(report)
     }
 
@@ -99,7 +118,7 @@ impl Reducer for Corrected {
         let (saved, rest) = split_adam(state)?;
         match saved {
             Some(s) => self.adam.load_state(s)?,
-            None => self.adam = adam(self.numel, self.betas, self.eps),
+            None => self.adam = adam(self.numel, self.betas, self.eps, &self.direction.place())?,
         }
         self.inner.load_state(rest)
     }

@@ -92,6 +92,72 @@ pub struct Report {
     pub grad_norm: Option<f64>,
 }
 
+/// A reducer's residual (what it has not sent yet): in host memory on the host path, and after a
+/// restore until a GPU step moves it up; on the GPU on the device path. The paths take it for a step
+/// and keep it after (`take_*`, `keep_*`), so that it can be changed beside the reducer's other fields.
+#[derive(Default)]
+pub struct Residual {
+    host: Vec<f32>,
+    #[cfg(feature = "cuda")]
+    device: Option<cudarc::driver::CudaSlice<f32>>,
+}
+
+impl Residual {
+    /// The host residual of `len` values (zeros when none of that length is kept).
+    pub fn take_host(&mut self, len: usize) -> Vec<f32> {
+        match std::mem::take(&mut self.host) {
+            r if r.len() == len => r,
+            _ => vec![0.0; len],
+        }
+    }
+
+    pub fn keep_host(&mut self, r: Vec<f32>) {
+        self.host = r;
+    }
+
+    /// The residual of `len` values on the GPU of `stream`: the one kept there, a restored one moved
+    /// up, or zeros.
+    #[cfg(feature = "cuda")]
+    pub fn take_device(
+        &mut self,
+        len: usize,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<cudarc::driver::CudaSlice<f32>> {
+        if let Some(r) = self.device.take().filter(|r| r.len() == len) {
+            return Ok(r);
+        }
+        let restored = std::mem::take(&mut self.host);
+        Ok(match restored.len() == len {
+            true => stream.clone_htod(&restored)?,
+            false => stream.alloc_zeros::<f32>(len)?,
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    pub fn keep_device(&mut self, r: cudarc::driver::CudaSlice<f32>) {
+        self.device = Some(r);
+    }
+
+    pub fn clear(&mut self) {
+        *self = Self::default();
+    }
+
+    /// A checkpoint's residual, kept on the host until a step takes it.
+    pub fn restore(&mut self, r: Vec<f32>) {
+        self.clear();
+        self.host = r;
+    }
+
+    /// A host copy; None when no residual is kept.
+    pub fn to_host(&self) -> Result<Option<Vec<f32>>> {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &self.device {
+            return Ok(Some(r.stream().clone_dtoh(r)?));
+        }
+        Ok((!self.host.is_empty()).then(|| self.host.clone()))
+    }
+}
+
 /// Named f32 buffers: a reducer's state in a checkpoint.
 pub type State = Vec<(String, Vec<f32>)>;
 
@@ -140,20 +206,6 @@ pub fn build(plan: &ReducerPlan, tensors: Vec<TensorView>) -> Box<dyn Reducer> {
         ReducerPlan::PowerSgd { cfg, seed } => {
             Box::new(powersgd::PowerSgd::new(tensors, cfg.clone(), *seed))
         }
-    }
-}
-
-/// ||a - b|| / ||a|| (0 when a is 0).
-pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        num += ((x - y) as f64).powi(2);
-        den += (x as f64).powi(2);
-    }
-    if den == 0.0 {
-        0.0
-    } else {
-        (num / den).sqrt()
     }
 }
 

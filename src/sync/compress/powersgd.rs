@@ -10,14 +10,13 @@
 //! the subspace, and the uncompressed tensors ride in the same all-reduce: one per step.
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
 use rand::SeedableRng;
 use rand_distr::{Distribution, StandardNormal};
 
-use super::{all_reduce, relative_error, take, Reducer, Report, State, TensorView};
-use crate::comm::{all_reduce_mean, Communicator};
+use super::{all_reduce, take, Reducer, Report, State, TensorView};
+use crate::comm::{all_reduce_mean_flat, all_reduce_sum_flat, Communicator};
 use crate::config::backend::PowerSgdConfig;
-use crate::kernels;
+use crate::flat::{Flat, FlatMut, FlatRef};
 use crate::sync::trace::Collective;
 
 /// A compressed matrix: which tensor, its rank and where its factors live in `p` and `q`.
@@ -29,15 +28,20 @@ struct Factor {
     q_off: usize,
 }
 
+/// PowerSGD's state and steps. Its buffers live beside the gradient: in host memory, or on the GPU,
+/// where the matmuls are candle's (cuBLAS), the orthogonalization is the `gram_schmidt` kernel and the
+/// all-reduces run on the device (NCCL). The host path runs the same steps with the CPU matmul and the
+/// kernel's twin, so the two agree up to the matmuls' summation order.
 pub struct PowerSgd {
     tensors: Vec<TensorView>,
     cfg: PowerSgdConfig,
     seed: u64,
     factors: Vec<Factor>,
     /// P (rows x r) and Q (cols x r) of every compressed matrix, row-major, concatenated.
-    p: Vec<f32>,
-    q: Vec<f32>,
-    error: Vec<f32>,
+    p: Flat,
+    q: Flat,
+    /// The error-feedback buffer (empty without error feedback, or before the first compressed step).
+    error: Flat,
     /// Compressed steps taken (the side of `single_allreduce`; 0: not started, Q to initialise).
     compressed_steps: u64,
 }
@@ -68,9 +72,9 @@ impl PowerSgd {
             cfg,
             seed,
             factors,
-            p: vec![0.0; p_len],
-            q: vec![0.0; q_len],
-            error: Vec::new(),
+            p: Flat::Host(vec![0.0; p_len]),
+            q: Flat::Host(vec![0.0; q_len]),
+            error: Flat::Host(Vec::new()),
             compressed_steps: 0,
         }
     }
@@ -94,16 +98,19 @@ impl PowerSgd {
     }
 
     /// Q ~ N(0, 1) from a generator seeded by (seed, step): identical on every rank, different per step.
-    fn randomize_q(&mut self, step: u64) {
+    fn randomize_q(&mut self, step: u64) -> Result<()> {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed ^ 0x706f_7765_7273_6764);
         rng.set_stream(step);
-        self.q
-            .iter_mut()
-            .for_each(|x| *x = StandardNormal.sample(&mut rng));
+        let q: Vec<f32> = (0..self.q.len())
+            .map(|_| StandardNormal.sample(&mut rng))
+            .collect();
+        self.q.as_mut().copy_from_host(0, &q)
     }
 
-    fn orthogonalize_all(&self, buf: &mut [f32], left: bool) {
+    /// Orthonormalizes the columns of every P (`left`) or every Q.
+    fn orthogonalize_all(&mut self, left: bool) -> Result<()> {
         let eps = self.cfg.orthogonalization_epsilon as f32;
+        let buf = if left { &mut self.p } else { &mut self.q };
         for f in &self.factors {
             let t = &self.tensors[f.t];
             let (rows, off) = if left {
@@ -111,46 +118,43 @@ impl PowerSgd {
             } else {
                 (t.cols, f.q_off)
             };
-            kernels::gram_schmidt(&mut buf[off..off + rows * f.rank], rows, f.rank, eps);
+            buf.as_mut()
+                .gram_schmidt(off..off + rows * f.rank, rows, f.rank, eps)?;
         }
+        Ok(())
     }
 
     /// For every compressed M: `left` ? M q -> p : M^T p -> q, batched by shape if configured.
-    fn project(&mut self, grads: &[f32], left: bool) -> Result<()> {
-        let groups = self.groups();
-        for group in groups {
+    fn project(&mut self, grads: FlatRef<'_>, left: bool) -> Result<()> {
+        for group in self.groups() {
             let f0 = &self.factors[group[0]];
             let (t0, r) = (&self.tensors[f0.t], f0.rank);
             let (rows, cols, b) = (t0.rows, t0.cols, group.len());
-            let mats: Vec<f32> = group
+            let mats: Vec<_> = group
                 .iter()
-                .flat_map(|&g| {
-                    grads[self.tensors[self.factors[g].t].range()]
-                        .iter()
-                        .copied()
-                })
+                .map(|&g| self.tensors[self.factors[g].t].range())
                 .collect();
-            let m = Tensor::from_vec(mats, (b, rows, cols), &Device::Cpu)?;
+            let m = grads.tensor(&mats, (b, rows, cols))?;
             let (src, src_len, dst_len) = if left {
                 (&self.q, cols * r, rows * r)
             } else {
                 (&self.p, rows * r, cols * r)
             };
-            let other: Vec<f32> = group
+            let others: Vec<_> = group
                 .iter()
-                .flat_map(|&g| {
+                .map(|&g| {
                     let f = &self.factors[g];
                     let off = if left { f.q_off } else { f.p_off };
-                    src[off..off + src_len].iter().copied()
+                    off..off + src_len
                 })
                 .collect();
             let out = if left {
-                m.matmul(&Tensor::from_vec(other, (b, cols, r), &Device::Cpu)?)?
+                m.matmul(&src.as_ref().tensor(&others, (b, cols, r))?)?
             } else {
                 m.transpose(1, 2)?
-                    .matmul(&Tensor::from_vec(other, (b, rows, r), &Device::Cpu)?)?
+                    .matmul(&src.as_ref().tensor(&others, (b, rows, r))?)?
             };
-            let out = out.flatten_all()?.to_vec1::<f32>()?;
+            let out = out.flatten_all()?;
             for (i, &g) in group.iter().enumerate() {
                 let f = &self.factors[g];
                 let (dst, off) = if left {
@@ -158,7 +162,8 @@ impl PowerSgd {
                 } else {
                     (&mut self.q, f.q_off)
                 };
-                dst[off..off + dst_len].copy_from_slice(&out[i * dst_len..(i + 1) * dst_len]);
+                dst.as_mut()
+                    .copy_from_tensor(off, &out.narrow(0, i * dst_len, dst_len)?)?;
             }
         }
         Ok(())
@@ -185,38 +190,124 @@ impl PowerSgd {
     }
 
     /// grads[M] = p q^T for every compressed M.
-    fn decompress(&self, grads: &mut [f32]) -> Result<()> {
+    fn decompress(&self, mut grads: FlatMut<'_>) -> Result<()> {
         for f in &self.factors {
             let t = &self.tensors[f.t];
-            let p = Tensor::from_slice(
-                &self.p[f.p_off..f.p_off + t.rows * f.rank],
+            let p = self.p.as_ref().tensor(
+                std::slice::from_ref(&(f.p_off..f.p_off + t.rows * f.rank)),
                 (t.rows, f.rank),
-                &Device::Cpu,
             )?;
-            let q = Tensor::from_slice(
-                &self.q[f.q_off..f.q_off + t.cols * f.rank],
+            let q = self.q.as_ref().tensor(
+                std::slice::from_ref(&(f.q_off..f.q_off + t.cols * f.rank)),
                 (t.cols, f.rank),
-                &Device::Cpu,
             )?;
-            let m = p.matmul(&q.t()?)?.flatten_all()?.to_vec1::<f32>()?;
-            grads[t.range()].copy_from_slice(&m);
+            grads.copy_from_tensor(t.offset, &p.matmul(&q.t()?)?)?;
         }
         Ok(())
     }
 
-    fn pack(&self, grads: &[f32], idx: &[usize], buf: &mut Vec<f32>) {
-        for &i in idx {
-            buf.extend_from_slice(&grads[self.tensors[i].range()]);
-        }
-    }
-
-    fn unpack(&self, grads: &mut [f32], idx: &[usize], buf: &[f32]) {
+    /// The tensors `idx` of `grads`, one after the other, in `buf`.
+    fn pack(&self, grads: FlatRef<'_>, idx: &[usize], mut buf: FlatMut<'_>) -> Result<()> {
         let mut pos = 0;
         for &i in idx {
             let t = &self.tensors[i];
-            grads[t.range()].copy_from_slice(&buf[pos..pos + t.len]);
+            buf.copy_from(pos, grads, t.range())?;
             pos += t.len;
         }
+        Ok(())
+    }
+
+    /// `pack`'s inverse.
+    fn unpack(&self, mut grads: FlatMut<'_>, idx: &[usize], buf: FlatRef<'_>) -> Result<()> {
+        let mut pos = 0;
+        for &i in idx {
+            let t = &self.tensors[i];
+            grads.copy_from(t.offset, buf, pos..pos + t.len)?;
+            pos += t.len;
+        }
+        Ok(())
+    }
+
+    /// A compressed step, wherever the gradient lives (the state moves beside it the first time).
+    fn reduce_compressed(
+        &mut self,
+        comm: &mut dyn Communicator,
+        mut grads: FlatMut<'_>,
+        step: u64,
+    ) -> Result<Report> {
+        let place = grads.as_ref().place();
+        let numel = grads.as_ref().len();
+        self.p.move_to(&place)?;
+        self.q.move_to(&place)?;
+        if self.cfg.error_feedback {
+            match self.error.len() == numel {
+                true => self.error.move_to(&place)?,
+                false => self.error = place.zeros(numel)?,
+            }
+            grads.add(self.error.as_ref())?;
+        }
+        let mut input = place.zeros(numel)?;
+        input.as_mut().copy_from(0, grads.as_ref(), 0..numel)?;
+        let dense_idx = self.uncompressed();
+        let dense_len = dense_idx.iter().map(|&i| self.tensors[i].len).sum();
+        let mut dense = place.zeros(dense_len)?;
+        self.pack(grads.as_ref(), &dense_idx, dense.as_mut())?;
+        if self.compressed_steps == 0 || !self.cfg.warm_start {
+            self.randomize_q(step)?;
+        }
+        if !self.cfg.single_allreduce {
+            all_reduce_mean_flat(comm, dense.as_mut())?;
+            self.orthogonalize_all(false)?;
+            self.project(grads.as_ref(), true)?;
+            all_reduce_sum_flat(comm, self.p.as_mut())?;
+            self.orthogonalize_all(true)?;
+            self.project(grads.as_ref(), false)?;
+            all_reduce_mean_flat(comm, self.q.as_mut())?;
+        } else {
+            let left = self.compressed_steps % 2 == 0;
+            if self.compressed_steps == 0 {
+                self.orthogonalize_all(false)?;
+            }
+            // The fixed side is orthonormal from the previous step; send the other one with the vectors.
+            self.project(grads.as_ref(), left)?;
+            let factor = if left { &mut self.p } else { &mut self.q };
+            let k = factor.len();
+            let mut buf = place.zeros(k + dense_len)?;
+            buf.as_mut().copy_from(0, factor.as_ref(), 0..k)?;
+            buf.as_mut().copy_from(k, dense.as_ref(), 0..dense_len)?;
+            all_reduce_mean_flat(comm, buf.as_mut())?;
+            factor.as_mut().copy_from(0, buf.as_ref(), 0..k)?;
+            dense
+                .as_mut()
+                .copy_from(0, buf.as_ref(), k..k + dense_len)?;
+        }
+        self.decompress(grads.reborrow())?;
+        self.unpack(grads.reborrow(), &dense_idx, dense.as_ref())?;
+        if self.cfg.single_allreduce {
+            // The averaged side, orthonormalised, is next step's fixed side.
+            self.orthogonalize_all(self.compressed_steps % 2 == 0)?;
+        }
+        self.compressed_steps += 1;
+        // input - result: the new error (with error feedback) and the compression error's numerator.
+        let mut diff = match self.cfg.error_feedback {
+            true => std::mem::replace(&mut self.error, Flat::Host(Vec::new())),
+            false => place.zeros(numel)?,
+        };
+        diff.as_mut().assign_scaled(grads.as_ref(), -1.0)?;
+        diff.as_mut().add(input.as_ref())?;
+        let (lost, total) = (diff.as_ref().sum_squares()?, input.as_ref().sum_squares()?);
+        if self.cfg.error_feedback {
+            self.error = diff;
+        }
+        Ok(Report {
+            error: Some(if total > 0.0 {
+                (lost / total).sqrt()
+            } else {
+                0.0
+            }),
+            compressed_fraction: Some(self.compressed_fraction()),
+            ..Report::default()
+        })
     }
 }
 
@@ -227,80 +318,22 @@ impl Reducer for PowerSgd {
         grads: &mut [f32],
         step: u64,
     ) -> Result<Report> {
+        self.reduce_flat(comm, grads.into(), step)
+    }
+
+    /// On the GPU every buffer stays on the device (the all-reduces too, with the engine's device
+    /// collectives).
+    fn reduce_flat(
+        &mut self,
+        comm: &mut dyn Communicator,
+        grads: FlatMut<'_>,
+        step: u64,
+    ) -> Result<Report> {
         if step < self.cfg.start_iter {
-            all_reduce_mean(comm, grads)?;
+            all_reduce_mean_flat(comm, grads)?;
             return Ok(Report::default());
         }
-        let fraction = Some(self.compressed_fraction());
-        let n = comm.world_size() as f32;
-        if self.cfg.error_feedback {
-            if self.error.len() != grads.len() {
-                self.error = vec![0.0; grads.len()];
-            }
-            kernels::ef_accumulate(grads, &self.error);
-        }
-        let input = grads.to_vec();
-        let dense_idx = self.uncompressed();
-        let mut dense = Vec::new();
-        self.pack(grads, &dense_idx, &mut dense);
-        if self.compressed_steps == 0 || !self.cfg.warm_start {
-            self.randomize_q(step);
-        }
-        if !self.cfg.single_allreduce {
-            all_reduce_mean(comm, &mut dense)?;
-            let mut q = std::mem::take(&mut self.q);
-            self.orthogonalize_all(&mut q, false);
-            self.q = q;
-            self.project(grads, true)?;
-            comm.all_reduce_sum(&mut self.p)?;
-            let mut p = std::mem::take(&mut self.p);
-            self.orthogonalize_all(&mut p, true);
-            self.p = p;
-            self.project(grads, false)?;
-            comm.all_reduce_sum(&mut self.q)?;
-            self.q.iter_mut().for_each(|x| *x /= n);
-        } else {
-            let left = self.compressed_steps % 2 == 0;
-            if self.compressed_steps == 0 {
-                let mut q = std::mem::take(&mut self.q);
-                self.orthogonalize_all(&mut q, false);
-                self.q = q;
-            }
-            // The fixed side is orthonormal from the previous step; send the other one with the vectors.
-            self.project(grads, left)?;
-            let factor = if left { &self.p } else { &self.q };
-            let k = factor.len();
-            let mut buf = factor.clone();
-            buf.extend_from_slice(&dense);
-            all_reduce_mean(comm, &mut buf)?;
-            dense.copy_from_slice(&buf[k..]);
-            if left {
-                self.p.copy_from_slice(&buf[..k]);
-            } else {
-                self.q.copy_from_slice(&buf[..k]);
-            }
-        }
-        self.decompress(grads)?;
-        self.unpack(grads, &dense_idx, &dense);
-        if self.cfg.single_allreduce {
-            // The averaged side, orthonormalised, is next step's fixed side.
-            let left = self.compressed_steps % 2 == 0;
-            let mut buf = std::mem::take(if left { &mut self.p } else { &mut self.q });
-            self.orthogonalize_all(&mut buf, left);
-            *(if left { &mut self.p } else { &mut self.q }) = buf;
-        }
-        self.compressed_steps += 1;
-        if self.cfg.error_feedback {
-            self.error
-                .iter_mut()
-                .zip(input.iter().zip(grads.iter()))
-                .for_each(|(e, (i, g))| *e = i - g);
-        }
-        Ok(Report {
-            error: Some(relative_error(&input, grads)),
-            compressed_fraction: fraction,
-            ..Report::default()
-        })
+        self.reduce_compressed(comm, grads, step)
     }
 
     /// Dense before `start_iter`; then the uncompressed tensors, P and Q in three all-reduces, or with
@@ -330,9 +363,9 @@ impl Reducer for PowerSgd {
         }
         let steps = self.compressed_steps;
         Ok(vec![
-            ("p".into(), self.p.clone()),
-            ("q".into(), self.q.clone()),
-            ("error".into(), self.error.clone()),
+            ("p".into(), self.p.to_host()?.into_owned()),
+            ("q".into(), self.q.to_host()?.into_owned()),
+            ("error".into(), self.error.to_host()?.into_owned()),
             (
                 "compressed_steps".into(),
                 crate::comm::pack_u64(steps).to_vec(),
@@ -349,8 +382,8 @@ impl Reducer for PowerSgd {
             );
             return Ok(());
         }
-        self.p = take(&mut state, "p", Some(self.p.len()))?;
-        self.q = take(&mut state, "q", Some(self.q.len()))?;
+        self.p = Flat::Host(take(&mut state, "p", Some(self.p.len()))?);
+        self.q = Flat::Host(take(&mut state, "q", Some(self.q.len()))?);
         let error = take(&mut state, "error", None)?;
         if !error.is_empty() && error.len() != self.numel() {
             anyhow::bail!(crate::error::BadInput(format!(
@@ -359,7 +392,7 @@ impl Reducer for PowerSgd {
                 self.numel()
             )));
         }
-        self.error = error;
+        self.error = Flat::Host(error);
         let s = take(&mut state, "compressed_steps", Some(2))?;
         self.compressed_steps = crate::comm::unpack_u64([s[0], s[1]]);
         Ok(())

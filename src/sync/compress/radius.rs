@@ -9,7 +9,8 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, TensorView,
+    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, Residual, State,
+    TensorView,
 };
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::config::backend::RadiusConfig;
@@ -20,13 +21,16 @@ use crate::sync::trace::Collective;
 pub struct Radius {
     tensors: Vec<TensorView>,
     cfg: RadiusConfig,
-    residual: Vec<f32>,
+    residual: Residual,
     /// Sorted flat indices all-reduced on stable steps.
     mask: Vec<u32>,
     /// The top-k selections before widening, for the overlap between re-selections.
     core: Vec<u32>,
     /// Restored without a mask (from a dense checkpoint): the first compressed step selects one.
     unselected: bool,
+    /// `mask` on the GPU, once a device step has used it.
+    #[cfg(feature = "cuda")]
+    device_mask: Option<cudarc::driver::CudaSlice<u32>>,
 }
 
 impl Radius {
@@ -34,10 +38,12 @@ impl Radius {
         Self {
             tensors,
             cfg,
-            residual: Vec::new(),
+            residual: Residual::default(),
             mask: Vec::new(),
             core: Vec::new(),
             unselected: false,
+            #[cfg(feature = "cuda")]
+            device_mask: None,
         }
     }
 
@@ -54,44 +60,127 @@ impl Radius {
     /// Top-k of each matrix tensor of `avg` (the core) and the mask: core widened by +-range, plus
     /// every vector tensor whole.
     fn select(&self, avg: &[f32]) -> (Vec<u32>, Vec<u32>) {
-        let range = self.cfg.range as usize;
-        let per: Vec<(Vec<u32>, Vec<u32>)> = self
+        let cores: Vec<Vec<u32>> = self
             .tensors
             .par_iter()
             .map(|t| {
-                if !t.matrix {
-                    let all: Vec<u32> = (t.offset as u32..(t.offset + t.len) as u32).collect();
-                    return (Vec::new(), all);
-                }
                 let mut core = Vec::new();
-                kernels::top_k(
-                    &avg[t.range()],
-                    k_of(self.cfg.density, t.len),
-                    t.offset as u32,
-                    &mut core,
-                    &mut Vec::new(),
-                );
-                let mut mask = Vec::with_capacity(core.len() * (2 * range + 1));
-                let (lo, hi) = (t.offset, t.offset + t.len);
-                for &c in &core {
-                    let c = c as usize;
-                    let from = c.saturating_sub(range).max(lo);
-                    let to = (c + range + 1).min(hi);
-                    // core is ascending: skip what the previous window already covered.
-                    let from = from.max(mask.last().map_or(0, |&m: &u32| m as usize + 1));
-                    mask.extend((from..to).map(|i| i as u32));
+                if t.matrix {
+                    let k = k_of(self.cfg.density, t.len);
+                    let base = t.offset as u32;
+                    kernels::top_k(&avg[t.range()], k, base, &mut core, &mut Vec::new());
                 }
-                (core, mask)
+                core
             })
             .collect();
-        let core = per.iter().flat_map(|(c, _)| c.iter().copied()).collect();
-        let mask = per.into_iter().flat_map(|(_, m)| m).collect();
-        (core, mask)
+        self.widen(cores)
+    }
+
+    /// The core (each matrix tensor's top-k indices, ascending, in `cores`) and the mask: every core
+    /// index widened by +-range within its tensor, and every vector tensor whole.
+    fn widen(&self, cores: Vec<Vec<u32>>) -> (Vec<u32>, Vec<u32>) {
+        let range = self.cfg.range as usize;
+        let mut mask = Vec::new();
+        for (t, core) in self.tensors.iter().zip(&cores) {
+            let (lo, hi) = (t.offset, t.offset + t.len);
+            if !t.matrix {
+                mask.extend(lo as u32..hi as u32);
+                continue;
+            }
+            let start = mask.len();
+            for &c in core {
+                let c = c as usize;
+                // core is ascending: skip what the previous window of this tensor already covered.
+                let covered = mask[start..].last().map_or(lo, |&m| m as usize + 1);
+                let from = c.saturating_sub(range).max(covered);
+                let to = (c + range + 1).min(hi);
+                mask.extend((from..to).map(|i| i as u32));
+            }
+        }
+        (cores.concat(), mask)
+    }
+
+    /// Adopts a new selection; the report of a re-selection step.
+    fn adopt(&mut self, (core, mask): (Vec<u32>, Vec<u32>)) -> Report {
+        let had = !self.core.is_empty();
+        let ov = overlap(&core, &self.core);
+        (self.core, self.mask) = (core, mask);
+        Report {
+            error: Some(0.0),
+            overlap: had.then_some(ov),
+            ..Report::default()
+        }
     }
 
     /// The mask of the current interval (for tests and diagnostics).
     pub fn mask(&self) -> &[u32] {
         &self.mask
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Radius {
+    /// `reduce` on the GPU: the host path's steps, each the kernel whose twin the host path runs, with
+    /// the residual and the mask on the device and the all-reduces NCCL's. The host sees the top-k
+    /// indices of a re-selection (it widens them into the mask, which goes back up) and two norms.
+    fn reduce_device(
+        &mut self,
+        comm: &mut dyn Communicator,
+        d: &mut crate::flat::DeviceFlat,
+        step: u64,
+    ) -> Result<Report> {
+        use crate::comm::all_reduce_mean_device;
+        let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
+        if step < self.cfg.threshold {
+            all_reduce_mean_device(comm, &mut d.buf, &k)?;
+            return Ok(Report::default());
+        }
+        let len = d.buf.len();
+        let mut residual = self.residual.take_device(len, &s)?;
+        if self.cfg.error_feedback {
+            k.ef_accumulate(&mut d.buf, &residual)?;
+        }
+        let report = if self.reselects(step) {
+            all_reduce_mean_device(comm, &mut d.buf, &k)?;
+            s.memset_zeros(&mut residual)?;
+            let mut cores = Vec::with_capacity(self.tensors.len());
+            for t in &self.tensors {
+                let mut core = Vec::new();
+                if t.matrix {
+                    let kk = k_of(self.cfg.density, t.len);
+                    let (idx, _) = k.top_k(&d.buf.slice(t.range()), kk, t.offset as u32)?;
+                    core = s.clone_dtoh(&idx.slice(..kk))?;
+                }
+                cores.push(core);
+            }
+            let selection = self.widen(cores);
+            self.device_mask = Some(s.clone_htod(&selection.1)?);
+            self.adopt(selection)
+        } else {
+            let acc_norm = k.sum_squares(&d.buf)?.sqrt();
+            // The masked values are sent; the residual is the gradient not sent.
+            s.memcpy_dtod(&d.buf, &mut residual)?;
+            let mask = match self.device_mask.take() {
+                Some(m) => m,
+                None => s.clone_htod(&self.mask)?,
+            };
+            let mut vals = s.alloc_zeros::<f32>(self.mask.len())?;
+            k.gather_clear(&mut residual, &mask, &mut vals)?;
+            all_reduce_mean_device(comm, &mut vals, &k)?;
+            let lost = k.sum_squares(&residual)?.sqrt();
+            if !self.cfg.error_feedback {
+                s.memset_zeros(&mut residual)?;
+            }
+            s.memset_zeros(&mut d.buf)?;
+            k.scatter_add(&mut d.buf, &mask.slice(..), &vals.slice(..))?;
+            self.device_mask = Some(mask);
+            Report {
+                error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
+                ..Report::default()
+            }
+        };
+        self.residual.keep_device(residual);
+        Ok(report)
     }
 }
 
@@ -126,41 +215,50 @@ impl Reducer for Radius {
             all_reduce_mean(comm, grads)?;
             return Ok(Report::default());
         }
-        if self.residual.len() != grads.len() {
-            self.residual = vec![0.0; grads.len()];
-        }
+        let mut residual = self.residual.take_host(grads.len());
         if self.cfg.error_feedback {
-            kernels::ef_accumulate(grads, &self.residual);
+            kernels::ef_accumulate(grads, &residual);
         }
-        if self.reselects(step) {
+        let report = if self.reselects(step) {
             all_reduce_mean(comm, grads)?;
-            self.residual.iter_mut().for_each(|r| *r = 0.0);
-            let (core, mask) = self.select(grads);
-            let had = !self.core.is_empty();
-            let ov = overlap(&core, &self.core);
-            (self.core, self.mask) = (core, mask);
-            return Ok(Report {
-                error: Some(0.0),
-                overlap: had.then_some(ov),
+            residual.iter_mut().for_each(|r| *r = 0.0);
+            let selection = self.select(grads);
+            self.adopt(selection)
+        } else {
+            let acc_norm = global_norm(grads);
+            // The masked values are sent; the residual is the gradient not sent (outside the mask).
+            residual.copy_from_slice(grads);
+            let mut vals = vec![0.0f32; self.mask.len()];
+            kernels::gather_clear(&mut residual, &self.mask, &mut vals);
+            all_reduce_mean(comm, &mut vals)?;
+            let lost = global_norm(&residual);
+            if !self.cfg.error_feedback {
+                residual.iter_mut().for_each(|r| *r = 0.0);
+            }
+            grads.iter_mut().for_each(|g| *g = 0.0);
+            kernels::scatter_add(grads, &self.mask, &vals);
+            Report {
+                error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
                 ..Report::default()
-            });
+            }
+        };
+        self.residual.keep_host(residual);
+        Ok(report)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn reduce_flat(
+        &mut self,
+        comm: &mut dyn Communicator,
+        grads: crate::flat::FlatMut<'_>,
+        step: u64,
+    ) -> Result<Report> {
+        match grads {
+            crate::flat::FlatMut::Cuda(d) if comm.device_collectives() => {
+                self.reduce_device(comm, d, step)
+            }
+            g => g.through_host(|g| self.reduce(comm, g, step)),
         }
-        let acc_norm = global_norm(grads);
-        // The masked values are sent; the residual is the gradient not sent (everything outside the mask).
-        self.residual.copy_from_slice(grads);
-        let mut vals = vec![0.0f32; self.mask.len()];
-        kernels::gather_clear(&mut self.residual, &self.mask, &mut vals);
-        all_reduce_mean(comm, &mut vals)?;
-        let lost = global_norm(&self.residual);
-        if !self.cfg.error_feedback {
-            self.residual.iter_mut().for_each(|r| *r = 0.0);
-        }
-        grads.iter_mut().for_each(|g| *g = 0.0);
-        kernels::scatter_add(grads, &self.mask, &vals);
-        Ok(Report {
-            error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
-            ..Report::default()
-        })
     }
 
     /// Dense steps and (re-)selections all-reduce the whole gradient, the others the masked values: the
@@ -196,8 +294,9 @@ impl Reducer for Radius {
         if self.mask.is_empty() {
             return Ok(Vec::new());
         }
+        let residual = self.residual.to_host()?.unwrap_or_default();
         Ok(vec![
-            ("residual".into(), self.residual.clone()),
+            ("residual".into(), residual),
             ("mask".into(), indices_to_f32(&self.mask)),
             ("core".into(), indices_to_f32(&self.core)),
         ])
@@ -209,8 +308,13 @@ impl Reducer for Radius {
             self.unselected = true;
             return Ok(());
         }
+        #[cfg(feature = "cuda")]
+        {
+            self.device_mask = None;
+        }
         let numel = self.numel();
-        self.residual = take(&mut state, "residual", Some(numel))?;
+        self.residual
+            .restore(take(&mut state, "residual", Some(numel))?);
         self.mask = f32_to_indices(&take(&mut state, "mask", None)?);
         self.core = f32_to_indices(&take(&mut state, "core", None)?);
         if self.mask.iter().any(|&i| i as usize >= numel)

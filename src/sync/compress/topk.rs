@@ -8,7 +8,8 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, TensorView,
+    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, Residual, State,
+    TensorView,
 };
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::kernels;
@@ -20,11 +21,7 @@ pub struct TopK {
     error_feedback: bool,
     /// Entries kept per tensor (0 for vectors, which are all-reduced whole).
     k: Vec<usize>,
-    /// The residual in host memory (the host path, and a restored checkpoint until the first GPU step).
-    residual: Vec<f32>,
-    /// The residual on the GPU (the device path).
-    #[cfg(feature = "cuda")]
-    device_residual: Option<cudarc::driver::CudaSlice<f32>>,
+    residual: Residual,
 }
 
 impl TopK {
@@ -37,9 +34,7 @@ impl TopK {
             tensors,
             error_feedback,
             k,
-            residual: Vec::new(),
-            #[cfg(feature = "cuda")]
-            device_residual: None,
+            residual: Residual::default(),
         }
     }
 
@@ -61,20 +56,9 @@ impl TopK {
         use anyhow::Context;
         let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
         let (n, len) = (comm.world_size(), d.buf.len());
+        let mut residual = self.residual.take_device(len, &s)?;
         if self.error_feedback {
-            if self.device_residual.as_ref().map(|r| r.len()) != Some(len) {
-                // A restored residual moves to the GPU; otherwise it starts at zero.
-                let restored = std::mem::take(&mut self.residual);
-                self.device_residual = Some(if restored.len() == len {
-                    s.clone_htod(&restored)?
-                } else {
-                    s.alloc_zeros::<f32>(len)?
-                });
-            }
-            k.ef_accumulate(
-                &mut d.buf,
-                self.device_residual.as_ref().expect("set above"),
-            )?;
+            k.ef_accumulate(&mut d.buf, &residual)?;
         }
         // Dense part: the vectors, in one all-reduce (the mean: the sum, then times 1 / N).
         let vectors: Vec<_> = self.tensors.iter().filter(|t| !t.matrix).cloned().collect();
@@ -88,10 +72,8 @@ impl TopK {
             )?;
             at += t.len;
         }
-        if n > 1 && dense_len > 0 {
-            comm.all_reduce_sum_device(&mut dense.slice_mut(..dense_len), &s)?;
-            comm.finish_device(&s)?;
-            k.scale(&mut dense, 1.0 / n as f32)?;
+        if dense_len > 0 {
+            crate::comm::all_reduce_mean_device(comm, &mut dense, &k)?;
         }
         // Sparse part: per-tensor selections, packed as [values | indices].
         let mut selected = Vec::new();
@@ -119,10 +101,6 @@ impl TopK {
         }
         let acc_norm = k.sum_squares(&d.buf)?.sqrt();
         // The new residual: everything not sent (vectors are exact and leave none).
-        let mut residual = match self.device_residual.take() {
-            Some(r) if r.len() == len => r,
-            _ => s.alloc_zeros::<f32>(len)?,
-        };
         s.memcpy_dtod(&d.buf, &mut residual)?;
         for t in &vectors {
             s.memset_zeros(&mut residual.slice_mut(t.range()))?;
@@ -156,7 +134,7 @@ impl TopK {
             at += t.len;
         }
         if self.error_feedback {
-            self.device_residual = Some(residual);
+            self.residual.keep_device(residual);
         }
         Ok(Report {
             error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
@@ -173,11 +151,9 @@ impl Reducer for TopK {
         _step: u64,
     ) -> Result<Report> {
         let n = comm.world_size();
+        let mut residual = self.residual.take_host(grads.len());
         if self.error_feedback {
-            if self.residual.len() != grads.len() {
-                self.residual = vec![0.0; grads.len()];
-            }
-            kernels::ef_accumulate(grads, &self.residual);
+            kernels::ef_accumulate(grads, &residual);
         }
         // Dense part: the vectors, in one all-reduce.
         let mut dense: Vec<f32> = self
@@ -211,9 +187,7 @@ impl Reducer for TopK {
 
         let acc_norm = global_norm(grads);
         // The new residual: everything not sent (vectors are exact and leave none).
-        let mut residual = std::mem::take(&mut self.residual);
-        residual.clear();
-        residual.extend_from_slice(grads);
+        residual.copy_from_slice(grads);
         for t in self.tensors.iter().filter(|t| !t.matrix) {
             residual[t.range()].iter_mut().for_each(|r| *r = 0.0);
         }
@@ -242,7 +216,7 @@ impl Reducer for TopK {
             grads[t.range()].iter_mut().for_each(|g| *g *= inv);
         }
         if self.error_feedback {
-            self.residual = residual;
+            self.residual.keep_host(residual);
         }
         Ok(Report {
             error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
@@ -287,26 +261,18 @@ impl Reducer for TopK {
     }
 
     fn state(&self) -> Result<State> {
-        #[cfg(feature = "cuda")]
-        if let Some(r) = &self.device_residual {
-            return Ok(vec![("residual".into(), r.stream().clone_dtoh(r)?)]);
-        }
-        if self.residual.is_empty() {
-            return Ok(Vec::new());
-        }
-        Ok(vec![("residual".into(), self.residual.clone())])
+        Ok(match self.residual.to_host()? {
+            Some(r) => vec![("residual".into(), r)],
+            None => Vec::new(),
+        })
     }
 
     fn load_state(&mut self, mut state: State) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        {
-            self.device_residual = None;
+        self.residual.clear();
+        if !state.is_empty() {
+            let r = take(&mut state, "residual", Some(self.numel()))?;
+            self.residual.restore(r);
         }
-        if state.is_empty() {
-            self.residual.clear();
-            return Ok(());
-        }
-        self.residual = take(&mut state, "residual", Some(self.numel()))?;
         Ok(())
     }
 }
