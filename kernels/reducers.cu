@@ -55,21 +55,20 @@ extern "C" __global__ void select_count(const float* x, unsigned n, unsigned thr
     }
 }
 
-// Writes the selected entries in index order. Entry i is selected when its key is above the threshold,
-// or equal to it and among the first `ties` equal keys; its slot is the number of selected entries
-// before it: above_before(i) + min(equal_before(i), ties). `above_off` / `equal_off` are the exclusive
-// prefix sums of select_count's tiles.
-extern "C" __global__ void select_write(const float* x, unsigned n, unsigned thresh, unsigned ties,
-                                        const unsigned* above_off, const unsigned* equal_off,
-                                        unsigned base, unsigned* out_idx, float* out_val) {
+// Writes the selected entries of x[start..end) in index order, the whole block together. Entry i is
+// selected when its key is above the threshold, or equal to it and among the first `ties` equal keys;
+// its slot is the number of selected entries before it: above_before(i) + min(equal_before(i), ties),
+// where `above0` / `equal0` count those before `start`.
+__device__ void compact(const float* x, unsigned start, unsigned end, unsigned thresh, unsigned ties,
+                        unsigned above0, unsigned equal0, unsigned base, unsigned* out_idx,
+                        float* out_val) {
     __shared__ unsigned warp_a[WARPS], warp_e[WARPS];
     __shared__ unsigned run_a, run_e;
     if (threadIdx.x == 0) {
-        run_a = above_off[blockIdx.x];
-        run_e = equal_off[blockIdx.x];
+        run_a = above0;
+        run_e = equal0;
     }
     __syncthreads();
-    unsigned start = blockIdx.x * TILE, end = min(start + TILE, n);
     unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     unsigned before = (1u << lane) - 1u;
     for (unsigned chunk = start; chunk < end; chunk += BLOCK) {
@@ -102,6 +101,16 @@ extern "C" __global__ void select_write(const float* x, unsigned n, unsigned thr
         }
         __syncthreads();
     }
+}
+
+// select_write: the entries of tile blockIdx.x; `above_off` / `equal_off` are the exclusive prefix sums
+// of select_count's tiles.
+extern "C" __global__ void select_write(const float* x, unsigned n, unsigned thresh, unsigned ties,
+                                        const unsigned* above_off, const unsigned* equal_off,
+                                        unsigned base, unsigned* out_idx, float* out_val) {
+    unsigned start = blockIdx.x * TILE, end = min(start + TILE, n);
+    compact(x, start, end, thresh, ties, above_off[blockIdx.x], equal_off[blockIdx.x], base, out_idx,
+            out_val);
 }
 
 // out[j] = x[idx[j]].
@@ -195,5 +204,127 @@ extern "C" __global__ void gram_schmidt(float* p, unsigned rows, unsigned cols, 
                 a[(size_t)r * cols + c] -= dot * a[(size_t)r * cols + i];
             }
         }
+    }
+}
+
+// DeMo (src/sync/demo.rs): one block per DCT chunk. A chunk is a cr x cc block of a row-major tensor;
+// its entry (i, j) is x[base + (row0 + i) * cols + col0 + j]. The table holds per chunk the fields of
+// `struct Chunk`; `dct` holds the orthonormal DCT-II matrices (row k: frequency k) the chunks name;
+// `scratch` two regions of the flat length `numel`, the chunk's part of each at `scratch`.
+struct Chunk {
+    unsigned base, cols, cr, cc, row0, col0, k, msg, da, db, scratch;
+};
+
+// tmp = A x (r x c; with `inverse`, A^T x): tmp(i, j) = sum over k ascending of a(i, k) x(k, j), the
+// terms with a(i, k) = 0 skipped (the twin's loop). x has row stride ldx.
+__device__ void dct_left(const float* x, unsigned ldx, const float* a, unsigned r, unsigned c,
+                         bool inverse, float* tmp) {
+    for (unsigned o = threadIdx.x; o < r * c; o += BLOCK) {
+        unsigned i = o / c, j = o % c;
+        float s = 0.0f;
+        for (unsigned k = 0; k < r; k++) {
+            float w = inverse ? a[k * r + i] : a[i * r + k];
+            if (w != 0.0f) s += w * x[(size_t)k * ldx + j];
+        }
+        tmp[o] = s;
+    }
+    __syncthreads();
+}
+
+// y = tmp B^T (with `inverse`, tmp B): y(i, j) = sum over k ascending of tmp(i, k) b(j, k), from 0.
+__device__ float dct_right(const float* tmp, const float* b, unsigned c, bool inverse, unsigned o) {
+    unsigned i = o / c, j = o % c;
+    float s = 0.0f;
+    for (unsigned k = 0; k < c; k++) s += tmp[i * c + k] * (inverse ? b[k * c + j] : b[j * c + k]);
+    return s;
+}
+
+// The k entries of largest |x| of x[0..n) (ties towards lower indices) in index order, as
+// kernels::top_k: the radix select of the threshold in the block, then `compact`. The indices go out as
+// the bits of f32 words (`indices_to_f32`).
+__device__ void block_top_k(const float* x, unsigned n, unsigned k, float* out_idx, float* out_val) {
+    __shared__ unsigned hist[BLOCK];
+    __shared__ unsigned prefix, mask, need;
+    if (threadIdx.x == 0) {
+        prefix = 0;
+        mask = 0;
+        need = k;
+    }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        hist[threadIdx.x] = 0;
+        __syncthreads();
+        for (unsigned i = threadIdx.x; i < n; i += BLOCK) {
+            unsigned key = abs_key(x[i]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned d = BLOCK - 1;
+            while (d > 0 && hist[d] < need) need -= hist[d--];
+            prefix |= d << shift;
+            mask |= 255u << shift;
+        }
+        __syncthreads();
+    }
+    compact(x, 0, n, prefix, need, 0, 0, 0, reinterpret_cast<unsigned*>(out_idx), out_val);
+}
+
+// Per chunk: the coefficients C = D_r X D_c^T of delta's block X; the k largest go to the message as
+// [indices | values]; delta keeps X - D_r^T K D_c (K: the kept coefficients, zero elsewhere).
+extern "C" __global__ void demo_encode(float* delta, const Chunk* chunks, const float* dct,
+                                       float* scratch, unsigned numel, float* msg) {
+    const Chunk ch = chunks[blockIdx.x];
+    const unsigned r = ch.cr, c = ch.cc, n = r * c;
+    float* x = delta + ch.base + (size_t)ch.row0 * ch.cols + ch.col0;
+    float *a = scratch + ch.scratch, *b = scratch + numel + ch.scratch;
+    const float *da = dct + ch.da, *db = dct + ch.db;
+    dct_left(x, ch.cols, da, r, c, false, a);
+    for (unsigned o = threadIdx.x; o < n; o += BLOCK) b[o] = dct_right(a, db, c, false, o);
+    __syncthreads();
+    float *idx = msg + ch.msg, *val = msg + ch.msg + ch.k;
+    block_top_k(b, n, ch.k, idx, val);
+    for (unsigned o = threadIdx.x; o < n; o += BLOCK) a[o] = 0.0f;
+    __syncthreads();
+    for (unsigned j = threadIdx.x; j < ch.k; j += BLOCK) a[__float_as_uint(idx[j])] += val[j];
+    __syncthreads();
+    dct_left(a, c, da, r, c, true, b);
+    for (unsigned o = threadIdx.x; o < n; o += BLOCK) {
+        float* e = x + (size_t)(o / c) * ch.cols + o % c;
+        *e = *e - dct_right(b, db, c, true, o);
+    }
+}
+
+// Per chunk: each coefficient is the mean of the ranks that sent it (summed in rank order), the inverse
+// DCT of that is the direction, and grads gets its sign (0 stays 0). `all` holds the n ranks' messages,
+// `per_rank` words each.
+extern "C" __global__ void demo_decode(const float* all, unsigned per_rank, unsigned ranks,
+                                       const Chunk* chunks, const float* dct, float* scratch,
+                                       unsigned numel, float* grads) {
+    const Chunk ch = chunks[blockIdx.x];
+    const unsigned r = ch.cr, c = ch.cc, n = r * c;
+    float* sum = scratch + ch.scratch;
+    unsigned* count = reinterpret_cast<unsigned*>(scratch + numel + ch.scratch);
+    for (unsigned o = threadIdx.x; o < n; o += BLOCK) {
+        sum[o] = 0.0f;
+        count[o] = 0;
+    }
+    __syncthreads();
+    for (unsigned q = 0; q < ranks; q++) {
+        const float* m = all + (size_t)q * per_rank + ch.msg;
+        for (unsigned j = threadIdx.x; j < ch.k; j += BLOCK) {
+            unsigned i = __float_as_uint(m[j]);
+            sum[i] += m[ch.k + j];
+            count[i] += 1;
+        }
+        __syncthreads();
+    }
+    for (unsigned o = threadIdx.x; o < n; o += BLOCK) sum[o] = count[o] > 0 ? sum[o] / (float)count[o] : 0.0f;
+    __syncthreads();
+    float* tmp = scratch + numel + ch.scratch;
+    dct_left(sum, c, dct + ch.da, r, c, true, tmp);
+    for (unsigned o = threadIdx.x; o < n; o += BLOCK) {
+        float d = dct_right(tmp, dct + ch.db, c, true, o);
+        grads[ch.base + (size_t)(ch.row0 + o / c) * ch.cols + ch.col0 + o % c] =
+            d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f);
     }
 }

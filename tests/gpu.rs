@@ -444,3 +444,49 @@ fn diloco_on_the_gpu_equals_its_host_path() {
         }
     }
 }
+
+/// DeMo's device path (clipping, momentum, the `demo_encode` / `demo_decode` chunk kernels, NCCL's
+/// all-gather) against its host path (their twin) at world size 1, over several steps: the same sign
+/// direction, clipped norm and momentum, bit for bit.
+#[test]
+fn demo_on_the_gpu_equals_its_host_path() {
+    use nanodist::config::backend::DemoConfig;
+    use nanodist::flat::{DeviceFlat, FlatMut};
+    use nanodist::sync::{compress::TensorView, demo::Demo, SyncBackend};
+    let k = Arc::new(kernels());
+    let s = k.stream().clone();
+    let nccl = nanodist::comm::nccl::NcclComm::init(0, 1, 0, Duration::from_secs(30), |_| Ok(()))
+        .expect("NCCL on GPU 0");
+    let tensors = TensorView::from_shapes(&[(192, 128, true), (777, 1, false), (50, 129, true)]);
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    let cfg = DemoConfig {
+        topk: 7,
+        chunk: 64,
+        ..DemoConfig::default()
+    };
+    let mut host = Demo::new(Box::new(nanodist::comm::Solo), cfg.clone(), 1.0, &tensors);
+    let mut dev = Demo::new(Box::new(nccl), cfg, 1.0, &tensors);
+    for step in 0..4 {
+        let mut g = values(n, 200 + step, step == 2);
+        let mut d = DeviceFlat {
+            buf: s.clone_htod(&g).unwrap(),
+            kernels: k.clone(),
+        };
+        host.reduce_grads(&mut g, step, 0.01).unwrap();
+        dev.reduce_flat(FlatMut::Cuda(&mut d), step, 0.01).unwrap();
+        assert_eq!(
+            bits(&s.clone_dtoh(&d.buf).unwrap()),
+            bits(&g),
+            "step {step}"
+        );
+        assert_eq!(
+            dev.clipped_grad_norm().map(f64::to_bits),
+            host.clipped_grad_norm().map(f64::to_bits)
+        );
+        let (a, b) = (dev.state().unwrap(), host.state().unwrap());
+        assert_eq!(a.len(), b.len());
+        for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+            assert!(na == nb && bits(va) == bits(vb), "{na} after step {step}");
+        }
+    }
+}

@@ -298,6 +298,63 @@ impl Kernels {
         Ok(())
     }
 
+    /// DeMo's compression of every chunk of `delta` (the table's `CHUNK_FIELDS` words per chunk, as
+    /// `sync::demo` lays them out): its top-k DCT coefficients into `msg`, the rest left in `delta`.
+    /// `scratch` holds twice delta's length.
+    pub fn demo_encode(
+        &self,
+        delta: &mut CudaSlice<f32>,
+        table: &CudaSlice<u32>,
+        dct: &CudaSlice<f32>,
+        scratch: &mut CudaSlice<f32>,
+        msg: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let chunks = table.len() / kernels::CHUNK_FIELDS;
+        let numel = u32_of(delta.len(), "length")?;
+        launch!(
+            self,
+            "demo_encode",
+            grid(chunks),
+            delta,
+            table,
+            dct,
+            scratch,
+            &numel,
+            msg
+        );
+        Ok(())
+    }
+
+    /// DeMo's decompression of every rank's messages in `all`: the sign of the averaged direction of
+    /// every chunk into `grads`.
+    pub fn demo_decode(
+        &self,
+        all: &CudaSlice<f32>,
+        ranks: usize,
+        table: &CudaSlice<u32>,
+        dct: &CudaSlice<f32>,
+        scratch: &mut CudaSlice<f32>,
+        grads: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let chunks = table.len() / kernels::CHUNK_FIELDS;
+        let per_rank = u32_of(all.len() / ranks.max(1), "message length")?;
+        let (ranks, numel) = (u32_of(ranks, "ranks")?, u32_of(grads.len(), "length")?);
+        launch!(
+            self,
+            "demo_decode",
+            grid(chunks),
+            all,
+            &per_rank,
+            &ranks,
+            table,
+            dct,
+            scratch,
+            &numel,
+            grads
+        );
+        Ok(())
+    }
+
     /// Gram-Schmidt on the columns of the row-major rows x cols matrices stored back to back in `p`.
     pub fn gram_schmidt(
         &self,

@@ -14,6 +14,8 @@ use rayon::prelude::*;
 pub const BLOCK: usize = 256;
 /// Elements per block of the selection kernels (`TILE` in reducers.cu).
 pub const TILE: usize = 4096;
+/// u32 words per chunk in the table of DeMo's kernels (`struct Chunk` in reducers.cu).
+pub const CHUNK_FIELDS: usize = 11;
 
 /// |v| as an order-preserving integer: the bits of a non-negative float sort like the float.
 fn abs_key(v: f32) -> u32 {

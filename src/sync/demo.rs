@@ -22,6 +22,7 @@ use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
 use crate::comm::Communicator;
 use crate::config::backend::DemoConfig;
+use crate::flat::{Flat, Place};
 use crate::kernels;
 
 /// The chunk layout of one tensor viewed as rows x cols (a vector is 1 x len).
@@ -93,7 +94,7 @@ fn transform(x: &[f32], a: &[f32], b: &[f32], r: usize, c: usize, inverse: bool)
     let mut y = vec![0.0f32; r * c];
     for i in 0..r {
         for j in 0..c {
-            y[i * c + j] = (0..c).map(|k| tmp[i * c + k] * bt(j, k)).sum();
+            y[i * c + j] = (0..c).fold(0.0, |s, k| s + tmp[i * c + k] * bt(j, k));
         }
     }
     y
@@ -104,12 +105,24 @@ pub struct Demo {
     cfg: DemoConfig,
     layouts: Vec<Layout>,
     dct: HashMap<usize, Vec<f32>>,
-    delta: Vec<f32>,
+    /// The momentum, beside the gradient (on the GPU with it); empty before the first step.
+    delta: Flat,
     numel: usize,
     tally: compress::Tally,
     /// Clip of the local gradient (<= 0: none), and its norm before clipping at the last step.
     clip: f64,
     grad_norm: Option<f64>,
+    /// The chunk table, DCT matrices and scratch of the kernels, once a GPU step has run.
+    #[cfg(feature = "cuda")]
+    device: Option<OnDevice>,
+}
+
+#[cfg(feature = "cuda")]
+struct OnDevice {
+    table: cudarc::driver::CudaSlice<u32>,
+    dct: cudarc::driver::CudaSlice<f32>,
+    scratch: cudarc::driver::CudaSlice<f32>,
+    words: usize,
 }
 
 impl Demo {
@@ -148,11 +161,13 @@ impl Demo {
             cfg,
             layouts,
             dct,
-            delta: Vec::new(),
+            delta: Flat::Host(Vec::new()),
             numel,
             tally: compress::Tally::default(),
             clip,
             grad_norm: None,
+            #[cfg(feature = "cuda")]
+            device: None,
         }
     }
 
@@ -162,6 +177,102 @@ impl Demo {
             .iter()
             .flat_map(|l| (0..l.chunks()).map(move |c| (*l, c)))
             .collect()
+    }
+
+    /// The table of DeMo's kernels (`kernels::CHUNK_FIELDS` words per chunk, in `chunks()` order:
+    /// tensor offset, columns, chunk rows and columns, first row and column, coefficients kept, message
+    /// offset, offsets of the two DCT matrices, scratch offset), the DCT matrices it names, and the
+    /// message's length.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn table(&self) -> (Vec<u32>, Vec<f32>, usize) {
+        let mut sizes: Vec<usize> = self.dct.keys().copied().collect();
+        sizes.sort_unstable();
+        let (mut dct, mut at) = (Vec::new(), HashMap::new());
+        for n in sizes {
+            at.insert(n, dct.len());
+            dct.extend_from_slice(&self.dct[&n]);
+        }
+        let (mut table, mut msg) = (Vec::new(), 0);
+        for (l, c) in self.chunks() {
+            let per_row = l.cols / l.cc;
+            let (bi, bj) = (c / per_row, c % per_row);
+            let k = kept(self.cfg.topk, &l);
+            let scratch = l.offset + c * l.cr * l.cc;
+            let fields = [
+                l.offset,
+                l.cols,
+                l.cr,
+                l.cc,
+                bi * l.cr,
+                bj * l.cc,
+                k,
+                msg,
+                at[&l.cr],
+                at[&l.cc],
+                scratch,
+            ];
+            table.extend(fields.map(|x| x as u32));
+            msg += 2 * k;
+        }
+        (table, dct, msg)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Demo {
+    /// `reduce_grads` on the GPU: the clipping, the momentum, the chunks' compression and decompression
+    /// as kernels (`demo_encode`, `demo_decode`: the host path is their twin) and NCCL's all-gather.
+    fn reduce_device(&mut self, d: &mut crate::flat::DeviceFlat, lr: f64) -> Result<()> {
+        let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
+        let (numel, place) = (d.buf.len(), Place::Cuda(k.clone()));
+        match self.delta.len() == numel {
+            true => self.delta.move_to(&place)?,
+            false => self.delta = place.zeros(numel)?,
+        }
+        if self.device.is_none() {
+            let (table, dct, words) = self.table();
+            self.device = Some(OnDevice {
+                table: s.clone_htod(&table)?,
+                dct: s.clone_htod(&dct)?,
+                scratch: s.alloc_zeros::<f32>(2 * numel)?,
+                words,
+            });
+        }
+        let (Flat::Cuda(delta), Some(dev)) = (&mut self.delta, &mut self.device) else {
+            anyhow::bail!(crate::flat::MIXED);
+        };
+        let norm = k.sum_squares(&d.buf)?.sqrt();
+        self.grad_norm = Some(norm);
+        let c = crate::optim::clip_factor(norm, self.clip);
+        if c < 1.0 {
+            k.scale(&mut d.buf, c)?;
+        }
+        // delta = decay delta + (lr g) (the `mix` kernel): the twin's sum, in the other order.
+        let mut lg = s.alloc_zeros::<f32>(numel)?;
+        k.scaled_copy(&mut lg.slice_mut(..), &d.buf.slice(..), lr as f32)?;
+        k.mix(
+            &mut delta.buf.slice_mut(..),
+            &lg.slice(..),
+            self.cfg.decay as f32,
+        )?;
+        let mut send = s.alloc_zeros::<f32>(dev.words)?;
+        k.demo_encode(
+            &mut delta.buf,
+            &dev.table,
+            &dev.dct,
+            &mut dev.scratch,
+            &mut send,
+        )?;
+        let (n, rank) = (self.comm.world_size(), self.comm.rank());
+        let before = self.comm.stats();
+        let mut all = s.alloc_zeros::<f32>(dev.words * n)?;
+        self.comm.all_gather_device(&send.slice(..), &mut all)?;
+        let after = self.comm.stats();
+        k.demo_decode(&all, n, &dev.table, &dev.dct, &mut dev.scratch, &mut d.buf)?;
+        let report = compress::Report::default();
+        self.tally
+            .add(self.numel, n, rank, &before, &after, &report);
+        Ok(())
     }
 }
 
@@ -193,25 +304,27 @@ impl SyncBackend for Demo {
         self.comm.as_mut()
     }
     fn reduce_grads(&mut self, grads: &mut [f32], _step: u64, lr: f64) -> Result<()> {
-        if self.delta.is_empty() {
-            self.delta = vec![0.0; grads.len()];
-        }
+        self.delta.move_to(&Place::Host)?;
+        let mut delta = match std::mem::replace(&mut self.delta, Flat::Host(Vec::new())) {
+            Flat::Host(d) if d.len() == grads.len() => d,
+            _ => vec![0.0; grads.len()],
+        };
         // The local gradient is clipped as torch's clip_grad_norm_ before the optimizer step would; the
         // sign direction that leaves this function is not.
         self.grad_norm = Some(crate::optim::clip_grad_norm(grads, self.clip));
         let (decay, lr) = (self.cfg.decay as f32, lr as f32);
-        self.delta
+        delta
             .iter_mut()
             .zip(grads.iter())
             .for_each(|(d, g)| *d = decay * *d + lr * g);
         // Compress each chunk: its kept coefficients, and the delta left behind.
         let chunks = self.chunks();
-        let (delta, dct, topk) = (&self.delta, &self.dct, self.cfg.topk);
+        let (dct, topk, momentum) = (&self.dct, self.cfg.topk, &delta);
         let encoded: Vec<(Vec<u32>, Vec<f32>, Vec<f32>)> = chunks
             .par_iter()
             .map(|(l, c)| {
                 let (da, db) = (&dct[&l.cr], &dct[&l.cc]);
-                let block: Vec<f32> = l.indices(*c).map(|i| delta[i]).collect();
+                let block: Vec<f32> = l.indices(*c).map(|i| momentum[i]).collect();
                 let coef = transform(&block, da, db, l.cr, l.cc, false);
                 let (mut idx, mut val) = (Vec::new(), Vec::new());
                 kernels::top_k(&coef, kept(topk, l), 0, &mut idx, &mut val);
@@ -225,11 +338,12 @@ impl SyncBackend for Demo {
         let mut send = Vec::new();
         for ((l, c), (idx, val, left)) in chunks.iter().zip(&encoded) {
             for (i, v) in l.indices(*c).zip(left) {
-                self.delta[i] = *v;
+                delta[i] = *v;
             }
             send.extend(compress::indices_to_f32(idx));
             send.extend_from_slice(val);
         }
+        self.delta = Flat::Host(delta);
         // Every rank's coefficients, then each chunk's mean over the ranks that sent a coefficient.
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
         let before = self.comm.stats();
@@ -283,6 +397,14 @@ impl SyncBackend for Demo {
             .add(self.numel, n, rank, &before, &after, &report);
         Ok(())
     }
+    #[cfg(feature = "cuda")]
+    fn reduce_flat(&mut self, grads: crate::flat::FlatMut<'_>, step: u64, lr: f64) -> Result<()> {
+        use crate::flat::FlatMut;
+        match grads {
+            FlatMut::Cuda(d) if self.comm.device_collectives() => self.reduce_device(d, lr),
+            g => g.through_host(|g| self.reduce_grads(g, step, lr)),
+        }
+    }
     fn take_metrics(&mut self) -> Metrics {
         self.tally.take()
     }
@@ -300,14 +422,17 @@ impl SyncBackend for Demo {
         if self.delta.is_empty() {
             return Ok(Vec::new());
         }
-        Ok(vec![("demo.delta".into(), self.delta.clone())])
+        Ok(vec![(
+            "demo.delta".into(),
+            self.delta.to_host()?.into_owned(),
+        )])
     }
     fn load_state(&mut self, mut state: State) -> Result<()> {
-        self.delta = if state.is_empty() {
+        self.delta = Flat::Host(if state.is_empty() {
             Vec::new()
         } else {
             take(&mut state, "demo.delta", Some(self.numel))?
-        };
+        });
         Ok(())
     }
 }
@@ -342,7 +467,12 @@ mod tests {
                     "step {step} entry {i}: {o} vs sign({gi})"
                 );
             }
-            let left = demo.delta.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let left = demo
+                .delta
+                .to_host()
+                .unwrap()
+                .iter()
+                .fold(0.0f32, |m, x| m.max(x.abs()));
             assert!(left < 1e-7, "step {step}: delta not spent ({left})");
         }
     }
@@ -377,5 +507,40 @@ mod tests {
         let (a, b) = (dct_matrix(3), dct_matrix(4));
         let y = transform(&transform(&x, &a, &b, 3, 4, false), &a, &b, 3, 4, true);
         assert!(x.iter().zip(&y).all(|(p, q)| (p - q).abs() < 1e-5));
+    }
+
+    /// The kernels' chunk table addresses what the host path does: each chunk's entries in the order
+    /// of `Layout::indices`, message offsets where the host packs each chunk's [indices | values], the
+    /// DCT matrices of its sizes, and scratch parts that tile the flat buffer.
+    #[test]
+    fn the_kernels_chunk_table_addresses_the_host_paths_chunks() {
+        use crate::kernels::CHUNK_FIELDS;
+        let tensors = TensorView::from_shapes(&[(6, 8, true), (10, 1, false), (5, 12, true)]);
+        let cfg = DemoConfig {
+            topk: 5,
+            chunk: 4,
+            ..DemoConfig::default()
+        };
+        let demo = Demo::new(Box::new(crate::comm::Solo), cfg, 0.0, &tensors);
+        let (table, dct, words) = demo.table();
+        let chunks = demo.chunks();
+        assert_eq!(table.len(), chunks.len() * CHUNK_FIELDS);
+        let (mut msg, mut scratch) = (0, Vec::new());
+        for (row, (l, c)) in table.chunks(CHUNK_FIELDS).zip(&chunks) {
+            let f = |i: usize| row[i] as usize;
+            let (base, cols, cr, cc, row0, col0, k) = (f(0), f(1), f(2), f(3), f(4), f(5), f(6));
+            let at: Vec<usize> = (0..cr * cc)
+                .map(|o| base + (row0 + o / cc) * cols + col0 + o % cc)
+                .collect();
+            assert_eq!(at, l.indices(*c).collect::<Vec<_>>());
+            assert_eq!((k, f(7)), (kept(5, l), msg));
+            msg += 2 * k;
+            assert_eq!(&dct[f(8)..f(8) + cr * cr], &dct_matrix(cr)[..]);
+            assert_eq!(&dct[f(9)..f(9) + cc * cc], &dct_matrix(cc)[..]);
+            scratch.extend(f(10)..f(10) + cr * cc);
+        }
+        assert_eq!(words, msg);
+        scratch.sort_unstable();
+        assert_eq!(scratch, (0..demo.numel).collect::<Vec<_>>());
     }
 }
