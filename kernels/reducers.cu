@@ -328,3 +328,23 @@ extern "C" __global__ void demo_decode(const float* all, unsigned per_rank, unsi
             d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f);
     }
 }
+
+// CHOCO (src/sync/choco.rs): one member's sparse message (top-k, random-k) into a channel, entry j at
+// off + idx[j] with value q = vals[j]: the member itself adds q to its public copy and w q to the memory,
+// the others w q to the memory (distinct indices within a call; one call per member, in group order).
+extern "C" __global__ void choco_absorb(float* hat, float* memory, const unsigned* idx, const float* vals,
+                                        unsigned k, unsigned off, float w, unsigned own) {
+    unsigned j = blockIdx.x * BLOCK + threadIdx.x;
+    if (j < k) {
+        unsigned i = off + idx[j];
+        float q = vals[j];
+        if (own) hat[i] += q;
+        memory[i] += w * q;
+    }
+}
+
+// CHOCO's consensus step x += gamma (s - hat).
+extern "C" __global__ void choco_step(float* x, const float* s, const float* hat, unsigned n, float gamma) {
+    for (unsigned i = blockIdx.x * BLOCK + threadIdx.x; i < n; i += gridDim.x * BLOCK)
+        x[i] += gamma * (s[i] - hat[i]);
+}

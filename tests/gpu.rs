@@ -490,3 +490,151 @@ fn demo_on_the_gpu_equals_its_host_path() {
         }
     }
 }
+
+/// The in-process engine with device collectives on one GPU: its `exchange_device` runs the host
+/// exchange on copies, so that two ranks in one process can run a backend's device path against each
+/// other (NCCL needs a GPU per rank).
+struct Loopback(nanodist::comm::local::LocalComm);
+
+impl Communicator for Loopback {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> anyhow::Result<()> {
+        self.0.all_reduce_sum(buf)
+    }
+    fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> anyhow::Result<()> {
+        self.0.group_all_reduce_sum(buf, group)
+    }
+    fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> anyhow::Result<()> {
+        self.0.all_gather(send, out)
+    }
+    fn exchange(
+        &mut self,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> anyhow::Result<()> {
+        self.0.exchange(sends, recvs)
+    }
+    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> anyhow::Result<()> {
+        self.0.broadcast(buf, root)
+    }
+    fn barrier(&mut self) -> anyhow::Result<()> {
+        self.0.barrier()
+    }
+    fn stats(&self) -> nanodist::comm::CommStats {
+        self.0.stats()
+    }
+    fn device_collectives(&self) -> bool {
+        true
+    }
+    fn exchange_device(
+        &mut self,
+        send: &cudarc::driver::CudaSlice<f32>,
+        peers: &[(usize, usize)],
+        recv: &mut cudarc::driver::CudaSlice<f32>,
+    ) -> anyhow::Result<()> {
+        let s = send.stream().clone();
+        let (mine, len) = (s.clone_dtoh(send)?, send.len());
+        let mut got = vec![vec![0.0f32; len]; peers.len()];
+        let sends: Vec<(usize, &[f32])> = peers.iter().map(|&(p, _)| (p, &mine[..])).collect();
+        let mut recvs: Vec<(usize, &mut [f32])> = peers
+            .iter()
+            .zip(&mut got)
+            .map(|(&(p, _), g)| (p, &mut g[..]))
+            .collect();
+        self.0.exchange(&sends, &mut recvs)?;
+        for (&(_, slot), g) in peers.iter().zip(&got) {
+            s.memcpy_htod(g, &mut recv.slice_mut(slot * len..(slot + 1) * len))?;
+        }
+        Ok(())
+    }
+}
+
+/// CHOCO's device path (public copies, memories and messages on the GPU; the top-k or gather encoding,
+/// `choco_absorb` and `choco_step`) against its host path, two ranks on a ring with overlap, top-k and
+/// random-k: the same parameters and state on both ranks after every step, bit for bit.
+#[test]
+fn choco_on_the_gpu_equals_its_host_path() {
+    use nanodist::config::backend::Topology;
+    use nanodist::flat::{DeviceFlat, FlatMut};
+    use nanodist::sync::choco::{Choco, ChocoPlan, Compressor};
+    use nanodist::sync::{compress::TensorView, topology, SyncBackend};
+    let k = Arc::new(kernels());
+    let tensors = TensorView::from_shapes(&[(300, 200, true), (777, 1, false), (50, 129, true)]);
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    for compressor in [
+        Compressor::TopK { density: 0.05 },
+        Compressor::RandomK { density: 0.05 },
+    ] {
+        let plan = ChocoPlan {
+            compressor,
+            gamma: 0.6,
+            tuned: false,
+            seed: 5,
+        };
+        let run = |device: bool| -> Vec<(Vec<f32>, nanodist::sync::compress::State)> {
+            let comms = nanodist::comm::local::group(2, Duration::from_secs(60));
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = comms
+                    .into_iter()
+                    .map(|c| {
+                        let (k, plan, tensors) = (k.clone(), plan.clone(), tensors.clone());
+                        scope.spawn(move || {
+                            let rank = c.rank();
+                            let rounds = topology::rounds(Topology::Ring, 2, 1).unwrap();
+                            let comm: Box<dyn Communicator> = match device {
+                                true => Box::new(Loopback(c)),
+                                false => Box::new(c),
+                            };
+                            let mut choco =
+                                Choco::new(comm, rounds, true, &plan, &tensors).unwrap();
+                            let s = k.stream().clone();
+                            let mut p = values(n, 300 + rank as u64, false);
+                            let mut d = DeviceFlat {
+                                buf: s.clone_htod(&p).unwrap(),
+                                kernels: k.clone(),
+                            };
+                            for step in 0..5 {
+                                let g = values(n, 400 + step + 10 * rank as u64, false);
+                                if device {
+                                    k.ef_accumulate(&mut d.buf, &s.clone_htod(&g).unwrap())
+                                        .unwrap();
+                                    choco.before_step_flat(FlatMut::Cuda(&mut d)).unwrap();
+                                    choco.after_step_flat(FlatMut::Cuda(&mut d), step).unwrap();
+                                } else {
+                                    twin::ef_accumulate(&mut p, &g);
+                                    choco.before_step(&mut p).unwrap();
+                                    choco.after_step(&mut p, step).unwrap();
+                                }
+                            }
+                            if device {
+                                p = s.clone_dtoh(&d.buf).unwrap();
+                            }
+                            (p, choco.state().unwrap())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        let (host, dev) = (run(false), run(true));
+        for (rank, ((hp, hs), (dp, ds))) in host.iter().zip(&dev).enumerate() {
+            assert_eq!(
+                bits(dp),
+                bits(hp),
+                "{compressor:?}: rank {rank}'s parameters"
+            );
+            assert_eq!(hs.len(), ds.len());
+            for ((na, va), (nb, vb)) in ds.iter().zip(hs) {
+                assert!(
+                    na == nb && bits(va) == bits(vb),
+                    "{compressor:?}: rank {rank}'s {na}"
+                );
+            }
+        }
+    }
+}

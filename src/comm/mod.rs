@@ -240,6 +240,18 @@ pub trait Communicator {
     ) -> Result<()> {
         anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
     }
+    /// Sends `send` to every peer of `peers` (peer, slot) and receives each peer's into
+    /// recv[slot * len..(slot + 1) * len] (len: send's length), as one group of point-to-point calls on
+    /// GPU buffers (engines with `device_collectives`; CHOCO's messages); done when it returns.
+    #[cfg(feature = "cuda")]
+    fn exchange_device(
+        &mut self,
+        _send: &cudarc::driver::CudaSlice<f32>,
+        _peers: &[(usize, usize)],
+        _recv: &mut cudarc::driver::CudaSlice<f32>,
+    ) -> Result<()> {
+        anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
+    }
     /// `group_all_reduce_sum` of a GPU buffer, in place on the device (engines with
     /// `device_collectives`), done when it returns.
     #[cfg(feature = "cuda")]

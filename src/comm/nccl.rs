@@ -280,6 +280,43 @@ impl Communicator for NcclComm {
     /// which member i owns chunk i and adds the members' copies in group order, then an all-gather), on
     /// the buffer itself: grouped ncclSend/ncclRecv into device scratch, the additions by the `add_at`
     /// kernel, all on this engine's stream.
+    fn exchange_device(
+        &mut self,
+        send: &CudaSlice<f32>,
+        peers: &[(usize, usize)],
+        recv: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let len = send.len();
+        if let Some(&(peer, slot)) = peers
+            .iter()
+            .find(|&&(_, slot)| (slot + 1) * len > recv.len())
+        {
+            bail!(
+                "exchange: slot {slot} (from rank {peer}) of {len} values is outside the {} received",
+                recv.len()
+            );
+        }
+        let start = Instant::now();
+        nccl::group_start().map_err(nccl_err)?;
+        for &(peer, _) in peers {
+            self.comm
+                .send(&send.slice(..), peer as i32)
+                .map_err(nccl_err)?;
+        }
+        for &(peer, slot) in peers {
+            self.comm
+                .recv(
+                    &mut recv.slice_mut(slot * len..(slot + 1) * len),
+                    peer as i32,
+                )
+                .map_err(nccl_err)?;
+        }
+        nccl::group_end().map_err(nccl_err)?;
+        self.wait("send/recv")?;
+        self.account(4 * (len * peers.len()) as u64, start);
+        Ok(())
+    }
+
     fn group_all_reduce_sum_device(
         &mut self,
         buf: &mut CudaSlice<f32>,

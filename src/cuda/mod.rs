@@ -355,6 +355,62 @@ impl Kernels {
         Ok(())
     }
 
+    /// One member's sparse CHOCO message into a channel: hat[off + idx[j]] += vals[j] when `own`, and
+    /// memory[off + idx[j]] += w vals[j] (twin: `kernels::choco_absorb`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn choco_absorb(
+        &self,
+        hat: &mut CudaSlice<f32>,
+        memory: &mut CudaSlice<f32>,
+        idx: &CudaView<u32>,
+        vals: &CudaView<f32>,
+        off: usize,
+        w: f32,
+        own: bool,
+    ) -> Result<()> {
+        let (k, off, own) = (
+            u32_of(idx.len(), "index count")?,
+            u32_of(off, "offset")?,
+            u32::from(own),
+        );
+        launch!(
+            self,
+            "choco_absorb",
+            grid(idx.len().div_ceil(BLOCK)),
+            hat,
+            memory,
+            idx,
+            vals,
+            &k,
+            &off,
+            &w,
+            &own
+        );
+        Ok(())
+    }
+
+    /// CHOCO's consensus step x += gamma (s - hat) (twin: `kernels::choco_step`).
+    pub fn choco_step(
+        &self,
+        x: &mut CudaSlice<f32>,
+        s: &CudaSlice<f32>,
+        hat: &CudaSlice<f32>,
+        gamma: f32,
+    ) -> Result<()> {
+        let n = u32_of(x.len(), "length")?;
+        launch!(
+            self,
+            "choco_step",
+            per_element(n as usize),
+            x,
+            s,
+            hat,
+            &n,
+            &gamma
+        );
+        Ok(())
+    }
+
     /// Gram-Schmidt on the columns of the row-major rows x cols matrices stored back to back in `p`.
     pub fn gram_schmidt(
         &self,

@@ -223,6 +223,36 @@ pub fn scaled_copy(dst: &mut [f32], src: &[f32], s: f32) {
     dst.iter_mut().zip(src).for_each(|(d, x)| *d = x * s);
 }
 
+/// Twin of `choco_absorb`: one member's sparse message into a channel (its public copy `hat` only when
+/// the member is this rank).
+pub fn choco_absorb(
+    hat: Option<&mut [f32]>,
+    memory: &mut [f32],
+    idx: &[u32],
+    vals: &[f32],
+    off: usize,
+    w: f32,
+) {
+    match hat {
+        Some(hat) => idx.iter().zip(vals).for_each(|(&i, &q)| {
+            let i = off + i as usize;
+            hat[i] += q;
+            memory[i] += w * q;
+        }),
+        None => idx
+            .iter()
+            .zip(vals)
+            .for_each(|(&i, &q)| memory[off + i as usize] += w * q),
+    }
+}
+
+/// Twin of `choco_step`: x += gamma (s - hat).
+pub fn choco_step(x: &mut [f32], s: &[f32], hat: &[f32], gamma: f32) {
+    x.iter_mut()
+        .zip(s.iter().zip(hat))
+        .for_each(|(x, (s, h))| *x += gamma * (s - h));
+}
+
 /// Twin of `block_sum` (and of `sum_squares`'s tree in f64): the tree over the BLOCK partial sums
 /// (stride BLOCK / 2, ..., 1).
 pub(crate) fn block_sum<T: Copy + std::ops::AddAssign>(sh: &mut [T; BLOCK]) -> T {

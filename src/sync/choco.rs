@@ -30,11 +30,17 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use super::compress::{self, k_of, TensorView};
+use super::compress::{self, k_of, StateBuf, TensorView};
 use super::topology::Round;
 use super::trace::{Collective, Op};
 use super::{Metrics, SyncBackend};
 use crate::comm::{all_reduce_bytes, pack_u64, unpack_u64, Communicator};
+use crate::kernels;
+#[cfg(feature = "cuda")]
+use {
+    crate::flat::{DeviceFlat, FlatMut},
+    anyhow::Context,
+};
 
 /// The message compressor of compressed gossip.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -189,6 +195,37 @@ impl Codec {
         let mut idx = rand::seq::index::sample(&mut rng, len, self.ks[t]).into_vec();
         idx.sort_unstable();
         idx
+    }
+
+    /// Whether messages are sparse (indices and values: top-k, random-k).
+    pub fn sparse(&self) -> bool {
+        matches!(
+            self.compressor,
+            Compressor::TopK { .. } | Compressor::RandomK { .. }
+        )
+    }
+
+    /// Tensor `t`'s part of a sparse message that `sender` sent at `step`: its indices (within the
+    /// tensor, ascending) and values.
+    fn sparse_part<'m>(
+        &self,
+        msg: &'m [f32],
+        step: u64,
+        sender: usize,
+        t: usize,
+    ) -> (Vec<u32>, &'m [f32]) {
+        let (part, k) = (&msg[self.parts[t]..self.parts[t + 1]], self.ks[t]);
+        match self.compressor {
+            Compressor::TopK { .. } => (compress::f32_to_indices(&part[k..]), &part[..k]),
+            _ => (self.random_indices_u32(step, sender, t), part),
+        }
+    }
+
+    fn random_indices_u32(&self, step: u64, sender: usize, t: usize) -> Vec<u32> {
+        self.random_indices(step, sender, t)
+            .into_iter()
+            .map(|i| i as u32)
+            .collect()
     }
 
     /// The message of Q(x - hat) that `rank` sends at `step`.
@@ -410,29 +447,19 @@ impl<'a> BitReader<'a> {
 }
 
 /// One group a rank meets over the cycle of rounds, and the rank's state in it.
-#[derive(Debug, Clone)]
 struct Channel {
     ranks: Vec<usize>,
     /// The weight of the rank itself and of each other member.
     own: f32,
     other: f32,
-    /// This rank's public copy x_hat_{i,G} (empty: zero, until the channel first meets).
-    hat: Vec<f32>,
-    /// The memory s_{i,G} = sum_j w_ij x_hat_{j,G} (empty: zero).
-    memory: Vec<f32>,
-}
-
-/// A channel's buffer, allocated (as zeros) when the channel first meets: a described backend (`check`)
-/// allocates none.
-fn allocated(v: &mut Vec<f32>, numel: usize) -> &mut [f32] {
-    if v.len() != numel {
-        *v = vec![0.0; numel];
-    }
-    v
+    /// This rank's public copy x_hat_{i,G} (none: zero, until the channel first meets; a described
+    /// backend (`check`) allocates none), on the host or beside the parameters on the GPU.
+    hat: StateBuf,
+    /// The memory s_{i,G} = sum_j w_ij x_hat_{j,G} (none: zero).
+    memory: StateBuf,
 }
 
 /// A rank's channels and which one each round uses (None: alone in that round).
-#[derive(Debug, Clone)]
 pub struct Channels {
     rank: usize,
     numel: usize,
@@ -462,8 +489,8 @@ impl Channels {
                     ranks: group.ranks.clone(),
                     own: own as f32,
                     other: other as f32,
-                    hat: Vec::new(),
-                    memory: Vec::new(),
+                    hat: StateBuf::default(),
+                    memory: StateBuf::default(),
                 });
                 list.len() - 1
             })));
@@ -490,8 +517,9 @@ impl Channels {
     fn encode(&mut self, codec: &Codec, round: usize, x: &[f32], step: u64, msg: &mut Vec<f32>) {
         match self.of_round[round] {
             Some(c) => {
-                let hat = allocated(&mut self.list[c].hat, self.numel);
-                codec.encode(x, hat, step, self.rank, msg)
+                let hat = self.list[c].hat.take_host(self.numel);
+                codec.encode(x, &hat, step, self.rank, msg);
+                self.list[c].hat.keep_host(hat);
             }
             None => msg.clear(),
         }
@@ -511,55 +539,56 @@ impl Channels {
         let Some(c) = self.of_round[round] else {
             return;
         };
-        let Channel {
-            ranks,
-            own,
-            other,
-            hat,
-            memory,
-        } = &mut self.list[c];
-        let (own, other) = (*own, *other);
-        let (hat, memory) = (allocated(hat, self.numel), allocated(memory, self.numel));
-        for (pos, &j) in ranks.iter().enumerate() {
-            if j == self.rank {
+        let ch = &mut self.list[c];
+        let (mut hat, mut memory) = (
+            ch.hat.take_host(self.numel),
+            ch.memory.take_host(self.numel),
+        );
+        for (pos, &j) in ch.ranks.iter().enumerate() {
+            let (mine, w) = if j == self.rank {
+                (true, ch.own)
+            } else {
+                (false, ch.other)
+            };
+            if codec.sparse() {
+                for (t, &(off, _)) in codec.tensors.iter().enumerate() {
+                    let (idx, vals) = codec.sparse_part(msg(pos), step, j, t);
+                    let hat = mine.then_some(&mut hat[..]);
+                    kernels::choco_absorb(hat, &mut memory, &idx, vals, off, w);
+                }
+            } else if mine {
                 codec.decode(msg(pos), step, j, |i, q| {
                     hat[i] += q;
-                    memory[i] += own * q;
+                    memory[i] += w * q;
                 });
             } else {
-                codec.decode(msg(pos), step, j, |i, q| memory[i] += other * q);
+                codec.decode(msg(pos), step, j, |i, q| memory[i] += w * q);
             }
         }
-        x.iter_mut()
-            .zip(memory.iter().zip(hat.iter()))
-            .for_each(|(x, (s, h))| *x += gamma * (s - h));
+        kernels::choco_step(x, &memory, &hat, gamma);
+        ch.hat.keep_host(hat);
+        ch.memory.keep_host(memory);
     }
 
-    fn state(&self) -> compress::State {
-        self.list
-            .iter()
-            .enumerate()
-            .flat_map(|(c, ch)| {
-                let saved = |v: &Vec<f32>| {
-                    if v.is_empty() {
-                        vec![0.0; self.numel]
-                    } else {
-                        v.clone()
-                    }
-                };
-                [
-                    (format!("choco.hat.{c}"), saved(&ch.hat)),
-                    (format!("choco.memory.{c}"), saved(&ch.memory)),
-                ]
-            })
-            .collect()
+    fn state(&self) -> Result<compress::State> {
+        let saved = |v: &StateBuf| -> Result<Vec<f32>> {
+            Ok(v.to_host()?.unwrap_or_else(|| vec![0.0; self.numel]))
+        };
+        let mut state = Vec::with_capacity(2 * self.list.len());
+        for (c, ch) in self.list.iter().enumerate() {
+            state.push((format!("choco.hat.{c}"), saved(&ch.hat)?));
+            state.push((format!("choco.memory.{c}"), saved(&ch.memory)?));
+        }
+        Ok(state)
     }
 
     fn load_state(&mut self, state: &mut compress::State) -> Result<()> {
         for (c, ch) in self.list.iter_mut().enumerate() {
             let n = Some(self.numel);
-            ch.hat = compress::take(state, &format!("choco.hat.{c}"), n)?;
-            ch.memory = compress::take(state, &format!("choco.memory.{c}"), n)?;
+            ch.hat
+                .restore(compress::take(state, &format!("choco.hat.{c}"), n)?);
+            ch.memory
+                .restore(compress::take(state, &format!("choco.memory.{c}"), n)?);
         }
         Ok(())
     }
@@ -589,6 +618,11 @@ pub struct Choco {
     /// Bytes uncompressed gossip would have sent, and bytes sent, since the last metrics row.
     dense_bytes: u64,
     sent_bytes: u64,
+    /// The message and the group's messages on the GPU (the device path), instead of `msg`, `recv`.
+    #[cfg(feature = "cuda")]
+    device_msg: Option<cudarc::driver::CudaSlice<f32>>,
+    #[cfg(feature = "cuda")]
+    device_recv: Option<cudarc::driver::CudaSlice<f32>>,
 }
 
 impl Choco {
@@ -614,6 +648,10 @@ impl Choco {
             pending: None,
             dense_bytes: 0,
             sent_bytes: 0,
+            #[cfg(feature = "cuda")]
+            device_msg: None,
+            #[cfg(feature = "cuda")]
+            device_recv: None,
         })
     }
 
@@ -623,6 +661,14 @@ impl Choco {
 
     /// Every rank's exchange of `round` (ranks alone in the round take part with nothing to send).
     fn send(&mut self, round: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.device_msg.is_some() {
+            return self.send_device(round);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            self.device_recv = None;
+        }
         let me = self.comm.rank();
         let members = self.channels.members(round).unwrap_or(&[]).to_vec();
         let words = self.msg.len();
@@ -640,11 +686,17 @@ impl Choco {
             .collect();
         let before = self.comm.stats().bytes_sent;
         self.comm.exchange(&sends, &mut recvs)?;
+        self.account(&members, before);
+        Ok(())
+    }
+
+    /// Counts a round's bytes: sent since `before`, and what uncompressed gossip would have sent.
+    fn account(&mut self, members: &[usize], before: u64) {
         self.sent_bytes += self.comm.stats().bytes_sent - before;
+        let me = self.comm.rank();
         if let Some(pos) = members.iter().position(|&j| j == me) {
             self.dense_bytes += all_reduce_bytes(self.numel, members.len(), pos);
         }
-        Ok(())
     }
 
     fn apply(&mut self, params: &mut [f32], round: usize, step: u64) {
@@ -661,6 +713,128 @@ impl Choco {
         };
         self.channels
             .absorb(&self.codec, round, step, at, params, self.gamma as f32);
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Choco {
+    /// Whether parameters on the GPU stay there: a sparse compressor (top-k, random-k; QSGD and sign
+    /// run on a host copy) and an engine with device collectives.
+    fn on_device(&self) -> bool {
+        self.codec.sparse() && self.comm.device_collectives()
+    }
+
+    /// This rank's message of `round` on the GPU: Q(x - x_hat) with the radix-select kernel (top-k) or
+    /// the `gather` kernel at the shared indices (random-k).
+    fn encode_device(&mut self, round: usize, x: &DeviceFlat, step: u64) -> Result<()> {
+        self.msg.clear();
+        self.device_msg = None;
+        let Some(c) = self.channels.of_round[round] else {
+            return Ok(());
+        };
+        let (k, s, codec) = (&x.kernels, x.kernels.stream(), &self.codec);
+        let ch = &mut self.channels.list[c];
+        let hat = ch.hat.take_device(self.numel, s)?;
+        // u = -x_hat + x: the host's x - x_hat.
+        let mut u = s.alloc_zeros::<f32>(self.numel)?;
+        k.scaled_copy(&mut u.slice_mut(..), &hat.slice(..), -1.0)?;
+        ch.hat.keep_device(hat);
+        k.ef_accumulate(&mut u, &x.buf)?;
+        let mut msg = s.alloc_zeros::<f32>(codec.words())?;
+        for (t, &(off, len)) in codec.tensors.iter().enumerate() {
+            let (at, kk) = (codec.parts[t], codec.ks[t]);
+            if matches!(codec.compressor, Compressor::TopK { .. }) {
+                let (idx, vals) = k.top_k(&u.slice(off..off + len), kk, 0)?;
+                s.memcpy_dtod(&vals.slice(..kk), &mut msg.slice_mut(at..at + kk))?;
+                // SAFETY: u32 and f32 have the same size; the indices travel as f32 bits.
+                let bits = unsafe { idx.transmute::<f32>(kk) }.context("index bits")?;
+                s.memcpy_dtod(&bits, &mut msg.slice_mut(at + kk..at + 2 * kk))?;
+            } else {
+                let local = codec.random_indices_u32(step, self.comm.rank(), t);
+                let global: Vec<u32> = local.iter().map(|&i| i + off as u32).collect();
+                let mut vals = s.alloc_zeros::<f32>(kk)?;
+                k.gather(&u, &s.clone_htod(&global)?, &mut vals)?;
+                s.memcpy_dtod(&vals, &mut msg.slice_mut(at..at + kk))?;
+            }
+        }
+        self.device_msg = Some(msg);
+        Ok(())
+    }
+
+    /// `send` of a message on the GPU: NCCL's send/recv on device buffers.
+    fn send_device(&mut self, round: usize) -> Result<()> {
+        let me = self.comm.rank();
+        let members = self.channels.members(round).unwrap_or(&[]).to_vec();
+        let Some(msg) = &self.device_msg else {
+            bail!("internal error: no message on the GPU to send");
+        };
+        let words = msg.len();
+        let mut recv = msg
+            .stream()
+            .alloc_zeros::<f32>((members.len() * words).max(1))?;
+        let peers: Vec<(usize, usize)> = members
+            .iter()
+            .enumerate()
+            .filter(|&(_, &j)| j != me)
+            .map(|(pos, &j)| (j, pos))
+            .collect();
+        let before = self.comm.stats().bytes_sent;
+        self.comm.exchange_device(msg, &peers, &mut recv)?;
+        self.account(&members, before);
+        (self.device_recv, self.recv) = (Some(recv), Vec::new());
+        Ok(())
+    }
+
+    /// `apply` on the GPU: each member's message into the channel (`choco_absorb`, in group order),
+    /// then the consensus step (`choco_step`). A message or messages in host memory (a restored pending
+    /// message, an exchange through host memory) go up first.
+    fn apply_device(&mut self, x: &mut DeviceFlat, round: usize, step: u64) -> Result<()> {
+        let Some(c) = self.channels.of_round[round] else {
+            return Ok(());
+        };
+        let (k, s) = (x.kernels.clone(), x.kernels.stream().clone());
+        let own = match self.device_msg.take() {
+            Some(m) => m,
+            None => s.clone_htod(&self.msg)?,
+        };
+        let recv = match self.device_recv.take() {
+            Some(r) => r,
+            None => s.clone_htod(&self.recv)?,
+        };
+        let (me, words, codec) = (self.comm.rank(), self.codec.words(), &self.codec);
+        let ch = &mut self.channels.list[c];
+        let mut hat = ch.hat.take_device(self.numel, &s)?;
+        let mut memory = ch.memory.take_device(self.numel, &s)?;
+        for (pos, &j) in ch.ranks.iter().enumerate() {
+            let (mine, w) = if j == me {
+                (true, ch.own)
+            } else {
+                (false, ch.other)
+            };
+            let m = if mine {
+                own.slice(..)
+            } else {
+                recv.slice(pos * words..(pos + 1) * words)
+            };
+            for (t, &(off, _)) in codec.tensors.iter().enumerate() {
+                let (at, kk) = (codec.parts[t], codec.ks[t]);
+                let vals = m.slice(at..at + kk);
+                let shared;
+                let idx = if matches!(codec.compressor, Compressor::TopK { .. }) {
+                    // SAFETY: the indices' bits, as `encode_device` packed them.
+                    unsafe { m.slice(at + kk..at + 2 * kk).transmute::<u32>(kk) }
+                        .context("index bits")?
+                } else {
+                    shared = s.clone_htod(&codec.random_indices_u32(step, j, t))?;
+                    shared.slice(..)
+                };
+                k.choco_absorb(&mut hat, &mut memory, &idx, &vals, off, w, mine)?;
+            }
+        }
+        k.choco_step(&mut x.buf, &memory, &hat, self.gamma as f32)?;
+        ch.hat.keep_device(hat);
+        ch.memory.keep_device(memory);
+        Ok(())
     }
 }
 
@@ -700,6 +874,10 @@ impl SyncBackend for Choco {
     /// q = Q(x - x_hat) for this step's channel; sent and applied now, or (overlap) by the next step.
     fn after_step(&mut self, params: &mut [f32], step: u64) -> Result<()> {
         let round = self.round_of(step);
+        #[cfg(feature = "cuda")]
+        {
+            self.device_msg = None;
+        }
         self.channels
             .encode(&self.codec, round, params, step, &mut self.msg);
         if self.overlap && step > 0 {
@@ -714,13 +892,55 @@ impl SyncBackend for Choco {
         self.apply(params, round, step);
         Ok(())
     }
+    /// On the GPU with a sparse compressor and device collectives, the parameters, public copies,
+    /// memories and messages stay on the device; otherwise the host path runs on a copy.
+    #[cfg(feature = "cuda")]
+    fn before_step_flat(&mut self, params: FlatMut<'_>) -> Result<()> {
+        match params {
+            FlatMut::Cuda(d) if self.on_device() => {
+                self.communicate()?;
+                match self.pending.take() {
+                    Some(p) => self.apply_device(d, p.round, p.step),
+                    None => Ok(()),
+                }
+            }
+            p => p.through_host(|p| self.before_step(p)),
+        }
+    }
+    #[cfg(feature = "cuda")]
+    fn after_step_flat(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
+        match params {
+            FlatMut::Cuda(d) if self.on_device() => {
+                let round = self.round_of(step);
+                self.encode_device(round, d, step)?;
+                if self.overlap && step > 0 {
+                    self.pending = Some(Pending {
+                        round,
+                        step,
+                        sent: false,
+                    });
+                    return Ok(());
+                }
+                self.send(round)?;
+                self.apply_device(d, round, step)
+            }
+            p => p.through_host(|p| self.after_step(p, step)),
+        }
+    }
     /// The channels' public copies and memories, and a message that waits to be sent.
     fn state(&self) -> Result<compress::State> {
-        let mut state = self.channels.state();
+        let mut state = self.channels.state()?;
         if let Some(p @ Pending { sent: false, .. }) = self.pending {
             let [hi, lo] = pack_u64(p.step);
+            #[cfg(feature = "cuda")]
+            let msg = match &self.device_msg {
+                Some(m) => m.stream().clone_dtoh(m)?,
+                None => self.msg.clone(),
+            };
+            #[cfg(not(feature = "cuda"))]
+            let msg = self.msg.clone();
             state.extend([
-                ("choco.pending".into(), self.msg.clone()),
+                ("choco.pending".into(), msg),
                 ("choco.pending_round".into(), vec![p.round as f32]),
                 ("choco.pending_step".into(), vec![hi, lo]),
             ]);
@@ -746,6 +966,10 @@ impl SyncBackend for Choco {
                 )));
             }
             self.msg = compress::take(&mut state, "choco.pending", Some(self.codec.words()))?;
+            #[cfg(feature = "cuda")]
+            {
+                self.device_msg = None;
+            }
             self.pending = Some(Pending {
                 round,
                 step: unpack_u64([step[0], step[1]]),
@@ -857,7 +1081,7 @@ impl Simulation {
                 .sum::<f64>();
             for ch in &node.list {
                 // A channel that has not met yet holds zero.
-                let hat = |i: usize| ch.hat.get(i).copied().unwrap_or(0.0) as f64;
+                let hat = |i: usize| ch.hat.host().get(i).copied().unwrap_or(0.0) as f64;
                 e += x
                     .iter()
                     .enumerate()

@@ -92,17 +92,18 @@ pub struct Report {
     pub grad_norm: Option<f64>,
 }
 
-/// A reducer's residual (what it has not sent yet): in host memory on the host path, and after a
-/// restore until a GPU step moves it up; on the GPU on the device path. The paths take it for a step
-/// and keep it after (`take_*`, `keep_*`), so that it can be changed beside the reducer's other fields.
+/// A state buffer of the size of the model (a reducer's residual, a gossip channel's public copy): in
+/// host memory on the host path, and after a restore until a GPU step moves it up; on the GPU on the
+/// device path. The paths take it for a step and keep it after (`take_*`, `keep_*`), so that it can be
+/// changed beside its owner's other fields.
 #[derive(Default)]
-pub struct Residual {
+pub struct StateBuf {
     host: Vec<f32>,
     #[cfg(feature = "cuda")]
     device: Option<cudarc::driver::CudaSlice<f32>>,
 }
 
-impl Residual {
+impl StateBuf {
     /// The host residual of `len` values (zeros when none of that length is kept).
     pub fn take_host(&mut self, len: usize) -> Vec<f32> {
         match std::mem::take(&mut self.host) {
@@ -113,6 +114,11 @@ impl Residual {
 
     pub fn keep_host(&mut self, r: Vec<f32>) {
         self.host = r;
+    }
+
+    /// The buffer kept in host memory (empty when none is, or it is on the GPU).
+    pub fn host(&self) -> &[f32] {
+        &self.host
     }
 
     /// The residual of `len` values on the GPU of `stream`: the one kept there, a restored one moved

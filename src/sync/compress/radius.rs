@@ -9,7 +9,7 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, Residual, State,
+    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, StateBuf,
     TensorView,
 };
 use crate::comm::{all_reduce_mean, Communicator};
@@ -21,7 +21,7 @@ use crate::sync::trace::Collective;
 pub struct Radius {
     tensors: Vec<TensorView>,
     cfg: RadiusConfig,
-    residual: Residual,
+    residual: StateBuf,
     /// Sorted flat indices all-reduced on stable steps.
     mask: Vec<u32>,
     /// The top-k selections before widening, for the overlap between re-selections.
@@ -38,7 +38,7 @@ impl Radius {
         Self {
             tensors,
             cfg,
-            residual: Residual::default(),
+            residual: StateBuf::default(),
             mask: Vec::new(),
             core: Vec::new(),
             unselected: false,

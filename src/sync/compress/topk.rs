@@ -8,7 +8,7 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, Residual, State,
+    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, StateBuf,
     TensorView,
 };
 use crate::comm::{all_reduce_mean, Communicator};
@@ -21,7 +21,7 @@ pub struct TopK {
     error_feedback: bool,
     /// Entries kept per tensor (0 for vectors, which are all-reduced whole).
     k: Vec<usize>,
-    residual: Residual,
+    residual: StateBuf,
 }
 
 impl TopK {
@@ -34,7 +34,7 @@ impl TopK {
             tensors,
             error_feedback,
             k,
-            residual: Residual::default(),
+            residual: StateBuf::default(),
         }
     }
 
