@@ -690,6 +690,20 @@ impl Choco {
         Ok(())
     }
 
+    /// With overlap (after the first step), the message of `round` waits to be sent by `communicate`
+    /// and applied by the next step's `before_step`: true when it does.
+    fn defer(&mut self, round: usize, step: u64) -> bool {
+        let defer = self.overlap && step > 0;
+        if defer {
+            self.pending = Some(Pending {
+                round,
+                step,
+                sent: false,
+            });
+        }
+        defer
+    }
+
     /// Counts a round's bytes: sent since `before`, and what uncompressed gossip would have sent.
     fn account(&mut self, members: &[usize], before: u64) {
         self.sent_bytes += self.comm.stats().bytes_sent - before;
@@ -880,12 +894,7 @@ impl SyncBackend for Choco {
         }
         self.channels
             .encode(&self.codec, round, params, step, &mut self.msg);
-        if self.overlap && step > 0 {
-            self.pending = Some(Pending {
-                round,
-                step,
-                sent: false,
-            });
+        if self.defer(round, step) {
             return Ok(());
         }
         self.send(round)?;
@@ -913,12 +922,7 @@ impl SyncBackend for Choco {
             FlatMut::Cuda(d) if self.on_device() => {
                 let round = self.round_of(step);
                 self.encode_device(round, d, step)?;
-                if self.overlap && step > 0 {
-                    self.pending = Some(Pending {
-                        round,
-                        step,
-                        sent: false,
-                    });
+                if self.defer(round, step) {
                     return Ok(());
                 }
                 self.send(round)?;

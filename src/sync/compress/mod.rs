@@ -175,15 +175,35 @@ pub trait Reducer {
         grads: &mut [f32],
         step: u64,
     ) -> Result<Report>;
-    /// `reduce` on the gradient wherever it lives: on the GPU through a host copy, unless the reducer
-    /// runs its CUDA kernels there (top-k on an engine with device collectives).
+    /// `reduce` on the gradient wherever it lives: on the GPU of an engine with device collectives the
+    /// reducer's device path (`reduce_device`) where it has one, otherwise through a host copy.
     fn reduce_flat(
         &mut self,
         comm: &mut dyn Communicator,
         grads: FlatMut<'_>,
         step: u64,
     ) -> Result<Report> {
-        grads.through_host(|g| self.reduce(comm, g, step))
+        match grads {
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(d) if comm.device_collectives() && self.has_device_path() => {
+                self.reduce_device(comm, d, step)
+            }
+            g => g.through_host(|g| self.reduce(comm, g, step)),
+        }
+    }
+    /// Whether `reduce_device` is this reducer's: its steps as CUDA kernels on device buffers.
+    fn has_device_path(&self) -> bool {
+        false
+    }
+    /// `reduce` on a gradient on the GPU, with the engine's device collectives.
+    #[cfg(feature = "cuda")]
+    fn reduce_device(
+        &mut self,
+        _comm: &mut dyn Communicator,
+        _grads: &mut crate::flat::DeviceFlat,
+        _step: u64,
+    ) -> Result<Report> {
+        bail!("internal error: this reducer has no device path")
     }
     /// The collectives of step `step` over `world` ranks (what `reduce` runs then).
     fn step_comm(&self, world: usize, step: u64) -> Vec<Collective>;

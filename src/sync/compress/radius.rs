@@ -118,72 +118,6 @@ impl Radius {
     }
 }
 
-#[cfg(feature = "cuda")]
-impl Radius {
-    /// `reduce` on the GPU: the host path's steps, each the kernel whose twin the host path runs, with
-    /// the residual and the mask on the device and the all-reduces NCCL's. The host sees the top-k
-    /// indices of a re-selection (it widens them into the mask, which goes back up) and two norms.
-    fn reduce_device(
-        &mut self,
-        comm: &mut dyn Communicator,
-        d: &mut crate::flat::DeviceFlat,
-        step: u64,
-    ) -> Result<Report> {
-        use crate::comm::all_reduce_mean_device;
-        let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
-        if step < self.cfg.threshold {
-            all_reduce_mean_device(comm, &mut d.buf, &k)?;
-            return Ok(Report::default());
-        }
-        let len = d.buf.len();
-        let mut residual = self.residual.take_device(len, &s)?;
-        if self.cfg.error_feedback {
-            k.ef_accumulate(&mut d.buf, &residual)?;
-        }
-        let report = if self.reselects(step) {
-            all_reduce_mean_device(comm, &mut d.buf, &k)?;
-            s.memset_zeros(&mut residual)?;
-            let mut cores = Vec::with_capacity(self.tensors.len());
-            for t in &self.tensors {
-                let mut core = Vec::new();
-                if t.matrix {
-                    let kk = k_of(self.cfg.density, t.len);
-                    let (idx, _) = k.top_k(&d.buf.slice(t.range()), kk, t.offset as u32)?;
-                    core = s.clone_dtoh(&idx.slice(..kk))?;
-                }
-                cores.push(core);
-            }
-            let selection = self.widen(cores);
-            self.device_mask = Some(s.clone_htod(&selection.1)?);
-            self.adopt(selection)
-        } else {
-            let acc_norm = k.sum_squares(&d.buf)?.sqrt();
-            // The masked values are sent; the residual is the gradient not sent.
-            s.memcpy_dtod(&d.buf, &mut residual)?;
-            let mask = match self.device_mask.take() {
-                Some(m) => m,
-                None => s.clone_htod(&self.mask)?,
-            };
-            let mut vals = s.alloc_zeros::<f32>(self.mask.len())?;
-            k.gather_clear(&mut residual, &mask, &mut vals)?;
-            all_reduce_mean_device(comm, &mut vals, &k)?;
-            let lost = k.sum_squares(&residual)?.sqrt();
-            if !self.cfg.error_feedback {
-                s.memset_zeros(&mut residual)?;
-            }
-            s.memset_zeros(&mut d.buf)?;
-            k.scatter_add(&mut d.buf, &mask.slice(..), &vals.slice(..))?;
-            self.device_mask = Some(mask);
-            Report {
-                error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
-                ..Report::default()
-            }
-        };
-        self.residual.keep_device(residual);
-        Ok(report)
-    }
-}
-
 /// |a ∩ b| / |a| for ascending index lists.
 fn overlap(a: &[u32], b: &[u32]) -> f64 {
     if a.is_empty() {
@@ -247,18 +181,71 @@ impl Reducer for Radius {
     }
 
     #[cfg(feature = "cuda")]
-    fn reduce_flat(
+    fn has_device_path(&self) -> bool {
+        true
+    }
+    /// `reduce` on the GPU: the host path's steps, each the kernel whose twin the host path runs, with
+    /// the residual and the mask on the device and the all-reduces NCCL's. The host sees the top-k
+    /// indices of a re-selection (it widens them into the mask, which goes back up) and two norms.
+    #[cfg(feature = "cuda")]
+    fn reduce_device(
         &mut self,
         comm: &mut dyn Communicator,
-        grads: crate::flat::FlatMut<'_>,
+        d: &mut crate::flat::DeviceFlat,
         step: u64,
     ) -> Result<Report> {
-        match grads {
-            crate::flat::FlatMut::Cuda(d) if comm.device_collectives() => {
-                self.reduce_device(comm, d, step)
-            }
-            g => g.through_host(|g| self.reduce(comm, g, step)),
+        use crate::comm::all_reduce_mean_device;
+        let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
+        if step < self.cfg.threshold {
+            all_reduce_mean_device(comm, &mut d.buf, &k)?;
+            return Ok(Report::default());
         }
+        let len = d.buf.len();
+        let mut residual = self.residual.take_device(len, &s)?;
+        if self.cfg.error_feedback {
+            k.ef_accumulate(&mut d.buf, &residual)?;
+        }
+        let report = if self.reselects(step) {
+            all_reduce_mean_device(comm, &mut d.buf, &k)?;
+            s.memset_zeros(&mut residual)?;
+            let mut cores = Vec::with_capacity(self.tensors.len());
+            for t in &self.tensors {
+                let mut core = Vec::new();
+                if t.matrix {
+                    let kk = k_of(self.cfg.density, t.len);
+                    let (idx, _) = k.top_k(&d.buf.slice(t.range()), kk, t.offset as u32)?;
+                    core = s.clone_dtoh(&idx.slice(..kk))?;
+                }
+                cores.push(core);
+            }
+            let selection = self.widen(cores);
+            self.device_mask = Some(s.clone_htod(&selection.1)?);
+            self.adopt(selection)
+        } else {
+            let acc_norm = k.sum_squares(&d.buf)?.sqrt();
+            // The masked values are sent; the residual is the gradient not sent.
+            s.memcpy_dtod(&d.buf, &mut residual)?;
+            let mask = match self.device_mask.take() {
+                Some(m) => m,
+                None => s.clone_htod(&self.mask)?,
+            };
+            let mut vals = s.alloc_zeros::<f32>(self.mask.len())?;
+            k.gather_clear(&mut residual, &mask, &mut vals)?;
+            all_reduce_mean_device(comm, &mut vals, &k)?;
+            let lost = k.sum_squares(&residual)?.sqrt();
+            if !self.cfg.error_feedback {
+                s.memset_zeros(&mut residual)?;
+            }
+            s.memset_zeros(&mut d.buf)?;
+            k.scatter_add(&mut d.buf, &mask.slice(..), &vals.slice(..))?;
+            self.device_mask = Some(mask);
+            Report {
+                error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
+                ..Report::default()
+            }
+        };
+        self.residual.keep_device(residual);
+        Ok(report)
     }
 
     /// Dense steps and (re-)selections all-reduce the whole gradient, the others the masked values: the

@@ -43,15 +43,100 @@ impl TopK {
     }
 }
 
-#[cfg(feature = "cuda")]
-impl TopK {
+impl Reducer for TopK {
+    fn reduce(
+        &mut self,
+        comm: &mut dyn Communicator,
+        grads: &mut [f32],
+        _step: u64,
+    ) -> Result<Report> {
+        let n = comm.world_size();
+        let mut residual = self.residual.take_host(grads.len());
+        if self.error_feedback {
+            kernels::ef_accumulate(grads, &residual);
+        }
+        // Dense part: the vectors, in one all-reduce.
+        let mut dense: Vec<f32> = self
+            .tensors
+            .iter()
+            .filter(|t| !t.matrix)
+            .flat_map(|t| grads[t.range()].iter().copied())
+            .collect();
+        all_reduce_mean(comm, &mut dense)?;
+        // Sparse part: per-tensor selections (in parallel), packed as [values | indices].
+        let selected: Vec<(Vec<u32>, Vec<f32>)> = self
+            .tensors
+            .par_iter()
+            .zip(&self.k)
+            .map(|(t, &k)| {
+                let (mut idx, mut vals) = (Vec::with_capacity(k), Vec::with_capacity(k));
+                if t.matrix {
+                    kernels::top_k(&grads[t.range()], k, t.offset as u32, &mut idx, &mut vals);
+                }
+                (idx, vals)
+            })
+            .collect();
+        let (idx, mut send): (Vec<u32>, Vec<f32>) = selected
+            .into_iter()
+            .flat_map(|(i, v)| i.into_iter().zip(v))
+            .unzip();
+        let kk = idx.len();
+        send.extend(indices_to_f32(&idx));
+        let mut all = vec![0.0f32; send.len() * n];
+        comm.all_gather(&send, &mut all)?;
+
+        let acc_norm = global_norm(grads);
+        // The new residual: everything not sent (vectors are exact and leave none).
+        residual.copy_from_slice(grads);
+        for t in self.tensors.iter().filter(|t| !t.matrix) {
+            residual[t.range()].iter_mut().for_each(|r| *r = 0.0);
+        }
+        for &i in &idx {
+            residual[i as usize] = 0.0;
+        }
+        let lost = global_norm(&residual);
+        // Decompress: rank-ordered sums of every rank's values, then the mean; vectors from the dense part.
+        let mut pos = 0;
+        for t in &self.tensors {
+            if t.matrix {
+                grads[t.range()].iter_mut().for_each(|g| *g = 0.0);
+            } else {
+                grads[t.range()].copy_from_slice(&dense[pos..pos + t.len]);
+                pos += t.len;
+            }
+        }
+        for part in all.chunks(2 * kk.max(1)).take(n) {
+            let (vals, ids) = part.split_at(kk);
+            for (v, i) in vals.iter().zip(f32_to_indices(ids)) {
+                grads[i as usize] += v;
+            }
+        }
+        let inv = 1.0 / n as f32;
+        for t in self.tensors.iter().filter(|t| t.matrix) {
+            grads[t.range()].iter_mut().for_each(|g| *g *= inv);
+        }
+        if self.error_feedback {
+            self.residual.keep_host(residual);
+        }
+        Ok(Report {
+            error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
+            ..Report::default()
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn has_device_path(&self) -> bool {
+        true
+    }
     /// `reduce` on the GPU: the same steps in the same order as the host path, each a kernel (its twin
     /// is what the host path runs), the vectors' all-reduce and the (values, indices) all-gather on the
     /// device. The host sees the selection's digit histograms (the radix select) and two norms.
+    #[cfg(feature = "cuda")]
     fn reduce_device(
         &mut self,
         comm: &mut dyn Communicator,
         d: &mut crate::flat::DeviceFlat,
+        _step: u64,
     ) -> Result<Report> {
         use anyhow::Context;
         let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
@@ -140,103 +225,6 @@ impl TopK {
             error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
             ..Report::default()
         })
-    }
-}
-
-impl Reducer for TopK {
-    fn reduce(
-        &mut self,
-        comm: &mut dyn Communicator,
-        grads: &mut [f32],
-        _step: u64,
-    ) -> Result<Report> {
-        let n = comm.world_size();
-        let mut residual = self.residual.take_host(grads.len());
-        if self.error_feedback {
-            kernels::ef_accumulate(grads, &residual);
-        }
-        // Dense part: the vectors, in one all-reduce.
-        let mut dense: Vec<f32> = self
-            .tensors
-            .iter()
-            .filter(|t| !t.matrix)
-            .flat_map(|t| grads[t.range()].iter().copied())
-            .collect();
-        all_reduce_mean(comm, &mut dense)?;
-        // Sparse part: per-tensor selections (in parallel), packed as [values | indices].
-        let selected: Vec<(Vec<u32>, Vec<f32>)> = self
-            .tensors
-            .par_iter()
-            .zip(&self.k)
-            .map(|(t, &k)| {
-                let (mut idx, mut vals) = (Vec::with_capacity(k), Vec::with_capacity(k));
-                if t.matrix {
-                    kernels::top_k(&grads[t.range()], k, t.offset as u32, &mut idx, &mut vals);
-                }
-                (idx, vals)
-            })
-            .collect();
-        let (idx, mut send): (Vec<u32>, Vec<f32>) = selected
-            .into_iter()
-            .flat_map(|(i, v)| i.into_iter().zip(v))
-            .unzip();
-        let kk = idx.len();
-        send.extend(indices_to_f32(&idx));
-        let mut all = vec![0.0f32; send.len() * n];
-        comm.all_gather(&send, &mut all)?;
-
-        let acc_norm = global_norm(grads);
-        // The new residual: everything not sent (vectors are exact and leave none).
-        residual.copy_from_slice(grads);
-        for t in self.tensors.iter().filter(|t| !t.matrix) {
-            residual[t.range()].iter_mut().for_each(|r| *r = 0.0);
-        }
-        for &i in &idx {
-            residual[i as usize] = 0.0;
-        }
-        let lost = global_norm(&residual);
-        // Decompress: rank-ordered sums of every rank's values, then the mean; vectors from the dense part.
-        let mut pos = 0;
-        for t in &self.tensors {
-            if t.matrix {
-                grads[t.range()].iter_mut().for_each(|g| *g = 0.0);
-            } else {
-                grads[t.range()].copy_from_slice(&dense[pos..pos + t.len]);
-                pos += t.len;
-            }
-        }
-        for part in all.chunks(2 * kk.max(1)).take(n) {
-            let (vals, ids) = part.split_at(kk);
-            for (v, i) in vals.iter().zip(f32_to_indices(ids)) {
-                grads[i as usize] += v;
-            }
-        }
-        let inv = 1.0 / n as f32;
-        for t in self.tensors.iter().filter(|t| t.matrix) {
-            grads[t.range()].iter_mut().for_each(|g| *g *= inv);
-        }
-        if self.error_feedback {
-            self.residual.keep_host(residual);
-        }
-        Ok(Report {
-            error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
-            ..Report::default()
-        })
-    }
-
-    #[cfg(feature = "cuda")]
-    fn reduce_flat(
-        &mut self,
-        comm: &mut dyn Communicator,
-        grads: crate::flat::FlatMut<'_>,
-        step: u64,
-    ) -> Result<Report> {
-        match grads {
-            crate::flat::FlatMut::Cuda(d) if comm.device_collectives() => {
-                self.reduce_device(comm, d)
-            }
-            g => g.through_host(|g| self.reduce(comm, g, step)),
-        }
     }
 
     /// The vectors in one all-reduce, then every rank's (values, indices) all-gathered.
