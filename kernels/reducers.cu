@@ -348,3 +348,125 @@ extern "C" __global__ void choco_step(float* x, const float* s, const float* hat
     for (unsigned i = blockIdx.x * BLOCK + threadIdx.x; i < n; i += gridDim.x * BLOCK)
         x[i] += gamma * (s[i] - hat[i]);
 }
+
+// ChaCha8 as rand_chacha's ChaCha8Rng: the e-th u32 of stream `stream` under the 256-bit `key` (its
+// get_seed()), which is word e % 16 of block e / 16 (the block counter in state words 12-13, the stream
+// in 14-15). CHOCO's QSGD draws entry e's rounding from word e of its tensor's stream.
+__device__ __forceinline__ unsigned rotl32(unsigned x, int n) { return (x << n) | (x >> (32 - n)); }
+#define QR(a, b, c, d)                                                                             \
+    a += b; d ^= a; d = rotl32(d, 16); c += d; b ^= c; b = rotl32(b, 12);                         \
+    a += b; d ^= a; d = rotl32(d, 8); c += d; b ^= c; b = rotl32(b, 7);
+__device__ unsigned chacha8_word(const unsigned* key, unsigned long long stream, unsigned long long e) {
+    unsigned long long ctr = e / 16;
+    unsigned s[16] = {0x61707865u, 0x3320646eu, 0x79622d32u, 0x6b206574u, key[0], key[1], key[2],
+                      key[3], key[4], key[5], key[6], key[7], (unsigned)ctr, (unsigned)(ctr >> 32),
+                      (unsigned)stream, (unsigned)(stream >> 32)};
+    unsigned x[16];
+    for (int i = 0; i < 16; i++) x[i] = s[i];
+    for (int r = 0; r < 4; r++) {
+        QR(x[0], x[4], x[8], x[12]) QR(x[1], x[5], x[9], x[13]) QR(x[2], x[6], x[10], x[14])
+        QR(x[3], x[7], x[11], x[15]) QR(x[0], x[5], x[10], x[15]) QR(x[1], x[6], x[11], x[12])
+        QR(x[2], x[7], x[8], x[13]) QR(x[3], x[4], x[9], x[14])
+    }
+    unsigned w = (unsigned)(e % 16);
+    return x[w] + s[w];
+}
+
+// The f64 sum over the block of thread t's terms (its elements t, t + BLOCK, ... in order), by the tree
+// of block_sum. Every thread gets the total.
+__device__ double block_sum_f64(double v, double* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+        __syncthreads();
+    }
+    double total = sh[0];
+    __syncthreads();
+    return total;
+}
+
+// CHOCO's QSGD message of one tensor u[0..len), one block per bucket of `bucket` entries: the bucket's
+// 2-norm into norms[b], and per entry a sign bit and a level in 0..=levels (rounded up with the
+// probability of its fraction, from the ChaCha8 stream) packed lowest bits first, `bits` each, into the
+// zeroed `codes` words.
+extern "C" __global__ void qsgd_encode(const float* u, unsigned len, unsigned bucket, const unsigned* key,
+                                       unsigned long long stream, unsigned levels, unsigned bits,
+                                       float* norms, float* codes) {
+    __shared__ double sh[BLOCK];
+    unsigned start = blockIdx.x * bucket, end = min(start + bucket, len);
+    double acc = 0.0;
+    for (unsigned i = start + threadIdx.x; i < end; i += BLOCK) {
+        double v = u[i];
+        acc += v * v;
+    }
+    float norm = (float)sqrt(block_sum_f64(acc, sh));
+    if (threadIdx.x == 0) norms[blockIdx.x] = norm;
+    bool usable = norm > 0.0f && isfinite(norm);
+    float s = (float)levels;
+    unsigned* words = reinterpret_cast<unsigned*>(codes);
+    for (unsigned i = start + threadIdx.x; i < end; i += BLOCK) {
+        float v = u[i];
+        float lf = usable ? s * fabsf(v) / norm : 0.0f;
+        float lo = floorf(lf);
+        float r = (float)(chacha8_word(key, stream, i) >> 8) * (1.0f / 16777216.0f);
+        unsigned level = min((unsigned)lo + (r < lf - lo ? 1u : 0u), levels);
+        unsigned code = level | ((v < 0.0f ? 1u : 0u) << (bits - 1));
+        unsigned long long pos = (unsigned long long)i * bits;
+        unsigned w = (unsigned)(pos / 32), at = (unsigned)(pos % 32);
+        atomicOr(&words[w], code << at);
+        if (at + bits > 32) atomicOr(&words[w + 1], code >> (32 - at));
+    }
+}
+
+// One member's QSGD message of one tensor (entries off..off + len of the flat buffers) into a channel:
+// q = norm / levels / tau times the level, with its sign (tau_last: the last bucket's, which may be
+// shorter); the member itself adds q to hat, every member w q to memory.
+extern "C" __global__ void qsgd_absorb(float* hat, float* memory, unsigned off, unsigned len,
+                                       unsigned bucket, const float* norms, const float* codes,
+                                       unsigned levels, unsigned bits, float tau, float tau_last, float w,
+                                       unsigned own) {
+    const unsigned* words = reinterpret_cast<const unsigned*>(codes);
+    unsigned last = (len - 1) / bucket;
+    for (unsigned i = blockIdx.x * BLOCK + threadIdx.x; i < len; i += gridDim.x * BLOCK) {
+        unsigned b = i / bucket;
+        float unit = norms[b] / (float)levels / (b == last ? tau_last : tau);
+        unsigned long long pos = (unsigned long long)i * bits;
+        unsigned wi = (unsigned)(pos / 32), at = (unsigned)(pos % 32);
+        unsigned long long pair = words[wi];
+        if (at + bits > 32) pair |= (unsigned long long)words[wi + 1] << 32;
+        unsigned code = (unsigned)((pair >> at) & ((1ull << bits) - 1));
+        float q = unit * (float)(code & ((1u << (bits - 1)) - 1));
+        if (code >> (bits - 1) == 1) q = -q;
+        if (own) hat[off + i] += q;
+        memory[off + i] += w * q;
+    }
+}
+
+// CHOCO's sign message of one tensor u[0..len), one block: out[0] = ||u||_1 / len (an f64 sum), then one
+// bit per entry (set: negative), 32 to a word.
+extern "C" __global__ void sign_encode(const float* u, unsigned len, float* out) {
+    __shared__ double sh[BLOCK];
+    double acc = 0.0;
+    for (unsigned i = threadIdx.x; i < len; i += BLOCK) acc += fabs((double)u[i]);
+    double total = block_sum_f64(acc, sh);
+    if (threadIdx.x == 0) out[0] = (float)(total / (double)max(len, 1u));
+    unsigned* words = reinterpret_cast<unsigned*>(out + 1);
+    for (unsigned wi = threadIdx.x; wi < (len + 31) / 32; wi += BLOCK) {
+        unsigned b = 0;
+        for (unsigned j = 0; j < 32 && 32 * wi + j < len; j++) b |= (u[32 * wi + j] < 0.0f ? 1u : 0u) << j;
+        words[wi] = b;
+    }
+}
+
+// One member's sign message of one tensor into a channel: q = -scale where the bit is set, else scale.
+extern "C" __global__ void sign_absorb(float* hat, float* memory, unsigned off, unsigned len,
+                                       const float* part, float w, unsigned own) {
+    float scale = part[0];
+    const unsigned* words = reinterpret_cast<const unsigned*>(part + 1);
+    for (unsigned i = blockIdx.x * BLOCK + threadIdx.x; i < len; i += gridDim.x * BLOCK) {
+        float q = (words[i / 32] >> (i % 32)) & 1u ? -scale : scale;
+        if (own) hat[off + i] += q;
+        memory[off + i] += w * q;
+    }
+}

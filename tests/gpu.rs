@@ -554,9 +554,10 @@ impl Communicator for Loopback {
     }
 }
 
-/// CHOCO's device path (public copies, memories and messages on the GPU; the top-k or gather encoding,
-/// `choco_absorb` and `choco_step`) against its host path, two ranks on a ring with overlap, top-k and
-/// random-k: the same parameters and state on both ranks after every step, bit for bit.
+/// CHOCO's device path (public copies, memories and messages on the GPU; the encoding and absorbing
+/// kernels of every compressor, and `choco_step`) against its host path, two ranks on a ring with
+/// overlap, every compressor (QSGD with codes that straddle words, per bucket and per tensor): the same
+/// parameters and state on both ranks after five steps, bit for bit.
 #[test]
 fn choco_on_the_gpu_equals_its_host_path() {
     use nanodist::config::backend::Topology;
@@ -569,6 +570,17 @@ fn choco_on_the_gpu_equals_its_host_path() {
     for compressor in [
         Compressor::TopK { density: 0.05 },
         Compressor::RandomK { density: 0.05 },
+        Compressor::Qsgd {
+            levels: 3,
+            biased: true,
+            bucket: 500,
+        },
+        Compressor::Qsgd {
+            levels: 16,
+            biased: false,
+            bucket: 0,
+        },
+        Compressor::Sign,
     ] {
         let plan = ChocoPlan {
             compressor,

@@ -389,6 +389,120 @@ impl Kernels {
         Ok(())
     }
 
+    /// CHOCO's QSGD message of the tensor `u` into `norms` (one per bucket) and the zeroed `codes`
+    /// (twin: `Codec::encode` on the host, with `kernels::chacha8_word`'s stream and
+    /// `kernels::block_strided_sum`'s norms).
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsgd_encode(
+        &self,
+        u: &CudaView<f32>,
+        bucket: usize,
+        key: &CudaSlice<u32>,
+        stream: u64,
+        levels: u32,
+        bits: u32,
+        norms: &mut CudaViewMut<f32>,
+        codes: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        let (len, bucket) = (u32_of(u.len(), "length")?, u32_of(bucket.max(1), "bucket")?);
+        let blocks = norms.len();
+        launch!(
+            self,
+            "qsgd_encode",
+            grid(blocks),
+            u,
+            &len,
+            &bucket,
+            key,
+            &stream,
+            &levels,
+            &bits,
+            norms,
+            codes
+        );
+        Ok(())
+    }
+
+    /// One member's QSGD message of the tensor at `off` (its `len` entries) into a channel (twin:
+    /// `Codec::decode` on the host, applied as `Channels::absorb` does).
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsgd_absorb(
+        &self,
+        hat: &mut CudaSlice<f32>,
+        memory: &mut CudaSlice<f32>,
+        (off, len, bucket): (usize, usize, usize),
+        norms: &CudaView<f32>,
+        codes: &CudaView<f32>,
+        (levels, bits): (u32, u32),
+        (tau, tau_last): (f32, f32),
+        (w, own): (f32, bool),
+    ) -> Result<()> {
+        let (o, n, b) = (
+            u32_of(off, "offset")?,
+            u32_of(len, "length")?,
+            u32_of(bucket.max(1), "bucket")?,
+        );
+        let own = u32::from(own);
+        launch!(
+            self,
+            "qsgd_absorb",
+            per_element(len),
+            hat,
+            memory,
+            &o,
+            &n,
+            &b,
+            norms,
+            codes,
+            &levels,
+            &bits,
+            &tau,
+            &tau_last,
+            &w,
+            &own
+        );
+        Ok(())
+    }
+
+    /// CHOCO's sign message of the tensor `u` into `out` (its scale, then the sign bits).
+    pub fn sign_encode(&self, u: &CudaView<f32>, out: &mut CudaViewMut<f32>) -> Result<()> {
+        let len = u32_of(u.len(), "length")?;
+        launch!(self, "sign_encode", grid(1), u, &len, out);
+        Ok(())
+    }
+
+    /// One member's sign message `part` of the tensor at `off` (`len` entries) into a channel.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sign_absorb(
+        &self,
+        hat: &mut CudaSlice<f32>,
+        memory: &mut CudaSlice<f32>,
+        off: usize,
+        len: usize,
+        part: &CudaView<f32>,
+        w: f32,
+        own: bool,
+    ) -> Result<()> {
+        let (o, n, own) = (
+            u32_of(off, "offset")?,
+            u32_of(len, "length")?,
+            u32::from(own),
+        );
+        launch!(
+            self,
+            "sign_absorb",
+            per_element(len),
+            hat,
+            memory,
+            &o,
+            &n,
+            part,
+            &w,
+            &own
+        );
+        Ok(())
+    }
+
     /// CHOCO's consensus step x += gamma (s - hat) (twin: `kernels::choco_step`).
     pub fn choco_step(
         &self,

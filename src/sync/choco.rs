@@ -221,6 +221,14 @@ impl Codec {
         }
     }
 
+    /// The key of QSGD's ChaCha8 streams for `rank` at `step` (the stream is the tensor's index), as the
+    /// `qsgd_encode` kernel takes it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn qsgd_key(&self, step: u64, rank: usize) -> [u32; 8] {
+        let seed = self.rng(QSGD_KEY, step, rank, 0).get_seed();
+        std::array::from_fn(|i| u32::from_le_bytes([0, 1, 2, 3].map(|j| seed[4 * i + j])))
+    }
+
     fn random_indices_u32(&self, step: u64, sender: usize, t: usize) -> Vec<u32> {
         self.random_indices(step, sender, t)
             .into_iter()
@@ -271,7 +279,9 @@ impl Codec {
                 let mut w = BitWriter::new(codes);
                 for (norm_out, r) in norms.iter_mut().zip(ranges) {
                     let vals = &u[r];
-                    let norm = vals.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt() as f32;
+                    // The f64 sum in the order of the `qsgd_encode` kernel's block.
+                    let norm = kernels::block_strided_sum(vals, |v| (v as f64) * (v as f64));
+                    let norm = norm.sqrt() as f32;
                     *norm_out = norm;
                     let usable = norm > 0.0 && norm.is_finite();
                     for &v in vals {
@@ -285,8 +295,9 @@ impl Codec {
                 }
             }
             Compressor::Sign => {
-                out[0] =
-                    (u.iter().map(|&v| v.abs() as f64).sum::<f64>() / len.max(1) as f64) as f32;
+                // ||u||_1 / len, the f64 sum in the order of the `sign_encode` kernel's block.
+                let l1 = kernels::block_strided_sum(u, |v| v.abs() as f64);
+                out[0] = (l1 / len.max(1) as f64) as f32;
                 for (word, vals) in out[1..].iter_mut().zip(u.chunks(32)) {
                     let bits = vals
                         .iter()
@@ -732,10 +743,9 @@ impl Choco {
 
 #[cfg(feature = "cuda")]
 impl Choco {
-    /// Whether parameters on the GPU stay there: a sparse compressor (top-k, random-k; QSGD and sign
-    /// run on a host copy) and an engine with device collectives.
+    /// Whether parameters on the GPU stay there: with an engine with device collectives.
     fn on_device(&self) -> bool {
-        self.codec.sparse() && self.comm.device_collectives()
+        self.comm.device_collectives()
     }
 
     /// This rank's message of `round` on the GPU: Q(x - x_hat) with the radix-select kernel (top-k) or
@@ -755,6 +765,7 @@ impl Choco {
         ch.hat.keep_device(hat);
         k.ef_accumulate(&mut u, &x.buf)?;
         let mut msg = s.alloc_zeros::<f32>(codec.words())?;
+        let mut key = None;
         for (t, &(off, len)) in codec.tensors.iter().enumerate() {
             let (at, kk) = (codec.parts[t], codec.ks[t]);
             if matches!(codec.compressor, Compressor::TopK { .. }) {
@@ -763,12 +774,25 @@ impl Choco {
                 // SAFETY: u32 and f32 have the same size; the indices travel as f32 bits.
                 let bits = unsafe { idx.transmute::<f32>(kk) }.context("index bits")?;
                 s.memcpy_dtod(&bits, &mut msg.slice_mut(at + kk..at + 2 * kk))?;
-            } else {
+            } else if matches!(codec.compressor, Compressor::RandomK { .. }) {
                 let local = codec.random_indices_u32(step, self.comm.rank(), t);
                 let global: Vec<u32> = local.iter().map(|&i| i + off as u32).collect();
                 let mut vals = s.alloc_zeros::<f32>(kk)?;
                 k.gather(&u, &s.clone_htod(&global)?, &mut vals)?;
                 s.memcpy_dtod(&vals, &mut msg.slice_mut(at..at + kk))?;
+            } else if let Compressor::Qsgd { levels, bucket, .. } = codec.compressor {
+                let key = key.get_or_insert_with(|| codec.qsgd_key(step, self.comm.rank()));
+                let key = s.clone_htod(&key[..])?;
+                let nb = buckets(len, bucket).len();
+                let mut part = msg.slice_mut(at..codec.parts[t + 1]);
+                let (mut norms, mut codes) = part.split_at_mut(nb);
+                let u = u.slice(off..off + len);
+                let bits = qsgd_bits(levels);
+                let b = if bucket == 0 { len } else { bucket };
+                k.qsgd_encode(&u, b, &key, t as u64, levels, bits, &mut norms, &mut codes)?;
+            } else {
+                let mut out = msg.slice_mut(at..codec.parts[t + 1]);
+                k.sign_encode(&u.slice(off..off + len), &mut out)?;
             }
         }
         self.device_msg = Some(msg);
@@ -830,19 +854,49 @@ impl Choco {
             } else {
                 recv.slice(pos * words..(pos + 1) * words)
             };
-            for (t, &(off, _)) in codec.tensors.iter().enumerate() {
+            for (t, &(off, len)) in codec.tensors.iter().enumerate() {
                 let (at, kk) = (codec.parts[t], codec.ks[t]);
-                let vals = m.slice(at..at + kk);
-                let shared;
-                let idx = if matches!(codec.compressor, Compressor::TopK { .. }) {
-                    // SAFETY: the indices' bits, as `encode_device` packed them.
-                    unsafe { m.slice(at + kk..at + 2 * kk).transmute::<u32>(kk) }
-                        .context("index bits")?
-                } else {
-                    shared = s.clone_htod(&codec.random_indices_u32(step, j, t))?;
-                    shared.slice(..)
-                };
-                k.choco_absorb(&mut hat, &mut memory, &idx, &vals, off, w, mine)?;
+                let part = m.slice(at..codec.parts[t + 1]);
+                match codec.compressor {
+                    Compressor::TopK { .. } | Compressor::RandomK { .. } => {
+                        let vals = m.slice(at..at + kk);
+                        let shared;
+                        let idx = if matches!(codec.compressor, Compressor::TopK { .. }) {
+                            // SAFETY: the indices' bits, as `encode_device` packed them.
+                            unsafe { m.slice(at + kk..at + 2 * kk).transmute::<u32>(kk) }
+                                .context("index bits")?
+                        } else {
+                            shared = s.clone_htod(&codec.random_indices_u32(step, j, t))?;
+                            shared.slice(..)
+                        };
+                        k.choco_absorb(&mut hat, &mut memory, &idx, &vals, off, w, mine)?;
+                    }
+                    Compressor::Qsgd {
+                        levels,
+                        biased,
+                        bucket,
+                    } => {
+                        let ranges = buckets(len, bucket);
+                        let (norms, codes) = part.split_at(ranges.len());
+                        let b = if bucket == 0 { len.max(1) } else { bucket };
+                        let tau = qsgd_tau(levels, b.min(len), biased);
+                        let last = ranges.last().map_or(0, |r| r.len());
+                        let tau_last = qsgd_tau(levels, last, biased);
+                        k.qsgd_absorb(
+                            &mut hat,
+                            &mut memory,
+                            (off, len, b),
+                            &norms,
+                            &codes,
+                            (levels, qsgd_bits(levels)),
+                            (tau, tau_last),
+                            (w, mine),
+                        )?;
+                    }
+                    Compressor::Sign => {
+                        k.sign_absorb(&mut hat, &mut memory, off, len, &part, w, mine)?;
+                    }
+                }
             }
         }
         k.choco_step(&mut x.buf, &memory, &hat, self.gamma as f32)?;
