@@ -470,3 +470,109 @@ extern "C" __global__ void sign_absorb(float* hat, float* memory, unsigned off, 
         memory[off + i] += w * q;
     }
 }
+
+// DiLoCo's quantized all-reduce (src/sync/quantize.rs, whose encode / decode are the twins): rows of a
+// buffer to and from their wire words, one block per row. The table holds per row (start in the buffer,
+// length, first word); `mode` 1 = bf16, 2 = fp8 e4m3 with a scale, 3 = uint8 with min and scale.
+#define E4M3_MAX 448.0f
+
+__device__ float e4m3_to_f32(unsigned b) {
+    unsigned e = (b >> 3) & 0xfu, m = b & 7u;
+    if (e == 0xfu && m == 7u) return __int_as_float(0x7fc00000);
+    float mag = e == 0 ? ((float)m / 8.0f) * ldexpf(1.0f, -6) : (1.0f + (float)m / 8.0f) * ldexpf(1.0f, (int)e - 7);
+    return (b & 0x80u) ? -mag : mag;
+}
+
+// The nearest e4m3 byte (ties to even), saturating at +-448, by the twin's binary search.
+__device__ unsigned f32_to_e4m3(float x) {
+    unsigned sign = signbit(x) ? 0x80u : 0u;
+    float a = fabsf(x);
+    if (isnan(a)) return 0x7fu;
+    if (a >= E4M3_MAX) return sign | 0x7eu;
+    unsigned lo = 0, hi = 0x7e;
+    while (hi - lo > 1) {
+        unsigned mid = lo + (hi - lo) / 2;
+        if (e4m3_to_f32(mid) <= a) lo = mid; else hi = mid;
+    }
+    float dl = a - e4m3_to_f32(lo), dh = e4m3_to_f32(hi) - a;
+    return sign | ((dl < dh || (dl == dh && lo % 2 == 0)) ? lo : hi);
+}
+
+// half::bf16::from_f32: round to nearest even; a NaN stays a (quiet) NaN.
+__device__ unsigned f32_to_bf16(float f) {
+    unsigned x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (x >> 16) | 0x0040u;
+    unsigned round_bit = 0x8000u;
+    return ((x & round_bit) != 0 && (x & (3 * round_bit - 1)) != 0) ? (x >> 16) + 1 : x >> 16;
+}
+
+extern "C" __global__ void quantize_rows(const float* buf, const unsigned* table, unsigned mode, float* out) {
+    __shared__ float red_a[BLOCK], red_b[BLOCK];
+    const unsigned start = table[3 * blockIdx.x], len = table[3 * blockIdx.x + 1];
+    const float* x = buf + start;
+    float* w = out + table[3 * blockIdx.x + 2];
+    if (mode == 1) {
+        for (unsigned i = threadIdx.x; i < (len + 1) / 2; i += BLOCK) {
+            unsigned lo = f32_to_bf16(x[2 * i]), hi = 2 * i + 1 < len ? f32_to_bf16(x[2 * i + 1]) : 0u;
+            w[i] = __uint_as_float(lo | (hi << 16));
+        }
+        return;
+    }
+    // The row's max |x| (fp8) or min and max (uint8): exact in any order.
+    float a = mode == 2 ? 0.0f : 3.402823466e38f, b = -3.402823466e38f;
+    for (unsigned i = threadIdx.x; i < len; i += BLOCK) {
+        if (mode == 2) a = fmaxf(a, fabsf(x[i]));
+        else { a = fminf(a, x[i]); b = fmaxf(b, x[i]); }
+    }
+    red_a[threadIdx.x] = a;
+    red_b[threadIdx.x] = b;
+    __syncthreads();
+    for (unsigned s = BLOCK / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            red_a[threadIdx.x] = mode == 2 ? fmaxf(red_a[threadIdx.x], red_a[threadIdx.x + s])
+                                           : fminf(red_a[threadIdx.x], red_a[threadIdx.x + s]);
+            red_b[threadIdx.x] = fmaxf(red_b[threadIdx.x], red_b[threadIdx.x + s]);
+        }
+        __syncthreads();
+    }
+    unsigned head = mode == 2 ? 1 : 2;
+    float scale, min = 0.0f;
+    if (mode == 2) {
+        float max = red_a[0];
+        scale = max > 0.0f ? max / E4M3_MAX : 1.0f;
+    } else {
+        float mx = len ? red_b[0] : 0.0f;
+        min = len ? red_a[0] : 0.0f;
+        scale = mx > min ? (mx - min) / 255.0f : 1.0f;
+    }
+    if (threadIdx.x == 0) {
+        if (mode == 2) w[0] = scale;
+        else { w[0] = min; w[1] = scale; }
+    }
+    for (unsigned i = threadIdx.x; i < (len + 3) / 4; i += BLOCK) {
+        unsigned word = 0;
+        for (unsigned j = 0; j < 4 && 4 * i + j < len; j++) {
+            float v = x[4 * i + j];
+            unsigned byte = mode == 2 ? f32_to_e4m3(v / scale)
+                                      : (unsigned)fminf(fmaxf(roundf((v - min) / scale), 0.0f), 255.0f);
+            word |= byte << (8 * j);
+        }
+        w[head + i] = __uint_as_float(word);
+    }
+}
+
+extern "C" __global__ void dequantize_rows(const float* words, const unsigned* table, unsigned mode, float* buf) {
+    const unsigned start = table[3 * blockIdx.x], len = table[3 * blockIdx.x + 1];
+    float* x = buf + start;
+    const float* w = words + table[3 * blockIdx.x + 2];
+    for (unsigned i = threadIdx.x; i < len; i += BLOCK) {
+        if (mode == 1) {
+            unsigned v = __float_as_uint(w[i / 2]);
+            x[i] = __uint_as_float((i % 2 == 0 ? v & 0xffffu : v >> 16) << 16);
+        } else {
+            unsigned head = mode == 2 ? 1 : 2;
+            unsigned byte = (__float_as_uint(w[head + i / 4]) >> (8 * (i % 4))) & 0xffu;
+            x[i] = mode == 2 ? e4m3_to_f32(byte) * w[0] : w[0] + (float)byte * w[1];
+        }
+    }
+}

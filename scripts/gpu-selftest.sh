@@ -37,7 +37,8 @@ for t in top_k_kernel_equals_its_twin gather_scatter_and_error_feedback_kernels_
          sum_squares_kernel_equals_its_twin gossip_kernels_equal_their_twins nccl_engine_at_world_size_one \
          top_k_reducer_on_the_gpu_equals_its_host_path radius_reducer_on_the_gpu_equals_its_host_path \
          powersgd_reducer_on_the_gpu_follows_its_host_path diloco_on_the_gpu_equals_its_host_path \
-         demo_on_the_gpu_equals_its_host_path choco_on_the_gpu_equals_its_host_path; do
+         demo_on_the_gpu_equals_its_host_path choco_on_the_gpu_equals_its_host_path \
+         quantized_all_reduce_on_the_gpu_equals_its_host_path; do
     if echo "$out" | grep -q "test $t ... ok"; then record "$t" PASS; else record "$t" FAIL; fi
 done
 

@@ -240,15 +240,16 @@ pub trait Communicator {
     ) -> Result<()> {
         anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
     }
-    /// Sends `send` to every peer of `peers` (peer, slot) and receives each peer's into
-    /// recv[slot * len..(slot + 1) * len] (len: send's length), as one group of point-to-point calls on
-    /// GPU buffers (engines with `device_collectives`; CHOCO's messages); done when it returns.
+    /// `exchange` on GPU buffers (engines with `device_collectives`): sends send[range] to each peer of
+    /// `sends` and receives from each peer of `recvs` into recv[range], as one group of point-to-point
+    /// calls; done when it returns.
     #[cfg(feature = "cuda")]
     fn exchange_device(
         &mut self,
         _send: &cudarc::driver::CudaSlice<f32>,
-        _peers: &[(usize, usize)],
+        _sends: &[(usize, std::ops::Range<usize>)],
         _recv: &mut cudarc::driver::CudaSlice<f32>,
+        _recvs: &[(usize, std::ops::Range<usize>)],
     ) -> Result<()> {
         anyhow::bail!("internal error: this engine has no collectives on GPU buffers")
     }

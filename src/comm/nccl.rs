@@ -283,37 +283,38 @@ impl Communicator for NcclComm {
     fn exchange_device(
         &mut self,
         send: &CudaSlice<f32>,
-        peers: &[(usize, usize)],
+        sends: &[(usize, std::ops::Range<usize>)],
         recv: &mut CudaSlice<f32>,
+        recvs: &[(usize, std::ops::Range<usize>)],
     ) -> Result<()> {
-        let len = send.len();
-        if let Some(&(peer, slot)) = peers
+        let outside = |(peer, r): &&(usize, std::ops::Range<usize>), len: usize| {
+            r.end > len || *peer >= self.n
+        };
+        if let Some((peer, r)) = sends
             .iter()
-            .find(|&&(_, slot)| (slot + 1) * len > recv.len())
+            .find(|x| outside(x, send.len()))
+            .or_else(|| recvs.iter().find(|x| outside(x, recv.len())))
         {
-            bail!(
-                "exchange: slot {slot} (from rank {peer}) of {len} values is outside the {} received",
-                recv.len()
-            );
+            bail!("exchange: {r:?} with rank {peer} is outside the buffers or the world");
         }
         let start = Instant::now();
         nccl::group_start().map_err(nccl_err)?;
-        for &(peer, _) in peers {
+        for (peer, r) in sends {
             self.comm
-                .send(&send.slice(..), peer as i32)
+                .send(&send.slice(r.clone()), *peer as i32)
                 .map_err(nccl_err)?;
         }
-        for &(peer, slot) in peers {
+        for (peer, r) in recvs {
             self.comm
-                .recv(
-                    &mut recv.slice_mut(slot * len..(slot + 1) * len),
-                    peer as i32,
-                )
+                .recv(&mut recv.slice_mut(r.clone()), *peer as i32)
                 .map_err(nccl_err)?;
         }
         nccl::group_end().map_err(nccl_err)?;
         self.wait("send/recv")?;
-        self.account(4 * (len * peers.len()) as u64, start);
+        self.account(
+            4 * sends.iter().map(|(_, r)| r.len() as u64).sum::<u64>(),
+            start,
+        );
         Ok(())
     }
 

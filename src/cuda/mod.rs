@@ -503,6 +503,53 @@ impl Kernels {
         Ok(())
     }
 
+    /// DiLoCo's quantizer: each row of `table` (start in `buf`, length, first word; 3 words a row) of
+    /// `buf` into its wire words in `out`, `mode` 1 bf16, 2 fp8, 3 uint8 (twin: `sync::quantize::encode`).
+    pub fn quantize_rows(
+        &self,
+        buf: &CudaView<f32>,
+        table: &CudaSlice<u32>,
+        mode: u32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if table.len() < 3 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "quantize_rows",
+            grid(table.len() / 3),
+            buf,
+            table,
+            &mode,
+            out
+        );
+        Ok(())
+    }
+
+    /// The rows of `table` back from their wire words (twin: `sync::quantize::decode`).
+    pub fn dequantize_rows(
+        &self,
+        words: &CudaView<f32>,
+        table: &CudaSlice<u32>,
+        mode: u32,
+        buf: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        if table.len() < 3 {
+            return Ok(());
+        }
+        launch!(
+            self,
+            "dequantize_rows",
+            grid(table.len() / 3),
+            words,
+            table,
+            &mode,
+            buf
+        );
+        Ok(())
+    }
+
     /// CHOCO's consensus step x += gamma (s - hat) (twin: `kernels::choco_step`).
     pub fn choco_step(
         &self,

@@ -810,14 +810,13 @@ impl Choco {
         let mut recv = msg
             .stream()
             .alloc_zeros::<f32>((members.len() * words).max(1))?;
-        let peers: Vec<(usize, usize)> = members
-            .iter()
-            .enumerate()
-            .filter(|&(_, &j)| j != me)
-            .map(|(pos, &j)| (j, pos))
+        let peers = members.iter().enumerate().filter(|&(_, &j)| j != me);
+        let sends: Vec<_> = peers.clone().map(|(_, &j)| (j, 0..words)).collect();
+        let recvs: Vec<_> = peers
+            .map(|(pos, &j)| (j, pos * words..(pos + 1) * words))
             .collect();
         let before = self.comm.stats().bytes_sent;
-        self.comm.exchange_device(msg, &peers, &mut recv)?;
+        self.comm.exchange_device(msg, &sends, &mut recv, &recvs)?;
         self.account(&members, before);
         (self.device_recv, self.recv) = (Some(recv), Vec::new());
         Ok(())

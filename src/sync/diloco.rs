@@ -164,9 +164,13 @@ impl Diloco {
             }
             (None, q) => {
                 let rows = &self.fragments[fragment].rows;
-                delta
-                    .as_mut()
-                    .through_host(|d| super::quantize::all_reduce_mean(comm, d, rows, q))?;
+                match delta.as_mut() {
+                    #[cfg(feature = "cuda")]
+                    FlatMut::Cuda(d) if comm.device_collectives() => {
+                        super::quantize::all_reduce_mean_device(comm, d, rows, q)?
+                    }
+                    d => d.through_host(|d| super::quantize::all_reduce_mean(comm, d, rows, q))?,
+                }
                 compress::Report::default()
             }
         };

@@ -277,6 +277,86 @@ pub fn all_reduce_mean(
     Ok(())
 }
 
+/// `all_reduce_mean` of a buffer on the GPU, with the engine's device collectives: the same steps, the
+/// quantizers as the `quantize_rows` / `dequantize_rows` kernels (whose twins are `encode` and `decode`),
+/// the exchanges as NCCL send/recv on device buffers.
+#[cfg(feature = "cuda")]
+pub fn all_reduce_mean_device(
+    comm: &mut dyn Communicator,
+    d: &mut crate::flat::DeviceFlat,
+    rows: &[Range<usize>],
+    q: Quantize,
+) -> Result<()> {
+    let mode = match q {
+        Quantize::None => return crate::comm::all_reduce_mean_device(comm, &mut d.buf, &d.kernels),
+        Quantize::Bf16 => 1,
+        Quantize::Fp8 => 2,
+        Quantize::Uint8 => 3,
+    };
+    let (n, me) = (comm.world_size(), comm.rank());
+    let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
+    // Every row's wire words, in row order: chunk c's rows (rank c owns them) are words[at[c]..at[c + 1]].
+    let owned: Vec<Range<usize>> = (0..n).map(|c| chunk(rows.len(), n, c)).collect();
+    let mut table = Vec::with_capacity(3 * rows.len());
+    let mut word = 0;
+    for r in rows {
+        table.extend([r.start, r.len(), word].map(|x| x as u32));
+        word += row_words(q, r.len());
+    }
+    let total = word;
+    let at: Vec<usize> = owned
+        .iter()
+        .map(|o| table.get(3 * o.start + 2).map_or(total, |&w| w as usize))
+        .chain([total])
+        .collect();
+    let table = s.clone_htod(&table)?;
+    let mut encoded = s.alloc_zeros::<f32>(total.max(1))?;
+    k.quantize_rows(&d.buf.slice(..), &table, mode, &mut encoded)?;
+    // Every rank's copy of my rows, slot r for rank r (mine: my own encoding).
+    let mine = at[me]..at[me + 1];
+    let m = mine.len();
+    let mut copies = s.alloc_zeros::<f32>((n * m).max(1))?;
+    let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+    let sends: Vec<_> = others.iter().map(|&r| (r, at[r]..at[r + 1])).collect();
+    let recvs: Vec<_> = others.iter().map(|&r| (r, r * m..(r + 1) * m)).collect();
+    comm.exchange_device(&encoded, &sends, &mut copies, &recvs)?;
+    s.memcpy_dtod(
+        &encoded.slice(mine.clone()),
+        &mut copies.slice_mut(me * m..(me + 1) * m),
+    )?;
+    // The owner's mean in f32, rank order (the first copy decoded in place, the others added), then
+    // times 1 / N, over the elements of my rows.
+    let my_rows = &rows[owned[me].clone()];
+    let span = my_rows.first().map_or(0, |r| r.start)..my_rows.last().map_or(0, |r| r.end);
+    let mut local = Vec::with_capacity(3 * my_rows.len());
+    let mut w = 0;
+    for r in my_rows {
+        local.extend([r.start - span.start, r.len(), w].map(|x| x as u32));
+        w += row_words(q, r.len());
+    }
+    let local = s.clone_htod(&local)?;
+    let mut mean = s.alloc_zeros::<f32>(span.len().max(1))?;
+    let mut scratch = s.alloc_zeros::<f32>(span.len().max(1))?;
+    for r in 0..n {
+        let copy = copies.slice(r * m..(r + 1) * m);
+        let target = if r == 0 { &mut mean } else { &mut scratch };
+        k.dequantize_rows(&copy, &local, mode, &mut target.slice_mut(..))?;
+        if r > 0 {
+            k.ef_accumulate(&mut mean, &scratch)?;
+        }
+    }
+    k.scale(&mut mean, 1.0 / n as f32)?;
+    // Requantized, gathered from every owner into the row-order layout, decoded by every rank.
+    let mut requantized = s.alloc_zeros::<f32>(m.max(1))?;
+    k.quantize_rows(&mean.slice(..), &local, mode, &mut requantized)?;
+    let mut gathered = s.alloc_zeros::<f32>(total.max(1))?;
+    s.memcpy_dtod(&requantized.slice(..m), &mut gathered.slice_mut(mine))?;
+    let sends: Vec<_> = others.iter().map(|&r| (r, 0..m)).collect();
+    let recvs: Vec<_> = others.iter().map(|&r| (r, at[r]..at[r + 1])).collect();
+    comm.exchange_device(&requantized, &sends, &mut gathered, &recvs)?;
+    k.dequantize_rows(&gathered.slice(..), &table, mode, &mut d.buf.slice_mut(..))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
