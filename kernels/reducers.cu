@@ -164,15 +164,16 @@ extern "C" __global__ void scaled_copy(float* dst, const float* src, unsigned n,
 }
 
 // Sum over the block: thread t's partial sum, then a tree over the BLOCK partial sums (stride BLOCK / 2,
-// ..., 1). Every thread gets the total.
-__device__ float block_sum(float v, float* sh) {
+// ..., 1), in f32 or f64. Every thread gets the total.
+template <typename T>
+__device__ T block_sum(T v, T* sh) {
     sh[threadIdx.x] = v;
     __syncthreads();
     for (unsigned s = BLOCK / 2; s > 0; s >>= 1) {
         if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
         __syncthreads();
     }
-    float total = sh[0];
+    T total = sh[0];
     __syncthreads();
     return total;
 }
@@ -372,20 +373,6 @@ __device__ unsigned chacha8_word(const unsigned* key, unsigned long long stream,
     return x[w] + s[w];
 }
 
-// The f64 sum over the block of thread t's terms (its elements t, t + BLOCK, ... in order), by the tree
-// of block_sum. Every thread gets the total.
-__device__ double block_sum_f64(double v, double* sh) {
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    for (unsigned s = BLOCK / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
-        __syncthreads();
-    }
-    double total = sh[0];
-    __syncthreads();
-    return total;
-}
-
 // CHOCO's QSGD message of one tensor u[0..len), one block per bucket of `bucket` entries: the bucket's
 // 2-norm into norms[b], and per entry a sign bit and a level in 0..=levels (rounded up with the
 // probability of its fraction, from the ChaCha8 stream) packed lowest bits first, `bits` each, into the
@@ -400,7 +387,7 @@ extern "C" __global__ void qsgd_encode(const float* u, unsigned len, unsigned bu
         double v = u[i];
         acc += v * v;
     }
-    float norm = (float)sqrt(block_sum_f64(acc, sh));
+    float norm = (float)sqrt(block_sum(acc, sh));
     if (threadIdx.x == 0) norms[blockIdx.x] = norm;
     bool usable = norm > 0.0f && isfinite(norm);
     float s = (float)levels;
@@ -449,7 +436,7 @@ extern "C" __global__ void sign_encode(const float* u, unsigned len, float* out)
     __shared__ double sh[BLOCK];
     double acc = 0.0;
     for (unsigned i = threadIdx.x; i < len; i += BLOCK) acc += fabs((double)u[i]);
-    double total = block_sum_f64(acc, sh);
+    double total = block_sum(acc, sh);
     if (threadIdx.x == 0) out[0] = (float)(total / (double)max(len, 1u));
     unsigned* words = reinterpret_cast<unsigned*>(out + 1);
     for (unsigned wi = threadIdx.x; wi < (len + 31) / 32; wi += BLOCK) {
