@@ -295,8 +295,8 @@ pub fn chacha8_word(key: &[u32; 8], stream: u64, e: u64) -> u32 {
     x[w].wrapping_add(s[w])
 }
 
-/// Twin of the f64 sum over one block of `block_sum` (reducers.cu): thread t's terms `term(x[i])` for i = t, t + BLOCK,
-/// ... in order, then the tree over the BLOCK partial sums.
+/// Twin of an f64 sum over one block with reducers.cu's `block_sum`: thread t's terms `term(x[i])` for
+/// i = t, t + BLOCK, ... in order, then the tree over the BLOCK partial sums.
 pub fn block_strided_sum(x: &[f32], term: impl Fn(f32) -> f64) -> f64 {
     let mut sh = [0.0f64; BLOCK];
     for (t, s) in sh.iter_mut().enumerate() {
