@@ -110,9 +110,18 @@ fn mix(parts: &[u64]) -> u64 {
     })
 }
 
-/// The ranges of a tensor of `len` entries that share one QSGD norm (`bucket` 0: the whole tensor).
+/// Entries per QSGD norm in a tensor of `len` entries (`bucket` 0: the whole tensor).
+fn bucket_len(len: usize, bucket: usize) -> usize {
+    if bucket == 0 {
+        len.max(1)
+    } else {
+        bucket
+    }
+}
+
+/// The ranges of a tensor of `len` entries that share one QSGD norm.
 fn buckets(len: usize, bucket: usize) -> Vec<std::ops::Range<usize>> {
-    let b = if bucket == 0 { len.max(1) } else { bucket };
+    let b = bucket_len(len, bucket);
     (0..len).step_by(b).map(|s| s..(s + b).min(len)).collect()
 }
 
@@ -765,7 +774,11 @@ impl Choco {
         ch.hat.keep_device(hat);
         k.ef_accumulate(&mut u, &x.buf)?;
         let mut msg = s.alloc_zeros::<f32>(codec.words())?;
-        let mut key = None;
+        // QSGD's ChaCha8 key of this rank and step (each tensor is a stream of it), uploaded once.
+        let key = match codec.compressor {
+            Compressor::Qsgd { .. } => Some(s.clone_htod(&codec.qsgd_key(step, self.comm.rank()))?),
+            _ => None,
+        };
         for (t, &(off, len)) in codec.tensors.iter().enumerate() {
             let (at, kk) = (codec.parts[t], codec.ks[t]);
             if matches!(codec.compressor, Compressor::TopK { .. }) {
@@ -781,15 +794,14 @@ impl Choco {
                 k.gather(&u, &s.clone_htod(&global)?, &mut vals)?;
                 s.memcpy_dtod(&vals, &mut msg.slice_mut(at..at + kk))?;
             } else if let Compressor::Qsgd { levels, bucket, .. } = codec.compressor {
-                let key = key.get_or_insert_with(|| codec.qsgd_key(step, self.comm.rank()));
-                let key = s.clone_htod(&key[..])?;
+                let key = key.as_ref().context("the QSGD key, set above")?;
                 let nb = buckets(len, bucket).len();
                 let mut part = msg.slice_mut(at..codec.parts[t + 1]);
                 let (mut norms, mut codes) = part.split_at_mut(nb);
                 let u = u.slice(off..off + len);
                 let bits = qsgd_bits(levels);
-                let b = if bucket == 0 { len } else { bucket };
-                k.qsgd_encode(&u, b, &key, t as u64, levels, bits, &mut norms, &mut codes)?;
+                let b = bucket_len(len, bucket);
+                k.qsgd_encode(&u, b, key, t as u64, levels, bits, &mut norms, &mut codes)?;
             } else {
                 let mut out = msg.slice_mut(at..codec.parts[t + 1]);
                 k.sign_encode(&u.slice(off..off + len), &mut out)?;
@@ -877,7 +889,7 @@ impl Choco {
                     } => {
                         let ranges = buckets(len, bucket);
                         let (norms, codes) = part.split_at(ranges.len());
-                        let b = if bucket == 0 { len.max(1) } else { bucket };
+                        let b = bucket_len(len, bucket);
                         let tau = qsgd_tau(levels, b.min(len), biased);
                         let last = ranges.last().map_or(0, |r| r.len());
                         let tau_last = qsgd_tau(levels, last, biased);
