@@ -958,8 +958,20 @@ fn layer_norm_backward(
     }
 }
 
+/// Rows per block of causal attention: a block of queries meets only the keys up to its last row, so the
+/// products above the diagonal's blocks are never computed (at T = 256, 5/8 of the full T x T work).
+const ATT_BLOCK: usize = 64;
+
+/// The row blocks `r0..r1` of a T x T attention matrix.
+fn att_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t)
+        .step_by(ATT_BLOCK)
+        .map(move |r0| (r0, (r0 + ATT_BLOCK).min(t)))
+}
+
 /// Causal self-attention of qkv (n, 3C: q | k | v, heads side by side) into y (n, C), saving the
-/// probabilities (B, H, T, T; zero above the diagonal). One task per sequence.
+/// probabilities (B, H, T, T; zero above the diagonal). One task per sequence; per head, one block of
+/// `ATT_BLOCK` query rows at a time against the keys and values up to the block's last row.
 #[multiversion(targets = "simd")]
 fn attention_forward(qkv: &[f32], att: &mut [f32], y: &mut [f32], t: usize, c: usize, h: usize) {
     let hs = c / h;
@@ -969,34 +981,38 @@ fn attention_forward(qkv: &[f32], att: &mut [f32], y: &mut [f32], t: usize, c: u
         .zip(qkv.par_chunks(t * 3 * c))
         .for_each(|((att, y), qkv)| {
             for hd in 0..h {
-                let q = M::strided(&qkv[hd * hs..], t, hs, 3 * c);
-                let k = M::strided(&qkv[c + hd * hs..], t, hs, 3 * c);
-                let v = M::strided(&qkv[2 * c + hd * hs..], t, hs, 3 * c);
-                let pr = &mut att[hd * t * t..][..t * t];
-                mm(pr, t, q, k.t(), false, scale, Parallelism::None);
-                for (i, row) in pr.chunks_mut(t).enumerate() {
-                    let (keep, masked) = row.split_at_mut(i + 1);
-                    let max = keep.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                    // The exponentials in a loop of their own (it vectorizes), then their sum in order.
-                    keep.iter_mut().for_each(|s| *s = super::ops::exp(*s - max));
-                    let inv = 1.0 / keep.iter().sum::<f32>();
-                    keep.iter_mut().for_each(|s| *s *= inv);
-                    masked.iter_mut().for_each(|s| *s = 0.0);
+                for (r0, r1) in att_blocks(t) {
+                    let q = M::strided(&qkv[r0 * 3 * c + hd * hs..], r1 - r0, hs, 3 * c);
+                    let k = M::strided(&qkv[c + hd * hs..], r1, hs, 3 * c);
+                    let v = M::strided(&qkv[2 * c + hd * hs..], r1, hs, 3 * c);
+                    let pr = &mut att[hd * t * t + r0 * t..][..(r1 - r0) * t];
+                    mm(pr, t, q, k.t(), false, scale, Parallelism::None);
+                    for (i, row) in (r0..).zip(pr.chunks_mut(t)) {
+                        let (keep, masked) = row.split_at_mut(i + 1);
+                        let max = keep.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                        // The exponentials in a loop of their own (it vectorizes), then their sum in order.
+                        keep.iter_mut().for_each(|s| *s = super::ops::exp(*s - max));
+                        let inv = 1.0 / keep.iter().sum::<f32>();
+                        keep.iter_mut().for_each(|s| *s *= inv);
+                        masked.iter_mut().for_each(|s| *s = 0.0);
+                    }
+                    mm(
+                        &mut y[r0 * c + hd * hs..],
+                        c,
+                        M::strided(pr, r1 - r0, r1, t),
+                        v,
+                        false,
+                        1.0,
+                        Parallelism::None,
+                    );
                 }
-                mm(
-                    &mut y[hd * hs..],
-                    c,
-                    M::new(pr, t, t),
-                    v,
-                    false,
-                    1.0,
-                    Parallelism::None,
-                );
             }
         });
 }
 
-/// Backward of `attention_forward` given dy (n, C): dqkv (n, 3C) is overwritten.
+/// Backward of `attention_forward` given dy (n, C): dqkv (n, 3C) is overwritten. Blocked as the forward:
+/// a row block of dP, dS and dq reaches the block's last column; a column block of dv and dk starts at
+/// the block's first row (P and dS are zero above the diagonal).
 #[allow(clippy::too_many_arguments)]
 #[multiversion(targets = "simd")]
 fn attention_backward(
@@ -1017,50 +1033,59 @@ fn attention_backward(
         .for_each(|(((dqkv, att), dy), qkv)| {
             let mut ds = vec![0.0f32; t * t];
             for hd in 0..h {
-                let q = M::strided(&qkv[hd * hs..], t, hs, 3 * c);
-                let k = M::strided(&qkv[c + hd * hs..], t, hs, 3 * c);
-                let v = M::strided(&qkv[2 * c + hd * hs..], t, hs, 3 * c);
-                let dyh = M::strided(&dy[hd * hs..], t, hs, c);
                 let pr = &att[hd * t * t..][..t * t];
-                // dP = dy v^T; dv = P^T dy.
-                mm(&mut ds, t, dyh, v.t(), false, 1.0, Parallelism::None);
-                mm(
-                    &mut dqkv[2 * c + hd * hs..],
-                    3 * c,
-                    M::new(pr, t, t).t(),
-                    dyh,
-                    false,
-                    1.0,
-                    Parallelism::None,
-                );
-                // dS = P (dP - rowsum(P dP)); zero where P is.
-                for (i, (ds, pr)) in ds.chunks_mut(t).zip(pr.chunks(t)).enumerate() {
-                    // P is zero above the diagonal: those terms would add zeros to this serial sum.
-                    let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
-                    ds.iter_mut()
-                        .zip(pr)
-                        .for_each(|(d, &p)| *d = p * (*d - dot));
+                let q_from =
+                    |r0: usize| M::strided(&qkv[r0 * 3 * c + hd * hs..], t - r0, hs, 3 * c);
+                let dy_from = |r0: usize| M::strided(&dy[r0 * c + hd * hs..], t - r0, hs, c);
+                for (r0, r1) in att_blocks(t) {
+                    // dP = dy v^T, then dS = P (dP - rowsum(P dP)), zero where P is.
+                    let v = M::strided(&qkv[2 * c + hd * hs..], r1, hs, 3 * c);
+                    let dyh = M::strided(&dy[r0 * c + hd * hs..], r1 - r0, hs, c);
+                    let dsb = &mut ds[r0 * t..][..(r1 - r0) * t];
+                    mm(dsb, t, dyh, v.t(), false, 1.0, Parallelism::None);
+                    for (i, (ds, pr)) in (r0..).zip(dsb.chunks_mut(t).zip(pr[r0 * t..].chunks(t))) {
+                        // P is zero above the diagonal: those terms would add zeros to this serial sum.
+                        let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
+                        ds[..r1]
+                            .iter_mut()
+                            .zip(pr)
+                            .for_each(|(d, &p)| *d = p * (*d - dot));
+                    }
+                    // S = scale q k^T: dq = scale dS k over the keys up to the block's last row.
+                    let k = M::strided(&qkv[c + hd * hs..], r1, hs, 3 * c);
+                    mm(
+                        &mut dqkv[r0 * 3 * c + hd * hs..],
+                        3 * c,
+                        M::strided(&ds[r0 * t..], r1 - r0, r1, t),
+                        k,
+                        false,
+                        scale,
+                        Parallelism::None,
+                    );
                 }
-                // S = scale q k^T: dq = scale dS k, dk = scale dS^T q.
-                let dsm = M::new(&ds, t, t);
-                mm(
-                    &mut dqkv[hd * hs..],
-                    3 * c,
-                    dsm,
-                    k,
-                    false,
-                    scale,
-                    Parallelism::None,
-                );
-                mm(
-                    &mut dqkv[c + hd * hs..],
-                    3 * c,
-                    dsm.t(),
-                    q,
-                    false,
-                    scale,
-                    Parallelism::None,
-                );
+                for (c0, c1) in att_blocks(t) {
+                    // dv = P^T dy and dk = scale dS^T q, over the rows from the block's first on.
+                    let pcol = M::strided(&pr[c0 * t + c0..], t - c0, c1 - c0, t);
+                    mm(
+                        &mut dqkv[c0 * 3 * c + 2 * c + hd * hs..],
+                        3 * c,
+                        pcol.t(),
+                        dy_from(c0),
+                        false,
+                        1.0,
+                        Parallelism::None,
+                    );
+                    let dscol = M::strided(&ds[c0 * t + c0..], t - c0, c1 - c0, t);
+                    mm(
+                        &mut dqkv[c0 * 3 * c + c + hd * hs..],
+                        3 * c,
+                        dscol.t(),
+                        q_from(c0),
+                        false,
+                        scale,
+                        Parallelism::None,
+                    );
+                }
             }
         });
 }
@@ -1282,6 +1307,180 @@ mod tests {
                 for (g, w) in row.iter().zip(want) {
                     assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{g} vs {w}");
                 }
+            }
+        }
+    }
+
+    /// The unblocked causal attention (full T x T products, then the mask): the oracle of the blocked one.
+    /// Causal self-attention of qkv (n, 3C: q | k | v, heads side by side) into y (n, C), saving the
+    /// probabilities (B, H, T, T; zero above the diagonal). One task per sequence.
+    fn full_attention_forward(
+        qkv: &[f32],
+        att: &mut [f32],
+        y: &mut [f32],
+        t: usize,
+        c: usize,
+        h: usize,
+    ) {
+        let hs = c / h;
+        let scale = 1.0 / (hs as f32).sqrt();
+        att.par_chunks_mut(h * t * t)
+            .zip(y.par_chunks_mut(t * c))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .for_each(|((att, y), qkv)| {
+                for hd in 0..h {
+                    let q = M::strided(&qkv[hd * hs..], t, hs, 3 * c);
+                    let k = M::strided(&qkv[c + hd * hs..], t, hs, 3 * c);
+                    let v = M::strided(&qkv[2 * c + hd * hs..], t, hs, 3 * c);
+                    let pr = &mut att[hd * t * t..][..t * t];
+                    mm(pr, t, q, k.t(), false, scale, Parallelism::None);
+                    for (i, row) in pr.chunks_mut(t).enumerate() {
+                        let (keep, masked) = row.split_at_mut(i + 1);
+                        let max = keep.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                        // The exponentials in a loop of their own (it vectorizes), then their sum in order.
+                        keep.iter_mut()
+                            .for_each(|s| *s = crate::model::ops::exp(*s - max));
+                        let inv = 1.0 / keep.iter().sum::<f32>();
+                        keep.iter_mut().for_each(|s| *s *= inv);
+                        masked.iter_mut().for_each(|s| *s = 0.0);
+                    }
+                    mm(
+                        &mut y[hd * hs..],
+                        c,
+                        M::new(pr, t, t),
+                        v,
+                        false,
+                        1.0,
+                        Parallelism::None,
+                    );
+                }
+            });
+    }
+
+    /// Backward of `attention_forward` given dy (n, C): dqkv (n, 3C) is overwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn full_attention_backward(
+        qkv: &[f32],
+        att: &[f32],
+        dy: &[f32],
+        dqkv: &mut [f32],
+        t: usize,
+        c: usize,
+        h: usize,
+    ) {
+        let hs = c / h;
+        let scale = 1.0 / (hs as f32).sqrt();
+        dqkv.par_chunks_mut(t * 3 * c)
+            .zip(att.par_chunks(h * t * t))
+            .zip(dy.par_chunks(t * c))
+            .zip(qkv.par_chunks(t * 3 * c))
+            .for_each(|(((dqkv, att), dy), qkv)| {
+                let mut ds = vec![0.0f32; t * t];
+                for hd in 0..h {
+                    let q = M::strided(&qkv[hd * hs..], t, hs, 3 * c);
+                    let k = M::strided(&qkv[c + hd * hs..], t, hs, 3 * c);
+                    let v = M::strided(&qkv[2 * c + hd * hs..], t, hs, 3 * c);
+                    let dyh = M::strided(&dy[hd * hs..], t, hs, c);
+                    let pr = &att[hd * t * t..][..t * t];
+                    // dP = dy v^T; dv = P^T dy.
+                    mm(&mut ds, t, dyh, v.t(), false, 1.0, Parallelism::None);
+                    mm(
+                        &mut dqkv[2 * c + hd * hs..],
+                        3 * c,
+                        M::new(pr, t, t).t(),
+                        dyh,
+                        false,
+                        1.0,
+                        Parallelism::None,
+                    );
+                    // dS = P (dP - rowsum(P dP)); zero where P is.
+                    for (i, (ds, pr)) in ds.chunks_mut(t).zip(pr.chunks(t)).enumerate() {
+                        // P is zero above the diagonal: those terms would add zeros to this serial sum.
+                        let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
+                        ds.iter_mut()
+                            .zip(pr)
+                            .for_each(|(d, &p)| *d = p * (*d - dot));
+                    }
+                    // S = scale q k^T: dq = scale dS k, dk = scale dS^T q.
+                    let dsm = M::new(&ds, t, t);
+                    mm(
+                        &mut dqkv[hd * hs..],
+                        3 * c,
+                        dsm,
+                        k,
+                        false,
+                        scale,
+                        Parallelism::None,
+                    );
+                    mm(
+                        &mut dqkv[c + hd * hs..],
+                        3 * c,
+                        dsm.t(),
+                        q,
+                        false,
+                        scale,
+                        Parallelism::None,
+                    );
+                }
+            });
+    }
+
+    /// The blocked attention computes what the full T x T products give, forward and backward: the blocks
+    /// only leave out products with the zeros above the diagonal. Bit for bit up to one block (the same
+    /// products); beyond it gemm may pick other kernels for a block's few rows (its last bits), so within
+    /// 1e-5 of the largest value. Lengths below, at and across block boundaries.
+    #[test]
+    fn blocked_attention_equals_the_full_products() {
+        use rand::Rng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let (b, c, h) = (2, 24, 3);
+        let b1 = ATT_BLOCK;
+        for t in [
+            1,
+            5,
+            b1 - 1,
+            b1,
+            b1 + 1,
+            b1 + 3,
+            b1 + 8,
+            2 * b1 + 1,
+            3 * b1 + 2,
+            4 * b1,
+        ] {
+            let mut rand =
+                |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+            let (qkv, dy) = (rand(b * t * 3 * c), rand(b * t * c));
+            let run = |blocked: bool| {
+                let mut att = vec![f32::NAN; b * h * t * t];
+                let mut y = vec![f32::NAN; b * t * c];
+                let mut dqkv = vec![f32::NAN; b * t * 3 * c];
+                if blocked {
+                    attention_forward(&qkv, &mut att, &mut y, t, c, h);
+                    attention_backward(&qkv, &att, &dy, &mut dqkv, t, c, h);
+                } else {
+                    full_attention_forward(&qkv, &mut att, &mut y, t, c, h);
+                    full_attention_backward(&qkv, &att, &dy, &mut dqkv, t, c, h);
+                }
+                [att, y, dqkv]
+            };
+            let (blocked, full) = (run(true), run(false));
+            for (what, (x, want)) in ["probabilities", "output", "gradient"]
+                .iter()
+                .zip(blocked.iter().zip(&full))
+            {
+                if t <= ATT_BLOCK {
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert!(bits(x) == bits(want), "{what}, T = {t}: not bit for bit");
+                }
+                let top = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let worst = x
+                    .iter()
+                    .zip(want)
+                    .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    worst <= 1e-5 * top,
+                    "{what}, T = {t}: off by {worst} (largest {top})"
+                );
             }
         }
     }
