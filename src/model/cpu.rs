@@ -17,7 +17,8 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use super::ops::{
-    gelu_erf, gelu_erf_grad, gelu_tanh, gelu_tanh_grad, lse, row_stats, rows_per_task, CHUNK,
+    gelu_erf, gelu_erf_grad, gelu_tanh, gelu_tanh_grad, lse, row_sums, rows_per_task, rows_stats,
+    CHUNK, ROWS,
 };
 use super::{Gpt, ParamSet};
 use crate::config::Activation;
@@ -886,9 +887,15 @@ fn layer_norm(
         .zip(x.par_chunks(per * c))
         .zip(stats.par_chunks_mut(per))
         .for_each(|((y, x), st)| {
-            for ((y, x), st) in y.chunks_mut(c).zip(x.chunks(c)).zip(st) {
-                let (mean, rstd) = row_stats(x, LN_EPS);
-                *st = (mean, rstd);
+            // The rows' statistics ROWS at a time (their serial sums interleaved), the rest one by one.
+            let full = st.len() / ROWS * ROWS;
+            for (x, st) in x.chunks(ROWS * c).zip(st[..full].chunks_mut(ROWS)) {
+                st.copy_from_slice(&rows_stats::<ROWS>(x, c, LN_EPS));
+            }
+            for (x, st) in x[full * c..].chunks(c).zip(&mut st[full..]) {
+                *st = rows_stats::<1>(x, c, LN_EPS)[0];
+            }
+            for ((y, x), &(mean, rstd)) in y.chunks_mut(c).zip(x.chunks(c)).zip(st.iter()) {
                 for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
                     *y = (x - mean) * rstd * w;
                 }
@@ -924,23 +931,67 @@ fn layer_norm_backward(
             // dw then db of this task's rows.
             let mut dwb = vec![0.0f32; 2 * c];
             let (dw, db) = dwb.split_at_mut(c);
-            let mut xhat = vec![0.0f32; c];
-            for (((dx, x), g), &(mean, rstd)) in
-                dx.chunks_mut(c).zip(x.chunks(c)).zip(g.chunks(c)).zip(st)
+            let mut xhat = vec![0.0f32; ROWS * c];
+            // ROWS rows at a time (their serial sums interleaved), the rest one by one.
+            let full = st.len() / ROWS * ROWS;
+            let mut rows = |dx: &mut [f32], x: &[f32], g: &[f32], st: &[(f32, f32)]| {
+                let k = st.len();
+                // The column-wise part row by row (it vectorizes), then the two serial sums of each row.
+                for (r, &(mean, rstd)) in st.iter().enumerate() {
+                    let (x, g) = (&x[r * c..][..c], &g[r * c..][..c]);
+                    let xhat = &mut xhat[r * c..][..c];
+                    let cols = xhat
+                        .iter_mut()
+                        .zip(x)
+                        .zip(g)
+                        .zip(dw.iter_mut().zip(db.iter_mut()));
+                    for (((xh, &x), &g), (dw, db)) in cols {
+                        *xh = (x - mean) * rstd;
+                        *dw += g * *xh;
+                        *db += g;
+                    }
+                }
+                let (xhat, n) = (&xhat[..k * c], c as f32);
+                let mut sums = [(0.0f32, 0.0f32); ROWS];
+                let gw = |r: usize, i: usize| g[r * c + i] * w[i];
+                if k == ROWS {
+                    let m1 = row_sums::<ROWS>(c, 0.0, gw);
+                    let m2 = row_sums::<ROWS>(c, 0.0, |r, i| gw(r, i) * xhat[r * c + i]);
+                    sums = std::array::from_fn(|r| (m1[r], m2[r]));
+                } else {
+                    for (r, s) in sums[..k].iter_mut().enumerate() {
+                        let m1 = row_sums::<1>(c, 0.0, |_, i| gw(r, i))[0];
+                        *s = (
+                            m1,
+                            row_sums::<1>(c, 0.0, |_, i| gw(r, i) * xhat[r * c + i])[0],
+                        );
+                    }
+                }
+                for (r, &(_, rstd)) in st.iter().enumerate() {
+                    let (m1, m2) = (sums[r].0 / n, sums[r].1 / n);
+                    let (dx, g) = (&mut dx[r * c..][..c], &g[r * c..][..c]);
+                    let xhat = &xhat[r * c..][..c];
+                    for (((dx, &g), &w), &xh) in dx.iter_mut().zip(g).zip(w).zip(xhat) {
+                        *dx += rstd * (g * w - m1 - xh * m2);
+                    }
+                }
+            };
+            let (dx_full, dx_rest) = dx.split_at_mut(full * c);
+            for (((dx, x), g), st) in dx_full
+                .chunks_mut(ROWS * c)
+                .zip(x.chunks(ROWS * c))
+                .zip(g.chunks(ROWS * c))
+                .zip(st[..full].chunks(ROWS))
             {
-                let (mut m1, mut m2) = (0.0f32, 0.0f32);
-                for i in 0..c {
-                    xhat[i] = (x[i] - mean) * rstd;
-                    let gw = g[i] * w[i];
-                    m1 += gw;
-                    m2 += gw * xhat[i];
-                    dw[i] += g[i] * xhat[i];
-                    db[i] += g[i];
-                }
-                let (m1, m2) = (m1 / c as f32, m2 / c as f32);
-                for i in 0..c {
-                    dx[i] += rstd * (g[i] * w[i] - m1 - xhat[i] * m2);
-                }
+                rows(dx, x, g, st);
+            }
+            for (((dx, x), g), st) in dx_rest
+                .chunks_mut(c)
+                .zip(x[full * c..].chunks(c))
+                .zip(g[full * c..].chunks(c))
+                .zip(st[full..].chunks(1))
+            {
+                rows(dx, x, g, st);
             }
             dwb
         })

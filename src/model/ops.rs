@@ -15,7 +15,8 @@ pub(crate) fn exp(x: f32) -> f32 {
     let x = x.clamp(-87.3, 88.3);
     // Round to nearest with the 1.5 * 2^23 trick (no libm call, so the loop vectorizes).
     const MAGIC: f32 = 12_582_912.0;
-    let n = (x * LOG2E + MAGIC) - MAGIC;
+    let m = x * LOG2E + MAGIC;
+    let n = m - MAGIC;
     let r = x - n * C1 - n * C2;
     let p = 1.987_569_1e-4f32;
     let p = p * r + 1.398_199_9e-3;
@@ -24,8 +25,11 @@ pub(crate) fn exp(x: f32) -> f32 {
     let p = p * r + 1.666_666_5e-1;
     let p = p * r + 5e-1;
     let y = p * r * r + r + 1.0;
-    // y * 2^n through the exponent bits (n in [-126, 127] after the clamp).
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // y * 2^n through the exponent bits (n in [-126, 127] after the clamp). m lies in [2^23, 2^24), where
+    // floats are the integers, so its bits are MAGIC's plus n: integer arithmetic that vectorizes (a cast
+    // `n as i32` saturates, which compiles to a scalar conversion and NaN check per lane).
+    let biased = m.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127);
+    y * f32::from_bits(biased << 23)
 }
 
 /// tanh through the exponential: 1 - 2 / (e^{2u} + 1) (absolute error ~1e-7).
@@ -78,13 +82,37 @@ pub(crate) fn rows_per_task(rows: usize, width: usize) -> usize {
     (CHUNK / width.max(1)).clamp(1, rows.max(1))
 }
 
-/// Mean and 1 / std of one row.
+/// Rows whose serial sums run interleaved (`row_sums`).
+pub(crate) const ROWS: usize = 8;
+
+/// The sums over i in 0..c of `f(r, i)` for rows r in 0..R, each one serial in i from `init` (-0.0 is
+/// `Iterator::sum`'s): the rows' chains interleave, so R additions are in flight at once instead of one
+/// (a serial sum waits on each addition's latency), and every row's sum is bit for bit its own serial sum.
 #[inline(always)]
-pub(crate) fn row_stats(x: &[f32], eps: f32) -> (f32, f32) {
-    let n = x.len() as f32;
-    let mean = x.iter().sum::<f32>() / n;
-    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
-    (mean, 1.0 / (var + eps).sqrt())
+pub(crate) fn row_sums<const R: usize>(
+    c: usize,
+    init: f32,
+    f: impl Fn(usize, usize) -> f32,
+) -> [f32; R] {
+    let mut s = [init; R];
+    for i in 0..c {
+        for (r, s) in s.iter_mut().enumerate() {
+            *s += f(r, i);
+        }
+    }
+    s
+}
+
+/// Mean and 1 / std of each of the R rows of `x` (rows of `c`), each one's serial sums as `row_sums`.
+#[inline(always)]
+pub(crate) fn rows_stats<const R: usize>(x: &[f32], c: usize, eps: f32) -> [(f32, f32); R] {
+    let n = c as f32;
+    let mean = row_sums::<R>(c, -0.0, |r, i| x[r * c + i]).map(|s| s / n);
+    let var = row_sums::<R>(c, -0.0, |r, i| {
+        let d = x[r * c + i] - mean[r];
+        d * d
+    });
+    std::array::from_fn(|r| (mean[r], 1.0 / (var[r] / n + eps).sqrt()))
 }
 
 /// log-sum-exp of a row.
@@ -109,6 +137,67 @@ mod tests {
         }
         assert_eq!(exp(-200.0), exp(-87.3));
         assert!(exp(100.0).is_finite());
+    }
+
+    /// exp with the exponent from the saturating cast `n as i32`, as it was written first: the oracle that
+    /// taking it from MAGIC's bits changes no result.
+    fn exp_cast(x: f32) -> f32 {
+        let x = x.clamp(-87.3, 88.3);
+        let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+        let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+        let p = 1.987_569_1e-4f32;
+        let p = p * r + 1.398_199_9e-3;
+        let p = p * r + 8.333_452e-3;
+        let p = p * r + 4.166_579_6e-2;
+        let p = p * r + 1.666_666_5e-1;
+        let p = p * r + 5e-1;
+        let y = p * r * r + r + 1.0;
+        y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    }
+
+    #[test]
+    fn exp_is_bit_for_bit_the_cast_form() {
+        for i in -1_000_000..1_000_000 {
+            let x = i as f32 * 1e-4;
+            assert_eq!(exp(x).to_bits(), exp_cast(x).to_bits(), "exp({x})");
+        }
+        for x in [
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::MIN,
+            1e-30,
+            -1e-30,
+        ] {
+            assert_eq!(exp(x).to_bits(), exp_cast(x).to_bits(), "exp({x})");
+        }
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    /// Interleaved row sums are each row's serial sum, bit for bit (a row of -0.0 included).
+    #[test]
+    fn interleaved_row_stats_are_the_serial_ones() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let c = 77;
+        let mut x: Vec<f32> = (0..ROWS * c).map(|_| rng.random_range(-3.0..5.0)).collect();
+        x[..c].iter_mut().for_each(|v| *v = -0.0);
+        let got = rows_stats::<ROWS>(&x, c, 1e-5);
+        for (r, row) in x.chunks(c).enumerate() {
+            let n = c as f32;
+            let mean = row.iter().sum::<f32>() / n;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+            let want = (mean, 1.0 / (var + 1e-5).sqrt());
+            assert_eq!(
+                (got[r].0.to_bits(), got[r].1.to_bits()),
+                (want.0.to_bits(), want.1.to_bits()),
+                "row {r}"
+            );
+            assert_eq!(
+                rows_stats::<1>(row, c, 1e-5)[0].0.to_bits(),
+                want.0.to_bits()
+            );
+        }
     }
 
     /// erf in f64 from its series / continued fraction, as the reference for the f32 polynomial.
