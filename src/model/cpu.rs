@@ -17,8 +17,8 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use super::ops::{
-    gelu_erf, gelu_erf_grad, gelu_tanh, gelu_tanh_grad, lse, row_sums, rows_per_task, rows_stats,
-    CHUNK, ROWS,
+    gelu_erf, gelu_erf_grad, gelu_tanh, gelu_tanh_grad, row_max, row_sums, rows_lse, rows_per_task,
+    rows_stats, CHUNK, ROWS,
 };
 use super::{Gpt, ParamSet};
 use crate::config::Activation;
@@ -750,19 +750,25 @@ impl std::fmt::Debug for CpuGpt {
 #[multiversion(targets = "simd")]
 fn cross_entropy(logits: &[f32], lse_out: &mut [f32], y: &[u32], v: usize) -> f32 {
     let n = y.len();
-    let per = rows_per_task(n, v);
+    // At least ROWS rows per task, so that wide rows (GPT-2's 50304) interleave too.
+    let per = rows_per_task(n, v).max(ROWS);
     let sums: Vec<f64> = logits
         .par_chunks(per * v)
         .zip(lse_out.par_chunks_mut(per))
         .zip(y.par_chunks(per))
         .map(|((z, lse_out), y)| {
+            // The rows' log-sum-exps ROWS at a time (their serial sums interleaved), the rest one by one.
+            let full = lse_out.len() / ROWS * ROWS;
+            for (z, o) in z.chunks(ROWS * v).zip(lse_out[..full].chunks_mut(ROWS)) {
+                o.copy_from_slice(&rows_lse::<ROWS>(z, v));
+            }
+            for (z, o) in z[full * v..].chunks(v).zip(&mut lse_out[full..]) {
+                *o = rows_lse::<1>(z, v)[0];
+            }
             z.chunks(v)
-                .zip(lse_out.iter_mut())
+                .zip(lse_out.iter())
                 .zip(y)
-                .map(|((row, o), &target)| {
-                    *o = lse(row);
-                    (*o - row[target as usize]) as f64
-                })
+                .map(|((row, &o), &target)| (o - row[target as usize]) as f64)
                 .sum::<f64>()
         })
         .collect();
@@ -1040,7 +1046,7 @@ fn attention_forward(qkv: &[f32], att: &mut [f32], y: &mut [f32], t: usize, c: u
                     mm(pr, t, q, k.t(), false, scale, Parallelism::None);
                     for (i, row) in (r0..).zip(pr.chunks_mut(t)) {
                         let (keep, masked) = row.split_at_mut(i + 1);
-                        let max = keep.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                        let max = row_max(keep);
                         // The exponentials in a loop of their own (it vectorizes), then their sum in order.
                         keep.iter_mut().for_each(|s| *s = super::ops::exp(*s - max));
                         let inv = 1.0 / keep.iter().sum::<f32>();
@@ -1387,7 +1393,7 @@ mod tests {
                     mm(pr, t, q, k.t(), false, scale, Parallelism::None);
                     for (i, row) in pr.chunks_mut(t).enumerate() {
                         let (keep, masked) = row.split_at_mut(i + 1);
-                        let max = keep.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                        let max = row_max(keep);
                         // The exponentials in a loop of their own (it vectorizes), then their sum in order.
                         keep.iter_mut()
                             .for_each(|s| *s = crate::model::ops::exp(*s - max));

@@ -95,12 +95,22 @@ pub(crate) fn row_sums<const R: usize>(
     f: impl Fn(usize, usize) -> f32,
 ) -> [f32; R] {
     let mut s = [init; R];
+    add_row_sums(&mut s, c, f);
+    s
+}
+
+/// `row_sums` continuing the rows' running sums `s`.
+#[inline(always)]
+pub(crate) fn add_row_sums<const R: usize>(
+    s: &mut [f32; R],
+    c: usize,
+    f: impl Fn(usize, usize) -> f32,
+) {
     for i in 0..c {
         for (r, s) in s.iter_mut().enumerate() {
             *s += f(r, i);
         }
     }
-    s
 }
 
 /// Mean and 1 / std of each of the R rows of `x` (rows of `c`), each one's serial sums as `row_sums`.
@@ -115,11 +125,42 @@ pub(crate) fn rows_stats<const R: usize>(x: &[f32], c: usize, eps: f32) -> [(f32
     std::array::from_fn(|r| (mean[r], 1.0 / (var[r] / n + eps).sqrt()))
 }
 
-/// log-sum-exp of a row.
+/// The largest value of a row (NEG_INFINITY when empty), 16 lanes at a time: the maximum does not depend
+/// on the order it is taken in, so this is the serial fold's value, and it vectorizes.
 #[inline(always)]
-pub(crate) fn lse(row: &[f32]) -> f32 {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    max + row.iter().map(|&v| exp(v - max)).sum::<f32>().ln()
+pub(crate) fn row_max(row: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut rows = row.chunks_exact(16);
+    for r in &mut rows {
+        lanes.iter_mut().zip(r).for_each(|(m, &v)| *m = m.max(v));
+    }
+    let tail = rows
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    lanes.iter().fold(tail, |m, &v| m.max(v))
+}
+
+/// log-sum-exp of each of the R rows of `z` (rows of `v`): the sums of exponentials serial per row, as
+/// `Iterator::sum` adds them, with the rows' chains interleaved (`row_sums`).
+#[inline(always)]
+pub(crate) fn rows_lse<const R: usize>(z: &[f32], v: usize) -> [f32; R] {
+    const COLS: usize = 256;
+    let max: [f32; R] = std::array::from_fn(|r| row_max(&z[r * v..][..v]));
+    // The exponentials of a block of columns row by row (that vectorizes), then their sums.
+    let (mut sums, mut e) = ([-0.0f32; R], [[0.0f32; COLS]; R]);
+    for c0 in (0..v).step_by(COLS) {
+        let w = COLS.min(v - c0);
+        for (r, e) in e.iter_mut().enumerate() {
+            let z = &z[r * v + c0..][..w];
+            e[..w]
+                .iter_mut()
+                .zip(z)
+                .for_each(|(e, &x)| *e = exp(x - max[r]));
+        }
+        add_row_sums(&mut sums, w, |r, i| e[r][i]);
+    }
+    std::array::from_fn(|r| max[r] + sums[r].ln())
 }
 
 #[cfg(test)]
@@ -197,6 +238,25 @@ mod tests {
                 rows_stats::<1>(row, c, 1e-5)[0].0.to_bits(),
                 want.0.to_bits()
             );
+        }
+    }
+
+    /// Interleaved log-sum-exps are each row's serial one, bit for bit.
+    #[test]
+    fn interleaved_lse_is_the_serial_one() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for v in [1, 15, 16, 17, 85, 1000] {
+            let z: Vec<f32> = (0..ROWS * v)
+                .map(|_| rng.random_range(-30.0..30.0))
+                .collect();
+            let got = rows_lse::<ROWS>(&z, v);
+            for (r, row) in z.chunks(v).enumerate() {
+                let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                let want = max + row.iter().map(|&x| exp(x - max)).sum::<f32>().ln();
+                assert_eq!(got[r].to_bits(), want.to_bits(), "row {r} of {v}");
+                assert_eq!(rows_lse::<1>(row, v)[0].to_bits(), want.to_bits());
+            }
         }
     }
 
