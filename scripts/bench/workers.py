@@ -6,13 +6,14 @@ workers (batch 1 sequence per worker), on exp gossip with AccumAdamW and on all-
     optimizer's moments and AccumAdamW's accumulated gradient, gossip's send buffer), and
   - `nanodist check`'s estimate of the peak (the number it refuses runs by).
 
-    python3 scripts/bench/workers.py [--workers 8 32 128 256 512] [--steps 12] [--out DIR] [--only WORD]
+    python3 scripts/bench/workers.py [--workers 8 32 128 256 512] [--steps N] [--out DIR] [--only WORD]
 
 Needs ./target/release/nanodist (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 Every run ends with its evaluation and final checkpoint (part of the peak), then its directory is deleted:
 512 workers write ~7 GB of checkpoint (--out puts the run directories elsewhere than a new temporary one,
 e.g. /dev/shm where the disk is short: tmpfs pages are not the process's RSS). ms per worker-step is the median step time of the steps after the
-first two, divided by the workers.
+first two, divided by the workers. Each run trains max(12, 600 / workers) steps unless --steps says otherwise:
+8 workers' steps take ~30 ms, so 12 of them are too few for a stable median on a machine that is shared.
 """
 import argparse
 import json
@@ -43,7 +44,7 @@ def run(args, env=None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128, 256, 512])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, help="steps per run (default: max(12, 600 / workers))")
     ap.add_argument("--out", help="where the run directories go (default: a new temporary directory)")
     ap.add_argument("--only", help="run only the backends whose label contains WORD (e.g. all-reduce)")
     a = ap.parse_args()
@@ -54,12 +55,13 @@ def main():
             continue
         base = None
         for n in a.workers:
+            steps = a.steps or max(12, 600 // n)
             out = tempfile.mkdtemp(prefix="nanodist-workers-", dir=a.out)
             overrides = sets + [
                 f"data_dir={json.dumps(data)}", f"log_dir={json.dumps(out)}", "log.run_name=\"w\"",
-                f"train.global_batch_size={n}", f"train.n_steps={a.steps}",
+                f"train.global_batch_size={n}", f"train.n_steps={steps}",
                 "train.lr_schedule.warmup_steps=0", "log.eval_at_start=false", "log.eval_steps=2",
-                "log.log_interval=1", f"log.eval_interval={a.steps}", f"log.ckpt_interval={a.steps}",
+                "log.log_interval=1", f"log.eval_interval={steps}", f"log.ckpt_interval={steps}",
             ]
             args = [CONFIG, "--workers", str(n)] + [x for s in overrides for x in ("--set", s)]
             check = run(["check"] + args)
@@ -78,8 +80,8 @@ def main():
                 continue
             rss = int(timed.stderr.strip().splitlines()[-1]) * 1024
             with open(os.path.join(out, "w/metrics.jsonl")) as f:
-                steps = [json.loads(line) for line in f]
-            ms = statistics.median(r["ms_per_step"] for r in steps if r["step"] > 2)
+                rows_of_run = [json.loads(line) for line in f]
+            ms = statistics.median(r["ms_per_step"] for r in rows_of_run if r["step"] > 2)
             shutil.rmtree(out, ignore_errors=True)
             per = ms / n
             base = base or per
