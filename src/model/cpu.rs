@@ -17,8 +17,8 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 use super::ops::{
-    gelu_erf, gelu_erf_grad, gelu_tanh, gelu_tanh_grad, row_max, row_sums, rows_lse, rows_per_task,
-    rows_stats, CHUNK, ROWS,
+    gelu_erf, gelu_erf_grad, gelu_tanh, gelu_tanh_grad, row_max, row_sums_of, rows_lse,
+    rows_per_task, rows_stats, CHUNK, ROWS,
 };
 use super::{Gpt, ParamSet};
 use crate::config::Activation;
@@ -938,10 +938,13 @@ fn layer_norm_backward(
             let mut dwb = vec![0.0f32; 2 * c];
             let (dw, db) = dwb.split_at_mut(c);
             let mut xhat = vec![0.0f32; ROWS * c];
-            // ROWS rows at a time (their serial sums interleaved), the rest one by one.
-            let full = st.len() / ROWS * ROWS;
-            let mut rows = |dx: &mut [f32], x: &[f32], g: &[f32], st: &[(f32, f32)]| {
-                let k = st.len();
+            // ROWS rows at a time (their serial sums interleaved; the last group may be shorter).
+            let groups = dx
+                .chunks_mut(ROWS * c)
+                .zip(x.chunks(ROWS * c))
+                .zip(g.chunks(ROWS * c))
+                .zip(st.chunks(ROWS));
+            for (((dx, x), g), st) in groups {
                 // The column-wise part row by row (it vectorizes), then the two serial sums of each row.
                 for (r, &(mean, rstd)) in st.iter().enumerate() {
                     let (x, g) = (&x[r * c..][..c], &g[r * c..][..c]);
@@ -957,47 +960,18 @@ fn layer_norm_backward(
                         *db += g;
                     }
                 }
-                let (xhat, n) = (&xhat[..k * c], c as f32);
-                let mut sums = [(0.0f32, 0.0f32); ROWS];
+                let (k, n) = (st.len(), c as f32);
                 let gw = |r: usize, i: usize| g[r * c + i] * w[i];
-                if k == ROWS {
-                    let m1 = row_sums::<ROWS>(c, 0.0, gw);
-                    let m2 = row_sums::<ROWS>(c, 0.0, |r, i| gw(r, i) * xhat[r * c + i]);
-                    sums = std::array::from_fn(|r| (m1[r], m2[r]));
-                } else {
-                    for (r, s) in sums[..k].iter_mut().enumerate() {
-                        let m1 = row_sums::<1>(c, 0.0, |_, i| gw(r, i))[0];
-                        *s = (
-                            m1,
-                            row_sums::<1>(c, 0.0, |_, i| gw(r, i) * xhat[r * c + i])[0],
-                        );
-                    }
-                }
+                let m1 = row_sums_of(k, c, 0.0, gw);
+                let m2 = row_sums_of(k, c, 0.0, |r, i| gw(r, i) * xhat[r * c + i]);
                 for (r, &(_, rstd)) in st.iter().enumerate() {
-                    let (m1, m2) = (sums[r].0 / n, sums[r].1 / n);
+                    let (m1, m2) = (m1[r] / n, m2[r] / n);
                     let (dx, g) = (&mut dx[r * c..][..c], &g[r * c..][..c]);
                     let xhat = &xhat[r * c..][..c];
                     for (((dx, &g), &w), &xh) in dx.iter_mut().zip(g).zip(w).zip(xhat) {
                         *dx += rstd * (g * w - m1 - xh * m2);
                     }
                 }
-            };
-            let (dx_full, dx_rest) = dx.split_at_mut(full * c);
-            for (((dx, x), g), st) in dx_full
-                .chunks_mut(ROWS * c)
-                .zip(x.chunks(ROWS * c))
-                .zip(g.chunks(ROWS * c))
-                .zip(st[..full].chunks(ROWS))
-            {
-                rows(dx, x, g, st);
-            }
-            for (((dx, x), g), st) in dx_rest
-                .chunks_mut(c)
-                .zip(x[full * c..].chunks(c))
-                .zip(g[full * c..].chunks(c))
-                .zip(st[full..].chunks(1))
-            {
-                rows(dx, x, g, st);
             }
             dwb
         })

@@ -99,6 +99,25 @@ pub(crate) fn row_sums<const R: usize>(
     s
 }
 
+/// `row_sums` of the first k <= ROWS rows: interleaved when k is ROWS, else one row at a time (the same
+/// sums either way); the other entries are `init`.
+#[inline(always)]
+pub(crate) fn row_sums_of(
+    k: usize,
+    c: usize,
+    init: f32,
+    f: impl Fn(usize, usize) -> f32,
+) -> [f32; ROWS] {
+    if k == ROWS {
+        return row_sums::<ROWS>(c, init, f);
+    }
+    let mut s = [init; ROWS];
+    for (r, s) in s[..k].iter_mut().enumerate() {
+        *s = row_sums::<1>(c, init, |_, i| f(r, i))[0];
+    }
+    s
+}
+
 /// `row_sums` continuing the rows' running sums `s`.
 #[inline(always)]
 pub(crate) fn add_row_sums<const R: usize>(
