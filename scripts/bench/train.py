@@ -9,9 +9,14 @@ threads ("1xT") and, on the small configs, T local workers of one thread each sp
 ("Tx1"). Runs alternate between the implementations; each row is the median of --runs runs, each training
 `steps` steps of which the first `warmup` are not timed.
 
+Mixed precision ("amp", `train.amp = true`: bf16 matmuls with f32 sums, f32 master weights) is a row of its own
+for both: nanodist's linear layers and lm head in bf16; torch under torch.autocast("cpu", bfloat16), which is not
+what nanoGPT runs on CPU (its train.py autocasts on CUDA only), so the ratio column stays against f32 torch SDPA.
+
 The same run measures the machine's f32 GEMM peak with T threads (the best of numpy's BLAS and torch.mm over
-square sizes 512-2048) and prints each row's achieved FLOP/s (tokens/s x nanodist's FLOPs per token, the
-6N + 12 L T C estimate nanoGPT's MFU uses) as a fraction of it.
+square sizes 512-2048) and its bf16 GEMM peak (torch.mm on bf16, oneDNN's kernels), and prints each row's
+achieved FLOP/s (tokens/s x nanodist's FLOPs per token, the 6N + 12 L T C estimate nanoGPT's MFU uses) as a
+fraction of the peak of its precision ("f32" or "bf16").
 
     python3 scripts/bench/train.py [--runs 3] [--threads 2] [--configs cpu,medium,gpt2]
 
@@ -38,21 +43,27 @@ GEMM_PEAK = r"""
 import json, sys, time
 import numpy as np, torch
 torch.set_num_threads(int(sys.argv[1]))
-best = 0.0
+best, bf16 = 0.0, 0.0
 for n in (512, 1024, 2048):
     a = np.random.rand(n, n).astype(np.float32)
     b = np.random.rand(n, n).astype(np.float32)
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    for mm in (lambda: a @ b, lambda: torch.mm(ta, tb)):
+    ha, hb = ta.bfloat16(), tb.bfloat16()
+    for half, mm in ((False, lambda: a @ b), (False, lambda: torch.mm(ta, tb)), (True, lambda: torch.mm(ha, hb))):
         mm()
         for _ in range(5):
             t = time.perf_counter()
             mm()
-            best = max(best, 2 * n ** 3 / (time.perf_counter() - t))
-print(json.dumps({"flops": best}))
+            f = 2 * n ** 3 / (time.perf_counter() - t)
+            if half:
+                bf16 = max(bf16, f)
+            else:
+                best = max(best, f)
+print(json.dumps({"flops": best, "bf16": bf16}))
 """
 
-# nanoGPT's training step on PyTorch, as its train.py runs it. On CPU: f32, `threads` threads. On CUDA
+# nanoGPT's training step on PyTorch, as its train.py runs it. On CPU: f32 (bf16 autocast with "amp", an
+# extra row), `threads` threads. On CUDA
 # (scripts/bench/gpu.py): bf16 autocast, TF32 matmuls, fused AdamW, and torch.compile with "compile".
 TORCH_RUN = r"""
 import contextlib, json, os, sys, time
@@ -76,7 +87,8 @@ opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_d
                         lr=1e-3, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {}))
 if cfg.get("compile"):
     model = torch.compile(model)
-amp = (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+amp = (lambda: torch.autocast(device_type=dev, dtype=torch.bfloat16)) if cuda or cfg.get("amp") \
+    else contextlib.nullcontext
 sync = torch.cuda.synchronize if cuda else (lambda: None)
 data = np.memmap(cfg["data"], dtype=np.uint16, mode="r")
 rng = np.random.default_rng(0)
@@ -151,11 +163,11 @@ def flops_per_token(exe, c, vocab, data_dir):
     return float(next(l.split()[-1] for l in out.splitlines() if l.startswith("FLOPs per token")))
 
 
-def run_nanodist(exe, c, act, workers, total_threads, vocab, data_dir, env):
+def run_nanodist(exe, c, act, workers, total_threads, vocab, data_dir, env, amp=False):
     """One nanodist run: `workers` local workers of total_threads / workers threads; (tokens/s, peak RSS MB)."""
     with tempfile.TemporaryDirectory() as log:
         cmd = [exe, "train", os.path.join(ROOT, "config/gpt2-small.toml"), "--workers", str(workers)]
-        for s in nanodist_sets(c, act, workers, total_threads, vocab, data_dir, log):
+        for s in nanodist_sets(c, act, workers, total_threads, vocab, data_dir, log) + [f"train.amp={str(amp).lower()}"]:
             cmd += ["--set", s]
         _, usage = run_measured(cmd, env=env)
         rows = [json.loads(l) for l in open(os.path.join(log, "bench/metrics.jsonl"))]
@@ -181,41 +193,46 @@ def main():
     py = python_with_torch()
     env = {**os.environ, "RAYON_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads),
            "OPENBLAS_NUM_THREADS": str(args.threads)}
-    peak = json.loads(subprocess.run([py, "-c", GEMM_PEAK, str(args.threads)], env=env, check=True,
-                                     capture_output=True, text=True).stdout)["flops"]
-    print(f"threads {args.threads}; f32 GEMM peak of this machine with {args.threads} threads: {peak / 1e9:.0f} GFLOP/s "
-          f"(numpy/torch BLAS, 512-2048 square); median of {args.runs} alternating runs; tokens/s after the warm-up "
-          f"steps; peak RSS in MB; char data (vocabulary {vocab}; gpt2: 50304)", flush=True)
-    print(f"{'config':<7} {'impl':<26} {'tokens/s':>9} {'vs torch SDPA':>14} {'GEMM peak':>10} {'RSS MB':>7}")
+    peaks = json.loads(subprocess.run([py, "-c", GEMM_PEAK, str(args.threads)], env=env, check=True,
+                                      capture_output=True, text=True).stdout)
+    peak, peak16 = peaks["flops"], peaks["bf16"]
+    print(f"threads {args.threads}; GEMM peak of this machine with {args.threads} threads: f32 {peak / 1e9:.0f} GFLOP/s "
+          f"(numpy/torch BLAS), bf16 {peak16 / 1e9:.0f} GFLOP/s (torch.mm), 512-2048 square; median of {args.runs} "
+          f"alternating runs; tokens/s after the warm-up steps; peak RSS in MB; char data (vocabulary {vocab}; "
+          f"gpt2: 50304); ratios against f32 torch SDPA (nanoGPT as it runs on CPU)", flush=True)
+    print(f"{'config':<7} {'impl':<30} {'tokens/s':>9} {'vs torch SDPA':>14} {'of GEMM peak':>13} {'RSS MB':>7}")
     for name in args.configs.split(","):
         c = CONFIGS[name]
         v = c.get("vocab", vocab)
         fpt = flops_per_token(exe, c, v, data_dir)
         # (label, implementation, activation): the big config runs nanoGPT's default GELU only.
         acts = ("gelu",) if name == "gpt2" else ("gelu", "gelu_tanh")
-        rows = [(f"nanodist 1x{args.threads}", ("nanodist", 1), a) for a in acts]
+        # (label, (implementation, workers or attention, amp), activation)
+        rows = [(f"nanodist 1x{args.threads}", ("nanodist", 1, False), a) for a in acts]
         if name != "gpt2":
-            rows.append((f"nanodist {args.threads}x1", ("nanodist", args.threads), "gelu_tanh"))
-        rows += [("torch SDPA", ("torch", "sdpa"), a) for a in acts]
-        rows.append(("torch mask", ("torch", "mask"), acts[-1]))
+            rows.append((f"nanodist {args.threads}x1", ("nanodist", args.threads, False), "gelu_tanh"))
+        rows += [(f"nanodist 1x{args.threads} amp", ("nanodist", 1, True), a) for a in acts]
+        rows += [("torch SDPA", ("torch", "sdpa", False), a) for a in acts]
+        rows.append(("torch mask", ("torch", "mask", False), acts[-1]))
+        rows.append(("torch SDPA amp", ("torch", "sdpa", True), acts[-1]))
         res = {}
         for _ in range(args.runs):
-            for label, (impl, how), act in rows:
+            for label, (impl, how, amp), act in rows:
                 if impl == "nanodist":
-                    r = run_nanodist(exe, c, act, how, args.threads, v, data_dir, env)
+                    r = run_nanodist(exe, c, act, how, args.threads, v, data_dir, env, amp)
                 else:
-                    cfg = dict(c, activation=act, threads=args.threads, vocab=v, attention=how,
+                    cfg = dict(c, activation=act, threads=args.threads, vocab=v, attention=how, amp=amp,
                                data=os.path.join(data_dir, "train.bin"))
                     out, usage = run_measured([py, "-c", TORCH_RUN, ROOT, json.dumps(cfg)], env=env)
                     r = (json.loads(out)["tokens_per_s"], usage.ru_maxrss / 1024)
                 res.setdefault((label, act), []).append(r)
         med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
-        for label, _, act in rows:
+        for label, (_, _, amp), act in rows:
             tps, rss = med[(label, act)]
             base = med[("torch SDPA", act)][0]
             text = f"{label} {'erf' if act == 'gelu' else 'tanh'}-GELU"
-            print(f"{name:<7} {text:<26} {tps:>9.0f} {tps / base:>13.2f}x {tps * fpt / peak:>9.1%} {rss:>7.0f}",
-                  flush=True)
+            frac = f"{tps * fpt / (peak16 if amp else peak):.1%} {'bf16' if amp else 'f32'}"
+            print(f"{name:<7} {text:<30} {tps:>9.0f} {tps / base:>13.2f}x {frac:>13} {rss:>7.0f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ impl BatchSchedule {
                 "the ramp starts at {start} sequences, which is not below global_batch_size = {global}"
             ));
         }
-        if (global - start) % increment != 0 {
+        if !(global - start).is_multiple_of(increment) {
             return Err(format!(
                 "global_batch_size - start = {global} - {start} = {} is not a multiple of the increment {increment}",
                 global - start

@@ -539,9 +539,10 @@ fn key_notes(t: &super::TrainConfig, doc: &Node) -> Vec<String> {
         );
     }
     if t.amp && t.device == super::train::Device::Cpu {
-        notes.push(
-            "train.amp = true: mixed precision applies to CUDA only; training in f32 on CPU".into(),
-        );
+        notes.push(format!(
+            "train.amp = true on CPU: {}",
+            crate::model::matmul::CpuAmp::get()
+        ));
     }
     notes
 }

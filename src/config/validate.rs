@@ -441,7 +441,7 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
     let mut add = |path: &str, message: String| out.push(problem_at(doc, path, message));
 
     let m = &cfg.model;
-    if m.n_embd % m.n_heads != 0 {
+    if !m.n_embd.is_multiple_of(m.n_heads) {
         add(
             "model.n_heads",
             format!(
@@ -484,7 +484,7 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
                 "{what} is not divisible by the world size {world}; make it so, or set train.local_batch_size"
             ),
         );
-    } else if local == 0 || per_step == 0 || t.global_batch_size % per_step != 0 {
+    } else if local == 0 || per_step == 0 || !t.global_batch_size.is_multiple_of(per_step) {
         add(
             "train.local_batch_size",
             format!(

@@ -124,7 +124,7 @@ impl AccumStep {
             bc2_sqrt: (1.0 - b2.powi(c)).sqrt() as f32,
             eps: eps as f32,
             step_size: (lr / bc1) as f32,
-            commit: t % k == 0,
+            commit: t.is_multiple_of(k),
         }
     }
 }

@@ -16,106 +16,16 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use super::matmul::{mm, Bf16Buffers, Bf16Path, Precision, Products, M};
 use super::ops::{
     gelu_erf, gelu_erf_grad, gelu_tanh, gelu_tanh_grad, row_max, row_sums_of, rows_lse,
     rows_per_task, rows_stats, CHUNK, ROWS,
 };
 use super::{Gpt, ParamSet};
 use crate::config::Activation;
+use std::cell::RefCell;
 
 const LN_EPS: f32 = 1e-5;
-
-/// A matrix in a slice: rows x cols with row and column strides (a transpose swaps them).
-#[derive(Clone, Copy)]
-struct M<'a> {
-    d: &'a [f32],
-    rows: usize,
-    cols: usize,
-    rs: usize,
-    cs: usize,
-}
-
-impl<'a> M<'a> {
-    /// Row-major rows x cols.
-    fn new(d: &'a [f32], rows: usize, cols: usize) -> Self {
-        Self::strided(d, rows, cols, cols)
-    }
-
-    /// rows x cols with rows `rs` apart (a column block of a wider row-major matrix).
-    fn strided(d: &'a [f32], rows: usize, cols: usize, rs: usize) -> Self {
-        Self {
-            d,
-            rows,
-            cols,
-            rs,
-            cs: 1,
-        }
-    }
-
-    fn t(self) -> Self {
-        Self {
-            rows: self.cols,
-            cols: self.rows,
-            rs: self.cs,
-            cs: self.rs,
-            ..self
-        }
-    }
-
-    /// The last element it reads is inside the slice.
-    fn fits(&self, len: usize) -> bool {
-        self.rows == 0
-            || self.cols == 0
-            || (self.rows - 1) * self.rs + (self.cols - 1) * self.cs < len
-    }
-}
-
-/// The gemm threading for the current rayon pool.
-fn par() -> Parallelism {
-    match rayon::current_num_threads() {
-        1 => Parallelism::None,
-        n => Parallelism::Rayon(n),
-    }
-}
-
-/// out (a.rows x b.cols, row stride `out_rs`) = scale * a b, or += when `acc`.
-fn mm(out: &mut [f32], out_rs: usize, a: M, b: M, acc: bool, scale: f32, par: Parallelism) {
-    let (m, n, k) = (a.rows, b.cols, a.cols);
-    assert_eq!(k, b.rows, "inner dimensions");
-    let o = M::strided(out, m, n, out_rs);
-    assert!(
-        a.fits(a.d.len()) && b.fits(b.d.len()) && o.fits(out.len()),
-        "matmul operand out of bounds"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    // SAFETY: the three checks above keep every element gemm reads or writes inside its slice; `out`
-    // is borrowed mutably, so it aliases neither input.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            out_rs as isize,
-            acc,
-            a.d.as_ptr(),
-            a.cs as isize,
-            a.rs as isize,
-            b.d.as_ptr(),
-            b.cs as isize,
-            b.rs as isize,
-            1.0,
-            scale,
-            false,
-            false,
-            false,
-            par,
-        )
-    }
-}
 
 /// One parameter: its place in the flat weights and gradient.
 #[derive(Debug, Clone, Copy)]
@@ -130,12 +40,16 @@ impl Slot {
     }
 }
 
-/// The parameters' values for one forward/backward: the caller's flat weights (name order).
-struct Params<'a>(&'a [f32]);
+/// The parameters' values for one forward/backward (the caller's flat weights, name order), and the
+/// products of the linear layers and lm head that read them.
+struct Params<'a> {
+    w: &'a [f32],
+    mm: Products<'a>,
+}
 
 impl Params<'_> {
     fn get(&self, s: Slot) -> &[f32] {
-        &self.0[s.off..][..s.len]
+        &self.w[s.off..][..s.len]
     }
 }
 
@@ -211,6 +125,8 @@ struct Acts {
 #[derive(Default)]
 pub struct Scratch {
     acts: Acts,
+    /// The operands of the bf16 products (`train.amp`).
+    bf16: RefCell<Bf16Buffers>,
 }
 
 /// The lengths of a Scratch's buffers for a model (layers, width, heads, vocabulary) and a b x t batch:
@@ -275,6 +191,9 @@ pub struct CpuGpt {
     wpe: Slot,
     layers: Vec<Layer>,
     lnf: Norm,
+    /// The precision of the linear layers' and lm head's matmuls, and how this CPU runs bf16 ones.
+    prec: Precision,
+    bf16: Bf16Path,
 }
 
 impl CpuGpt {
@@ -331,18 +250,33 @@ impl CpuGpt {
             wpe: off("transformer.wpe.weight", model.context_length * c)?,
             layers,
             lnf: norm("transformer.ln_f")?,
+            prec: Precision::F32,
+            bf16: Bf16Path::detect(),
         })
     }
 
+    /// The precision of the linear layers' and lm head's matmuls, and how bf16 ones run.
+    pub fn set_precision(&mut self, prec: Precision, bf16: Bf16Path) {
+        self.prec = prec;
+        self.bf16 = bf16;
+    }
+
     /// The weights as the engine reads them: `weights` must hold every parameter (flat, name order).
-    fn params<'w>(&self, weights: &'w [f32]) -> Result<Params<'w>> {
+    fn params<'w>(&self, weights: &'w [f32], bufs: &'w RefCell<Bf16Buffers>) -> Result<Params<'w>> {
         ensure!(
             weights.len() == self.numel,
             "{} weights for a model of {} parameters",
             weights.len(),
             self.numel
         );
-        Ok(Params(weights))
+        Ok(Params {
+            w: weights,
+            mm: Products {
+                prec: self.prec,
+                path: self.bf16,
+                bufs,
+            },
+        })
     }
 
     /// Mean cross-entropy of next tokens `y` after `x` (both b x t, row-major) with `weights`.
@@ -355,7 +289,7 @@ impl CpuGpt {
         b: usize,
         t: usize,
     ) -> Result<f32> {
-        let p = self.params(weights)?;
+        let p = self.params(weights, &scratch.bf16)?;
         self.forward(&mut scratch.acts, &p, x, y, b, t, None)
     }
 
@@ -380,7 +314,7 @@ impl CpuGpt {
             grads.len(),
             self.numel
         );
-        let p = self.params(weights)?;
+        let p = self.params(weights, &scratch.bf16)?;
         let loss = self.forward(&mut scratch.acts, &p, x, y, b, t, dropout)?;
         self.backward(&mut scratch.acts, &p, x, y, scale, grads);
         Ok(loss)
@@ -407,15 +341,7 @@ impl CpuGpt {
         self.hidden(a, p, x, b, t, dropout)?;
         let (c, v, n) = (self.c, self.vocab, b * t);
         let wte = M::new(p.get(self.wte), v, c);
-        mm(
-            &mut a.logits,
-            v,
-            M::new(&a.xf, n, c),
-            wte.t(),
-            false,
-            1.0,
-            par(),
-        );
+        p.mm.mm(&mut a.logits, v, M::new(&a.xf, n, c), wte.t(), false);
         Ok(cross_entropy(&a.logits, &mut a.lse, y, v))
     }
 
@@ -429,7 +355,7 @@ impl CpuGpt {
         b: usize,
         t: usize,
     ) -> Result<Vec<f32>> {
-        let p = self.params(weights)?;
+        let p = self.params(weights, &scratch.bf16)?;
         let a = &mut scratch.acts;
         self.hidden(a, &p, x, b, t, None)?;
         let (c, v) = (self.c, self.vocab);
@@ -437,7 +363,7 @@ impl CpuGpt {
         let mut out = vec![0.0f32; b * v];
         for (s, o) in out.chunks_mut(v).enumerate() {
             let last = &a.xf[(s * t + t - 1) * c..][..c];
-            mm(o, v, M::new(last, 1, c), wte.t(), false, 1.0, par());
+            p.mm.mm(o, v, M::new(last, 1, c), wte.t(), false);
         }
         Ok(out)
     }
@@ -601,24 +527,14 @@ impl CpuGpt {
         cross_entropy_backward(&mut a.logits, &a.lse, y, v, scale / n as f32);
         // lm head (tied to wte): dwte += dlogits^T xf, dxf = dlogits wte.
         let dlogits = M::new(&a.logits, n, v);
-        mm(
+        p.mm.mm(
             self.wte.of(grads),
             c,
             dlogits.t(),
             M::new(&a.xf, n, c),
             true,
-            1.0,
-            par(),
         );
-        mm(
-            &mut a.dc,
-            c,
-            dlogits,
-            M::new(p.get(self.wte), v, c),
-            false,
-            1.0,
-            par(),
-        );
+        p.mm.mm(&mut a.dc, c, dlogits, M::new(p.get(self.wte), v, c), false);
         a.dres.iter_mut().for_each(|d| *d = 0.0);
         let l_n = self.n_layers;
         layer_norm_backward(
@@ -825,7 +741,7 @@ fn linear(p: &Params, lin: Linear, x: &[f32], n: usize, out: &mut [f32]) {
         }
         None => false,
     };
-    mm(out, lin.out, M::new(x, n, lin.inp), w.t(), acc, 1.0, par());
+    p.mm.mm(out, lin.out, M::new(x, n, lin.inp), w.t(), acc);
 }
 
 /// Backward of `linear` given dy (n, out) and its input x (n, in): dW += dy^T x, db += column sums of
@@ -840,20 +756,18 @@ fn linear_backward(
     dx: &mut [f32],
 ) {
     let dy_m = M::new(dy, n, lin.out);
-    mm(
+    p.mm.mm(
         lin.w.of(grads),
         lin.inp,
         dy_m.t(),
         M::new(x, n, lin.inp),
         true,
-        1.0,
-        par(),
     );
     if let Some(b) = lin.b {
         column_sums_into(b.of(grads), dy, lin.out);
     }
     let w = M::new(p.get(lin.w), lin.out, lin.inp);
-    mm(dx, lin.inp, dy_m, w, false, 1.0, par());
+    p.mm.mm(dx, lin.inp, dy_m, w, false);
 }
 
 /// acc[j] += sum over rows of m[., j], with per-task partial sums added in task order (the result does
@@ -1316,6 +1230,42 @@ mod tests {
             let held = 4 * f32s.iter().map(|v| v.len()).sum::<usize>() + 8 * stats;
             let want = scratch_bytes(layers, c, heads, 29, b, t, dropout > 0.0);
             assert_eq!(held as u64, want);
+        }
+    }
+
+    /// `matmul::bf16_bytes` (what `check` adds per compute slot under `train.amp`) bounds the operand
+    /// buffers of a step's bf16 products, within a factor of two.
+    #[test]
+    fn bf16_bytes_bounds_the_buffers_of_a_step() {
+        let mut paths = vec![Bf16Path::Emulated];
+        if Bf16Path::detect() == Bf16Path::Avx512 {
+            paths.push(Bf16Path::Avx512);
+        }
+        for path in paths {
+            for (c, heads, vocab, b, t) in [(16, 2, 29, 3, 5), (32, 4, 300, 2, 16)] {
+                let cfg = ModelConfig {
+                    vocab_size: vocab,
+                    ..model(true, Activation::Gelu, 0.0, 2, c, heads).cfg
+                };
+                let m = Gpt::new(&cfg, 16, 1, &Device::Cpu).unwrap();
+                let mut cpu = CpuGpt::new(&m).unwrap();
+                cpu.set_precision(Precision::Bf16, path);
+                let (x, y) = (
+                    tokens(b * t, 5, vocab as u32),
+                    tokens(b * t, 7, vocab as u32),
+                );
+                let mut g = vec![0.0f32; m.params.numel];
+                let mut scratch = Scratch::default();
+                let w = m.initial_weights();
+                cpu.loss_and_grads(&mut scratch, &w, &x, &y, b, t, None, 1.0, &mut g)
+                    .unwrap();
+                let held = scratch.bf16.borrow().bytes() as u64;
+                let bound = crate::model::matmul::bf16_bytes(path, b * t, c, vocab);
+                assert!(
+                    held <= bound && 2 * held >= bound,
+                    "{path:?} c {c} vocab {vocab}: {held} bytes held, {bound} estimated"
+                );
+            }
         }
     }
 

@@ -2,6 +2,7 @@
 
 pub mod cpu;
 pub mod gpt;
+pub mod matmul;
 pub mod ops;
 pub mod params;
 

@@ -615,7 +615,7 @@ mod tests {
             let v = sv + (1.0 - b2) * g * g;
             let c = t.div_ceil(k) as i32;
             q -= lr / (1.0 - b1.powi(c)) * m / (v.sqrt() / (1.0 - b2.powi(c)).sqrt() + eps);
-            if t % k == 0 {
+            if t.is_multiple_of(k) {
                 sm = b1 * (sm + (1.0 - b1) * acc);
                 sv = b2 * (sv + (1.0 - b2) * acc * acc);
                 acc = 0.0;

@@ -55,7 +55,7 @@ impl Layout {
 fn divisor(n: usize, max: usize) -> usize {
     (1..=max.min(n).max(1))
         .rev()
-        .find(|d| n % d == 0)
+        .find(|d| n.is_multiple_of(*d))
         .unwrap_or(1)
 }
 

@@ -144,7 +144,7 @@ impl Diloco {
 
     /// The fragment whose pseudo-gradient is averaged for the sync point `at` (inner steps done).
     fn fragment_at(&self, at: u64) -> Option<usize> {
-        (at > 0 && at % self.period() == 0)
+        (at > 0 && at.is_multiple_of(self.period()))
             .then(|| ((at / self.period() - 1) % self.cfg.fragments) as usize)
     }
 

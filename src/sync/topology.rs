@@ -24,7 +24,7 @@ pub fn fits(topo: Topology, world: usize, per_node: usize) -> Result<(), String>
     }
     match topo {
         Topology::Complete => Ok(()),
-        Topology::Ring if world % 2 != 0 => Err(format!(
+        Topology::Ring if !world.is_multiple_of(2) => Err(format!(
             "topology \"ring\" pairs neighbours in two rounds and needs an even world size, found {world}"
         )),
         Topology::Exp if !world.is_power_of_two() => Err(format!(
@@ -32,7 +32,7 @@ pub fn fits(topo: Topology, world: usize, per_node: usize) -> Result<(), String>
         )),
         Topology::AlternatingExpRing => {
             let nodes = world / per_node.max(1);
-            if per_node > 0 && world % per_node == 0 && nodes >= 2 && nodes.is_power_of_two() {
+            if per_node > 0 && world.is_multiple_of(per_node) && nodes >= 2 && nodes.is_power_of_two() {
                 return Ok(());
             }
             let found = format!(
@@ -41,7 +41,7 @@ pub fn fits(topo: Topology, world: usize, per_node: usize) -> Result<(), String>
                 world as f64 / per_node.max(1) as f64
             );
             // Two nodes of world / 2 ranks always fit an even world; an odd one fits no layout.
-            Err(if world % 2 == 0 {
+            Err(if world.is_multiple_of(2) {
                 format!(
                     "{found}; e.g. two nodes: --set train.ranks_per_node={} (or launch {} task(s) per node)",
                     world / 2,

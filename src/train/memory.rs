@@ -12,6 +12,7 @@
 
 use crate::config::resolve::SyncPlan;
 use crate::config::{Config, Engine, Plan};
+use crate::model::matmul::Precision;
 
 /// The process's binary, its runtime, the data indexes and the metrics writers, measured: a one-worker
 /// run of the quick-start model peaks at ~45 MB RSS, most of it the binary's pages.
@@ -34,8 +35,9 @@ pub struct Estimate {
     /// Each worker's buffers beside its state at the peak: the average at an evaluation or checkpoint,
     /// or the backend's per-step buffers, whichever is larger.
     pub transient: u64,
-    /// Compute slots, and what each holds at most: the activations and scratch of a forward/backward, or
-    /// the copy of a rank's state a checkpoint writes.
+    /// Compute slots, and what each holds at most: the activations and scratch of a forward/backward
+    /// (with the operands of its bf16 products under `train.amp`), or the copy of a rank's state a
+    /// checkpoint writes.
     pub slots: u64,
     pub scratch: u64,
     /// GEMM's packing buffers of each slot's threads.
@@ -107,7 +109,16 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
         plan.local_batch_size,
         t.context_length,
         m.dropout > 0.0,
-    );
+    ) + if t.amp
+        && t.device == crate::config::train::Device::Cpu
+        && crate::model::matmul::CpuAmp::get().precision(true) == Precision::Bf16
+    {
+        let path = crate::model::matmul::Bf16Path::detect();
+        let n = plan.local_batch_size * t.context_length;
+        crate::model::matmul::bf16_bytes(path, n, m.n_embd, m.vocab_size)
+    } else {
+        0
+    };
     let threads = plan
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |c| c.get()))

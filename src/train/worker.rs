@@ -111,9 +111,8 @@ impl<'s> Worker<'s> {
         let (cfg, plan) = (&setup.cfg, &setup.plan);
         let t = &cfg.train;
         let device = crate::device::select(t.device, comm.rank())?;
-        // Mixed precision on GPUs: bf16 matmuls, f32 master weights, optimizer and reducer state.
-        let model = Gpt::new(&cfg.model, t.context_length, t.seed, &device)?
-            .with_amp(t.amp && device.is_cuda());
+        // Mixed precision: bf16 matmuls, f32 master weights, optimizer and reducer state.
+        let model = Gpt::new(&cfg.model, t.context_length, t.seed, &device)?.with_amp(t.amp);
         let tensors = crate::sync::compress::TensorView::of(&model.params.params);
         let sync = crate::sync::build(&plan.sync, comm, tensors)?;
         let segments: Vec<Segment> = model
@@ -282,14 +281,15 @@ impl<'s> Worker<'s> {
             self.since_log
                 .add_step(loss, self.setup.plan.tokens_at(self.progress.step - 1));
             let step = self.progress.step;
-            let eval_due = step % self.setup.cfg.log.eval_interval == 0 || step == t.n_steps;
-            if step % self.setup.cfg.log.log_interval == 0 || eval_due {
+            let eval_due =
+                step.is_multiple_of(self.setup.cfg.log.eval_interval) || step == t.n_steps;
+            if step.is_multiple_of(self.setup.cfg.log.log_interval) || eval_due {
                 self.log(lr, grad_norm, eval_due)?;
             }
             let vote = self.vote();
             let exit = self.control(|w| vote.agree(w.sync.comm_mut()))?;
             let ckpt_every = self.setup.cfg.log.ckpt_interval;
-            if exit != Vote::Continue || (ckpt_every > 0 && step % ckpt_every == 0) {
+            if exit != Vote::Continue || (ckpt_every > 0 && step.is_multiple_of(ckpt_every)) {
                 self.control(Self::save_checkpoint)?;
             }
             if exit != Vote::Continue {

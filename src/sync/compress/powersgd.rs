@@ -264,7 +264,7 @@ impl PowerSgd {
             self.project(grads.as_ref(), false)?;
             all_reduce_mean_flat(comm, self.q.as_mut())?;
         } else {
-            let left = self.compressed_steps % 2 == 0;
+            let left = self.compressed_steps.is_multiple_of(2);
             if self.compressed_steps == 0 {
                 self.orthogonalize_all(false)?;
             }
@@ -285,7 +285,7 @@ impl PowerSgd {
         self.unpack(grads.reborrow(), &dense_idx, dense.as_ref())?;
         if self.cfg.single_allreduce {
             // The averaged side, orthonormalised, is next step's fixed side.
-            self.orthogonalize_all(self.compressed_steps % 2 == 0)?;
+            self.orthogonalize_all(self.compressed_steps.is_multiple_of(2))?;
         }
         self.compressed_steps += 1;
         // input - result: the new error (with error feedback) and the compression error's numerator.
@@ -352,7 +352,7 @@ impl Reducer for PowerSgd {
                 .map(|w| all_reduce(w, world))
                 .to_vec();
         }
-        let left = (step - self.cfg.start_iter) % 2 == 0;
+        let left = (step - self.cfg.start_iter).is_multiple_of(2);
         let side = if left { self.p.len() } else { self.q.len() };
         vec![all_reduce(side + dense, world)]
     }

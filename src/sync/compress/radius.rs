@@ -54,7 +54,7 @@ impl Radius {
     /// Whether `step` re-selects the mask: on the interval grid from `threshold`, or when there is none
     /// yet (a run switched from a dense checkpoint).
     fn reselects(&self, step: u64) -> bool {
-        self.mask.is_empty() || (step - self.cfg.threshold) % self.cfg.interval == 0
+        self.mask.is_empty() || (step - self.cfg.threshold).is_multiple_of(self.cfg.interval)
     }
 
     /// Top-k of each matrix tensor of `avg` (the core) and the mask: core widened by +-range, plus
@@ -254,7 +254,7 @@ impl Reducer for Radius {
     /// len (1 - (1 - k/len)^(2 range + 1)); a run's logged bytes show the real masks).
     fn step_comm(&self, world: usize, step: u64) -> Vec<Collective> {
         let dense = step < self.cfg.threshold
-            || (step - self.cfg.threshold) % self.cfg.interval == 0
+            || (step - self.cfg.threshold).is_multiple_of(self.cfg.interval)
             || (self.unselected && self.mask.is_empty());
         let words = if dense {
             self.numel()
