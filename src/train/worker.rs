@@ -25,21 +25,26 @@ const A100_BF16_PEAK_FLOPS: f64 = 312e12;
 /// The peak FLOP/s that MFU divides by, and how the console names it. On CUDA, nanoGPT's convention: an
 /// A100's bf16 peak. On CPU, the `local` cluster profile's single-thread f32 GEMM peak (what `nanodist
 /// calibrate` measured; a `config/clusters/local.toml` of this machine's takes precedence over the
-/// built-in one) times the threads that compute at once in the whole job.
-fn mfu_peak(cuda: bool, n: usize) -> Option<(f64, String)> {
+/// built-in one) times the threads that compute at once in the whole job; with bf16 products
+/// (`train.amp`), times the rate of this CPU's vdpbf16ps over its f32 FMA.
+fn mfu_peak(cuda: bool, n: usize, amp: bool) -> Option<(f64, String)> {
     if cuda {
         return Some((A100_BF16_PEAK_FLOPS, "of an A100's bf16 peak".into()));
     }
     let local = crate::predict::profile::load("local").ok()?;
     let per_thread = local.profile.device.peak_tflops * 1e12;
-    Some((
-        per_thread * n as f64,
-        format!(
-            "of {n} thread(s)' f32 GEMM peak ({:.0} GFLOP/s each, cluster profile {})",
-            per_thread / 1e9,
-            local.source
+    let label = format!(
+        "of {n} thread(s)' f32 GEMM peak ({:.0} GFLOP/s each, cluster profile {})",
+        per_thread / 1e9,
+        local.source
+    );
+    Some(match crate::model::matmul::CpuAmp::get() {
+        crate::model::matmul::CpuAmp::Bf16 { ratio } if amp => (
+            per_thread * n as f64 * ratio,
+            format!("{label} x {ratio:.2} (bf16 products: this CPU's vdpbf16ps over f32 FMA rate)"),
         ),
-    ))
+        _ => (per_thread * n as f64, label),
+    })
 }
 const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
 
@@ -166,7 +171,7 @@ impl<'s> Worker<'s> {
             crate::config::Engine::Local => setup.compute.threads(),
             _ => setup.compute.threads() * w.sync.world_size(),
         };
-        if let Some((peak, label)) = mfu_peak(device.is_cuda(), threads) {
+        if let Some((peak, label)) = mfu_peak(device.is_cuda(), threads, t.amp) {
             w.mfu_peak = Some(peak);
             w.console.mfu_label = label;
         }
