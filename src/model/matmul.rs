@@ -14,7 +14,7 @@ use std::cell::RefCell;
 
 /// A matrix in a slice: rows x cols with row and column strides (a transpose swaps them).
 #[derive(Clone, Copy)]
-pub(super) struct M<'a> {
+pub struct M<'a> {
     pub d: &'a [f32],
     pub rows: usize,
     pub cols: usize,
@@ -62,7 +62,7 @@ impl<'a> M<'a> {
 }
 
 /// The gemm threading for the current rayon pool.
-pub(super) fn par() -> Parallelism {
+pub fn par() -> Parallelism {
     match rayon::current_num_threads() {
         1 => Parallelism::None,
         n => Parallelism::Rayon(n),
@@ -81,15 +81,7 @@ fn dims(out: &[f32], out_rs: usize, a: &M, b: &M) -> (usize, usize, usize) {
 }
 
 /// out (a.rows x b.cols, row stride `out_rs`) = scale * a b, or += when `acc`.
-pub(super) fn mm(
-    out: &mut [f32],
-    out_rs: usize,
-    a: M,
-    b: M,
-    acc: bool,
-    scale: f32,
-    par: Parallelism,
-) {
+pub fn mm(out: &mut [f32], out_rs: usize, a: M, b: M, acc: bool, scale: f32, par: Parallelism) {
     let (m, n, k) = dims(out, out_rs, &a, &b);
     if m == 0 || n == 0 {
         return;
@@ -179,7 +171,7 @@ const BF16_MIN_RATIO: f64 = 1.3;
 impl CpuAmp {
     pub fn get() -> Self {
         static AMP: std::sync::OnceLock<CpuAmp> = std::sync::OnceLock::new();
-        *AMP.get_or_init(|| match rate::ratio() {
+        *AMP.get_or_init(|| match rate::peaks().map(|(bf16, fma)| bf16 / fma) {
             Some(ratio) if ratio >= BF16_MIN_RATIO => CpuAmp::Bf16 { ratio },
             Some(ratio) => CpuAmp::Slower { ratio },
             None => CpuAmp::Unsupported,
@@ -216,14 +208,14 @@ impl std::fmt::Display for CpuAmp {
     }
 }
 
-mod rate {
+pub mod rate {
     //! The peak rate of AVX512-BF16's dot product (vdpbf16ps: 32 bf16 products summed into 16 f32
     //! lanes) against the f32 FMA (16 products), one core, 24 independent accumulators each (enough to
     //! hide either instruction's latency), in FLOP/s (a product and its sum count 2).
 
-    /// vdpbf16ps FLOP/s over the f32 FMA's, the best of 3 interleaved ~2-ms runs of each; None without
-    /// AVX512-BF16.
-    pub fn ratio() -> Option<f64> {
+    /// The FLOP/s of vdpbf16ps and of the f32 FMA on one core, the best of 3 interleaved runs of about
+    /// a millisecond each; None without AVX512-BF16.
+    pub fn peaks() -> Option<(f64, f64)> {
         #[cfg(target_arch = "x86_64")]
         if super::Bf16Path::detect() == super::Bf16Path::Avx512 {
             let time = |f: &dyn Fn() -> f32| {
@@ -234,11 +226,12 @@ mod rate {
             let (mut bf, mut fma) = (f64::MAX, f64::MAX);
             for _ in 0..3 {
                 // SAFETY: the CPU has AVX512F and AVX512-BF16 (detected above).
-                bf = bf.min(time(&|| unsafe { x86::bf16_dot(N) }));
-                fma = fma.min(time(&|| unsafe { x86::f32_fma(N) }));
+                bf = bf.min(time(&|| unsafe { x86::bf16_dot(std::hint::black_box(N)) }));
+                fma = fma.min(time(&|| unsafe { x86::f32_fma(std::hint::black_box(N)) }));
             }
-            // 64 FLOPs per vdpbf16ps, 32 per FMA, in the same count of instructions.
-            return Some(2.0 * fma / bf);
+            // 64 FLOPs per vdpbf16ps, 32 per FMA.
+            let flops = (N * x86::ACC) as f64 * 32.0;
+            return Some((2.0 * flops / bf, flops / fma));
         }
         None
     }
@@ -249,12 +242,13 @@ mod rate {
     mod x86 {
         use std::arch::x86_64::*;
 
-        const ACC: usize = 24;
+        pub const ACC: usize = 24;
 
         #[target_feature(enable = "avx512f,avx512bf16")]
         pub fn bf16_dot(n: usize) -> f32 {
             // 1.0 in bf16 in every lane.
-            let a: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi16(0x3f80)) };
+            let a: __m512bh =
+                unsafe { std::mem::transmute(_mm512_set1_epi16(std::hint::black_box(0x3f80))) };
             let mut acc = [_mm512_setzero_ps(); ACC];
             for _ in 0..n {
                 for x in acc.iter_mut() {
@@ -269,7 +263,7 @@ mod rate {
 
         #[target_feature(enable = "avx512f")]
         pub fn f32_fma(n: usize) -> f32 {
-            let a = _mm512_set1_ps(1.000_000_1);
+            let a = _mm512_set1_ps(std::hint::black_box(1.000_000_1));
             let mut acc = [_mm512_setzero_ps(); ACC];
             for _ in 0..n {
                 for x in acc.iter_mut() {
@@ -371,7 +365,7 @@ impl Products<'_> {
 }
 
 /// out (a.rows x b.cols, row stride `out_rs`) = a b, or += when `acc`, with a and b rounded to bf16.
-pub(super) fn mm_bf16(
+pub fn mm_bf16(
     path: Bf16Path,
     bufs: &mut Bf16Buffers,
     out: &mut [f32],
@@ -443,30 +437,34 @@ fn round_row(out: &mut [f32], x: &[f32]) {
 }
 
 /// Two rows interleaved into bf16 pairs: out[j] = (r0[j], r1[j]) (r1 zero when absent).
-#[multiversion(targets = "simd")]
 fn pair_rows(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
-    match r1 {
-        Some(r1) => out
-            .iter_mut()
-            .zip(r0.iter().zip(r1))
-            .for_each(|(o, (&x, &y))| *o = bf16(x) as u32 | (bf16(y) as u32) << 16),
-        None => out
-            .iter_mut()
-            .zip(r0)
-            .for_each(|(o, &x)| *o = bf16(x) as u32),
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = bf16(r0[j]) as u32 | (r1.map_or(0, |r| bf16(r[j]) as u32) << 16);
     }
 }
 
-/// A row as bf16 pairs of consecutive elements: out[p] = (x[2p], x[2p + 1]) (zero past the end).
-#[multiversion(targets = "simd")]
-fn pair_along(out: &mut [u32], x: &[f32]) {
-    let (full, rest) = x.split_at(x.len() & !1);
-    out.iter_mut()
-        .zip(full.chunks_exact(2))
-        .for_each(|(o, p)| *o = bf16(p[0]) as u32 | (bf16(p[1]) as u32) << 16);
-    if let Some(&last) = rest.first() {
-        out[full.len() / 2] = bf16(last) as u32;
+/// `len` elements of `d` from `start`, `stride` apart, as bf16 pairs of consecutive elements:
+/// out[p] = (x[2p], x[2p + 1]) (zero past the end).
+fn pair_along(out: &mut [u32], d: &[f32], start: usize, stride: usize, len: usize) {
+    let x = |i: usize| {
+        if i < len {
+            bf16(d[start + i * stride]) as u32
+        } else {
+            0
+        }
+    };
+    for (p, o) in out.iter_mut().enumerate() {
+        *o = x(2 * p) | x(2 * p + 1) << 16;
     }
+}
+
+/// `v` with length `n`, its kept elements as they were (what is read is written first).
+fn fit(v: &mut Vec<u32>, n: usize) {
+    if v.len() < n {
+        v.reserve_exact(n - v.len());
+        v.resize(n, 0);
+    }
+    v.truncate(n);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -474,7 +472,7 @@ mod avx512 {
     //! The vdpbf16ps GEMM, laid out as BLIS does: B packed into strips of NR columns, A into bf16
     //! pairs along k, an MR x NR micro-kernel keeping its tile of C in registers over KC pairs of k.
 
-    use super::{a_stride, pair_along, pair_rows, M, MR, NR};
+    use super::{a_stride, fit, pair_along, pair_rows, M, MR, NR};
     use rayon::prelude::*;
     use std::arch::x86_64::*;
 
@@ -563,10 +561,8 @@ mod avx512 {
 
     /// B (k x n) as strips of NR columns, each kp pairs x NR (columns past n zero).
     fn pack_b(pb: &mut Vec<u32>, b: &M, kp: usize, strips: usize) {
-        let n = b.cols;
-        pb.clear();
-        pb.reserve_exact(strips * kp * NR);
-        pb.resize(strips * kp * NR, 0);
+        let (k, n) = (b.rows, b.cols);
+        fit(pb, strips * kp * NR);
         pb.par_chunks_mut(kp * NR)
             .enumerate()
             .for_each(|(s, strip)| {
@@ -576,27 +572,20 @@ mod avx512 {
                     // Rows of B are contiguous: pair row 2p with row 2p + 1.
                     for (p, out) in strip.chunks_exact_mut(NR).enumerate() {
                         let r0 = &b.d[2 * p * b.rs + j0..][..cols];
-                        let r1 =
-                            (2 * p + 1 < b.rows).then(|| &b.d[(2 * p + 1) * b.rs + j0..][..cols]);
-                        pair_rows(&mut out[..cols], r0, r1);
+                        let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs + j0..][..cols]);
+                        // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+                        unsafe { pair_rows_bf16(&mut out[..cols], r0, r1) };
+                        out[cols..].fill(0);
                     }
                 } else {
                     // Columns of B are contiguous (B = W^T): pair along each column, then scatter.
                     let mut col = vec![0u32; kp];
-                    for jj in 0..cols {
-                        let j = j0 + jj;
-                        if b.rs == 1 {
-                            pair_along(&mut col, &b.d[j * b.cs..][..b.rows]);
+                    for jj in 0..NR {
+                        if jj < cols {
+                            // SAFETY: as above.
+                            unsafe { pair_along_bf16(&mut col, b.d, (j0 + jj) * b.cs, b.rs, k) };
                         } else {
-                            for (p, o) in col.iter_mut().enumerate() {
-                                let lo = super::bf16(b.at(2 * p, j)) as u32;
-                                let hi = if 2 * p + 1 < b.rows {
-                                    super::bf16(b.at(2 * p + 1, j)) as u32
-                                } else {
-                                    0
-                                };
-                                *o = lo | hi << 16;
-                            }
+                            col.fill(0);
                         }
                         for (p, &v) in col.iter().enumerate() {
                             strip[p * NR + jj] = v;
@@ -608,50 +597,81 @@ mod avx512 {
 
     /// A (m x k) as bf16 pairs along k, rows padded to a multiple of MR with zeros.
     fn pack_a(pa: &mut Vec<u32>, a: &M, kp: usize) -> APack {
-        let m = a.rows;
+        let (m, k) = (a.rows, a.cols);
         let mp = m.div_ceil(MR) * MR;
         if a.cs == 1 || a.rs != 1 {
-            // Row i's pairs contiguous.
+            // Row i's pairs contiguous (the kernel reads none past kp).
             let is = a_stride(kp);
-            pa.clear();
-            pa.reserve_exact(mp * is);
-            pa.resize(mp * is, 0);
+            fit(pa, mp * is);
             pa.par_chunks_mut(is * MR)
                 .enumerate()
                 .for_each(|(blk, rows)| {
                     for (r, out) in rows.chunks_mut(is).enumerate() {
                         let i = blk * MR + r;
-                        if i >= m {
-                            break;
-                        }
-                        if a.cs == 1 {
-                            pair_along(&mut out[..kp], &a.d[i * a.rs..][..a.cols]);
+                        if i < m {
+                            // SAFETY: the CPU has AVX512-BF16.
+                            unsafe { pair_along_bf16(&mut out[..kp], a.d, i * a.rs, a.cs, k) };
                         } else {
-                            for (p, o) in out[..kp].iter_mut().enumerate() {
-                                let lo = super::bf16(a.at(i, 2 * p)) as u32;
-                                let hi = if 2 * p + 1 < a.cols {
-                                    super::bf16(a.at(i, 2 * p + 1)) as u32
-                                } else {
-                                    0
-                                };
-                                *o = lo | hi << 16;
-                            }
+                            out[..kp].fill(0);
                         }
                     }
                 });
             APack { is, ps: 1 }
         } else {
             // Columns of A contiguous (A = X^T): pair p holds rows 2p and 2p + 1 of X, for every i.
-            pa.clear();
-            pa.reserve_exact(kp * mp);
-            pa.resize(kp * mp, 0);
+            fit(pa, kp * mp);
             pa.par_chunks_mut(mp).enumerate().for_each(|(p, out)| {
                 let r0 = &a.d[2 * p * a.cs..][..m];
-                let r1 = (2 * p + 1 < a.cols).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
-                pair_rows(&mut out[..m], r0, r1);
+                let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
+                // SAFETY: the CPU has AVX512-BF16.
+                unsafe { pair_rows_bf16(&mut out[..m], r0, r1) };
+                out[m..].fill(0);
             });
             APack { is: 1, ps: mp }
         }
+    }
+
+    /// `pair_rows` 16 pairs per conversion (vcvtneps2bf16 rounds to nearest even as `bf16` does, and
+    /// reads f32 subnormals as zero, as vdpbf16ps reads bf16 ones).
+    ///
+    /// # Safety
+    /// The CPU has AVX512F and AVX512-BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn pair_rows_bf16(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
+        let full = out.len() / 16 * 16;
+        let widen = |x: &[f32], j: usize| {
+            let h: __m256i =
+                std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(x[j..].as_ptr())));
+            _mm512_cvtepu16_epi32(h)
+        };
+        for j in (0..full).step_by(16) {
+            let mut v = widen(r0, j);
+            if let Some(r1) = r1 {
+                v = _mm512_or_si512(v, _mm512_slli_epi32::<16>(widen(r1, j)));
+            }
+            _mm512_storeu_si512(out[j..].as_mut_ptr() as *mut _, v);
+        }
+        pair_rows(&mut out[full..], &r0[full..], r1.map(|r| &r[full..]));
+    }
+
+    /// `pair_along`, 16 pairs per conversion where the elements are contiguous (see `pair_rows_bf16`).
+    ///
+    /// # Safety
+    /// The CPU has AVX512F and AVX512-BF16.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn pair_along_bf16(out: &mut [u32], d: &[f32], start: usize, stride: usize, len: usize) {
+        if stride != 1 {
+            return pair_along(out, d, start, stride, len);
+        }
+        let x = &d[start..][..len];
+        let full = len / 32 * 32;
+        for c in (0..full).step_by(32) {
+            let lo = _mm512_loadu_ps(x[c..].as_ptr());
+            let hi = _mm512_loadu_ps(x[c + 16..].as_ptr());
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(out[c / 2..].as_mut_ptr() as *mut _, v);
+        }
+        pair_along(&mut out[full / 2..], x, full, 1, len - full);
     }
 
     /// C[rows x cols] (row stride c_rs) = (or += when `add`) the MR x NR tile of A B over kc pairs.
@@ -842,6 +862,17 @@ mod tests {
             }
         }
         assert!(rounding_seen, "the operands were not rounded to bf16");
+    }
+
+    /// The rate probe times real instructions (an optimized-away loop once made it read 2.00 anywhere):
+    /// one core's FLOP/s are within what a core can do.
+    #[test]
+    fn the_rate_probe_measures_instructions() {
+        if let Some((bf16, fma)) = rate::peaks() {
+            for f in [bf16, fma] {
+                assert!((1e9..2e12).contains(&f), "{bf16} and {fma} FLOP/s");
+            }
+        }
     }
 
     /// k = 0: an empty sum, so out = 0 (or stays when accumulating).

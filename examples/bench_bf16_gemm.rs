@@ -1,0 +1,129 @@
+//! Benchmark: the CPU engine's bf16 GEMM (`train.amp`, AVX512-BF16's vdpbf16ps) against the f32 gemm it
+//! replaces, on the products of a training step: each linear layer's forward, input gradient and weight
+//! gradient, for the 6x384x256 config (8 sequences) and GPT-2 small (1 sequence of 1024, its lm head).
+//! GFLOP/s of each, the ratio, and the fraction of the bf16 instruction peak of this many threads (the
+//! vdpbf16ps rate of one core, measured in the same run, times the threads). The twin row (operands
+//! rounded to bf16, f32 gemm) is what CPUs without AVX512-BF16 would compute.
+//!
+//!     cargo run --release --example bench_bf16_gemm [-- --threads 2]
+
+use std::time::Instant;
+
+use nanodist::model::matmul::{mm, mm_bf16, par, rate, Bf16Buffers, Bf16Path, M};
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// Best of 5 runs after a warm-up, in seconds.
+fn time(f: &mut dyn FnMut()) -> f64 {
+    f();
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+/// How a product's operands lie: the forward's x W^T, the input gradient's dy W, the weight
+/// gradient's dy^T x.
+#[derive(Clone, Copy)]
+enum Kind {
+    Forward,
+    InputGrad,
+    WeightGrad,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let threads = args
+        .iter()
+        .position(|a| a == "--threads")
+        .and_then(|i| args.get(i + 1))
+        .map_or(2, |t| t.parse().expect("--threads N"));
+    let Some((bf16_core, fma_core)) = rate::peaks() else {
+        eprintln!("this CPU has no AVX512-BF16: nothing to measure");
+        std::process::exit(2);
+    };
+    let peak = bf16_core * threads as f64;
+    println!(
+        "{threads} threads; one core: vdpbf16ps {:.0} GFLOP/s, f32 FMA {:.0} GFLOP/s ({:.2}x); bf16 \
+         instruction peak of {threads} threads {:.0} GFLOP/s",
+        bf16_core / 1e9,
+        fma_core / 1e9,
+        bf16_core / fma_core,
+        peak / 1e9
+    );
+    println!(
+        "{:<24} {:>16} {:>9} {:>9} {:>7} {:>10} {:>9}",
+        "product", "m x n x k", "f32", "bf16", "ratio", "bf16 peak", "twin"
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("thread pool");
+    // (config, tokens, width, vocab)
+    for (name, n, c, v) in [("medium", 8 * 256, 384, 85), ("gpt2", 1024, 768, 50304)] {
+        let layers = [
+            ("qkv", c, 3 * c),
+            ("fc", c, 4 * c),
+            ("mlp proj", 4 * c, c),
+            ("lm head", c, v),
+        ];
+        for (layer, inp, out) in layers {
+            for kind in [Kind::Forward, Kind::InputGrad, Kind::WeightGrad] {
+                let (m, cols, k) = match kind {
+                    Kind::Forward => (n, out, inp),
+                    Kind::InputGrad => (n, inp, out),
+                    Kind::WeightGrad => (out, inp, n),
+                };
+                let (ad, bd) = (values(m * k, 1), values(k * cols, 2));
+                let a = match kind {
+                    Kind::WeightGrad => M::new(&ad, k, m).t(),
+                    _ => M::new(&ad, m, k),
+                };
+                let b = match kind {
+                    Kind::Forward => M::new(&bd, cols, k).t(),
+                    _ => M::new(&bd, k, cols),
+                };
+                let mut o = vec![0.0f32; m * cols];
+                let (mut b1, mut b2) = (Bf16Buffers::default(), Bf16Buffers::default());
+                let (t32, t16, twin) = pool.install(|| {
+                    (
+                        time(&mut || mm(&mut o, cols, a, b, false, 1.0, par())),
+                        time(&mut || mm_bf16(Bf16Path::Avx512, &mut b1, &mut o, cols, a, b, false)),
+                        time(&mut || {
+                            mm_bf16(Bf16Path::Emulated, &mut b2, &mut o, cols, a, b, false)
+                        }),
+                    )
+                });
+                let flops = 2.0 * (m * cols * k) as f64;
+                let label = match kind {
+                    Kind::Forward => "forward",
+                    Kind::InputGrad => "dx",
+                    Kind::WeightGrad => "dW",
+                };
+                println!(
+                    "{:<24} {:>16} {:>9.1} {:>9.1} {:>6.2}x {:>9.1}% {:>9.1}",
+                    format!("{name} {layer} {label}"),
+                    format!("{m}x{cols}x{k}"),
+                    flops / t32 / 1e9,
+                    flops / t16 / 1e9,
+                    t32 / t16,
+                    100.0 * flops / t16 / peak,
+                    flops / twin / 1e9,
+                );
+            }
+        }
+    }
+}
