@@ -10,17 +10,11 @@
 use std::time::Instant;
 
 use nanodist::model::matmul::{mm, mm_bf16, par, rate, Bf16Buffers, Bf16Path, M};
+use rand::{Rng, SeedableRng};
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(-0.5..0.5)).collect()
 }
 
 /// Best of 5 runs after a warm-up, in seconds.

@@ -255,6 +255,11 @@ pub mod rate {
                     *x = _mm512_dpbf16_ps(*x, a, a);
                 }
             }
+            sum(&acc)
+        }
+
+        #[target_feature(enable = "avx512f")]
+        fn sum(acc: &[__m512; ACC]) -> f32 {
             _mm512_reduce_add_ps(
                 acc.iter()
                     .fold(_mm512_setzero_ps(), |s, &x| _mm512_add_ps(s, x)),
@@ -270,10 +275,7 @@ pub mod rate {
                     *x = _mm512_fmadd_ps(*x, a, a);
                 }
             }
-            _mm512_reduce_add_ps(
-                acc.iter()
-                    .fold(_mm512_setzero_ps(), |s, &x| _mm512_add_ps(s, x)),
-            )
+            sum(&acc)
         }
     }
 }
