@@ -16,7 +16,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
 use super::cpu::{CpuGpt, Scratch};
-use super::matmul::{Bf16Path, CpuAmp};
+use super::matmul::{Bf16Path, CpuAmp, Precision};
 use super::params::ParamSet;
 use crate::config::ModelConfig;
 use crate::data::Batch;
@@ -222,7 +222,13 @@ impl Gpt {
     pub fn with_amp(mut self, on: bool) -> Self {
         self.matmul_dtype = if on { DType::BF16 } else { DType::F32 };
         if let Some(cpu) = &mut self.cpu {
-            cpu.set_precision(CpuAmp::get().precision(on), Bf16Path::detect());
+            // The rate probe runs only when amp is asked for.
+            let prec = if on {
+                CpuAmp::get().precision(true)
+            } else {
+                Precision::F32
+            };
+            cpu.set_precision(prec, Bf16Path::detect());
         }
         self
     }
@@ -872,7 +878,6 @@ mod tests {
     /// gemm) give the same curve but for the order of the sums.
     #[test]
     fn bf16_matmuls_on_the_cpu_engine_follow_the_f32_loss_curve() {
-        use crate::model::matmul::Precision;
         let cfg = small(Activation::GeluTanh);
         let f32_run = adamw_losses(&cfg, 40, |m| m);
         let path = |p| {
