@@ -413,9 +413,7 @@ pub fn mm_bf16(
 
 /// `buf` = the rows of `x` rounded to bf16, row-major.
 fn round_into(buf: &mut Vec<f32>, x: &M) {
-    buf.clear();
-    buf.reserve_exact(x.rows * x.cols);
-    buf.resize(x.rows * x.cols, 0.0);
+    fit(buf, x.rows * x.cols);
     let cols = x.cols;
     buf.par_chunks_mut(cols * 64)
         .enumerate()
@@ -461,10 +459,10 @@ fn pair_along(out: &mut [u32], d: &[f32], start: usize, stride: usize, len: usiz
 }
 
 /// `v` with length `n`, its kept elements as they were (what is read is written first).
-fn fit(v: &mut Vec<u32>, n: usize) {
+fn fit<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
     if v.len() < n {
         v.reserve_exact(n - v.len());
-        v.resize(n, 0);
+        v.resize(n, T::default());
     }
     v.truncate(n);
 }
