@@ -153,6 +153,28 @@ impl Flat {
         self.as_ref().to_host()
     }
 
+    /// The values of a host buffer, moved out (an error for a GPU buffer).
+    pub fn into_host_vec(self) -> Result<Vec<f32>> {
+        match self {
+            Flat::Host(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Flat::Cuda(_) => {
+                anyhow::bail!("internal error: a host buffer was expected, this one is on the GPU")
+            }
+        }
+    }
+
+    /// The values of a host buffer, for writing (an error for a GPU buffer).
+    pub fn host_mut(&mut self) -> Result<&mut [f32]> {
+        match self {
+            Flat::Host(v) => Ok(v),
+            #[cfg(feature = "cuda")]
+            Flat::Cuda(_) => {
+                anyhow::bail!("internal error: a host buffer was expected, this one is on the GPU")
+            }
+        }
+    }
+
     /// Where this buffer is (for buffers made beside it).
     pub fn place(&self) -> Place {
         self.as_ref().place()

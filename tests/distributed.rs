@@ -72,6 +72,76 @@ fn allreduce_with_n_workers_at_batch_b_equals_one_worker_at_batch_n_b() {
     }
 }
 
+/// All-reduce workers share one replica on the local engine (`train::replica`), each updating its own
+/// part, with buckets that cut across the parts: a run stopped and resumed gives the rows of the
+/// uninterrupted one bit for bit, and every rank's checkpoint holds the same parameters and optimizer
+/// state, as separate replicas would. (tests/mpi.rs holds these runs to the MPI engine's, whose ranks
+/// keep replicas of their own, bit for bit.)
+#[test]
+fn allreduce_workers_share_one_replica_that_checkpoints_and_resumes_bit_for_bit() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let optimizers = [
+        "train.optim={ name = \"adamw\" }",
+        "train.optim={ name = \"sgd\", momentum = 0.9, nesterov = true, weight_decay = 0.1 }",
+    ];
+    for optim in optimizers {
+        let run = |name: &str, more: &[&str]| {
+            let name = format!("log.run_name=\"{name}\"");
+            let mut set = vec![
+                name.as_str(),
+                "train.n_steps=12",
+                "log.ckpt_interval=4",
+                "train.bucket_size_mb=0.01",
+                "train.grad_norm_clip=0.5",
+                "train.global_batch_size=6",
+                optim,
+            ];
+            set.extend(more);
+            train_with(d.path(), 3, &set)
+        };
+        let full = run("full", &[]);
+        assert_eq!(
+            run("parts", &["train.exit_interval=6"])
+                .last()
+                .unwrap()
+                .step,
+            6
+        );
+        let resumed = run("parts", &[]);
+        assert_eq!(full.len(), resumed.len(), "{optim}");
+        for (a, b) in full.iter().zip(&resumed) {
+            assert_eq!(
+                common::exact(a),
+                common::exact(b),
+                "{optim}: step {}",
+                a.step
+            );
+        }
+        let ckpt = d.path().join("log/parts/checkpoints/step_00000012");
+        let tensors = |rank: usize| {
+            let bytes = std::fs::read(ckpt.join(format!("rank_{rank}.safetensors"))).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let mut named: Vec<(String, Vec<u8>)> = st
+                .tensors()
+                .into_iter()
+                .map(|(n, t)| (n, t.data().to_vec()))
+                .collect();
+            named.sort();
+            named
+        };
+        let zero = tensors(0);
+        assert!(zero.iter().any(|(n, _)| n.starts_with("optim.")), "{optim}");
+        for rank in 1..3 {
+            assert!(
+                tensors(rank) == zero,
+                "{optim}: rank {rank}'s state differs from rank 0's"
+            );
+        }
+        std::fs::remove_dir_all(d.path().join("log")).unwrap();
+    }
+}
+
 /// Megatron's batches for global 8 from 2 by 2 over 12 samples: 2, 2, 4, 6, then 8 from step 4.
 const RAMP: [&str; 1] = ["train.rampup_batch_size=[2, 2, 12]"];
 const RAMP_BATCHES: [u64; 5] = [2, 2, 4, 6, 8];

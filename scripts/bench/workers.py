@@ -3,10 +3,12 @@
 workers (batch 1 sequence per worker), on exp gossip with AccumAdamW and on all-reduce with AdamW, next to
 
   - the state floor: workers x the bytes of one worker's training state (parameters, gradient, the
-    optimizer's moments and AccumAdamW's accumulated gradient, gossip's send buffer), and
+    optimizer's moments and AccumAdamW's accumulated gradient, gossip's send buffer); all-reduce workers
+    share one replica (parameters and moments, counted once) and each keeps its gradient, and
   - `nanodist check`'s estimate of the peak (the number it refuses runs by).
 
     python3 scripts/bench/workers.py [--workers 8 32 128 256 512] [--steps N] [--out DIR] [--only WORD]
+                                     [--set KEY=VALUE ...]
 
 Needs ./target/release/nanodist (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 Every run ends with its evaluation and final checkpoint (part of the peak), then its directory is deleted:
@@ -28,12 +30,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BIN = os.path.join(ROOT, "target/release/nanodist")
 CONFIG = os.path.join(ROOT, "config/quickstart-char.toml")
 
-# (label, --set overrides, whole-model buffers of state per worker: parameters, gradient, optimizer, backend)
+# (label, --set overrides, whole-model buffers of state per worker (parameters, gradient, optimizer,
+# backend), and those of the replica the workers share, once)
 BACKENDS = [
     ("exp gossip + AccumAdamW",
      ["train.backend=decentdp", "train.topology=exp", "train.optim.name=accumadamw",
-      "train.optim.accum_steps=4"], 2 + 3 + 1),
-    ("all-reduce + AdamW", ["train.backend=pytorchddp"], 2 + 2),
+      "train.optim.accum_steps=4"], 2 + 3 + 1, 0),
+    ("all-reduce + AdamW", ["train.backend=pytorchddp"], 1, 1 + 2),
 ]
 
 
@@ -47,10 +50,12 @@ def main():
     ap.add_argument("--steps", type=int, help="steps per run (default: max(12, 600 / workers))")
     ap.add_argument("--out", help="where the run directories go (default: a new temporary directory)")
     ap.add_argument("--only", help="run only the backends whose label contains WORD (e.g. all-reduce)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="more config overrides for every run (e.g. model.n_embd=64)")
     a = ap.parse_args()
     data = os.path.join(ROOT, "data/shakespeare_char")
     rows = []
-    for label, sets, buffers in BACKENDS:
+    for label, sets, buffers, shared in BACKENDS:
         if a.only and a.only not in label:
             continue
         base = None
@@ -62,7 +67,7 @@ def main():
                 f"train.global_batch_size={n}", f"train.n_steps={steps}",
                 "train.lr_schedule.warmup_steps=0", "log.eval_at_start=false", "log.eval_steps=2",
                 "log.log_interval=1", f"log.eval_interval={steps}", f"log.ckpt_interval={steps}",
-            ]
+            ] + a.set
             args = [CONFIG, "--workers", str(n)] + [x for s in overrides for x in ("--set", s)]
             check = run(["check"] + args)
             if check.returncode != 0:
@@ -85,11 +90,11 @@ def main():
             shutil.rmtree(out, ignore_errors=True)
             per = ms / n
             base = base or per
-            floor = 4 * params * buffers
-            rows.append((label, n, rss, estimate, floor * n, rss / n / floor, ms, per, per / base))
+            floor = 4 * params * (buffers * n + shared)
+            rows.append((label, n, rss, estimate, floor, rss / floor, ms, per, per / base))
             print(f"{label} x {n}: {rss / 1e9:.2f} GB, {per:.2f} ms per worker-step", flush=True)
     print()
-    print("| backend | workers | peak RSS | `check` estimate | state floor | RSS per worker / state | ms per step | "
+    print("| backend | workers | peak RSS | `check` estimate | state floor | RSS / state floor | ms per step | "
           "ms per worker-step | vs the first |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, n, rss, est, floor, ratio, ms, per, rel in rows:

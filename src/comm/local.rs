@@ -44,10 +44,6 @@ const BLOCK: usize = 4096;
 /// for the hardware prefetcher to find in time.
 const PREFETCH_AHEAD: usize = 2;
 
-fn chunk_ahead(len: usize, n: usize, q: usize) -> Option<std::ops::Range<usize>> {
-    (q + PREFETCH_AHEAD < n).then(|| chunk(len, n, q + PREFETCH_AHEAD))
-}
-
 /// Asks the cache for the `n` values at `p` (a hint: no effect on results).
 #[inline(always)]
 fn prefetch(p: *const f32, n: usize) {
@@ -215,15 +211,23 @@ impl LocalComm {
     }
 
     /// `buf` summed over the members of `group` (in the group's order), times `scale` when given, in place
-    /// on every member.
+    /// on every member; only in the member's own chunk without `gather`.
     ///
     /// Phase 1: every member publishes a pointer to its buffer (barrier). Phase 2: the member at position
-    /// p sums chunk p of every member's buffer, block by block, and writes it into chunk p of its own
-    /// (barrier). Phase 3: it copies every other chunk q from member q's buffer, where it is final
-    /// (barrier). In phase 2 a buffer's chunk p is written by its owner alone and read by nobody else; in
-    /// phase 3 chunk q is only read; the barriers order the phases. The owner reaches its buffer only
-    /// through the published pointer until the last barrier, after which nobody else does.
-    fn reduce(&self, buf: &mut [f32], group: &[usize], scale: Option<f32>) -> Result<()> {
+    /// p sums chunk p (`part(p)`; the chunks cover the buffer) of every member's buffer, block by block,
+    /// and writes it into chunk p of its own (barrier). Phase 3, with `gather`: it copies every other
+    /// chunk q from member q's buffer, where it is final (barrier). In phase 2 a buffer's chunk p is
+    /// written by its owner alone and read by nobody else; in phase 3 chunk q is only read; the barriers
+    /// order the phases. The owner reaches its buffer only through the published pointer until the last
+    /// barrier, after which nobody else does.
+    fn reduce(
+        &self,
+        buf: &mut [f32],
+        group: &[usize],
+        scale: Option<f32>,
+        part: &dyn Fn(usize) -> std::ops::Range<usize>,
+        gather: bool,
+    ) -> Result<()> {
         let me = self.rank;
         let Some(pos) = group.iter().position(|&r| r == me) else {
             bail!("rank {me}: reduction over {group:?}, which does not include it");
@@ -248,7 +252,7 @@ impl LocalComm {
                 v.len
             );
         }
-        let mine = chunk(len, group.len(), pos);
+        let mine = part(pos);
         let mut acc = [0.0f32; BLOCK];
         for start in mine.clone().step_by(BLOCK) {
             let n = BLOCK.min(mine.end - start);
@@ -274,9 +278,14 @@ impl LocalComm {
             unsafe { std::slice::from_raw_parts_mut(ptr.add(start), n) }.copy_from_slice(acc);
         }
         self.shared.wait(me)?;
+        if !gather {
+            return Ok(());
+        }
         for (q, v) in views.iter().enumerate().filter(|&(q, _)| q != pos) {
-            let theirs = chunk(len, group.len(), q);
-            if let Some(ahead) = chunk_ahead(len, group.len(), q) {
+            let theirs = part(q);
+            if let Some(ahead) =
+                (q + PREFETCH_AHEAD < group.len()).then(|| part(q + PREFETCH_AHEAD))
+            {
                 // SAFETY: in bounds: a chunk of this rank's own buffer.
                 prefetch(unsafe { ptr.add(ahead.start) }, ahead.len());
             }
@@ -297,8 +306,8 @@ impl LocalComm {
     /// All-reduce over every rank, times `scale` when given.
     fn all_reduce(&mut self, buf: &mut [f32], scale: Option<f32>) -> Result<()> {
         let start = Instant::now();
-        let all: Vec<usize> = (0..self.shared.n).collect();
-        self.reduce(buf, &all, scale)?;
+        let (all, len): (Vec<usize>, _) = ((0..self.shared.n).collect(), buf.len());
+        self.reduce(buf, &all, scale, &|q| chunk(len, all.len(), q), true)?;
         // What the MPI engine's reduce-scatter + all-gather sends from this rank.
         self.account(all_reduce_bytes(buf.len(), self.shared.n, self.rank), start);
         Ok(())
@@ -327,9 +336,22 @@ impl Communicator for LocalComm {
         self.all_reduce(buf, Some(scale))
     }
 
-    fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()> {
+    fn reduce_scatter_shared(
+        &mut self,
+        buf: &mut [f32],
+        part: &dyn Fn(usize) -> std::ops::Range<usize>,
+        scale: f32,
+    ) -> Result<()> {
         let start = Instant::now();
-        self.reduce(buf, group, None)?;
+        let all: Vec<usize> = (0..self.shared.n).collect();
+        self.reduce(buf, &all, Some(scale), part, false)?;
+        self.account(all_reduce_bytes(buf.len(), self.shared.n, self.rank), start);
+        Ok(())
+    }
+
+    fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()> {
+        let (start, len) = (Instant::now(), buf.len());
+        self.reduce(buf, group, None, &|q| chunk(len, group.len(), q), true)?;
         // What the MPI engine's reduce-scatter + all-gather within the group sends from this rank.
         let pos = group.iter().position(|&r| r == self.rank).unwrap_or(0);
         self.account(all_reduce_bytes(buf.len(), group.len(), pos), start);

@@ -37,6 +37,33 @@ pub fn chunk(len: usize, n: usize, c: usize) -> std::ops::Range<usize> {
     start..start + base + usize::from(c < extra)
 }
 
+/// How the workers of a shared replica (`train::replica`) divide the flat buffers: whole tiles of
+/// `tile` elements, rank r of n owning tiles [r T / n, (r + 1) T / n) of the T tiles.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Parts {
+    pub len: usize,
+    pub n: usize,
+    pub tile: usize,
+}
+
+impl Parts {
+    pub fn tiles(&self) -> usize {
+        self.len.div_ceil(self.tile)
+    }
+
+    /// Rank `rank`'s tiles.
+    pub fn tiles_of(&self, rank: usize) -> std::ops::Range<usize> {
+        let t = self.tiles();
+        t * rank / self.n..t * (rank + 1) / self.n
+    }
+
+    /// Rank `rank`'s elements.
+    pub fn of(&self, rank: usize) -> std::ops::Range<usize> {
+        let t = self.tiles_of(rank);
+        (t.start * self.tile).min(self.len)..(t.end * self.tile).min(self.len)
+    }
+}
+
 /// Bytes the member at position `rank` of `n` sends in an all-reduce of `len` f32 by reduce-scatter +
 /// all-gather (the bandwidth of a ring all-reduce, 2 (N - 1) / N of the buffer): every chunk but its own,
 /// then its own to N - 1 peers.
@@ -206,6 +233,18 @@ pub trait Communicator {
         self.all_reduce_sum(buf)?;
         buf.iter_mut().for_each(|x| *x *= scale);
         Ok(())
+    }
+    /// The all-reduce of a replica the ranks share (the local engine's, see `train::replica`): each
+    /// rank's elements `part(rank)` of `buf` (the parts cover `buf`) become the sum over all ranks times
+    /// `scale`, the rest of its `buf` stays as it was. The all-reduce's all-gather is left out because the
+    /// update that follows reads each part on its owner alone; the bytes counted are the all-reduce's.
+    fn reduce_scatter_shared(
+        &mut self,
+        _buf: &mut [f32],
+        _part: &dyn Fn(usize) -> std::ops::Range<usize>,
+        _scale: f32,
+    ) -> Result<()> {
+        anyhow::bail!("internal error: only the local engine's workers share a replica")
     }
     /// Sum over the ranks of `group` (this rank among them), in place. Every rank calls it in the same
     /// round, each with its own group; groups of one round are disjoint (gossip mixing).

@@ -146,6 +146,15 @@ impl SyncPlan {
         }
     }
 
+    /// Whether every rank applies the same update to the same parameters, so that the replicas stay equal:
+    /// the gradient-reducing backends (the local engine then keeps one replica, see `train::replica`).
+    pub fn replicas_stay_equal(&self) -> bool {
+        matches!(
+            self,
+            SyncPlan::AllReduce { .. } | SyncPlan::Compressed(_) | SyncPlan::Demo { .. }
+        )
+    }
+
     /// Whether Adam runs inside the reducer (its state then travels with the reducer's).
     pub fn adam_in_reducer(&self) -> bool {
         matches!(

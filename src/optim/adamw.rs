@@ -18,6 +18,22 @@ pub struct Segment {
 }
 
 impl Segment {
+    /// The parts of `segments` inside `range`, their offsets counted from its start (the segments of a
+    /// shard, see `Optimizer::step_shard`).
+    pub fn cut(segments: &[Segment], range: std::ops::Range<usize>) -> Vec<Segment> {
+        segments
+            .iter()
+            .filter_map(|s| {
+                let (start, end) = (s.offset.max(range.start), (s.offset + s.len).min(range.end));
+                (start < end).then_some(Segment {
+                    offset: start - range.start,
+                    len: end - start,
+                    decay: s.decay,
+                })
+            })
+            .collect()
+    }
+
     /// Segments of the given (length, decay) laid end to end from offset 0.
     pub fn end_to_end(parts: impl IntoIterator<Item = (usize, bool)>) -> Vec<Segment> {
         let mut offset = 0;
@@ -87,7 +103,33 @@ impl OptimView<'_> {
     }
 }
 
-pub trait Optimizer: Send {
+/// One range of the flat buffers, updated alone (`Optimizer::step_shard`).
+pub struct Shard<'a> {
+    /// The parameters' segments cut to the range (`Segment::cut`).
+    pub segs: &'a [Segment],
+    pub params: &'a mut [f32],
+    pub grads: &'a [f32],
+    /// The optimizer's buffers cut to the range, in `view`'s order.
+    pub state: Vec<&'a mut [f32]>,
+}
+
+/// A shard's parameters, gradient and N state buffers.
+type ShardParts<'a, const N: usize> = (&'a mut [f32], &'a [f32], [&'a mut [f32]; N]);
+
+impl<'a> Shard<'a> {
+    /// The state's N buffers.
+    fn state<const N: usize>(self) -> Result<ShardParts<'a, N>> {
+        let n = self.state.len();
+        let state = <[&mut [f32]; N]>::try_from(self.state).map_err(|_| {
+            anyhow::anyhow!(
+                "internal error: a shard of {n} optimizer buffer(s), this optimizer has {N}"
+            )
+        })?;
+        Ok((self.params, self.grads, state))
+    }
+}
+
+pub trait Optimizer: Send + Sync {
     /// One update of `params` with gradient `grads` at learning rate `lr`, where the buffers live (the
     /// kernels of `kernels/optim.cu` on the GPU, their CPU twins on the host).
     fn step(&mut self, params: FlatMut<'_>, grads: FlatRef<'_>, lr: f64) -> Result<()> {
@@ -110,6 +152,13 @@ pub trait Optimizer: Send {
     }
     /// Takes a saved state (host buffers, moved to where this optimizer's buffers live).
     fn load_state(&mut self, state: OptimState) -> Result<()>;
+    /// `step_scaled`'s update of one range of host buffers, as the step whose count is `t` (1 for the
+    /// first) makes it there: the same values, element for element. It reads the optimizer's settings
+    /// alone, not its buffers or count: the local engine's workers update their own ranges of one
+    /// replica at once (`train::replica`).
+    fn step_shard(&self, shard: Shard<'_>, t: u64, lr: f64, grad_scale: f32) -> Result<()>;
+    /// The state's buffers in `view`'s order, for writing (an error on the GPU).
+    fn host_state_mut(&mut self) -> Result<Vec<&mut [f32]>>;
 }
 
 /// A flat buffer's parameter segments, and their table on the GPU once a step has run there.
@@ -194,6 +243,15 @@ pub struct AdamW {
     t: u64,
 }
 
+impl AdamW {
+    fn coefficients(&self, t: u64, lr: f64, grad_scale: f32) -> kernels::AdamWStep {
+        kernels::AdamWStep {
+            grad_scale,
+            ..kernels::AdamWStep::new(self.betas, self.eps, self.wd, lr, t)
+        }
+    }
+}
+
 impl Optimizer for AdamW {
     fn step_scaled(
         &mut self,
@@ -203,10 +261,7 @@ impl Optimizer for AdamW {
         grad_scale: f32,
     ) -> Result<()> {
         self.t += 1;
-        let c = kernels::AdamWStep {
-            grad_scale,
-            ..kernels::AdamWStep::new(self.betas, self.eps, self.wd, lr, self.t)
-        };
+        let c = self.coefficients(self.t, lr, grad_scale);
         match (params, grads, &mut self.m, &mut self.v) {
             (FlatMut::Host(p), FlatRef::Host(g), Flat::Host(m), Flat::Host(v)) => {
                 kernels::adamw(p, g, m, v, &self.segs.host, &c)
@@ -244,6 +299,17 @@ impl Optimizer for AdamW {
         let place = self.m.place();
         (self.m, self.v) = (place.from_host(m)?, place.from_host(v)?);
         Ok(())
+    }
+
+    fn step_shard(&self, shard: Shard<'_>, t: u64, lr: f64, grad_scale: f32) -> Result<()> {
+        let segs = shard.segs;
+        let (p, g, [m, v]) = shard.state()?;
+        kernels::adamw(p, g, m, v, segs, &self.coefficients(t, lr, grad_scale));
+        Ok(())
+    }
+
+    fn host_state_mut(&mut self) -> Result<Vec<&mut [f32]>> {
+        Ok(vec![self.m.host_mut()?, self.v.host_mut()?])
     }
 }
 
@@ -310,6 +376,17 @@ impl Optimizer for Sgd {
         let [] = take(state, "sgd", [], 0, &mut self.t)?;
         Ok(())
     }
+
+    fn step_shard(&self, shard: Shard<'_>, _t: u64, lr: f64, grad_scale: f32) -> Result<()> {
+        let segs = shard.segs;
+        let (p, g, []) = shard.state()?;
+        kernels::sgd(p, g, segs, self.wd, lr, grad_scale);
+        Ok(())
+    }
+
+    fn host_state_mut(&mut self) -> Result<Vec<&mut [f32]>> {
+        Ok(Vec::new())
+    }
 }
 
 /// torch.optim.SGD (single-tensor, foreach=False), operation for operation: g' = g + wd p (decaying
@@ -325,6 +402,19 @@ pub struct MomentumSgd {
     t: u64,
 }
 
+impl MomentumSgd {
+    fn coefficients(&self, t: u64, lr: f64, grad_scale: f32) -> kernels::SgdStep {
+        kernels::SgdStep {
+            wd: self.wd as f32,
+            momentum: self.momentum as f32,
+            lr: lr as f32,
+            nesterov: self.nesterov,
+            first: t == 1,
+            grad_scale,
+        }
+    }
+}
+
 impl Optimizer for MomentumSgd {
     fn step_scaled(
         &mut self,
@@ -333,15 +423,8 @@ impl Optimizer for MomentumSgd {
         lr: f64,
         grad_scale: f32,
     ) -> Result<()> {
-        let c = kernels::SgdStep {
-            wd: self.wd as f32,
-            momentum: self.momentum as f32,
-            lr: lr as f32,
-            nesterov: self.nesterov,
-            first: self.t == 0,
-            grad_scale,
-        };
         self.t += 1;
+        let c = self.coefficients(self.t, lr, grad_scale);
         match (params, grads, &mut self.buf) {
             (FlatMut::Host(p), FlatRef::Host(g), Flat::Host(b)) => {
                 kernels::momentum_sgd(p, g, b, &self.segs.host, &c)
@@ -386,6 +469,26 @@ impl Optimizer for MomentumSgd {
         }
         Ok(())
     }
+
+    fn step_shard(&self, shard: Shard<'_>, t: u64, lr: f64, grad_scale: f32) -> Result<()> {
+        let (segs, c) = (shard.segs, self.coefficients(t, lr, grad_scale));
+        if self.buf.is_empty() {
+            let (p, g, []) = shard.state()?;
+            kernels::momentum_sgd(p, g, &mut [], segs, &c);
+        } else {
+            let (p, g, [b]) = shard.state()?;
+            kernels::momentum_sgd(p, g, b, segs, &c);
+        }
+        Ok(())
+    }
+
+    fn host_state_mut(&mut self) -> Result<Vec<&mut [f32]>> {
+        Ok(if self.buf.is_empty() {
+            Vec::new()
+        } else {
+            vec![self.buf.host_mut()?]
+        })
+    }
 }
 
 /// Decent-DP's AccumAdamW (optim.py): moments committed every K steps from the running mean of the
@@ -404,6 +507,15 @@ pub struct AccumAdamW {
     t: u64,
 }
 
+impl AccumAdamW {
+    fn coefficients(&self, t: u64, lr: f64, grad_scale: f32) -> kernels::AccumStep {
+        kernels::AccumStep {
+            grad_scale,
+            ..kernels::AccumStep::new(self.betas, self.eps, self.wd, self.k, lr, t)
+        }
+    }
+}
+
 impl Optimizer for AccumAdamW {
     fn step_scaled(
         &mut self,
@@ -413,10 +525,7 @@ impl Optimizer for AccumAdamW {
         grad_scale: f32,
     ) -> Result<()> {
         self.t += 1;
-        let c = kernels::AccumStep {
-            grad_scale,
-            ..kernels::AccumStep::new(self.betas, self.eps, self.wd, self.k, lr, self.t)
-        };
+        let c = self.coefficients(self.t, lr, grad_scale);
         match (params, grads, &mut self.sm, &mut self.sv, &mut self.acc) {
             (
                 FlatMut::Host(p),
@@ -470,6 +579,22 @@ impl Optimizer for AccumAdamW {
             place.from_host(acc)?,
         );
         Ok(())
+    }
+
+    fn step_shard(&self, shard: Shard<'_>, t: u64, lr: f64, grad_scale: f32) -> Result<()> {
+        let segs = shard.segs;
+        let (p, g, [sm, sv, acc]) = shard.state()?;
+        let c = self.coefficients(t, lr, grad_scale);
+        kernels::accum_adamw(p, g, sm, sv, acc, segs, &c);
+        Ok(())
+    }
+
+    fn host_state_mut(&mut self) -> Result<Vec<&mut [f32]>> {
+        Ok(vec![
+            self.sm.host_mut()?,
+            self.sv.host_mut()?,
+            self.acc.host_mut()?,
+        ])
     }
 }
 
@@ -622,6 +747,107 @@ mod tests {
             }
             assert!((p[0] as f64 - q).abs() < 1e-6, "step {t}: {} vs {q}", p[0]);
         }
+    }
+
+    /// Shards updated alone (`step_shard`, cut anywhere, even inside a segment) give the bits of the whole
+    /// step, for every optimizer, over steps that cross AccumAdamW's commits and torch SGD's first step.
+    #[test]
+    fn shards_updated_apart_are_the_whole_step() {
+        use crate::config::optim::SgdConfig;
+        use rand::{Rng, SeedableRng};
+        let configs = [
+            OptimConfig::AdamW(AdamWConfig::default()),
+            OptimConfig::AccumAdamW(AccumAdamWConfig {
+                accum_steps: 2,
+                ..AccumAdamWConfig::default()
+            }),
+            OptimConfig::Sgd(SgdConfig {
+                momentum: 0.9,
+                nesterov: true,
+                weight_decay: 0.1,
+            }),
+            OptimConfig::Sgd(SgdConfig {
+                momentum: 0.0,
+                nesterov: false,
+                weight_decay: 0.1,
+            }),
+        ];
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let segs = Segment::end_to_end([(37, true), (5, false), (90, true), (1, false)]);
+        let n = 133;
+        let cuts = [0, 3, 37, 40, 41, 100, 133];
+        let mut optimizers: Vec<(String, Box<dyn Optimizer>)> = configs
+            .iter()
+            .map(|c| {
+                (
+                    format!("{c:?}"),
+                    build(c, segs.clone(), n, &Place::Host).unwrap(),
+                )
+            })
+            .collect();
+        optimizers.push(("plain sgd".into(), Box::new(Sgd::new(0.1, segs.clone()))));
+        for (name, mut whole) in optimizers {
+            let mut sharded = build_like(&name, &configs, &segs, n);
+            let mut p: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut q = p.clone();
+            for t in 1..=5u64 {
+                let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let (lr, scale) = (0.01 * t as f64, 0.5 + 0.1 * t as f32);
+                whole
+                    .step_scaled((&mut p).into(), (&g[..]).into(), lr, scale)
+                    .unwrap();
+                // As the local engine's shared replica holds them: the buffers' addresses.
+                let state: Vec<*mut f32> = sharded
+                    .host_state_mut()
+                    .unwrap()
+                    .into_iter()
+                    .map(|b| b.as_mut_ptr())
+                    .collect();
+                for w in cuts.windows(2) {
+                    let r = w[0]..w[1];
+                    let cut = Segment::cut(&segs, r.clone());
+                    let shard = Shard {
+                        segs: &cut,
+                        params: &mut q[r.clone()],
+                        grads: &g[r.clone()],
+                        // SAFETY: disjoint ranges of live buffers, one shard at a time.
+                        state: state
+                            .iter()
+                            .map(|&b| unsafe {
+                                std::slice::from_raw_parts_mut(b.add(r.start), r.len())
+                            })
+                            .collect(),
+                    };
+                    sharded.step_shard(shard, t, lr, scale).unwrap();
+                }
+                assert_eq!(p, q, "{name}, step {t}");
+            }
+            let (a, b) = (whole.state().unwrap(), sharded.state().unwrap());
+            assert_eq!(a.buffers, b.buffers, "{name}");
+        }
+    }
+
+    fn build_like(
+        name: &str,
+        configs: &[OptimConfig],
+        segs: &[Segment],
+        n: usize,
+    ) -> Box<dyn Optimizer> {
+        match configs.iter().find(|c| format!("{c:?}") == name) {
+            Some(c) => build(c, segs.to_vec(), n, &Place::Host).unwrap(),
+            None => Box::new(Sgd::new(0.1, segs.to_vec())),
+        }
+    }
+
+    #[test]
+    fn cut_segments_cover_the_range_from_its_start() {
+        let segs = Segment::end_to_end([(4, true), (3, false), (5, true)]);
+        assert_eq!(
+            Segment::cut(&segs, 2..9),
+            Segment::end_to_end([(2, true), (3, false), (2, true)])
+        );
+        assert_eq!(Segment::cut(&segs, 4..7), Segment::end_to_end([(3, false)]));
+        assert!(Segment::cut(&segs, 5..5).is_empty());
     }
 
     #[test]

@@ -13,7 +13,7 @@ pub mod trace;
 
 use anyhow::Result;
 
-use crate::comm::{all_reduce_mean, CommStats, Communicator};
+use crate::comm::{all_reduce_mean, CommStats, Communicator, Parts};
 use crate::config::resolve::{Plan, SyncPlan};
 use crate::flat::{Flat, FlatMut, FlatRef};
 use topology::Round;
@@ -40,6 +40,10 @@ pub trait SyncBackend {
     fn reduce_grads(&mut self, _grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
         Ok(())
     }
+    /// The workers share one replica divided into `parts` (the local engine, see `train::replica`),
+    /// whose update reads each rank's part of the reduced gradient alone: the backend may leave the rest
+    /// of the rank's gradient unreduced (the dense all-reduce does; the others reduce it all).
+    fn share_replica(&mut self, _parts: Parts) {}
     /// `reduce_grads` on the gradient wherever it lives: on the GPU through a host copy, unless the
     /// backend reduces there itself (the dense all-reduce on an engine with device collectives).
     fn reduce_flat(&mut self, grads: FlatMut<'_>, step: u64, lr: f64) -> Result<()> {
@@ -178,6 +182,8 @@ pub struct AllReduce {
     comm: Box<dyn Communicator>,
     bucket_elems: usize,
     numel: usize,
+    /// The parts of a shared replica: each rank reduces its own part alone (`share_replica`).
+    shared: Option<Parts>,
     /// DDP's overlap on the GPU: per bucket, the elements of this step's gradient not yet ready (None
     /// before the backward's first ready range); a bucket's all-reduce starts when it reaches 0.
     #[cfg(feature = "cuda")]
@@ -190,6 +196,7 @@ impl AllReduce {
             comm,
             bucket_elems: bucket_elems.max(1),
             numel,
+            shared: None,
             #[cfg(feature = "cuda")]
             waiting: None,
         }
@@ -236,10 +243,27 @@ impl SyncBackend for AllReduce {
             .collect()
     }
     fn reduce_grads(&mut self, grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
-        for bucket in grads.chunks_mut(self.bucket_elems) {
-            all_reduce_mean(self.comm.as_mut(), bucket)?;
+        let n = self.world_size();
+        for (b, bucket) in grads.chunks_mut(self.bucket_elems).enumerate() {
+            match self.shared {
+                // Each rank's part of the bucket, counted from the bucket's start.
+                Some(parts) if n > 1 => {
+                    let r = self.bucket(b);
+                    let part = |q: usize| {
+                        let p = parts.of(q);
+                        let clamp = |x: usize| x.clamp(r.start, r.end) - r.start;
+                        clamp(p.start)..clamp(p.end)
+                    };
+                    self.comm
+                        .reduce_scatter_shared(bucket, &part, 1.0 / n as f32)?;
+                }
+                _ => all_reduce_mean(self.comm.as_mut(), bucket)?,
+            }
         }
         Ok(())
+    }
+    fn share_replica(&mut self, parts: Parts) {
+        self.shared = Some(parts);
     }
     /// On the GPU with an engine that has device collectives (NCCL): the buckets' sums on the device
     /// (started during the backward when it overlaps, see `grads_ready`), then one scaling by 1 / N (the

@@ -2,7 +2,9 @@
 //! run on the local engine that cannot fit in this machine's memory.
 //!
 //! Per worker, its state: parameters, gradient, the optimizer's buffers and the backend's
-//! (`sync::footprint`); the CPU engine computes from the worker's parameters, without a copy. At
+//! (`sync::footprint`); the CPU engine computes from the worker's parameters, without a copy. Where the
+//! local engine's workers share one replica (`train::replica`), each keeps its gradient and backend state,
+//! and the parameters and the optimizer's buffers are counted once. At
 //! evaluations and checkpoints every worker also holds the replicas' average (not with one worker);
 //! during a step, the backend's per-step buffers. Per compute slot (see `train::compute`): the
 //! activations of one forward/backward and its GEMM packing buffers, or the copy of a backend's state
@@ -32,6 +34,8 @@ pub struct Estimate {
     pub workers: u64,
     /// Each worker's state for the whole run (its buffers).
     pub state: u64,
+    /// The replica the workers share (parameters and optimizer), once; 0 when each has its own.
+    pub replica: u64,
     /// Each worker's buffers beside its state at the peak: the average at an evaluation or checkpoint,
     /// or the backend's per-step buffers, whichever is larger.
     pub transient: u64,
@@ -59,6 +63,7 @@ impl Estimate {
     /// rank 0's model copy.
     pub fn buffers(&self) -> u64 {
         self.workers * (self.state + self.transient)
+            + self.replica
             + self.slots * (self.scratch + self.gemm_pack)
             + self.model_copy
     }
@@ -68,9 +73,9 @@ impl Estimate {
         self.state + self.transient + self.worker_overhead
     }
 
-    /// Everything but the workers: the slots and the process.
+    /// Everything but the workers: the shared replica, the slots and the process.
     pub fn shared(&self) -> u64 {
-        self.slots * (self.scratch + self.gemm_pack) + self.model_copy + self.fixed
+        self.replica + self.slots * (self.scratch + self.gemm_pack) + self.model_copy + self.fixed
     }
 }
 
@@ -89,7 +94,12 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
     let optimizer = crate::optim::state_buffers(&t.optim, &plan.sync);
     // Parameters and gradient (the local engine's reductions copy nothing; its all-gathers keep their
     // last message, counted by the backends that gather).
-    let state = 4 * (numel * (2 + optimizer) + sync.kept);
+    let cuda = t.device == crate::config::train::Device::Cuda;
+    let (state, replica) = if super::replica::shared_by(plan, cuda) {
+        (4 * (numel + sync.kept), 4 * numel * (1 + optimizer))
+    } else {
+        (4 * (numel * (2 + optimizer) + sync.kept), 0)
+    };
     // The average to evaluate and checkpoint is a copy when there are replicas to average, and DiLoCo's
     // global model is one at any world size; one worker evaluates its own parameters.
     let average = if plan.world_size > 1 || matches!(plan.sync, SyncPlan::Diloco { .. }) {
@@ -126,6 +136,7 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
     Estimate {
         workers,
         state,
+        replica,
         transient,
         slots: plan.compute_slots as u64,
         scratch: scratch.max(checkpoint_copy),
@@ -189,12 +200,17 @@ impl std::fmt::Display for Estimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} peak: {} worker(s) x {} ({} state + {} at evaluations and steps) + {} compute slot(s) x {} + {} process",
+            "{} peak: {} worker(s) x {} ({} state + {} at evaluations and steps){} + {} compute slot(s) x {} + {} process",
             human(self.peak()),
             self.workers,
             human(self.per_worker()),
             human(self.state),
             human(self.transient),
+            if self.replica > 0 {
+                format!(" + {} shared replica", human(self.replica))
+            } else {
+                String::new()
+            },
             self.slots,
             human(self.scratch + self.gemm_pack),
             human(self.fixed)

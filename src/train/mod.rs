@@ -9,6 +9,7 @@ mod engine;
 pub mod fault;
 pub mod memory;
 pub mod preflight;
+mod replica;
 pub mod signals;
 mod worker;
 
@@ -88,6 +89,8 @@ pub(crate) struct Setup {
     /// Where the workers compute: the local engine's slots (cores / threads of them, shared by all its
     /// workers), else this process's rayon pool.
     compute: compute::Compute,
+    /// The local engine's one replica, when its workers share it (see `replica`).
+    replica: replica::Slot,
 }
 
 /// How `train` treats an existing run directory.
@@ -159,6 +162,7 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
             }
             _ => compute::Compute::here(),
         },
+        replica: replica::Slot::default(),
     };
     match (process_comm, plan.world_size) {
         (Some(comm), _) => Worker::new(&setup, comm)?.train(),

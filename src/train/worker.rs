@@ -2,13 +2,14 @@
 
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::checkpoint::{self, Manifest, Progress, RankView};
 use super::compute::Compute;
 use super::console::{Console, Interval};
+use super::replica::{self, Replica};
 use super::{Exit, Setup, Summary};
 use crate::comm::Communicator;
 use crate::config::CheckpointMode;
@@ -16,7 +17,7 @@ use crate::data::{eval_batch, Blend, Sampler, Split};
 use crate::flat::{Flat, FlatMut, FlatRef};
 use crate::metrics::{Row, Tracker};
 use crate::model::{Gpt, Scratch};
-use crate::optim::{self, Optimizer, Segment};
+use crate::optim::{self, Segment};
 use crate::sync::SyncBackend;
 
 /// A100 bf16 dense peak, nanoGPT's reference for MFU on GPUs.
@@ -87,11 +88,10 @@ pub(super) struct Worker<'s> {
     setup: &'s Setup,
     model: Gpt,
     sync: Box<dyn SyncBackend>,
-    opt: Box<dyn Optimizer>,
-    /// The parameters (name-ordered flat buffer) and this step's gradient, on the model's device (see
-    /// `crate::flat`). (The replicas' average, which evaluations and checkpoints need, lives only while
-    /// they run.)
-    params: Flat,
+    /// The parameters (name-ordered flat buffer) and the optimizer, this worker's or shared (see
+    /// `replica`), and this step's gradient, on the model's device (see `crate::flat`). (The replicas'
+    /// average, which evaluations and checkpoints need, lives only while they run.)
+    replica: Replica,
     grads: Flat,
     sampler: Sampler,
     dropout: ChaCha8Rng,
@@ -119,7 +119,7 @@ impl<'s> Worker<'s> {
         // Mixed precision: bf16 matmuls, f32 master weights, optimizer and reducer state.
         let model = Gpt::new(&cfg.model, t.context_length, t.seed, &device)?.with_amp(t.amp);
         let tensors = crate::sync::compress::TensorView::of(&model.params.params);
-        let sync = crate::sync::build(&plan.sync, comm, tensors)?;
+        let mut sync = crate::sync::build(&plan.sync, comm, tensors)?;
         let segments: Vec<Segment> = model
             .params
             .params
@@ -132,17 +132,36 @@ impl<'s> Worker<'s> {
             .collect();
         let place = model.place().clone();
         let numel = model.params.numel;
-        let opt = optim::for_run(&t.optim, &plan.sync, segments, numel, &place)?;
+        let opt = optim::for_run(&t.optim, &plan.sync, segments.clone(), numel, &place)?;
         let mut dropout = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
         dropout.set_stream(sync.rank() as u64);
         let root = sync.rank() == 0;
+        let shared = replica::shared_by(plan, device.is_cuda());
+        if shared && (sync.replicas_differ() || sync.touches_params()) {
+            bail!(
+                "internal error: the plan shares one replica, the backend {} keeps replicas apart",
+                sync.name()
+            );
+        }
+        // Rank 0 makes the shared replica (restored with its own state) while the others wait, so that
+        // no other worker makes one of its own to drop.
+        let parts = replica::parts(numel, sync.world_size());
+        if shared && !root {
+            sync.barrier()?;
+        }
+        let replica = match setup.replica.member(sync.rank(), parts, &segments)? {
+            Some(member) if shared => member,
+            _ => Replica::Own {
+                params: place.from_host(model.initial_weights())?,
+                opt,
+            },
+        };
         let mut w = Self {
             setup,
-            params: place.from_host(model.initial_weights())?,
+            replica,
             grads: place.zeros_for_collectives(numel)?,
             model,
             sync,
-            opt,
             sampler: Sampler::new(t.seed),
             dropout,
             progress: Progress::default(),
@@ -158,6 +177,13 @@ impl<'s> Worker<'s> {
         };
         if let Some((dir, mode)) = &setup.source {
             w.restore(dir, *mode)?;
+        }
+        if shared {
+            if root {
+                w.replica = w.replica.share(&setup.replica, parts, &segments)?;
+                w.sync.barrier()?;
+            }
+            w.sync.share_replica(parts);
         }
         let step = w.progress.step;
         if root && step < t.n_steps {
@@ -197,19 +223,24 @@ impl<'s> Worker<'s> {
                     r.state.optimizer,
                     r.state.reducer,
                 )?;
-                self.opt.load_state(optimizer)?;
+                // A shared replica was restored by rank 0, which made it.
+                if let Replica::Own { params, opt } = &mut self.replica {
+                    opt.load_state(optimizer)?;
+                    *params = self.model.place().from_host(r.state.params)?;
+                }
                 self.sync.load_state(reducer)?;
                 self.dropout.set_word_pos(r.state.meta.dropout_pos());
                 (self.since_log.loss_sum, self.since_log.loss_steps) = r.state.meta.loss_since_log;
-                self.params = self.model.place().from_host(r.state.params)?;
             }
             CheckpointMode::Weights => {
-                let (weights, _) =
-                    checkpoint::read_hf_weights(&dir.join("model.safetensors"), &self.model)?;
-                self.params = self.model.place().from_host(weights)?;
+                if let Replica::Own { params, .. } = &mut self.replica {
+                    let (weights, _) =
+                        checkpoint::read_hf_weights(&dir.join("model.safetensors"), &self.model)?;
+                    *params = self.model.place().from_host(weights)?;
+                }
             }
         }
-        self.model.load(self.params.as_ref())?;
+        self.model.load(self.replica.params())?;
         if rank == 0 {
             tracing::info!(
                 "resumed from {} ({}) at step {}",
@@ -267,7 +298,9 @@ impl<'s> Worker<'s> {
             let (grad_norm, grad_scale) = match self.sync.clipped_grad_norm() {
                 Some(norm) => (norm, 1.0),
                 None => {
-                    let norm = optim::norm(self.grads.as_ref())?;
+                    let norm = self
+                        .replica
+                        .grad_norm(self.grads.as_ref(), self.sync.as_mut())?;
                     (norm, optim::clip_factor(norm, t.grad_norm_clip))
                 }
             };
@@ -322,7 +355,7 @@ impl<'s> Worker<'s> {
         let overlap_backward = self.sync.overlaps_backward(self.grads.as_ref());
         let (model, weights, grads, dropout, sampler) = (
             &self.model,
-            self.params.as_ref(),
+            self.replica.params(),
             &mut self.grads,
             &mut self.dropout,
             &mut self.sampler,
@@ -366,17 +399,18 @@ impl<'s> Worker<'s> {
         let start = self.since_log.sync_start(self.sync.comm_stats());
         let (step, touches) = (self.progress.step, self.sync.touches_params());
         if touches {
-            self.sync.before_step_flat(self.params.as_mut())?;
+            self.sync.before_step_flat(self.replica.params_mut()?)?;
         }
         self.since_log.sync_end(start, self.sync.comm_stats());
-        self.opt
-            .step_scaled(self.params.as_mut(), self.grads.as_ref(), lr, grad_scale)?;
+        self.replica
+            .step(self.grads.as_ref(), lr, grad_scale, self.sync.as_mut())?;
         let start = self.since_log.sync_start(self.sync.comm_stats());
         if touches {
-            self.sync.after_step_flat(self.params.as_mut(), step)?;
+            self.sync
+                .after_step_flat(self.replica.params_mut()?, step)?;
         }
         self.since_log.sync_end(start, self.sync.comm_stats());
-        self.model.load(self.params.as_ref())?;
+        self.model.load(self.replica.params())?;
         self.progress.tokens += self.setup.plan.tokens_at(self.progress.step);
         self.progress.step += 1;
         Ok(())
@@ -416,7 +450,7 @@ impl<'s> Worker<'s> {
         let [norm, distance] = per_rank.map(|v| v.and_then(|_| rest.next()));
         (row.pseudo_grad_norm, row.consensus_distance) = (norm, distance);
         row.outer_lr = m.outer_lr;
-        row.param_norm = optim::norm(self.params.as_ref())?;
+        row.param_norm = optim::norm(self.replica.params())?;
         row.elapsed_s = self.elapsed();
         row.mfu = self
             .mfu_peak
@@ -445,7 +479,7 @@ impl<'s> Worker<'s> {
         let mut row = Row {
             lr: optim::lr_at(&t.lr_schedule, 0, t.n_steps),
             batch_size: self.setup.plan.batches.batch_at(0),
-            param_norm: optim::norm(self.params.as_ref())?,
+            param_norm: optim::norm(self.replica.params())?,
             elapsed_s: self.elapsed(),
             ..Row::default()
         };
@@ -473,7 +507,7 @@ impl<'s> Worker<'s> {
         let setup = self.setup;
         let spec = self.eval_spec();
         // On the GPU, the evaluations run from a host copy of the parameters.
-        let params = self.params.to_host()?;
+        let params = self.replica.params().to_host()?;
         let mut avg = Vec::new();
         let (weights, distance) = self.sync.average(&params, &mut avg)?;
         self.model.load(weights.into())?;
@@ -496,7 +530,7 @@ impl<'s> Worker<'s> {
             &setup.train_data,
             Split::Train,
         )?;
-        self.model.load(self.params.as_ref())?;
+        self.model.load(self.replica.params())?;
         if cfg.log.eval_local {
             let (mean, max) = eval_local(sync, compute, model, &spec, &params, &setup.val_data)?;
             (row.val_loss_local, row.val_loss_local_max) = (Some(mean), Some(max));
@@ -583,10 +617,10 @@ impl<'s> Worker<'s> {
         }
         // One host copy of the parameters on the GPU (borrowed on the host) serves the average and the
         // rank's file.
-        let params = self.params.to_host()?;
+        let params = self.replica.params().to_host()?;
         let mut avg = Vec::new();
         let (model_weights, _) = self.sync.average(&params, &mut avg)?;
-        let (params, opt, dropout) = (&params, &self.opt, &self.dropout);
+        let (params, replica, dropout) = (&params, &self.replica, &self.dropout);
         let loss_since_log = (self.since_log.loss_sum, self.since_log.loss_steps);
         // The rank's state, written from its buffers in place (only the reducer's state is a copy) while
         // it holds a compute slot: on the local engine, as many writes and copies at once as slots.
@@ -595,7 +629,7 @@ impl<'s> Worker<'s> {
             let state = RankView::new(
                 sync.rank(),
                 FlatRef::Host(params),
-                opt.view(),
+                replica.opt_view(),
                 sync.state()?,
                 dropout.get_word_pos(),
                 loss_since_log,
