@@ -119,17 +119,7 @@ fn allreduce_workers_share_one_replica_that_checkpoints_and_resumes_bit_for_bit(
             );
         }
         let ckpt = d.path().join("log/parts/checkpoints/step_00000012");
-        let tensors = |rank: usize| {
-            let bytes = std::fs::read(ckpt.join(format!("rank_{rank}.safetensors"))).unwrap();
-            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-            let mut named: Vec<(String, Vec<u8>)> = st
-                .tensors()
-                .into_iter()
-                .map(|(n, t)| (n, t.data().to_vec()))
-                .collect();
-            named.sort();
-            named
-        };
+        let tensors = |rank: usize| common::tensors(&ckpt.join(format!("rank_{rank}.safetensors")));
         let zero = tensors(0);
         assert!(zero.iter().any(|(n, _)| n.starts_with("optim.")), "{optim}");
         for rank in 1..3 {

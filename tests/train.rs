@@ -86,19 +86,10 @@ fn stopped_and_resumed_run_equals_uninterrupted_run_bit_for_bit() {
         assert_eq!(numbers(x), numbers(y), "rows differ at step {}", x.step);
     }
     let weights = |s: &train::Summary| {
-        let bytes = std::fs::read(
-            s.run_dir
+        common::tensors(
+            &s.run_dir
                 .join("checkpoints/step_00000020/model.safetensors"),
         )
-        .unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        let mut named: Vec<(String, Vec<u8>)> = st
-            .tensors()
-            .into_iter()
-            .map(|(n, t)| (n, t.data().to_vec()))
-            .collect();
-        named.sort();
-        named
     };
     assert!(weights(&full) == weights(&last), "final weights differ");
     // Byte for byte, headers included: checksums of identical runs compare.

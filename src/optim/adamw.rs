@@ -25,7 +25,7 @@ impl Segment {
             .iter()
             .filter_map(|s| {
                 let (start, end) = (s.offset.max(range.start), (s.offset + s.len).min(range.end));
-                (start < end).then_some(Segment {
+                (start < end).then(|| Segment {
                     offset: start - range.start,
                     len: end - start,
                     decay: s.decay,

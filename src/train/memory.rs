@@ -95,14 +95,19 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
     // Parameters and gradient (the local engine's reductions copy nothing; its all-gathers keep their
     // last message, counted by the backends that gather).
     let cuda = t.device == crate::config::train::Device::Cuda;
-    let (state, replica) = if super::replica::shared_by(plan, cuda) {
-        (4 * (numel + sync.kept), 4 * numel * (1 + optimizer))
+    let shared = super::replica::shared_by(plan, cuda);
+    // A shared replica holds the parameters, the optimizer's buffers and the replicas' average.
+    let (state, replica) = if shared {
+        (4 * (numel + sync.kept), 4 * numel * (2 + optimizer))
     } else {
         (4 * (numel * (2 + optimizer) + sync.kept), 0)
     };
-    // The average to evaluate and checkpoint is a copy when there are replicas to average, and DiLoCo's
-    // global model is one at any world size; one worker evaluates its own parameters.
-    let average = if plan.world_size > 1 || matches!(plan.sync, SyncPlan::Diloco { .. }) {
+    // The average to evaluate and checkpoint is a copy when there are replicas to average (in the
+    // shared replica when there is one), and DiLoCo's global model is one at any world size; one worker
+    // evaluates its own parameters.
+    let average = if shared {
+        0
+    } else if plan.world_size > 1 || matches!(plan.sync, SyncPlan::Diloco { .. }) {
         numel
     } else {
         0

@@ -41,6 +41,10 @@ pub(crate) struct Shared {
     _params: Vec<f32>,
     params: *mut f32,
     numel: usize,
+    /// The replicas' average for evaluations and checkpoints (owned by `_avg`), made by `Replica::average`.
+    _avg: Vec<f32>,
+    avg: *mut f32,
+    world: usize,
     /// Owns the optimizer's buffers, read and written through `state` alone (its settings are read).
     opt: Box<dyn Optimizer>,
     state: Vec<*mut f32>,
@@ -103,7 +107,7 @@ impl Replica {
         let t = opt.view().step;
         if slot
             .0
-            .set(Arc::new(Shared::new(params, opt, segments, t)?))
+            .set(Arc::new(Shared::new(params, opt, segments, t, parts.n)?))
             .is_err()
         {
             bail!("internal error: a second shared replica");
@@ -189,6 +193,37 @@ impl Replica {
         sync.barrier()
     }
 
+    /// The model to evaluate and checkpoint: the backend's average of the replicas (`params` is this
+    /// worker's). On a shared replica, the values that average gave W equal copies, made once: each
+    /// member's part is the first copy plus each other in turn, times 1 / W, as the local all-reduce adds
+    /// them. Between barriers: the first waits until nobody reads the last average, the second until the
+    /// new one is whole; a worker reads it until its next call.
+    pub fn average<'a>(
+        &'a self,
+        sync: &mut dyn SyncBackend,
+        params: &'a [f32],
+        avg: &'a mut Vec<f32>,
+    ) -> Result<(&'a [f32], Option<f64>)> {
+        let Replica::Shared(m) = self else {
+            return sync.average(params, avg);
+        };
+        let (s, r) = (&m.shared, m.range.clone());
+        sync.barrier()?;
+        let scale = 1.0 / s.world as f32;
+        // SAFETY: this member's part of the average, which nobody reads until the barrier below.
+        let part = unsafe { std::slice::from_raw_parts_mut(s.avg.add(r.start), r.len()) };
+        for (a, &x) in part.iter_mut().zip(&params[r]) {
+            let mut sum = x;
+            for _ in 1..s.world {
+                sum += x;
+            }
+            *a = sum * scale;
+        }
+        sync.barrier()?;
+        // SAFETY: whole, and written again only after every member's next first barrier.
+        Ok((unsafe { std::slice::from_raw_parts(s.avg, s.numel) }, None))
+    }
+
     /// The optimizer's state in place, for a checkpoint.
     pub fn opt_view(&self) -> OptimView<'_> {
         match self {
@@ -251,6 +286,7 @@ impl Shared {
         mut opt: Box<dyn Optimizer>,
         segments: &[Segment],
         t: u64,
+        world: usize,
     ) -> Result<Self> {
         let mut params = params.into_host_vec()?;
         let numel = params.len();
@@ -259,9 +295,13 @@ impl Shared {
             .into_iter()
             .map(|b| b.as_mut_ptr())
             .collect();
+        let mut avg = vec![0.0; numel];
         Ok(Self {
             params: params.as_mut_ptr(),
             _params: params,
+            avg: avg.as_mut_ptr(),
+            _avg: avg,
+            world,
             numel,
             opt,
             state,

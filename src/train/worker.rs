@@ -132,7 +132,6 @@ impl<'s> Worker<'s> {
             .collect();
         let place = model.place().clone();
         let numel = model.params.numel;
-        let opt = optim::for_run(&t.optim, &plan.sync, segments.clone(), numel, &place)?;
         let mut dropout = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
         dropout.set_stream(sync.rank() as u64);
         let root = sync.rank() == 0;
@@ -153,7 +152,7 @@ impl<'s> Worker<'s> {
             Some(member) if shared => member,
             _ => Replica::Own {
                 params: place.from_host(model.initial_weights())?,
-                opt,
+                opt: optim::for_run(&t.optim, &plan.sync, segments.clone(), numel, &place)?,
             },
         };
         let mut w = Self {
@@ -509,7 +508,9 @@ impl<'s> Worker<'s> {
         // On the GPU, the evaluations run from a host copy of the parameters.
         let params = self.replica.params().to_host()?;
         let mut avg = Vec::new();
-        let (weights, distance) = self.sync.average(&params, &mut avg)?;
+        let (weights, distance) = self
+            .replica
+            .average(self.sync.as_mut(), &params, &mut avg)?;
         self.model.load(weights.into())?;
         let (sync, compute, model) = (self.sync.as_mut(), &setup.compute, &self.model);
         let val = eval_shared(
@@ -619,7 +620,9 @@ impl<'s> Worker<'s> {
         // rank's file.
         let params = self.replica.params().to_host()?;
         let mut avg = Vec::new();
-        let (model_weights, _) = self.sync.average(&params, &mut avg)?;
+        let (model_weights, _) = self
+            .replica
+            .average(self.sync.as_mut(), &params, &mut avg)?;
         let (params, replica, dropout) = (&params, &self.replica, &self.dropout);
         let loss_since_log = (self.since_log.loss_sum, self.since_log.loss_steps);
         // The rank's state, written from its buffers in place (only the reducer's state is a copy) while

@@ -217,3 +217,16 @@ pub fn exact(r: &nanodist::metrics::Row) -> impl PartialEq + std::fmt::Debug {
         ),
     )
 }
+
+/// The tensors of a safetensors file, by name: (name, raw bytes), sorted.
+pub fn tensors(path: &Path) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut named: Vec<(String, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.data().to_vec()))
+        .collect();
+    named.sort();
+    named
+}
