@@ -49,7 +49,7 @@ fn check_prints_the_resolved_plan() {
         "tokens per step   491520",
         "parameters        124373760",
         "run time          34d 03:12:00",
-        "peak: 4 worker(s) x 2.5 GB (2.0 GB state + 497 MB at evaluations and steps)",
+        "peak: 4 worker(s) x 500 MB (497 MB state + 0 kB at evaluations and steps) + 2.0 GB shared replica",
         "note: train.compile = true has no meaning",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
