@@ -8,7 +8,8 @@
 //! partitions the optimizer; the all-gather that follows ZeRO-1's update is free, since the workers read
 //! the same memory. Results are those of W copies bit for bit: the optimizers' updates are element-wise
 //! (`Optimizer::step_shard`), and the clipping's norm is the same f64 sum, its tiles' sums computed by
-//! the tiles' owners and added in order by every worker.
+//! the tiles' owners and added in order by every worker. The replicas' average, which evaluations and
+//! checkpoints use, is made once too, with the all-reduce's arithmetic (`Replica::average`).
 //!
 //! The shared buffers are written only between barriers: the members' ranges during the update, which
 //! starts after the backend's reduction (whose barriers every member passes after its backward) and ends
@@ -134,7 +135,8 @@ impl Replica {
         }
     }
 
-    /// The global norm of the reduced gradient `grads` (equal on every member when shared).
+    /// The global norm of the reduced gradient. On a shared replica each member reads its own tiles of
+    /// `grads` alone: the part the backend reduced on it (the dense all-reduce reduces nothing else).
     pub fn grad_norm(&self, grads: FlatRef<'_>, sync: &mut dyn SyncBackend) -> Result<f64> {
         let Replica::Shared(m) = self else {
             return crate::optim::norm(grads);
