@@ -601,11 +601,14 @@ fn calibrate(
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             // Two ranks per core, each on its own thread, for the sharing efficiency; then two ranks.
             let half = predict::calibrate::LOCKSTEP_ROWS / 2;
-            let shared = on_threads(2 * cores, |c| predict::calibrate::lockstep_step(c, half))?;
-            on_threads(2, |c| {
-                predict::calibrate::measure(c, "local", Some(shared[0]))
-            })?
-            .swap_remove(0)
+            let shared = (0..predict::calibrate::SHARING_REPEATS)
+                .map(|_| {
+                    on_threads(2 * cores, |c| predict::calibrate::lockstep_step(c, half))
+                        .map(|s| s[0])
+                })
+                .collect::<Result<Vec<f64>>>()?;
+            let shared = predict::calibrate::median(shared);
+            on_threads(2, |c| predict::calibrate::measure(c, "local", Some(shared)))?.swap_remove(0)
         }
         CalibrateEngine::Mpi => match calibrate_mpi(output, shared_step, probe)? {
             Some(m) => m,
@@ -697,11 +700,16 @@ fn calibrate_mpi(
         Ok(String::from_utf8_lossy(&out.stdout).to_string())
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let probed = mpirun(2 * cores, &["--probe".into()])?;
-    let secs: f64 = probed
-        .trim()
-        .parse()
-        .with_context(|| format!("the sharing probe printed {probed:?}"))?;
+    let probes = (0..predict::calibrate::SHARING_REPEATS)
+        .map(|_| {
+            let probed = mpirun(2 * cores, &["--probe".into()])?;
+            probed
+                .trim()
+                .parse::<f64>()
+                .with_context(|| format!("the sharing probe printed {probed:?}"))
+        })
+        .collect::<Result<Vec<f64>>>()?;
+    let secs = predict::calibrate::median(probes);
     let args = [
         "--output".to_string(),
         output.display().to_string(),
