@@ -303,13 +303,21 @@ impl LocalComm {
         Ok(())
     }
 
-    /// All-reduce over every rank, times `scale` when given.
-    fn all_reduce(&mut self, buf: &mut [f32], scale: Option<f32>) -> Result<()> {
+    /// All-reduce over every rank, times `scale` when given; with `part`, the reduce-scatter into the
+    /// ranks' parts alone (`reduce_scatter_shared`). Counts what the MPI engine's reduce-scatter +
+    /// all-gather sends from this rank.
+    fn all_reduce(
+        &mut self,
+        buf: &mut [f32],
+        scale: Option<f32>,
+        part: Option<&dyn Fn(usize) -> std::ops::Range<usize>>,
+    ) -> Result<()> {
         let start = Instant::now();
-        let (all, len): (Vec<usize>, _) = ((0..self.shared.n).collect(), buf.len());
-        self.reduce(buf, &all, scale, &|q| chunk(len, all.len(), q), true)?;
-        // What the MPI engine's reduce-scatter + all-gather sends from this rank.
-        self.account(all_reduce_bytes(buf.len(), self.shared.n, self.rank), start);
+        let (n, len) = (self.shared.n, buf.len());
+        let all: Vec<usize> = (0..n).collect();
+        let even = |q| chunk(len, n, q);
+        self.reduce(buf, &all, scale, part.unwrap_or(&even), part.is_none())?;
+        self.account(all_reduce_bytes(len, n, self.rank), start);
         Ok(())
     }
 
@@ -329,11 +337,11 @@ impl Communicator for LocalComm {
     }
 
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
-        self.all_reduce(buf, None)
+        self.all_reduce(buf, None, None)
     }
 
     fn all_reduce_sum_scaled(&mut self, buf: &mut [f32], scale: f32) -> Result<()> {
-        self.all_reduce(buf, Some(scale))
+        self.all_reduce(buf, Some(scale), None)
     }
 
     fn reduce_scatter_shared(
@@ -342,11 +350,7 @@ impl Communicator for LocalComm {
         part: &dyn Fn(usize) -> std::ops::Range<usize>,
         scale: f32,
     ) -> Result<()> {
-        let start = Instant::now();
-        let all: Vec<usize> = (0..self.shared.n).collect();
-        self.reduce(buf, &all, Some(scale), part, false)?;
-        self.account(all_reduce_bytes(buf.len(), self.shared.n, self.rank), start);
-        Ok(())
+        self.all_reduce(buf, Some(scale), Some(part))
     }
 
     fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()> {

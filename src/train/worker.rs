@@ -148,9 +148,14 @@ impl<'s> Worker<'s> {
         if shared && !root {
             sync.barrier()?;
         }
-        let replica = match setup.replica.member(sync.rank(), parts, &segments)? {
-            Some(member) if shared => member,
-            _ => Replica::Own {
+        let joined = if shared {
+            setup.replica.member(sync.rank(), parts, &segments)?
+        } else {
+            None
+        };
+        let replica = match joined {
+            Some(member) => member,
+            None => Replica::Own {
                 params: place.from_host(model.initial_weights())?,
                 opt: optim::for_run(&t.optim, &plan.sync, segments.clone(), numel, &place)?,
             },
