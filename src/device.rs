@@ -58,11 +58,14 @@ pub fn select(cfg: DeviceCfg, worker: usize) -> Result<Device> {
 /// The number of visible GPUs, or why there are none.
 #[cfg(feature = "cuda")]
 pub fn gpus() -> Result<usize, String> {
+    use cudarc::driver::{sys::cudaError_enum::CUDA_ERROR_NO_DEVICE, DriverError};
     match cudarc::driver::CudaContext::device_count() {
         Ok(n) if n > 0 => Ok(n as usize),
-        Ok(_) => Err("the CUDA driver reports no GPU".into()),
+        Ok(_) | Err(DriverError(CUDA_ERROR_NO_DEVICE)) => {
+            Err("the CUDA driver finds no GPU on this machine".into())
+        }
         Err(e) => Err(format!(
-            "the CUDA driver is not usable ({e}); PTX of CUDA 13 needs driver R580 or newer"
+            "the CUDA driver is not usable ({e}); this build needs a CUDA 13 driver (R580 or newer)"
         )),
     }
 }

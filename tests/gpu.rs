@@ -1,7 +1,7 @@
-//! GPU checks, run by scripts/gpu-selftest.sh on a machine with a GPU: every reducer and optimizer kernel
-//! against its CPU twin (bit for bit: same algorithm, same blocking, no contracted multiply-adds), and the NCCL engine
-//! at world size 1. CI compiles them (`cargo check --all-targets --features cuda,mpi`); without a GPU
-//! they fail at their first line, naming the missing device.
+//! GPU checks, run by the GPU self-test (scripts/gpu/selftest.py) on a machine with a GPU: every reducer
+//! and optimizer kernel against its CPU twin (bit for bit: same algorithm, same blocking, no contracted
+//! multiply-adds), and the NCCL engine at world size 1. CI builds them into the self-test bundle
+//! (scripts/gpu-bundle.sh); without a GPU they fail at their first line, naming the missing device.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;

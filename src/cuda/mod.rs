@@ -1,7 +1,7 @@
-//! Launchers of the CUDA kernels (kernels/*.cu, compiled to PTX by build.rs): the reducers' here, the
+//! Launchers of the CUDA kernels (kernels/*.cu, compiled to fatbins by build.rs): the reducers' here, the
 //! optimizers' in `optim`. Each one runs its kernel with the grid its CPU twin in `crate::kernels`
 //! mirrors, and shares the twin's host-side steps (the radix digit search, the scan of tile counts, the
-//! sum over tiles); `tests/gpu.rs` (run by scripts/gpu-selftest.sh) compares every launcher with its twin
+//! sum over tiles); `tests/gpu.rs` (run by the GPU self-test, scripts/gpu/selftest.py) compares every launcher with its twin
 //! on a GPU.
 
 use std::sync::Arc;
@@ -15,10 +15,10 @@ use cudarc::nvrtc::Ptx;
 
 use crate::kernels::{self, Threshold, BLOCK, TILE};
 
-/// The PTX of every kernel file.
-const PTX: [&str; 2] = [
-    include_str!(concat!(env!("OUT_DIR"), "/reducers.ptx")),
-    include_str!(concat!(env!("OUT_DIR"), "/optim.ptx")),
+/// The fatbin of every kernel file: SASS for sm_80 and sm_90 and PTX for newer GPUs (see build.rs).
+const FATBINS: [&[u8]; 2] = [
+    include_bytes!(concat!(env!("OUT_DIR"), "/reducers.fatbin")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/optim.fatbin")),
 ];
 
 /// Grid-stride kernels stop growing the grid here (enough blocks to fill an H100 several times).
@@ -81,13 +81,20 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// Loads the PTX into the context of `stream`; every launch goes to `stream`.
+    /// Loads the kernels into the context of `stream`; every launch goes to `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
-        let modules = PTX
+        // A heap copy: the driver reads the image at an 8-byte aligned address.
+        let modules = FATBINS
             .iter()
-            .map(|ptx| stream.context().load_module(Ptx::from_src(*ptx)))
+            .map(|image| {
+                stream
+                    .context()
+                    .load_module(Ptx::from_binary(image.to_vec()))
+            })
             .collect::<Result<_, _>>()
-            .context("loading the kernels' PTX (CUDA 13 PTX needs driver R580 or newer)")?;
+            .context(
+                "loading the kernels (SASS for sm_80/sm_90, PTX of CUDA 13.0 for other GPUs)",
+            )?;
         Ok(Self {
             stream,
             modules,
@@ -118,7 +125,7 @@ impl Kernels {
         self.modules
             .iter()
             .find_map(|m| m.load_function(name).ok())
-            .with_context(|| format!("no kernel {name} in the PTX"))
+            .with_context(|| format!("no kernel {name} in the loaded fatbins"))
     }
 
     /// A candle tensor of `shape` on this stream's device, holding `buf`.

@@ -1,8 +1,8 @@
 //! CPU twins of the CUDA kernels in `kernels/reducers.cu`. Each function here implements its kernel's
 //! algorithm with the same blocking and the same order of floating-point operations, so a kernel and its
 //! twin agree bit for bit (the kernels are compiled with `-fmad=false`). The compressed reducers run on
-//! these twins on CPU; the property tests below pin their behaviour; `scripts/gpu-selftest.sh` compares
-//! every kernel with its twin on a GPU. The host-side steps between kernel launches (the digit search
+//! these twins on CPU; the property tests below pin their behaviour; the GPU self-test
+//! (`scripts/gpu/selftest.py`) compares every kernel with its twin on a GPU. The host-side steps between kernel launches (the digit search
 //! of the radix select, the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
 
 pub mod optim;
