@@ -6,8 +6,9 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
-use nanodist::config::{self, resolve::format_duration, LaunchEnv};
+use nanodist::config;
 use nanodist::generate::SampleOptions;
+use nanodist::plan::{self, LaunchEnv};
 use nanodist::predict;
 use nanodist::slurm;
 use nanodist::train::{preflight, Exit};
@@ -320,10 +321,10 @@ enum Command {
     },
 }
 
-fn load(args: &ConfigArgs) -> Result<config::Loaded> {
+fn load(args: &ConfigArgs) -> Result<plan::Loaded> {
     let mut launch = LaunchEnv::from_env(args.workers.map(|w| w as usize));
     launch.data_vocab = data_vocab(&args.config, &args.set);
-    Ok(config::load(&args.config, &args.set, &launch)?)
+    Ok(plan::load(&args.config, &args.set, &launch)?)
 }
 
 /// The vocabulary of the prepared data, when the config's data directory has a meta.json.
@@ -347,7 +348,7 @@ fn check(args: ConfigArgs, tokens_per_s: Option<f64>) -> Result<()> {
     match tokens_per_s {
         Some(tps) if tps > 0.0 => println!(
             "run time          {} at {tps} tokens/s",
-            format_duration(loaded.plan.run_seconds(tps))
+            nanodist::units::duration(loaded.plan.run_seconds(tps))
         ),
         Some(tps) => {
             return Err(nanodist::bad_input!(
@@ -395,9 +396,9 @@ fn prepare(a: PrepareArgs) -> Result<()> {
 }
 
 /// The resolved plan and what its synchronisation sends, as `check` and `train` print it.
-fn plan_text(loaded: &config::Loaded) -> Result<String> {
+fn plan_text(loaded: &plan::Loaded) -> Result<String> {
     let mut text = loaded.plan.to_string();
-    for (key, value) in nanodist::sync::trace::plan_lines(&loaded.config, &loaded.plan)? {
+    for (key, value) in plan::sync_lines(&loaded.config, &loaded.plan)? {
         text += &format!("\n{key:<17} {value}");
     }
     if loaded.config.train.device == config::Device::Cpu {

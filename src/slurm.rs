@@ -7,7 +7,8 @@ use std::process::Command;
 use anyhow::{Context, Result};
 
 use crate::bad_input;
-use crate::config::{self, Engine, LaunchEnv, Loaded};
+use crate::config::{self, Engine};
+use crate::plan::{LaunchEnv, Loaded};
 use crate::train::preflight;
 
 /// The batch script every job runs (one source: scripts/slurm/gpu.sbatch is rendered from it).
@@ -266,7 +267,7 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
     let cfg = match config::parse(&src, set) {
         Ok((c, _)) => c,
         Err(_) => {
-            config::load(config, set, &LaunchEnv::default())?;
+            crate::plan::load(config, set, &LaunchEnv::default())?;
             return Err(bad_input!("config {}: does not parse", config.display()));
         }
     };
@@ -298,7 +299,7 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
         launched_processes: Some(tasks),
         data_vocab: None,
     };
-    let loaded = config::load(config, &set, &launch)?;
+    let loaded = crate::plan::load(config, &set, &launch)?;
     if let Some(time) = &opts.time {
         check_time(time)?;
     }

@@ -49,7 +49,7 @@ fn check_prints_the_resolved_plan() {
         "tokens per step   491520",
         "parameters        124373760",
         "run time          34d 03:12:00",
-        "peak: 4 worker(s) x 500 MB (497 MB state + 0 kB at evaluations and steps) + 2.0 GB shared replica",
+        "peak: 4 worker(s) x 500 MB (497 MB state + 0 B at evaluations and steps) + 1.99 GB shared replica",
         "note: train.compile = true has no meaning",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
@@ -113,8 +113,8 @@ fn check_shows_what_each_worker_sends_and_train_says_when_a_reducer_switches() {
     let cfg = cfg.to_str().unwrap();
     let numel = {
         let src = std::fs::read_to_string(cfg).unwrap();
-        let launch = nanodist::config::LaunchEnv::default();
-        nanodist::config::load_str(Path::new("t.toml"), &src, &[], &launch)
+        let launch = nanodist::plan::LaunchEnv::default();
+        nanodist::plan::load_str(Path::new("t.toml"), &src, &[], &launch)
             .unwrap()
             .plan
             .n_params as usize
@@ -123,7 +123,7 @@ fn check_shows_what_each_worker_sends_and_train_says_when_a_reducer_switches() {
         let sum: u64 = (0..n)
             .map(|r| nanodist::comm::all_reduce_bytes(numel, n, r))
             .sum();
-        nanodist::report::human_bytes(sum as f64 / n as f64)
+        nanodist::units::bytes(sum as f64 / n as f64)
     };
     let check = |args: &[&str]| {
         let out = nanodist(&[&["check", cfg], args].concat());

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use nanodist::comm::Communicator;
 use nanodist::config::backend::{PowerSgdConfig, RadiusConfig};
-use nanodist::config::{self, LaunchEnv};
 use nanodist::metrics::{read_rows, Row};
+use nanodist::plan::LaunchEnv;
 use nanodist::sync::compress::{
     self, powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer, TensorView,
 };
@@ -305,7 +305,8 @@ fn train(dir: &Path, name: &str, workers: usize, set: &[String]) -> Vec<Row> {
         ..LaunchEnv::default()
     };
     let loaded =
-        config::load_str(Path::new("t.toml"), &tiny_config(dir, name), set, &launch).unwrap();
+        nanodist::plan::load_str(Path::new("t.toml"), &tiny_config(dir, name), set, &launch)
+            .unwrap();
     let s = train::run(&loaded).unwrap();
     read_rows(&s.run_dir.join("metrics.jsonl")).unwrap()
 }

@@ -2,7 +2,8 @@
 
 use std::path::Path;
 
-use nanodist::config::{self, ConfigError, LaunchEnv};
+use nanodist::config::ConfigError;
+use nanodist::plan::LaunchEnv;
 use proptest::prelude::*;
 
 fn launch(workers: usize) -> LaunchEnv {
@@ -14,7 +15,7 @@ fn launch(workers: usize) -> LaunchEnv {
 
 fn errors(src: &str, set: &[&str], workers: usize) -> ConfigError {
     let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    match config::load_str(Path::new("bad.toml"), src, &set, &launch(workers)) {
+    match nanodist::plan::load_str(Path::new("bad.toml"), src, &set, &launch(workers)) {
         Ok(_) => panic!("config was accepted:\n{src}\n--set {set:?}"),
         Err(e) => e,
     }
@@ -787,7 +788,7 @@ fn the_alternating_exp_ring_hint_fixes_the_layout() {
             .and_then(|t| t.split_whitespace().next())
             .unwrap_or_else(|| panic!("no --set hint for {workers} workers: {text}"));
         let set = vec![hint.to_string()];
-        config::load_str(Path::new("ok.toml"), src, &set, &launch(workers))
+        nanodist::plan::load_str(Path::new("ok.toml"), src, &set, &launch(workers))
             .unwrap_or_else(|e| panic!("{workers} workers with --set {hint}: {e}"));
     }
 }
@@ -796,7 +797,8 @@ fn the_alternating_exp_ring_hint_fixes_the_layout() {
 /// plan, a warmup_fraction schedule is the warmup_steps one.
 #[test]
 fn fractions_of_the_run_resolve_into_steps() {
-    let load = |src: &str| config::load_str(Path::new("ok.toml"), src, &[], &launch(2)).unwrap();
+    let load =
+        |src: &str| nanodist::plan::load_str(Path::new("ok.toml"), src, &[], &launch(2)).unwrap();
     let by_fraction = load(
         "[train]\nn_steps = 400\n[train.lr_schedule]\nwarmup_steps = 5\n[train.compression]\nname = 'powersgd'\nstart_fraction = 0.1\n",
     );
@@ -869,7 +871,7 @@ fn one_worker_gossip_is_a_note_not_an_error() {
     // Every topology, the node-layout one included: one rank has nothing to mix with.
     for topo in ["complete", "ring", "exp", "alternating-exp-ring"] {
         let src = format!("[train]\nbackend = 'decentdp'\ntopology = '{topo}'\n");
-        let loaded = config::load_str(Path::new("ok.toml"), &src, &[], &launch(1)).unwrap();
+        let loaded = nanodist::plan::load_str(Path::new("ok.toml"), &src, &[], &launch(1)).unwrap();
         assert!(loaded
             .notes
             .iter()
@@ -889,12 +891,12 @@ proptest! {
     /// Any TOML document (or garbage) loads or fails with a ConfigError; it never panics.
     #[test]
     fn random_toml_never_panics(doc in random_document()) {
-        let _ = config::load_str(Path::new("fuzz.toml"), &doc, &[], &launch(2));
+        let _ = nanodist::plan::load_str(Path::new("fuzz.toml"), &doc, &[], &launch(2));
     }
 
     #[test]
     fn random_bytes_never_panic(doc in "\\PC{0,200}") {
-        let _ = config::load_str(Path::new("fuzz.toml"), &doc, &[], &launch(1));
+        let _ = nanodist::plan::load_str(Path::new("fuzz.toml"), &doc, &[], &launch(1));
     }
 }
 

@@ -3,19 +3,20 @@
 
 use std::path::{Path, PathBuf};
 
-use nanodist::config::{self, Backend, LaunchEnv, OptimConfig, Topology};
+use nanodist::config::{self, Backend, OptimConfig, Topology};
+use nanodist::plan::LaunchEnv;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn load(path: &Path, workers: usize, set: &[&str]) -> config::Loaded {
+fn load(path: &Path, workers: usize, set: &[&str]) -> nanodist::plan::Loaded {
     let launch = LaunchEnv {
         workers_flag: Some(workers),
         ..LaunchEnv::default()
     };
     let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    config::load(path, &set, &launch).unwrap_or_else(|e| panic!("{e}"))
+    nanodist::plan::load(path, &set, &launch).unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]

@@ -3,8 +3,9 @@
 
 use std::path::Path;
 
-use nanodist::config::{self, LaunchEnv, Topology};
+use nanodist::config::Topology;
 use nanodist::metrics::read_rows;
+use nanodist::plan::LaunchEnv;
 use nanodist::sync::{topology, Gossip, SyncBackend};
 use nanodist::train;
 
@@ -18,7 +19,7 @@ fn train_with(dir: &Path, workers: usize, set: &[&str]) -> Vec<nanodist::metrics
         workers_flag: Some(workers),
         ..LaunchEnv::default()
     };
-    let loaded = config::load_str(Path::new("t.toml"), &src, &set, &launch).unwrap();
+    let loaded = nanodist::plan::load_str(Path::new("t.toml"), &src, &set, &launch).unwrap();
     let s = train::run(&loaded).unwrap();
     read_rows(&s.run_dir.join("metrics.jsonl")).unwrap()
 }
@@ -390,7 +391,7 @@ fn seed_configs_run_scaled_down_with_four_local_workers() {
             workers_flag: Some(4),
             ..LaunchEnv::default()
         };
-        let loaded = config::load(&root.join("config").join(file), &set, &launch).unwrap();
+        let loaded = nanodist::plan::load(&root.join("config").join(file), &set, &launch).unwrap();
         let s = train::run(&loaded).unwrap();
         assert_eq!(s.step, 3, "{file} {i}");
         assert!(s.last_val_loss.unwrap().is_finite());

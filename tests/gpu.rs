@@ -11,7 +11,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use nanodist::comm::Communicator;
 use nanodist::cuda::Kernels;
 use nanodist::kernels as twin;
-use nanodist::optim::Segment;
+use nanodist::kernels::Segment;
 use rand::{Rng, SeedableRng};
 
 fn kernels() -> Kernels {

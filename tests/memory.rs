@@ -5,7 +5,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use nanodist::config::{self, LaunchEnv};
+use nanodist::plan::LaunchEnv;
 use nanodist::train::{self, memory};
 
 mod common;
@@ -68,7 +68,7 @@ fn run(dir: &Path, name: &str, workers: usize, set_: &[&str]) -> (u64, memory::E
         workers_flag: Some(workers),
         ..LaunchEnv::default()
     };
-    let loaded = config::load_str(Path::new("t.toml"), &src, &set, &launch)
+    let loaded = nanodist::plan::load_str(Path::new("t.toml"), &src, &set, &launch)
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     let estimate = memory::estimate(&loaded.config, &loaded.plan);
     let before = LIVE.load(Ordering::SeqCst);

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use nanodist::config::{self, LaunchEnv};
 use nanodist::metrics::{read_rows, Row};
+use nanodist::plan::LaunchEnv;
 use nanodist::train;
 
 mod common;
@@ -69,7 +69,8 @@ fn run_local(dir: &Path, name: &str, workers: usize, set: &[&str]) -> Vec<Row> {
         ..LaunchEnv::default()
     };
     let loaded =
-        config::load_str(Path::new("t.toml"), &tiny_config(dir, name), &set, &launch).unwrap();
+        nanodist::plan::load_str(Path::new("t.toml"), &tiny_config(dir, name), &set, &launch)
+            .unwrap();
     read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
 }
 

@@ -5,6 +5,7 @@
 //! in NOT_HERE with the reason; a NOT_HERE entry that matches no README line fails the test, so the list
 //! cannot go stale.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
 
@@ -226,4 +227,114 @@ fn every_example_command_of_the_readme_runs_as_written() {
         ran += 1;
     }
     assert!(ran >= 8, "ran {ran} of {} examples", lines.len());
+}
+
+/// The top-level modules of src/ and the `crate::` paths each one's files write (use lines and inline
+/// paths, outside comments and the `#[cfg(test)] mod tests` tail, where tests may reach anywhere):
+/// module -> (used module -> first "file:line").
+fn module_uses(src: &Path) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut files = Vec::new();
+    let mut dirs = vec![src.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                files.push(p);
+            }
+        }
+    }
+    let module = |p: &Path| {
+        let first = p.strip_prefix(src).unwrap().components().next().unwrap();
+        let name = first.as_os_str().to_string_lossy().to_string();
+        name.strip_suffix(".rs").unwrap_or(&name).to_string()
+    };
+    let modules: BTreeSet<String> = files.iter().map(|f| module(f)).collect();
+    let path = regex::Regex::new(r"crate::([a-z_][a-z0-9_]*)").unwrap();
+    let block = regex::Regex::new(r"use\s+crate::\{([^;]*)\}").unwrap();
+    let word = regex::Regex::new(r"(?:^|[\s,{])([a-z_][a-z0-9_]*)(?:::|\s*[,}]|$)").unwrap();
+    let mut uses: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for f in &files {
+        let a = module(f);
+        let text = std::fs::read_to_string(f).unwrap();
+        let text = text.split("#[cfg(test)]\nmod tests").next().unwrap();
+        let lines: Vec<&str> = text
+            .lines()
+            .map(|l| l.split("//").next().unwrap())
+            .collect();
+        let mut add = |b: &str, at: String| {
+            if b != a && modules.contains(b) && a != "main" && a != "lib" {
+                uses.entry(a.clone())
+                    .or_default()
+                    .entry(b.into())
+                    .or_insert(at);
+            }
+        };
+        for (i, l) in lines.iter().enumerate() {
+            for c in path.captures_iter(l) {
+                add(&c[1], format!("{}:{}", f.display(), i + 1));
+            }
+        }
+        for c in block.captures_iter(&lines.join("\n")) {
+            for w in word.captures_iter(&c[1]) {
+                add(&w[1], format!("{} (use crate::{{...}})", f.display()));
+            }
+        }
+    }
+    for m in modules {
+        uses.entry(m).or_default();
+    }
+    uses
+}
+
+/// README "Architecture" states the layers of src/'s modules; every module is in exactly one, and each
+/// uses only modules of the layers below its own (no cycles, so no module's change reaches below it).
+#[test]
+fn the_modules_use_only_the_layers_below_them_as_the_readme_states() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let line = readme
+        .lines()
+        .find_map(|l| l.strip_prefix("layers: "))
+        .expect("README Architecture has a `layers: ...` line");
+    // Top layer first in the README; layer 0 is the bottom here.
+    let mut layers: Vec<Vec<&str>> = line
+        .split(" > ")
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    layers.reverse();
+    let layer_of = |m: &str| layers.iter().position(|l| l.contains(&m));
+    let uses = module_uses(&root.join("src"));
+    let mut problems = Vec::new();
+    for (a, used) in &uses {
+        if a == "main" || a == "lib" {
+            continue;
+        }
+        let Some(la) = layer_of(a) else {
+            problems.push(format!(
+                "module `{a}` is in no layer of README's `layers:` line"
+            ));
+            continue;
+        };
+        for (b, at) in used {
+            match layer_of(b) {
+                Some(lb) if lb < la => {}
+                _ => problems.push(format!(
+                    "`{a}` (layer {la}) uses `{b}` (layer {:?}), not below it: {at}",
+                    layer_of(b)
+                )),
+            }
+        }
+    }
+    for l in &layers {
+        for m in l {
+            if !uses.contains_key(*m) {
+                problems.push(format!(
+                    "README's layers name `{m}`, which src/ does not have"
+                ));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

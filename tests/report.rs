@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use nanodist::config::{self, LaunchEnv};
+use nanodist::plan::LaunchEnv;
 use nanodist::train;
 
 mod common;
@@ -19,7 +19,8 @@ fn train_run(dir: &Path, name: &str, set: &[&str]) -> PathBuf {
         ..LaunchEnv::default()
     };
     let loaded =
-        config::load_str(Path::new("t.toml"), &tiny_config(dir, name), &set, &launch).unwrap();
+        nanodist::plan::load_str(Path::new("t.toml"), &tiny_config(dir, name), &set, &launch)
+            .unwrap();
     train::run(&loaded).unwrap().run_dir
 }
 
@@ -83,7 +84,7 @@ fn compare_and_plot_read_real_runs() {
         v.parse::<f64>().unwrap() * if unit == "MB" { 1e6 } else { 1e3 }
     };
     let src = tiny_config(d.path(), "x");
-    let numel = config::load_str(Path::new("t.toml"), &src, &[], &LaunchEnv::default())
+    let numel = nanodist::plan::load_str(Path::new("t.toml"), &src, &[], &LaunchEnv::default())
         .unwrap()
         .plan
         .n_params as usize;

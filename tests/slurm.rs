@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use nanodist::config::{self, LaunchEnv};
 use nanodist::metrics::{read_rows, Row};
+use nanodist::plan::LaunchEnv;
 use nanodist::train;
 
 mod common;
@@ -116,7 +116,7 @@ fn local_rows(src: &str, workers: usize) -> Vec<Row> {
         ..LaunchEnv::default()
     };
     let set = vec!["log.run_name=\"local\"".to_string()];
-    let loaded = config::load_str(Path::new("t.toml"), src, &set, &launch).unwrap();
+    let loaded = nanodist::plan::load_str(Path::new("t.toml"), src, &set, &launch).unwrap();
     read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
 }
 

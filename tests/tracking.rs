@@ -5,8 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use nanodist::config::{self, LaunchEnv};
 use nanodist::metrics::read_rows;
+use nanodist::plan::LaunchEnv;
 use nanodist::train;
 use serde_json::Value;
 
@@ -42,7 +42,7 @@ fn train(dir: &Path, set: &[&str]) -> PathBuf {
         workers_flag: Some(1),
         ..LaunchEnv::default()
     };
-    let loaded = config::load_str(
+    let loaded = nanodist::plan::load_str(
         Path::new("t.toml"),
         &tiny_config(dir, "tracked"),
         &set,

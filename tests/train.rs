@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nanodist::config::{self, LaunchEnv};
 use nanodist::metrics::{read_rows, Row};
+use nanodist::plan::LaunchEnv;
 use nanodist::train::{self, checkpoint, Exit};
 
 mod common;
@@ -32,7 +32,7 @@ fn config_text(dir: &Path) -> String {
 
 fn run(dir: &Path, set: &[&str]) -> train::Summary {
     let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    let loaded = config::load_str(
+    let loaded = nanodist::plan::load_str(
         Path::new("t.toml"),
         &config_text(dir),
         &set,
@@ -209,7 +209,7 @@ fn train_log_has_the_seed_runners_lines() {
     // On CPU, MFU is a fraction of the `local` profile's GEMM peak per thread times the threads that
     // computed (one worker here), and the line says so.
     let local = nanodist::predict::profile::load("local").unwrap();
-    let loaded = config::load_str(
+    let loaded = nanodist::plan::load_str(
         Path::new("t.toml"),
         &config_text(d.path()),
         &[],
@@ -288,7 +288,8 @@ fn the_evaluation_before_training_is_a_row_at_step_0_of_the_starting_weights() {
             "train.local_batch_size=1".to_string(),
         ];
         let loaded =
-            config::load_str(Path::new("t.toml"), &config_text(d.path()), &set, &launch).unwrap();
+            nanodist::plan::load_str(Path::new("t.toml"), &config_text(d.path()), &set, &launch)
+                .unwrap();
         train::run(&loaded).unwrap()
     };
     let two_rows = read_rows(&two.run_dir.join("metrics.jsonl")).unwrap();

@@ -1,8 +1,8 @@
 //! The experiment config: one TOML file, typed and validated. This is the only module that knows TOML.
 //!
-//! Loading runs in phases: parse (syntax errors with line:column), apply `--set` overrides, check the
-//! shape against the generated JSON Schema, deserialize into the typed [`Config`], check cross-field
-//! rules, and resolve the launch-dependent numbers into a [`Plan`].
+//! Parsing runs in phases: parse (syntax errors with line:column), apply `--set` overrides, check the
+//! shape against the generated JSON Schema, deserialize into the typed [`Config`]; `validate` checks the
+//! cross-field rules. `crate::plan` resolves a config and its launch into the run's plan.
 
 pub mod backend;
 pub mod batch;
@@ -11,12 +11,9 @@ pub mod log;
 pub mod lr;
 pub mod model;
 pub mod optim;
-pub mod resolve;
 pub mod train;
 pub mod tree;
 pub mod validate;
-
-use std::path::{Path, PathBuf};
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -27,7 +24,6 @@ pub use log::LogConfig;
 pub use lr::{LrSchedule, ScheduleName, WsdDecay};
 pub use model::{Activation, ModelConfig};
 pub use optim::{AccumAdamWConfig, AdamWConfig, OptimConfig};
-pub use resolve::{LaunchEnv, Plan, ReducerPlan, SyncPlan};
 pub use train::{Device, TrainConfig};
 
 /// A nanodist experiment: data, logging, training and model.
@@ -134,63 +130,6 @@ fn add_aliases(schema: &mut serde_json::Value) {
             }));
         }
     }
-}
-
-/// A loaded, validated config with its resolved plan.
-#[derive(Debug, Clone)]
-pub struct Loaded {
-    pub path: PathBuf,
-    pub config: Config,
-    pub plan: Plan,
-    /// Things accepted but worth saying once at start (flags without meaning here, degenerate topologies).
-    pub notes: Vec<String>,
-}
-
-/// Loads `path`, applies `--set` overrides, validates everything and resolves the plan for `launch`.
-pub fn load(path: &Path, overrides: &[String], launch: &LaunchEnv) -> Result<Loaded, ConfigError> {
-    let fail = |problems: Vec<Problem>| ConfigError {
-        file: path.display().to_string(),
-        problems,
-    };
-    let src = std::fs::read_to_string(path).map_err(|e| {
-        let hint = if path.join("config.toml").is_file() {
-            format!(
-                "; it is a run directory: pass its config, {}",
-                path.join("config.toml").display()
-            )
-        } else if path.is_dir() {
-            "; expected a TOML file".to_string()
-        } else {
-            String::new()
-        };
-        fail(vec![Problem {
-            path: String::new(),
-            origin: Some(tree::Origin::Document),
-            message: format!("cannot read the file: {e}{hint}"),
-        }])
-    })?;
-    load_str(path, &src, overrides, launch)
-}
-
-/// As [`load`], for a document already in memory (`path` names it in messages).
-pub fn load_str(
-    path: &Path,
-    src: &str,
-    overrides: &[String],
-    launch: &LaunchEnv,
-) -> Result<Loaded, ConfigError> {
-    let fail = |problems: Vec<Problem>| ConfigError {
-        file: path.display().to_string(),
-        problems,
-    };
-    let (config, doc) = parse(src, overrides).map_err(fail)?;
-    let (plan, notes) = resolve::resolve(&config, &doc, launch).map_err(fail)?;
-    Ok(Loaded {
-        path: path.to_path_buf(),
-        config,
-        plan,
-        notes,
-    })
 }
 
 /// Parses and shape-checks a document with overrides (no cross-field rules); counts given in samples

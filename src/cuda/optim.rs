@@ -6,8 +6,8 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelA
 
 use super::{grid, u32_of, Kernels, MAX_BLOCKS};
 use crate::kernels::optim::{self as twin, AccumStep, AdamWStep, SgdStep};
+use crate::kernels::Segment;
 use crate::kernels::BLOCK;
-use crate::optim::Segment;
 
 /// A flat buffer's segment table on the device (see optim.cu), with the grid that covers it.
 pub struct DeviceSegments {

@@ -6,6 +6,9 @@
 //! of the radix select, the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
 
 pub mod optim;
+mod segment;
+
+pub use segment::Segment;
 
 use anyhow::{ensure, Result};
 use rayon::prelude::*;

@@ -3,7 +3,7 @@
 //! so that a kernel and its twin agree bit for bit. The optimizers in `crate::optim` run these twins on
 //! CPU; the coefficients of a step are computed once on the host (`AdamWStep`, `AccumStep`) for both.
 
-use crate::optim::Segment;
+use super::Segment;
 
 /// Elements per block of `sum_squares` (`TILE` in optim.cu).
 pub const TILE: usize = 4096;

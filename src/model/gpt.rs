@@ -777,7 +777,7 @@ mod tests {
             .params
             .params
             .iter()
-            .map(|p| crate::optim::Segment {
+            .map(|p| crate::kernels::Segment {
                 offset: p.offset,
                 len: p.len,
                 decay: p.decays(),

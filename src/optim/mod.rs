@@ -4,35 +4,34 @@
 pub mod adamw;
 pub mod schedule;
 
-pub use adamw::{build, OptimState, OptimView, Optimizer, Segment, Sgd};
+pub use adamw::{build, OptimState, OptimView, Optimizer, Sgd};
 pub use schedule::lr_at;
 
 use anyhow::Result;
 
 use crate::flat::{FlatRef, Place};
+use crate::kernels::Segment;
 
-/// The optimizer the training loop steps: the configured one, or SGD with decoupled weight decay when
-/// Radius runs Adam inside its reducer (`sync::compress::correction`) or DeMo computes the direction.
+/// The optimizer the training loop steps: the configured one, or, when `plain_sgd` gives its decoupled
+/// weight decay, SGD (Radius runs Adam inside its reducer, `sync::compress::correction`; DeMo computes
+/// the direction: `SyncPlan::plain_sgd_in_loop`).
 pub fn for_run(
     optim: &crate::config::OptimConfig,
-    sync: &crate::config::resolve::SyncPlan,
+    plain_sgd: Option<f64>,
     segments: Vec<Segment>,
     numel: usize,
     place: &Place,
 ) -> Result<Box<dyn Optimizer>> {
-    match sync.plain_sgd_in_loop() {
+    match plain_sgd {
         Some(wd) => Ok(Box::new(Sgd::new(wd, segments))),
         None => build(optim, segments, numel, place),
     }
 }
 
 /// Whole-model buffers (of the parameters' size) that the loop's optimizer of `for_run` keeps.
-pub fn state_buffers(
-    optim: &crate::config::OptimConfig,
-    sync: &crate::config::resolve::SyncPlan,
-) -> u64 {
+pub fn state_buffers(optim: &crate::config::OptimConfig, plain_sgd: Option<f64>) -> u64 {
     use crate::config::OptimConfig;
-    match (sync.plain_sgd_in_loop(), optim) {
+    match (plain_sgd, optim) {
         (Some(_), _) => 0,
         (None, OptimConfig::AdamW(_)) => 2,
         (None, OptimConfig::AccumAdamW(_)) => 3,
@@ -95,7 +94,6 @@ mod tests {
     #[test]
     fn a_scaled_step_is_the_step_of_the_scaled_gradient() {
         use crate::config::optim::SgdConfig;
-        use crate::config::resolve::SyncPlan;
         use crate::config::OptimConfig;
         let sgd = |momentum, nesterov| {
             OptimConfig::Sgd(SgdConfig {
@@ -108,7 +106,7 @@ mod tests {
             accum_steps: 2,
             ..Default::default()
         });
-        let dense = SyncPlan::AllReduce { bucket_elems: 8 };
+        let dense = None;
         let segs = Segment::end_to_end([(7, true), (3, false)]);
         for optim in [
             OptimConfig::default(),
@@ -116,8 +114,8 @@ mod tests {
             sgd(0.0, false),
             sgd(0.9, true),
         ] {
-            let mut a = for_run(&optim, &dense, segs.clone(), 10, &Place::Host).unwrap();
-            let mut b = for_run(&optim, &dense, segs.clone(), 10, &Place::Host).unwrap();
+            let mut a = for_run(&optim, dense, segs.clone(), 10, &Place::Host).unwrap();
+            let mut b = for_run(&optim, dense, segs.clone(), 10, &Place::Host).unwrap();
             let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
             for t in 0..4 {
                 let g: Vec<f32> = (0..10).map(|i| (i as f32 - 4.5) * (t + 1) as f32).collect();
@@ -137,7 +135,6 @@ mod tests {
     #[test]
     fn state_buffers_counts_what_the_optimizers_hold() {
         use crate::config::optim::SgdConfig;
-        use crate::config::resolve::SyncPlan;
         use crate::config::OptimConfig;
         let sgd = |momentum| {
             OptimConfig::Sgd(SgdConfig {
@@ -147,7 +144,7 @@ mod tests {
             })
         };
         let accum = OptimConfig::AccumAdamW(Default::default());
-        let dense = SyncPlan::AllReduce { bucket_elems: 8 };
+        let dense = None;
         for optim in [OptimConfig::default(), accum, sgd(0.0), sgd(0.9)] {
             let numel = 10;
             let seg = vec![Segment {
@@ -155,14 +152,14 @@ mod tests {
                 len: numel,
                 decay: true,
             }];
-            let mut opt = for_run(&optim, &dense, seg, numel, &Place::Host).unwrap();
+            let mut opt = for_run(&optim, dense, seg, numel, &Place::Host).unwrap();
             let mut p = vec![1.0f32; numel];
             opt.step((&mut p).into(), (&[0.5; 10][..]).into(), 0.1)
                 .unwrap();
             let held: usize = opt.view().buffers.iter().map(|(_, b)| b.len()).sum();
             assert_eq!(
                 held as u64,
-                state_buffers(&optim, &dense) * numel as u64,
+                state_buffers(&optim, dense) * numel as u64,
                 "{optim:?}"
             );
         }

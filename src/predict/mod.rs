@@ -13,8 +13,9 @@ use std::path::Path;
 use anyhow::Result;
 use serde::Serialize;
 
-use crate::config::resolve::SyncPlan;
-use crate::config::{backend::Quantize, ConfigError, LaunchEnv, Loaded};
+use crate::config::{backend::Quantize, ConfigError};
+use crate::plan::SyncPlan;
+use crate::plan::{LaunchEnv, Loaded};
 use crate::sync::trace::{self, Collective, Overlap};
 use crate::sync::SyncBackend;
 use model::{Layout, StepTime};
@@ -64,7 +65,7 @@ impl Predictor {
     ) -> Result<Self> {
         let plan = &loaded.plan;
         let cfg = &loaded.config;
-        let backend = crate::sync::described(cfg, plan)?;
+        let backend = crate::plan::described(cfg, plan)?;
         // More ranks than devices on a node share them (a CPU's cores, with `local`).
         let per_device = layout.ranks_per_node as f64 / p.devices_per_node as f64;
         let shared = match per_device > 1.0 {
@@ -290,7 +291,7 @@ pub fn load(
         workers_flag: Some(world),
         ..LaunchEnv::default()
     };
-    Ok((crate::config::load_str(path, &src, &sets, &launch)?, layout))
+    Ok((crate::plan::load_str(path, &src, &sets, &launch)?, layout))
 }
 
 /// The prediction of `loaded` (its steps 0..n_steps) on `cluster`.
@@ -459,7 +460,7 @@ impl std::fmt::Display for Prediction {
                 f,
                 "  {:<15} {:>10}  {} group{} of {:<3} overlap {:<8} {:>7.3}/step {:>10.3} ms each",
                 c.op,
-                crate::report::human_bytes(c.bytes as f64),
+                crate::units::bytes(c.bytes as f64),
                 c.groups,
                 if c.groups == 1 { " " } else { "s" },
                 c.group_size,

@@ -250,16 +250,6 @@ pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
     }
 }
 
-/// Bytes as B, kB, MB or GB.
-pub fn human_bytes(b: f64) -> String {
-    match b {
-        b if b >= 1e9 => format!("{:.2} GB", b / 1e9),
-        b if b >= 1e6 => format!("{:.2} MB", b / 1e6),
-        b if b >= 1e3 => format!("{:.1} kB", b / 1e3),
-        b => format!("{b:.0} B"),
-    }
-}
-
 /// How `compare` prints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum Format {
@@ -296,7 +286,7 @@ pub fn compare(runs: &[Run], target: Option<f64>, format: Format) -> Result<Stri
 
 fn markdown(summaries: &[Summary], target: Option<f64>) -> String {
     let opt = |x: Option<f64>, digits: usize| x.map_or("-".into(), |v| format!("{v:.digits$}"));
-    let bytes = |x: Option<f64>| x.map_or("-".into(), human_bytes);
+    let bytes = |x: Option<f64>| x.map_or("-".into(), crate::units::bytes);
     let cluster = summaries.iter().find_map(|s| s.cluster.clone());
     let phases = summaries.iter().any(|s| s.dense_bytes_per_step.is_some());
     let mut head = vec![
@@ -334,7 +324,7 @@ fn markdown(summaries: &[Summary], target: Option<f64>) -> String {
             opt(s.final_val, 4),
             opt(s.best_val, 4),
             format!("{:.0}", s.tokens_per_s),
-            human_bytes(s.bytes_per_step),
+            crate::units::bytes(s.bytes_per_step),
         ];
         if phases {
             cells.extend([

@@ -28,7 +28,8 @@ use crate::comm::{all_reduce_mean_flat, pack_u64, unpack_u64, Communicator};
 use crate::config::backend::{DilocoConfig, Quantize};
 use crate::flat::{Flat, FlatMut, FlatRef, Place};
 use crate::kernels::optim as kernels;
-use crate::optim::{norm, Segment};
+use crate::kernels::Segment;
+use crate::optim::norm;
 
 struct Fragment {
     range: Range<usize>,

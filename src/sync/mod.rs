@@ -6,6 +6,7 @@ pub mod choco;
 pub mod compress;
 pub mod demo;
 pub mod diloco;
+pub mod plan;
 pub mod quantize;
 pub mod sparta;
 pub mod topology;
@@ -14,8 +15,8 @@ pub mod trace;
 use anyhow::Result;
 
 use crate::comm::{all_reduce_mean, CommStats, Communicator, Parts};
-use crate::config::resolve::{Plan, SyncPlan};
 use crate::flat::{Flat, FlatMut, FlatRef};
+use plan::SyncPlan;
 use topology::Round;
 use trace::{Collective, Op, Overlap};
 
@@ -603,21 +604,6 @@ impl SyncBackend for Compressed {
     }
 }
 
-/// The planned backend of `cfg` on a described world (`comm::Shape`, rank 0) that never communicates:
-/// its step descriptions are what `check` shows and `predict` prices. The model's parameters are not
-/// allocated.
-pub fn described(cfg: &crate::config::Config, plan: &Plan) -> Result<Box<dyn SyncBackend>> {
-    let named = crate::model::gpt::layout(&cfg.model, cfg.train.context_length)
-        .into_iter()
-        .map(|(name, shape, _)| (name, shape));
-    let tensors = compress::TensorView::of_shapes(named);
-    let comm = Box::new(crate::comm::Shape {
-        rank: 0,
-        world: plan.world_size,
-    });
-    build(&plan.sync, comm, tensors)
-}
-
 /// The planned backend over `comm`.
 pub fn build(
     plan: &SyncPlan,
@@ -713,8 +699,8 @@ pub fn footprint(plan: &SyncPlan, tensors: &[compress::TensorView], world: u64) 
     }
 }
 
-fn reducer_footprint(r: &crate::config::resolve::ReducerPlan, numel: u64, world: u64) -> Footprint {
-    use crate::config::resolve::ReducerPlan;
+fn reducer_footprint(r: &crate::sync::plan::ReducerPlan, numel: u64, world: u64) -> Footprint {
+    use crate::sync::plan::ReducerPlan;
     let part = |f: f64| (f * numel as f64).ceil() as u64;
     match r {
         // The residual and the last message (the local engine's all-gather keeps it); per step the

@@ -4,7 +4,8 @@ use anyhow::Result;
 
 use crate::bad_input;
 use crate::comm::Communicator;
-use crate::config::{Device as DeviceCfg, Engine, Plan};
+use crate::config::{Device as DeviceCfg, Engine};
+use crate::plan::Plan;
 
 /// This process's communicator for a multi-process engine; `None` for the local engine (its workers
 /// are threads, connected by `comm::local::group`).
@@ -74,7 +75,7 @@ fn connect_nccl(
     let gpus = crate::device::gpus().map_err(|why| bad_input!("train.engine = \"nccl\": {why}"))?;
     let ordinal = crate::device::gpu_ordinal(crate::device::local_rank_from(env), 0, gpus)?;
     let n = plan.world_size;
-    let mpi_rank = crate::config::resolve::LaunchEnv::process_rank();
+    let mpi_rank = crate::plan::LaunchEnv::process_rank();
     let rank = mpi_rank
         .or_else(|| env("RANK")?.trim().parse().ok())
         .unwrap_or(0);

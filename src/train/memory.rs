@@ -12,9 +12,11 @@
 //! with rank 0's copy of one tensor in HF layout. `tests/memory.rs` holds the estimate to the allocations of real runs, and
 //! `scripts/bench/workers.sh` to the peak RSS of 8 to 512 workers.
 
-use crate::config::resolve::SyncPlan;
-use crate::config::{Config, Engine, Plan};
+use crate::config::{Config, Engine};
 use crate::model::matmul::Precision;
+use crate::plan::Plan;
+use crate::plan::SyncPlan;
+use crate::units::bytes;
 
 /// The process's binary, its runtime, the data indexes and the metrics writers, measured: a one-worker
 /// run of the quick-start model peaks at ~45 MB RSS, most of it the binary's pages.
@@ -91,7 +93,7 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
         .map(|(name, shape, _)| (name, shape));
     let tensors = crate::sync::compress::TensorView::of_shapes(named);
     let sync = crate::sync::footprint(&plan.sync, &tensors, plan.world_size as u64);
-    let optimizer = crate::optim::state_buffers(&t.optim, &plan.sync);
+    let optimizer = crate::optim::state_buffers(&t.optim, plan.sync.plain_sgd_in_loop());
     // Parameters and gradient (the local engine's reductions copy nothing; its all-gathers keep their
     // last message, counted by the backends that gather).
     let cuda = t.device == crate::config::train::Device::Cuda;
@@ -187,38 +189,24 @@ fn from_kernel() -> Option<u64> {
     Some(cgroup().map_or(avail, |c| c.min(avail)))
 }
 
-/// `n` bytes for people: "3.2 GB", "497 MB", "1.3 MB", "260 kB".
-pub fn human(n: u64) -> String {
-    let n = n as f64;
-    if n >= 1e9 {
-        format!("{:.1} GB", n / 1e9)
-    } else if n >= 1e8 {
-        format!("{:.0} MB", n / 1e6)
-    } else if n >= 1e6 {
-        format!("{:.1} MB", n / 1e6)
-    } else {
-        format!("{:.0} kB", n / 1e3)
-    }
-}
-
 impl std::fmt::Display for Estimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
             "{} peak: {} worker(s) x {} ({} state + {} at evaluations and steps){} + {} compute slot(s) x {} + {} process",
-            human(self.peak()),
+            bytes(self.peak() as f64),
             self.workers,
-            human(self.per_worker()),
-            human(self.state),
-            human(self.transient),
+            bytes(self.per_worker() as f64),
+            bytes(self.state as f64),
+            bytes(self.transient as f64),
             if self.replica > 0 {
-                format!(" + {} shared replica", human(self.replica))
+                format!(" + {} shared replica", bytes(self.replica as f64))
             } else {
                 String::new()
             },
             self.slots,
-            human(self.scratch + self.gemm_pack),
-            human(self.fixed)
+            bytes((self.scratch + self.gemm_pack) as f64),
+            bytes(self.fixed as f64)
         )
     }
 }

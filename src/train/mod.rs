@@ -20,9 +20,10 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 
 use crate::comm::Communicator;
-use crate::config::{CheckpointMode, Config, Engine, Loaded};
+use crate::config::{CheckpointMode, Config, Engine};
 use crate::data::format::write_atomic;
 use crate::data::Blend;
+use crate::plan::Loaded;
 use signals::StopFlag;
 use worker::Worker;
 
@@ -77,7 +78,7 @@ fn fresh_dir(dir: &Path) -> PathBuf {
 /// What every worker shares: config, plan, data (opened once) and the run directory.
 pub(crate) struct Setup {
     cfg: Config,
-    plan: crate::config::Plan,
+    plan: crate::plan::Plan,
     run_dir: PathBuf,
     train_data: Blend,
     val_data: Blend,

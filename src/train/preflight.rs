@@ -9,8 +9,9 @@ use anyhow::Result;
 
 use super::checkpoint;
 use crate::bad_input;
-use crate::config::{CheckpointMode, Device, Engine, Loaded};
+use crate::config::{CheckpointMode, Device, Engine};
 use crate::data::{Blend, Split};
+use crate::plan::Loaded;
 
 /// Where the run will happen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -205,8 +206,8 @@ fn fits_in_memory(loaded: &Loaded) -> Result<()> {
          the MPI engine across nodes",
         loaded.path.display(),
         plan.world_size,
-        super::memory::human(need.peak()),
-        super::memory::human(have),
+        crate::units::bytes(need.peak() as f64),
+        crate::units::bytes(have as f64),
     ))
 }
 

@@ -24,8 +24,9 @@ use anyhow::{bail, Result};
 use crate::comm::Parts;
 use crate::flat::{Flat, FlatMut, FlatRef};
 use crate::kernels::optim::{tile_sum_squares, TILE};
+use crate::kernels::Segment;
 use crate::optim::adamw::Shard;
-use crate::optim::{OptimView, Optimizer, Segment};
+use crate::optim::{OptimView, Optimizer};
 use crate::sync::SyncBackend;
 
 pub(crate) enum Replica {
@@ -90,7 +91,7 @@ pub(crate) fn parts(numel: usize, world: usize) -> Parts {
 
 /// Whether the workers of `plan` share one replica: on the local engine, with more than one worker on
 /// the CPU, when the backend's replicas stay equal.
-pub(crate) fn shared_by(plan: &crate::config::Plan, cuda: bool) -> bool {
+pub(crate) fn shared_by(plan: &crate::plan::Plan, cuda: bool) -> bool {
     matches!(
         plan.engine,
         crate::config::Engine::Local | crate::config::Engine::Auto

@@ -15,9 +15,10 @@ use crate::comm::Communicator;
 use crate::config::CheckpointMode;
 use crate::data::{eval_batch, Blend, Sampler, Split};
 use crate::flat::{Flat, FlatMut, FlatRef};
+use crate::kernels::Segment;
 use crate::metrics::{Row, Tracker};
 use crate::model::{Gpt, Scratch};
-use crate::optim::{self, Segment};
+use crate::optim;
 use crate::sync::SyncBackend;
 
 /// A100 bf16 dense peak, nanoGPT's reference for MFU on GPUs.
@@ -157,7 +158,13 @@ impl<'s> Worker<'s> {
             Some(member) => member,
             None => Replica::Own {
                 params: place.from_host(model.initial_weights())?,
-                opt: optim::for_run(&t.optim, &plan.sync, segments.clone(), numel, &place)?,
+                opt: optim::for_run(
+                    &t.optim,
+                    plan.sync.plain_sgd_in_loop(),
+                    segments.clone(),
+                    numel,
+                    &place,
+                )?,
             },
         };
         let mut w = Self {

@@ -119,11 +119,11 @@ pub fn train_tiny(
 ) -> nanodist::train::Summary {
     let src = config(dir, Some(name), &["log.eval_interval=5"]);
     let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    let launch = nanodist::config::LaunchEnv {
+    let launch = nanodist::plan::LaunchEnv {
         workers_flag: Some(workers),
         ..Default::default()
     };
-    let loaded = nanodist::config::load_str(Path::new("t.toml"), &src, &set, &launch)
+    let loaded = nanodist::plan::load_str(Path::new("t.toml"), &src, &set, &launch)
         .unwrap_or_else(|e| panic!("{set:?}: {e}"));
     nanodist::train::run(&loaded).unwrap_or_else(|e| panic!("{set:?}: {e:#}"))
 }

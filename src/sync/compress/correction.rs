@@ -13,7 +13,8 @@ use anyhow::Result;
 use super::{Reducer, Report, State};
 use crate::comm::Communicator;
 use crate::flat::{Flat, FlatMut, Place};
-use crate::optim::{self, OptimState, Optimizer, Segment};
+use crate::kernels::Segment;
+use crate::optim::{self, OptimState, Optimizer};
 
 /// The Adam state's buffers in the reducer state are `correction.<AdamW buffer name>` (the rest of the
 /// state is the inner reducer's), with its step count packed by `comm::pack_u64` in `T`.

@@ -12,9 +12,9 @@ use anyhow::{bail, Result};
 
 use super::trace::{Collective, Op, Overlap};
 use crate::comm::{all_reduce_bytes, CommStats, Communicator};
-use crate::config::resolve::ReducerPlan;
 use crate::flat::FlatMut;
 use crate::model::params::Param;
+use crate::sync::plan::ReducerPlan;
 
 /// One parameter tensor in the flat gradient, viewed as a `rows x cols` matrix (rows = first dimension).
 #[derive(Debug, Clone, PartialEq)]

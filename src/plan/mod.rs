@@ -1,0 +1,403 @@
+//! The run's plan: a validated config and its launch environment resolved into everything a run needs
+//! (engine, world, batches, each backend's settings with their defaults and cross-field rules). It sits
+//! above the modules whose types it fills in (`sync`'s `SyncPlan`, the model's sizes), so `config` stays
+//! wire types and validation. `lines` renders what `check` prints of the synchronisation.
+
+mod lines;
+mod rules;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::config::backend::Engine;
+use crate::config::batch::BatchSchedule;
+use crate::config::tree::Node;
+use crate::config::{validate, Config, ConfigError, Problem};
+pub use crate::sync::plan::{Correction, ReducerPlan, SyncPlan};
+pub use lines::{described, sync_lines};
+
+/// What the launcher says about this process. Built from `--workers` and the environment
+/// (`mpirun`, `srun`, torchrun conventions).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LaunchEnv {
+    /// `--workers N` from the command line.
+    pub workers_flag: Option<usize>,
+    /// World size and ranks per node reported by a launcher, if any.
+    pub launcher_world: Option<usize>,
+    pub launcher_local_world: Option<usize>,
+    /// Processes started together by mpirun or srun (OMPI_COMM_WORLD_SIZE, SLURM_STEP_NUM_TASKS).
+    pub launched_processes: Option<usize>,
+    /// Path of the prepared data's vocabulary size (`meta.json`), when the data is present.
+    pub data_vocab: Option<(String, usize)>,
+}
+
+impl LaunchEnv {
+    /// This process's rank in a job started by mpirun or srun.
+    pub fn process_rank() -> Option<usize> {
+        ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
+            .iter()
+            .find_map(|n| std::env::var(n).ok()?.trim().parse().ok())
+    }
+
+    /// Reads the launcher's variables: Open MPI, Slurm, then torchrun's.
+    pub fn from_env(workers_flag: Option<usize>) -> Self {
+        let var = |names: &[&str]| {
+            names
+                .iter()
+                .find_map(|n| std::env::var(n).ok()?.trim().parse::<usize>().ok())
+        };
+        Self {
+            workers_flag,
+            launcher_world: var(&[
+                "OMPI_COMM_WORLD_SIZE",
+                "PMI_SIZE",
+                "SLURM_NTASKS",
+                "WORLD_SIZE",
+            ]),
+            launcher_local_world: var(&[
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "MPI_LOCALNRANKS",
+                "SLURM_NTASKS_PER_NODE",
+                "LOCAL_WORLD_SIZE",
+            ]),
+            launched_processes: var(&["OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"]),
+            data_vocab: None,
+        }
+    }
+}
+
+/// The resolved run: everything derived from config + launch environment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The engine that runs (never `Auto`).
+    pub engine: Engine,
+    pub sync: SyncPlan,
+    pub world_size: usize,
+    /// Ranks per node, when known (the local engine is one node).
+    pub local_world_size: Option<usize>,
+    pub local_batch_size: usize,
+    /// Micro-steps and tokens of a step at the full global batch.
+    pub accum_steps: usize,
+    pub tokens_per_step: u64,
+    pub context_length: usize,
+    /// Each step's global batch (constant, or ramping up).
+    pub batches: BatchSchedule,
+    pub n_params: u64,
+    pub flops_per_token: u64,
+    pub n_steps: u64,
+    /// Compute threads per worker, where this machine decides them (`train.threads`, else on the local
+    /// engine the cores shared by its workers); None: each process's RAYON_NUM_THREADS or cores.
+    pub threads: Option<usize>,
+    /// Forward/backward passes that run at once in this process: on the local engine cores / threads
+    /// (at most one per worker, at least one; see `train::compute`), else 1.
+    pub compute_slots: usize,
+}
+
+impl Plan {
+    /// Seconds for the whole run at `tokens_per_s`.
+    pub fn run_seconds(&self, tokens_per_s: f64) -> f64 {
+        self.tokens_before(self.n_steps) as f64 / tokens_per_s
+    }
+
+    /// Micro-steps of each worker in `step`.
+    pub fn accum_at(&self, step: u64) -> usize {
+        self.batches.batch_at(step) as usize / (self.local_batch_size * self.world_size)
+    }
+
+    /// Tokens of the global batch of `step`.
+    pub fn tokens_at(&self, step: u64) -> u64 {
+        self.batches.batch_at(step) * self.context_length as u64
+    }
+
+    /// Tokens of the steps before `step`.
+    pub fn tokens_before(&self, step: u64) -> u64 {
+        self.batches.samples_before(step) * self.context_length as u64
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "engine            {}", self.engine.name())?;
+        writeln!(f, "backend           {}", self.sync.backend_name())?;
+        writeln!(f, "synchronisation   {}", self.sync.describe())?;
+        writeln!(f, "world size        {}", self.world_size)?;
+        match self.threads {
+            Some(t) => writeln!(
+                f,
+                "workers x threads {} x {t} ({} computing at once)",
+                self.world_size, self.compute_slots
+            )?,
+            None => writeln!(
+                f,
+                "workers x threads {} x (each process's RAYON_NUM_THREADS, else its cores)",
+                self.world_size
+            )?,
+        }
+        if let Some(l) = self.local_world_size {
+            writeln!(f, "ranks per node    {l}")?;
+        }
+        writeln!(f, "local batch       {} sequences", self.local_batch_size)?;
+        let full = match self.batches.ramps() {
+            true => " at the full batch",
+            false => "",
+        };
+        writeln!(
+            f,
+            "accumulation      {} micro-steps{full}",
+            self.accum_steps
+        )?;
+        writeln!(f, "tokens per step   {}{full}", self.tokens_per_step)?;
+        if self.batches.ramps() {
+            let stages: Vec<(u64, u64)> = self.batches.stages().collect();
+            let shown: Vec<String> = stages
+                .iter()
+                .take(4)
+                .map(|(step, b)| format!("{b} from step {step}"))
+                .collect();
+            writeln!(
+                f,
+                "batch ramp-up     {}{} ({} stages; accumulation {} -> {} micro-steps)",
+                shown.join(", "),
+                match stages.len() > 4 {
+                    true => format!(
+                        ", ..., {} from step {}",
+                        self.batches.global(),
+                        self.batches.full_from()
+                    ),
+                    false => String::new(),
+                },
+                stages.len(),
+                self.accum_at(0),
+                self.accum_steps
+            )?;
+        }
+        writeln!(
+            f,
+            "parameters        {} ({:.2}M)",
+            self.n_params,
+            self.n_params as f64 / 1e6
+        )?;
+        writeln!(f, "FLOPs per token   {:.3e}", self.flops_per_token as f64)?;
+        write!(
+            f,
+            "total tokens      {:.3e} over {} steps",
+            self.tokens_before(self.n_steps) as f64,
+            self.n_steps
+        )
+    }
+}
+
+/// A loaded, validated config with its resolved plan.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub path: PathBuf,
+    pub config: Config,
+    pub plan: Plan,
+    /// Things accepted but worth saying once at start (flags without meaning here, degenerate topologies).
+    pub notes: Vec<String>,
+}
+
+/// Loads `path`, applies `--set` overrides, validates everything and resolves the plan for `launch`.
+pub fn load(path: &Path, overrides: &[String], launch: &LaunchEnv) -> Result<Loaded, ConfigError> {
+    let fail = |problems: Vec<Problem>| ConfigError {
+        file: path.display().to_string(),
+        problems,
+    };
+    let src = std::fs::read_to_string(path).map_err(|e| {
+        let hint = if path.join("config.toml").is_file() {
+            format!(
+                "; it is a run directory: pass its config, {}",
+                path.join("config.toml").display()
+            )
+        } else if path.is_dir() {
+            "; expected a TOML file".to_string()
+        } else {
+            String::new()
+        };
+        fail(vec![Problem {
+            path: String::new(),
+            origin: Some(crate::config::tree::Origin::Document),
+            message: format!("cannot read the file: {e}{hint}"),
+        }])
+    })?;
+    load_str(path, &src, overrides, launch)
+}
+
+/// As [`load`], for a document already in memory (`path` names it in messages).
+pub fn load_str(
+    path: &Path,
+    src: &str,
+    overrides: &[String],
+    launch: &LaunchEnv,
+) -> Result<Loaded, ConfigError> {
+    let fail = |problems: Vec<Problem>| ConfigError {
+        file: path.display().to_string(),
+        problems,
+    };
+    let (config, doc) = crate::config::parse(src, overrides).map_err(fail)?;
+    let (plan, notes) = resolve(&config, &doc, launch).map_err(fail)?;
+    Ok(Loaded {
+        path: path.to_path_buf(),
+        config,
+        plan,
+        notes,
+    })
+}
+
+/// The engine that runs: `auto` is "mpi" when a launcher started several processes, else "local".
+fn engine(cfg: &Config, doc: &Node, launch: &LaunchEnv, problems: &mut Vec<Problem>) -> Engine {
+    let launched = launch.launched_processes.filter(|&p| p > 1);
+    match (cfg.train.engine, launched) {
+        (Engine::Auto, Some(_)) => Engine::Mpi,
+        (Engine::Auto, None) => Engine::Local,
+        (Engine::Local, Some(p)) => {
+            problems.push(validate::problem_at(
+                doc,
+                "train.engine",
+                format!(
+                    "the launcher started {p} processes but the engine is \"local\" (threads of one process), \
+                     so every process would train alone; set train.engine = \"auto\" or \"mpi\" \
+                     (--set train.engine=auto)"
+                ),
+            ));
+            Engine::Local
+        }
+        (e, _) => e,
+    }
+}
+
+pub fn resolve(
+    cfg: &Config,
+    doc: &Node,
+    launch: &LaunchEnv,
+) -> Result<(Plan, Vec<String>), Vec<Problem>> {
+    let t = &cfg.train;
+    let mut problems = Vec::new();
+    let mut notes = Vec::new();
+    let engine = engine(cfg, doc, launch, &mut problems);
+    let (world, local_world) = match engine {
+        Engine::Local | Engine::Auto => {
+            let w = launch.workers_flag.or(t.workers).unwrap_or(1);
+            (w, Some(t.ranks_per_node.unwrap_or(w)))
+        }
+        Engine::Mpi | Engine::Nccl => {
+            if launch.workers_flag.is_some() {
+                problems.push(Problem {
+                    path: "train.engine".into(),
+                    origin: None,
+                    message: format!(
+                        "--workers applies to the local engine only; engine {:?} takes the world size from its \
+                         launcher (mpirun -np N / srun -n N)",
+                        engine.name()
+                    ),
+                });
+            }
+            (
+                launch.launcher_world.unwrap_or(1),
+                t.ranks_per_node.or(launch.launcher_local_world),
+            )
+        }
+    };
+    problems.extend(validate::check_semantics(cfg, doc, world));
+    let sync = rules::sync_plan(cfg, doc, world, local_world, &mut problems);
+    if let Some((meta, vocab)) = &launch.data_vocab {
+        if cfg.model.vocab_size < *vocab {
+            problems.push(validate::problem_at(
+                doc,
+                "model.vocab_size",
+                format!(
+                    "vocab_size = {} is smaller than the prepared data's vocabulary of {vocab} tokens ({meta})",
+                    cfg.model.vocab_size
+                ),
+            ));
+        }
+    }
+    let Some(sync) = sync.filter(|_| problems.is_empty()) else {
+        return Err(problems);
+    };
+    if let (SyncPlan::Gossip { topology, .. }, 1) = (&sync, world) {
+        notes.push(format!(
+            "train.topology {:?} with one worker: gossip degenerates to local training",
+            topology.name()
+        ));
+    }
+    notes.extend(key_notes(t, doc));
+    let local = t.local_batch(world);
+    let accum = t.global_batch_size / (local * world);
+    // config::parse checked the ramp-up's own rules.
+    let batches = BatchSchedule::of(t.global_batch_size as u64, t.rampup_batch_size)
+        .map_err(|e| vec![validate::problem_at(doc, "train.rampup_batch_size", e)])?;
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let threads = t.threads.or(match engine {
+        Engine::Local | Engine::Auto => Some((cores / world).max(1)),
+        Engine::Mpi | Engine::Nccl => None,
+    });
+    let compute_slots = match (engine, threads) {
+        (Engine::Local | Engine::Auto, Some(threads)) => (cores / threads).clamp(1, world),
+        _ => 1,
+    };
+    let plan = Plan {
+        engine,
+        sync,
+        world_size: world,
+        local_world_size: local_world,
+        local_batch_size: local,
+        accum_steps: accum,
+        tokens_per_step: (t.global_batch_size * t.context_length) as u64,
+        context_length: t.context_length,
+        batches,
+        n_params: cfg.model.n_params(t.context_length),
+        flops_per_token: cfg.model.flops_per_token(t.context_length),
+        n_steps: t.n_steps,
+        threads,
+        compute_slots,
+    };
+    Ok((plan, notes))
+}
+
+/// Notes on keys as the run takes them: sample counts as the steps they became (config::parse converted
+/// them), and keys that have no effect here.
+fn key_notes(t: &crate::config::TrainConfig, doc: &Node) -> Vec<String> {
+    let mut notes = Vec::new();
+    let lr = &t.lr_schedule;
+    for (key, steps) in [
+        (
+            "train.train_samples",
+            format!("train.n_steps = {}", t.n_steps),
+        ),
+        (
+            "train.lr_schedule.lr_warmup_samples",
+            format!("warmup_steps = {}", lr.warmup(t.n_steps)),
+        ),
+        (
+            "train.lr_schedule.lr_decay_samples",
+            format!("decay_steps = {}", lr.decay_end(t.n_steps)),
+        ),
+    ] {
+        if let Some(node) = crate::config::tree::find(doc, key) {
+            notes.push(format!(
+                "{key} = {}: {steps} ({})",
+                node.value.to_json(),
+                match t.rampup_batch_size {
+                    None => format!(
+                        "steps of global_batch_size {}, rounded up",
+                        t.global_batch_size
+                    ),
+                    Some(_) => "the steps whose ramping batches reach it".into(),
+                }
+            ));
+        }
+    }
+    if t.compile {
+        notes.push(
+            "train.compile = true has no meaning for nanodist (no torch.compile): ignored".into(),
+        );
+    }
+    if t.amp && t.device == crate::config::Device::Cpu {
+        notes.push(format!(
+            "train.amp = true on CPU: {}",
+            crate::model::matmul::CpuAmp::get()
+        ));
+    }
+    notes
+}
