@@ -1,4 +1,5 @@
-//! Error classes that decide the exit code: bad input (2) versus failures (1).
+//! Error classes that decide the exit code: bad input (2), a training state that became non-finite (3),
+//! other failures (1).
 
 /// Bad input from the user (flags, data files, checkpoints): exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -11,14 +12,31 @@ macro_rules! bad_input {
     ($($arg:tt)*) => { anyhow::Error::new($crate::error::BadInput(format!($($arg)*))) };
 }
 
-/// Exit code for an error chain: 2 when any cause is bad input or a config error, else 1.
+/// A rank's loss or gradient norm became NaN or infinite: every rank stopped at that step without saving
+/// it (exit code 3).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "step {step}: rank {rank}'s {what} is {value}; every rank stopped at this step and nothing of it was \
+     saved{resume}"
+)]
+pub struct NonFinite {
+    pub step: u64,
+    pub rank: usize,
+    /// "train loss" or "gradient norm".
+    pub what: &'static str,
+    pub value: f64,
+    /// How to go on: "; resume from ... (the last checkpoint)" or "; no checkpoint was saved before it".
+    pub resume: String,
+}
+
+/// Exit code for an error chain: 2 when any cause is bad input or a config error, 3 when the training
+/// state became non-finite, else 1.
 pub fn exit_code(err: &anyhow::Error) -> i32 {
-    let bad = err.chain().any(|e| {
-        e.downcast_ref::<BadInput>().is_some()
-            || e.downcast_ref::<crate::config::ConfigError>().is_some()
-    });
-    if bad {
+    let has = |f: &dyn Fn(&(dyn std::error::Error + 'static)) -> bool| err.chain().any(f);
+    if has(&|e| e.is::<BadInput>() || e.is::<crate::config::ConfigError>()) {
         2
+    } else if has(&|e| e.is::<NonFinite>()) {
+        3
     } else {
         1
     }

@@ -21,10 +21,12 @@ const COMPRESSORS: [&str; 4] = [
     "{ name = \"sign\", consensus_step = \"auto\" }",
 ];
 
+/// Synchronous gossip on `topology` (a later `train.overlap=true` overlaps it).
 fn gossip(topology: &str) -> Vec<String> {
     vec![
         "train.backend=\"decentdp\"".into(),
         format!("train.topology=\"{topology}\""),
+        "train.overlap=false".into(),
     ]
 }
 
@@ -209,7 +211,11 @@ fn auto_tunes_the_consensus_step_prints_and_logs_it() {
 fn gossip_checkpoints_switch_to_and_from_compression_with_one_change() {
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
-    let plain = ["train.backend=\"decentdp\"", "train.topology=\"exp\""];
+    let plain = [
+        "train.backend=\"decentdp\"",
+        "train.topology=\"exp\"",
+        "train.overlap=false",
+    ];
     let compressed = "train.compression={ name = \"sign\", consensus_step = 0.3 }";
     // Each run stops at step 10; the next one starts from its checkpoint with the other algorithm.
     let mut first = plain.to_vec();

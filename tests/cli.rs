@@ -139,6 +139,8 @@ fn check_shows_what_each_worker_sends_and_train_says_when_a_reducer_switches() {
         "train.backend=\"decentdp\"",
         "--set",
         "train.topology=\"ring\"",
+        "--set",
+        "train.overlap=false",
     ]);
     for want in [
         "workers x threads 4 x 1".to_string(),

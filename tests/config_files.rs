@@ -132,6 +132,24 @@ fn decentralized_seed_loads_with_reference_values() {
     for topo in ["complete", "ring", "exp", "one-peer-exp"] {
         load(&path, 4, &[&format!("train.topology={topo}")]);
     }
+    // Decent-DP overlaps every gossip with the next step's compute; the seed, which has no overlap key,
+    // runs that way unchanged, and `train.overlap = false` is synchronous gossip.
+    let overlap = |l: &nanodist::plan::Loaded| match &l.plan.sync {
+        nanodist::plan::SyncPlan::Gossip { overlap, .. } => *overlap,
+        other => panic!("gossip expected, got {other:?}"),
+    };
+    assert!(overlap(&l), "{:?}", l.plan.sync);
+    assert!(l
+        .plan
+        .sync
+        .describe()
+        .contains("overlapped with the next step"));
+    let sync = load(
+        &path,
+        16,
+        &["train.ranks_per_node=8", "train.overlap=false"],
+    );
+    assert!(!overlap(&sync) && sync.plan.sync.describe().contains("synchronous"));
 }
 
 /// Optional extra check: the committed copies are the shared fixtures plus the schema line.

@@ -10,7 +10,7 @@ use nanodist::sync::{topology, Gossip, SyncBackend};
 use nanodist::train;
 
 mod common;
-use common::{make_data, on_ranks, tiny_config};
+use common::{exact, make_data, on_ranks, tiny_config};
 
 fn train_with(dir: &Path, workers: usize, set: &[&str]) -> Vec<nanodist::metrics::Row> {
     let src = tiny_config(dir, &format!("w{workers}"));
@@ -235,6 +235,8 @@ fn gossip_runs_on_every_topology_and_complete_keeps_replicas_identical() {
         let mut set = vec![
             "train.backend=decentdp".to_string(),
             format!("train.topology={topo}"),
+            // Synchronous: after a global round the replicas are identical.
+            "train.overlap=false".to_string(),
             format!("log.run_name=\"{topo}\""),
             "train.optim={ name = \"accumadamw\", accum_steps = 4 }".to_string(),
             "log.eval_local=true".to_string(),
@@ -555,6 +557,58 @@ fn a_dead_or_hung_local_worker_ends_the_job_with_its_name_instead_of_hanging() {
     assert_eq!(code, Some(2), "{err}");
 }
 
+/// A NaN loss on one worker (injected: `NANODIST_FAULT=1:5:nan`) stops every worker at that step with
+/// exit code 3 and a message naming the step, the rank and the value; nothing of that step is saved, the
+/// last good checkpoint stays, and the same command then resumes from it to the rows of a run that never
+/// failed, bit for bit. For all-reduce (which spreads the NaN gradient to every rank) and gossip (which
+/// keeps it on rank 1 for the step).
+#[test]
+fn a_non_finite_step_stops_every_worker_saves_nothing_and_resumes_from_the_last_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let gossip: &[&str] = &["train.backend=\"decentdp\"", "train.topology=\"ring\""];
+    for (name, set) in [("allreduce", &[][..]), ("gossip", gossip)] {
+        let mut set = set.to_vec();
+        set.extend([
+            "train.n_steps=10",
+            "log.ckpt_interval=3",
+            "log.eval_interval=5",
+        ]);
+        let whole = common::train_tiny(d.path(), &format!("{name}-whole"), 2, &set);
+        let whole = read_rows(&whole.run_dir.join("metrics.jsonl")).unwrap();
+        let cfg = d.path().join(format!("{name}.toml"));
+        std::fs::write(&cfg, common::config(d.path(), Some(name), &set)).unwrap();
+        let cfg = cfg.display().to_string();
+        let args = ["train", cfg.as_str(), "--workers", "2"];
+        let out = common::nanodist_with(&args, &[("NANODIST_FAULT", "1:5:nan")]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{name}: {err}");
+        assert!(
+            err.contains("step 6: rank 1's train loss is NaN"),
+            "{name}: {err}"
+        );
+        assert!(err.contains("step_00000003, is intact"), "{name}: {err}");
+        let run = d.path().join("log").join(name);
+        let kept: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        assert_eq!(kept, ["step_00000003"], "{name}: nothing of step 6 saved");
+        let out = common::nanodist(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let resumed = read_rows(&run.join("metrics.jsonl")).unwrap();
+        assert_eq!(
+            resumed.iter().map(exact).collect::<Vec<_>>(),
+            whole.iter().map(exact).collect::<Vec<_>>(),
+            "{name}: resumed from step 3"
+        );
+    }
+}
+
 /// The runs of `sixty_four_workers_train_as_they_did_before_the_shared_compute_pool`: 64 workers of the
 /// tiny model, batch 1 each, 6 steps with a checkpoint and an evaluation at step 6.
 const SIXTY_FOUR: &[(&str, &[&str])] = &[
@@ -564,6 +618,7 @@ const SIXTY_FOUR: &[(&str, &[&str])] = &[
         &[
             "train.backend=\"decentdp\"",
             "train.topology=\"exp\"",
+            "train.overlap=false",
             "train.optim={ name = \"accumadamw\", accum_steps = 2 }",
         ],
     ),

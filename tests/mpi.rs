@@ -172,7 +172,7 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
             vec![
                 "train.backend=decentdp",
                 "train.topology=ring",
-                "train.overlap=true",
+                "train.overlap=false",
             ],
         ),
         (
@@ -213,11 +213,12 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
         let mpi = read_rows(&d.path().join("log").join(&name).join("metrics.jsonl")).unwrap();
         let local = run_local(d.path(), &format!("{name}-local"), np, &set);
         assert_same(&local, &mpi, &format!("{set:?} np={np}"));
-        // Every step sends (comm_bytes counts the algorithm's traffic only); overlapped gossip sends step
-        // t's mix during step t + 1, so its row of step 1 (after the synchronous step 0) has none, and
-        // the evaluation before training trains no step.
+        // Every step sends (comm_bytes counts the algorithm's traffic only); overlapped gossip (decentdp's
+        // default) sends step t's mix during step t + 1, so its row of step 1 (after the synchronous step
+        // 0) has none, and the evaluation before training trains no step.
         let silent = mpi.iter().filter(|r| r.comm_bytes == 0).count();
-        let overlap = set.iter().any(|s| s.contains("overlap"));
+        let overlap = set.iter().any(|s| s.contains("decentdp"))
+            && !set.iter().any(|s| s.contains("overlap=false"));
         let at_start = set.iter().any(|s| s.contains("eval_at_start"));
         assert_eq!(
             silent,
@@ -288,6 +289,45 @@ fn low_communication_backends_match_the_local_engine_and_resume_under_mpi() {
             );
         }
     }
+}
+
+/// A NaN loss on rank 1 (injected) stops both MPI ranks at that step: mpirun ends with the guard's exit
+/// code 3, the message names the step and the rank, no checkpoint of that step is written, and the same
+/// command resumes from the last good one to the local engine's rows.
+#[test]
+fn a_non_finite_step_stops_every_mpi_rank_and_resumes_from_the_last_checkpoint() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let set = ["train.n_steps=10", "log.ckpt_interval=3"];
+    let cfg = write_config(d.path(), "nan");
+    let child = mpirun(2, &train_args(&cfg, &set))
+        .env("NANODIST_FAULT", "1:5:nan")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun on PATH");
+    let out = wait_with_deadline(child, Duration::from_secs(300));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("step 6: rank 1's train loss is NaN"), "{err}");
+    let run = d.path().join("log").join("nan");
+    let kept: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(kept, ["step_00000003"]);
+    let out = run_mpi(2, &cfg, &set);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let local = run_local(d.path(), "nan-local", 2, &set);
+    assert_same(
+        &local,
+        &read_rows(&run.join("metrics.jsonl")).unwrap(),
+        "resumed after NaN",
+    );
 }
 
 /// Compressed gossip (CHOCO) with each compressor on ring and exp: 4 MPI processes give the local engine's

@@ -369,6 +369,71 @@ fn wait_for(path: &Path, timeout: Duration) -> bool {
     false
 }
 
+/// Two `train` of one run directory: while the first runs (it hangs at step 3, holding the directory),
+/// the second exits 2 naming its PID and host, and writes nothing there; once the first is killed
+/// (SIGKILL: its lock file stays, the kernel drops its lock) the second takes the directory over with a
+/// warning, resumes from the first one's checkpoint and finishes; the lock file goes with it.
+#[test]
+fn a_run_directory_in_use_is_refused_and_a_dead_holders_lock_taken_over() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let cfg = d.path().join("t.toml");
+    std::fs::write(&cfg, config_text(d.path())).unwrap();
+    let args = |extra: &[&str]| {
+        let mut a = vec!["train".to_string(), cfg.display().to_string()];
+        for s in ["train.n_steps=8", "log.ckpt_interval=2"]
+            .iter()
+            .chain(extra)
+        {
+            a.extend(["--set".to_string(), s.to_string()]);
+        }
+        a
+    };
+    let mut first = Command::new(env!("CARGO_BIN_EXE_nanodist"))
+        .args(args(&[]))
+        .env("NANODIST_FAULT", "0:3:hang")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let run_dir = d.path().join("log/run");
+    assert!(wait_for(
+        &run_dir.join("checkpoints/step_00000002"),
+        Duration::from_secs(60)
+    ));
+    let second = Command::new(env!("CARGO_BIN_EXE_nanodist"))
+        .args(args(&["train.n_steps=9"]))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(2), "{err}");
+    let holder = format!(
+        "in use by PID {} on host {}",
+        first.id(),
+        nanodist::train::lock::host_name()
+    );
+    assert!(
+        err.contains(&holder) && err.contains("it holds the lock"),
+        "{err}"
+    );
+    let config = std::fs::read_to_string(run_dir.join("config.toml")).unwrap();
+    assert!(
+        config.contains("n_steps = 8"),
+        "the refused run wrote its config:\n{config}"
+    );
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_nanodist"))
+        .args(args(&[]))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("taking over the lock of PID"), "{err}");
+    assert!(err.contains("resumed from"), "{err}");
+    assert!(!run_dir.join("train.lock").exists());
+}
+
 #[test]
 fn sigusr1_and_sigterm_save_a_checkpoint_then_exit_cleanly() {
     for sig in ["USR1", "TERM"] {

@@ -32,9 +32,9 @@ pub struct TrainConfig {
     pub backend: Backend,
     /// Gossip topology; only with backend = "decentdp" (default "complete").
     pub topology: Option<Topology>,
-    /// Overlap the gossip of step t with the computation of step t+1, as Decent-DP does; only with
-    /// backend = "decentdp" (default false: synchronous gossip). With overlap the gradient of step t+1
-    /// is taken at the parameters before the mix of step t (one step of delay).
+    /// Overlap the gossip of step t with the computation of step t+1, as Decent-DP always does; only
+    /// with backend = "decentdp" (default true; false: synchronous gossip). With overlap the gradient of
+    /// step t+1 is taken at the parameters before the mix of step t (one step of delay).
     pub overlap: Option<bool>,
     /// Gradient bucket size in MB for the all-reduce; only with backend = "pytorchddp" (default 25).
     #[schemars(extend("exclusiveMinimum" = 0))]

@@ -225,7 +225,8 @@ fn gossip_plan(
     };
     Some(SyncPlan::Gossip {
         topology,
-        overlap: t.overlap.unwrap_or(false),
+        // Decent-DP always overlaps the gossip of step t with the compute of step t + 1.
+        overlap: t.overlap.unwrap_or(true),
         ranks_per_node,
         choco,
     })

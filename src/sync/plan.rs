@@ -127,7 +127,7 @@ impl SyncPlan {
                 "gossip over {:?}, {ranks_per_node} rank(s) per node, {}{}",
                 topology.name(),
                 if *overlap {
-                    "overlapped"
+                    "overlapped with the next step (Decent-DP's; overlap = false: synchronous)"
                 } else {
                     "synchronous"
                 },

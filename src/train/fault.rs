@@ -1,6 +1,7 @@
 //! Fault injection for tests of failure handling: `NANODIST_FAULT=RANK:STEP:KIND` makes rank RANK fail
-//! at the start of step STEP. KIND is `panic` (the worker dies), `hang` (it stops answering) or `exit`
-//! (the whole process exits with code 137, as if killed). Off unless the variable is set.
+//! at step STEP. KIND is `panic` (the worker dies), `hang` (it stops answering), `exit` (the whole process
+//! exits with code 137, as if killed), all at the start of the step, or `nan` (the rank's loss and
+//! gradient of that step become NaN, as a diverged step's). Off unless the variable is set.
 
 use anyhow::Result;
 
@@ -11,6 +12,7 @@ pub enum Kind {
     Panic,
     Hang,
     Exit,
+    Nan,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,7 +34,7 @@ impl Fault {
     pub fn parse(spec: &str) -> Result<Self> {
         let bad = || {
             bad_input!(
-                "NANODIST_FAULT={spec:?}: expected RANK:STEP:KIND with KIND panic, hang or exit (e.g. 1:5:panic)"
+                "NANODIST_FAULT={spec:?}: expected RANK:STEP:KIND with KIND panic, hang, exit or nan (e.g. 1:5:panic)"
             )
         };
         let parts: Vec<&str> = spec.split(':').collect();
@@ -46,15 +48,16 @@ impl Fault {
                 "panic" => Kind::Panic,
                 "hang" => Kind::Hang,
                 "exit" => Kind::Exit,
+                "nan" => Kind::Nan,
                 _ => return Err(bad()),
             },
         })
     }
 
-    /// Strikes when `rank` reaches `step`.
-    pub fn check(&self, rank: usize, step: u64) {
+    /// Strikes when `rank` reaches `step`; true when the step's loss and gradient are to be poisoned.
+    pub fn check(&self, rank: usize, step: u64) -> bool {
         if rank != self.rank || step != self.step {
-            return;
+            return false;
         }
         eprintln!(
             "NANODIST_FAULT: injecting {:?} on rank {rank} at step {step}",
@@ -66,6 +69,7 @@ impl Fault {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             },
             Kind::Exit => std::process::exit(137),
+            Kind::Nan => true,
         }
     }
 }

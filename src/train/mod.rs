@@ -7,6 +7,7 @@ mod compute;
 mod console;
 mod engine;
 pub mod fault;
+pub mod lock;
 pub mod memory;
 pub mod preflight;
 mod replica;
@@ -128,6 +129,8 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
     if opts.fresh {
         run_dir = fresh_dir(&run_dir);
     }
+    // One job at a time in a run directory, from before its checkpoints are read to the end of the run.
+    let _lock = lock_run_dir(&run_dir, &mut process_comm)?;
     // Resume: the run's own newest checkpoint first (a requeued job), else `checkpoint = ...`.
     let source = match checkpoint::find_latest(&run_dir.join("checkpoints"))? {
         Some(dir) => {
@@ -170,6 +173,27 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
         (None, 1) => Worker::new(&setup, Box::new(crate::comm::Solo))?.train(),
         (None, n) => run_local(Arc::new(setup), n, timeout),
     }
+}
+
+/// Rank 0 takes the run directory's lock (see `lock`); the other ranks of a multi-process job learn
+/// whether it did, so that none of them touches a directory that another job holds.
+fn lock_run_dir(
+    run_dir: &Path,
+    comm: &mut Option<Box<dyn Communicator>>,
+) -> Result<Option<lock::RunLock>> {
+    let rank = comm.as_ref().map_or(0, |c| c.rank());
+    let lock = (rank == 0).then(|| lock::RunLock::acquire(run_dir));
+    if let Some(c) = comm.as_mut() {
+        let mut held = [f32::from(lock.as_ref().is_none_or(Result::is_ok))];
+        c.broadcast(&mut held, 0)?;
+        if held[0] == 0.0 && rank != 0 {
+            return Err(crate::bad_input!(
+                "rank 0 could not lock the run directory {} (its message says why)",
+                run_dir.display()
+            ));
+        }
+    }
+    lock.transpose()
 }
 
 /// N workers as threads of this process. A worker that fails or panics marks the group failed, so the

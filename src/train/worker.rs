@@ -54,7 +54,9 @@ const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
 type Ready<'a> = dyn FnMut(FlatMut<'_>, std::ops::Range<usize>) -> Result<()> + 'a;
 
 /// Why a rank wants to stop after a step, in rising priority: when ranks disagree, the highest wins. A
-/// run that reached n_steps is finished whatever else happened; a signal beats the time limits.
+/// run that reached n_steps is finished whatever else happened; a signal beats the time limits; a
+/// non-finite gradient norm or loss on any rank beats everything (its state is never saved), the loss
+/// first: an all-reduce spreads one rank's NaN gradient to every rank, the loss names the rank it began on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Vote {
     Continue = 0,
@@ -62,26 +64,35 @@ enum Vote {
     ExitDuration = 2,
     Signal = 3,
     Finished = 4,
+    NonFiniteGradNorm = 5,
+    NonFiniteLoss = 6,
 }
 
 impl Vote {
-    const ALL: [Vote; 5] = [
+    const ALL: [Vote; 7] = [
         Vote::Continue,
         Vote::ExitInterval,
         Vote::ExitDuration,
         Vote::Signal,
         Vote::Finished,
+        Vote::NonFiniteGradNorm,
+        Vote::NonFiniteLoss,
     ];
 
-    /// Every rank's vote, gathered (a real all-gather, small integers exact in f32); the highest wins.
-    fn agree(self, comm: &mut dyn Communicator) -> Result<Vote> {
-        let mut all = vec![0.0f32; comm.world_size()];
-        comm.all_gather(&[self as u8 as f32], &mut all)?;
-        let top = all.iter().map(|&v| v as usize).max().unwrap_or(0);
-        Vote::ALL
+    /// Every rank's vote with the value that made it (a real all-gather of (vote, value) pairs; small
+    /// integers are exact in f32, and NaN and infinities cross as they are). The highest vote wins;
+    /// returns it with the lowest rank that cast it and that rank's value.
+    fn agree(self, value: f64, comm: &mut dyn Communicator) -> Result<(Vote, usize, f64)> {
+        let mut all = vec![0.0f32; 2 * comm.world_size()];
+        comm.all_gather(&[self as u8 as f32, value as f32], &mut all)?;
+        let votes: Vec<(usize, f32)> = all.chunks(2).map(|p| (p[0] as usize, p[1])).collect();
+        let top = votes.iter().map(|&(v, _)| v).max().unwrap_or(0);
+        let rank = votes.iter().position(|&(v, _)| v == top).unwrap_or(0);
+        let vote = Vote::ALL
             .get(top)
             .copied()
-            .with_context(|| format!("exit vote: a rank sent {top}, not a vote"))
+            .with_context(|| format!("exit vote: a rank sent {top}, not a vote"))?;
+        Ok((vote, rank, votes[rank].1 as f64))
     }
 }
 
@@ -283,9 +294,11 @@ impl<'s> Worker<'s> {
             self.evaluate_at_start()?;
         }
         let exit = loop {
-            if let Some(f) = &self.setup.fault {
-                f.check(self.sync.rank(), self.progress.step);
-            }
+            let poison = self
+                .setup
+                .fault
+                .as_ref()
+                .is_some_and(|f| f.check(self.sync.rank(), self.progress.step));
             let lr = optim::lr_at(&t.lr_schedule, self.progress.step, t.n_steps);
             let sync = &self.setup.plan.sync;
             if t.dense_until() == Some(self.progress.step) {
@@ -300,7 +313,14 @@ impl<'s> Worker<'s> {
                 let step = self.progress.step;
                 (self.sync.step_comm(step), self.sync.comm_stats().bytes_sent)
             });
-            let loss = self.forward_backward()?;
+            let mut loss = self.forward_backward()?;
+            if poison {
+                loss = f64::NAN;
+                self.grads.as_mut().through_host(|g| {
+                    g.fill(f32::NAN);
+                    Ok(())
+                })?;
+            }
             let sync_start = self.since_log.sync_start(self.sync.comm_stats());
             self.sync
                 .reduce_flat(self.grads.as_mut(), self.progress.step, lr)?;
@@ -335,8 +355,11 @@ impl<'s> Worker<'s> {
             if step.is_multiple_of(self.setup.cfg.log.log_interval) || eval_due {
                 self.log(lr, grad_norm, eval_due)?;
             }
-            let vote = self.vote();
-            let exit = self.control(|w| vote.agree(w.sync.comm_mut()))?;
+            let (vote, value) = self.vote(loss, grad_norm);
+            let (exit, rank, value) = self.control(|w| vote.agree(value, w.sync.comm_mut()))?;
+            if exit >= Vote::NonFiniteGradNorm {
+                return Err(self.stop_non_finite(exit, rank, value));
+            }
             let ckpt_every = self.setup.cfg.log.ckpt_interval;
             if exit != Vote::Continue || (ckpt_every > 0 && step.is_multiple_of(ckpt_every)) {
                 self.control(Self::save_checkpoint)?;
@@ -580,7 +603,50 @@ impl<'s> Worker<'s> {
     }
 
     /// This rank's reason to stop after the step just taken.
-    fn vote(&self) -> Vote {
+    /// This rank's vote after a step, with the non-finite value that made it, if any.
+    fn vote(&self, loss: f64, grad_norm: f64) -> (Vote, f64) {
+        if !loss.is_finite() {
+            return (Vote::NonFiniteLoss, loss);
+        }
+        if !grad_norm.is_finite() {
+            return (Vote::NonFiniteGradNorm, grad_norm);
+        }
+        (self.stop_vote(), 0.0)
+    }
+
+    /// Every rank stopped at a non-finite step (`rank`'s `value`): nothing of it is saved; the error names
+    /// the step, the rank, the value and the checkpoint to resume from.
+    fn stop_non_finite(&mut self, vote: Vote, rank: usize, value: f64) -> anyhow::Error {
+        // The step as the console and the rows number it (steps done, this one included).
+        let step = self.progress.step;
+        let resume = match checkpoint::list(&self.setup.run_dir.join("checkpoints")).last() {
+            Some(dir) => format!(
+                "; the last checkpoint, {}, is intact: the same command resumes from it (with a lower \
+                 learning rate: --set train.lr_schedule.lr=... --allow-config-change train.lr_schedule)",
+                dir.display()
+            ),
+            None => "; no checkpoint was saved before it".into(),
+        };
+        let err = crate::error::NonFinite {
+            step,
+            rank,
+            what: match vote {
+                Vote::NonFiniteLoss => "train loss",
+                _ => "gradient norm",
+            },
+            value,
+            resume,
+        };
+        self.console.finish();
+        if let Some(m) = self.metrics.take() {
+            if let Err(e) = m.finish(3) {
+                tracing::warn!("closing the metrics after a non-finite step: {e:#}");
+            }
+        }
+        err.into()
+    }
+
+    fn stop_vote(&self) -> Vote {
         let t = &self.setup.cfg.train;
         let step = self.progress.step;
         if step >= t.n_steps {
@@ -601,7 +667,9 @@ impl<'s> Worker<'s> {
 
     fn exit_of(&self, vote: Vote) -> Exit {
         match vote {
-            Vote::Continue | Vote::Finished => Exit::Finished,
+            Vote::Continue | Vote::Finished | Vote::NonFiniteLoss | Vote::NonFiniteGradNorm => {
+                Exit::Finished
+            }
             Vote::ExitInterval => Exit::ExitInterval,
             Vote::ExitDuration => Exit::ExitDuration,
             Vote::Signal => Exit::Signal(
@@ -784,25 +852,38 @@ fn overlapped<T: Send>(
 mod tests {
     use super::*;
 
+    /// The highest vote wins on every rank, with the lowest rank that cast it and its value: a NaN loss
+    /// beats a NaN gradient norm, which beats everything else.
     #[test]
     fn the_highest_vote_wins_on_every_rank() {
-        let votes = [
-            Vote::Continue,
-            Vote::Signal,
-            Vote::ExitInterval,
-            Vote::ExitDuration,
-        ];
-        let ranks: Vec<_> = crate::comm::local::group(4, std::time::Duration::from_secs(10))
-            .into_iter()
-            .zip(votes)
-            .map(|(mut c, v)| std::thread::spawn(move || v.agree(&mut c).unwrap()))
-            .collect();
-        let agreed: Vec<Vote> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
-        assert_eq!(agreed, vec![Vote::Signal; 4]);
+        let agree = |votes: [(Vote, f64); 4]| -> Vec<(Vote, usize, f64)> {
+            let ranks: Vec<_> = crate::comm::local::group(4, std::time::Duration::from_secs(10))
+                .into_iter()
+                .zip(votes)
+                .map(|(mut c, (v, x))| std::thread::spawn(move || v.agree(x, &mut c).unwrap()))
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        };
+        let agreed = agree([
+            (Vote::Continue, 0.0),
+            (Vote::Signal, 0.0),
+            (Vote::ExitInterval, 0.0),
+            (Vote::ExitDuration, 0.0),
+        ]);
+        assert_eq!(agreed, vec![(Vote::Signal, 1, 0.0); 4]);
+        let agreed = agree([
+            (Vote::NonFiniteGradNorm, f64::NAN),
+            (Vote::Finished, 0.0),
+            (Vote::NonFiniteLoss, f64::INFINITY),
+            (Vote::NonFiniteLoss, f64::NAN),
+        ]);
+        assert!(agreed
+            .iter()
+            .all(|&(v, r, x)| (v, r, x) == (Vote::NonFiniteLoss, 2, f64::INFINITY)));
         assert!(Vote::Finished > Vote::Signal && Vote::Signal > Vote::ExitDuration);
         let mut solo = crate::comm::Solo;
         for v in Vote::ALL {
-            assert_eq!(v.agree(&mut solo).unwrap(), v);
+            assert_eq!(v.agree(-1.5, &mut solo).unwrap(), (v, 0, -1.5));
         }
     }
 }
