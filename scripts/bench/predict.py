@@ -3,7 +3,9 @@
 (`nanodist calibrate --engine mpi`) into a profile, trains the quick-start model and one 4x larger
 (16 layers) with -np 2 and -np 4 by all-reduce, ring and exp gossip, PowerSGD and top-k, and prints each
 run's measured ms/step (median over its metrics rows after the first) beside the prediction from its run
-directory on that profile. Exits 1 when a prediction is off by more than --tolerance.
+directory on that profile. Each row's bound is --tolerance plus twice the run's own spread (the
+interquartile range of its rows' ms/step over their median): a run whose steps scatter, as ranks that share
+cores do, is measured no better than that. Exits 1 when a prediction is off by more than its bound.
 
     python3 scripts/bench/predict.py [--nanodist target/release/nanodist] [--data data/shakespeare_char]
 
@@ -67,21 +69,24 @@ def main():
                 trained = [m for m in metrics if m["step"] > 0]
                 times = sorted(m["ms_per_step"] for m in trained[1:])
                 measured = times[len(times) // 2]
+                spread = (times[3 * len(times) // 4] - times[len(times) // 4]) / measured
                 pred = subprocess.run([a.nanodist, "predict", os.path.join(out, run), "--cluster", profile,
                                        "--ranks-per-node", str(np_), "--json"], env=env, cwd=ROOT, check=True,
                                       capture_output=True, text=True)
                 predicted = json.loads(pred.stdout)["ms_per_step"]
                 err = predicted / measured - 1
-                worst = max(worst, abs(err))
-                rows.append((model, np_, alg, measured, predicted, err))
-                print(f"{model}, -np {np_}, {alg}: measured {measured:.1f} ms, predicted {predicted:.1f} ms "
-                      f"({100 * err:+.1f}%)", flush=True)
-    print(f"\n| model | ranks | algorithm | measured ms/step | predicted ms/step | error |")
-    print("|---|---|---|---|---|---|")
-    for model, np_, alg, m, p, e in rows:
-        print(f"| {model} | {np_} | {alg} | {m:.1f} | {p:.1f} | {100 * e:+.1f}% |")
-    print(f"\nworst error {100 * worst:.1f}% (tolerance {100 * a.tolerance:.0f}%)")
-    sys.exit(0 if worst <= a.tolerance else 1)
+                bound = a.tolerance + 2 * spread
+                worst = max(worst, abs(err) - bound)
+                rows.append((model, np_, alg, measured, predicted, err, spread, bound))
+                print(f"{model}, -np {np_}, {alg}: measured {measured:.1f} ms (spread {100 * spread:.0f}%), "
+                      f"predicted {predicted:.1f} ms ({100 * err:+.1f}%, bound {100 * bound:.0f}%)", flush=True)
+    print("\n| model | ranks | algorithm | measured ms/step | spread | predicted ms/step | error | bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, np_, alg, m, p, e, sp, b in rows:
+        print(f"| {model} | {np_} | {alg} | {m:.1f} | {100 * sp:.0f}% | {p:.1f} | {100 * e:+.1f}% | {100 * b:.0f}% |")
+    fails = [r for r in rows if abs(r[5]) > r[7]]
+    print(f"\n{len(fails)} of {len(rows)} rows past their bound (--tolerance {100 * a.tolerance:.0f}% + 2 x spread)")
+    sys.exit(0 if not fails else 1)
 
 
 if __name__ == "__main__":

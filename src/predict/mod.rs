@@ -41,6 +41,8 @@ pub struct Predictor {
     pub update: f64,
     /// Seconds of compression on steps that communicate (compressing backends).
     pub codec: f64,
+    /// Whether more ranks than devices share a node's devices (a CPU's cores).
+    pub cores_shared: bool,
     /// Tokens of the mean step (with a ramp-up, the early steps are smaller).
     pub tokens_per_step: f64,
 }
@@ -75,6 +77,11 @@ impl Predictor {
         let n = plan.n_steps.max(1);
         let tokens_per_step = plan.tokens_before(n) as f64 / n as f64;
         let flops = plan.flops_per_token as f64 * tokens_per_step / plan.world_size as f64;
+        // Ranks that share cores also share them for their intra-node transfers (the CPU copies them) and
+        // wait for each other to be scheduled.
+        let mut profile = p.clone();
+        profile.intra.bandwidth_gbps /= shared;
+        profile.intra.latency_us *= shared;
         let update =
             UPDATE_BYTES_PER_PARAM * plan.n_params as f64 / (p.device.memory_gbps * 1e9) * shared;
         let compute =
@@ -87,10 +94,11 @@ impl Predictor {
         Ok(Self {
             backend,
             layout,
-            profile: p.clone(),
+            profile,
             compute,
             update,
             codec,
+            cores_shared: per_device > 1.0,
             tokens_per_step,
         })
     }
@@ -113,12 +121,11 @@ impl Predictor {
             self.codec
         };
         let refs: Vec<(&Collective, f64)> = described.iter().zip(secs.iter().copied()).collect();
-        let time = model::step_time(
-            self.compute,
-            codec + self.update,
-            &refs,
-            self.profile.overlap_backward,
-        );
+        let overlaps = model::Overlaps {
+            backward: self.profile.overlap_backward,
+            compute: !self.cores_shared,
+        };
+        let time = model::step_time(self.compute, codec + self.update, &refs, overlaps);
         (secs, time)
     }
 

@@ -147,20 +147,32 @@ impl StepTime {
     }
 }
 
+/// What may run beside the compute on a cluster.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Overlaps {
+    /// All-reduce buckets beside the backward pass (DDP on GPUs: the profile's `overlap_backward`).
+    pub backward: bool,
+    /// Collectives beside the next step's forward and backward (overlapped gossip, streaming DiLoCo's
+    /// fragments). Not where ranks share cores: their CPU then copies the messages instead of computing.
+    pub compute: bool,
+}
+
 /// The step's time given its compute (forward + backward; the backward is 2/3 of it), its serial work
 /// and its collectives, each with its time on the cluster.
 ///
-/// Overlap as the backends implement it: `Backward` buckets (with `overlap_backward`) become ready as
+/// Overlap as the backends implement it: `Backward` buckets (with `overlaps.backward`) become ready as
 /// the backward pass produces their gradients, in order and evenly over the backward pass; each starts
 /// when ready and after the previous bucket, and what runs past the backward pass is exposed (so one
-/// bucket hides nothing, many hide all but the last). `Compute` collectives run beside the whole
-/// forward and backward pass and are exposed by what exceeds it. The rest is exposed in full.
+/// bucket hides nothing, many hide all but the last). `Compute` collectives (with `overlaps.compute`)
+/// run beside the whole forward and backward pass and are exposed by what exceeds it. The rest is
+/// exposed in full.
 pub fn step_time(
     compute: f64,
     serial: f64,
     comm: &[(&Collective, f64)],
-    overlap_backward: bool,
+    overlaps: Overlaps,
 ) -> StepTime {
+    let overlap_backward = overlaps.backward;
     let backward = compute * 2.0 / 3.0;
     let forward = compute - backward;
     let buckets: Vec<(f64, f64)> = comm
@@ -177,14 +189,16 @@ pub fn step_time(
     let mut exposed = (end - compute).max(0.0);
     let beside: f64 = comm
         .iter()
-        .filter(|(c, _)| c.overlap == Overlap::Compute)
+        .filter(|(c, _)| c.overlap == Overlap::Compute && overlaps.compute)
         .map(|(_, t)| t)
         .sum();
     exposed += (beside - compute).max(0.0);
     exposed += comm
         .iter()
-        .filter(|(c, _)| {
-            c.overlap == Overlap::None || (c.overlap == Overlap::Backward && !overlap_backward)
+        .filter(|(c, _)| match c.overlap {
+            Overlap::None => true,
+            Overlap::Backward => !overlap_backward,
+            Overlap::Compute => !overlaps.compute,
         })
         .map(|(_, t)| t)
         .sum::<f64>();
@@ -333,6 +347,11 @@ mod tests {
         );
     }
 
+    const BOTH: Overlaps = Overlaps {
+        backward: true,
+        compute: true,
+    };
+
     #[test]
     fn overlap_hides_what_fits_under_the_compute_it_may_overlap() {
         let buckets: Vec<Collective> = (0..4)
@@ -340,22 +359,40 @@ mod tests {
             .collect();
         // Compute 3 s: forward 1 s, backward 2 s; four equal buckets ready at 1.5, 2, 2.5, 3 s.
         let comm: Vec<(&Collective, f64)> = buckets.iter().map(|c| (c, 0.25)).collect();
-        let t = step_time(3.0, 0.0, &comm, true);
+        let t = step_time(3.0, 0.0, &comm, BOTH);
         close(t.exposed, 0.25);
         close(t.comm, 1.0);
         // Long buckets queue: 1.5 + 4 * 1.0 = 5.5 s, 2.5 s past the backward pass.
         let comm: Vec<(&Collective, f64)> = buckets.iter().map(|c| (c, 1.0)).collect();
-        close(step_time(3.0, 0.0, &comm, true).exposed, 2.5);
+        close(step_time(3.0, 0.0, &comm, BOTH).exposed, 2.5);
         // Without overlap (nanodist's engines) every bucket is exposed.
-        close(step_time(3.0, 0.0, &comm, false).exposed, 4.0);
+        close(
+            step_time(
+                3.0,
+                0.0,
+                &comm,
+                Overlaps {
+                    backward: false,
+                    compute: true,
+                },
+            )
+            .exposed,
+            4.0,
+        );
         // Overlapped gossip hides under the whole step's compute.
         let mix = all_reduce(400, vec![vec![0, 1]], Overlap::Compute);
-        close(step_time(3.0, 0.5, &[(&mix, 2.0)], true).exposed, 0.0);
-        let t = step_time(3.0, 0.5, &[(&mix, 5.0)], true);
+        close(step_time(3.0, 0.5, &[(&mix, 2.0)], BOTH).exposed, 0.0);
+        let t = step_time(3.0, 0.5, &[(&mix, 5.0)], BOTH);
         close(t.exposed, 2.0);
         close(t.total(), 5.5);
         let sync = all_reduce(400, vec![vec![0, 1]], Overlap::None);
-        close(step_time(3.0, 0.0, &[(&sync, 2.0)], true).exposed, 2.0);
+        close(step_time(3.0, 0.0, &[(&sync, 2.0)], BOTH).exposed, 2.0);
+        // Ranks that share cores copy the overlapped mix themselves: it is exposed in full.
+        let shared = Overlaps {
+            backward: true,
+            compute: false,
+        };
+        close(step_time(3.0, 0.5, &[(&mix, 2.0)], shared).exposed, 2.0);
     }
 
     #[test]
