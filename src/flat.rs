@@ -100,6 +100,8 @@ impl Place {
                 unsafe { ctx.disable_event_tracking() };
                 let buf = k.stream().alloc_zeros::<f32>(n);
                 if tracking {
+                    // SAFETY: restores the context's flag as it was; slices allocated from here on are
+                    // tracked again.
                     unsafe { ctx.enable_event_tracking() };
                 }
                 Ok(Flat::Cuda(DeviceFlat {

@@ -1,5 +1,9 @@
 //! nanodist: declarative GPT pre-training experiments with allreduce, gossip and compressed data
 //! parallelism, on Candle.
+// Every unsafe operation sits in an `unsafe` block of its own with a `// SAFETY:` comment, inside unsafe
+// functions too.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod comm;
 pub mod config;

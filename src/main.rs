@@ -1,4 +1,6 @@
 //! The nanodist command line. Each subcommand parses its flags and calls into the library.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -87,12 +87,14 @@ fn gather_scatter_and_error_feedback_kernels_equal_their_twins() {
         .unwrap();
     let didx = s.clone_htod(&idx).unwrap();
     let mut dgathered = s.alloc_zeros::<f32>(idx.len()).unwrap();
-    k.gather(&dacc, &didx, &mut dgathered).unwrap();
+    // SAFETY: idx holds distinct indices below n, the length of dacc and ddense.
+    unsafe { k.gather(&dacc, &didx, &mut dgathered) }.unwrap();
     let mut dsent = s.alloc_zeros::<f32>(idx.len()).unwrap();
-    k.gather_clear(&mut dacc, &didx, &mut dsent).unwrap();
+    // SAFETY: as above.
+    unsafe { k.gather_clear(&mut dacc, &didx, &mut dsent) }.unwrap();
     let mut ddense = s.alloc_zeros::<f32>(n).unwrap();
-    k.scatter_add(&mut ddense, &didx.slice(..), &dsent.slice(..))
-        .unwrap();
+    // SAFETY: as above.
+    unsafe { k.scatter_add(&mut ddense, &didx.slice(..), &dsent.slice(..)) }.unwrap();
     k.scale(&mut ddense, 0.25).unwrap();
     assert_eq!(bits(&s.clone_dtoh(&dgathered).unwrap()), bits(&gathered));
     assert_eq!(bits(&s.clone_dtoh(&dsent).unwrap()), bits(&sent));

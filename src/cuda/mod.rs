@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
     PushKernelArg,
@@ -41,22 +41,31 @@ fn u32_of(n: usize, what: &str) -> Result<u32> {
         .with_context(|| format!("{what} = {n} does not fit the kernels' 32-bit indices"))
 }
 
-/// Launches kernel `$name` of `$k` (a `Kernels`) with `$cfg` and the arguments in order.
-/// SAFETY (of every use): the arguments are those of the kernel's signature in reducers.cu, and the
-/// grid covers exactly the elements the kernel indexes (lengths and indices come from the buffers).
+/// Launches kernel `$name` of `$k` (a `Kernels`) with `$cfg` and the arguments in order. The launch is an
+/// unsafe operation (the driver checks neither the arguments' types nor the memory the kernel touches),
+/// so every use sits in an `unsafe` block whose SAFETY comment says why the arguments are the kernel's
+/// and why its grid stays inside the buffers.
 macro_rules! launch {
     ($k:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
         let f = $k.f($name)?;
         let mut b = $k.stream.launch_builder(&f);
         $( b.arg($arg); )+
-        unsafe { b.launch($cfg) }?;
+        b.launch($cfg)?;
     }};
 }
 
-/// Launches the index-list kernel `$name` (signature: dense, idx, values, k) over the idx.len() entries.
+/// Launches the index-list kernel `$name` (signature: dense, idx, values, k) over the idx.len() entries,
+/// after checking that `$vals` holds one value per index. An unsafe operation, as `launch!`: the indices
+/// are on the device, and the caller vouches that each is inside `$dense`.
 macro_rules! per_index {
     ($k:expr, $name:expr, $dense:expr, $idx:expr, $vals:expr) => {{
         let k = u32_of($idx.len(), "index count")?;
+        anyhow::ensure!(
+            $vals.len() >= $idx.len(),
+            "internal error: {} values for {} indices",
+            $vals.len(),
+            $idx.len()
+        );
         launch!(
             $k,
             $name,
@@ -163,96 +172,130 @@ impl Kernels {
         let mut hist = s.alloc_zeros::<u32>(BLOCK)?;
         let t: Threshold = kernels::radix_threshold(k, |prefix, mask, shift| {
             s.memset_zeros(&mut hist)?;
-            launch!(
-                self,
-                "radix_histogram",
-                per_element(n),
-                x,
-                &n32,
-                &prefix,
-                &mask,
-                &shift,
-                &mut hist
-            );
+            // SAFETY: radix_histogram(x, n, prefix, mask, shift, hist) in reducers.cu: its grid-stride
+            // loop reads x below n = x.len() and counts into hist's BLOCK bins.
+            unsafe {
+                launch!(
+                    self,
+                    "radix_histogram",
+                    per_element(n),
+                    x,
+                    &n32,
+                    &prefix,
+                    &mask,
+                    &shift,
+                    &mut hist
+                )
+            };
             let h = s.clone_dtoh(&hist)?;
             Ok(h.try_into().expect("BLOCK counters"))
         })?;
         let tiles = n.div_ceil(TILE);
         let mut above = s.alloc_zeros::<u32>(tiles)?;
         let mut equal = s.alloc_zeros::<u32>(tiles)?;
-        launch!(
-            self,
-            "select_count",
-            grid(tiles),
-            x,
-            &n32,
-            &t.key,
-            &mut above,
-            &mut equal
-        );
+        // SAFETY: select_count(x, n, thresh, above, equal): block t reads x's tile t (below n = x.len())
+        // and writes above[t] and equal[t], both `tiles` long.
+        unsafe {
+            launch!(
+                self,
+                "select_count",
+                grid(tiles),
+                x,
+                &n32,
+                &t.key,
+                &mut above,
+                &mut equal
+            )
+        };
         let above_off = s.clone_htod(&kernels::exclusive_scan(&s.clone_dtoh(&above)?))?;
         let equal_off = s.clone_htod(&kernels::exclusive_scan(&s.clone_dtoh(&equal)?))?;
-        launch!(
-            self,
-            "select_write",
-            grid(tiles),
-            x,
-            &n32,
-            &t.key,
-            &t.ties,
-            &above_off,
-            &equal_off,
-            &base,
-            &mut idx,
-            &mut val,
-        );
+        // SAFETY: select_write(x, n, thresh, ties, above_off, equal_off, base, idx, val): block t reads x's
+        // tile t and its two offsets (`tiles` each), and writes its entries at those offsets, which the
+        // scans of the counts keep below k = idx.len() = val.len().
+        unsafe {
+            launch!(
+                self,
+                "select_write",
+                grid(tiles),
+                x,
+                &n32,
+                &t.key,
+                &t.ties,
+                &above_off,
+                &equal_off,
+                &base,
+                &mut idx,
+                &mut val,
+            )
+        };
         Ok((idx, val))
     }
 
     /// out[j] = x[idx[j]].
-    pub fn gather(
+    ///
+    /// # Safety
+    /// The indices live on the device, where nothing checks them: every idx[j] is below x.len().
+    pub unsafe fn gather(
         &self,
         x: &CudaSlice<f32>,
         idx: &CudaSlice<u32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        per_index!(self, "gather", x, idx, out)
+        // SAFETY: gather(dense, idx, vals, k) in reducers.cu over k = idx.len() entries (vals checked to
+        // hold as many); the caller's contract keeps every index inside the dense buffer.
+        unsafe { per_index!(self, "gather", x, idx, out) }
     }
 
     /// out[j] = acc[idx[j]], then acc[idx[j]] = 0 (the error-feedback split).
-    pub fn gather_clear(
+    ///
+    /// # Safety
+    /// The indices live on the device, where nothing checks them: every idx[j] is below acc.len(), and the indices are distinct.
+    pub unsafe fn gather_clear(
         &self,
         acc: &mut CudaSlice<f32>,
         idx: &CudaSlice<u32>,
         out: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        per_index!(self, "gather_clear", acc, idx, out)
+        // SAFETY: gather_clear(dense, idx, vals, k) in reducers.cu over k = idx.len() entries (vals checked to
+        // hold as many); the caller's contract keeps every index inside the dense buffer.
+        unsafe { per_index!(self, "gather_clear", acc, idx, out) }
     }
 
     /// dense[idx[j]] = vals[j].
-    pub fn scatter(
+    ///
+    /// # Safety
+    /// The indices live on the device, where nothing checks them: every idx[j] is below dense.len(), and the indices are distinct.
+    pub unsafe fn scatter(
         &self,
         dense: &mut CudaSlice<f32>,
         idx: &CudaSlice<u32>,
         vals: &CudaSlice<f32>,
     ) -> Result<()> {
-        per_index!(self, "scatter", dense, idx, vals)
+        // SAFETY: scatter(dense, idx, vals, k) in reducers.cu over k = idx.len() entries (vals checked to
+        // hold as many); the caller's contract keeps every index inside the dense buffer.
+        unsafe { per_index!(self, "scatter", dense, idx, vals) }
     }
 
     /// dense[idx[j]] += vals[j] (distinct indices).
-    pub fn scatter_add(
+    ///
+    /// # Safety
+    /// The indices live on the device, where nothing checks them: every idx[j] is below dense.len(), and the indices are distinct.
+    pub unsafe fn scatter_add(
         &self,
         dense: &mut CudaSlice<f32>,
         idx: &CudaView<u32>,
         vals: &CudaView<f32>,
     ) -> Result<()> {
-        per_index!(self, "scatter_add", dense, idx, vals)
+        // SAFETY: scatter_add(dense, idx, vals, k) in reducers.cu over k = idx.len() entries (vals checked to
+        // hold as many); the caller's contract keeps every index inside the dense buffer.
+        unsafe { per_index!(self, "scatter_add", dense, idx, vals) }
     }
 
     /// acc += g.
     pub fn ef_accumulate(&self, acc: &mut CudaSlice<f32>, g: &CudaSlice<f32>) -> Result<()> {
         let n = u32_of(acc.len().min(g.len()), "length")?;
-        launch!(self, "ef_accumulate", per_element(n as usize), acc, g, &n);
+        // SAFETY: ef_accumulate(acc, g, n): its grid-stride loop stays below n, the shorter buffer's length.
+        unsafe { launch!(self, "ef_accumulate", per_element(n as usize), acc, g, &n) };
         Ok(())
     }
 
@@ -260,21 +303,26 @@ impl Kernels {
     pub fn add_at(&self, dst: &mut CudaSlice<f32>, at: usize, src: &CudaView<f32>) -> Result<()> {
         let n = u32_of(src.len(), "length")?;
         let mut view = dst.slice_mut(at..at + src.len());
-        launch!(
-            self,
-            "ef_accumulate",
-            per_element(src.len()),
-            &mut view,
-            src,
-            &n
-        );
+        // SAFETY: ef_accumulate(acc, g, n) over n = src.len() entries; the view (bounds-checked by
+        // slice_mut) holds as many.
+        unsafe {
+            launch!(
+                self,
+                "ef_accumulate",
+                per_element(src.len()),
+                &mut view,
+                src,
+                &n
+            )
+        };
         Ok(())
     }
 
     /// x = own * x + b (gossip's mix).
     pub fn mix(&self, x: &mut CudaViewMut<f32>, b: &CudaView<f32>, own: f32) -> Result<()> {
         let n = u32_of(x.len().min(b.len()), "length")?;
-        launch!(self, "mix", per_element(n as usize), x, b, &n, &own);
+        // SAFETY: mix(x, b, n, own): its grid-stride loop stays below n, the shorter buffer's length.
+        unsafe { launch!(self, "mix", per_element(n as usize), x, b, &n, &own) };
         Ok(())
     }
 
@@ -286,29 +334,38 @@ impl Kernels {
         s: f32,
     ) -> Result<()> {
         let n = u32_of(dst.len().min(src.len()), "length")?;
-        launch!(
-            self,
-            "scaled_copy",
-            per_element(n as usize),
-            dst,
-            src,
-            &n,
-            &s
-        );
+        // SAFETY: scaled_copy(dst, src, n, s): its grid-stride loop stays below n, the shorter length.
+        unsafe {
+            launch!(
+                self,
+                "scaled_copy",
+                per_element(n as usize),
+                dst,
+                src,
+                &n,
+                &s
+            )
+        };
         Ok(())
     }
 
     /// x *= s.
     pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<()> {
         let n = u32_of(x.len(), "length")?;
-        launch!(self, "scale", per_element(n as usize), x, &n, &s);
+        // SAFETY: scale(x, n, s): its grid-stride loop stays below n = x.len().
+        unsafe { launch!(self, "scale", per_element(n as usize), x, &n, &s) };
         Ok(())
     }
 
     /// DeMo's compression of every chunk of `delta` (the table's `CHUNK_FIELDS` words per chunk, as
     /// `sync::demo` lays them out): its top-k DCT coefficients into `msg`, the rest left in `delta`.
     /// `scratch` holds twice delta's length.
-    pub fn demo_encode(
+    ///
+    /// # Safety
+    /// The table, on the device, is `sync::demo`'s of a buffer of delta's length: its chunks lie inside
+    /// delta (and, doubled, scratch), its message offsets inside msg, and dct holds each chunk size's
+    /// transform.
+    pub unsafe fn demo_encode(
         &self,
         delta: &mut CudaSlice<f32>,
         table: &CudaSlice<u32>,
@@ -318,23 +375,31 @@ impl Kernels {
     ) -> Result<()> {
         let chunks = table.len() / kernels::CHUNK_FIELDS;
         let numel = u32_of(delta.len(), "length")?;
-        launch!(
-            self,
-            "demo_encode",
-            grid(chunks),
-            delta,
-            table,
-            dct,
-            scratch,
-            &numel,
-            msg
-        );
+        // SAFETY: demo_encode(delta, chunks, dct, scratch, numel, msg), one block per table row; the
+        // caller's contract keeps every row's chunk and message inside the buffers.
+        unsafe {
+            launch!(
+                self,
+                "demo_encode",
+                grid(chunks),
+                delta,
+                table,
+                dct,
+                scratch,
+                &numel,
+                msg
+            )
+        };
         Ok(())
     }
 
     /// DeMo's decompression of every rank's messages in `all`: the sign of the averaged direction of
     /// every chunk into `grads`.
-    pub fn demo_decode(
+    ///
+    /// # Safety
+    /// As `demo_encode`'s, for `grads` (delta's length) and `all` (`ranks` messages of one layout).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn demo_decode(
         &self,
         all: &CudaSlice<f32>,
         ranks: usize,
@@ -346,26 +411,34 @@ impl Kernels {
         let chunks = table.len() / kernels::CHUNK_FIELDS;
         let per_rank = u32_of(all.len() / ranks.max(1), "message length")?;
         let (ranks, numel) = (u32_of(ranks, "ranks")?, u32_of(grads.len(), "length")?);
-        launch!(
-            self,
-            "demo_decode",
-            grid(chunks),
-            all,
-            &per_rank,
-            &ranks,
-            table,
-            dct,
-            scratch,
-            &numel,
-            grads
-        );
+        // SAFETY: demo_decode(all, per_rank, ranks, chunks, dct, scratch, numel, grads), one block per
+        // table row; the caller's contract keeps every row inside the buffers.
+        unsafe {
+            launch!(
+                self,
+                "demo_decode",
+                grid(chunks),
+                all,
+                &per_rank,
+                &ranks,
+                table,
+                dct,
+                scratch,
+                &numel,
+                grads
+            )
+        };
         Ok(())
     }
 
     /// One member's sparse CHOCO message into a channel: hat[off + idx[j]] += vals[j] when `own`, and
     /// memory[off + idx[j]] += w vals[j] (twin: `kernels::choco_absorb`).
+    ///
+    /// # Safety
+    /// The indices live on the device, where nothing checks them: every off + idx[j] is below hat's and
+    /// memory's lengths.
     #[allow(clippy::too_many_arguments)]
-    pub fn choco_absorb(
+    pub unsafe fn choco_absorb(
         &self,
         hat: &mut CudaSlice<f32>,
         memory: &mut CudaSlice<f32>,
@@ -380,27 +453,39 @@ impl Kernels {
             u32_of(off, "offset")?,
             u32::from(own),
         );
-        launch!(
-            self,
-            "choco_absorb",
-            grid(idx.len().div_ceil(BLOCK)),
-            hat,
-            memory,
-            idx,
-            vals,
-            &k,
-            &off,
-            &w,
-            &own
+        ensure!(
+            vals.len() >= idx.len(),
+            "internal error: fewer values than indices"
         );
+        // SAFETY: choco_absorb(hat, memory, idx, vals, k, off, w, own) over k = idx.len() entries (vals
+        // holds as many); the caller's contract keeps off + idx[j] inside hat and memory.
+        unsafe {
+            launch!(
+                self,
+                "choco_absorb",
+                grid(idx.len().div_ceil(BLOCK)),
+                hat,
+                memory,
+                idx,
+                vals,
+                &k,
+                &off,
+                &w,
+                &own
+            )
+        };
         Ok(())
     }
 
     /// CHOCO's QSGD message of the tensor `u` into `norms` (one per bucket) and the zeroed `codes`
     /// (twin: `Codec::encode` on the host, with `kernels::chacha8_word`'s stream and
     /// `kernels::block_strided_sum`'s norms).
+    ///
+    /// # Safety
+    /// `norms` holds one float per bucket of `bucket` entries of u, `codes` the bit-packed codes of all
+    /// of u's entries at `bits` bits each (the layout `Codec::encode` writes), and `key` the ChaCha8 key.
     #[allow(clippy::too_many_arguments)]
-    pub fn qsgd_encode(
+    pub unsafe fn qsgd_encode(
         &self,
         u: &CudaView<f32>,
         bucket: usize,
@@ -413,27 +498,35 @@ impl Kernels {
     ) -> Result<()> {
         let (len, bucket) = (u32_of(u.len(), "length")?, u32_of(bucket.max(1), "bucket")?);
         let blocks = norms.len();
-        launch!(
-            self,
-            "qsgd_encode",
-            grid(blocks),
-            u,
-            &len,
-            &bucket,
-            key,
-            &stream,
-            &levels,
-            &bits,
-            norms,
-            codes
-        );
+        // SAFETY: qsgd_encode(u, len, bucket, key, stream, levels, bits, norms, codes), one block per
+        // bucket (norms.len() of them); the caller's contract sizes norms, codes and key for u.
+        unsafe {
+            launch!(
+                self,
+                "qsgd_encode",
+                grid(blocks),
+                u,
+                &len,
+                &bucket,
+                key,
+                &stream,
+                &levels,
+                &bits,
+                norms,
+                codes
+            )
+        };
         Ok(())
     }
 
     /// One member's QSGD message of the tensor at `off` (its `len` entries) into a channel (twin:
     /// `Codec::decode` on the host, applied as `Channels::absorb` does).
+    ///
+    /// # Safety
+    /// `norms` and `codes` are a message of `len` entries in buckets of `bucket` (as `qsgd_encode`
+    /// writes one).
     #[allow(clippy::too_many_arguments)]
-    pub fn qsgd_absorb(
+    pub unsafe fn qsgd_absorb(
         &self,
         hat: &mut CudaSlice<f32>,
         memory: &mut CudaSlice<f32>,
@@ -450,37 +543,55 @@ impl Kernels {
             u32_of(bucket.max(1), "bucket")?,
         );
         let own = u32::from(own);
-        launch!(
-            self,
-            "qsgd_absorb",
-            per_element(len),
-            hat,
-            memory,
-            &o,
-            &n,
-            &b,
-            norms,
-            codes,
-            &levels,
-            &bits,
-            &tau,
-            &tau_last,
-            &w,
-            &own
+        ensure!(
+            off + len <= hat.len().min(memory.len()),
+            "internal error: a message of {len} entries at {off} past a channel of {}",
+            hat.len().min(memory.len())
         );
+        // SAFETY: qsgd_absorb(hat, memory, off, len, bucket, norms, codes, levels, bits, tau, tau_last, w,
+        // own) over len entries from off, inside hat and memory (checked above); the caller's contract
+        // sizes norms and codes for them.
+        unsafe {
+            launch!(
+                self,
+                "qsgd_absorb",
+                per_element(len),
+                hat,
+                memory,
+                &o,
+                &n,
+                &b,
+                norms,
+                codes,
+                &levels,
+                &bits,
+                &tau,
+                &tau_last,
+                &w,
+                &own
+            )
+        };
         Ok(())
     }
 
     /// CHOCO's sign message of the tensor `u` into `out` (its scale, then the sign bits).
-    pub fn sign_encode(&self, u: &CudaView<f32>, out: &mut CudaViewMut<f32>) -> Result<()> {
+    ///
+    /// # Safety
+    /// `out` holds the message of u's length (the layout `Codec::encode` writes).
+    pub unsafe fn sign_encode(&self, u: &CudaView<f32>, out: &mut CudaViewMut<f32>) -> Result<()> {
         let len = u32_of(u.len(), "length")?;
-        launch!(self, "sign_encode", grid(1), u, &len, out);
+        // SAFETY: sign_encode(u, len, out), one block over u's len entries; the caller's contract sizes
+        // out for them.
+        unsafe { launch!(self, "sign_encode", grid(1), u, &len, out) };
         Ok(())
     }
 
     /// One member's sign message `part` of the tensor at `off` (`len` entries) into a channel.
+    ///
+    /// # Safety
+    /// `part` is a sign message of `len` entries (as `sign_encode` writes one).
     #[allow(clippy::too_many_arguments)]
-    pub fn sign_absorb(
+    pub unsafe fn sign_absorb(
         &self,
         hat: &mut CudaSlice<f32>,
         memory: &mut CudaSlice<f32>,
@@ -495,24 +606,37 @@ impl Kernels {
             u32_of(len, "length")?,
             u32::from(own),
         );
-        launch!(
-            self,
-            "sign_absorb",
-            per_element(len),
-            hat,
-            memory,
-            &o,
-            &n,
-            part,
-            &w,
-            &own
+        ensure!(
+            off + len <= hat.len().min(memory.len()),
+            "internal error: a message of {len} entries at {off} past a channel of {}",
+            hat.len().min(memory.len())
         );
+        // SAFETY: sign_absorb(hat, memory, off, len, part, w, own) over len entries from off, inside hat
+        // and memory (checked above); the caller's contract sizes part for them.
+        unsafe {
+            launch!(
+                self,
+                "sign_absorb",
+                per_element(len),
+                hat,
+                memory,
+                &o,
+                &n,
+                part,
+                &w,
+                &own
+            )
+        };
         Ok(())
     }
 
     /// DiLoCo's quantizer: each row of `table` (start in `buf`, length, first word; 3 words a row) of
     /// `buf` into its wire words in `out`, `mode` 1 bf16, 2 fp8, 3 uint8 (twin: `sync::quantize::encode`).
-    pub fn quantize_rows(
+    ///
+    /// # Safety
+    /// The table, on the device, is `sync::quantize`'s for buffers of these lengths: every row lies inside
+    /// buf and its words inside out.
+    pub unsafe fn quantize_rows(
         &self,
         buf: &CudaView<f32>,
         table: &CudaSlice<u32>,
@@ -522,20 +646,27 @@ impl Kernels {
         if table.len() < 3 {
             return Ok(());
         }
-        launch!(
-            self,
-            "quantize_rows",
-            grid(table.len() / 3),
-            buf,
-            table,
-            &mode,
-            out
-        );
+        // SAFETY: quantize_rows(buf, table, mode, out), one block per table row; the caller's contract
+        // keeps each row inside buf and out.
+        unsafe {
+            launch!(
+                self,
+                "quantize_rows",
+                grid(table.len() / 3),
+                buf,
+                table,
+                &mode,
+                out
+            )
+        };
         Ok(())
     }
 
     /// The rows of `table` back from their wire words (twin: `sync::quantize::decode`).
-    pub fn dequantize_rows(
+    ///
+    /// # Safety
+    /// As `quantize_rows`', with `words` in the place of out and `buf` of buf.
+    pub unsafe fn dequantize_rows(
         &self,
         words: &CudaView<f32>,
         table: &CudaSlice<u32>,
@@ -545,15 +676,19 @@ impl Kernels {
         if table.len() < 3 {
             return Ok(());
         }
-        launch!(
-            self,
-            "dequantize_rows",
-            grid(table.len() / 3),
-            words,
-            table,
-            &mode,
-            buf
-        );
+        // SAFETY: dequantize_rows(words, table, mode, buf), one block per table row; the caller's
+        // contract keeps each row inside words and buf.
+        unsafe {
+            launch!(
+                self,
+                "dequantize_rows",
+                grid(table.len() / 3),
+                words,
+                table,
+                &mode,
+                buf
+            )
+        };
         Ok(())
     }
 
@@ -566,16 +701,27 @@ impl Kernels {
         gamma: f32,
     ) -> Result<()> {
         let n = u32_of(x.len(), "length")?;
-        launch!(
-            self,
-            "choco_step",
-            per_element(n as usize),
-            x,
-            s,
-            hat,
-            &n,
-            &gamma
+        ensure!(
+            s.len() >= x.len() && hat.len() >= x.len(),
+            "internal error: CHOCO's step over buffers of {}, {} and {} floats",
+            x.len(),
+            s.len(),
+            hat.len()
         );
+        // SAFETY: choco_step(x, s, hat, n, gamma): its grid-stride loop stays below n = x.len(), which s
+        // and hat hold too (checked above).
+        unsafe {
+            launch!(
+                self,
+                "choco_step",
+                per_element(n as usize),
+                x,
+                s,
+                hat,
+                &n,
+                &gamma
+            )
+        };
         Ok(())
     }
 
@@ -592,7 +738,9 @@ impl Kernels {
         }
         let matrices = p.len() / (rows * cols);
         let (r, c) = (u32_of(rows, "rows")?, u32_of(cols, "cols")?);
-        launch!(self, "gram_schmidt", grid(matrices), p, &r, &c, &eps);
+        // SAFETY: gram_schmidt(p, rows, cols, eps): block b works on the b-th rows x cols matrix, and the
+        // grid has p.len() / (rows cols) blocks.
+        unsafe { launch!(self, "gram_schmidt", grid(matrices), p, &r, &c, &eps) };
         Ok(())
     }
 }

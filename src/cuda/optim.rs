@@ -13,6 +13,21 @@ use crate::kernels::BLOCK;
 pub struct DeviceSegments {
     table: CudaSlice<u32>,
     cfg: LaunchConfig,
+    /// The end of the last segment: the buffers stepped over it hold at least this many floats.
+    end: usize,
+}
+
+impl DeviceSegments {
+    /// Checks (on the host) that every buffer of `lens` covers the segments: the kernels index the
+    /// buffers by the table's offsets alone.
+    fn check(&self, lens: &[usize]) -> Result<()> {
+        ensure!(
+            lens.iter().all(|&l| l >= self.end),
+            "internal error: optimizer buffers of {lens:?} floats for segments ending at {}",
+            self.end
+        );
+        Ok(())
+    }
 }
 
 impl Kernels {
@@ -32,7 +47,8 @@ impl Kernels {
         } else {
             self.stream.clone_htod(&twin::segment_table(segments)?)?
         };
-        Ok(DeviceSegments { table, cfg })
+        let end = segments.iter().map(|s| s.offset + s.len).max().unwrap_or(0);
+        Ok(DeviceSegments { table, cfg, end })
     }
 
     /// AdamW over the segments (twin: `kernels::optim::adamw`).
@@ -45,24 +61,29 @@ impl Kernels {
         segs: &DeviceSegments,
         c: &AdamWStep,
     ) -> Result<()> {
-        launch!(
-            self,
-            "adamw",
-            segs.cfg,
-            p,
-            g,
-            m,
-            v,
-            &segs.table,
-            &c.decay,
-            &c.one_minus_b1,
-            &c.b2,
-            &c.one_minus_b2,
-            &c.bc2_sqrt,
-            &c.eps,
-            &c.step_size,
-            &c.grad_scale
-        );
+        segs.check(&[p.len(), g.len(), m.len(), v.len()])?;
+        // SAFETY: the arguments are adamw's in optim.cu, in order; every segment of the table lies inside
+        // p, g, m and v (checked above), and each grid row stays inside its segment.
+        unsafe {
+            launch!(
+                self,
+                "adamw",
+                segs.cfg,
+                p,
+                g,
+                m,
+                v,
+                &segs.table,
+                &c.decay,
+                &c.one_minus_b1,
+                &c.b2,
+                &c.one_minus_b2,
+                &c.bc2_sqrt,
+                &c.eps,
+                &c.step_size,
+                &c.grad_scale
+            )
+        };
         Ok(())
     }
 
@@ -79,28 +100,33 @@ impl Kernels {
         c: &AccumStep,
     ) -> Result<()> {
         let commit = u32::from(c.commit);
-        launch!(
-            self,
-            "accum_adamw",
-            segs.cfg,
-            p,
-            g,
-            sm,
-            sv,
-            acc,
-            &segs.table,
-            &c.decay,
-            &c.one_minus_b1,
-            &c.one_minus_b2,
-            &c.b1,
-            &c.b2,
-            &c.inv_k,
-            &c.bc2_sqrt,
-            &c.eps,
-            &c.step_size,
-            &commit,
-            &c.grad_scale
-        );
+        segs.check(&[p.len(), g.len(), sm.len(), sv.len(), acc.len()])?;
+        // SAFETY: the arguments are accum_adamw's in optim.cu, in order; every segment lies inside the
+        // five buffers (checked above), and each grid row stays inside its segment.
+        unsafe {
+            launch!(
+                self,
+                "accum_adamw",
+                segs.cfg,
+                p,
+                g,
+                sm,
+                sv,
+                acc,
+                &segs.table,
+                &c.decay,
+                &c.one_minus_b1,
+                &c.one_minus_b2,
+                &c.b1,
+                &c.b2,
+                &c.inv_k,
+                &c.bc2_sqrt,
+                &c.eps,
+                &c.step_size,
+                &commit,
+                &c.grad_scale
+            )
+        };
         Ok(())
     }
 
@@ -115,17 +141,22 @@ impl Kernels {
         grad_scale: f32,
     ) -> Result<()> {
         let (decay, lr) = (twin::decay_factor(lr, wd), lr as f32);
-        launch!(
-            self,
-            "sgd",
-            segs.cfg,
-            p,
-            g,
-            &segs.table,
-            &decay,
-            &lr,
-            &grad_scale
-        );
+        segs.check(&[p.len(), g.len()])?;
+        // SAFETY: the arguments are sgd's in optim.cu, in order; every segment lies inside p and g
+        // (checked above), and each grid row stays inside its segment.
+        unsafe {
+            launch!(
+                self,
+                "sgd",
+                segs.cfg,
+                p,
+                g,
+                &segs.table,
+                &decay,
+                &lr,
+                &grad_scale
+            )
+        };
         Ok(())
     }
 
@@ -150,22 +181,28 @@ impl Kernels {
                 stand_in.slice_mut(..)
             }
         };
-        launch!(
-            self,
-            "momentum_sgd",
-            segs.cfg,
-            p,
-            g,
-            &mut buf,
-            &has_buf,
-            &segs.table,
-            &c.wd,
-            &c.momentum,
-            &c.lr,
-            &first,
-            &nesterov,
-            &c.grad_scale
-        );
+        let lens = [p.len(), g.len(), buf.len()];
+        segs.check(&lens[..2 + has_buf as usize])?;
+        // SAFETY: the arguments are momentum_sgd's in optim.cu, in order; every segment lies inside p, g
+        // and (read only when has_buf) buf (checked above), and each grid row stays inside its segment.
+        unsafe {
+            launch!(
+                self,
+                "momentum_sgd",
+                segs.cfg,
+                p,
+                g,
+                &mut buf,
+                &has_buf,
+                &segs.table,
+                &c.wd,
+                &c.momentum,
+                &c.lr,
+                &first,
+                &nesterov,
+                &c.grad_scale
+            )
+        };
         Ok(())
     }
 
@@ -178,7 +215,9 @@ impl Kernels {
             return Ok(0.0);
         }
         let mut partial = self.stream.alloc_zeros::<f64>(tiles)?;
-        launch!(self, "sum_squares", grid(tiles), x, &n, &mut partial);
+        // SAFETY: sum_squares(x, n, partial) in optim.cu: block t reads x below n (x's length) and writes
+        // partial[t], one of the `tiles` = ceil(n / TILE) the grid has.
+        unsafe { launch!(self, "sum_squares", grid(tiles), x, &n, &mut partial) };
         let partial = self.stream.clone_dtoh(&partial)?;
         Ok(partial.iter().fold(0.0, |a, b| a + b))
     }

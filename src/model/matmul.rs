@@ -121,32 +121,45 @@ pub enum Precision {
     Bf16,
 }
 
-/// How this CPU runs bf16 products.
+/// How this CPU runs bf16 products: AVX512-BF16's vdpbf16ps, or emulated (operands rounded to bf16 in
+/// f32, multiplied by the f32 gemm). The AVX-512 path is a private field that only `detect` sets, after
+/// the CPU says it has the instructions: safe code cannot run them on a CPU without them.
+///
+/// ```compile_fail
+/// // The AVX-512 path cannot be made by hand.
+/// let path = nanodist::model::matmul::Bf16Path { avx512: true };
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Bf16Path {
-    /// AVX512-BF16's vdpbf16ps.
-    Avx512,
-    /// Operands rounded to bf16 in f32, multiplied by the f32 gemm.
-    Emulated,
+pub struct Bf16Path {
+    avx512: bool,
 }
 
 impl Bf16Path {
+    /// Operands rounded to bf16 in f32, multiplied by the f32 gemm (any CPU).
+    pub const EMULATED: Self = Self { avx512: false };
+
+    /// The fastest path this CPU has.
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bf16")
         {
-            return Self::Avx512;
+            return Self { avx512: true };
         }
-        Self::Emulated
+        Self::EMULATED
+    }
+
+    /// Whether products run on vdpbf16ps.
+    pub fn is_avx512(self) -> bool {
+        self.avx512
     }
 }
 
 impl std::fmt::Display for Bf16Path {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Avx512 => "AVX512-BF16 (vdpbf16ps)",
-            Self::Emulated => "emulated: operands rounded to bf16, f32 gemm",
+        f.write_str(match self.avx512 {
+            true => "AVX512-BF16 (vdpbf16ps)",
+            false => "emulated: operands rounded to bf16, f32 gemm",
         })
     }
 }
@@ -217,7 +230,7 @@ pub mod rate {
     /// a millisecond each; None without AVX512-BF16.
     pub fn peaks() -> Option<(f64, f64)> {
         #[cfg(target_arch = "x86_64")]
-        if super::Bf16Path::detect() == super::Bf16Path::Avx512 {
+        if super::Bf16Path::detect().is_avx512() {
             let time = |f: &dyn Fn() -> f32| {
                 let t = std::time::Instant::now();
                 std::hint::black_box(f());
@@ -227,6 +240,7 @@ pub mod rate {
             for _ in 0..3 {
                 // SAFETY: the CPU has AVX512F and AVX512-BF16 (detected above).
                 bf = bf.min(time(&|| unsafe { x86::bf16_dot(std::hint::black_box(N)) }));
+                // SAFETY: as above.
                 fma = fma.min(time(&|| unsafe { x86::f32_fma(std::hint::black_box(N)) }));
             }
             // 64 FLOPs per vdpbf16ps, 32 per FMA.
@@ -247,6 +261,7 @@ pub mod rate {
         #[target_feature(enable = "avx512f,avx512bf16")]
         pub fn bf16_dot(n: usize) -> f32 {
             // 1.0 in bf16 in every lane.
+            // SAFETY: 32 x 16-bit lanes reinterpreted as the 32 bf16 of the same 512 bits.
             let a: __m512bh =
                 unsafe { std::mem::transmute(_mm512_set1_epi16(std::hint::black_box(0x3f80))) };
             let mut acc = [_mm512_setzero_ps(); ACC];
@@ -323,12 +338,12 @@ pub fn bf16_bytes(path: Bf16Path, n: usize, c: usize, vocab: usize) -> u64 {
     let (a, b) = layers
         .iter()
         .flat_map(|&(i, o)| [(n, o, i), (o, i, n), (n, i, o)])
-        .map(|(m, n, k)| match path {
-            Bf16Path::Avx512 => {
+        .map(|(m, n, k)| match path.is_avx512() {
+            true => {
                 let kp = k.div_ceil(2);
                 (m.div_ceil(MR) * MR * a_stride(kp), n.div_ceil(NR) * NR * kp)
             }
-            Bf16Path::Emulated => (m * k, k * n),
+            false => (m * k, k * n),
         })
         .fold((0, 0), |(a, b), (pa, pb)| (a.max(pa), b.max(pb)));
     4 * (a + b) as u64
@@ -388,9 +403,9 @@ pub fn mm_bf16(
         }
         return;
     }
-    match path {
+    match path.is_avx512() {
         #[cfg(target_arch = "x86_64")]
-        Bf16Path::Avx512 => {
+        true => {
             let (pa, pb) = &mut bufs.packed;
             avx512::gemm(out, out_rs, &a, &b, acc, pa, pb);
         }
@@ -525,7 +540,7 @@ mod avx512 {
                         assert!(c0 + (rows - 1) * out_rs + cols <= out_len);
                         // SAFETY: the asserts above bound every read of pa and write of out; tasks
                         // write disjoint tiles of out; pb's strip holds kc x NR pairs; the CPU has
-                        // AVX512-BF16 (Bf16Path::Avx512 was detected).
+                        // AVX512-BF16 (only `Bf16Path::detect` makes the path that calls this).
                         unsafe {
                             kernel(
                                 kc,
@@ -552,11 +567,13 @@ mod avx512 {
         /// # Safety
         /// `off` is inside the slice the pointer came from.
         unsafe fn at(self, off: usize) -> *mut f32 {
-            self.0.add(off)
+            // SAFETY: the caller keeps `off` inside the slice.
+            unsafe { self.0.add(off) }
         }
     }
     // SAFETY: the tasks sharing it write disjoint tiles.
     unsafe impl Send for SendPtr {}
+    // SAFETY: as for Send.
     unsafe impl Sync for SendPtr {}
 
     /// B (k x n) as strips of NR columns, each kp pairs x NR (columns past n zero).
@@ -632,16 +649,25 @@ mod avx512 {
     }
 
     /// `pair_rows` 16 pairs per conversion (vcvtneps2bf16 rounds to nearest even as `bf16` does, and
-    /// reads f32 subnormals as zero, as vdpbf16ps reads bf16 ones).
+    /// reads f32 subnormals as zero, as vdpbf16ps reads bf16 ones). Panics unless `r0` and `r1` hold
+    /// `out.len()` elements or more (the vector loads read 16 of them at a time).
     ///
     /// # Safety
     /// The CPU has AVX512F and AVX512-BF16.
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn pair_rows_bf16(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
-        let full = out.len() / 16 * 16;
+        let n = out.len();
+        assert!(
+            r0.len() >= n && r1.is_none_or(|r| r.len() >= n),
+            "rows shorter than out"
+        );
+        let full = n / 16 * 16;
         let widen = |x: &[f32], j: usize| {
-            let h: __m256i =
-                std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(x[j..].as_ptr())));
+            // SAFETY: j + 16 <= full <= n <= x.len() (asserted above), so the load stays inside x; the
+            // transmute reinterprets 16 bf16 (256 bits) as the integer vector of the same width.
+            let h: __m256i = unsafe {
+                std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(x[j..].as_ptr())))
+            };
             _mm512_cvtepu16_epi32(h)
         };
         for j in (0..full).step_by(16) {
@@ -649,12 +675,14 @@ mod avx512 {
             if let Some(r1) = r1 {
                 v = _mm512_or_si512(v, _mm512_slli_epi32::<16>(widen(r1, j)));
             }
-            _mm512_storeu_si512(out[j..].as_mut_ptr() as *mut _, v);
+            // SAFETY: j + 16 <= full <= out.len(): the 16 lanes stored stay inside out.
+            unsafe { _mm512_storeu_si512(out[j..].as_mut_ptr() as *mut _, v) };
         }
         pair_rows(&mut out[full..], &r0[full..], r1.map(|r| &r[full..]));
     }
 
     /// `pair_along`, 16 pairs per conversion where the elements are contiguous (see `pair_rows_bf16`).
+    /// Panics unless `d` holds `len` elements from `start` and `out` holds `len / 2` pairs or more.
     ///
     /// # Safety
     /// The CPU has AVX512F and AVX512-BF16.
@@ -664,12 +692,22 @@ mod avx512 {
             return pair_along(out, d, start, stride, len);
         }
         let x = &d[start..][..len];
+        assert!(
+            out.len() >= len / 2,
+            "{} pairs for {len} elements",
+            out.len()
+        );
         let full = len / 32 * 32;
         for c in (0..full).step_by(32) {
-            let lo = _mm512_loadu_ps(x[c..].as_ptr());
-            let hi = _mm512_loadu_ps(x[c + 16..].as_ptr());
-            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-            _mm512_storeu_si512(out[c / 2..].as_mut_ptr() as *mut _, v);
+            // SAFETY: c + 32 <= full <= len = x.len(): both 16-element loads stay inside x, and the
+            // 16 u32 stored at c / 2 end at (c + 32) / 2 <= len / 2 <= out.len() (asserted above); the
+            // transmute reinterprets 32 bf16 (512 bits) as the integer vector of the same width.
+            unsafe {
+                let lo = _mm512_loadu_ps(x[c..].as_ptr());
+                let hi = _mm512_loadu_ps(x[c + 16..].as_ptr());
+                let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_storeu_si512(out[c / 2..].as_mut_ptr() as *mut _, v);
+            }
         }
         pair_along(&mut out[full / 2..], x, full, 1, len - full);
     }
@@ -694,32 +732,40 @@ mod avx512 {
     ) {
         let mut acc = [[_mm512_setzero_ps(); 2]; MR];
         for p in 0..kc {
-            let bp = b.add(p * NR);
-            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp as *const _));
-            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(16) as *const _));
-            let ar = a.add(p * ap.ps);
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let av: __m512bh =
-                    std::mem::transmute(_mm512_set1_epi32(*ar.add(i * ap.is) as i32));
-                acc[0] = _mm512_dpbf16_ps(acc[0], b0, av);
-                acc[1] = _mm512_dpbf16_ps(acc[1], b1, av);
+            // SAFETY: b holds kc x NR pairs, so pair row p's 2 x 16 u32 are inside it; a holds MR rows of
+            // kc pairs at ap's strides, so pair p of each row i < MR is inside it (the caller's contract);
+            // the transmutes reinterpret 32 x 16-bit lanes as the 32 bf16 of the same 512 bits.
+            unsafe {
+                let bp = b.add(p * NR);
+                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp as *const _));
+                let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(16) as *const _));
+                let ar = a.add(p * ap.ps);
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let av: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(*ar.add(i * ap.is) as i32));
+                    acc[0] = _mm512_dpbf16_ps(acc[0], b0, av);
+                    acc[1] = _mm512_dpbf16_ps(acc[1], b1, av);
+                }
             }
         }
         let masks = [mask(cols.min(16)), mask(cols.saturating_sub(16))];
         for (i, acc) in acc.iter().enumerate().take(rows) {
-            let row = c.add(i * c_rs);
             for v in 0..2 {
                 let k = masks[v];
                 if k == 0 {
                     continue;
                 }
-                let dst = row.add(16 * v);
-                let val = if add {
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(k, dst), acc[v])
-                } else {
-                    acc[v]
-                };
-                _mm512_mask_storeu_ps(dst, k, val);
+                // SAFETY: row i < rows and the masked lanes 16 v .. 16 v + (cols - 16 v) < cols are inside
+                // c's rows x cols at stride c_rs (the caller's contract); masked-off lanes are not touched.
+                unsafe {
+                    let dst = c.add(i * c_rs + 16 * v);
+                    let val = if add {
+                        _mm512_add_ps(_mm512_maskz_loadu_ps(k, dst), acc[v])
+                    } else {
+                        acc[v]
+                    };
+                    _mm512_mask_storeu_ps(dst, k, val);
+                }
             }
         }
     }
@@ -750,9 +796,9 @@ mod tests {
     }
 
     fn paths() -> Vec<Bf16Path> {
-        let mut p = vec![Bf16Path::Emulated];
-        if Bf16Path::detect() == Bf16Path::Avx512 {
-            p.push(Bf16Path::Avx512);
+        let mut p = vec![Bf16Path::EMULATED];
+        if Bf16Path::detect().is_avx512() {
+            p.push(Bf16Path::detect());
         }
         p
     }

@@ -791,7 +791,9 @@ impl Choco {
                 let local = codec.random_indices_u32(step, self.comm.rank(), t);
                 let global: Vec<u32> = local.iter().map(|&i| i + off as u32).collect();
                 let mut vals = s.alloc_zeros::<f32>(kk)?;
-                k.gather(&u, &s.clone_htod(&global)?, &mut vals)?;
+                // SAFETY: random_indices_u32 draws indices below len, so off + i is inside u (the codec's
+                // tensors tile the model, u's length).
+                unsafe { k.gather(&u, &s.clone_htod(&global)?, &mut vals) }?;
                 s.memcpy_dtod(&vals, &mut msg.slice_mut(at..at + kk))?;
             } else if let Compressor::Qsgd { levels, bucket, .. } = codec.compressor {
                 let key = key.as_ref().context("the QSGD key, set above")?;
@@ -801,10 +803,17 @@ impl Choco {
                 let u = u.slice(off..off + len);
                 let bits = qsgd_bits(levels);
                 let b = bucket_len(len, bucket);
-                k.qsgd_encode(&u, b, key, t as u64, levels, bits, &mut norms, &mut codes)?;
+                // SAFETY: the codec lays the tensor's message out as qsgd_encode writes it: one norm per
+                // bucket of b (nb of them), then the codes of len entries at `bits` bits, until the next
+                // tensor's part; the key is the codec's.
+                unsafe {
+                    k.qsgd_encode(&u, b, key, t as u64, levels, bits, &mut norms, &mut codes)
+                }?;
             } else {
                 let mut out = msg.slice_mut(at..codec.parts[t + 1]);
-                k.sign_encode(&u.slice(off..off + len), &mut out)?;
+                // SAFETY: the codec's part of this tensor holds its sign message (scale and bits of len
+                // entries).
+                unsafe { k.sign_encode(&u.slice(off..off + len), &mut out) }?;
             }
         }
         self.device_msg = Some(msg);
@@ -880,7 +889,12 @@ impl Choco {
                             shared = s.clone_htod(&codec.random_indices_u32(step, j, t))?;
                             shared.slice(..)
                         };
-                        k.choco_absorb(&mut hat, &mut memory, &idx, &vals, off, w, mine)?;
+                        // SAFETY: the indices are below len: top_k's of the sender's len entries (the same
+                        // codec), or random_indices_u32's; off + len is inside the channel (the codec's
+                        // tensors tile the model, the channel's length).
+                        unsafe {
+                            k.choco_absorb(&mut hat, &mut memory, &idx, &vals, off, w, mine)
+                        }?;
                     }
                     Compressor::Qsgd {
                         levels,
@@ -893,19 +907,25 @@ impl Choco {
                         let tau = qsgd_tau(levels, b.min(len), biased);
                         let last = ranges.last().map_or(0, |r| r.len());
                         let tau_last = qsgd_tau(levels, last, biased);
-                        k.qsgd_absorb(
-                            &mut hat,
-                            &mut memory,
-                            (off, len, b),
-                            &norms,
-                            &codes,
-                            (levels, qsgd_bits(levels)),
-                            (tau, tau_last),
-                            (w, mine),
-                        )?;
+                        // SAFETY: norms and codes are the part of a message that qsgd_encode wrote for
+                        // this tensor's len entries in buckets of b (the same codec on every rank).
+                        unsafe {
+                            k.qsgd_absorb(
+                                &mut hat,
+                                &mut memory,
+                                (off, len, b),
+                                &norms,
+                                &codes,
+                                (levels, qsgd_bits(levels)),
+                                (tau, tau_last),
+                                (w, mine),
+                            )
+                        }?;
                     }
                     Compressor::Sign => {
-                        k.sign_absorb(&mut hat, &mut memory, off, len, &part, w, mine)?;
+                        // SAFETY: part is this tensor's sign message of len entries (sign_encode's, the
+                        // same codec on every rank).
+                        unsafe { k.sign_absorb(&mut hat, &mut memory, off, len, &part, w, mine) }?;
                     }
                 }
             }

@@ -256,19 +256,24 @@ impl Demo {
             self.cfg.decay as f32,
         )?;
         let mut send = s.alloc_zeros::<f32>(dev.words)?;
-        k.demo_encode(
-            &mut delta.buf,
-            &dev.table,
-            &dev.dct,
-            &mut dev.scratch,
-            &mut send,
-        )?;
+        // SAFETY: dev's table, transforms and scratch are this backend's layout of the model (numel
+        // floats, delta's and the gradient's length), and send holds its dev.words message words.
+        unsafe {
+            k.demo_encode(
+                &mut delta.buf,
+                &dev.table,
+                &dev.dct,
+                &mut dev.scratch,
+                &mut send,
+            )
+        }?;
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
         let before = self.comm.stats();
         let mut all = s.alloc_zeros::<f32>(dev.words * n)?;
         self.comm.all_gather_device(&send.slice(..), &mut all)?;
         let after = self.comm.stats();
-        k.demo_decode(&all, n, &dev.table, &dev.dct, &mut dev.scratch, &mut d.buf)?;
+        // SAFETY: as for the encoding; all holds n messages of that layout (the all-gather's).
+        unsafe { k.demo_decode(&all, n, &dev.table, &dev.dct, &mut dev.scratch, &mut d.buf) }?;
         let report = compress::Report::default();
         self.tally
             .add(self.numel, n, rank, &before, &after, &report);

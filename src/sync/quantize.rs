@@ -311,7 +311,9 @@ pub fn all_reduce_mean_device(
         .collect();
     let table = s.clone_htod(&table)?;
     let mut encoded = s.alloc_zeros::<f32>(total.max(1))?;
-    k.quantize_rows(&d.buf.slice(..), &table, mode, &mut encoded)?;
+    // SAFETY: the table's rows tile d.buf (rows of the flat buffer) and their words end at `total`,
+    // encoded's length.
+    unsafe { k.quantize_rows(&d.buf.slice(..), &table, mode, &mut encoded) }?;
     // Every rank's copy of my rows, slot r for rank r (mine: my own encoding).
     let mine = at[me]..at[me + 1];
     let m = mine.len();
@@ -340,7 +342,9 @@ pub fn all_reduce_mean_device(
     for r in 0..n {
         let copy = copies.slice(r * m..(r + 1) * m);
         let target = if r == 0 { &mut mean } else { &mut scratch };
-        k.dequantize_rows(&copy, &local, mode, &mut target.slice_mut(..))?;
+        // SAFETY: `local` lays my rows out from span.start (target's length is span.len()) and their
+        // words from 0 (a copy holds m of them).
+        unsafe { k.dequantize_rows(&copy, &local, mode, &mut target.slice_mut(..)) }?;
         if r > 0 {
             k.ef_accumulate(&mut mean, &scratch)?;
         }
@@ -348,13 +352,15 @@ pub fn all_reduce_mean_device(
     k.scale(&mut mean, 1.0 / n as f32)?;
     // Requantized, gathered from every owner into the row-order layout, decoded by every rank.
     let mut requantized = s.alloc_zeros::<f32>(m.max(1))?;
-    k.quantize_rows(&mean.slice(..), &local, mode, &mut requantized)?;
+    // SAFETY: as above, mean holding span.len() floats and requantized m words.
+    unsafe { k.quantize_rows(&mean.slice(..), &local, mode, &mut requantized) }?;
     let mut gathered = s.alloc_zeros::<f32>(total.max(1))?;
     s.memcpy_dtod(&requantized.slice(..m), &mut gathered.slice_mut(mine))?;
     let sends: Vec<_> = others.iter().map(|&r| (r, 0..m)).collect();
     let recvs: Vec<_> = others.iter().map(|&r| (r, at[r]..at[r + 1])).collect();
     comm.exchange_device(&requantized, &sends, &mut gathered, &recvs)?;
-    k.dequantize_rows(&gathered.slice(..), &table, mode, &mut d.buf.slice_mut(..))
+    // SAFETY: as for the encoding: gathered holds `total` words in the table's layout.
+    unsafe { k.dequantize_rows(&gathered.slice(..), &table, mode, &mut d.buf.slice_mut(..)) }
 }
 
 #[cfg(test)]

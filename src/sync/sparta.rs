@@ -116,9 +116,11 @@ impl SyncBackend for Sparta {
         }
         let idx = s.clone_htod(&self.idx)?;
         let mut vals = s.alloc_zeros::<f32>(self.idx.len())?;
-        k.gather(&d.buf, &idx, &mut vals)?;
+        // SAFETY: `mask` drew distinct indices below d.buf.len().
+        unsafe { k.gather(&d.buf, &idx, &mut vals) }?;
         crate::comm::all_reduce_mean_device(self.comm.as_mut(), &mut vals, &k)?;
-        k.scatter(&mut d.buf, &idx, &vals)
+        // SAFETY: as above.
+        unsafe { k.scatter(&mut d.buf, &idx, &vals) }
     }
 }
 

@@ -62,6 +62,7 @@ pub(crate) struct Shared {
 // follows the phases of the module's doc: reads by all members, or writes of disjoint ranges, separated
 // by barriers. The optimizer is only read (`step_shard` reads its settings, `view` its names).
 unsafe impl Send for Shared {}
+// SAFETY: as for Send.
 unsafe impl Sync for Shared {}
 
 /// Where the local engine's workers meet their shared replica (one per run).
@@ -241,12 +242,11 @@ impl Replica {
                         .buffers
                         .iter()
                         .zip(&m.shared.state)
-                        // SAFETY: read between the updates.
                         .map(|(&(name, _), &b)| {
-                            (
-                                name,
-                                FlatRef::Host(unsafe { std::slice::from_raw_parts(b, n) }),
-                            )
+                            // SAFETY: each state buffer holds `numel` floats owned by the replica, and
+                            // this reads it between the updates (no member writes it meanwhile).
+                            let state = unsafe { std::slice::from_raw_parts(b, n) };
+                            (name, FlatRef::Host(state))
                         })
                         .collect(),
                 }
@@ -319,6 +319,8 @@ impl Shared {
     /// # Safety
     /// Only between the updates (see the module's doc).
     unsafe fn params(&self) -> &[f32] {
-        std::slice::from_raw_parts(self.params, self.numel)
+        // SAFETY: `params` points at `_params`'s `numel` floats, which live as long as self; the caller
+        // reads between the updates, when no member writes them.
+        unsafe { std::slice::from_raw_parts(self.params, self.numel) }
     }
 }

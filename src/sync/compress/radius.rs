@@ -230,14 +230,17 @@ impl Reducer for Radius {
                 None => s.clone_htod(&self.mask)?,
             };
             let mut vals = s.alloc_zeros::<f32>(self.mask.len())?;
-            k.gather_clear(&mut residual, &mask, &mut vals)?;
+            // SAFETY: the mask's indices are distinct and below the flat buffer's length (the selection's
+            // on every rank, residual's and d.buf's length).
+            unsafe { k.gather_clear(&mut residual, &mask, &mut vals) }?;
             all_reduce_mean_device(comm, &mut vals, &k)?;
             let lost = k.sum_squares(&residual)?.sqrt();
             if !self.cfg.error_feedback {
                 s.memset_zeros(&mut residual)?;
             }
             s.memset_zeros(&mut d.buf)?;
-            k.scatter_add(&mut d.buf, &mask.slice(..), &vals.slice(..))?;
+            // SAFETY: as above.
+            unsafe { k.scatter_add(&mut d.buf, &mask.slice(..), &vals.slice(..)) }?;
             self.device_mask = Some(mask);
             Report {
                 error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),

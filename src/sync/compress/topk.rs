@@ -193,7 +193,9 @@ impl Reducer for TopK {
         if total > 0 {
             // `idx_all` holds exactly the `total` indices here.
             let mut sent = s.alloc_zeros::<f32>(total)?;
-            k.gather_clear(&mut residual, &idx_all, &mut sent)?;
+            // SAFETY: idx_all holds top_k's distinct indices of each matrix, shifted to its offset in the
+            // flat buffer (residual's length).
+            unsafe { k.gather_clear(&mut residual, &idx_all, &mut sent) }?;
         }
         let lost = k.sum_squares(&residual)?.sqrt();
         // Decompress: rank-ordered sums of every rank's values, then the mean; vectors from the dense part.
@@ -206,7 +208,8 @@ impl Reducer for TopK {
             // SAFETY: the indices' bits, as packed above.
             let ids =
                 unsafe { part.slice(total..).transmute::<u32>(total) }.context("index bits")?;
-            k.scatter_add(&mut d.buf, &ids, &vals)?;
+            // SAFETY: rank r's indices, packed by the same code: distinct, inside the flat buffer.
+            unsafe { k.scatter_add(&mut d.buf, &ids, &vals) }?;
         }
         // Times 1 / N everywhere, then the vectors' mean over it (the host path scales the matrices only).
         k.scale(&mut d.buf, 1.0 / n as f32)?;
