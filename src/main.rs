@@ -324,7 +324,7 @@ enum Command {
 }
 
 fn load(args: &ConfigArgs) -> Result<plan::Loaded> {
-    let mut launch = LaunchEnv::from_env(args.workers.map(|w| w as usize));
+    let mut launch = LaunchEnv::detect(args.workers.map(|w| w as usize))?;
     launch.data_vocab = data_vocab(&args.config, &args.set);
     Ok(plan::load(&args.config, &args.set, &launch)?)
 }

@@ -297,7 +297,7 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
         launcher_world: (engine != Engine::Local).then_some(tasks),
         launcher_local_world: (engine != Engine::Local).then_some(tasks_per_node),
         launched_processes: Some(tasks),
-        data_vocab: None,
+        ..LaunchEnv::default()
     };
     let loaded = crate::plan::load(config, &set, &launch)?;
     if let Some(time) = &opts.time {

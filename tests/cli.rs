@@ -893,3 +893,59 @@ fn help_examples_are_valid_overrides() {
     }
     assert!(seen >= 2, "no --set examples found in the help texts");
 }
+
+/// The CPU's bf16 rate is probed once and recorded: `check` twice gives the same plan, the second from
+/// the record (here doctored to 7.5x, which no probe measures), and a run resumes with the precision its
+/// checkpoint recorded whatever the machine says then: the rows of a run stopped under a bf16 decision
+/// and resumed under an f32 one are the uninterrupted bf16 run's, bit for bit.
+#[test]
+fn machine_decisions_are_recorded_once_and_kept_by_every_resume() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let cache = d.path().join("cache");
+    let cfg = write_tiny_config(d.path(), "t.toml", "amp");
+    let cfg = cfg.to_str().unwrap();
+    let env = [("NANODIST_CACHE_DIR", cache.to_str().unwrap())];
+    let amp = ["--set", "train.amp=true", "--set", "train.device=\"cpu\""];
+    let check = || {
+        let out = nanodist_with(&[&["check", cfg][..], &amp].concat(), &env);
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let first = check();
+    let probe = cache.join("cpu-probe.json");
+    let recorded: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&probe).unwrap()).unwrap();
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert_eq!(check(), first, "the second check reads the record");
+    let cpu = recorded.keys().next().unwrap().clone();
+    std::fs::write(&probe, serde_json::json!({ cpu: 7.5 }).to_string()).unwrap();
+    assert!(check().contains("bf16 products at 7.50x"), "{}", check());
+    // A run under bf16 stopped at step 5, resumed on a machine whose probe says f32.
+    let train = |run: &str, rate: &str, extra: &[&str]| {
+        let args: Vec<&str> = [&["train", cfg][..], &amp, &["--set", run], extra].concat();
+        let out = nanodist_with(&args, &[("NANODIST_CPU_BF16_RATE", rate)]);
+        assert!(out.status.success(), "{}", text(&out));
+        text(&out)
+    };
+    train("log.run_name=\"whole\"", "2.0", &[]);
+    train(
+        "log.run_name=\"cut\"",
+        "2.0",
+        &["--set", "train.exit_interval=5"],
+    );
+    let resumed = train("log.run_name=\"cut\"", "0.5", &[]);
+    assert!(resumed.contains("bf16 linear layers as"), "{resumed}");
+    let rows = |run: &str| {
+        let rows =
+            nanodist::metrics::read_rows(&d.path().join("log").join(run).join("metrics.jsonl"));
+        rows.unwrap()
+            .iter()
+            .map(common::exact)
+            .map(|r| format!("{r:?}"))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(rows("cut"), rows("whole"));
+    train("log.run_name=\"f32\"", "0.5", &[]);
+    assert_ne!(rows("f32"), rows("whole"), "bf16 and f32 products differ");
+}

@@ -330,6 +330,55 @@ fn a_non_finite_step_stops_every_mpi_rank_and_resumes_from_the_last_checkpoint()
     );
 }
 
+/// Each process probes its own CPU; the run trains as rank 0 decided. Two ranks told different bf16 rates
+/// (rank 0 fast bf16 products, rank 1 slow ones) give the rows of two ranks that both have rank 0's, bit for
+/// bit, and not those of two that both have rank 1's.
+#[test]
+fn ranks_with_different_probe_results_train_as_rank_0_decided() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let run = |name: &str, rates: [&str; 2]| {
+        let cfg = write_config(d.path(), name);
+        let args = train_args(&cfg, &["train.amp=true", "train.n_steps=8"]);
+        let mut c = Command::new("mpirun");
+        c.arg("--oversubscribe");
+        for (i, rate) in rates.iter().enumerate() {
+            if i > 0 {
+                c.arg(":");
+            }
+            c.args(["-np", "1", "-x", &format!("NANODIST_CPU_BF16_RATE={rate}")])
+                .arg(env!("CARGO_BIN_EXE_nanodist"))
+                .args(&args);
+        }
+        let child = c
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("RAYON_NUM_THREADS", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mpirun on PATH");
+        let out = wait_with_deadline(child, Duration::from_secs(300));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        read_rows(&d.path().join("log").join(name).join("metrics.jsonl")).unwrap()
+    };
+    let mixed = run("mixed", ["2.0", "0.5"]);
+    assert_same(
+        &run("bf16", ["2.0", "2.0"]),
+        &mixed,
+        "rank 0's bf16 decision",
+    );
+    let f32_rows = run("f32", ["0.5", "0.5"]);
+    assert_ne!(
+        f32_rows[3].train_loss, mixed[3].train_loss,
+        "f32 differs from bf16"
+    );
+}
+
 /// Compressed gossip (CHOCO) with each compressor on ring and exp: 4 MPI processes give the local engine's
 /// rows bit for bit ("auto" tunes the same step on every rank); an overlapped run stopped with a message
 /// in flight resumes under mpirun to the same rows.

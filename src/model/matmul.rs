@@ -164,9 +164,10 @@ impl std::fmt::Display for Bf16Path {
     }
 }
 
-/// What `train.amp` does on this CPU. bf16 products pay only where vdpbf16ps outruns the f32 FMA: on
+/// What `train.amp` does on a CPU. bf16 products pay only where vdpbf16ps outruns the f32 FMA: on
 /// AMD Zen 4 it does twice the FLOP/s of one (one 512-bit FMA per cycle), on the Intel Xeons of the CI
-/// class half (two FMA ports, one for vdpbf16ps). Measured once per process, in `CpuAmp::get`.
+/// class half (two FMA ports, one for vdpbf16ps). The rate is measured by `rate::peaks` (through the
+/// launch environment, `plan::LaunchEnv::detect`) and decided here.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum CpuAmp {
     /// bf16 linear layers and lm head: vdpbf16ps at `ratio` x the f32 FMA's FLOP/s.
@@ -182,13 +183,14 @@ pub enum CpuAmp {
 const BF16_MIN_RATIO: f64 = 1.3;
 
 impl CpuAmp {
-    pub fn get() -> Self {
-        static AMP: std::sync::OnceLock<CpuAmp> = std::sync::OnceLock::new();
-        *AMP.get_or_init(|| match rate::peaks().map(|(bf16, fma)| bf16 / fma) {
+    /// The decision for a CPU whose bf16 products run at `rate` times its f32 FMA's FLOP/s (None: it has
+    /// no AVX512-BF16).
+    pub fn of(rate: Option<f64>) -> Self {
+        match rate {
             Some(ratio) if ratio >= BF16_MIN_RATIO => CpuAmp::Bf16 { ratio },
             Some(ratio) => CpuAmp::Slower { ratio },
             None => CpuAmp::Unsupported,
-        })
+        }
     }
 
     /// The precision of the linear layers and lm head under `train.amp = on`.

@@ -3,6 +3,7 @@
 //! above the modules whose types it fills in (`sync`'s `SyncPlan`, the model's sizes), so `config` stays
 //! wire types and validation. `lines` renders what `check` prints of the synchronisation.
 
+mod launch;
 mod lines;
 mod rules;
 
@@ -13,58 +14,10 @@ use crate::config::backend::Engine;
 use crate::config::batch::BatchSchedule;
 use crate::config::tree::Node;
 use crate::config::{validate, Config, ConfigError, Problem};
+use crate::model::matmul::{CpuAmp, Precision};
 pub use crate::sync::plan::{Correction, ReducerPlan, SyncPlan};
+pub use launch::LaunchEnv;
 pub use lines::{described, sync_lines};
-
-/// What the launcher says about this process. Built from `--workers` and the environment
-/// (`mpirun`, `srun`, torchrun conventions).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LaunchEnv {
-    /// `--workers N` from the command line.
-    pub workers_flag: Option<usize>,
-    /// World size and ranks per node reported by a launcher, if any.
-    pub launcher_world: Option<usize>,
-    pub launcher_local_world: Option<usize>,
-    /// Processes started together by mpirun or srun (OMPI_COMM_WORLD_SIZE, SLURM_STEP_NUM_TASKS).
-    pub launched_processes: Option<usize>,
-    /// Path of the prepared data's vocabulary size (`meta.json`), when the data is present.
-    pub data_vocab: Option<(String, usize)>,
-}
-
-impl LaunchEnv {
-    /// This process's rank in a job started by mpirun or srun.
-    pub fn process_rank() -> Option<usize> {
-        ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
-            .iter()
-            .find_map(|n| std::env::var(n).ok()?.trim().parse().ok())
-    }
-
-    /// Reads the launcher's variables: Open MPI, Slurm, then torchrun's.
-    pub fn from_env(workers_flag: Option<usize>) -> Self {
-        let var = |names: &[&str]| {
-            names
-                .iter()
-                .find_map(|n| std::env::var(n).ok()?.trim().parse::<usize>().ok())
-        };
-        Self {
-            workers_flag,
-            launcher_world: var(&[
-                "OMPI_COMM_WORLD_SIZE",
-                "PMI_SIZE",
-                "SLURM_NTASKS",
-                "WORLD_SIZE",
-            ]),
-            launcher_local_world: var(&[
-                "OMPI_COMM_WORLD_LOCAL_SIZE",
-                "MPI_LOCALNRANKS",
-                "SLURM_NTASKS_PER_NODE",
-                "LOCAL_WORLD_SIZE",
-            ]),
-            launched_processes: var(&["OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"]),
-            data_vocab: None,
-        }
-    }
-}
 
 /// The resolved run: everything derived from config + launch environment.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,6 +44,31 @@ pub struct Plan {
     /// Forward/backward passes that run at once in this process: on the local engine cores / threads
     /// (at most one per worker, at least one; see `train::compute`), else 1.
     pub compute_slots: usize,
+    /// What was decided from the machine rather than the config (see `Decisions`).
+    pub decisions: Decisions,
+}
+
+/// What the plan decides from the machine rather than the config, so that it is decided once: rank 0's
+/// decisions are every rank's (`train` broadcasts them), and a checkpoint's manifest records them for
+/// every resume.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Decisions {
+    /// `train.amp` on the CPU engine: its linear layers and lm head in bf16 (only where this CPU's bf16
+    /// products outrun its f32 ones), else f32.
+    pub cpu_bf16: bool,
+    /// The rate of the CPU's bf16 products (vdpbf16ps) over its f32 FMA that decided it; None: no
+    /// AVX512-BF16.
+    pub cpu_bf16_rate: Option<f64>,
+}
+
+impl Decisions {
+    /// The CPU engine's precision of its linear layers and lm head.
+    pub fn cpu_precision(&self) -> Precision {
+        match self.cpu_bf16 {
+            true => Precision::Bf16,
+            false => Precision::F32,
+        }
+    }
 }
 
 impl Plan {
@@ -178,6 +156,16 @@ impl fmt::Display for Plan {
             self.n_params as f64 / 1e6
         )?;
         writeln!(f, "FLOPs per token   {:.3e}", self.flops_per_token as f64)?;
+        if self.decisions.cpu_bf16 {
+            writeln!(
+                f,
+                "CPU precision     bf16 linear layers and lm head (train.amp; decided once: {})",
+                match self.decisions.cpu_bf16_rate {
+                    Some(r) => format!("bf16 products at {r:.2}x the f32 FMA's FLOP/s"),
+                    None => "recorded".into(),
+                }
+            )?;
+        }
         write!(
             f,
             "total tokens      {:.3e} over {} steps",
@@ -321,13 +309,13 @@ pub fn resolve(
             topology.name()
         ));
     }
-    notes.extend(key_notes(t, doc));
+    notes.extend(key_notes(t, doc, launch));
     let local = t.local_batch(world);
     let accum = t.global_batch_size / (local * world);
     // config::parse checked the ramp-up's own rules.
     let batches = BatchSchedule::of(t.global_batch_size as u64, t.rampup_batch_size)
         .map_err(|e| vec![validate::problem_at(doc, "train.rampup_batch_size", e)])?;
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let cores = launch.cores.max(1);
     let threads = t.threads.or(match engine {
         Engine::Local | Engine::Auto => Some((cores / world).max(1)),
         Engine::Mpi | Engine::Nccl => None,
@@ -351,13 +339,19 @@ pub fn resolve(
         n_steps: t.n_steps,
         threads,
         compute_slots,
+        decisions: Decisions {
+            // The CPU engine's (a CUDA run multiplies in bf16 on the GPU under amp).
+            cpu_bf16: t.device != crate::config::Device::Cuda
+                && CpuAmp::of(launch.cpu_bf16_rate).precision(t.amp) == Precision::Bf16,
+            cpu_bf16_rate: launch.cpu_bf16_rate,
+        },
     };
     Ok((plan, notes))
 }
 
 /// Notes on keys as the run takes them: sample counts as the steps they became (config::parse converted
 /// them), and keys that have no effect here.
-fn key_notes(t: &crate::config::TrainConfig, doc: &Node) -> Vec<String> {
+fn key_notes(t: &crate::config::TrainConfig, doc: &Node, launch: &LaunchEnv) -> Vec<String> {
     let mut notes = Vec::new();
     let lr = &t.lr_schedule;
     for (key, steps) in [
@@ -396,8 +390,54 @@ fn key_notes(t: &crate::config::TrainConfig, doc: &Node) -> Vec<String> {
     if t.amp && t.device == crate::config::Device::Cpu {
         notes.push(format!(
             "train.amp = true on CPU: {}",
-            crate::model::matmul::CpuAmp::get()
+            CpuAmp::of(launch.cpu_bf16_rate)
         ));
     }
     notes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan_of(src: &str, launch: &LaunchEnv) -> Plan {
+        load_str(Path::new("t.toml"), src, &[], launch)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .plan
+    }
+
+    /// Resolving reads nothing but its inputs: the same config and launch give the same plan, and the
+    /// CPU precision under `train.amp` follows the launch's bf16 rate alone (bf16 from 1.3x the f32
+    /// FMA's FLOP/s; never without amp, on CUDA, or without AVX512-BF16).
+    #[test]
+    fn the_plan_is_a_function_of_the_config_and_the_launch() {
+        let cpu = "[train]\namp = true\ndevice = \"cpu\"\nthreads = 1\n";
+        let launch = |rate: Option<f64>| LaunchEnv {
+            workers_flag: Some(2),
+            cores: 3,
+            cpu_bf16_rate: rate,
+            ..LaunchEnv::default()
+        };
+        let a = plan_of(cpu, &launch(Some(2.0)));
+        assert_eq!(a, plan_of(cpu, &launch(Some(2.0))));
+        assert_eq!(
+            a.compute_slots, 2,
+            "3 cores of one thread each, for 2 workers"
+        );
+        for (src, rate, bf16) in [
+            (cpu, Some(2.0), true),
+            (cpu, Some(1.29), false),
+            (cpu, None, false),
+            ("[train]\namp = false\ndevice = \"cpu\"\n", Some(2.0), false),
+            ("[train]\namp = true\ndevice = \"cuda\"\n", Some(2.0), false),
+        ] {
+            let d = plan_of(src, &launch(rate)).decisions;
+            assert_eq!(
+                (d.cpu_bf16, d.cpu_bf16_rate),
+                (bf16, rate),
+                "{src} at {rate:?}"
+            );
+        }
+        assert!(a.to_string().contains("bf16 linear layers and lm head"));
+    }
 }

@@ -45,6 +45,9 @@ pub struct Manifest {
     /// The config of every segment of the run (a resume with `--allow-config-change` starts a new one).
     #[serde(default)]
     pub segments: Vec<ConfigSegment>,
+    /// What the run decided from its machine (the CPU precision under `train.amp`): a resume keeps it.
+    #[serde(default)]
+    pub decisions: Option<crate::plan::Decisions>,
 }
 
 /// Part of a run trained under one config: from step `from_step` on, `config` (resolved TOML).
@@ -86,6 +89,7 @@ impl Manifest {
         config: &crate::config::Config,
         tokenizer: Option<crate::data::Tokenizer>,
         segments: Vec<ConfigSegment>,
+        decisions: crate::plan::Decisions,
     ) -> Self {
         Self {
             format: "nanodist-checkpoint".into(),
@@ -99,6 +103,7 @@ impl Manifest {
             tokenizer,
             files: Default::default(),
             segments,
+            decisions: Some(decisions),
         }
     }
 }

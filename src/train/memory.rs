@@ -128,7 +128,7 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
         m.dropout > 0.0,
     ) + if t.amp
         && t.device == crate::config::train::Device::Cpu
-        && crate::model::matmul::CpuAmp::get().precision(true) == Precision::Bf16
+        && plan.decisions.cpu_precision() == Precision::Bf16
     {
         let path = crate::model::matmul::Bf16Path::detect();
         let n = plan.local_batch_size * t.context_length;

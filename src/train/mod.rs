@@ -140,6 +140,8 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
         }
         None => ready.source,
     };
+    let mut plan = plan.clone();
+    plan.decisions = agree_decisions(&plan, source.as_ref(), &mut process_comm)?;
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     // The resolved config: on the local engine `workers` is the world size (--workers included).
     let mut resolved = cfg.clone();
@@ -148,9 +150,18 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
     }
     resolved.train.engine = plan.engine;
     write_atomic(&run_dir.join("config.toml"), resolved.to_toml().as_bytes())?;
+    // The plan as `check` prints it, with what was decided from the machine.
+    write_atomic(&run_dir.join("plan.txt"), format!("{plan}\n").as_bytes())?;
+    let compute = match plan.threads {
+        Some(threads) if plan.engine == Engine::Local && plan.world_size > 1 => {
+            compute::Compute::pools(plan.compute_slots, threads)?
+        }
+        _ => compute::Compute::here(),
+    };
+    let world = plan.world_size;
     let setup = Setup {
         cfg: cfg.clone(),
-        plan: plan.clone(),
+        plan,
         train_data: ready.train_data,
         val_data: ready.val_data,
         tokenizer: crate::data::Meta::read(Path::new(&cfg.data_dir))
@@ -160,18 +171,58 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
         source,
         stop: StopFlag::install()?,
         fault: fault::Fault::from_env()?,
-        compute: match plan.threads {
-            Some(threads) if plan.engine == Engine::Local && plan.world_size > 1 => {
-                compute::Compute::pools(plan.compute_slots, threads)?
-            }
-            _ => compute::Compute::here(),
-        },
+        compute,
         replica: replica::Slot::default(),
     };
-    match (process_comm, plan.world_size) {
+    match (process_comm, world) {
         (Some(comm), _) => Worker::new(&setup, comm)?.train(),
         (None, 1) => Worker::new(&setup, Box::new(crate::comm::Solo))?.train(),
         (None, n) => run_local(Arc::new(setup), n, timeout),
+    }
+}
+
+/// The run's decisions from the machine (`plan::Decisions`): a resumed checkpoint's recorded ones, else
+/// rank 0's (each process probed its own machine), so that every rank and every resume trains alike.
+fn agree_decisions(
+    plan: &crate::plan::Plan,
+    source: Option<&(PathBuf, CheckpointMode)>,
+    comm: &mut Option<Box<dyn Communicator>>,
+) -> Result<crate::plan::Decisions> {
+    if let Some((dir, CheckpointMode::Full)) = source {
+        if let Some(recorded) = checkpoint::read_manifest(dir)?.decisions {
+            if recorded != plan.decisions {
+                tracing::info!(
+                    "train.amp on CPU: {} as {} recorded (this machine alone would decide {})",
+                    precision_name(recorded.cpu_bf16),
+                    dir.display(),
+                    precision_name(plan.decisions.cpu_bf16)
+                );
+            }
+            return Ok(recorded);
+        }
+    }
+    let Some(comm) = comm.as_mut() else {
+        return Ok(plan.decisions);
+    };
+    let d = plan.decisions;
+    let mut wire = [0.0f32; 4];
+    wire[0] = f32::from(d.cpu_bf16);
+    wire[1] = f32::from(d.cpu_bf16_rate.is_some());
+    wire[2..].copy_from_slice(&crate::comm::pack_u64(
+        d.cpu_bf16_rate.unwrap_or(0.0).to_bits(),
+    ));
+    comm.broadcast(&mut wire, 0)?;
+    let rate = f64::from_bits(crate::comm::unpack_u64([wire[2], wire[3]]));
+    Ok(crate::plan::Decisions {
+        cpu_bf16: wire[0] != 0.0,
+        cpu_bf16_rate: (wire[1] != 0.0).then_some(rate),
+    })
+}
+
+fn precision_name(bf16: bool) -> &'static str {
+    match bf16 {
+        true => "bf16 linear layers",
+        false => "f32",
     }
 }
 

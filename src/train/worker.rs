@@ -29,7 +29,7 @@ const A100_BF16_PEAK_FLOPS: f64 = 312e12;
 /// calibrate` measured; a `config/clusters/local.toml` of this machine's takes precedence over the
 /// built-in one) times the threads that compute at once in the whole job; with bf16 products
 /// (`train.amp`), times the rate of this CPU's vdpbf16ps over its f32 FMA.
-fn mfu_peak(cuda: bool, n: usize, amp: bool) -> Option<(f64, String)> {
+fn mfu_peak(cuda: bool, n: usize, decisions: &crate::plan::Decisions) -> Option<(f64, String)> {
     if cuda {
         return Some((A100_BF16_PEAK_FLOPS, "of an A100's bf16 peak".into()));
     }
@@ -40,13 +40,17 @@ fn mfu_peak(cuda: bool, n: usize, amp: bool) -> Option<(f64, String)> {
         per_thread / 1e9,
         local.source
     );
-    Some(match crate::model::matmul::CpuAmp::get() {
-        crate::model::matmul::CpuAmp::Bf16 { ratio } if amp => (
-            per_thread * n as f64 * ratio,
-            format!("{label} x {ratio:.2} (bf16 products: this CPU's vdpbf16ps over f32 FMA rate)"),
-        ),
-        _ => (per_thread * n as f64, label),
-    })
+    Some(
+        match decisions.cpu_bf16_rate.filter(|_| decisions.cpu_bf16) {
+            Some(ratio) => (
+                per_thread * n as f64 * ratio,
+                format!(
+                    "{label} x {ratio:.2} (bf16 products: this CPU's vdpbf16ps over f32 FMA rate)"
+                ),
+            ),
+            _ => (per_thread * n as f64, label),
+        },
+    )
 }
 const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
 
@@ -129,7 +133,8 @@ impl<'s> Worker<'s> {
         let t = &cfg.train;
         let device = crate::device::select(t.device, comm.rank())?;
         // Mixed precision: bf16 matmuls, f32 master weights, optimizer and reducer state.
-        let model = Gpt::new(&cfg.model, t.context_length, t.seed, &device)?.with_amp(t.amp);
+        let model = Gpt::new(&cfg.model, t.context_length, t.seed, &device)?
+            .with_amp(t.amp, plan.decisions.cpu_precision());
         let tensors = crate::sync::compress::TensorView::of(&model.params.params);
         let mut sync = crate::sync::build(&plan.sync, comm, tensors)?;
         let segments: Vec<Segment> = model
@@ -219,7 +224,7 @@ impl<'s> Worker<'s> {
             crate::config::Engine::Local => setup.compute.threads(),
             _ => setup.compute.threads() * w.sync.world_size(),
         };
-        if let Some((peak, label)) = mfu_peak(device.is_cuda(), threads, t.amp) {
+        if let Some((peak, label)) = mfu_peak(device.is_cuda(), threads, &plan.decisions) {
             w.mfu_peak = Some(peak);
             w.console.mfu_label = label;
         }
@@ -692,6 +697,7 @@ impl<'s> Worker<'s> {
             &setup.cfg,
             setup.tokenizer.clone(),
             self.segments.clone(),
+            setup.plan.decisions,
         );
         if let Some(m) = self.metrics.as_mut() {
             m.sync()?;
