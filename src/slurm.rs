@@ -271,32 +271,15 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
             return Err(bad_input!("config {}: does not parse", config.display()));
         }
     };
-    let t = &cfg.train;
-    let nodes = opts.nodes.unwrap_or(1).max(1);
-    let world_cfg = t.workers.unwrap_or(1);
-    let tasks_per_node = opts.tasks_per_node.or(t.ranks_per_node).unwrap_or_else(|| {
-        if matches!(t.engine, Engine::Local | Engine::Auto) {
-            1
-        } else {
-            (world_cfg / nodes).max(1)
-        }
-    });
-    let tasks = nodes * tasks_per_node;
-    // The engine the job runs, resolved as `train` resolves "auto" under srun (one task: local threads;
-    // several: MPI) and passed on to it explicitly; a config written for the local engine runs its ranks
-    // on MPI when the job has several tasks.
-    let engine = match (t.engine, tasks) {
-        (Engine::Auto | Engine::Local, 1) => Engine::Local,
-        (Engine::Auto | Engine::Local, _) => Engine::Mpi,
-        (e, _) => e,
-    };
+    let layout = Layout::of(&cfg.train, opts);
     let mut set = set.to_vec();
-    set.push(format!("train.engine=\"{}\"", engine.name()));
+    set.push(format!("train.engine=\"{}\"", layout.engine.name()));
+    let mpi = layout.engine != Engine::Local;
     let launch = LaunchEnv {
         workers_flag: None,
-        launcher_world: (engine != Engine::Local).then_some(tasks),
-        launcher_local_world: (engine != Engine::Local).then_some(tasks_per_node),
-        launched_processes: Some(tasks),
+        launcher_world: mpi.then_some(layout.tasks),
+        launcher_local_world: mpi.then_some(layout.tasks_per_node),
+        launched_processes: Some(layout.tasks),
         ..LaunchEnv::default()
     };
     let loaded = crate::plan::load(config, &set, &launch)?;
@@ -306,13 +289,71 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
     // What `train` checks at the start of the job, checked before it waits in the queue.
     let own_binary = opts.nanodist.is_none();
     preflight::check(&loaded, preflight::Host::Job { own_binary })?;
+    let script = script(&loaded, &layout, &config_abs, opts)?;
+    let mut args = vec![config_abs.display().to_string()];
+    for s in set.iter().take(set.len() - 1) {
+        args.extend(["--set".to_string(), s.clone()]);
+    }
+    Ok(Job {
+        script,
+        args,
+        loaded,
+        tasks: layout.tasks,
+    })
+}
+
+/// A job's nodes, tasks and engine.
+struct Layout {
+    nodes: usize,
+    tasks_per_node: usize,
+    tasks: usize,
+    engine: Engine,
+}
+
+impl Layout {
+    /// The flags' layout, else the config's. The engine is resolved as `train` resolves "auto" under
+    /// srun (one task: local threads; several: MPI) and passed on to it explicitly; a config written for
+    /// the local engine runs its ranks on MPI when the job has several tasks.
+    fn of(t: &crate::config::TrainConfig, opts: &JobOptions) -> Self {
+        let nodes = opts.nodes.unwrap_or(1).max(1);
+        let world_cfg = t.workers.unwrap_or(1);
+        let tasks_per_node = opts.tasks_per_node.or(t.ranks_per_node).unwrap_or_else(|| {
+            if matches!(t.engine, Engine::Local | Engine::Auto) {
+                1
+            } else {
+                (world_cfg / nodes).max(1)
+            }
+        });
+        let tasks = nodes * tasks_per_node;
+        let engine = match (t.engine, tasks) {
+            (Engine::Auto | Engine::Local, 1) => Engine::Local,
+            (Engine::Auto | Engine::Local, _) => Engine::Mpi,
+            (e, _) => e,
+        };
+        Layout {
+            nodes,
+            tasks_per_node,
+            tasks,
+            engine,
+        }
+    }
+}
+
+/// The job script of `loaded` on `layout`: the #SBATCH directives (the derived ones, then the flags
+/// passed as they are, so that those win, then the site file's) and the template's variables.
+fn script(
+    loaded: &Loaded,
+    layout: &Layout,
+    config_abs: &Path,
+    opts: &JobOptions,
+) -> Result<String> {
     let cfg = &loaded.config;
     let cpus = cpus_per_task(
         opts,
         cfg.train.threads,
-        engine,
+        layout.engine,
         loaded.plan.world_size,
-        tasks_per_node,
+        layout.tasks_per_node,
     );
     let (setup, extra) = site(opts)?;
     let log_dir = crate::error::absolute(Path::new(&cfg.log_dir));
@@ -320,19 +361,14 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
         Some(p) => crate::error::absolute(p),
         None => std::env::current_exe().context("locating the nanodist binary")?,
     };
-    let gpus = (engine == Engine::Nccl).then(|| tasks_per_node.to_string());
+    let gpus = (layout.engine == Engine::Nccl).then(|| layout.tasks_per_node.to_string());
+    let stem = config_abs
+        .file_stem()
+        .map_or("run".into(), |s| s.to_string_lossy().to_string());
     let mut directives: Vec<(&str, Option<String>)> = vec![
-        (
-            "job-name",
-            Some(format!(
-                "nanodist-{}",
-                config_abs
-                    .file_stem()
-                    .map_or("run".into(), |s| s.to_string_lossy().to_string())
-            )),
-        ),
-        ("nodes", Some(nodes.to_string())),
-        ("ntasks-per-node", Some(tasks_per_node.to_string())),
+        ("job-name", Some(format!("nanodist-{stem}"))),
+        ("nodes", Some(layout.nodes.to_string())),
+        ("ntasks-per-node", Some(layout.tasks_per_node.to_string())),
         ("cpus-per-task", Some(cpus.to_string())),
         ("gpus-per-node", gpus),
         ("time", opts.time.clone()),
@@ -344,40 +380,26 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
             Some(format!("{}/slurm-%j.out", log_dir.display())),
         ),
     ];
-    // The flags passed as they are come after the derived ones, so that they win.
     directives.extend(opts.directives.iter().map(|(k, v)| (*k, Some(v.clone()))));
     if opts.exclusive {
         directives.push(("exclusive", Some(String::new())));
     }
     directives.extend(extra.iter().map(|(k, v)| (k.as_str(), Some(v.clone()))));
-    let run_name = cfg.log.run_name.clone().unwrap_or_default();
-    let script = render_with(
+    let run_name = match cfg.log.run_name.as_deref() {
+        None | Some("") => String::new(),
+        Some(name) => shell_quote(name),
+    };
+    Ok(render_with(
         &directives,
         &[
             ("NANODIST", shell_quote(&nanodist.display().to_string())),
             ("LOG_DIR", shell_quote(&log_dir.display().to_string())),
-            ("ENGINE", engine.name().to_string()),
-            (
-                "RUN_NAME",
-                match run_name.as_str() {
-                    "" => String::new(),
-                    name => shell_quote(name),
-                },
-            ),
+            ("ENGINE", layout.engine.name().to_string()),
+            ("RUN_NAME", run_name),
             ("MPI", opts.mpi.clone()),
         ],
         &setup,
-    );
-    let mut args = vec![config_abs.display().to_string()];
-    for s in set.iter().take(set.len() - 1) {
-        args.extend(["--set".to_string(), s.clone()]);
-    }
-    Ok(Job {
-        script,
-        args,
-        loaded,
-        tasks,
-    })
+    ))
 }
 
 /// Writes the script to `<log_dir>/sbatch/`; returns its path.

@@ -44,6 +44,35 @@ const BLOCK: usize = 4096;
 /// for the hardware prefetcher to find in time.
 const PREFETCH_AHEAD: usize = 2;
 
+/// Phase 2 of `reduce`: chunk `mine` of every member's buffer summed in member order, block by block,
+/// times `scale`, into chunk `mine` of this rank's buffer at `ptr`.
+fn sum_chunk(views: &[View], mine: std::ops::Range<usize>, ptr: *mut f32, scale: Option<f32>) {
+    let mut acc = [0.0f32; BLOCK];
+    for start in mine.clone().step_by(BLOCK) {
+        let n = BLOCK.min(mine.end - start);
+        let acc = &mut acc[..n];
+        for (j, v) in views.iter().enumerate() {
+            if let Some(next) = views.get(j + PREFETCH_AHEAD) {
+                // SAFETY: in bounds, as `src` below.
+                prefetch(unsafe { next.ptr.add(start) }, n);
+            }
+            // SAFETY: in bounds (every length is the same, checked in `publish`); chunk `mine` of each
+            // buffer is written by nobody during this phase but by this rank below, after these reads.
+            let src = unsafe { std::slice::from_raw_parts(v.ptr.add(start), n) };
+            if j == 0 {
+                acc.copy_from_slice(src);
+            } else {
+                acc.iter_mut().zip(src).for_each(|(a, s)| *a += s);
+            }
+        }
+        if let Some(s) = scale {
+            acc.iter_mut().for_each(|a| *a *= s);
+        }
+        // SAFETY: this rank's own buffer, chunk `mine`, which nobody else touches in this phase.
+        unsafe { std::slice::from_raw_parts_mut(ptr.add(start), n) }.copy_from_slice(acc);
+    }
+}
+
 /// Asks the cache for the `n` values at `p` (a hint: no effect on results).
 #[inline(always)]
 fn prefetch(p: *const f32, n: usize) {
@@ -228,56 +257,10 @@ impl LocalComm {
         part: &dyn Fn(usize) -> std::ops::Range<usize>,
         gather: bool,
     ) -> Result<()> {
-        let me = self.rank;
-        let Some(pos) = group.iter().position(|&r| r == me) else {
-            bail!("rank {me}: reduction over {group:?}, which does not include it");
-        };
         let (ptr, len) = (buf.as_mut_ptr(), buf.len());
-        *self.shared.views[me]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = View { ptr, len };
-        self.shared.wait(me)?;
-        let views: Vec<View> = group
-            .iter()
-            .map(|&r| {
-                *self.shared.views[r]
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-            })
-            .collect();
-        // Every member sees the same lengths, so all of them stop here together.
-        if let Some((r, v)) = group.iter().zip(&views).find(|(_, v)| v.len != len) {
-            bail!(
-                "rank {me}: all-reduce of {len} values, rank {r} reduces {} (ranks must reduce the same length)",
-                v.len
-            );
-        }
-        let mine = part(pos);
-        let mut acc = [0.0f32; BLOCK];
-        for start in mine.clone().step_by(BLOCK) {
-            let n = BLOCK.min(mine.end - start);
-            let acc = &mut acc[..n];
-            for (j, v) in views.iter().enumerate() {
-                if let Some(next) = views.get(j + PREFETCH_AHEAD) {
-                    // SAFETY: in bounds, as `src` below.
-                    prefetch(unsafe { next.ptr.add(start) }, n);
-                }
-                // SAFETY: in bounds (every length is `len`); chunk `mine` of each buffer is written by
-                // nobody during this phase but by this rank below, after these reads.
-                let src = unsafe { std::slice::from_raw_parts(v.ptr.add(start), n) };
-                if j == 0 {
-                    acc.copy_from_slice(src);
-                } else {
-                    acc.iter_mut().zip(src).for_each(|(a, s)| *a += s);
-                }
-            }
-            if let Some(s) = scale {
-                acc.iter_mut().for_each(|a| *a *= s);
-            }
-            // SAFETY: this rank's own buffer, chunk `mine`, which nobody else touches in this phase.
-            unsafe { std::slice::from_raw_parts_mut(ptr.add(start), n) }.copy_from_slice(acc);
-        }
-        self.shared.wait(me)?;
+        let (pos, views) = self.publish(View { ptr, len }, group)?;
+        sum_chunk(&views, part(pos), ptr, scale);
+        self.shared.wait(self.rank)?;
         if !gather {
             return Ok(());
         }
@@ -299,8 +282,38 @@ impl LocalComm {
                 )
             };
         }
-        self.shared.wait(me)?;
+        self.shared.wait(self.rank)?;
         Ok(())
+    }
+
+    /// Phase 1 of `reduce`: publishes this rank's buffer and, after the barrier, reads the group's; its
+    /// position in the group and the members' buffers. Every member sees the same lengths, so all of
+    /// them fail together on a mismatch.
+    fn publish(&self, mine: View, group: &[usize]) -> Result<(usize, Vec<View>)> {
+        let me = self.rank;
+        let Some(pos) = group.iter().position(|&r| r == me) else {
+            bail!("rank {me}: reduction over {group:?}, which does not include it");
+        };
+        *self.shared.views[me]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = mine;
+        self.shared.wait(me)?;
+        let views: Vec<View> = group
+            .iter()
+            .map(|&r| {
+                *self.shared.views[r]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+            })
+            .collect();
+        if let Some((r, v)) = group.iter().zip(&views).find(|(_, v)| v.len != mine.len) {
+            bail!(
+                "rank {me}: all-reduce of {} values, rank {r} reduces {} (ranks must reduce the same length)",
+                mine.len,
+                v.len
+            );
+        }
+        Ok((pos, views))
     }
 
     /// All-reduce over every rank, times `scale` when given; with `part`, the reduce-scatter into the

@@ -509,6 +509,45 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
     out
 }
 
+/// The problem of a warm-up of `w` steps that does not end before the decay's `end`: placed at the
+/// warm-up's key, naming the fix of either side (a --set of either key is the change just made).
+fn warmup_too_long(doc: &Node, t: &super::TrainConfig, w: u64, end: u64) -> Problem {
+    let (c, n) = (&t.lr_schedule, t.n_steps);
+    let (what, fix) = match c.decay_steps.filter(|_| c.name != ScheduleName::Constant) {
+        Some(d) => (
+            format!("train.lr_schedule.decay_steps = {d}"),
+            format!("try --set train.lr_schedule.decay_steps={}", w + 1),
+        ),
+        None => (
+            format!("train.n_steps = {n}"),
+            format!("try --set train.n_steps={}", w + 1),
+        ),
+    };
+    let by_fraction = c.warmup_steps.is_none() && c.warmup_fraction.is_some();
+    let (warmup_key, warmup, shorter) = match by_fraction {
+        true => (
+            "train.lr_schedule.warmup_fraction",
+            format!(
+                "warmup_fraction = {} ({w} steps)",
+                c.warmup_fraction.unwrap_or(0.0)
+            ),
+            "warmup_fraction=0.1".to_string(),
+        ),
+        false => (
+            "train.lr_schedule.warmup_steps",
+            format!("warmup_steps = {w}"),
+            format!("warmup_steps={}", end.saturating_sub(1) / 10),
+        ),
+    };
+    let mut p = problem_at_keys(
+        doc,
+        &[warmup_key, "train.lr_schedule.decay_steps", "train.n_steps"],
+        format!("{warmup} must be smaller than {what}; {fix} or --set train.lr_schedule.{shorter}"),
+    );
+    p.path = warmup_key.into();
+    p
+}
+
 /// The learning-rate schedule's rules: one way to give the warm-up, keys that belong to other schedules,
 /// and a warm-up that ends before the decay does.
 fn schedule_rules(
@@ -561,42 +600,7 @@ fn schedule_rules(
         _ => c.decay_end(n),
     };
     if w >= end {
-        // Blame a --set of either key: that is the change the user just made.
-        let (what, fix) = match c.decay_steps.filter(|_| name != ScheduleName::Constant) {
-            Some(d) => (
-                format!("train.lr_schedule.decay_steps = {d}"),
-                format!("try --set train.lr_schedule.decay_steps={}", w + 1),
-            ),
-            None => (
-                format!("train.n_steps = {n}"),
-                format!("try --set train.n_steps={}", w + 1),
-            ),
-        };
-        let by_fraction = c.warmup_steps.is_none() && c.warmup_fraction.is_some();
-        let (warmup_key, warmup, shorter) = match by_fraction {
-            true => (
-                "train.lr_schedule.warmup_fraction",
-                format!(
-                    "warmup_fraction = {} ({w} steps)",
-                    c.warmup_fraction.unwrap_or(0.0)
-                ),
-                "warmup_fraction=0.1".to_string(),
-            ),
-            false => (
-                "train.lr_schedule.warmup_steps",
-                format!("warmup_steps = {w}"),
-                format!("warmup_steps={}", end.saturating_sub(1) / 10),
-            ),
-        };
-        let mut p = problem_at_keys(
-            doc,
-            &[warmup_key, "train.lr_schedule.decay_steps", "train.n_steps"],
-            format!(
-                "{warmup} must be smaller than {what}; {fix} or --set train.lr_schedule.{shorter}"
-            ),
-        );
-        p.path = warmup_key.into();
-        placed.push(p);
+        placed.push(warmup_too_long(doc, t, w, end));
     } else if name == ScheduleName::Wsd && c.wsd_decay_start(n) < w {
         add(
             "train.lr_schedule.decay_fraction",

@@ -141,6 +141,23 @@ pub fn list_files(inputs: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
+/// The text field `key` of the JSON object on one line of a JSONL file (`at` names the line).
+fn json_text(line: &str, key: &str, at: &str) -> Result<String> {
+    let v: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| bad_input!("{at}: not a JSON object: {e}"))?;
+    match v.get(key) {
+        Some(serde_json::Value::String(s)) => Ok(s.clone()),
+        other => Err(bad_input!(
+            "{at}: expected a string field {key:?} (set it with --json-key), found {}",
+            other.map_or("no such field".to_string(), |o| o
+                .to_string()
+                .chars()
+                .take(40)
+                .collect())
+        )),
+    }
+}
+
 /// Streams documents: a text file is one document, a `.jsonl` line is one (its `json_key` string), and
 /// so is a parquet row (its `json_key` column).
 struct Documents {
@@ -186,18 +203,8 @@ impl Documents {
                         if line.trim().is_empty() {
                             continue;
                         }
-                        let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
-                            bad_input!("{}:{line_no}: not a JSON object: {e}", path.display())
-                        })?;
-                        return match v.get(&self.json_key) {
-                            Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
-                            other => Err(bad_input!(
-                                "{}:{line_no}: expected a string field {:?} (set it with --json-key), found {}",
-                                path.display(),
-                                self.json_key,
-                                other.map_or("no such field".to_string(), |o| o.to_string().chars().take(40).collect())
-                            )),
-                        };
+                        let at = format!("{}:{line_no}", path.display());
+                        return json_text(&line, &self.json_key, &at).map(Some);
                     }
                     None => self.current = None,
                 }
@@ -205,41 +212,47 @@ impl Documents {
             let Some(path) = self.files.next() else {
                 return Ok(None);
             };
-            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-            match ext {
-                "jsonl" | "ndjson" => {
-                    let f =
-                        File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-                    self.current = Some((path, 0, BufReader::new(f).lines()));
-                }
-                #[cfg(feature = "parquet")]
-                "parquet" => {
-                    let f =
-                        File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-                    let reader = parquet::file::reader::SerializedFileReader::new(f)
-                        .map_err(|e| bad_input!("{}: not a parquet file: {e}", path.display()))?;
-                    self.rows = Some((path, 0, reader.into_iter()));
-                }
-                #[cfg(not(feature = "parquet"))]
-                "parquet" => {
-                    return Err(bad_input!(
-                        "{}: this nanodist was built without the `parquet` feature; rebuild with \
-                         `cargo build --release --features parquet`",
-                        path.display()
-                    ))
-                }
-                _ => {
-                    let bytes = std::fs::read(&path)
-                        .with_context(|| format!("reading {}", path.display()))?;
-                    let text = String::from_utf8(bytes).map_err(|e| {
-                        bad_input!(
-                            "{}: not UTF-8 text (invalid byte at offset {})",
-                            path.display(),
-                            e.utf8_error().valid_up_to()
-                        )
-                    })?;
-                    return Ok(Some(text));
-                }
+            if let Some(text) = self.open(path)? {
+                return Ok(Some(text));
+            }
+        }
+    }
+
+    /// Starts reading `path`: JSONL and parquet files line by line or row by row (None: read on); any
+    /// other file is one document, its whole text.
+    fn open(&mut self, path: PathBuf) -> Result<Option<String>> {
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        match ext {
+            "jsonl" | "ndjson" => {
+                let f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+                self.current = Some((path, 0, BufReader::new(f).lines()));
+                Ok(None)
+            }
+            #[cfg(feature = "parquet")]
+            "parquet" => {
+                let f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+                let reader = parquet::file::reader::SerializedFileReader::new(f)
+                    .map_err(|e| bad_input!("{}: not a parquet file: {e}", path.display()))?;
+                self.rows = Some((path, 0, reader.into_iter()));
+                Ok(None)
+            }
+            #[cfg(not(feature = "parquet"))]
+            "parquet" => Err(bad_input!(
+                "{}: this nanodist was built without the `parquet` feature; rebuild with \
+                 `cargo build --release --features parquet`",
+                path.display()
+            )),
+            _ => {
+                let bytes =
+                    std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+                let text = String::from_utf8(bytes).map_err(|e| {
+                    bad_input!(
+                        "{}: not UTF-8 text (invalid byte at offset {})",
+                        path.display(),
+                        e.utf8_error().valid_up_to()
+                    )
+                })?;
+                Ok(Some(text))
             }
         }
     }
@@ -314,15 +327,33 @@ impl SplitWriter {
     }
 
     /// Flushes and syncs the temporary file; returns it opened for reading and writing.
-    fn finish(self) -> Result<(PathBuf, PathBuf, File, Vec<u32>, SplitStats)> {
-        let f = self
+    fn finish(self) -> Result<Split> {
+        let file = self
             .out
             .into_inner()
             .map_err(|e| anyhow::anyhow!("flushing {}: {}", self.tmp.display(), e.error()))?;
-        f.sync_all()?;
-        Ok((self.path, self.tmp, f, self.doc_lengths, self.stats))
+        file.sync_all()?;
+        Ok(Split {
+            path: self.path,
+            tmp: self.tmp,
+            file,
+            doc_lengths: self.doc_lengths,
+            stats: self.stats,
+        })
     }
 }
+
+/// A written split: its final path, the temporary file holding its tokens, each document's length.
+struct Split {
+    path: PathBuf,
+    tmp: PathBuf,
+    file: File,
+    doc_lengths: Vec<u32>,
+    stats: SplitStats,
+}
+
+/// Bytes of input tokenized at a time (in parallel).
+const CHUNK_BYTES: usize = 8 << 20;
 
 /// Tokenizes the inputs and writes the output directory.
 pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
@@ -337,34 +368,12 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
         .iter()
         .map(|f| f.metadata().map_or(0, |m| m.len()))
         .sum();
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(opts.threads.unwrap_or(0))
-        .build()
-        .context("building the tokenizer thread pool")?;
     std::fs::create_dir_all(&opts.output)
         .with_context(|| format!("creating {}", opts.output.display()))?;
     let start = Instant::now();
-    const CHUNK_BYTES: usize = 8 << 20;
-
     let tokenizer = match opts.tokenizer {
         TokenizerKind::Gpt2 => Tokenizer::Gpt2,
-        TokenizerKind::Char => {
-            // The vocabulary is every character of the corpus: one extra pass.
-            let mut docs = Documents::new(files.clone(), &opts.json_key);
-            let mut set = std::collections::BTreeSet::new();
-            loop {
-                let chunk = docs.next_chunk(CHUNK_BYTES)?;
-                if chunk.is_empty() {
-                    break;
-                }
-                for d in &chunk {
-                    set.extend(d.chars());
-                }
-            }
-            Tokenizer::Char {
-                chars: set.into_iter().collect(),
-            }
-        }
+        TokenizerKind::Char => char_vocabulary(&files, &opts.json_key)?,
     };
     if tokenizer.vocab_size() > u16::MAX as usize + 1 {
         return Err(bad_input!(
@@ -373,112 +382,14 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
             tokenizer.vocab_size()
         ));
     }
-
-    let bar = progress_bar(opts.progress, input_bytes);
-    let mut split_rng = ChaCha8Rng::seed_from_u64(opts.seed);
-    let mut train = SplitWriter::create(opts.output.join("train.bin"))?;
-    let mut val = SplitWriter::create(opts.output.join("val.bin"))?;
-    let mut docs = Documents::new(files.clone(), &opts.json_key);
-    loop {
-        let chunk = docs.next_chunk(CHUNK_BYTES)?;
-        if chunk.is_empty() {
-            break;
-        }
-        let encoded: Vec<Vec<u32>> = pool.install(|| {
-            chunk
-                .par_iter()
-                .map(|d| tokenizer.encode_document(d))
-                .collect::<Result<_>>()
-        })?;
-        for ids in &encoded {
-            // One draw per document, in input order: the split does not depend on threads or chunking.
-            let to_val = split_rng.random::<f64>() < opts.val_fraction;
-            if to_val { &mut val } else { &mut train }.push(ids)?;
-        }
-        bar.inc(chunk.iter().map(|d| d.len() as u64).sum());
-    }
-    bar.finish_and_clear();
-
-    let (train_path, train_tmp, mut train_f, mut train_docs, mut train_stats) = train.finish()?;
-    let (val_path, val_tmp, mut val_f, mut val_docs, mut val_stats) = val.finish()?;
+    let (mut train, mut val) = tokenize(opts, &files, &tokenizer, input_bytes)?;
     let mut split = "documents";
-    if val_stats.documents == 0 && opts.val_fraction > 0.0 {
-        // Too few documents for a document split: move the tail of the token stream to val.
+    if val.stats.documents == 0 && opts.val_fraction > 0.0 {
         split = "tokens";
-        let n_val = ((train_stats.tokens as f64 * opts.val_fraction).ceil() as u64).max(1);
-        if n_val >= train_stats.tokens {
-            return Err(bad_input!(
-                "the inputs hold only {} tokens: too few to split into train and val",
-                train_stats.tokens
-            ));
-        }
-        let keep = train_stats.tokens - n_val;
-        train_f.seek(SeekFrom::Start(keep * 2))?;
-        let mut tail = Vec::new();
-        train_f.read_to_end(&mut tail)?;
-        val_f.write_all(&tail)?;
-        val_f.sync_all()?;
-        train_f.set_len(keep * 2)?;
-        train_f.sync_all()?;
-        // Document bookkeeping for the Megatron index: the cut splits the last documents.
-        let mut remaining = n_val;
-        while remaining > 0 {
-            let last = train_docs.last_mut().map_or(0, |l| *l as u64);
-            if last <= remaining {
-                train_docs.pop();
-                remaining -= last;
-            } else {
-                if let Some(l) = train_docs.last_mut() {
-                    *l -= remaining as u32;
-                }
-                remaining = 0;
-            }
-        }
-        val_docs = vec![n_val as u32];
-        train_stats = SplitStats {
-            tokens: keep,
-            documents: train_docs.len() as u64,
-        };
-        val_stats = SplitStats {
-            tokens: n_val,
-            documents: 1,
-        };
+        split_tokens(&mut train, &mut val, opts.val_fraction)?;
     }
-    drop((train_f, val_f));
-
-    let mut written = Vec::new();
-    for (path, tmp, doc_lengths) in [
-        (train_path, train_tmp, train_docs),
-        (val_path, val_tmp, val_docs),
-    ] {
-        let stem = path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        if matches!(opts.format, OutputFormat::Megatron | OutputFormat::Both) {
-            // With EOT after each document the Megatron .bin is byte-identical to nanoGPT's file.
-            let prefix = opts.output.join(format!("{stem}_text_document"));
-            let bin = prefix.with_extension("bin");
-            let bin_tmp = tmp_path(&bin);
-            std::fs::copy(&tmp, &bin_tmp).with_context(|| format!("writing {}", bin.display()))?;
-            File::open(&bin_tmp)?.sync_all()?;
-            commit(&bin_tmp, &bin)?;
-            let idx = prefix.with_extension("idx");
-            write_atomic(
-                &idx,
-                &MegatronIndex::for_documents(Dtype::U16, &doc_lengths).to_bytes(),
-            )?;
-            written.push(bin.display().to_string());
-            written.push(idx.display().to_string());
-        }
-        if matches!(opts.format, OutputFormat::Nanogpt | OutputFormat::Both) {
-            commit(&tmp, &path)?;
-            written.push(path.display().to_string());
-        } else {
-            std::fs::remove_file(&tmp)?;
-        }
-    }
-
+    let (train_stats, val_stats) = (train.stats.clone(), val.stats.clone());
+    let written = write_splits(opts, [train, val])?;
     let meta = Meta {
         format: "nanodist-tokens".into(),
         version: 1,
@@ -507,6 +418,147 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport> {
         meta,
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// The character tokenizer of the corpus: every character it holds (one pass over the inputs).
+fn char_vocabulary(files: &[PathBuf], json_key: &str) -> Result<Tokenizer> {
+    let mut docs = Documents::new(files.to_vec(), json_key);
+    let mut set = std::collections::BTreeSet::new();
+    loop {
+        let chunk = docs.next_chunk(CHUNK_BYTES)?;
+        if chunk.is_empty() {
+            break;
+        }
+        for d in &chunk {
+            set.extend(d.chars());
+        }
+    }
+    Ok(Tokenizer::Char {
+        chars: set.into_iter().collect(),
+    })
+}
+
+/// Every document tokenized (in parallel, chunk by chunk) into the train or the val split, by one seeded
+/// draw per document in input order, so the split depends on neither threads nor chunking.
+fn tokenize(
+    opts: &PrepareOptions,
+    files: &[PathBuf],
+    tokenizer: &Tokenizer,
+    input_bytes: u64,
+) -> Result<(Split, Split)> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads.unwrap_or(0))
+        .build()
+        .context("building the tokenizer thread pool")?;
+    let bar = progress_bar(opts.progress, input_bytes);
+    let mut split_rng = ChaCha8Rng::seed_from_u64(opts.seed);
+    let mut train = SplitWriter::create(opts.output.join("train.bin"))?;
+    let mut val = SplitWriter::create(opts.output.join("val.bin"))?;
+    let mut docs = Documents::new(files.to_vec(), &opts.json_key);
+    loop {
+        let chunk = docs.next_chunk(CHUNK_BYTES)?;
+        if chunk.is_empty() {
+            break;
+        }
+        let encoded: Vec<Vec<u32>> = pool.install(|| {
+            chunk
+                .par_iter()
+                .map(|d| tokenizer.encode_document(d))
+                .collect::<Result<_>>()
+        })?;
+        for ids in &encoded {
+            let to_val = split_rng.random::<f64>() < opts.val_fraction;
+            if to_val { &mut val } else { &mut train }.push(ids)?;
+        }
+        bar.inc(chunk.iter().map(|d| d.len() as u64).sum());
+    }
+    bar.finish_and_clear();
+    Ok((train.finish()?, val.finish()?))
+}
+
+/// Too few documents for a document split: the last `fraction` of the train token stream moves to val
+/// (one document there; the cut shortens or drops the last documents of train).
+fn split_tokens(train: &mut Split, val: &mut Split, fraction: f64) -> Result<()> {
+    let n_val = ((train.stats.tokens as f64 * fraction).ceil() as u64).max(1);
+    if n_val >= train.stats.tokens {
+        return Err(bad_input!(
+            "the inputs hold only {} tokens: too few to split into train and val",
+            train.stats.tokens
+        ));
+    }
+    let keep = train.stats.tokens - n_val;
+    train.file.seek(SeekFrom::Start(keep * 2))?;
+    let mut tail = Vec::new();
+    train.file.read_to_end(&mut tail)?;
+    val.file.write_all(&tail)?;
+    val.file.sync_all()?;
+    train.file.set_len(keep * 2)?;
+    train.file.sync_all()?;
+    let mut remaining = n_val;
+    while remaining > 0 {
+        let last = train.doc_lengths.last_mut().map_or(0, |l| *l as u64);
+        if last <= remaining {
+            train.doc_lengths.pop();
+            remaining -= last;
+        } else {
+            if let Some(l) = train.doc_lengths.last_mut() {
+                *l -= remaining as u32;
+            }
+            remaining = 0;
+        }
+    }
+    val.doc_lengths = vec![n_val as u32];
+    train.stats = SplitStats {
+        tokens: keep,
+        documents: train.doc_lengths.len() as u64,
+    };
+    val.stats = SplitStats {
+        tokens: n_val,
+        documents: 1,
+    };
+    Ok(())
+}
+
+/// Each split committed in the asked formats (nanoGPT's .bin, Megatron's .bin/.idx); the files written.
+fn write_splits(opts: &PrepareOptions, splits: [Split; 2]) -> Result<Vec<String>> {
+    let mut written = Vec::new();
+    for Split {
+        path,
+        tmp,
+        file,
+        doc_lengths,
+        ..
+    } in splits
+    {
+        drop(file);
+        let stem = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if matches!(opts.format, OutputFormat::Megatron | OutputFormat::Both) {
+            // With EOT after each document the Megatron .bin is byte-identical to nanoGPT's file.
+            let prefix = opts.output.join(format!("{stem}_text_document"));
+            let bin = prefix.with_extension("bin");
+            let bin_tmp = tmp_path(&bin);
+            std::fs::copy(&tmp, &bin_tmp).with_context(|| format!("writing {}", bin.display()))?;
+            File::open(&bin_tmp)?.sync_all()?;
+            commit(&bin_tmp, &bin)?;
+            let idx = prefix.with_extension("idx");
+            write_atomic(
+                &idx,
+                &MegatronIndex::for_documents(Dtype::U16, &doc_lengths).to_bytes(),
+            )?;
+            written.push(bin.display().to_string());
+            written.push(idx.display().to_string());
+        }
+        if matches!(opts.format, OutputFormat::Nanogpt | OutputFormat::Both) {
+            commit(&tmp, &path)?;
+            written.push(path.display().to_string());
+        } else {
+            std::fs::remove_file(&tmp)?;
+        }
+    }
+    Ok(written)
 }
 
 fn progress_bar(enabled: bool, total: u64) -> indicatif::ProgressBar {

@@ -196,6 +196,32 @@ pub struct CpuGpt {
     bf16: Bf16Path,
 }
 
+/// Dropout at the residual stream's sites in forward order (the embeddings', then each block's two),
+/// each site's mask kept in `masks` for the backward; off without an RNG.
+struct Dropout<'r> {
+    rng: Option<&'r mut ChaCha8Rng>,
+    p: f64,
+    site: usize,
+}
+
+impl Dropout<'_> {
+    fn apply(&mut self, buf: &mut [f32], masks: &mut [f32]) {
+        if let Some(rng) = self.rng.as_deref_mut() {
+            let keep = (1.0 / (1.0 - self.p)) as f32;
+            let mask = &mut masks[self.site * buf.len()..][..buf.len()];
+            for (m, v) in mask.iter_mut().zip(buf.iter_mut()) {
+                *m = if rng.random::<f64>() < self.p {
+                    0.0
+                } else {
+                    keep
+                };
+                *v *= *m;
+            }
+        }
+        self.site += 1;
+    }
+}
+
 impl CpuGpt {
     /// The engine for `model`'s configuration and parameter layout.
     pub fn new(model: &Gpt) -> Result<Self> {
@@ -396,74 +422,65 @@ impl CpuGpt {
             self.context
         );
         self.check_tokens(x)?;
-        let mut drop = if self.dropout > 0.0 { dropout } else { None };
-        self.shape(a, b, t, drop.is_some());
-        let (c, h, l_n) = (self.c, self.heads, self.n_layers);
-        let n = b * t;
-        let nc = n * c;
-
+        let mut drop = Dropout {
+            rng: if self.dropout > 0.0 { dropout } else { None },
+            p: self.dropout,
+            site: 0,
+        };
+        self.shape(a, b, t, drop.rng.is_some());
+        let (c, l_n) = (self.c, self.n_layers);
+        let nc = b * t * c;
         // Embeddings.
-        {
-            let (wte, wpe) = (p.get(self.wte), p.get(self.wpe));
-            for (i, row) in a.res[..nc].chunks_mut(c).enumerate() {
-                let (tok, pos) = (x[i] as usize, i % t);
-                for ((r, &e), &q) in row
-                    .iter_mut()
-                    .zip(&wte[tok * c..][..c])
-                    .zip(&wpe[pos * c..][..c])
-                {
-                    *r = e + q;
-                }
+        let (wte, wpe) = (p.get(self.wte), p.get(self.wpe));
+        for (i, row) in a.res[..nc].chunks_mut(c).enumerate() {
+            let (tok, pos) = (x[i] as usize, i % t);
+            for ((r, &e), &q) in row
+                .iter_mut()
+                .zip(&wte[tok * c..][..c])
+                .zip(&wpe[pos * c..][..c])
+            {
+                *r = e + q;
             }
         }
-        let p_drop = self.dropout;
-        let mut site = 0;
-        let mut apply_dropout = |buf: &mut [f32], masks: &mut [f32]| {
-            if let Some(rng) = drop.as_deref_mut() {
-                let keep = (1.0 / (1.0 - p_drop)) as f32;
-                let mask = &mut masks[site * nc..][..nc];
-                for (m, v) in mask.iter_mut().zip(buf.iter_mut()) {
-                    *m = if rng.random::<f64>() < p_drop {
-                        0.0
-                    } else {
-                        keep
-                    };
-                    *v *= *m;
-                }
-            }
-            site += 1;
-        };
-        apply_dropout(&mut a.res[..nc], &mut a.masks);
-
+        drop.apply(&mut a.res[..nc], &mut a.masks);
         for (l, layer) in self.layers.iter().enumerate() {
-            let (res_in, res_rest) = a.res[l * nc..].split_at_mut(nc);
-            let res2 = &mut a.res2[l * nc..][..nc];
-            let xn1 = &mut a.xn1[l * nc..][..nc];
-            layer_norm(res_in, p, layer.ln1, c, xn1, &mut a.stats1[l * n..][..n]);
-            let qkv = &mut a.qkv[l * 3 * nc..][..3 * nc];
-            linear(p, layer.attn, xn1, n, qkv);
-            let att = &mut a.att[l * b * h * t * t..][..b * h * t * t];
-            let atty = &mut a.atty[l * nc..][..nc];
-            attention_forward(qkv, att, atty, t, c, h);
-            linear(p, layer.proj, atty, n, &mut a.dc[..nc]);
-            apply_dropout(&mut a.dc[..nc], &mut a.masks);
-            add(res2, res_in, &a.dc[..nc]);
-            let xn2 = &mut a.xn2[l * nc..][..nc];
-            layer_norm(res2, p, layer.ln2, c, xn2, &mut a.stats2[l * n..][..n]);
-            let fc = &mut a.fc[l * 4 * nc..][..4 * nc];
-            linear(p, layer.fc, xn2, n, fc);
-            let g = &mut a.gelu[l * 4 * nc..][..4 * nc];
-            match self.activation {
-                Activation::Gelu => map(g, fc, gelu_erf),
-                Activation::GeluTanh => map(g, fc, gelu_tanh),
-            }
-            linear(p, layer.mproj, g, n, &mut a.dc[..nc]);
-            apply_dropout(&mut a.dc[..nc], &mut a.masks);
-            add(&mut res_rest[..nc], res2, &a.dc[..nc]);
+            self.block_forward(a, p, l, layer, &mut drop);
         }
         let res_f = &a.res[l_n * nc..][..nc];
         layer_norm(res_f, p, self.lnf, c, &mut a.xf, &mut a.statsf);
         Ok(())
+    }
+
+    /// Block `l`: res2 = res_l + dropout(attention(ln1(res_l)) Wproj^T), res_{l+1} = res2 +
+    /// dropout(gelu(ln2(res2) Wfc^T) Wmproj^T), keeping every activation the backward reads.
+    fn block_forward(&self, a: &mut Acts, p: &Params, l: usize, layer: &Layer, drop: &mut Dropout) {
+        let (c, h, b, t) = (self.c, self.heads, a.b, a.t);
+        let n = b * t;
+        let nc = n * c;
+        let (res_in, res_rest) = a.res[l * nc..].split_at_mut(nc);
+        let res2 = &mut a.res2[l * nc..][..nc];
+        let xn1 = &mut a.xn1[l * nc..][..nc];
+        layer_norm(res_in, p, layer.ln1, c, xn1, &mut a.stats1[l * n..][..n]);
+        let qkv = &mut a.qkv[l * 3 * nc..][..3 * nc];
+        linear(p, layer.attn, xn1, n, qkv);
+        let att = &mut a.att[l * b * h * t * t..][..b * h * t * t];
+        let atty = &mut a.atty[l * nc..][..nc];
+        attention_forward(qkv, att, atty, t, c, h);
+        linear(p, layer.proj, atty, n, &mut a.dc[..nc]);
+        drop.apply(&mut a.dc[..nc], &mut a.masks);
+        add(res2, res_in, &a.dc[..nc]);
+        let xn2 = &mut a.xn2[l * nc..][..nc];
+        layer_norm(res2, p, layer.ln2, c, xn2, &mut a.stats2[l * n..][..n]);
+        let fc = &mut a.fc[l * 4 * nc..][..4 * nc];
+        linear(p, layer.fc, xn2, n, fc);
+        let g = &mut a.gelu[l * 4 * nc..][..4 * nc];
+        match self.activation {
+            Activation::Gelu => map(g, fc, gelu_erf),
+            Activation::GeluTanh => map(g, fc, gelu_tanh),
+        }
+        linear(p, layer.mproj, g, n, &mut a.dc[..nc]);
+        drop.apply(&mut a.dc[..nc], &mut a.masks);
+        add(&mut res_rest[..nc], res2, &a.dc[..nc]);
     }
 
     /// Resizes the activation buffers for this model and a b x t batch (a no-op when nothing changed).
@@ -518,14 +535,21 @@ impl CpuGpt {
         scale: f32,
         grads: &mut [f32],
     ) {
-        let (c, v, h) = (self.c, self.vocab, self.heads);
-        let (b, t) = (a.b, a.t);
-        let n = b * t;
-        let nc = n * c;
-        let dropout = a.dropped;
+        self.head_backward(a, p, y, scale, grads);
+        for (l, layer) in self.layers.iter().enumerate().rev() {
+            self.mlp_backward(a, p, l, layer, grads);
+            self.attention_block_backward(a, p, l, layer, grads);
+        }
+        self.embedding_backward(a, x, grads);
+    }
 
+    /// The lm head (tied to wte: dwte += dlogits^T xf, dxf = dlogits wte) and the final LayerNorm, from
+    /// the cross-entropy: leaves the residual stream's gradient in `a.dres`.
+    fn head_backward(&self, a: &mut Acts, p: &Params, y: &[u32], scale: f32, grads: &mut [f32]) {
+        let (c, v) = (self.c, self.vocab);
+        let n = a.b * a.t;
+        let nc = n * c;
         cross_entropy_backward(&mut a.logits, &a.lse, y, v, scale / n as f32);
-        // lm head (tied to wte): dwte += dlogits^T xf, dxf = dlogits wte.
         let dlogits = M::new(&a.logits, n, v);
         p.mm.mm(
             self.wte.of(grads),
@@ -547,94 +571,67 @@ impl CpuGpt {
             &mut a.dres,
             grads,
         );
+    }
 
-        for (l, layer) in self.layers.iter().enumerate().rev() {
-            let site = |s: usize| &a.masks[s * nc..][..nc];
-            // MLP: res_{l+1} = res2 + dropout(gelu(xn2 Wfc^T) Wmproj^T).
-            let dm: &[f32] = if dropout {
-                mul(&mut a.dc, &a.dres, site(2 * l + 2));
-                &a.dc
-            } else {
-                &a.dres
-            };
-            linear_backward(
-                p,
-                grads,
-                layer.mproj,
-                dm,
-                &a.gelu[l * 4 * nc..][..4 * nc],
-                n,
-                &mut a.d4c,
-            );
-            let fc = &a.fc[l * 4 * nc..][..4 * nc];
-            match self.activation {
-                Activation::Gelu => map_mul(&mut a.d4c, fc, gelu_erf_grad),
-                Activation::GeluTanh => map_mul(&mut a.d4c, fc, gelu_tanh_grad),
-            }
-            linear_backward(
-                p,
-                grads,
-                layer.fc,
-                &a.d4c,
-                &a.xn2[l * nc..][..nc],
-                n,
-                &mut a.dc2,
-            );
-            let res2 = &a.res2[l * nc..][..nc];
-            layer_norm_backward(
-                res2,
-                p,
-                layer.ln2,
-                c,
-                &a.stats2[l * n..][..n],
-                &a.dc2,
-                &mut a.dres,
-                grads,
-            );
-
-            // Attention: res2 = res_l + dropout(attention(xn1 Wattn^T) Wproj^T).
-            let da: &[f32] = if dropout {
-                mul(&mut a.dc, &a.dres, site(2 * l + 1));
-                &a.dc
-            } else {
-                &a.dres
-            };
-            linear_backward(
-                p,
-                grads,
-                layer.proj,
-                da,
-                &a.atty[l * nc..][..nc],
-                n,
-                &mut a.dc2,
-            );
-            let qkv = &a.qkv[l * 3 * nc..][..3 * nc];
-            let att = &a.att[l * b * h * t * t..][..b * h * t * t];
-            attention_backward(qkv, att, &a.dc2, &mut a.dqkv, t, c, h);
-            linear_backward(
-                p,
-                grads,
-                layer.attn,
-                &a.dqkv,
-                &a.xn1[l * nc..][..nc],
-                n,
-                &mut a.dc2,
-            );
-            let res_l = &a.res[l * nc..][..nc];
-            layer_norm_backward(
-                res_l,
-                p,
-                layer.ln1,
-                c,
-                &a.stats1[l * n..][..n],
-                &a.dc2,
-                &mut a.dres,
-                grads,
-            );
+    /// Block `l`'s MLP: res_{l+1} = res2 + dropout(gelu(xn2 Wfc^T) Wmproj^T); adds into `a.dres` the
+    /// gradient through it (dres then holds res2's).
+    fn mlp_backward(&self, a: &mut Acts, p: &Params, l: usize, layer: &Layer, grads: &mut [f32]) {
+        let (c, n) = (self.c, a.b * a.t);
+        let nc = n * c;
+        let dm: &[f32] = if a.dropped {
+            mul(&mut a.dc, &a.dres, &a.masks[(2 * l + 2) * nc..][..nc]);
+            &a.dc
+        } else {
+            &a.dres
+        };
+        let gelu = &a.gelu[l * 4 * nc..][..4 * nc];
+        linear_backward(p, grads, layer.mproj, dm, gelu, n, &mut a.d4c);
+        let fc = &a.fc[l * 4 * nc..][..4 * nc];
+        match self.activation {
+            Activation::Gelu => map_mul(&mut a.d4c, fc, gelu_erf_grad),
+            Activation::GeluTanh => map_mul(&mut a.d4c, fc, gelu_tanh_grad),
         }
+        let xn2 = &a.xn2[l * nc..][..nc];
+        linear_backward(p, grads, layer.fc, &a.d4c, xn2, n, &mut a.dc2);
+        let (res2, stats2) = (&a.res2[l * nc..][..nc], &a.stats2[l * n..][..n]);
+        layer_norm_backward(res2, p, layer.ln2, c, stats2, &a.dc2, &mut a.dres, grads);
+    }
 
-        // Embeddings: res_0 = dropout(wte[x] + wpe[pos]).
-        if dropout {
+    /// Block `l`'s attention: res2 = res_l + dropout(attention(xn1 Wattn^T) Wproj^T); adds into `a.dres`
+    /// the gradient through it (dres then holds res_l's).
+    fn attention_block_backward(
+        &self,
+        a: &mut Acts,
+        p: &Params,
+        l: usize,
+        layer: &Layer,
+        grads: &mut [f32],
+    ) {
+        let (c, h, t) = (self.c, self.heads, a.t);
+        let (b, n) = (a.b, a.b * a.t);
+        let nc = n * c;
+        let da: &[f32] = if a.dropped {
+            mul(&mut a.dc, &a.dres, &a.masks[(2 * l + 1) * nc..][..nc]);
+            &a.dc
+        } else {
+            &a.dres
+        };
+        let atty = &a.atty[l * nc..][..nc];
+        linear_backward(p, grads, layer.proj, da, atty, n, &mut a.dc2);
+        let qkv = &a.qkv[l * 3 * nc..][..3 * nc];
+        let att = &a.att[l * b * h * t * t..][..b * h * t * t];
+        attention_backward(qkv, att, &a.dc2, &mut a.dqkv, t, c, h);
+        let xn1 = &a.xn1[l * nc..][..nc];
+        linear_backward(p, grads, layer.attn, &a.dqkv, xn1, n, &mut a.dc2);
+        let (res_l, stats1) = (&a.res[l * nc..][..nc], &a.stats1[l * n..][..n]);
+        layer_norm_backward(res_l, p, layer.ln1, c, stats1, &a.dc2, &mut a.dres, grads);
+    }
+
+    /// The embeddings: res_0 = dropout(wte[x] + wpe[pos]).
+    fn embedding_backward(&self, a: &mut Acts, x: &[u32], grads: &mut [f32]) {
+        let (c, t) = (self.c, a.t);
+        let nc = a.b * t * c;
+        if a.dropped {
             a.dres
                 .iter_mut()
                 .zip(&a.masks[..nc])

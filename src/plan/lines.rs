@@ -32,47 +32,82 @@ pub fn described(cfg: &Config, plan: &Plan) -> Result<Box<dyn SyncBackend>> {
 pub fn sync_lines(cfg: &Config, plan: &Plan) -> Result<Vec<(&'static str, String)>> {
     let backend = described(cfg, plan)?;
     let backend = backend.as_ref();
+    let mut lines = gossip_lines(plan)?;
+    let whole = patterns(backend, 0..plan.n_steps);
+    if let Some(overlap) = overlap_line(&whole) {
+        lines.push(("overlap", overlap));
+    }
+    let rate = |(mean, max): (f64, f64)| {
+        let mut s = format!("{}/step", bytes(mean));
+        if max > mean * (1.0 + 1e-9) {
+            s += &format!(" (one worker up to {})", bytes(max));
+        }
+        s
+    };
+    let (n, world) = (plan.n_steps, plan.world_size);
+    let over = |steps: Range<u64>| rate(bytes_per_step(&patterns(backend, steps), world));
+    let whole = rate(bytes_per_step(&whole, world));
+    let sent = match cfg.train.dense_until().filter(|&s| s < n) {
+        Some(start) => format!(
+            "{} in steps 0-{} (dense), {} from step {start} (compressed); {whole} over the run",
+            over(0..start),
+            start - 1,
+            over(start..n),
+        ),
+        None => format!("{whole} over the run's {n} steps"),
+    };
+    lines.push(("sent per worker", sent));
+    Ok(lines)
+}
+
+/// Gossip's rounds, and CHOCO's public copies.
+fn gossip_lines(plan: &Plan) -> Result<Vec<(&'static str, String)>> {
     let mut lines = Vec::new();
-    if let SyncPlan::Gossip {
+    let SyncPlan::Gossip {
         topology,
         ranks_per_node,
         choco,
         ..
     } = &plan.sync
-    {
-        let rounds = topology::rounds(*topology, plan.world_size, *ranks_per_node)?;
-        let mut sizes: Vec<usize> = rounds.iter().flatten().map(|g| g.ranks.len()).collect();
-        sizes.sort_unstable();
-        sizes.dedup();
-        let sizes: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+    else {
+        return Ok(lines);
+    };
+    let rounds = topology::rounds(*topology, plan.world_size, *ranks_per_node)?;
+    let mut sizes: Vec<usize> = rounds.iter().flatten().map(|g| g.ranks.len()).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let sizes: Vec<String> = sizes.iter().map(|s| s.to_string()).collect();
+    lines.push((
+        "gossip rounds",
+        format!(
+            "{} in a cycle (step t mixes in round t mod {}), groups of {} rank(s)",
+            rounds.len(),
+            rounds.len(),
+            sizes.join(" or ")
+        ),
+    ));
+    if choco.is_some() {
+        let channels = crate::sync::choco::Channels::new(&rounds, 0, 0)?.count();
         lines.push((
-            "gossip rounds",
+            "public copies",
             format!(
-                "{} in a cycle (step t mixes in round t mod {}), groups of {} rank(s)",
-                rounds.len(),
-                rounds.len(),
-                sizes.join(" or ")
+                "{channels} group(s) a worker meets x (copy + memory) = {} model-sized buffers per \
+                 worker ({})",
+                2 * channels,
+                bytes((8 * channels as u64 * plan.n_params) as f64)
             ),
         ));
-        if choco.is_some() {
-            let channels = crate::sync::choco::Channels::new(&rounds, 0, 0)?.count();
-            lines.push((
-                "public copies",
-                format!(
-                    "{channels} group(s) a worker meets x (copy + memory) = {} model-sized buffers per \
-                     worker ({})",
-                    2 * channels,
-                    bytes((8 * channels as u64 * plan.n_params) as f64)
-                ),
-            ));
-        }
     }
-    let n = plan.n_steps;
-    // What the collectives may overlap, and on how many steps (overlapped gossip mixes step 0
-    // synchronously).
+    Ok(lines)
+}
+
+/// What the collectives of the run's steps may overlap, and on how many steps (overlapped gossip mixes
+/// step 0 synchronously); None without collectives.
+fn overlap_line(
+    whole: &std::collections::HashMap<Vec<crate::sync::trace::Collective>, u64>,
+) -> Option<String> {
     let mut overlaps: Vec<(Overlap, u64)> = Vec::new();
-    let whole = patterns(backend, 0..n);
-    for (p, &count) in &whole {
+    for (p, &count) in whole {
         let mut kinds: Vec<Overlap> = p.iter().map(|c| c.overlap).collect();
         kinds.sort_by_key(|&k| k as u8);
         kinds.dedup();
@@ -101,28 +136,5 @@ pub fn sync_lines(cfg: &Config, plan: &Plan) -> Result<Vec<(&'static str, String
             }
         })
         .collect();
-    if !overlap.is_empty() {
-        lines.push(("overlap", overlap.join("; ")));
-    }
-    let rate = |(mean, max): (f64, f64)| {
-        let mut s = format!("{}/step", bytes(mean));
-        if max > mean * (1.0 + 1e-9) {
-            s += &format!(" (one worker up to {})", bytes(max));
-        }
-        s
-    };
-    let world = plan.world_size;
-    let over = |steps: Range<u64>| rate(bytes_per_step(&patterns(backend, steps), world));
-    let whole = rate(bytes_per_step(&whole, world));
-    let sent = match cfg.train.dense_until().filter(|&s| s < n) {
-        Some(start) => format!(
-            "{} in steps 0-{} (dense), {} from step {start} (compressed); {whole} over the run",
-            over(0..start),
-            start - 1,
-            over(start..n),
-        ),
-        None => format!("{whole} over the run's {n} steps"),
-    };
-    lines.push(("sent per worker", sent));
-    Ok(lines)
+    (!overlap.is_empty()).then(|| overlap.join("; "))
 }

@@ -263,29 +263,7 @@ pub fn resolve(
     let mut problems = Vec::new();
     let mut notes = Vec::new();
     let engine = engine(cfg, doc, launch, &mut problems);
-    let (world, local_world) = match engine {
-        Engine::Local | Engine::Auto => {
-            let w = launch.workers_flag.or(t.workers).unwrap_or(1);
-            (w, Some(t.ranks_per_node.unwrap_or(w)))
-        }
-        Engine::Mpi | Engine::Nccl => {
-            if launch.workers_flag.is_some() {
-                problems.push(Problem {
-                    path: "train.engine".into(),
-                    origin: None,
-                    message: format!(
-                        "--workers applies to the local engine only; engine {:?} takes the world size from its \
-                         launcher (mpirun -np N / srun -n N)",
-                        engine.name()
-                    ),
-                });
-            }
-            (
-                launch.launcher_world.unwrap_or(1),
-                t.ranks_per_node.or(launch.launcher_local_world),
-            )
-        }
-    };
+    let (world, local_world) = world(t, engine, launch, &mut problems);
     problems.extend(validate::check_semantics(cfg, doc, world));
     let sync = rules::sync_plan(cfg, doc, world, local_world, &mut problems);
     if let Some((meta, vocab)) = &launch.data_vocab {
@@ -315,15 +293,7 @@ pub fn resolve(
     // config::parse checked the ramp-up's own rules.
     let batches = BatchSchedule::of(t.global_batch_size as u64, t.rampup_batch_size)
         .map_err(|e| vec![validate::problem_at(doc, "train.rampup_batch_size", e)])?;
-    let cores = launch.cores.max(1);
-    let threads = t.threads.or(match engine {
-        Engine::Local | Engine::Auto => Some((cores / world).max(1)),
-        Engine::Mpi | Engine::Nccl => None,
-    });
-    let compute_slots = match (engine, threads) {
-        (Engine::Local | Engine::Auto, Some(threads)) => (cores / threads).clamp(1, world),
-        _ => 1,
-    };
+    let (threads, compute_slots) = threads(t, engine, world, launch.cores.max(1));
     let plan = Plan {
         engine,
         sync,
@@ -347,6 +317,58 @@ pub fn resolve(
         },
     };
     Ok((plan, notes))
+}
+
+/// The world size and ranks per node: the local engine's from `--workers` or the config, a launcher's
+/// from its environment (where `--workers` is a problem).
+fn world(
+    t: &crate::config::TrainConfig,
+    engine: Engine,
+    launch: &LaunchEnv,
+    problems: &mut Vec<Problem>,
+) -> (usize, Option<usize>) {
+    match engine {
+        Engine::Local | Engine::Auto => {
+            let w = launch.workers_flag.or(t.workers).unwrap_or(1);
+            (w, Some(t.ranks_per_node.unwrap_or(w)))
+        }
+        Engine::Mpi | Engine::Nccl => {
+            if launch.workers_flag.is_some() {
+                problems.push(Problem {
+                    path: "train.engine".into(),
+                    origin: None,
+                    message: format!(
+                        "--workers applies to the local engine only; engine {:?} takes the world size from its \
+                         launcher (mpirun -np N / srun -n N)",
+                        engine.name()
+                    ),
+                });
+            }
+            (
+                launch.launcher_world.unwrap_or(1),
+                t.ranks_per_node.or(launch.launcher_local_world),
+            )
+        }
+    }
+}
+
+/// Compute threads per worker (`train.threads`, else on the local engine the cores shared by its
+/// workers) and the compute slots of this process.
+fn threads(
+    t: &crate::config::TrainConfig,
+    engine: Engine,
+    world: usize,
+    cores: usize,
+) -> (Option<usize>, usize) {
+    let threads = t.threads.or(match engine {
+        Engine::Local | Engine::Auto => Some((cores / world).max(1)),
+        Engine::Mpi | Engine::Nccl => None,
+    });
+    let compute_slots = match (engine, threads) {
+        (Engine::Local | Engine::Auto, Some(threads)) => (cores / threads).clamp(1, world),
+        _ => 1,
+    };
+    (threads, compute_slots)
 }
 
 /// Notes on keys as the run takes them: sample counts as the steps they became (config::parse converted

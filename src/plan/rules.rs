@@ -126,70 +126,83 @@ fn reducer_plan(
             );
             return None;
         }
-        Compression::Radius(r) => {
-            let correction = match (&t.optim, r.correction) {
-                (_, false) => None,
-                (OptimConfig::AdamW(a), true) => Some(Correction {
-                    betas: a.betas,
-                    eps: a.eps,
-                    clip: t.grad_norm_clip,
-                    weight_decay: a.weight_decay,
-                }),
-                (other, true) => {
-                    add(
-                        "train.compression.correction",
-                        format!(
-                            "correction = true runs Adam inside the reducer with train.optim's betas and eps: \
-                             it needs train.optim.name = \"adamw\", found {:?}",
-                            other.name()
-                        ),
-                    );
-                    None
-                }
-            };
-            ReducerPlan::Radius {
-                cfg: r.clone(),
-                correction,
-            }
-        }
-        Compression::PowerSgd(p) => {
-            // The plan holds the start as a step.
-            let start = p.start_step(t.n_steps);
-            if start <= 1 && (p.error_feedback || p.warm_start) {
-                let (key, given) = match p.start_fraction {
-                    Some(f) => (
-                        "start_fraction",
-                        format!("start_fraction = {f} ({start} steps)"),
-                    ),
-                    None => ("start_iter", format!("start_iter = {start}")),
-                };
-                add(
-                    &format!("train.compression.{key}"),
-                    format!(
-                        "{given} must be > 1 when error_feedback or warm_start is on (as PyTorch's \
-                         PowerSGDState requires): their state is allocated during the dense steps before \
-                         compression starts"
-                    ),
-                );
-            }
-            if p.single_allreduce && !p.warm_start {
-                add(
-                    "train.compression.single_allreduce",
-                    "single_allreduce = true needs warm_start = true (each step reuses the factor averaged \
-                     by the previous one)"
-                        .into(),
-                );
-            }
-            ReducerPlan::PowerSgd {
-                cfg: PowerSgdConfig {
-                    start_iter: start,
-                    start_fraction: None,
-                    ..p.clone()
-                },
-                seed: t.seed,
-            }
-        }
+        Compression::Radius(r) => ReducerPlan::Radius {
+            cfg: r.clone(),
+            correction: radius_correction(t, r.correction, add),
+        },
+        Compression::PowerSgd(p) => powersgd_plan(t, p, add),
     })
+}
+
+/// Radius's correction mode: Adam inside the reducer, with train.optim's AdamW betas and eps.
+fn radius_correction(
+    t: &crate::config::TrainConfig,
+    on: bool,
+    add: &mut dyn FnMut(&str, String),
+) -> Option<Correction> {
+    match (&t.optim, on) {
+        (_, false) => None,
+        (OptimConfig::AdamW(a), true) => Some(Correction {
+            betas: a.betas,
+            eps: a.eps,
+            clip: t.grad_norm_clip,
+            weight_decay: a.weight_decay,
+        }),
+        (other, true) => {
+            add(
+                "train.compression.correction",
+                format!(
+                    "correction = true runs Adam inside the reducer with train.optim's betas and eps: \
+                     it needs train.optim.name = \"adamw\", found {:?}",
+                    other.name()
+                ),
+            );
+            None
+        }
+    }
+}
+
+/// PowerSGD's rules: its state needs dense steps first, and its single all-reduce a warm start. The plan
+/// holds the start as a step.
+fn powersgd_plan(
+    t: &crate::config::TrainConfig,
+    p: &PowerSgdConfig,
+    add: &mut dyn FnMut(&str, String),
+) -> ReducerPlan {
+    let start = p.start_step(t.n_steps);
+    if start <= 1 && (p.error_feedback || p.warm_start) {
+        let (key, given) = match p.start_fraction {
+            Some(f) => (
+                "start_fraction",
+                format!("start_fraction = {f} ({start} steps)"),
+            ),
+            None => ("start_iter", format!("start_iter = {start}")),
+        };
+        add(
+            &format!("train.compression.{key}"),
+            format!(
+                "{given} must be > 1 when error_feedback or warm_start is on (as PyTorch's \
+                 PowerSGDState requires): their state is allocated during the dense steps before \
+                 compression starts"
+            ),
+        );
+    }
+    if p.single_allreduce && !p.warm_start {
+        add(
+            "train.compression.single_allreduce",
+            "single_allreduce = true needs warm_start = true (each step reuses the factor averaged \
+             by the previous one)"
+                .into(),
+        );
+    }
+    ReducerPlan::PowerSgd {
+        cfg: PowerSgdConfig {
+            start_iter: start,
+            start_fraction: None,
+            ..p.clone()
+        },
+        seed: t.seed,
+    }
 }
 
 /// Gossip's rules: the topology fits the world size and node layout (`sync::topology::fits`); a

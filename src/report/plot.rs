@@ -191,6 +191,40 @@ where
     // The title, then one legend for all panels: a run keeps its color everywhere.
     let legend_lines = runs.len().div_ceil(LEGEND_COLUMNS) as i32;
     let (top, body) = root.split_vertically(50 + LEGEND_LINE * legend_lines + 6);
+    legend(&top, runs, title)?;
+    let specs: [(String, &str, Vec<Series>); 4] = [
+        (
+            "loss vs step (dashed: train, solid: val)".into(),
+            "step",
+            series_by(runs, &|r, _| r.step as f64, true),
+        ),
+        (
+            "val loss vs tokens".into(),
+            "tokens",
+            series_by(runs, &|r, _| r.tokens as f64, false),
+        ),
+        time_panel(runs),
+        (
+            "val loss vs bytes sent per worker".into(),
+            "MB",
+            series_by(runs, &|_, b| b as f64 / 1e6, false),
+        ),
+    ];
+    for (panel, (caption, xlabel, mut series)) in body.split_evenly((2, 2)).iter().zip(specs) {
+        for s in &mut series {
+            s.points = style.apply(&s.points);
+        }
+        draw_panel(panel, &caption, xlabel, &series, style.log_y)?;
+    }
+    Ok(())
+}
+
+/// The title and one legend line per run (its color and label).
+fn legend<DB: DrawingBackend>(top: &DrawingArea<DB, Shift>, runs: &[Run], title: &str) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("drawing the plot: {e}");
     top.draw(&Text::new(
         title.to_string(),
         (20, 12),
@@ -216,46 +250,56 @@ where
         ))
         .map_err(err)?;
     }
-    let panels = body.split_evenly((2, 2));
-    let by = |x: &dyn Fn(&crate::metrics::Row, u64) -> f64, with_train: bool| -> Vec<Series> {
-        let mut out = Vec::new();
-        for (i, run) in runs.iter().enumerate() {
-            let bytes = run.cumulative_bytes();
-            if with_train {
-                out.push(Series {
-                    run: i,
-                    dashed: true,
-                    points: run
-                        .rows
-                        .iter()
-                        .zip(&bytes)
-                        .map(|(r, &b)| (x(r, b), r.train_loss))
-                        .collect(),
-                });
-            }
+    Ok(())
+}
+
+/// Each run's val loss (and, with `with_train`, dashed train loss) against `x` of a row and the bytes
+/// sent up to it.
+fn series_by(
+    runs: &[Run],
+    x: &dyn Fn(&crate::metrics::Row, u64) -> f64,
+    with_train: bool,
+) -> Vec<Series> {
+    let mut out = Vec::new();
+    for (i, run) in runs.iter().enumerate() {
+        let bytes = run.cumulative_bytes();
+        if with_train {
             out.push(Series {
                 run: i,
-                dashed: false,
+                dashed: true,
                 points: run
                     .rows
                     .iter()
                     .zip(&bytes)
-                    .filter_map(|(r, &b)| Some((x(r, b), r.val_loss?)))
+                    .map(|(r, &b)| (x(r, b), r.train_loss))
                     .collect(),
             });
         }
-        out
-    };
-    // With --cluster, wall time is the predicted time on each cluster.
+        out.push(Series {
+            run: i,
+            dashed: false,
+            points: run
+                .rows
+                .iter()
+                .zip(&bytes)
+                .filter_map(|(r, &b)| Some((x(r, b), r.val_loss?)))
+                .collect(),
+        });
+    }
+    out
+}
+
+/// The time panel: val loss against wall time, or with --cluster the predicted time on each cluster.
+fn time_panel(runs: &[Run]) -> (String, &'static str, Vec<Series>) {
     let clusters: Vec<&str> = runs
         .first()
         .map(|r| r.predicted.iter().map(|p| p.cluster.as_str()).collect())
         .unwrap_or_default();
-    let time = match clusters.as_slice() {
+    match clusters.as_slice() {
         [] => (
             "val loss vs wall time".to_string(),
             "seconds",
-            by(&|r, _| r.elapsed_s, false),
+            series_by(runs, &|r, _| r.elapsed_s, false),
         ),
         [one] => (
             format!("val loss vs predicted time on {one}"),
@@ -270,32 +314,7 @@ where
             "predicted seconds",
             predicted(runs),
         ),
-    };
-    let specs: [(String, &str, Vec<Series>); 4] = [
-        (
-            "loss vs step (dashed: train, solid: val)".into(),
-            "step",
-            by(&|r, _| r.step as f64, true),
-        ),
-        (
-            "val loss vs tokens".into(),
-            "tokens",
-            by(&|r, _| r.tokens as f64, false),
-        ),
-        time,
-        (
-            "val loss vs bytes sent per worker".into(),
-            "MB",
-            by(&|_, b| b as f64 / 1e6, false),
-        ),
-    ];
-    for (panel, (caption, xlabel, mut series)) in panels.iter().zip(specs) {
-        for s in &mut series {
-            s.points = style.apply(&s.points);
-        }
-        draw_panel(panel, &caption, xlabel, &series, style.log_y)?;
     }
-    Ok(())
 }
 
 fn draw_panel<DB: DrawingBackend>(

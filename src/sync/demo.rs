@@ -179,6 +179,72 @@ impl Demo {
             .collect()
     }
 
+    /// Each chunk's message (its top-k DCT coefficients: indices as f32 bits, then values), in chunk
+    /// order; what is not sent stays in `delta`.
+    fn encode(&self, chunks: &[(Layout, usize)], delta: &mut [f32]) -> Vec<f32> {
+        let (dct, topk, momentum) = (&self.dct, self.cfg.topk, &*delta);
+        let encoded: Vec<(Vec<u32>, Vec<f32>, Vec<f32>)> = chunks
+            .par_iter()
+            .map(|(l, c)| {
+                let (da, db) = (&dct[&l.cr], &dct[&l.cc]);
+                let block: Vec<f32> = l.indices(*c).map(|i| momentum[i]).collect();
+                let coef = transform(&block, da, db, l.cr, l.cc, false);
+                let (mut idx, mut val) = (Vec::new(), Vec::new());
+                kernels::top_k(&coef, kept(topk, l), 0, &mut idx, &mut val);
+                let mut kept = vec![0.0f32; coef.len()];
+                kernels::scatter_add(&mut kept, &idx, &val);
+                let sent = transform(&kept, da, db, l.cr, l.cc, true);
+                let left: Vec<f32> = block.iter().zip(&sent).map(|(b, s)| b - s).collect();
+                (idx, val, left)
+            })
+            .collect();
+        let mut send = Vec::new();
+        for ((l, c), (idx, val, left)) in chunks.iter().zip(&encoded) {
+            for (i, v) in l.indices(*c).zip(left) {
+                delta[i] = *v;
+            }
+            send.extend(compress::indices_to_f32(idx));
+            send.extend_from_slice(val);
+        }
+        send
+    }
+
+    /// Each chunk's direction from every rank's message in `all` (n of them): the mean of each
+    /// coefficient over the ranks that sent it, transformed back.
+    fn decode(&self, chunks: &[(Layout, usize)], all: &[f32], n: usize) -> Vec<Vec<f32>> {
+        let (dct, topk) = (&self.dct, self.cfg.topk);
+        let per_rank = all.len() / n.max(1);
+        let mut offsets = Vec::with_capacity(chunks.len());
+        let mut at = 0;
+        for (l, _) in chunks {
+            offsets.push(at);
+            at += 2 * kept(topk, l);
+        }
+        chunks
+            .par_iter()
+            .zip(&offsets)
+            .map(|((l, _), &off)| {
+                let k = kept(topk, l);
+                let mut sum = vec![0.0f32; l.cr * l.cc];
+                let mut count = vec![0u32; l.cr * l.cc];
+                for r in 0..n {
+                    let base = r * per_rank + off;
+                    let idx = compress::f32_to_indices(&all[base..base + k]);
+                    for (&i, &v) in idx.iter().zip(&all[base + k..base + 2 * k]) {
+                        sum[i as usize] += v;
+                        count[i as usize] += 1;
+                    }
+                }
+                let mean: Vec<f32> = sum
+                    .iter()
+                    .zip(&count)
+                    .map(|(&s, &c)| if c > 0 { s / c as f32 } else { 0.0 })
+                    .collect();
+                transform(&mean, &dct[&l.cr], &dct[&l.cc], l.cr, l.cc, true)
+            })
+            .collect()
+    }
+
     /// The table of DeMo's kernels (`kernels::CHUNK_FIELDS` words per chunk, in `chunks()` order:
     /// tensor offset, columns, chunk rows and columns, first row and column, coefficients kept, message
     /// offset, offsets of the two DCT matrices, scratch offset), the DCT matrices it names, and the
@@ -324,30 +390,7 @@ impl SyncBackend for Demo {
             .for_each(|(d, g)| *d = decay * *d + lr * g);
         // Compress each chunk: its kept coefficients, and the delta left behind.
         let chunks = self.chunks();
-        let (dct, topk, momentum) = (&self.dct, self.cfg.topk, &delta);
-        let encoded: Vec<(Vec<u32>, Vec<f32>, Vec<f32>)> = chunks
-            .par_iter()
-            .map(|(l, c)| {
-                let (da, db) = (&dct[&l.cr], &dct[&l.cc]);
-                let block: Vec<f32> = l.indices(*c).map(|i| momentum[i]).collect();
-                let coef = transform(&block, da, db, l.cr, l.cc, false);
-                let (mut idx, mut val) = (Vec::new(), Vec::new());
-                kernels::top_k(&coef, kept(topk, l), 0, &mut idx, &mut val);
-                let mut kept = vec![0.0f32; coef.len()];
-                kernels::scatter_add(&mut kept, &idx, &val);
-                let sent = transform(&kept, da, db, l.cr, l.cc, true);
-                let left: Vec<f32> = block.iter().zip(&sent).map(|(b, s)| b - s).collect();
-                (idx, val, left)
-            })
-            .collect();
-        let mut send = Vec::new();
-        for ((l, c), (idx, val, left)) in chunks.iter().zip(&encoded) {
-            for (i, v) in l.indices(*c).zip(left) {
-                delta[i] = *v;
-            }
-            send.extend(compress::indices_to_f32(idx));
-            send.extend_from_slice(val);
-        }
+        let send = self.encode(&chunks, &mut delta);
         self.delta = Flat::Host(delta);
         // Every rank's coefficients, then each chunk's mean over the ranks that sent a coefficient.
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
@@ -355,36 +398,7 @@ impl SyncBackend for Demo {
         let mut all = vec![0.0f32; send.len() * n];
         self.comm.all_gather(&send, &mut all)?;
         let after = self.comm.stats();
-        let per_rank = send.len();
-        let mut offsets = Vec::with_capacity(chunks.len());
-        let mut at = 0;
-        for (l, _) in &chunks {
-            offsets.push(at);
-            at += 2 * kept(topk, l);
-        }
-        let decoded: Vec<Vec<f32>> = chunks
-            .par_iter()
-            .zip(&offsets)
-            .map(|((l, _), &off)| {
-                let k = kept(topk, l);
-                let mut sum = vec![0.0f32; l.cr * l.cc];
-                let mut count = vec![0u32; l.cr * l.cc];
-                for r in 0..n {
-                    let base = r * per_rank + off;
-                    let idx = compress::f32_to_indices(&all[base..base + k]);
-                    for (&i, &v) in idx.iter().zip(&all[base + k..base + 2 * k]) {
-                        sum[i as usize] += v;
-                        count[i as usize] += 1;
-                    }
-                }
-                let mean: Vec<f32> = sum
-                    .iter()
-                    .zip(&count)
-                    .map(|(&s, &c)| if c > 0 { s / c as f32 } else { 0.0 })
-                    .collect();
-                transform(&mean, &dct[&l.cr], &dct[&l.cc], l.cr, l.cc, true)
-            })
-            .collect();
+        let decoded = self.decode(&chunks, &all, n);
         for ((l, c), dir) in chunks.iter().zip(decoded) {
             for (i, d) in l.indices(*c).zip(dir) {
                 // torch.sign: 0 stays 0.

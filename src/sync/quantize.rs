@@ -326,9 +326,27 @@ pub fn all_reduce_mean_device(
         &encoded.slice(mine.clone()),
         &mut copies.slice_mut(me * m..(me + 1) * m),
     )?;
-    // The owner's mean in f32, rank order (the first copy decoded in place, the others added), then
-    // times 1 / N, over the elements of my rows.
-    let my_rows = &rows[owned[me].clone()];
+    let requantized = owner_mean(&k, (&copies, n, m), &rows[owned[me].clone()], (q, mode))?;
+    let mut gathered = s.alloc_zeros::<f32>(total.max(1))?;
+    s.memcpy_dtod(&requantized.slice(..m), &mut gathered.slice_mut(mine))?;
+    let sends: Vec<_> = others.iter().map(|&r| (r, 0..m)).collect();
+    let recvs: Vec<_> = others.iter().map(|&r| (r, at[r]..at[r + 1])).collect();
+    comm.exchange_device(&requantized, &sends, &mut gathered, &recvs)?;
+    // SAFETY: as for the encoding: gathered holds `total` words in the table's layout.
+    unsafe { k.dequantize_rows(&gathered.slice(..), &table, mode, &mut d.buf.slice_mut(..)) }
+}
+
+/// The owner's part of the quantized all-reduce on the GPU: the mean of every rank's copy of my rows in
+/// f32, rank order (the first copy decoded in place, the others added), times 1 / N, over the elements of
+/// my rows; requantized into their m wire words (`copies` holds n copies of m words).
+#[cfg(feature = "cuda")]
+fn owner_mean(
+    k: &crate::cuda::Kernels,
+    (copies, n, m): (&cudarc::driver::CudaSlice<f32>, usize, usize),
+    my_rows: &[Range<usize>],
+    (q, mode): (Quantize, u32),
+) -> Result<cudarc::driver::CudaSlice<f32>> {
+    let s = k.stream();
     let span = my_rows.first().map_or(0, |r| r.start)..my_rows.last().map_or(0, |r| r.end);
     let mut local = Vec::with_capacity(3 * my_rows.len());
     let mut w = 0;
@@ -350,17 +368,10 @@ pub fn all_reduce_mean_device(
         }
     }
     k.scale(&mut mean, 1.0 / n as f32)?;
-    // Requantized, gathered from every owner into the row-order layout, decoded by every rank.
     let mut requantized = s.alloc_zeros::<f32>(m.max(1))?;
     // SAFETY: as above, mean holding span.len() floats and requantized m words.
     unsafe { k.quantize_rows(&mean.slice(..), &local, mode, &mut requantized) }?;
-    let mut gathered = s.alloc_zeros::<f32>(total.max(1))?;
-    s.memcpy_dtod(&requantized.slice(..m), &mut gathered.slice_mut(mine))?;
-    let sends: Vec<_> = others.iter().map(|&r| (r, 0..m)).collect();
-    let recvs: Vec<_> = others.iter().map(|&r| (r, at[r]..at[r + 1])).collect();
-    comm.exchange_device(&requantized, &sends, &mut gathered, &recvs)?;
-    // SAFETY: as for the encoding: gathered holds `total` words in the table's layout.
-    unsafe { k.dequantize_rows(&gathered.slice(..), &table, mode, &mut d.buf.slice_mut(..)) }
+    Ok(requantized)
 }
 
 #[cfg(test)]

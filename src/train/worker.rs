@@ -147,11 +147,8 @@ impl<'s> Worker<'s> {
                 decay: p.decays(),
             })
             .collect();
-        let place = model.place().clone();
-        let numel = model.params.numel;
         let mut dropout = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
         dropout.set_stream(sync.rank() as u64);
-        let root = sync.rank() == 0;
         let shared = replica::shared_by(plan, device.is_cuda());
         if shared && (sync.replicas_differ() || sync.touches_params()) {
             bail!(
@@ -159,34 +156,12 @@ impl<'s> Worker<'s> {
                 sync.name()
             );
         }
-        // Rank 0 makes the shared replica (restored with its own state) while the others wait, so that
-        // no other worker makes one of its own to drop.
-        let parts = replica::parts(numel, sync.world_size());
-        if shared && !root {
-            sync.barrier()?;
-        }
-        let joined = if shared {
-            setup.replica.member(sync.rank(), parts, &segments)?
-        } else {
-            None
-        };
-        let replica = match joined {
-            Some(member) => member,
-            None => Replica::Own {
-                params: place.from_host(model.initial_weights())?,
-                opt: optim::for_run(
-                    &t.optim,
-                    plan.sync.plain_sgd_in_loop(),
-                    segments.clone(),
-                    numel,
-                    &place,
-                )?,
-            },
-        };
+        let parts = replica::parts(model.params.numel, sync.world_size());
+        let replica = Self::replica(setup, &model, sync.as_mut(), shared, &segments)?;
         let mut w = Self {
             setup,
             replica,
-            grads: place.zeros_for_collectives(numel)?,
+            grads: model.place().zeros_for_collectives(model.params.numel)?,
             model,
             sync,
             sampler: Sampler::new(t.seed),
@@ -206,32 +181,76 @@ impl<'s> Worker<'s> {
             w.restore(dir, *mode)?;
         }
         if shared {
-            if root {
+            if w.sync.rank() == 0 {
                 w.replica = w.replica.share(&setup.replica, parts, &segments)?;
                 w.sync.barrier()?;
             }
             w.sync.share_replica(parts);
         }
-        let step = w.progress.step;
-        if root && step < t.n_steps {
-            w.metrics = Some(Tracker::open(cfg, &setup.run_dir, Some(step))?);
+        w.open_logs(device.is_cuda())?;
+        Ok(w)
+    }
+
+    /// This rank's parameters and optimizer: its own, or its part of the shared replica. Rank 0 makes the
+    /// shared replica (restored with its own state) while the others wait, so that no other worker makes
+    /// one of its own to drop.
+    fn replica(
+        setup: &Setup,
+        model: &Gpt,
+        sync: &mut dyn SyncBackend,
+        shared: bool,
+        segments: &[Segment],
+    ) -> Result<Replica> {
+        let (t, numel) = (&setup.cfg.train, model.params.numel);
+        let parts = replica::parts(numel, sync.world_size());
+        if shared && sync.rank() != 0 {
+            sync.barrier()?;
         }
-        w.console = Console::new(t.n_steps, step, root);
-        w.console.log_to(&setup.run_dir.join("train.log"))?;
+        let joined = if shared {
+            setup.replica.member(sync.rank(), parts, segments)?
+        } else {
+            None
+        };
+        let place = model.place();
+        Ok(match joined {
+            Some(member) => member,
+            None => Replica::Own {
+                params: place.from_host(model.initial_weights())?,
+                opt: optim::for_run(
+                    &t.optim,
+                    setup.plan.sync.plain_sgd_in_loop(),
+                    segments.to_vec(),
+                    numel,
+                    place,
+                )?,
+            },
+        })
+    }
+
+    /// The metrics (rank 0), the console and train.log, and what MFU divides by, from the step the run
+    /// starts at.
+    fn open_logs(&mut self, cuda: bool) -> Result<()> {
+        let setup = self.setup;
+        let (t, step, root) = (&setup.cfg.train, self.progress.step, self.sync.rank() == 0);
+        if root && step < t.n_steps {
+            self.metrics = Some(Tracker::open(&setup.cfg, &setup.run_dir, Some(step))?);
+        }
+        self.console = Console::new(t.n_steps, step, root);
+        self.console.log_to(&setup.run_dir.join("train.log"))?;
         // The local engine's slots compute for all its workers; each process of a multi-process job
         // computes on its own threads.
         let threads = match setup.plan.engine {
             crate::config::Engine::Local => setup.compute.threads(),
-            _ => setup.compute.threads() * w.sync.world_size(),
+            _ => setup.compute.threads() * self.sync.world_size(),
         };
-        if let Some((peak, label)) = mfu_peak(device.is_cuda(), threads, &plan.decisions) {
-            w.mfu_peak = Some(peak);
-            w.console.mfu_label = label;
+        if let Some((peak, label)) = mfu_peak(cuda, threads, &setup.plan.decisions) {
+            self.mfu_peak = Some(peak);
+            self.console.mfu_label = label;
         }
-        w.since_log.comm = w.sync.comm_stats();
-        w.since_eval = (Instant::now(), step);
-        w.start_step = step;
-        Ok(w)
+        self.since_log.comm = self.sync.comm_stats();
+        self.since_eval = (Instant::now(), step);
+        self.start_step = step;
+        Ok(())
     }
 
     fn restore(&mut self, dir: &std::path::Path, mode: CheckpointMode) -> Result<()> {
@@ -299,65 +318,11 @@ impl<'s> Worker<'s> {
             self.evaluate_at_start()?;
         }
         let exit = loop {
-            let poison = self
-                .setup
-                .fault
-                .as_ref()
-                .is_some_and(|f| f.check(self.sync.rank(), self.progress.step));
-            let lr = optim::lr_at(&t.lr_schedule, self.progress.step, t.n_steps);
-            let sync = &self.setup.plan.sync;
-            if t.dense_until() == Some(self.progress.step) {
-                self.console.note(&format!(
-                    "step {}: the reducer switches from dense all-reduce to compressed ({})",
-                    self.progress.step,
-                    sync.describe()
-                ));
-            }
-            // Debug builds (the tests) hold every step to the backend's description of it.
-            let planned = cfg!(debug_assertions).then(|| {
-                let step = self.progress.step;
-                (self.sync.step_comm(step), self.sync.comm_stats().bytes_sent)
-            });
-            let mut loss = self.forward_backward()?;
-            if poison {
-                loss = f64::NAN;
-                self.grads.as_mut().through_host(|g| {
-                    g.fill(f32::NAN);
-                    Ok(())
-                })?;
-            }
-            let sync_start = self.since_log.sync_start(self.sync.comm_stats());
-            self.sync
-                .reduce_flat(self.grads.as_mut(), self.progress.step, lr)?;
-            self.since_log.sync_end(sync_start, self.sync.comm_stats());
-            // Clipping: the norm here, its factor applied as the optimizer reads the gradient.
-            let (grad_norm, grad_scale) = match self.sync.clipped_grad_norm() {
-                Some(norm) => (norm, 1.0),
-                None => {
-                    let norm = self
-                        .replica
-                        .grad_norm(self.grads.as_ref(), self.sync.as_mut())?;
-                    (norm, optim::clip_factor(norm, t.grad_norm_clip))
-                }
-            };
-            self.update(lr, grad_scale)?;
-            if let Some((planned, before)) = planned {
-                let (sent, rank) = (self.sync.comm_stats().bytes_sent - before, self.sync.rank());
-                let want = crate::sync::trace::sent_by(&planned, rank);
-                if sent != want {
-                    anyhow::bail!(
-                        "internal error: rank {rank} sent {sent} bytes in step {}, its backend's \
-                         description says {want}: {planned:?}",
-                        self.progress.step - 1
-                    );
-                }
-            }
-            self.since_log
-                .add_step(loss, self.setup.plan.tokens_at(self.progress.step - 1));
+            let (lr, loss, grad_norm) = self.step()?;
             let step = self.progress.step;
-            let eval_due =
-                step.is_multiple_of(self.setup.cfg.log.eval_interval) || step == t.n_steps;
-            if step.is_multiple_of(self.setup.cfg.log.log_interval) || eval_due {
+            let log = &self.setup.cfg.log;
+            let eval_due = step.is_multiple_of(log.eval_interval) || step == t.n_steps;
+            if step.is_multiple_of(log.log_interval) || eval_due {
                 self.log(lr, grad_norm, eval_due)?;
             }
             let (vote, value) = self.vote(loss, grad_norm);
@@ -365,7 +330,7 @@ impl<'s> Worker<'s> {
             if exit >= Vote::NonFiniteGradNorm {
                 return Err(self.stop_non_finite(exit, rank, value));
             }
-            let ckpt_every = self.setup.cfg.log.ckpt_interval;
+            let ckpt_every = log.ckpt_interval;
             if exit != Vote::Continue || (ckpt_every > 0 && step.is_multiple_of(ckpt_every)) {
                 self.control(Self::save_checkpoint)?;
             }
@@ -378,6 +343,66 @@ impl<'s> Worker<'s> {
             m.finish(i32::from(matches!(exit, Exit::Signal(_))))?;
         }
         Ok(self.summary(exit, self.last_val))
+    }
+
+    /// One training step: forward and backward, the backend's reduction, clipping and the optimizer's
+    /// update between the backend's hooks. Returns (lr, this rank's loss, the gradient norm).
+    fn step(&mut self) -> Result<(f64, f64, f64)> {
+        let t = &self.setup.cfg.train;
+        let poison = self
+            .setup
+            .fault
+            .as_ref()
+            .is_some_and(|f| f.check(self.sync.rank(), self.progress.step));
+        let lr = optim::lr_at(&t.lr_schedule, self.progress.step, t.n_steps);
+        if t.dense_until() == Some(self.progress.step) {
+            self.console.note(&format!(
+                "step {}: the reducer switches from dense all-reduce to compressed ({})",
+                self.progress.step,
+                self.setup.plan.sync.describe()
+            ));
+        }
+        // Debug builds (the tests) hold every step to the backend's description of it.
+        let planned = cfg!(debug_assertions).then(|| {
+            let step = self.progress.step;
+            (self.sync.step_comm(step), self.sync.comm_stats().bytes_sent)
+        });
+        let mut loss = self.forward_backward()?;
+        if poison {
+            loss = f64::NAN;
+            self.grads.as_mut().through_host(|g| {
+                g.fill(f32::NAN);
+                Ok(())
+            })?;
+        }
+        let sync_start = self.since_log.sync_start(self.sync.comm_stats());
+        self.sync
+            .reduce_flat(self.grads.as_mut(), self.progress.step, lr)?;
+        self.since_log.sync_end(sync_start, self.sync.comm_stats());
+        // Clipping: the norm here, its factor applied as the optimizer reads the gradient.
+        let (grad_norm, grad_scale) = match self.sync.clipped_grad_norm() {
+            Some(norm) => (norm, 1.0),
+            None => {
+                let norm = self
+                    .replica
+                    .grad_norm(self.grads.as_ref(), self.sync.as_mut())?;
+                (norm, optim::clip_factor(norm, t.grad_norm_clip))
+            }
+        };
+        self.update(lr, grad_scale)?;
+        if let Some((planned, before)) = planned {
+            let (sent, rank) = (self.sync.comm_stats().bytes_sent - before, self.sync.rank());
+            let want = crate::sync::trace::sent_by(&planned, rank);
+            anyhow::ensure!(
+                sent == want,
+                "internal error: rank {rank} sent {sent} bytes in step {}, its backend's description \
+                 says {want}: {planned:?}",
+                self.progress.step - 1
+            );
+        }
+        self.since_log
+            .add_step(loss, self.setup.plan.tokens_at(self.progress.step - 1));
+        Ok((lr, loss, grad_norm))
     }
 
     /// This rank's gradient of the step, accumulated over the micro-steps; communication left pending by

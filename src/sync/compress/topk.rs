@@ -138,7 +138,6 @@ impl Reducer for TopK {
         d: &mut crate::flat::DeviceFlat,
         _step: u64,
     ) -> Result<Report> {
-        use anyhow::Context;
         let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
         let (n, len) = (comm.world_size(), d.buf.len());
         let mut residual = self.residual.take_device(len, &s)?;
@@ -147,39 +146,11 @@ impl Reducer for TopK {
         }
         // Dense part: the vectors, in one all-reduce (the mean: the sum, then times 1 / N).
         let vectors: Vec<_> = self.tensors.iter().filter(|t| !t.matrix).cloned().collect();
-        let dense_len: usize = vectors.iter().map(|t| t.len).sum();
-        let mut dense = s.alloc_zeros::<f32>(dense_len.max(1))?;
-        let mut at = 0;
-        for t in &vectors {
-            s.memcpy_dtod(
-                &d.buf.slice(t.range()),
-                &mut dense.slice_mut(at..at + t.len),
-            )?;
-            at += t.len;
-        }
-        if dense_len > 0 {
+        let mut dense = device::vectors(&vectors, d, &s)?;
+        if !vectors.is_empty() {
             crate::comm::all_reduce_mean_device(comm, &mut dense, &k)?;
         }
-        // Sparse part: per-tensor selections, packed as [values | indices].
-        let mut selected = Vec::new();
-        for (t, &kk) in self.tensors.iter().zip(&self.k) {
-            if t.matrix && kk > 0 {
-                let (idx, vals) = k.top_k(&d.buf.slice(t.range()), kk, t.offset as u32)?;
-                selected.push((idx, vals, kk.min(t.len)));
-            }
-        }
-        let total: usize = selected.iter().map(|(_, _, c)| c).sum();
-        let mut send = s.alloc_zeros::<f32>((2 * total).max(1))?;
-        let mut idx_all = s.alloc_zeros::<u32>(total.max(1))?;
-        let mut at = 0;
-        for (idx, vals, c) in &selected {
-            s.memcpy_dtod(&vals.slice(..*c), &mut send.slice_mut(at..at + c))?;
-            s.memcpy_dtod(&idx.slice(..*c), &mut idx_all.slice_mut(at..at + c))?;
-            // SAFETY: u32 and f32 have the same size; the bits travel as f32 (`indices_to_f32`).
-            let bits = unsafe { idx.transmute::<f32>(*c) }.context("index bits")?;
-            s.memcpy_dtod(&bits, &mut send.slice_mut(total + at..total + at + c))?;
-            at += c;
-        }
+        let (send, idx_all, total) = device::select(&self.tensors, &self.k, d)?;
         let mut all = s.alloc_zeros::<f32>((2 * total * n).max(1))?;
         if total > 0 {
             comm.all_gather_device(&send.slice(..2 * total), &mut all)?;
@@ -198,29 +169,7 @@ impl Reducer for TopK {
             unsafe { k.gather_clear(&mut residual, &idx_all, &mut sent) }?;
         }
         let lost = k.sum_squares(&residual)?.sqrt();
-        // Decompress: rank-ordered sums of every rank's values, then the mean; vectors from the dense part.
-        for t in self.tensors.iter().filter(|t| t.matrix) {
-            s.memset_zeros(&mut d.buf.slice_mut(t.range()))?;
-        }
-        for r in (0..n).filter(|_| total > 0) {
-            let part = all.slice(r * 2 * total..(r + 1) * 2 * total);
-            let vals = part.slice(..total);
-            // SAFETY: the indices' bits, as packed above.
-            let ids =
-                unsafe { part.slice(total..).transmute::<u32>(total) }.context("index bits")?;
-            // SAFETY: rank r's indices, packed by the same code: distinct, inside the flat buffer.
-            unsafe { k.scatter_add(&mut d.buf, &ids, &vals) }?;
-        }
-        // Times 1 / N everywhere, then the vectors' mean over it (the host path scales the matrices only).
-        k.scale(&mut d.buf, 1.0 / n as f32)?;
-        let mut at = 0;
-        for t in &vectors {
-            s.memcpy_dtod(
-                &dense.slice(at..at + t.len),
-                &mut d.buf.slice_mut(t.range()),
-            )?;
-            at += t.len;
-        }
+        device::decompress(&self.tensors, d, &all, total, n, &dense)?;
         if self.error_feedback {
             self.residual.keep_device(residual);
         }
@@ -263,6 +212,101 @@ impl Reducer for TopK {
         if !state.is_empty() {
             let r = take(&mut state, "residual", Some(self.numel()))?;
             self.residual.restore(r);
+        }
+        Ok(())
+    }
+}
+
+/// The steps of `TopK::reduce_device`.
+#[cfg(feature = "cuda")]
+mod device {
+    use anyhow::{Context, Result};
+    use cudarc::driver::{CudaSlice, CudaStream};
+
+    use super::super::TensorView;
+    use crate::flat::DeviceFlat;
+
+    /// The vectors of `d`, back to back in one buffer (their all-reduce's).
+    pub fn vectors(
+        vectors: &[TensorView],
+        d: &DeviceFlat,
+        s: &std::sync::Arc<CudaStream>,
+    ) -> Result<CudaSlice<f32>> {
+        let dense_len: usize = vectors.iter().map(|t| t.len).sum();
+        let mut dense = s.alloc_zeros::<f32>(dense_len.max(1))?;
+        let mut at = 0;
+        for t in vectors {
+            s.memcpy_dtod(
+                &d.buf.slice(t.range()),
+                &mut dense.slice_mut(at..at + t.len),
+            )?;
+            at += t.len;
+        }
+        Ok(dense)
+    }
+
+    /// Each matrix's selection of its k entries, packed as [values | indices as f32 bits] (the message)
+    /// with the indices also as u32 (for the residual); and how many.
+    pub fn select(
+        tensors: &[TensorView],
+        ks: &[usize],
+        d: &DeviceFlat,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<u32>, usize)> {
+        let (k, s) = (&d.kernels, d.kernels.stream());
+        let mut selected = Vec::new();
+        for (t, &kk) in tensors.iter().zip(ks) {
+            if t.matrix && kk > 0 {
+                let (idx, vals) = k.top_k(&d.buf.slice(t.range()), kk, t.offset as u32)?;
+                selected.push((idx, vals, kk.min(t.len)));
+            }
+        }
+        let total: usize = selected.iter().map(|(_, _, c)| c).sum();
+        let mut send = s.alloc_zeros::<f32>((2 * total).max(1))?;
+        let mut idx_all = s.alloc_zeros::<u32>(total.max(1))?;
+        let mut at = 0;
+        for (idx, vals, c) in &selected {
+            s.memcpy_dtod(&vals.slice(..*c), &mut send.slice_mut(at..at + c))?;
+            s.memcpy_dtod(&idx.slice(..*c), &mut idx_all.slice_mut(at..at + c))?;
+            // SAFETY: u32 and f32 have the same size; the bits travel as f32 (`indices_to_f32`).
+            let bits = unsafe { idx.transmute::<f32>(*c) }.context("index bits")?;
+            s.memcpy_dtod(&bits, &mut send.slice_mut(total + at..total + at + c))?;
+            at += c;
+        }
+        Ok((send, idx_all, total))
+    }
+
+    /// The matrices from every rank's message (rank-ordered sums, then the mean), the vectors from their
+    /// all-reduced `dense` copy.
+    pub fn decompress(
+        tensors: &[TensorView],
+        d: &mut DeviceFlat,
+        all: &CudaSlice<f32>,
+        total: usize,
+        n: usize,
+        dense: &CudaSlice<f32>,
+    ) -> Result<()> {
+        let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
+        for t in tensors.iter().filter(|t| t.matrix) {
+            s.memset_zeros(&mut d.buf.slice_mut(t.range()))?;
+        }
+        for r in (0..n).filter(|_| total > 0) {
+            let part = all.slice(r * 2 * total..(r + 1) * 2 * total);
+            let vals = part.slice(..total);
+            // SAFETY: the indices' bits, as `select` packed them.
+            let ids =
+                unsafe { part.slice(total..).transmute::<u32>(total) }.context("index bits")?;
+            // SAFETY: rank r's indices, packed by the same code: distinct, inside the flat buffer.
+            unsafe { k.scatter_add(&mut d.buf, &ids, &vals) }?;
+        }
+        // Times 1 / N everywhere, then the vectors' mean over it (the host path scales the matrices only).
+        k.scale(&mut d.buf, 1.0 / n as f32)?;
+        let mut at = 0;
+        for t in tensors.iter().filter(|t| !t.matrix) {
+            s.memcpy_dtod(
+                &dense.slice(at..at + t.len),
+                &mut d.buf.slice_mut(t.range()),
+            )?;
+            at += t.len;
         }
         Ok(())
     }

@@ -1,0 +1,164 @@
+//! CHOCO's channels: one per distinct group a rank meets over the cycle of rounds, with its public copies
+//! and memory (see the module's doc).
+
+use anyhow::{bail, Result};
+
+use super::Codec;
+use crate::kernels;
+use crate::sync::compress::{self, StateBuf};
+use crate::sync::topology::Round;
+
+/// One group a rank meets over the cycle of rounds, and the rank's state in it.
+pub(super) struct Channel {
+    pub(super) ranks: Vec<usize>,
+    /// The weight of the rank itself and of each other member.
+    pub(super) own: f32,
+    pub(super) other: f32,
+    /// This rank's public copy x_hat_{i,G} (none: zero, until the channel first meets; a described
+    /// backend (`check`) allocates none), on the host or beside the parameters on the GPU.
+    pub(super) hat: StateBuf,
+    /// The memory s_{i,G} = sum_j w_ij x_hat_{j,G} (none: zero).
+    pub(super) memory: StateBuf,
+}
+
+/// A rank's channels and which one each round uses (None: alone in that round).
+pub struct Channels {
+    pub(super) rank: usize,
+    pub(super) numel: usize,
+    pub(super) list: Vec<Channel>,
+    pub(super) of_round: Vec<Option<usize>>,
+}
+
+impl Channels {
+    pub fn new(rounds: &[Round], rank: usize, numel: usize) -> Result<Self> {
+        let mut list: Vec<Channel> = Vec::new();
+        let mut of_round = Vec::with_capacity(rounds.len());
+        for (r, round) in rounds.iter().enumerate() {
+            let Some(group) = round.iter().find(|g| g.ranks.contains(&rank)) else {
+                bail!("rank {rank} is in no group of round {r}");
+            };
+            let g = group.ranks.len();
+            if g < 2 {
+                of_round.push(None);
+                continue;
+            }
+            let (own, other) = (group.weight, (1.0 - group.weight) / (g - 1) as f64);
+            let found = list.iter().position(|c| {
+                c.ranks == group.ranks && c.own == own as f32 && c.other == other as f32
+            });
+            of_round.push(Some(found.unwrap_or_else(|| {
+                list.push(Channel {
+                    ranks: group.ranks.clone(),
+                    own: own as f32,
+                    other: other as f32,
+                    hat: StateBuf::default(),
+                    memory: StateBuf::default(),
+                });
+                list.len() - 1
+            })));
+        }
+        Ok(Self {
+            rank,
+            numel,
+            list,
+            of_round,
+        })
+    }
+
+    /// Distinct groups this rank meets (two model-sized buffers each).
+    pub fn count(&self) -> usize {
+        self.list.len()
+    }
+
+    /// The members of `round`'s channel (None: alone).
+    pub(super) fn members(&self, round: usize) -> Option<&[usize]> {
+        self.of_round[round].map(|c| &self.list[c].ranks[..])
+    }
+
+    /// This rank's message in `round`: Q(x - x_hat).
+    pub(super) fn encode(
+        &mut self,
+        codec: &Codec,
+        round: usize,
+        x: &[f32],
+        step: u64,
+        msg: &mut Vec<f32>,
+    ) {
+        match self.of_round[round] {
+            Some(c) => {
+                let hat = self.list[c].hat.take_host(self.numel);
+                codec.encode(x, &hat, step, self.rank, msg);
+                self.list[c].hat.keep_host(hat);
+            }
+            None => msg.clear(),
+        }
+    }
+
+    /// Adds the members' messages (`msg(position in the group)`) to the channel of `round`, then the
+    /// consensus step x += gamma (s - x_hat).
+    pub(super) fn absorb<'m>(
+        &mut self,
+        codec: &Codec,
+        round: usize,
+        step: u64,
+        msg: impl Fn(usize) -> &'m [f32],
+        x: &mut [f32],
+        gamma: f32,
+    ) {
+        let Some(c) = self.of_round[round] else {
+            return;
+        };
+        let ch = &mut self.list[c];
+        let (mut hat, mut memory) = (
+            ch.hat.take_host(self.numel),
+            ch.memory.take_host(self.numel),
+        );
+        for (pos, &j) in ch.ranks.iter().enumerate() {
+            let (mine, w) = if j == self.rank {
+                (true, ch.own)
+            } else {
+                (false, ch.other)
+            };
+            if codec.sparse() {
+                for (t, &(off, _)) in codec.tensors.iter().enumerate() {
+                    let (idx, vals) = codec.sparse_part(msg(pos), step, j, t);
+                    let hat = mine.then_some(&mut hat[..]);
+                    kernels::choco_absorb(hat, &mut memory, &idx, vals, off, w);
+                }
+            } else if mine {
+                codec.decode(msg(pos), step, j, |i, q| {
+                    hat[i] += q;
+                    memory[i] += w * q;
+                });
+            } else {
+                codec.decode(msg(pos), step, j, |i, q| memory[i] += w * q);
+            }
+        }
+        kernels::choco_step(x, &memory, &hat, gamma);
+        ch.hat.keep_host(hat);
+        ch.memory.keep_host(memory);
+    }
+
+    pub(super) fn state(&self) -> Result<compress::State> {
+        let saved = |v: &StateBuf| -> Result<Vec<f32>> {
+            Ok(v.to_host()?.unwrap_or_else(|| vec![0.0; self.numel]))
+        };
+        let mut state = Vec::with_capacity(2 * self.list.len());
+        for (c, ch) in self.list.iter().enumerate() {
+            state.push((format!("choco.hat.{c}"), saved(&ch.hat)?));
+            state.push((format!("choco.memory.{c}"), saved(&ch.memory)?));
+        }
+        Ok(state)
+    }
+
+    pub(super) fn load_state(&mut self, state: &mut compress::State) -> Result<()> {
+        for (c, ch) in self.list.iter_mut().enumerate() {
+            let n = Some(self.numel);
+            ch.hat
+                .restore(compress::take(state, &format!("choco.hat.{c}"), n)?);
+            ch.memory
+                .restore(compress::take(state, &format!("choco.memory.{c}"), n)?);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,385 @@
+//! CHOCO's messages: each compressor's encoding of a model's tensors (top-k, random-k, QSGD, sign),
+//! their bit packing, and the seeds the receivers share.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::Compressor;
+use crate::kernels;
+use crate::sync::compress::{self, k_of, TensorView};
+
+pub(super) const RANDOMK_KEY: u64 = 0x0072_616e_646f_6d6b; // "randomk"
+pub(super) const QSGD_KEY: u64 = 0x7173_6764; // "qsgd"
+
+/// SplitMix64 over the parts: one seed from several numbers.
+pub(super) fn mix(parts: &[u64]) -> u64 {
+    parts.iter().fold(0x9e37_79b9_7f4a_7c15u64, |h, &p| {
+        let mut z = (h ^ p).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    })
+}
+
+/// Entries per QSGD norm in a tensor of `len` entries (`bucket` 0: the whole tensor).
+pub(super) fn bucket_len(len: usize, bucket: usize) -> usize {
+    if bucket == 0 {
+        len.max(1)
+    } else {
+        bucket
+    }
+}
+
+/// The ranges of a tensor of `len` entries that share one QSGD norm.
+pub(super) fn buckets(len: usize, bucket: usize) -> Vec<std::ops::Range<usize>> {
+    let b = bucket_len(len, bucket);
+    (0..len).step_by(b).map(|s| s..(s + b).min(len)).collect()
+}
+
+/// QSGD's rescaling for `d` entries: tau = 1 + min(d / s^2, sqrt(d) / s) when biased (CHOCO's
+/// "qsgd-biased"), else 1.
+pub fn qsgd_tau(levels: u32, d: usize, biased: bool) -> f32 {
+    if !biased {
+        return 1.0;
+    }
+    let (s, d) = (levels as f32, d as f32);
+    1.0 + (d / (s * s)).min(d.sqrt() / s)
+}
+
+/// Bits of one QSGD entry: a sign and a level in 0..=levels.
+pub fn qsgd_bits(levels: u32) -> u32 {
+    1 + (32 - levels.leading_zeros())
+}
+
+/// A compressor over a model's tensors: every rank's message has the same size, set by the tensors.
+#[derive(Debug, Clone)]
+pub struct Codec {
+    pub(super) compressor: Compressor,
+    /// (offset, len) of each tensor in the flat parameters.
+    pub(super) tensors: Vec<(usize, usize)>,
+    /// Where each tensor's part of a message starts (one more entry: the message's length).
+    pub(super) parts: Vec<usize>,
+    /// Entries sent per tensor (top-k, random-k).
+    pub(super) ks: Vec<usize>,
+    pub(super) seed: u64,
+}
+
+impl Codec {
+    pub fn new(compressor: Compressor, tensors: &[TensorView], seed: u64) -> Self {
+        let tensors: Vec<(usize, usize)> = tensors.iter().map(|t| (t.offset, t.len)).collect();
+        let ks: Vec<usize> = tensors
+            .iter()
+            .map(|&(_, len)| match compressor {
+                Compressor::TopK { density } | Compressor::RandomK { density } => {
+                    k_of(density, len)
+                }
+                _ => 0,
+            })
+            .collect();
+        let mut parts = vec![0];
+        for (&(_, len), &k) in tensors.iter().zip(&ks) {
+            let words = match compressor {
+                Compressor::TopK { .. } => 2 * k,
+                Compressor::RandomK { .. } => k,
+                Compressor::Qsgd { levels, bucket, .. } => {
+                    buckets(len, bucket).len() + (len * qsgd_bits(levels) as usize).div_ceil(32)
+                }
+                Compressor::Sign => 1 + len.div_ceil(32),
+            };
+            parts.push(parts.last().copied().unwrap_or(0) + words);
+        }
+        Self {
+            compressor,
+            tensors,
+            parts,
+            ks,
+            seed,
+        }
+    }
+
+    /// f32 words of one message.
+    pub fn words(&self) -> usize {
+        self.parts.last().copied().unwrap_or(0)
+    }
+
+    pub(super) fn rng(&self, key: u64, step: u64, rank: usize, tensor: usize) -> ChaCha8Rng {
+        let mut rng = ChaCha8Rng::seed_from_u64(mix(&[self.seed, key, step, rank as u64]));
+        rng.set_stream(tensor as u64);
+        rng
+    }
+
+    /// Random-k's ascending indices of tensor `t` for `sender` at `step`.
+    pub(super) fn random_indices(&self, step: u64, sender: usize, t: usize) -> Vec<usize> {
+        let (_, len) = self.tensors[t];
+        let mut rng = self.rng(RANDOMK_KEY, step, sender, t);
+        let mut idx = rand::seq::index::sample(&mut rng, len, self.ks[t]).into_vec();
+        idx.sort_unstable();
+        idx
+    }
+
+    /// Whether messages are sparse (indices and values: top-k, random-k).
+    pub fn sparse(&self) -> bool {
+        matches!(
+            self.compressor,
+            Compressor::TopK { .. } | Compressor::RandomK { .. }
+        )
+    }
+
+    /// Tensor `t`'s part of a sparse message that `sender` sent at `step`: its indices (within the
+    /// tensor, ascending) and values.
+    pub(super) fn sparse_part<'m>(
+        &self,
+        msg: &'m [f32],
+        step: u64,
+        sender: usize,
+        t: usize,
+    ) -> (Vec<u32>, &'m [f32]) {
+        let (part, k) = (&msg[self.parts[t]..self.parts[t + 1]], self.ks[t]);
+        match self.compressor {
+            Compressor::TopK { .. } => (compress::f32_to_indices(&part[k..]), &part[..k]),
+            _ => (self.random_indices_u32(step, sender, t), part),
+        }
+    }
+
+    /// The key of QSGD's ChaCha8 streams for `rank` at `step` (the stream is the tensor's index), as the
+    /// `qsgd_encode` kernel takes it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn qsgd_key(&self, step: u64, rank: usize) -> [u32; 8] {
+        let seed = self.rng(QSGD_KEY, step, rank, 0).get_seed();
+        std::array::from_fn(|i| u32::from_le_bytes([0, 1, 2, 3].map(|j| seed[4 * i + j])))
+    }
+
+    pub(super) fn random_indices_u32(&self, step: u64, sender: usize, t: usize) -> Vec<u32> {
+        self.random_indices(step, sender, t)
+            .into_iter()
+            .map(|i| i as u32)
+            .collect()
+    }
+
+    /// The message of Q(x - hat) that `rank` sends at `step`.
+    pub fn encode(&self, x: &[f32], hat: &[f32], step: u64, rank: usize, msg: &mut Vec<f32>) {
+        msg.clear();
+        msg.resize(self.words(), 0.0);
+        let mut outs = Vec::with_capacity(self.tensors.len());
+        let mut rest = &mut msg[..];
+        for w in self.parts.windows(2) {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(w[1] - w[0]);
+            outs.push(head);
+            rest = tail;
+        }
+        outs.into_iter().enumerate().for_each(|(t, out)| {
+            let (off, len) = self.tensors[t];
+            let u: Vec<f32> = x[off..off + len]
+                .iter()
+                .zip(&hat[off..off + len])
+                .map(|(a, b)| a - b)
+                .collect();
+            self.encode_tensor(t, &u, step, rank, out);
+        });
+    }
+
+    pub(super) fn encode_tensor(
+        &self,
+        t: usize,
+        u: &[f32],
+        step: u64,
+        rank: usize,
+        out: &mut [f32],
+    ) {
+        let len = u.len();
+        match self.compressor {
+            Compressor::TopK { .. } => {
+                let k = self.ks[t];
+                let (vals, idx) = out.split_at_mut(k);
+                top_k(u, vals, idx);
+            }
+            Compressor::RandomK { .. } => {
+                for (o, i) in out.iter_mut().zip(self.random_indices(step, rank, t)) {
+                    *o = u[i];
+                }
+            }
+            Compressor::Qsgd { levels, bucket, .. } => {
+                let ranges = buckets(len, bucket);
+                let (norms, codes) = out.split_at_mut(ranges.len());
+                let (bits, s) = (qsgd_bits(levels), levels as f32);
+                let mut rng = self.rng(QSGD_KEY, step, rank, t);
+                let mut w = BitWriter::new(codes);
+                for (norm_out, r) in norms.iter_mut().zip(ranges) {
+                    let vals = &u[r];
+                    // The f64 sum in the order of the `qsgd_encode` kernel's block.
+                    let norm = kernels::block_strided_sum(vals, |v| (v as f64) * (v as f64));
+                    let norm = norm.sqrt() as f32;
+                    *norm_out = norm;
+                    let usable = norm > 0.0 && norm.is_finite();
+                    for &v in vals {
+                        let lf = if usable { s * v.abs() / norm } else { 0.0 };
+                        let lo = lf.floor();
+                        let up = rng.random::<f32>() < lf - lo;
+                        let level = ((lo as u32) + u32::from(up)).min(levels);
+                        let neg = u32::from(v < 0.0);
+                        w.put(level | neg << (bits - 1), bits);
+                    }
+                }
+            }
+            Compressor::Sign => {
+                // ||u||_1 / len, the f64 sum in the order of the `sign_encode` kernel's block.
+                let l1 = kernels::block_strided_sum(u, |v| v.abs() as f64);
+                out[0] = (l1 / len.max(1) as f64) as f32;
+                for (word, vals) in out[1..].iter_mut().zip(u.chunks(32)) {
+                    let bits = vals
+                        .iter()
+                        .enumerate()
+                        .fold(0u32, |b, (i, &v)| b | u32::from(v < 0.0) << i);
+                    *word = f32::from_bits(bits);
+                }
+            }
+        }
+    }
+
+    /// Calls `f(index, q)` for the entries of the message `msg` that `sender` sent at `step` (every entry
+    /// for the dense formats), indices into the flat parameters, ascending within each tensor.
+    pub fn decode(&self, msg: &[f32], step: u64, sender: usize, mut f: impl FnMut(usize, f32)) {
+        for (t, &(off, len)) in self.tensors.iter().enumerate() {
+            let part = &msg[self.parts[t]..self.parts[t + 1]];
+            match self.compressor {
+                Compressor::TopK { .. } => {
+                    let (vals, idx) = part.split_at(self.ks[t]);
+                    for (v, i) in vals.iter().zip(idx) {
+                        f(off + i.to_bits() as usize, *v);
+                    }
+                }
+                Compressor::RandomK { .. } => {
+                    for (v, i) in part.iter().zip(self.random_indices(step, sender, t)) {
+                        f(off + i, *v);
+                    }
+                }
+                Compressor::Qsgd {
+                    levels,
+                    biased,
+                    bucket,
+                } => {
+                    let ranges = buckets(len, bucket);
+                    let (norms, codes) = part.split_at(ranges.len());
+                    let bits = qsgd_bits(levels);
+                    let mut r = BitReader::new(codes);
+                    for (norm, range) in norms.iter().zip(ranges) {
+                        let unit = norm / levels as f32 / qsgd_tau(levels, range.len(), biased);
+                        for i in range {
+                            let code = r.get(bits);
+                            let level = (code & ((1 << (bits - 1)) - 1)) as f32;
+                            let q = unit * level;
+                            f(off + i, if code >> (bits - 1) == 1 { -q } else { q });
+                        }
+                    }
+                }
+                Compressor::Sign => {
+                    let scale = part[0];
+                    for (w, word) in part[1..].iter().enumerate() {
+                        let bits = word.to_bits();
+                        for i in 0..32.min(len - 32 * w) {
+                            let q = if bits >> i & 1 == 1 { -scale } else { scale };
+                            f(off + 32 * w + i, q);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The `vals.len()` entries of largest magnitude of `x`, ties towards lower indices, in index order, into
+/// `vals` and (as u32 bit patterns) `idx`: the selection of `kernels::top_k` (the CUDA twin the reducers
+/// run), computed the CPU's way, by one `select_nth_unstable` of the magnitudes' bits and one scan.
+pub(super) fn top_k(x: &[f32], vals: &mut [f32], idx: &mut [f32]) {
+    let k = vals.len().min(x.len());
+    if k == 0 {
+        return;
+    }
+    let key = |v: f32| v.to_bits() & 0x7fff_ffff;
+    let mut keys: Vec<u32> = x.iter().map(|&v| key(v)).collect();
+    let n = keys.len();
+    let (_, &mut t, above) = keys.select_nth_unstable(n - k);
+    let mut ties = k - above.iter().filter(|&&a| a > t).count();
+    let mut slot = 0;
+    for (i, &v) in x.iter().enumerate() {
+        let kv = key(v);
+        if kv > t || (kv == t && ties > 0) {
+            ties -= usize::from(kv == t);
+            vals[slot] = v;
+            idx[slot] = f32::from_bits(i as u32);
+            slot += 1;
+            if slot == k {
+                break;
+            }
+        }
+    }
+}
+
+/// Codes of a few bits packed into f32 words (as u32 bit patterns), lowest bits first.
+pub(super) struct BitWriter<'a> {
+    pub(super) out: &'a mut [f32],
+    pub(super) word: usize,
+    pub(super) acc: u64,
+    pub(super) used: u32,
+}
+
+impl<'a> BitWriter<'a> {
+    pub(super) fn new(out: &'a mut [f32]) -> Self {
+        Self {
+            out,
+            word: 0,
+            acc: 0,
+            used: 0,
+        }
+    }
+
+    pub(super) fn put(&mut self, code: u32, bits: u32) {
+        self.acc |= (code as u64) << self.used;
+        self.used += bits;
+        if self.used >= 32 {
+            self.out[self.word] = f32::from_bits(self.acc as u32);
+            self.word += 1;
+            self.acc >>= 32;
+            self.used -= 32;
+        }
+    }
+}
+
+impl Drop for BitWriter<'_> {
+    fn drop(&mut self) {
+        if self.used > 0 {
+            self.out[self.word] = f32::from_bits(self.acc as u32);
+        }
+    }
+}
+
+pub(super) struct BitReader<'a> {
+    pub(super) words: &'a [f32],
+    pub(super) word: usize,
+    pub(super) acc: u64,
+    pub(super) have: u32,
+}
+
+impl<'a> BitReader<'a> {
+    pub(super) fn new(words: &'a [f32]) -> Self {
+        Self {
+            words,
+            word: 0,
+            acc: 0,
+            have: 0,
+        }
+    }
+
+    pub(super) fn get(&mut self, bits: u32) -> u32 {
+        if self.have < bits {
+            let w = self.words.get(self.word).map_or(0, |w| w.to_bits());
+            self.acc |= (w as u64) << self.have;
+            self.have += 32;
+            self.word += 1;
+        }
+        let code = (self.acc & ((1u64 << bits) - 1)) as u32;
+        self.acc >>= bits;
+        self.have -= bits;
+        code
+    }
+}

@@ -1,0 +1,303 @@
+//! CHOCO's unit tests: codecs, channels, the consensus simulation and gamma tuning.
+
+use super::channels::*;
+use super::codec::*;
+use super::tuning::*;
+use super::*;
+use crate::config::Topology;
+use crate::kernels;
+use crate::sync::compress::k_of;
+use crate::sync::topology;
+use rand_chacha::ChaCha8Rng;
+
+const COMPRESSORS: [Compressor; 5] = [
+    Compressor::TopK { density: 0.1 },
+    Compressor::RandomK { density: 0.1 },
+    Compressor::Qsgd {
+        levels: 3,
+        biased: true,
+        bucket: 16,
+    },
+    Compressor::Qsgd {
+        levels: 15,
+        biased: false,
+        bucket: 0,
+    },
+    Compressor::Sign,
+];
+
+fn topologies() -> Vec<(&'static str, Vec<Round>)> {
+    vec![
+        (
+            "complete",
+            topology::rounds(Topology::Complete, 8, 8).unwrap(),
+        ),
+        ("ring", topology::rounds(Topology::Ring, 8, 8).unwrap()),
+        ("exp", topology::rounds(Topology::Exp, 8, 8).unwrap()),
+        (
+            "alternating-exp-ring",
+            topology::rounds(Topology::AlternatingExpRing, 8, 2).unwrap(),
+        ),
+    ]
+}
+
+fn shapes() -> Vec<TensorView> {
+    TensorView::from_shapes(&[(7, 9, true), (1, 13, false), (3, 40, true)])
+}
+
+#[test]
+fn messages_decode_to_what_the_compressor_defines() {
+    let tensors = shapes();
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    let x = &random_vectors(1, n, 5)[0];
+    let zero = vec![0.0; n];
+    for c in COMPRESSORS {
+        let codec = Codec::new(c, &tensors, 11);
+        let mut msg = Vec::new();
+        codec.encode(x, &zero, 3, 2, &mut msg);
+        assert_eq!(msg.len(), codec.words(), "{c:?}");
+        let mut q = vec![0.0f32; n];
+        let mut seen = 0;
+        codec.decode(&msg, 3, 2, |i, v| {
+            q[i] += v;
+            seen += 1;
+        });
+        for t in &tensors {
+            let (u, q) = (&x[t.range()], &q[t.range()]);
+            let d = t.len as f32;
+            match c {
+                Compressor::TopK { density } => {
+                    let k = k_of(density, t.len);
+                    let kept: Vec<usize> = (0..t.len).filter(|&i| q[i] != 0.0).collect();
+                    assert_eq!(kept.len(), k);
+                    let floor = kept.iter().map(|&i| u[i].abs()).fold(f32::MAX, f32::min);
+                    for i in 0..t.len {
+                        if q[i] != 0.0 {
+                            assert_eq!(q[i], u[i]);
+                        } else {
+                            assert!(u[i].abs() <= floor);
+                        }
+                    }
+                }
+                Compressor::RandomK { density } => {
+                    let kept = (0..t.len).filter(|&i| q[i] != 0.0).count();
+                    assert_eq!(kept, k_of(density, t.len));
+                    assert!((0..t.len).all(|i| q[i] == 0.0 || q[i] == u[i]));
+                }
+                Compressor::Qsgd {
+                    levels,
+                    biased,
+                    bucket,
+                } => {
+                    let s = levels as f32;
+                    let b = if bucket == 0 { t.len } else { bucket };
+                    for i in 0..t.len {
+                        let r = (i / b * b)..((i / b + 1) * b).min(t.len);
+                        let norm = u[r.clone()].iter().map(|v| v * v).sum::<f32>().sqrt();
+                        let nb = r.len() as f32;
+                        let tau = if biased {
+                            1.0 + (nb / (s * s)).min(nb.sqrt() / s)
+                        } else {
+                            1.0
+                        };
+                        // |q| tau s / norm is the level: floor or ceil of s |u| / norm, same sign.
+                        let level = q[i].abs() * tau * s / norm;
+                        let lf = s * u[i].abs() / norm;
+                        assert!((level - level.round()).abs() < 1e-3, "{c:?}: level {level}");
+                        assert!(level.round() == lf.floor() || level.round() == lf.ceil());
+                        assert!(q[i] == 0.0 || q[i].signum() == u[i].signum());
+                    }
+                }
+                Compressor::Sign => {
+                    let scale = u.iter().map(|v| v.abs()).sum::<f32>() / d;
+                    for i in 0..t.len {
+                        assert!((q[i].abs() - scale).abs() < 1e-6 * scale);
+                        assert_eq!(q[i] < 0.0, u[i] < 0.0);
+                    }
+                }
+            }
+        }
+        // Random draws depend on the step and the sender.
+        let mut other = Vec::new();
+        codec.encode(x, &zero, 4, 2, &mut other);
+        if matches!(c, Compressor::TopK { .. } | Compressor::Sign) {
+            assert_eq!(msg, other, "{c:?}: deterministic");
+        }
+        assert!(seen > 0);
+    }
+}
+
+#[test]
+fn top_k_selects_what_the_reducers_kernel_selects() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    for n in [1usize, 7, 100, 5000] {
+        // Few distinct magnitudes: many ties.
+        let x: Vec<f32> = (0..n)
+            .map(|_| rng.random_range(-4i32..=4) as f32 * 0.5)
+            .collect();
+        for k in [1, n / 3 + 1, n] {
+            let (mut want_i, mut want_v) = (Vec::new(), Vec::new());
+            kernels::top_k(&x, k, 0, &mut want_i, &mut want_v);
+            let (mut v, mut i) = (vec![0.0; k], vec![0.0; k]);
+            top_k(&x, &mut v, &mut i);
+            assert_eq!(v, want_v, "n {n} k {k}");
+            assert_eq!(compress::f32_to_indices(&i), want_i, "n {n} k {k}");
+        }
+    }
+}
+
+#[test]
+fn unbiased_qsgd_is_unbiased() {
+    let tensors = TensorView::from_shapes(&[(1, 50, false)]);
+    let x = &random_vectors(1, 50, 9)[0];
+    let zero = vec![0.0; 50];
+    let codec = Codec::new(
+        Compressor::Qsgd {
+            levels: 2,
+            biased: false,
+            bucket: 0,
+        },
+        &tensors,
+        1,
+    );
+    let mut mean = vec![0.0f64; 50];
+    let draws = 4000;
+    let mut msg = Vec::new();
+    for step in 0..draws {
+        codec.encode(x, &zero, step, 0, &mut msg);
+        codec.decode(&msg, step, 0, |i, q| mean[i] += q as f64 / draws as f64);
+    }
+    let norm = x.iter().map(|v| v * v).sum::<f32>().sqrt() as f64;
+    for (m, &u) in mean.iter().zip(x) {
+        // Each draw's spread is at most norm / s: 5 standard errors.
+        assert!((m - u as f64).abs() < 5.0 * norm / 2.0 / (draws as f64).sqrt());
+    }
+}
+
+#[test]
+fn the_consensus_keeps_the_average_on_every_topology_with_every_compressor() {
+    let tensors = shapes();
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    for (name, rounds) in topologies() {
+        for c in COMPRESSORS {
+            let codec = Codec::new(c, &tensors, 3);
+            let mut sim = Simulation::new(rounds.clone(), codec, 0.7, n).unwrap();
+            let mut xs = random_vectors(8, n, 1);
+            let before = mean_of(&xs);
+            for step in 0..25 {
+                sim.step(&mut xs, step);
+            }
+            let after = mean_of(&xs);
+            let drift = before
+                .iter()
+                .zip(&after)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(drift < 1e-5, "{name} {c:?}: the average moved by {drift}");
+        }
+    }
+}
+
+fn distance(xs: &[Vec<f32>]) -> f64 {
+    let m = mean_of(xs);
+    xs.iter()
+        .map(|x| {
+            x.iter()
+                .zip(&m)
+                .map(|(&a, &b)| (a as f64 - b).powi(2))
+                .sum::<f64>()
+                .sqrt()
+        })
+        .sum::<f64>()
+        / xs.len() as f64
+}
+
+#[test]
+fn consensus_distance_shrinks_after_a_perturbation_with_every_compressor() {
+    let tensors = shapes();
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    for (name, rounds) in topologies()
+        .into_iter()
+        .filter(|(n, _)| *n == "ring" || *n == "exp")
+    {
+        for c in COMPRESSORS {
+            let gamma = tune_gamma(&rounds, c, 4).unwrap();
+            let codec = Codec::new(c, &tensors, 3);
+            let mut sim = Simulation::new(rounds.clone(), codec, gamma as f32, n).unwrap();
+            // Equal replicas (after some public-copy traffic), then one is perturbed.
+            let mut xs = vec![random_vectors(1, n, 2).remove(0); 8];
+            for step in 0..50 {
+                sim.step(&mut xs, step);
+            }
+            for (v, p) in xs[3].iter_mut().zip(&random_vectors(1, n, 7)[0]) {
+                *v += p;
+            }
+            let start = distance(&xs);
+            for step in 50..650 {
+                sim.step(&mut xs, step);
+            }
+            let end = distance(&xs);
+            assert!(
+                end < 0.2 * start,
+                "{name} {c:?} (gamma {gamma}): consensus distance {start} -> {end}"
+            );
+        }
+    }
+}
+
+#[test]
+fn with_every_entry_sent_and_gamma_one_the_consensus_is_plain_gossip() {
+    let tensors = shapes();
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    for (name, rounds) in topologies() {
+        let codec = Codec::new(Compressor::TopK { density: 1.0 }, &tensors, 3);
+        let mut sim = Simulation::new(rounds.clone(), codec, 1.0, n).unwrap();
+        let mut xs = random_vectors(8, n, 1);
+        for step in 0..6 {
+            let round = &rounds[step % rounds.len()];
+            let w = topology::mixing_matrix(round, 8).unwrap();
+            let want: Vec<Vec<f64>> = (0..8)
+                .map(|i| {
+                    (0..n)
+                        .map(|e| (0..8).map(|j| w[i][j] * xs[j][e] as f64).sum())
+                        .collect()
+                })
+                .collect();
+            sim.step(&mut xs, step as u64);
+            for (x, y) in xs.iter().zip(&want) {
+                for (a, b) in x.iter().zip(y) {
+                    assert!(
+                        (*a as f64 - b).abs() < 1e-5,
+                        "{name} step {step}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn channels_per_topology_are_the_groups_a_rank_meets() {
+    let count = |topo, world, per_node| {
+        let rounds = topology::rounds(topo, world, per_node).unwrap();
+        Channels::new(&rounds, 0, 1).unwrap().count()
+    };
+    assert_eq!(count(Topology::Complete, 8, 8), 1);
+    assert_eq!(count(Topology::Ring, 8, 8), 2);
+    assert_eq!(count(Topology::Ring, 2, 2), 1);
+    assert_eq!(count(Topology::Exp, 8, 8), 3);
+    assert_eq!(count(Topology::Exp, 512, 512), 9);
+    assert_eq!(count(Topology::AlternatingExpRing, 16, 4), 3);
+}
+
+#[test]
+fn tuning_is_deterministic_and_picks_a_small_step_for_aggressive_compression() {
+    let rounds = topology::rounds(Topology::Ring, 8, 8).unwrap();
+    let a = tune_gamma(&rounds, Compressor::TopK { density: 0.01 }, 1).unwrap();
+    let b = tune_gamma(&rounds, Compressor::TopK { density: 0.01 }, 1).unwrap();
+    assert_eq!(a, b);
+    let dense = tune_gamma(&rounds, Compressor::TopK { density: 1.0 }, 1).unwrap();
+    assert!(a < dense, "top-1% {a} vs every entry {dense}");
+    assert!(dense > 0.5, "every entry sent: gamma {dense}");
+}
