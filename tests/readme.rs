@@ -338,3 +338,50 @@ fn the_modules_use_only_the_layers_below_them_as_the_readme_states() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// Every function of src/ reads in one screen: at most 80 lines from its signature to its closing brace
+/// (README "Architecture").
+#[test]
+fn every_function_in_src_is_at_most_80_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let signature = regex::Regex::new(r"^\s*(pub(\([a-z]+\))?\s+)?(unsafe\s+)?fn\s").unwrap();
+    let mut long = Vec::new();
+    let mut dirs = vec![root];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+                continue;
+            }
+            if p.extension().is_none_or(|x| x != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&p).unwrap();
+            let lines: Vec<&str> = text.lines().collect();
+            for (i, l) in lines.iter().enumerate() {
+                if !signature.is_match(l) || l.trim_end().ends_with(';') {
+                    continue;
+                }
+                let (mut depth, mut started, mut j) = (0i64, false, i);
+                while j < lines.len() {
+                    depth +=
+                        lines[j].matches('{').count() as i64 - lines[j].matches('}').count() as i64;
+                    started |= lines[j].contains('{');
+                    if started && depth <= 0 {
+                        break;
+                    }
+                    j += 1;
+                }
+                if j - i + 1 > 80 {
+                    long.push(format!("{}:{} ({} lines)", p.display(), i + 1, j - i + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "functions over 80 lines:\n{}",
+        long.join("\n")
+    );
+}
