@@ -4,14 +4,14 @@
 
 use std::path::Path;
 
-use nanodist::metrics::{read_rows, Row};
+use nanodist::metrics::Row;
 
 mod common;
 use common::{exact, make_data};
 
 fn rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> (u64, Vec<Row>) {
     let s = common::train_tiny(dir, name, workers, set);
-    (s.step, read_rows(&s.run_dir.join("metrics.jsonl")).unwrap())
+    (s.step, common::rows_of(&s))
 }
 
 const COMPRESSORS: [&str; 4] = [

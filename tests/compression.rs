@@ -6,12 +6,10 @@ use std::path::Path;
 
 use nanodist::comm::Communicator;
 use nanodist::config::backend::{PowerSgdConfig, RadiusConfig};
-use nanodist::metrics::{read_rows, Row};
-use nanodist::plan::LaunchEnv;
+use nanodist::metrics::Row;
 use nanodist::sync::compress::{
     self, powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer, TensorView,
 };
-use nanodist::train;
 use rand::{Rng, SeedableRng};
 
 mod common;
@@ -300,15 +298,12 @@ fn radius_stable_steps_send_only_the_masked_values() {
 }
 
 fn train(dir: &Path, name: &str, workers: usize, set: &[String]) -> Vec<Row> {
-    let launch = LaunchEnv {
-        workers_flag: Some(workers),
-        ..LaunchEnv::default()
-    };
-    let loaded =
-        nanodist::plan::load_str(Path::new("t.toml"), &tiny_config(dir, name), set, &launch)
-            .unwrap();
-    let s = train::run(&loaded).unwrap();
-    read_rows(&s.run_dir.join("metrics.jsonl")).unwrap()
+    let set: Vec<&str> = set.iter().map(String::as_str).collect();
+    common::rows_of(&common::train_config(
+        &tiny_config(dir, name),
+        workers,
+        &set,
+    ))
 }
 
 fn reducer_settings() -> Vec<(&'static str, String)> {

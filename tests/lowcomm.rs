@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use nanodist::metrics::{read_rows, Row};
+use nanodist::metrics::Row;
 use nanodist::train;
 
 mod common;
@@ -13,7 +13,7 @@ use common::{exact, make_data};
 /// Trains the tiny config on `workers` local workers with `set`; returns the summary and the rows.
 fn train_rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> (train::Summary, Vec<Row>) {
     let s = common::train_tiny(dir, name, workers, set);
-    let rows = read_rows(&s.run_dir.join("metrics.jsonl")).unwrap();
+    let rows = common::rows_of(&s);
     (s, rows)
 }
 

@@ -9,8 +9,6 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use nanodist::metrics::{read_rows, Row};
-use nanodist::plan::LaunchEnv;
-use nanodist::train;
 
 mod common;
 use common::{make_data, tiny_config};
@@ -63,15 +61,7 @@ fn run_mpi(np: usize, cfg: &Path, set: &[&str]) -> Output {
 }
 
 fn run_local(dir: &Path, name: &str, workers: usize, set: &[&str]) -> Vec<Row> {
-    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    let launch = LaunchEnv {
-        workers_flag: Some(workers),
-        ..LaunchEnv::default()
-    };
-    let loaded =
-        nanodist::plan::load_str(Path::new("t.toml"), &tiny_config(dir, name), &set, &launch)
-            .unwrap();
-    read_rows(&train::run(&loaded).unwrap().run_dir.join("metrics.jsonl")).unwrap()
+    common::rows_of(&common::train_config(&tiny_config(dir, name), workers, set))
 }
 
 fn assert_same(local: &[Row], mpi: &[Row], what: &str) {

@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use nanodist::plan::LaunchEnv;
-use nanodist::train;
 
 mod common;
 use common::{make_data, tiny_config};
@@ -13,15 +12,7 @@ use common::{make_data, tiny_config};
 const EXE: &str = env!("CARGO_BIN_EXE_nanodist");
 
 fn train_run(dir: &Path, name: &str, set: &[&str]) -> PathBuf {
-    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    let launch = LaunchEnv {
-        workers_flag: Some(4),
-        ..LaunchEnv::default()
-    };
-    let loaded =
-        nanodist::plan::load_str(Path::new("t.toml"), &tiny_config(dir, name), &set, &launch)
-            .unwrap();
-    train::run(&loaded).unwrap().run_dir
+    common::train_config(&tiny_config(dir, name), 4, set).run_dir
 }
 
 /// Runs `cmd`, which must succeed.

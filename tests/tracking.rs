@@ -6,8 +6,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use nanodist::metrics::read_rows;
-use nanodist::plan::LaunchEnv;
-use nanodist::train;
 use serde_json::Value;
 
 mod common;
@@ -36,20 +34,9 @@ fn python_json(script: &str, arg: &Path) -> Value {
 }
 
 fn train(dir: &Path, set: &[&str]) -> PathBuf {
-    let mut set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    set.extend(["log.wandb_log=true".into(), "log.tensorboard=true".into()]);
-    let launch = LaunchEnv {
-        workers_flag: Some(1),
-        ..LaunchEnv::default()
-    };
-    let loaded = nanodist::plan::load_str(
-        Path::new("t.toml"),
-        &tiny_config(dir, "tracked"),
-        &set,
-        &launch,
-    )
-    .unwrap();
-    train::run(&loaded).unwrap().run_dir
+    let mut set = set.to_vec();
+    set.extend(["log.wandb_log=true", "log.tensorboard=true"]);
+    common::train_config(&tiny_config(dir, "tracked"), 1, &set).run_dir
 }
 
 fn wandb_files(run_dir: &Path) -> Vec<PathBuf> {

@@ -31,15 +31,7 @@ fn config_text(dir: &Path) -> String {
 }
 
 fn run(dir: &Path, set: &[&str]) -> train::Summary {
-    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    let loaded = nanodist::plan::load_str(
-        Path::new("t.toml"),
-        &config_text(dir),
-        &set,
-        &LaunchEnv::default(),
-    )
-    .unwrap();
-    train::run(&loaded).unwrap()
+    common::train_config(&config_text(dir), 1, set)
 }
 
 /// The parts of a row that must be identical between runs (not timings).

@@ -110,6 +110,24 @@ pub fn write_tiny_config(dir: &Path, name: &str, run_name: &str) -> std::path::P
     path
 }
 
+/// The one in-process training run of the tests: config text `src` with `set` applied, on `workers`
+/// local workers.
+pub fn train_config(src: &str, workers: usize, set: &[&str]) -> nanodist::train::Summary {
+    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+    let launch = nanodist::plan::LaunchEnv {
+        workers_flag: Some(workers),
+        ..Default::default()
+    };
+    let loaded = nanodist::plan::load_str(Path::new("t.toml"), src, &set, &launch)
+        .unwrap_or_else(|e| panic!("{set:?}: {e}"));
+    nanodist::train::run(&loaded).unwrap_or_else(|e| panic!("{set:?}: {e:#}"))
+}
+
+/// The metrics rows of a run.
+pub fn rows_of(s: &nanodist::train::Summary) -> Vec<nanodist::metrics::Row> {
+    nanodist::metrics::read_rows(&s.run_dir.join("metrics.jsonl")).unwrap()
+}
+
 /// Trains the tiny config (evaluated every 5 steps) on `workers` local workers with `set`, in process.
 pub fn train_tiny(
     dir: &Path,
@@ -117,15 +135,11 @@ pub fn train_tiny(
     workers: usize,
     set: &[&str],
 ) -> nanodist::train::Summary {
-    let src = config(dir, Some(name), &["log.eval_interval=5"]);
-    let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
-    let launch = nanodist::plan::LaunchEnv {
-        workers_flag: Some(workers),
-        ..Default::default()
-    };
-    let loaded = nanodist::plan::load_str(Path::new("t.toml"), &src, &set, &launch)
-        .unwrap_or_else(|e| panic!("{set:?}: {e}"));
-    nanodist::train::run(&loaded).unwrap_or_else(|e| panic!("{set:?}: {e:#}"))
+    train_config(
+        &config(dir, Some(name), &["log.eval_interval=5"]),
+        workers,
+        set,
+    )
 }
 
 /// One run of every synchronisation (backends, topologies, reducers, low-communication methods) for 4
