@@ -11,10 +11,11 @@ if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
 mpi="libopenmpi-dev openmpi-bin libclang-dev clang"
 slurm="slurmctld slurmd slurm-client munge libpmix-dev"
 fonts="fonts-dejavu-core"   # the text of `nanodist plot`
-if ! command -v mpirun >/dev/null || ! dpkg -s $mpi $slurm $fonts >/dev/null 2>&1; then
+net="iproute2"               # ip, tc and ss for `nanodist netlab`
+if ! command -v mpirun >/dev/null || ! dpkg -s $mpi $slurm $fonts $net >/dev/null 2>&1; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $mpi >/dev/null
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $slurm $fonts >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $slurm $fonts $net >/dev/null
 fi
 python3 -m pip install --quiet --disable-pip-version-check tiktoken==0.14.0 numpy==2.4.6 wandb==0.22.3 tensorboard==2.20.0
 # The newest wandb beside the pinned one: its `wandb leet inspect` must read nanodist's runs too.

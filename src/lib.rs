@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod logging;
 pub mod metrics;
 pub mod model;
+pub mod netlab;
 pub mod optim;
 pub mod plan;
 pub mod predict;

@@ -312,6 +312,10 @@ enum Command {
         #[arg(long, hide = true)]
         probe: bool,
     },
+    /// Hosts in network namespaces joined by shaped links on this machine, for real multi-host runs
+    /// (needs root, iproute2, and Open MPI for `run`).
+    #[command(subcommand)]
+    Netlab(nanodist::netlab::NetlabCommand),
     /// Print the config's JSON Schema (for editors: Taplo / Even Better TOML).
     Schema {
         /// The cluster profile's schema instead of the config's.
@@ -438,6 +442,13 @@ fn train(args: ConfigArgs, opts: &nanodist::train::RunOptions) -> Result<()> {
             .map_or("n/a".into(), |v| format!("{v:.4}")),
         summary.run_dir.display()
     );
+    if summary.bytes_sent > 0 {
+        println!(
+            "rank 0 sent {} ({} B) in this run, bookkeeping included",
+            nanodist::units::bytes(summary.bytes_sent as f64),
+            summary.bytes_sent
+        );
+    }
     Ok(())
 }
 
@@ -793,6 +804,11 @@ fn run(cli: Cli) -> Result<()> {
             probe,
         } => calibrate(engine, &output, shared_step_secs, probe),
         Command::Schema { cluster, output } => schema(cluster, output),
+        Command::Netlab(c) => match nanodist::netlab::command(c)? {
+            0 => Ok(()),
+            // The job's own exit code (a failed rank's), after the counters were printed.
+            code => std::process::exit(code),
+        },
     }
 }
 

@@ -43,6 +43,9 @@ pub struct Summary {
     pub step: u64,
     pub last_val_loss: Option<f64>,
     pub exit: Exit,
+    /// Bytes this rank sent in this run (since it started or resumed), bookkeeping included (loss means,
+    /// exit votes, evaluations, checkpoints), as its engine counted them.
+    pub bytes_sent: u64,
 }
 
 /// The run directory: log_dir/<run_name | $SLURM_ARRAY_JOB_ID | $SLURM_JOB_ID | start time>.

@@ -777,6 +777,7 @@ impl<'s> Worker<'s> {
             step: self.progress.step,
             last_val_loss,
             exit,
+            bytes_sent: self.sync.comm_stats().bytes_sent,
         }
     }
 }
