@@ -36,6 +36,16 @@ fn per_element(n: usize) -> LaunchConfig {
     grid(n.div_ceil(BLOCK).min(MAX_BLOCKS))
 }
 
+/// A message of `len` entries at `off` lies inside a channel's public copy and memory.
+fn in_channel(off: usize, len: usize, hat: &CudaSlice<f32>, memory: &CudaSlice<f32>) -> Result<()> {
+    let channel = hat.len().min(memory.len());
+    ensure!(
+        off + len <= channel,
+        "internal error: a message of {len} entries at {off} past a channel of {channel}"
+    );
+    Ok(())
+}
+
 fn u32_of(n: usize, what: &str) -> Result<u32> {
     u32::try_from(n)
         .with_context(|| format!("{what} = {n} does not fit the kernels' 32-bit indices"))
@@ -543,11 +553,7 @@ impl Kernels {
             u32_of(bucket.max(1), "bucket")?,
         );
         let own = u32::from(own);
-        ensure!(
-            off + len <= hat.len().min(memory.len()),
-            "internal error: a message of {len} entries at {off} past a channel of {}",
-            hat.len().min(memory.len())
-        );
+        in_channel(off, len, hat, memory)?;
         // SAFETY: qsgd_absorb(hat, memory, off, len, bucket, norms, codes, levels, bits, tau, tau_last, w,
         // own) over len entries from off, inside hat and memory (checked above); the caller's contract
         // sizes norms and codes for them.
@@ -606,11 +612,7 @@ impl Kernels {
             u32_of(len, "length")?,
             u32::from(own),
         );
-        ensure!(
-            off + len <= hat.len().min(memory.len()),
-            "internal error: a message of {len} entries at {off} past a channel of {}",
-            hat.len().min(memory.len())
-        );
+        in_channel(off, len, hat, memory)?;
         // SAFETY: sign_absorb(hat, memory, off, len, part, w, own) over len entries from off, inside hat
         // and memory (checked above); the caller's contract sizes part for them.
         unsafe {
