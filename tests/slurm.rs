@@ -369,30 +369,37 @@ fn exit_duration_mins_under_srun_stops_every_rank_at_one_step_and_the_chain_fini
     if !slurm_up() {
         return;
     }
-    // Each link trains ~3 s (train.exit_duration_mins = 0.05) of a run of ~5-24 s (0.4-2 ms a step on the
-    // machines of this class; at 6000 steps the faster ones finished within the first link): the ranks must
-    // agree on the step at which time runs out, or the chain could not match the uninterrupted run bit for
-    // bit.
-    let (d, cfg) = setup(&[
-        "train.exit_duration_mins=0.05",
+    // Each link gets a third of the time the uninterrupted run takes here (machines of this class run
+    // 0.2-2 ms a step; a fixed budget once let the fast ones finish within the first link), so the chain
+    // has several links on any of them: the ranks must agree on the step at which time runs out, or the
+    // chain could not match the uninterrupted run bit for bit.
+    let set = [
         "train.n_steps=12000",
         "log.log_interval=500",
         "log.eval_interval=2000",
         "log.ckpt_interval=0",
-    ]);
-    let patched = std::fs::read_to_string(&cfg).unwrap();
+    ];
+    let (d, cfg) = setup(&set);
+    let start = Instant::now();
+    let local = local_rows(&std::fs::read_to_string(&cfg).unwrap(), 2);
+    let link_mins = (start.elapsed().as_secs_f64() / 3.0).max(0.5) / 60.0;
+    let budget = format!("train.exit_duration_mins={link_mins}");
+    std::fs::write(
+        &cfg,
+        config_text(d.path(), &[&set[..], &[&budget]].concat()),
+    )
+    .unwrap();
     let id = sbatch(
         &cfg,
         &[
             "--tasks-per-node",
             "2",
             "--array",
-            "1-20%1",
+            "1-40%1",
             "--time",
             "00:05:00",
         ],
     );
-    let local = local_rows(&patched.replace("exit_duration_mins = 0.05", ""), 2);
     wait_job(&id, Duration::from_secs(600));
     let run = d.path().join("log").join(&id);
     let log = job_log(&run);
