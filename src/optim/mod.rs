@@ -2,10 +2,15 @@
 //! gradient and state buffers (name-sorted, as `model::ParamSet` lays them out).
 
 pub mod adamw;
+mod optimizer;
 pub mod schedule;
+pub mod sgd;
+#[cfg(test)]
+mod tests;
 
-pub use adamw::{build, OptimState, OptimView, Optimizer, Sgd};
+pub use optimizer::{build, OptimState, OptimView, Optimizer, Shard};
 pub use schedule::lr_at;
+pub use sgd::Sgd;
 
 use anyhow::Result;
 
@@ -69,99 +74,5 @@ pub fn clip_factor(norm: f64, max_norm: f64) -> f32 {
         coef as f32
     } else {
         1.0
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn clipping_scales_to_the_max_norm_and_reports_the_pre_clip_norm() {
-        let mut g = vec![3.0f32, 4.0];
-        assert_eq!(clip_grad_norm(&mut g, 1.0), 5.0);
-        assert!((global_norm(&g) - 1.0).abs() < 1e-6);
-        let mut g = vec![0.3f32, 0.4];
-        clip_grad_norm(&mut g, 1.0);
-        assert_eq!(g, vec![0.3, 0.4]);
-        let mut g = vec![30.0f32, 40.0];
-        clip_grad_norm(&mut g, 0.0);
-        assert_eq!(g, vec![30.0, 40.0]);
-    }
-
-    /// The clipping folded into the update (`step_scaled`) gives what scaling the gradient first gave,
-    /// bit for bit, for every optimizer the loop runs.
-    #[test]
-    fn a_scaled_step_is_the_step_of_the_scaled_gradient() {
-        use crate::config::optim::SgdConfig;
-        use crate::config::OptimConfig;
-        let sgd = |momentum, nesterov| {
-            OptimConfig::Sgd(SgdConfig {
-                momentum,
-                nesterov,
-                weight_decay: 0.1,
-            })
-        };
-        let accum = OptimConfig::AccumAdamW(crate::config::AccumAdamWConfig {
-            accum_steps: 2,
-            ..Default::default()
-        });
-        let dense = None;
-        let segs = Segment::end_to_end([(7, true), (3, false)]);
-        for optim in [
-            OptimConfig::default(),
-            accum,
-            sgd(0.0, false),
-            sgd(0.9, true),
-        ] {
-            let mut a = for_run(&optim, dense, segs.clone(), 10, &Place::Host).unwrap();
-            let mut b = for_run(&optim, dense, segs.clone(), 10, &Place::Host).unwrap();
-            let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
-            for t in 0..4 {
-                let g: Vec<f32> = (0..10).map(|i| (i as f32 - 4.5) * (t + 1) as f32).collect();
-                let mut clipped = g.clone();
-                let norm = clip_grad_norm(&mut clipped, 1.0);
-                let c = clip_factor(norm, 1.0);
-                a.step((&mut pa).into(), (&clipped).into(), 0.01).unwrap();
-                b.step_scaled((&mut pb).into(), (&g).into(), 0.01, c)
-                    .unwrap();
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&pa), bits(&pb), "{optim:?} step {t}");
-            }
-        }
-    }
-
-    /// `state_buffers` (what `check` budgets) is what each optimizer holds after a step.
-    #[test]
-    fn state_buffers_counts_what_the_optimizers_hold() {
-        use crate::config::optim::SgdConfig;
-        use crate::config::OptimConfig;
-        let sgd = |momentum| {
-            OptimConfig::Sgd(SgdConfig {
-                momentum,
-                nesterov: false,
-                weight_decay: 0.0,
-            })
-        };
-        let accum = OptimConfig::AccumAdamW(Default::default());
-        let dense = None;
-        for optim in [OptimConfig::default(), accum, sgd(0.0), sgd(0.9)] {
-            let numel = 10;
-            let seg = vec![Segment {
-                offset: 0,
-                len: numel,
-                decay: true,
-            }];
-            let mut opt = for_run(&optim, dense, seg, numel, &Place::Host).unwrap();
-            let mut p = vec![1.0f32; numel];
-            opt.step((&mut p).into(), (&[0.5; 10][..]).into(), 0.1)
-                .unwrap();
-            let held: usize = opt.view().buffers.iter().map(|(_, b)| b.len()).sum();
-            assert_eq!(
-                held as u64,
-                state_buffers(&optim, dense) * numel as u64,
-                "{optim:?}"
-            );
-        }
     }
 }

@@ -25,7 +25,7 @@ use crate::comm::Parts;
 use crate::flat::{Flat, FlatMut, FlatRef};
 use crate::kernels::optim::{tile_sum_squares, TILE};
 use crate::kernels::Segment;
-use crate::optim::adamw::Shard;
+use crate::optim::Shard;
 use crate::optim::{OptimView, Optimizer};
 use crate::sync::SyncBackend;
 

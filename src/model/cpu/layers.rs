@@ -1,0 +1,409 @@
+//! The CPU engine's layers, forward and backward, over slices of the flat buffers: cross entropy,
+//! linear, layer norm, causal attention in blocks, and the element-wise ops between them.
+
+use multiversion::multiversion;
+use rayon::prelude::*;
+
+use super::super::matmul::{mm, M};
+use super::super::ops::{row_max, row_sums_of, rows_lse, rows_per_task, rows_stats, CHUNK, ROWS};
+use super::{Linear, Norm, Params, LN_EPS};
+use gemm::Parallelism;
+
+/// Mean cross-entropy of the rows of `logits` (width v) against `y`, saving each row's log-sum-exp; per
+/// task sums in f64 added in task order (deterministic for any thread count).
+#[multiversion(targets = "simd")]
+pub(super) fn cross_entropy(logits: &[f32], lse_out: &mut [f32], y: &[u32], v: usize) -> f32 {
+    let n = y.len();
+    // At least ROWS rows per task, so that wide rows (GPT-2's 50304) interleave too.
+    let per = rows_per_task(n, v).max(ROWS);
+    let sums: Vec<f64> = logits
+        .par_chunks(per * v)
+        .zip(lse_out.par_chunks_mut(per))
+        .zip(y.par_chunks(per))
+        .map(|((z, lse_out), y)| {
+            // The rows' log-sum-exps ROWS at a time (their serial sums interleaved), the rest one by one.
+            let full = lse_out.len() / ROWS * ROWS;
+            for (z, o) in z.chunks(ROWS * v).zip(lse_out[..full].chunks_mut(ROWS)) {
+                o.copy_from_slice(&rows_lse::<ROWS>(z, v));
+            }
+            for (z, o) in z[full * v..].chunks(v).zip(&mut lse_out[full..]) {
+                *o = rows_lse::<1>(z, v)[0];
+            }
+            z.chunks(v)
+                .zip(lse_out.iter())
+                .zip(y)
+                .map(|((row, &o), &target)| (o - row[target as usize]) as f64)
+                .sum::<f64>()
+        })
+        .collect();
+    (sums.iter().sum::<f64>() / n as f64) as f32
+}
+
+/// d loss / d logits = k (softmax - onehot), in place, from the rows' log-sum-exp.
+#[multiversion(targets = "simd")]
+pub(super) fn cross_entropy_backward(logits: &mut [f32], lse: &[f32], y: &[u32], v: usize, k: f32) {
+    let per = rows_per_task(y.len(), v);
+    logits
+        .par_chunks_mut(per * v)
+        .zip(lse.par_chunks(per))
+        .zip(y.par_chunks(per))
+        .for_each(|((z, lse), y)| {
+            for ((row, &l), &target) in z.chunks_mut(v).zip(lse).zip(y) {
+                row.iter_mut()
+                    .for_each(|z| *z = k * super::super::ops::exp(*z - l));
+                row[target as usize] -= k;
+            }
+        });
+}
+
+/// out = x W^T + b for x (n, in).
+#[multiversion(targets = "simd")]
+pub(super) fn linear(p: &Params, lin: Linear, x: &[f32], n: usize, out: &mut [f32]) {
+    let w = M::new(p.get(lin.w), lin.out, lin.inp);
+    let acc = match lin.b {
+        Some(b) => {
+            let bias = p.get(b);
+            out.par_chunks_mut(lin.out * rows_per_task(n, lin.out))
+                .for_each(|rows| {
+                    rows.chunks_mut(lin.out)
+                        .for_each(|r| r.copy_from_slice(bias))
+                });
+            true
+        }
+        None => false,
+    };
+    p.mm.mm(out, lin.out, M::new(x, n, lin.inp), w.t(), acc);
+}
+
+/// Backward of `linear` given dy (n, out) and its input x (n, in): dW += dy^T x, db += column sums of
+/// dy, dx = dy W.
+pub(super) fn linear_backward(
+    p: &Params,
+    grads: &mut [f32],
+    lin: Linear,
+    dy: &[f32],
+    x: &[f32],
+    n: usize,
+    dx: &mut [f32],
+) {
+    let dy_m = M::new(dy, n, lin.out);
+    p.mm.mm(
+        lin.w.of(grads),
+        lin.inp,
+        dy_m.t(),
+        M::new(x, n, lin.inp),
+        true,
+    );
+    if let Some(b) = lin.b {
+        column_sums_into(b.of(grads), dy, lin.out);
+    }
+    let w = M::new(p.get(lin.w), lin.out, lin.inp);
+    p.mm.mm(dx, lin.inp, dy_m, w, false);
+}
+
+/// acc[j] += sum over rows of m[., j], with per-task partial sums added in task order (the result does
+/// not depend on the thread count).
+#[multiversion(targets = "simd")]
+pub(super) fn column_sums_into(acc: &mut [f32], m: &[f32], cols: usize) {
+    let per = rows_per_task(m.len() / cols, cols);
+    let partial: Vec<Vec<f32>> = m
+        .par_chunks(per * cols)
+        .map(|rows| {
+            let mut s = vec![0.0f32; cols];
+            for r in rows.chunks(cols) {
+                s.iter_mut().zip(r).for_each(|(s, v)| *s += v);
+            }
+            s
+        })
+        .collect();
+    for s in partial {
+        acc.iter_mut().zip(&s).for_each(|(a, v)| *a += v);
+    }
+}
+
+/// LayerNorm of the rows of x (width c) into y, saving each row's (mean, 1/std).
+#[multiversion(targets = "simd")]
+pub(super) fn layer_norm(
+    x: &[f32],
+    p: &Params,
+    norm: Norm,
+    c: usize,
+    y: &mut [f32],
+    stats: &mut [(f32, f32)],
+) {
+    let w = p.get(norm.w);
+    let bias = norm.b.map(|b| p.get(b));
+    let per = rows_per_task(stats.len(), c);
+    y.par_chunks_mut(per * c)
+        .zip(x.par_chunks(per * c))
+        .zip(stats.par_chunks_mut(per))
+        .for_each(|((y, x), st)| {
+            // The rows' statistics ROWS at a time (their serial sums interleaved), the rest one by one.
+            let full = st.len() / ROWS * ROWS;
+            for (x, st) in x.chunks(ROWS * c).zip(st[..full].chunks_mut(ROWS)) {
+                st.copy_from_slice(&rows_stats::<ROWS>(x, c, LN_EPS));
+            }
+            for (x, st) in x[full * c..].chunks(c).zip(&mut st[full..]) {
+                *st = rows_stats::<1>(x, c, LN_EPS)[0];
+            }
+            for ((y, x), &(mean, rstd)) in y.chunks_mut(c).zip(x.chunks(c)).zip(st.iter()) {
+                for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                    *y = (x - mean) * rstd * w;
+                }
+                if let Some(bias) = bias {
+                    y.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
+                }
+            }
+        });
+}
+
+/// Backward of `layer_norm`: dx += rstd (g w - mean(g w) - xhat mean(g w xhat)), dw += sum g xhat,
+/// db += sum g.
+#[allow(clippy::too_many_arguments)]
+#[multiversion(targets = "simd")]
+pub(super) fn layer_norm_backward(
+    x: &[f32],
+    p: &Params,
+    norm: Norm,
+    c: usize,
+    stats: &[(f32, f32)],
+    g: &[f32],
+    dx: &mut [f32],
+    grads: &mut [f32],
+) {
+    let w = p.get(norm.w);
+    let per = rows_per_task(stats.len(), c);
+    let partial: Vec<Vec<f32>> = dx
+        .par_chunks_mut(per * c)
+        .zip(x.par_chunks(per * c))
+        .zip(g.par_chunks(per * c))
+        .zip(stats.par_chunks(per))
+        .map(|(((dx, x), g), st)| {
+            // dw then db of this task's rows.
+            let mut dwb = vec![0.0f32; 2 * c];
+            let (dw, db) = dwb.split_at_mut(c);
+            let mut xhat = vec![0.0f32; ROWS * c];
+            // ROWS rows at a time (their serial sums interleaved; the last group may be shorter).
+            let groups = dx
+                .chunks_mut(ROWS * c)
+                .zip(x.chunks(ROWS * c))
+                .zip(g.chunks(ROWS * c))
+                .zip(st.chunks(ROWS));
+            for (((dx, x), g), st) in groups {
+                // The column-wise part row by row (it vectorizes), then the two serial sums of each row.
+                for (r, &(mean, rstd)) in st.iter().enumerate() {
+                    let (x, g) = (&x[r * c..][..c], &g[r * c..][..c]);
+                    let xhat = &mut xhat[r * c..][..c];
+                    let cols = xhat
+                        .iter_mut()
+                        .zip(x)
+                        .zip(g)
+                        .zip(dw.iter_mut().zip(db.iter_mut()));
+                    for (((xh, &x), &g), (dw, db)) in cols {
+                        *xh = (x - mean) * rstd;
+                        *dw += g * *xh;
+                        *db += g;
+                    }
+                }
+                let (k, n) = (st.len(), c as f32);
+                let gw = |r: usize, i: usize| g[r * c + i] * w[i];
+                let m1 = row_sums_of(k, c, 0.0, gw);
+                let m2 = row_sums_of(k, c, 0.0, |r, i| gw(r, i) * xhat[r * c + i]);
+                for (r, &(_, rstd)) in st.iter().enumerate() {
+                    let (m1, m2) = (m1[r] / n, m2[r] / n);
+                    let (dx, g) = (&mut dx[r * c..][..c], &g[r * c..][..c]);
+                    let xhat = &xhat[r * c..][..c];
+                    for (((dx, &g), &w), &xh) in dx.iter_mut().zip(g).zip(w).zip(xhat) {
+                        *dx += rstd * (g * w - m1 - xh * m2);
+                    }
+                }
+            }
+            dwb
+        })
+        .collect();
+    for dwb in partial {
+        let (dw, db) = dwb.split_at(c);
+        norm.w
+            .of(grads)
+            .iter_mut()
+            .zip(dw)
+            .for_each(|(a, v)| *a += v);
+        if let Some(b) = norm.b {
+            b.of(grads).iter_mut().zip(db).for_each(|(a, v)| *a += v);
+        }
+    }
+}
+
+/// Rows per block of causal attention: a block of queries meets only the keys up to its last row, so the
+/// products above the diagonal's blocks are never computed (at T = 256, 5/8 of the full T x T work).
+pub(super) const ATT_BLOCK: usize = 64;
+
+/// The row blocks `r0..r1` of a T x T attention matrix.
+pub(super) fn att_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t)
+        .step_by(ATT_BLOCK)
+        .map(move |r0| (r0, (r0 + ATT_BLOCK).min(t)))
+}
+
+/// Causal self-attention of qkv (n, 3C: q | k | v, heads side by side) into y (n, C), saving the
+/// probabilities (B, H, T, T; zero above the diagonal). One task per sequence; per head, one block of
+/// `ATT_BLOCK` query rows at a time against the keys and values up to the block's last row.
+#[multiversion(targets = "simd")]
+pub(super) fn attention_forward(
+    qkv: &[f32],
+    att: &mut [f32],
+    y: &mut [f32],
+    t: usize,
+    c: usize,
+    h: usize,
+) {
+    let hs = c / h;
+    let scale = 1.0 / (hs as f32).sqrt();
+    att.par_chunks_mut(h * t * t)
+        .zip(y.par_chunks_mut(t * c))
+        .zip(qkv.par_chunks(t * 3 * c))
+        .for_each(|((att, y), qkv)| {
+            for hd in 0..h {
+                for (r0, r1) in att_blocks(t) {
+                    let q = M::strided(&qkv[r0 * 3 * c + hd * hs..], r1 - r0, hs, 3 * c);
+                    let k = M::strided(&qkv[c + hd * hs..], r1, hs, 3 * c);
+                    let v = M::strided(&qkv[2 * c + hd * hs..], r1, hs, 3 * c);
+                    let pr = &mut att[hd * t * t + r0 * t..][..(r1 - r0) * t];
+                    mm(pr, t, q, k.t(), false, scale, Parallelism::None);
+                    for (i, row) in (r0..).zip(pr.chunks_mut(t)) {
+                        let (keep, masked) = row.split_at_mut(i + 1);
+                        let max = row_max(keep);
+                        // The exponentials in a loop of their own (it vectorizes), then their sum in order.
+                        keep.iter_mut()
+                            .for_each(|s| *s = super::super::ops::exp(*s - max));
+                        let inv = 1.0 / keep.iter().sum::<f32>();
+                        keep.iter_mut().for_each(|s| *s *= inv);
+                        masked.iter_mut().for_each(|s| *s = 0.0);
+                    }
+                    mm(
+                        &mut y[r0 * c + hd * hs..],
+                        c,
+                        M::strided(pr, r1 - r0, r1, t),
+                        v,
+                        false,
+                        1.0,
+                        Parallelism::None,
+                    );
+                }
+            }
+        });
+}
+
+/// Backward of `attention_forward` given dy (n, C): dqkv (n, 3C) is overwritten. Blocked as the forward:
+/// a row block of dP, dS and dq reaches the block's last column; a column block of dv and dk starts at
+/// the block's first row (P and dS are zero above the diagonal).
+#[allow(clippy::too_many_arguments)]
+#[multiversion(targets = "simd")]
+pub(super) fn attention_backward(
+    qkv: &[f32],
+    att: &[f32],
+    dy: &[f32],
+    dqkv: &mut [f32],
+    t: usize,
+    c: usize,
+    h: usize,
+) {
+    let hs = c / h;
+    let scale = 1.0 / (hs as f32).sqrt();
+    dqkv.par_chunks_mut(t * 3 * c)
+        .zip(att.par_chunks(h * t * t))
+        .zip(dy.par_chunks(t * c))
+        .zip(qkv.par_chunks(t * 3 * c))
+        .for_each(|(((dqkv, att), dy), qkv)| {
+            let mut ds = vec![0.0f32; t * t];
+            for hd in 0..h {
+                let pr = &att[hd * t * t..][..t * t];
+                let q_from =
+                    |r0: usize| M::strided(&qkv[r0 * 3 * c + hd * hs..], t - r0, hs, 3 * c);
+                let dy_from = |r0: usize| M::strided(&dy[r0 * c + hd * hs..], t - r0, hs, c);
+                for (r0, r1) in att_blocks(t) {
+                    // dP = dy v^T, then dS = P (dP - rowsum(P dP)), zero where P is.
+                    let v = M::strided(&qkv[2 * c + hd * hs..], r1, hs, 3 * c);
+                    let dyh = M::strided(&dy[r0 * c + hd * hs..], r1 - r0, hs, c);
+                    let dsb = &mut ds[r0 * t..][..(r1 - r0) * t];
+                    mm(dsb, t, dyh, v.t(), false, 1.0, Parallelism::None);
+                    for (i, (ds, pr)) in (r0..).zip(dsb.chunks_mut(t).zip(pr[r0 * t..].chunks(t))) {
+                        // P is zero above the diagonal: those terms would add zeros to this serial sum.
+                        let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
+                        ds[..r1]
+                            .iter_mut()
+                            .zip(pr)
+                            .for_each(|(d, &p)| *d = p * (*d - dot));
+                    }
+                    // S = scale q k^T: dq = scale dS k over the keys up to the block's last row.
+                    let k = M::strided(&qkv[c + hd * hs..], r1, hs, 3 * c);
+                    mm(
+                        &mut dqkv[r0 * 3 * c + hd * hs..],
+                        3 * c,
+                        M::strided(&ds[r0 * t..], r1 - r0, r1, t),
+                        k,
+                        false,
+                        scale,
+                        Parallelism::None,
+                    );
+                }
+                for (c0, c1) in att_blocks(t) {
+                    // dv = P^T dy and dk = scale dS^T q, over the rows from the block's first on.
+                    let pcol = M::strided(&pr[c0 * t + c0..], t - c0, c1 - c0, t);
+                    mm(
+                        &mut dqkv[c0 * 3 * c + 2 * c + hd * hs..],
+                        3 * c,
+                        pcol.t(),
+                        dy_from(c0),
+                        false,
+                        1.0,
+                        Parallelism::None,
+                    );
+                    let dscol = M::strided(&ds[c0 * t + c0..], t - c0, c1 - c0, t);
+                    mm(
+                        &mut dqkv[c0 * 3 * c + c + hd * hs..],
+                        3 * c,
+                        dscol.t(),
+                        q_from(c0),
+                        false,
+                        scale,
+                        Parallelism::None,
+                    );
+                }
+            }
+        });
+}
+
+/// out = a + b.
+#[multiversion(targets = "simd")]
+pub(super) fn add(out: &mut [f32], a: &[f32], b: &[f32]) {
+    out.iter_mut()
+        .zip(a)
+        .zip(b)
+        .for_each(|((o, a), b)| *o = a + b);
+}
+
+/// out = a * b.
+#[multiversion(targets = "simd")]
+pub(super) fn mul(out: &mut [f32], a: &[f32], b: &[f32]) {
+    out.iter_mut()
+        .zip(a)
+        .zip(b)
+        .for_each(|((o, a), b)| *o = a * b);
+}
+
+/// out = f(x), in parallel chunks.
+#[multiversion(targets = "simd")]
+pub(super) fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
+}
+
+/// g *= f(x), in parallel chunks.
+#[multiversion(targets = "simd")]
+pub(super) fn map_mul(g: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    g.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(g, x)| g.iter_mut().zip(x).for_each(|(g, &x)| *g *= f(x)));
+}
