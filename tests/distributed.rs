@@ -219,6 +219,21 @@ fn every_backend_trains_through_a_batch_ramp_up() {
                 .all(|r| r.train_loss.is_finite() && r.grad_norm.is_finite()),
             "{name}"
         );
+        // The gradient reducers keep the replicas equal: a consensus distance is reported by the others
+        // alone.
+        let stay_equal = [
+            "allreduce",
+            "topk",
+            "radius",
+            "powersgd",
+            "powersgd1",
+            "demo",
+        ];
+        assert_eq!(
+            rows.iter().any(|r| r.consensus_distance.is_some()),
+            !stay_equal.contains(name),
+            "{name}: consensus distance"
+        );
     }
 }
 

@@ -430,13 +430,6 @@ impl SyncBackend for Demo {
     fn clipped_grad_norm(&self) -> Option<f64> {
         self.grad_norm
     }
-    /// Every rank applies the same direction: the replicas stay equal, no consensus distance.
-    fn touches_params(&self) -> bool {
-        false
-    }
-    fn replicas_differ(&self) -> bool {
-        false
-    }
     fn state(&self) -> Result<State> {
         if self.delta.is_empty() {
             return Ok(Vec::new());

@@ -61,13 +61,10 @@ pub trait SyncBackend {
     fn grads_ready(&mut self, _grads: FlatMut<'_>, _range: std::ops::Range<usize>) -> Result<()> {
         Ok(())
     }
-    /// Whether `before_step` and `after_step` do anything: the loop calls them (on the GPU, through a
-    /// host copy of the parameters) only when they do. The backends whose replicas stay equal do not.
-    fn touches_params(&self) -> bool {
-        true
-    }
     /// Runs after the optimizer step of step `step` (gossip mixes parameters here, DiLoCo and SPARTA
-    /// sync them); gradient-reducing backends keep this default.
+    /// sync them); gradient-reducing backends keep this default. The loop calls this and `before_step`
+    /// (on the GPU, through a host copy of the parameters) only where the replicas differ
+    /// (`SyncPlan::replicas_stay_equal`).
     fn after_step(&mut self, _params: &mut [f32], _step: u64) -> Result<()> {
         Ok(())
     }
@@ -99,19 +96,14 @@ pub trait SyncBackend {
     }
     /// The model to evaluate and checkpoint: the global average of the replicas (DiLoCo: its global
     /// model), computed into `avg`, or `params` itself where that is the model (one worker: no copy).
-    /// Also the consensus distance (mean over ranks of ||x_i - avg||) for backends whose replicas differ
-    /// between syncs. Replicas themselves are left as they are.
+    /// Also the consensus distance (mean over ranks of ||x_i - avg||; the loop reports it where the
+    /// replicas differ between syncs). Replicas themselves are left as they are.
     fn average<'a>(
         &mut self,
         params: &'a [f32],
         avg: &'a mut Vec<f32>,
     ) -> Result<(&'a [f32], Option<f64>)> {
-        let differ = self.replicas_differ();
-        average_with(self.comm_mut(), params, avg).map(|(m, d)| (m, differ.then_some(d)))
-    }
-    /// Whether the replicas differ between syncs (then `average` reports the consensus distance).
-    fn replicas_differ(&self) -> bool {
-        true
+        average_with(self.comm_mut(), params, avg).map(|(m, d)| (m, Some(d)))
     }
     fn barrier(&mut self) -> Result<()> {
         self.comm_mut().barrier()
@@ -320,13 +312,6 @@ impl SyncBackend for AllReduce {
             }
         }
         Ok(())
-    }
-    /// The replicas are equal: their average is the model, and there is no consensus distance.
-    fn replicas_differ(&self) -> bool {
-        false
-    }
-    fn touches_params(&self) -> bool {
-        false
     }
 }
 
@@ -591,13 +576,6 @@ impl SyncBackend for Compressed {
     }
     fn take_metrics(&mut self) -> Metrics {
         self.tally.take()
-    }
-    /// The replicas are equal: their average is the model, and there is no consensus distance.
-    fn touches_params(&self) -> bool {
-        false
-    }
-    fn replicas_differ(&self) -> bool {
-        false
     }
     fn clipped_grad_norm(&self) -> Option<f64> {
         self.clipped_norm

@@ -90,7 +90,9 @@ impl SyncPlan {
     }
 
     /// Whether every rank applies the same update to the same parameters, so that the replicas stay equal:
-    /// the gradient-reducing backends (the local engine then keeps one replica, see `train::replica`).
+    /// the gradient-reducing backends. Then the local engine keeps one replica (`train::replica`), the
+    /// loop skips the backend's parameter hooks (`SyncBackend::before_step`, `after_step`), and there is
+    /// no consensus distance to report. Stated here alone: the backends do not restate it.
     pub fn replicas_stay_equal(&self) -> bool {
         matches!(
             self,

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -150,12 +150,6 @@ impl<'s> Worker<'s> {
         let mut dropout = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
         dropout.set_stream(sync.rank() as u64);
         let shared = replica::shared_by(plan, device.is_cuda());
-        if shared && (sync.replicas_differ() || sync.touches_params()) {
-            bail!(
-                "internal error: the plan shares one replica, the backend {} keeps replicas apart",
-                sync.name()
-            );
-        }
         let parts = replica::parts(model.params.numel, sync.world_size());
         let replica = Self::replica(setup, &model, sync.as_mut(), shared, &segments)?;
         let mut w = Self {
@@ -461,7 +455,8 @@ impl<'s> Worker<'s> {
     /// (gossip mixes after it), then the model's weights.
     fn update(&mut self, lr: f64, grad_scale: f32) -> Result<()> {
         let start = self.since_log.sync_start(self.sync.comm_stats());
-        let (step, touches) = (self.progress.step, self.sync.touches_params());
+        let step = self.progress.step;
+        let touches = !self.setup.plan.sync.replicas_stay_equal();
         if touches {
             self.sync.before_step_flat(self.replica.params_mut()?)?;
         }
@@ -604,7 +599,7 @@ impl<'s> Worker<'s> {
         self.since_eval = (Instant::now(), step);
         (row.val_loss, row.val_ppl, row.eval_train_loss) =
             (Some(val), Some(val.exp()), Some(train));
-        if distance.is_some() {
+        if !setup.plan.sync.replicas_stay_equal() && distance.is_some() {
             row.consensus_distance = distance;
         }
         self.console
