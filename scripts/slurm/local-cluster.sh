@@ -7,9 +7,15 @@ cmd=${1:-start}
 
 stop() {
     scancel --full --quiet $(squeue -h -o %i 2>/dev/null) 2>/dev/null || true
-    for pidfile in /run/slurmd.pid /run/slurmctld.pid; do
-        [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
-        rm -f "$pidfile"
+    # A pid file can outlive its daemon (a machine image, a container restarted): its number may now
+    # belong to any process, the caller's shell included, so only a process of that name is stopped.
+    local daemon pid
+    for daemon in slurmd slurmctld; do
+        pid=$(cat "/run/$daemon.pid" 2>/dev/null || true)
+        if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$daemon" ]; then
+            kill "$pid" 2>/dev/null || true
+        fi
+        rm -f "/run/$daemon.pid"
     done
     pkill -x slurmstepd 2>/dev/null || true
 }
