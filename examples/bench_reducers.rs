@@ -10,14 +10,13 @@ use std::time::Instant;
 
 use nanodist::comm::Solo;
 use nanodist::config::backend::{PowerSgdConfig, RadiusConfig};
+use nanodist::kernels::Segment;
 use nanodist::sync::choco::{Codec, Compressor};
-use nanodist::sync::compress::{
-    powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer, TensorView,
-};
+use nanodist::sync::compress::{powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer};
 use rand::{Rng, SeedableRng};
 
 /// GPT-2 small (nanoGPT, vocab 50304, context 1024): (rows, cols, is matrix).
-fn gpt2_small() -> Vec<TensorView> {
+fn gpt2_small() -> Vec<Segment> {
     let (d, v, c, l) = (768, 50304, 1024, 12);
     let mut shapes = vec![(v, d, true), (c, d, true), (d, 1, false), (d, 1, false)];
     for _ in 0..l {
@@ -36,7 +35,7 @@ fn gpt2_small() -> Vec<TensorView> {
             (d, 1, false),
         ]);
     }
-    TensorView::from_shapes(&shapes)
+    Segment::from_shapes(&shapes)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -2,7 +2,7 @@
 """PyTorch reference for nanodist's model: nanoGPT's GPT-2 architecture, loaded with weights that
 nanodist exported (Hugging Face GPT-2 layout), evaluated on nanodist's batch.
 
-    cargo test --test torch_parity -- --ignored export   # writes tests/golden/parity_*.{safetensors,json}
+    cargo test --test it torch_parity::export -- --ignored   # writes tests/golden/parity_*.{safetensors,json}
     python3 scripts/torch_parity.py                     # writes tests/golden/parity_expected.json
 
 The expected file is committed, so `cargo test` checks logits, loss and gradient norms without PyTorch.

@@ -43,6 +43,13 @@ impl Trained {
 /// file such as a run's `best_model.safetensors` (config and tokenizer from its run's newest checkpoint).
 pub fn load(ckpt: &Path) -> Result<Trained> {
     let file = ckpt.is_file().then(|| ckpt.to_path_buf());
+    if file.is_some() && ckpt.extension().is_none_or(|e| e != "safetensors") {
+        return Err(bad_input!(
+            "{}: not a weights file; give a run directory (log/NAME, its newest checkpoint), a checkpoint \
+             directory (log/NAME/checkpoints/step_N) or a .safetensors file (log/NAME/best_model.safetensors)",
+            ckpt.display()
+        ));
+    }
     let run = match &file {
         Some(f) => f.parent().map_or(PathBuf::from("."), Path::to_path_buf),
         None => ckpt.to_path_buf(),

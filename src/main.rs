@@ -13,7 +13,7 @@ use nanodist::generate::SampleOptions;
 use nanodist::plan::{self, LaunchEnv};
 use nanodist::predict;
 use nanodist::slurm;
-use nanodist::train::{preflight, Exit};
+use nanodist::train::preflight;
 
 /// Training allocates and frees large tensors every step; glibc's malloc maps and unmaps them each time,
 /// and the page faults cost ~8% of a step. mimalloc keeps them for reuse.
@@ -138,9 +138,10 @@ struct SbatchArgs {
     /// Node features (#SBATCH --constraint), e.g. "a100&ib".
     #[arg(long)]
     constraint: Option<String>,
-    /// GPUs per node (#SBATCH --gpus-per-node; default: one per task on the NCCL engine).
+    /// GPUs per node: a GPU job, one rank per GPU on the NCCL engine with train.device = "cuda"
+    /// (#SBATCH --gpus-per-node; --tasks-per-node follows it).
     #[arg(long)]
-    gpus_per_node: Option<String>,
+    gpus_per_node: Option<u32>,
     /// Memory per node (#SBATCH --mem), e.g. 64G.
     #[arg(long)]
     mem: Option<String>,
@@ -203,6 +204,26 @@ struct PredictArgs {
     json: bool,
 }
 
+/// A job's layout for `check` to plan, as a launcher would start it, instead of this machine's.
+#[derive(clap::Args)]
+struct Preview {
+    /// Plan for N ranks started by a launcher (mpirun -np N, srun -n N), not for this machine.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65536))]
+    ranks: Option<u32>,
+    /// With --ranks: the ranks of each node (default all of them on one).
+    #[arg(long, value_name = "M", requires = "ranks", value_parser = clap::value_parser!(u32).range(1..))]
+    ranks_per_node: Option<u32>,
+    /// With --ranks: the device the job's ranks train on (cuda: the NCCL engine, one rank per GPU).
+    #[arg(long, value_enum, requires = "ranks")]
+    device: Option<PreviewDevice>,
+}
+
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+enum PreviewDevice {
+    Cpu,
+    Cuda,
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum CalibrateEngine {
     Local,
@@ -212,12 +233,18 @@ enum CalibrateEngine {
 #[derive(Subcommand)]
 enum Command {
     /// Validate a config and print the resolved plan (world size, batch arithmetic, model size, run time).
+    #[command(
+        after_help = "Examples:\n  nanodist check config/quickstart-char.toml\n  \
+nanodist check config/gpt2-small.toml --ranks 16 --ranks-per-node 4 --device cuda"
+    )]
     Check {
         #[command(flatten)]
         args: ConfigArgs,
         /// Throughput (tokens/s for the whole job) used to estimate the run time.
         #[arg(long, value_name = "TOKENS_PER_S")]
         tokens_per_s: Option<f64>,
+        #[command(flatten)]
+        preview: Preview,
     },
     /// Tokenize text, directories of text or JSONL into train/val token files and meta.json.
     Prepare(PrepareArgs),
@@ -327,6 +354,32 @@ enum Command {
     },
 }
 
+/// The plan of `args` for `ranks` ranks started by a launcher, `preview.ranks_per_node` to a node, on
+/// `preview.device` (CUDA: the NCCL engine).
+fn preview_load(args: &mut ConfigArgs, ranks: usize, preview: &Preview) -> Result<plan::Loaded> {
+    if args.workers.is_some() {
+        return Err(nanodist::bad_input!(
+            "--workers sizes the local engine of this machine; with --ranks, leave it out"
+        ));
+    }
+    if let Some(device) = preview.device {
+        let (engine, device) = match device {
+            PreviewDevice::Cuda => ("nccl", "cuda"),
+            PreviewDevice::Cpu => ("auto", "cpu"),
+        };
+        args.set.push(format!("train.engine=\"{engine}\""));
+        args.set.push(format!("train.device=\"{device}\""));
+    }
+    let mut launch = LaunchEnv {
+        launcher_world: Some(ranks),
+        launcher_local_world: Some(preview.ranks_per_node.map_or(ranks, |m| m as usize)),
+        launched_processes: Some(ranks),
+        ..LaunchEnv::default()
+    };
+    launch.data_vocab = data_vocab(&args.config, &args.set);
+    Ok(plan::load(&args.config, &args.set, &launch)?)
+}
+
 fn load(args: &ConfigArgs) -> Result<plan::Loaded> {
     let mut launch = LaunchEnv::detect(args.workers.map(|w| w as usize))?;
     launch.data_vocab = data_vocab(&args.config, &args.set);
@@ -342,14 +395,30 @@ fn data_vocab(path: &std::path::Path, set: &[String]) -> Option<(String, usize)>
     Some((meta.display().to_string(), m.vocab_size))
 }
 
-/// `check`: the config's rules and everything `train` checks before it starts (data, build, device).
-fn check(args: ConfigArgs, tokens_per_s: Option<f64>) -> Result<()> {
-    let loaded = load(&args)?;
-    preflight::check(&loaded, preflight::Host::Here)?;
+/// `check`: the config's rules and everything `train` checks before it starts (data, build, device), on
+/// this machine or for a previewed job layout.
+fn check(mut args: ConfigArgs, tokens_per_s: Option<f64>, preview: Preview) -> Result<()> {
+    let (loaded, host, place) = match preview.ranks {
+        None => (load(&args)?, preflight::Host::Here, "on this machine"),
+        Some(ranks) => (
+            preview_load(&mut args, ranks as usize, &preview)?,
+            preflight::Host::Job { own_binary: true },
+            "for the job",
+        ),
+    };
     for note in &loaded.notes {
         tracing::info!("note: {note}");
     }
-    println!("{}: ok", loaded.path.display());
+    // The plan first, then every problem with it at once (exit 2).
+    let (_, problems) = preflight::survey(&loaded, host);
+    println!(
+        "{}: {}",
+        loaded.path.display(),
+        match problems.len() {
+            0 => "ok".to_string(),
+            n => format!("{n} problem(s) {place}, listed after the plan"),
+        }
+    );
     println!("{}", plan_text(&loaded)?);
     match tokens_per_s {
         Some(tps) if tps > 0.0 => println!(
@@ -363,7 +432,7 @@ fn check(args: ConfigArgs, tokens_per_s: Option<f64>) -> Result<()> {
         }
         None => println!("run time          pass --tokens-per-s N for an estimate"),
     }
-    Ok(())
+    preflight::all_of(problems)
 }
 
 fn prepare(a: PrepareArgs) -> Result<()> {
@@ -428,14 +497,9 @@ fn train(args: ConfigArgs, opts: &nanodist::train::RunOptions) -> Result<()> {
     if !root {
         return Ok(());
     }
-    let how = match &summary.exit {
-        Exit::Finished => "finished".to_string(),
-        Exit::ExitInterval => "stopped at train.exit_interval".to_string(),
-        Exit::ExitDuration => "stopped at train.exit_duration_mins".to_string(),
-        Exit::Signal(s) => format!("stopped by {s} after saving a checkpoint"),
-    };
     println!(
-        "{how} at step {} (last val loss {}); run directory {}",
+        "{} at step {} (last val loss {}); run directory {}",
+        summary.exit,
         summary.step,
         summary
             .last_val_loss
@@ -492,6 +556,7 @@ fn sbatch(a: SbatchArgs) -> Result<()> {
         nodes: a.nodes.map(|n| n as usize),
         tasks_per_node: a.tasks_per_node.map(|n| n as usize),
         cpus_per_task: a.cpus_per_task.map(|n| n as usize),
+        gpus_per_node: a.gpus_per_node.map(|n| n as usize),
         time: a.time,
         partition: a.partition,
         array: a.array,
@@ -503,7 +568,6 @@ fn sbatch(a: SbatchArgs) -> Result<()> {
                 a.account,
                 a.qos,
                 a.constraint,
-                a.gpus_per_node,
                 a.mem,
                 a.mail_type,
                 a.mail_user,
@@ -522,6 +586,9 @@ fn sbatch(a: SbatchArgs) -> Result<()> {
         print!("{}", job.script);
         println!("# written to {}", path.display());
         println!("# submit with: {}", slurm::command_line(&job, &path));
+        for r in &job.refusals {
+            println!("# a submission from here would be refused: {r}");
+        }
         return Ok(());
     }
     let (id, path) = slurm::submit(&job)?;
@@ -695,8 +762,21 @@ fn calibrate_mpi(
         return Ok((comm.rank() == 0).then_some(m));
     }
     let exe = std::env::current_exe().context("locating this program for mpirun")?;
+    // Open MPI refuses to start as root unless both of its variables say so (its documented override).
+    let root = nanodist::netlab::is_root();
+    if root {
+        eprintln!(
+            "calibrate: running as root, so mpirun gets OMPI_ALLOW_RUN_AS_ROOT=1 and \
+             OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+        );
+    }
     let mpirun = |np: usize, args: &[String]| -> Result<String> {
-        let out = std::process::Command::new("mpirun")
+        let mut c = std::process::Command::new("mpirun");
+        if root {
+            c.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        }
+        let out = c
             .args(["--oversubscribe", "-np", &np.to_string()])
             .arg(&exe)
             .args(["calibrate", "--engine", "mpi"])
@@ -747,7 +827,11 @@ fn calibrate_mpi(
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Check { args, tokens_per_s } => check(args, tokens_per_s),
+        Command::Check {
+            args,
+            tokens_per_s,
+            preview,
+        } => check(args, tokens_per_s, preview),
         Command::Prepare(a) => prepare(a),
         Command::Train {
             args,

@@ -20,6 +20,8 @@ pub struct JobOptions {
     pub nodes: Option<usize>,
     pub tasks_per_node: Option<usize>,
     pub cpus_per_task: Option<usize>,
+    /// GPUs per node: a GPU job, one rank per GPU on the NCCL engine (CUDA device).
+    pub gpus_per_node: Option<usize>,
     /// Wall-clock limit, HH:MM:SS or D-HH:MM:SS.
     pub time: Option<String>,
     pub partition: Option<String>,
@@ -29,8 +31,8 @@ pub struct JobOptions {
     pub signal_secs: u32,
     /// The nanodist binary the job runs (default: this one).
     pub nanodist: Option<PathBuf>,
-    /// `#SBATCH` directives passed as they are: account, qos, constraint, gpus-per-node, mem, mail-type,
-    /// mail-user, job-name (key, value); `exclusive` is bare.
+    /// `#SBATCH` directives passed as they are: account, qos, constraint, mem, mail-type, mail-user,
+    /// job-name (key, value); `exclusive` is bare.
     pub directives: Vec<(&'static str, String)>,
     pub exclusive: bool,
     /// Further directives, each `--flag=value` or `--flag` (`--sbatch-arg`).
@@ -42,24 +44,25 @@ pub struct JobOptions {
 }
 
 /// The `#SBATCH` keys that `nanodist sbatch` passes from flags of the same name.
-pub const PASSED: [&str; 8] = [
+pub const PASSED: [&str; 7] = [
     "account",
     "qos",
     "constraint",
-    "gpus-per-node",
     "mem",
     "mail-type",
     "mail-user",
     "job-name",
 ];
 
-/// A rendered job: the script, its arguments and the loaded config it was validated as.
+/// A rendered job: the script, its arguments, the loaded config it was validated as, and what a
+/// submission refuses (the job's binary lacks the engine, the data is not where the job reads it).
 #[derive(Debug)]
 pub struct Job {
     pub script: String,
     pub args: Vec<String>,
     pub loaded: Loaded,
     pub tasks: usize,
+    pub refusals: Vec<String>,
 }
 
 /// Sets `#SBATCH --key=value` (replacing the template's line, or adding one after the last directive),
@@ -177,13 +180,17 @@ fn node_cpus(partition: Option<&str>) -> Option<usize> {
         .min()
 }
 
+/// CPUs of a GPU rank when the partition's nodes are unknown here (data loading and the host side of its
+/// steps; the GPU template's value).
+const GPU_TASK_CPUS: usize = 8;
+
 /// The GPU template (scripts/slurm/gpu.sbatch): one task per GPU on the NCCL engine.
 pub fn gpu_template() -> String {
     render(
         &[
             ("ntasks-per-node", Some("4".into())),
             ("gpus-per-node", Some("4".into())),
-            ("cpus-per-task", Some("8".into())),
+            ("cpus-per-task", Some(GPU_TASK_CPUS.to_string())),
         ],
         &[("ENGINE", "nccl".into())],
     )
@@ -207,7 +214,8 @@ fn check_time(time: &str) -> Result<()> {
 }
 
 /// CPUs per task: given, else train.threads (times the workers of the local engine), else the node's CPUs
-/// shared by its tasks (each rank's threads follow: the script sets RAYON_NUM_THREADS from them).
+/// shared by its tasks (each rank's threads follow: the script sets RAYON_NUM_THREADS from them); where
+/// sinfo does not know the partition's nodes, 1 per CPU rank and `GPU_TASK_CPUS` per GPU rank.
 fn cpus_per_task(
     opts: &JobOptions,
     threads: Option<usize>,
@@ -222,8 +230,13 @@ fn cpus_per_task(
     match (opts.cpus_per_task, threads) {
         (Some(c), _) => c,
         (None, Some(t)) => per_worker(t),
-        (None, None) => node_cpus(opts.partition.as_deref())
-            .map_or(per_worker(1), |c| (c / tasks_per_node).max(1)),
+        (None, None) => node_cpus(opts.partition.as_deref()).map_or(
+            match engine {
+                Engine::Nccl => GPU_TASK_CPUS,
+                _ => per_worker(1),
+            },
+            |c| (c / tasks_per_node).max(1),
+        ),
     }
 }
 
@@ -271,9 +284,14 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
             return Err(bad_input!("config {}: does not parse", config.display()));
         }
     };
-    let layout = Layout::of(&cfg.train, opts);
+    let layout = Layout::of(&cfg.train, opts)?;
+    // The job's engine (and a GPU job's device), as the script passes them to `train`.
     let mut set = set.to_vec();
+    let given = set.len();
     set.push(format!("train.engine=\"{}\"", layout.engine.name()));
+    if layout.engine == Engine::Nccl {
+        set.push("train.device=\"cuda\"".into());
+    }
     let mpi = layout.engine != Engine::Local;
     let launch = LaunchEnv {
         workers_flag: None,
@@ -286,12 +304,14 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
     if let Some(time) = &opts.time {
         check_time(time)?;
     }
-    // What `train` checks at the start of the job, checked before it waits in the queue.
+    // What `train` checks at the start of the job: `submit` refuses a job with any of these before it
+    // waits in the queue; a dry run renders it and lists them.
     let own_binary = opts.nanodist.is_none();
-    preflight::check(&loaded, preflight::Host::Job { own_binary })?;
+    let (_, refusals) = preflight::survey(&loaded, preflight::Host::Job { own_binary });
+    let refusals = refusals.iter().map(|e| format!("{e:#}")).collect();
     let script = script(&loaded, &layout, &config_abs, opts)?;
     let mut args = vec![config_abs.display().to_string()];
-    for s in set.iter().take(set.len() - 1) {
+    for s in &set[..given] {
         args.extend(["--set".to_string(), s.clone()]);
     }
     Ok(Job {
@@ -299,6 +319,7 @@ pub fn prepare(config: &Path, set: &[String], opts: &JobOptions) -> Result<Job> 
         args,
         loaded,
         tasks: layout.tasks,
+        refusals,
     })
 }
 
@@ -313,9 +334,19 @@ struct Layout {
 impl Layout {
     /// The flags' layout, else the config's. The engine is resolved as `train` resolves "auto" under
     /// srun (one task: local threads; several: MPI) and passed on to it explicitly; a config written for
-    /// the local engine runs its ranks on MPI when the job has several tasks.
-    fn of(t: &crate::config::TrainConfig, opts: &JobOptions) -> Self {
+    /// the local engine runs its ranks on MPI when the job has several tasks. `--gpus-per-node G` makes a
+    /// GPU job: the NCCL engine, one task per GPU.
+    fn of(t: &crate::config::TrainConfig, opts: &JobOptions) -> Result<Self> {
         let nodes = opts.nodes.unwrap_or(1).max(1);
+        if let Some(g) = opts.gpus_per_node {
+            return Self::gpu(t.engine, nodes, g, opts.tasks_per_node);
+        }
+        if t.engine == Engine::Nccl {
+            return Err(bad_input!(
+                "train.engine = \"nccl\" runs one rank per GPU, and the job asks for none: add \
+                 --gpus-per-node N (the GPUs of each node), or set train.engine = \"mpi\" for CPU nodes"
+            ));
+        }
         let world_cfg = t.workers.unwrap_or(1);
         let tasks_per_node = opts.tasks_per_node.or(t.ranks_per_node).unwrap_or_else(|| {
             if matches!(t.engine, Engine::Local | Engine::Auto) {
@@ -330,12 +361,41 @@ impl Layout {
             (Engine::Auto | Engine::Local, _) => Engine::Mpi,
             (e, _) => e,
         };
-        Layout {
+        Ok(Layout {
             nodes,
             tasks_per_node,
             tasks,
             engine,
+        })
+    }
+
+    /// A GPU job of `gpus` per node: one NCCL rank per GPU. A CPU engine in the config, or a task count
+    /// that is not one per GPU, is refused with the flag to change.
+    fn gpu(engine: Engine, nodes: usize, gpus: usize, tasks: Option<usize>) -> Result<Self> {
+        if gpus == 0 {
+            return Err(bad_input!(
+                "--gpus-per-node 0: give the GPUs of each node, or drop the flag for a CPU job"
+            ));
         }
+        if matches!(engine, Engine::Mpi | Engine::Local) {
+            return Err(bad_input!(
+                "--gpus-per-node {gpus} asks for GPUs, but train.engine = \"{}\" trains on CPUs: set \
+                 train.engine = \"nccl\" (--set train.engine=nccl) or \"auto\", or drop --gpus-per-node",
+                engine.name()
+            ));
+        }
+        if let Some(t) = tasks.filter(|&t| t != gpus) {
+            return Err(bad_input!(
+                "--tasks-per-node {t} with --gpus-per-node {gpus}: the NCCL engine runs one rank per GPU; \
+                 drop --tasks-per-node or make it {gpus}"
+            ));
+        }
+        Ok(Layout {
+            nodes,
+            tasks_per_node: gpus,
+            tasks: nodes * gpus,
+            engine: Engine::Nccl,
+        })
     }
 }
 
@@ -421,8 +481,15 @@ pub fn run_dir(job: &Job, id: &str) -> PathBuf {
     crate::error::absolute(Path::new(&cfg.log_dir)).join(cfg.log.run_name.as_deref().unwrap_or(id))
 }
 
-/// Writes the script to `<log_dir>/sbatch/` and submits it; returns the job id and the script's path.
+/// Writes the script to `<log_dir>/sbatch/` and submits it; returns the job id and the script's path. A
+/// job with refusals is not submitted: the error lists them all.
 pub fn submit(job: &Job) -> Result<(String, PathBuf)> {
+    if !job.refusals.is_empty() {
+        return Err(bad_input!(
+            "not submitted: the job would stop at its start:\n  - {}",
+            job.refusals.join("\n  - ")
+        ));
+    }
     let path = write_script(job)?;
     let out = Command::new("sbatch")
         .arg("--parsable")

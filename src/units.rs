@@ -17,6 +17,27 @@ pub fn bytes(b: f64) -> String {
     format!("{v:.digits$} {unit}")
 }
 
+/// `x` to three significant digits (at least): "0.0123", "1.23", "12.3", "123", "1234".
+pub fn sig3(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let digits = (2 - x.abs().log10().floor() as i32).max(0) as usize;
+    format!("{x:.digits$}")
+}
+
+/// Seconds to three significant digits in the largest unit they fill: "0.512 s", "52.4 s", "1.17 min",
+/// "19.5 h", "3.02 d" (one format for every duration in a table).
+pub fn secs(s: f64) -> String {
+    let (v, unit) = match s.abs() {
+        x if x >= 86400.0 => (s / 86400.0, "d"),
+        x if x >= 3600.0 => (s / 3600.0, "h"),
+        x if x >= 60.0 => (s / 60.0, "min"),
+        _ => (s, "s"),
+    };
+    format!("{} {unit}", sig3(v))
+}
+
 /// A duration: "1d 02:03:04", "02:03:04"; "unknown" for a non-finite number of seconds.
 pub fn duration(secs: f64) -> String {
     if !secs.is_finite() {
@@ -34,6 +55,30 @@ pub fn duration(secs: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_and_seconds_keep_three_significant_digits() {
+        for (x, s) in [
+            (0.0, "0"),
+            (0.012345, "0.0123"),
+            (0.1, "0.100"),
+            (1.2345, "1.23"),
+            (12.345, "12.3"),
+            (123.45, "123"),
+            (1234.4, "1234"),
+        ] {
+            assert_eq!(sig3(x), s, "{x}");
+        }
+        for (x, s) in [
+            (0.5123, "0.512 s"),
+            (52.4, "52.4 s"),
+            (70.0, "1.17 min"),
+            (70200.0, "19.5 h"),
+            (260928.0, "3.02 d"),
+        ] {
+            assert_eq!(secs(x), s, "{x}");
+        }
+    }
 
     #[test]
     fn bytes_have_three_significant_digits_and_a_decimal_unit() {

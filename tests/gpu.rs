@@ -288,18 +288,15 @@ fn agree(a: &[f32], b: &[f32], tol: Option<f32>) -> bool {
 /// `tol` where the device path uses cuBLAS's matmuls.
 fn reducer_on_the_gpu_equals_its_host_path(
     tol: Option<f32>,
-    make: impl Fn(
-        Vec<nanodist::sync::compress::TensorView>,
-    ) -> Box<dyn nanodist::sync::compress::Reducer>,
+    make: impl Fn(Vec<Segment>) -> Box<dyn nanodist::sync::compress::Reducer>,
 ) {
     use nanodist::flat::{DeviceFlat, FlatMut};
-    use nanodist::sync::compress::TensorView;
     let k = Arc::new(kernels());
     let s = k.stream().clone();
     let mut nccl =
         nanodist::comm::nccl::NcclComm::init(0, 1, 0, Duration::from_secs(30), |_| Ok(()))
             .expect("NCCL on GPU 0");
-    let tensors = TensorView::from_shapes(&[(300, 200, true), (777, 1, false), (50, 129, true)]);
+    let tensors = Segment::from_shapes(&[(300, 200, true), (777, 1, false), (50, 129, true)]);
     let n: usize = tensors.iter().map(|t| t.len).sum();
     let (mut host, mut dev) = (make(tensors.clone()), make(tensors));
     for step in 0..6 {
@@ -394,12 +391,12 @@ fn powersgd_reducer_on_the_gpu_follows_its_host_path() {
 fn diloco_on_the_gpu_equals_its_host_path() {
     use nanodist::config::backend::DilocoConfig;
     use nanodist::flat::{DeviceFlat, FlatMut};
-    use nanodist::sync::{compress::TensorView, diloco::Diloco, SyncBackend};
+    use nanodist::sync::{diloco::Diloco, SyncBackend};
     let k = Arc::new(kernels());
     let s = k.stream().clone();
     let nccl = nanodist::comm::nccl::NcclComm::init(0, 1, 0, Duration::from_secs(30), |_| Ok(()))
         .expect("NCCL on GPU 0");
-    let tensors = TensorView::from_shapes(&[(300, 200, true), (777, 1, false), (50, 129, true)]);
+    let tensors = Segment::from_shapes(&[(300, 200, true), (777, 1, false), (50, 129, true)]);
     let n: usize = tensors.iter().map(|t| t.len).sum();
     let cfg = DilocoConfig {
         sync_every: 4,
@@ -454,12 +451,12 @@ fn diloco_on_the_gpu_equals_its_host_path() {
 fn demo_on_the_gpu_equals_its_host_path() {
     use nanodist::config::backend::DemoConfig;
     use nanodist::flat::{DeviceFlat, FlatMut};
-    use nanodist::sync::{compress::TensorView, demo::Demo, SyncBackend};
+    use nanodist::sync::{demo::Demo, SyncBackend};
     let k = Arc::new(kernels());
     let s = k.stream().clone();
     let nccl = nanodist::comm::nccl::NcclComm::init(0, 1, 0, Duration::from_secs(30), |_| Ok(()))
         .expect("NCCL on GPU 0");
-    let tensors = TensorView::from_shapes(&[(192, 128, true), (777, 1, false), (50, 129, true)]);
+    let tensors = Segment::from_shapes(&[(192, 128, true), (777, 1, false), (50, 129, true)]);
     let n: usize = tensors.iter().map(|t| t.len).sum();
     let cfg = DemoConfig {
         topk: 7,
@@ -567,9 +564,9 @@ fn choco_on_the_gpu_equals_its_host_path() {
     use nanodist::config::backend::Topology;
     use nanodist::flat::{DeviceFlat, FlatMut};
     use nanodist::sync::choco::{Choco, ChocoPlan, Compressor};
-    use nanodist::sync::{compress::TensorView, topology, SyncBackend};
+    use nanodist::sync::{topology, SyncBackend};
     let k = Arc::new(kernels());
-    let tensors = TensorView::from_shapes(&[(300, 200, true), (777, 1, false), (50, 129, true)]);
+    let tensors = Segment::from_shapes(&[(300, 200, true), (777, 1, false), (50, 129, true)]);
     let n: usize = tensors.iter().map(|t| t.len).sum();
     for compressor in [
         Compressor::TopK { density: 0.05 },

@@ -20,7 +20,7 @@ pub fn segment_table(segments: &[Segment]) -> anyhow::Result<Vec<u32>> {
                 u32::MAX
             )
         })?;
-        t.extend([end - s.len as u32, s.len as u32, u32::from(s.decay)]);
+        t.extend([end - s.len as u32, s.len as u32, u32::from(s.decays())]);
     }
     Ok(t)
 }
@@ -81,7 +81,7 @@ pub fn adamw(
             &mut v[r],
         );
         for i in 0..p.len() {
-            let pi = if s.decay { p[i] * c.decay } else { p[i] };
+            let pi = if s.decays() { p[i] * c.decay } else { p[i] };
             let gi = g[i] * c.grad_scale;
             m[i] += (gi - m[i]) * c.one_minus_b1;
             v[i] = v[i] * c.b2 + c.one_minus_b2 * gi * gi;
@@ -145,7 +145,7 @@ pub fn accum_adamw(
         let (p, g) = (&mut p[r.clone()], &g[r.clone()]);
         let (sm, sv, acc) = (&mut sm[r.clone()], &mut sv[r.clone()], &mut acc[r]);
         for i in 0..p.len() {
-            let pi = if s.decay { p[i] * c.decay } else { p[i] };
+            let pi = if s.decays() { p[i] * c.decay } else { p[i] };
             let gi = g[i] * c.grad_scale;
             let a = acc[i] + gi * c.inv_k;
             let m = sm[i] + c.one_minus_b1 * gi;
@@ -168,7 +168,7 @@ pub fn sgd(p: &mut [f32], g: &[f32], segments: &[Segment], wd: f64, lr: f64, gra
     for s in segments {
         let r = s.offset..s.offset + s.len;
         for (p, g) in p[r.clone()].iter_mut().zip(&g[r]) {
-            let pi = if s.decay { *p * decay } else { *p };
+            let pi = if s.decays() { *p * decay } else { *p };
             *p = pi - lr32 * (g * grad_scale);
         }
     }
@@ -193,7 +193,7 @@ pub struct SgdStep {
 pub fn momentum_sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], segments: &[Segment], c: &SgdStep) {
     for s in segments {
         let r = s.offset..s.offset + s.len;
-        let wd = if s.decay { c.wd } else { 0.0 };
+        let wd = if s.decays() { c.wd } else { 0.0 };
         let (p, g) = (&mut p[r.clone()], &g[r.clone()]);
         if buf.is_empty() {
             for (p, &g) in p.iter_mut().zip(g) {
@@ -276,7 +276,7 @@ mod tests {
                 for s in &segs {
                     for i in s.offset..s.offset + s.len {
                         let gi = g[i] as f64;
-                        if s.decay { rp[i] *= 1.0 - lr * wd; }
+                        if s.decays() { rp[i] *= 1.0 - lr * wd; }
                         rm[i] = betas[0] * rm[i] + (1.0 - betas[0]) * gi;
                         rv[i] = betas[1] * rv[i] + (1.0 - betas[1]) * gi * gi;
                         let (bc1, bc2) = (1.0 - betas[0].powi(t as i32), 1.0 - betas[1].powi(t as i32));
@@ -307,7 +307,7 @@ mod tests {
                 for s in &segs {
                     for i in s.offset..s.offset + s.len {
                         let gi = g[i] as f64;
-                        if s.decay { rp[i] *= 1.0 - lr * wd; }
+                        if s.decays() { rp[i] *= 1.0 - lr * wd; }
                         let m = betas[0] * rm[i] + (1.0 - betas[0]) * gi;
                         let v = betas[1] * rv[i] + (1.0 - betas[1]) * gi * gi;
                         let (bc1, bc2) = (1.0 - betas[0].powi(c), 1.0 - betas[1].powi(c));
@@ -347,7 +347,7 @@ mod tests {
                 for s in &segs {
                     for i in s.offset..s.offset + s.len {
                         let (mu, lr) = (mu as f64, lr as f64);
-                        let wd = if s.decay { wd as f64 } else { 0.0 };
+                        let wd = if s.decays() { wd as f64 } else { 0.0 };
                         let gi = g[i] as f64 + wd * rp[i];
                         rb[i] = if t == 0 { gi } else { mu * rb[i] + gi };
                         let d = if mu == 0.0 { gi } else if nesterov { gi + mu * rb[i] } else { rb[i] };
@@ -396,24 +396,9 @@ mod tests {
 
     #[test]
     fn the_segment_table_holds_offset_length_and_decay() {
-        let segs = [
-            Segment {
-                offset: 0,
-                len: 3,
-                decay: true,
-            },
-            Segment {
-                offset: 3,
-                len: 2,
-                decay: false,
-            },
-        ];
+        let segs = [Segment::flat(0, 3, true), Segment::flat(3, 2, false)];
         assert_eq!(segment_table(&segs).unwrap(), vec![0, 3, 1, 3, 2, 0]);
-        let huge = [Segment {
-            offset: u32::MAX as usize,
-            len: 2,
-            decay: true,
-        }];
+        let huge = [Segment::flat(u32::MAX as usize, 2, true)];
         assert!(segment_table(&huge).is_err());
     }
 }

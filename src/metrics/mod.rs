@@ -97,22 +97,24 @@ impl Row {
 pub struct JsonlSink {
     path: PathBuf,
     file: File,
+    /// The bytes of the rows already in the file (a resumed run's before its checkpoint).
+    comm_bytes_before: u64,
 }
 
 impl JsonlSink {
     /// Opens the file for appending. When resuming at `resume_step`, rows past it (written after that
     /// checkpoint by a run that then died) are dropped first, so the file reads as one continuous run.
     pub fn open(path: &Path, resume_step: Option<u64>) -> Result<Self> {
+        let mut comm_bytes_before = 0;
         if let (Some(step), true) = (resume_step, path.exists()) {
             let f = File::open(path).with_context(|| format!("reading {}", path.display()))?;
             let mut kept = String::new();
             for line in BufReader::new(f).lines() {
                 let line = line?;
-                let keep = serde_json::from_str::<serde_json::Value>(&line)
-                    .ok()
-                    .and_then(|v| v.get("step")?.as_u64())
-                    .is_some_and(|s| s <= step);
-                if keep {
+                let row = serde_json::from_str::<serde_json::Value>(&line).ok();
+                let field = |k: &str| row.as_ref().and_then(|v| v.get(k)?.as_u64());
+                if field("step").is_some_and(|s| s <= step) {
+                    comm_bytes_before += field("comm_bytes").unwrap_or(0);
                     kept.push_str(&line);
                     kept.push('\n');
                 }
@@ -127,6 +129,7 @@ impl JsonlSink {
         Ok(Self {
             path: path.to_path_buf(),
             file,
+            comm_bytes_before,
         })
     }
 
@@ -162,6 +165,9 @@ pub struct Tracker {
     jsonl: JsonlSink,
     wandb: Option<wandb::Run>,
     tb: Option<tensorboard::EventWriter>,
+    /// The run's bytes so far (its rows' `comm_bytes` summed, across resumes): W&B and TensorBoard get
+    /// it as `comm_bytes_total`, so that loss charts against cumulative bytes there.
+    comm_bytes_total: u64,
 }
 
 impl Tracker {
@@ -191,8 +197,10 @@ impl Tracker {
         } else {
             None
         };
+        let jsonl = JsonlSink::open(&run_dir.join("metrics.jsonl"), resume_step)?;
         Ok(Self {
-            jsonl: JsonlSink::open(&run_dir.join("metrics.jsonl"), resume_step)?,
+            comm_bytes_total: jsonl.comm_bytes_before,
+            jsonl,
             wandb,
             tb,
         })
@@ -200,7 +208,9 @@ impl Tracker {
 
     pub fn write(&mut self, row: &Row) -> Result<()> {
         self.jsonl.write(row)?;
-        let metrics = row.numeric()?;
+        self.comm_bytes_total += row.comm_bytes;
+        let mut metrics = row.numeric()?;
+        metrics.push(("comm_bytes_total".into(), self.comm_bytes_total as f64));
         if let Some(w) = self.wandb.as_mut() {
             w.log(row.step, &metrics)?;
         }

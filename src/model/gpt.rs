@@ -767,16 +767,7 @@ mod tests {
     /// Losses of `steps` AdamW steps of a fixed-seed run of `cfg` on a fixed synthetic sequence.
     fn adamw_losses(cfg: &ModelConfig, steps: u32, prepare: impl Fn(Gpt) -> Gpt) -> Vec<f32> {
         let m = prepare(Gpt::new(cfg, 12, 5, &Device::Cpu).unwrap());
-        let segments = m
-            .params
-            .params
-            .iter()
-            .map(|p| crate::kernels::Segment {
-                offset: p.offset,
-                len: p.len,
-                decay: p.decays(),
-            })
-            .collect();
+        let segments = m.params.segments();
         let mut opt = crate::optim::build(
             &crate::config::OptimConfig::default(),
             segments,

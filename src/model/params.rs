@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::flat::FlatMut;
+use crate::kernels::Segment;
 
 /// One parameter: its place in the flat buffer, and its candle `Var` in a set made for the graph.
 #[derive(Debug, Clone)]
@@ -17,13 +18,6 @@ pub struct Param {
     pub shape: Vec<usize>,
     pub offset: usize,
     pub len: usize,
-}
-
-impl Param {
-    /// nanoGPT's optimizer groups: weight decay on matrices and embeddings (rank >= 2) only.
-    pub fn decays(&self) -> bool {
-        self.shape.len() >= 2
-    }
 }
 
 /// All parameters, sorted by name, with offsets into a flat buffer.
@@ -54,6 +48,16 @@ impl ParamSet {
             p.var = Some(Var::from_tensor(&t)?);
         }
         Ok(set)
+    }
+
+    /// Where each parameter lies in the flat buffer, and its shape as a matrix: the layout the optimizers
+    /// and the backends step over.
+    pub fn segments(&self) -> Vec<Segment> {
+        Segment::of_shapes(
+            self.params
+                .iter()
+                .map(|p| (p.name.clone(), p.shape.clone())),
+        )
     }
 
     /// The set's layout alone, from (name, shape): no tensors (see the module's note).

@@ -12,18 +12,7 @@ fn adamw_matches_torch() {
         eps: 1e-8,
         weight_decay: 0.1,
     });
-    let segs = vec![
-        Segment {
-            offset: 0,
-            len: 2,
-            decay: true,
-        },
-        Segment {
-            offset: 2,
-            len: 1,
-            decay: false,
-        },
-    ];
+    let segs = vec![Segment::flat(0, 2, true), Segment::flat(2, 1, false)];
     let mut opt = build(&cfg, segs, 3, &Place::Host).unwrap();
     let mut p = vec![1.0f32, -2.0, 0.5];
     for t in 1..=3 {
@@ -80,17 +69,7 @@ fn accumadamw_follows_the_reference_recurrence() {
         weight_decay: 0.0,
         accum_steps: 2,
     });
-    let mut opt = build(
-        &cfg,
-        vec![Segment {
-            offset: 0,
-            len: 1,
-            decay: true,
-        }],
-        1,
-        &Place::Host,
-    )
-    .unwrap();
+    let mut opt = build(&cfg, vec![Segment::flat(0, 1, true)], 1, &Place::Host).unwrap();
     let mut p = vec![0.0f32];
     let gs = [1.0f64, 3.0, -2.0, 0.5];
     // f64 transcription of Decent-DP's optim.py.
@@ -218,11 +197,7 @@ fn cut_segments_cover_the_range_from_its_start() {
 #[test]
 fn state_round_trips_and_rejects_another_optimizer() {
     let cfg = OptimConfig::AdamW(AdamWConfig::default());
-    let seg = vec![Segment {
-        offset: 0,
-        len: 2,
-        decay: true,
-    }];
+    let seg = vec![Segment::flat(0, 2, true)];
     let mut a = build(&cfg, seg.clone(), 2, &Place::Host).unwrap();
     let mut p = vec![1.0f32, 2.0];
     a.step((&mut p).into(), (&[0.5, -0.5][..]).into(), 0.01)
@@ -319,11 +294,7 @@ fn state_buffers_counts_what_the_optimizers_hold() {
     let dense = None;
     for optim in [OptimConfig::default(), accum, sgd(0.0), sgd(0.9)] {
         let numel = 10;
-        let seg = vec![Segment {
-            offset: 0,
-            len: numel,
-            decay: true,
-        }];
+        let seg = vec![Segment::flat(0, numel, true)];
         let mut opt = for_run(&optim, dense, seg, numel, &Place::Host).unwrap();
         let mut p = vec![1.0f32; numel];
         opt.step((&mut p).into(), (&[0.5; 10][..]).into(), 0.1)

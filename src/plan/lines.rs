@@ -18,7 +18,7 @@ pub fn described(cfg: &Config, plan: &Plan) -> Result<Box<dyn SyncBackend>> {
     let named = crate::model::gpt::layout(&cfg.model, cfg.train.context_length)
         .into_iter()
         .map(|(name, shape, _)| (name, shape));
-    let tensors = crate::sync::compress::TensorView::of_shapes(named);
+    let tensors = crate::kernels::Segment::of_shapes(named);
     let comm = Box::new(crate::comm::Shape {
         rank: 0,
         world: plan.world_size,

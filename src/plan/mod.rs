@@ -263,7 +263,7 @@ pub fn resolve(
     let mut problems = Vec::new();
     let mut notes = Vec::new();
     let engine = engine(cfg, doc, launch, &mut problems);
-    let (world, local_world) = world(t, engine, launch, &mut problems);
+    let (world, local_world) = world(t, doc, engine, launch, &mut problems);
     problems.extend(validate::check_semantics(cfg, doc, world));
     let sync = rules::sync_plan(cfg, doc, world, local_world, &mut problems);
     if let Some((meta, vocab)) = &launch.data_vocab {
@@ -320,9 +320,11 @@ pub fn resolve(
 }
 
 /// The world size and ranks per node: the local engine's from `--workers` or the config, a launcher's
-/// from its environment (where `--workers` is a problem).
+/// from its environment (where `--workers`, or a `train.workers` that is not the launcher's world, is a
+/// problem).
 fn world(
     t: &crate::config::TrainConfig,
+    doc: &Node,
     engine: Engine,
     launch: &LaunchEnv,
     problems: &mut Vec<Problem>,
@@ -344,10 +346,19 @@ fn world(
                     ),
                 });
             }
-            (
-                launch.launcher_world.unwrap_or(1),
-                t.ranks_per_node.or(launch.launcher_local_world),
-            )
+            let world = launch.launcher_world.unwrap_or(1);
+            if let Some(w) = t.workers.filter(|&w| w != world) {
+                problems.push(validate::problem_at(
+                    doc,
+                    "train.workers",
+                    format!(
+                        "train.workers = {w} but the launcher started {world} rank(s); launch {w} \
+                         (mpirun -np {w} / srun -n {w}), or set train.workers = {world} \
+                         (--set train.workers={world}) or remove the key"
+                    ),
+                ));
+            }
+            (world, t.ranks_per_node.or(launch.launcher_local_world))
         }
     }
 }
@@ -461,5 +472,35 @@ mod tests {
             );
         }
         assert!(a.to_string().contains("bf16 linear layers and lm head"));
+    }
+
+    /// Under a launcher the world is the launcher's: a `train.workers` that says otherwise is a problem
+    /// naming both numbers, its line and the fix; one that agrees (or none) plans that world.
+    #[test]
+    fn a_launchers_world_that_is_not_train_workers_is_refused() {
+        let mpirun = |n: usize| LaunchEnv {
+            launcher_world: Some(n),
+            launcher_local_world: Some(n),
+            launched_processes: Some(n),
+            ..LaunchEnv::default()
+        };
+        let src = "[train]\nglobal_batch_size = 8\nworkers = 4\n";
+        let err = load_str(Path::new("t.toml"), src, &[], &mpirun(2))
+            .expect_err("2 ranks for train.workers = 4")
+            .to_string();
+        for part in [
+            "t.toml:3:",
+            "train.workers",
+            "= 4",
+            "started 2 rank",
+            "mpirun -np 4",
+        ] {
+            assert!(err.contains(part), "{part:?} in {err}");
+        }
+        assert_eq!(plan_of(src, &mpirun(4)).world_size, 4);
+        assert_eq!(
+            plan_of("[train]\nglobal_batch_size = 8\n", &mpirun(2)).world_size,
+            2
+        );
     }
 }

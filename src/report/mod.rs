@@ -55,8 +55,9 @@ impl Run {
         let metrics = dir.join("metrics.jsonl");
         if !metrics.is_file() {
             return Err(bad_input!(
-                "{}: not a run directory (no metrics.jsonl); give the directory `train` printed",
-                dir.display()
+                "{}: not a run directory (no metrics.jsonl); give the directory `train` printed{}",
+                dir.display(),
+                crate::train::checkpoint::runs_hint(dir)
             ));
         }
         let rows = read_rows(&metrics).map_err(|e| bad_input!("{e:#}"))?;
@@ -166,7 +167,11 @@ pub struct Summary {
     /// over the rows wholly before the switch, and over those wholly after it.
     pub dense_bytes_per_step: Option<f64>,
     pub compressed_bytes_per_step: Option<f64>,
-    /// The share of training time the synchronisation's collectives took.
+    /// Milliseconds per step of the synchronisation's collectives, and of its own computing outside them
+    /// (compression and decompression, mixing arithmetic: the codec time).
+    pub comm_ms_per_step: f64,
+    pub sync_ms_per_step: f64,
+    /// The share of training time the synchronisation took: its collectives and its codec time.
     pub comm_share: f64,
     /// The last consensus distance logged (gossip and SPARTA at evaluations, DiLoCo before a sync).
     pub consensus_distance: Option<f64>,
@@ -213,9 +218,10 @@ pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
     });
     let hit_row = hit.map(|i| &run.rows[i]);
     let start = run.config.train.dense_until().filter(|&s| s < steps);
-    let (comm_ms, total_ms) = row_steps(&run.rows).fold((0.0, 0.0), |(c, t), (r, n)| {
-        (c + r.comm_ms, t + r.ms_per_step * n as f64)
-    });
+    let (comm_ms, sync_ms, total_ms) = row_steps(&run.rows)
+        .fold((0.0, 0.0, 0.0), |(c, y, t), (r, n)| {
+            (c + r.comm_ms, y + r.sync_ms, t + r.ms_per_step * n as f64)
+        });
     let predicted = run.predicted.first();
     Summary {
         name: run.name.clone(),
@@ -235,8 +241,10 @@ pub fn summarize(run: &Run, target: Option<f64>) -> Summary {
             .and_then(|s| bytes_per_step_where(&run.rows, |_, end| end <= s)),
         compressed_bytes_per_step: start
             .and_then(|s| bytes_per_step_where(&run.rows, |first, _| first >= s)),
+        comm_ms_per_step: comm_ms / steps.max(1) as f64,
+        sync_ms_per_step: sync_ms / steps.max(1) as f64,
         comm_share: if total_ms > 0.0 {
-            comm_ms / total_ms
+            (comm_ms + sync_ms) / total_ms
         } else {
             0.0
         },
@@ -303,6 +311,8 @@ fn markdown(summaries: &[Summary], target: Option<f64>) -> String {
         head.extend(["dense phase".into(), "compressed phase".into()]);
     }
     head.extend([
+        "comm ms/step".into(),
+        "codec ms/step".into(),
         "comm share".into(),
         "consensus distance".into(),
         format!("to val <= {}", opt(target, 4)),
@@ -313,7 +323,7 @@ fn markdown(summaries: &[Summary], target: Option<f64>) -> String {
     let mut out = format!("| {} |\n|{}\n", head.join(" | "), "---|".repeat(head.len()));
     for s in summaries {
         let reach = match (s.steps_to_target, s.time_to_target) {
-            (Some(step), Some(t)) => format!("step {step}, {t:.1} s"),
+            (Some(step), Some(t)) => format!("step {step}, {}", crate::units::secs(t)),
             _ => "not reached".into(),
         };
         let mut cells = vec![
@@ -333,16 +343,19 @@ fn markdown(summaries: &[Summary], target: Option<f64>) -> String {
             ]);
         }
         cells.extend([
-            format!("{:.1}%", s.comm_share * 100.0),
+            crate::units::sig3(s.comm_ms_per_step),
+            crate::units::sig3(s.sync_ms_per_step),
+            format!("{}%", crate::units::sig3(s.comm_share * 100.0)),
             s.consensus_distance
                 .map_or("-".into(), |d| format!("{d:.3e}")),
             reach,
         ]);
         if cluster.is_some() {
             cells.extend([
-                opt(s.predicted_ms_per_step, 1),
+                s.predicted_ms_per_step
+                    .map_or("-".into(), crate::units::sig3),
                 s.predicted_to_target
-                    .map_or("not reached".into(), crate::predict::human_secs),
+                    .map_or("not reached".into(), crate::units::secs),
             ]);
         }
         let _ = writeln!(out, "| {} |", cells.join(" | "));

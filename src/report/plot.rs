@@ -152,6 +152,15 @@ pub fn plot(runs: &[Run], output: &Path, style: &Style) -> Result<(PathBuf, Path
             ))
         }
     }
+    let parent = output.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(dir) = parent.filter(|p| !p.is_dir()) {
+        return Err(bad_input!(
+            "--output {}: there is no directory {}; create it (mkdir -p {}) or give a path in one that exists",
+            output.display(),
+            dir.display(),
+            dir.display()
+        ));
+    }
     register_font()?;
     let svg = output.with_extension("svg");
     let title = style.title.clone().unwrap_or_else(|| match runs {

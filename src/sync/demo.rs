@@ -17,13 +17,14 @@ use std::collections::HashMap;
 use anyhow::Result;
 use rayon::prelude::*;
 
-use super::compress::{self, take, State, TensorView};
+use super::compress::{self, take, State};
 use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
 use crate::comm::Communicator;
 use crate::config::backend::DemoConfig;
 use crate::flat::{Flat, Place};
 use crate::kernels;
+use crate::kernels::Segment;
 
 /// The chunk layout of one tensor viewed as rows x cols (a vector is 1 x len).
 #[derive(Debug, Clone, Copy)]
@@ -130,7 +131,7 @@ impl Demo {
         comm: Box<dyn Communicator>,
         cfg: DemoConfig,
         clip: f64,
-        tensors: &[TensorView],
+        tensors: &[Segment],
     ) -> Self {
         let layouts: Vec<Layout> = tensors
             .iter()
@@ -458,7 +459,7 @@ mod tests {
     #[test]
     fn keeping_every_coefficient_on_one_worker_is_sign_sgd_on_the_momentum() {
         use rand::{Rng, SeedableRng};
-        let tensors = TensorView::from_shapes(&[(8, 1, false), (16, 12, true), (6, 10, true)]);
+        let tensors = Segment::from_shapes(&[(8, 1, false), (16, 12, true), (6, 10, true)]);
         let cfg = DemoConfig {
             decay: 0.9,
             topk: 16 * 16,
@@ -527,7 +528,7 @@ mod tests {
     #[test]
     fn the_kernels_chunk_table_addresses_the_host_paths_chunks() {
         use crate::kernels::CHUNK_FIELDS;
-        let tensors = TensorView::from_shapes(&[(6, 8, true), (10, 1, false), (5, 12, true)]);
+        let tensors = Segment::from_shapes(&[(6, 8, true), (10, 1, false), (5, 12, true)]);
         let cfg = DemoConfig {
             topk: 5,
             chunk: 4,

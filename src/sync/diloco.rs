@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use anyhow::{bail, Result};
 
-use super::compress::{self, take, Reducer, State, TensorView};
+use super::compress::{self, take, Reducer, State};
 use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
 use crate::comm::{all_reduce_mean_flat, pack_u64, unpack_u64, Communicator};
@@ -66,7 +66,7 @@ pub struct Diloco {
 }
 
 /// Rows of the flat buffer: one per matrix row, one per vector.
-fn rows_of(tensors: &[TensorView]) -> Vec<Range<usize>> {
+fn rows_of(tensors: &[Segment]) -> Vec<Range<usize>> {
     let mut rows = Vec::new();
     for t in tensors {
         if t.matrix {
@@ -119,7 +119,7 @@ impl Diloco {
     pub fn new(
         comm: Box<dyn Communicator>,
         cfg: DilocoConfig,
-        tensors: Vec<TensorView>,
+        tensors: Vec<Segment>,
         reducer: Option<Box<dyn Reducer>>,
     ) -> Result<Self> {
         let fragments = split(&rows_of(&tensors), cfg.fragments as usize)?;
@@ -201,11 +201,7 @@ impl Diloco {
             first,
             grad_scale: 1.0,
         };
-        let whole = [Segment {
-            offset: 0,
-            len: r.len(),
-            decay: false,
-        }];
+        let whole = [Segment::flat(0, r.len(), false)];
         let alpha = c.fragment_alpha as f32;
         match (&mut self.backup, &mut self.momentum, mean, params) {
             (Flat::Host(b), Flat::Host(m), FlatRef::Host(mean), FlatMut::Host(p)) => {
@@ -499,7 +495,7 @@ mod tests {
     #[test]
     fn fragments_tile_the_buffer_on_row_boundaries() {
         let tensors =
-            TensorView::from_shapes(&[(7, 1, false), (12, 9, true), (6, 20, true), (5, 1, false)]);
+            Segment::from_shapes(&[(7, 1, false), (12, 9, true), (6, 20, true), (5, 1, false)]);
         let rows = rows_of(&tensors);
         let numel: usize = tensors.iter().map(|t| t.len).sum();
         for count in 1..=8 {

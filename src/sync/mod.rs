@@ -586,7 +586,7 @@ impl SyncBackend for Compressed {
 pub fn build(
     plan: &SyncPlan,
     comm: Box<dyn Communicator>,
-    tensors: Vec<compress::TensorView>,
+    tensors: Vec<crate::kernels::Segment>,
 ) -> Result<Box<dyn SyncBackend>> {
     let numel = tensors.iter().map(|t| t.len).sum();
     Ok(match plan {
@@ -630,7 +630,7 @@ pub struct Footprint {
     pub during_step: u64,
 }
 
-pub fn footprint(plan: &SyncPlan, tensors: &[compress::TensorView], world: u64) -> Footprint {
+pub fn footprint(plan: &SyncPlan, tensors: &[crate::kernels::Segment], world: u64) -> Footprint {
     let numel = tensors.iter().map(|t| t.len as u64).sum::<u64>();
     let part = |f: f64| (f * numel as f64).ceil() as u64;
     match plan {

@@ -661,16 +661,71 @@ pub fn find_latest(path: &Path) -> Result<Option<PathBuf>> {
     Ok(None)
 }
 
-/// Checks that `path` names something a checkpoint can be read from.
+/// Checks that `path` names something a checkpoint can be read from; where it does not, says what is
+/// there instead (the checkpoints beside a missing one, the runs in a log directory).
 pub fn require(path: &Path) -> Result<PathBuf> {
     if !path.exists() {
         bail!(crate::error::BadInput(format!(
-            "checkpoint {}: no such file or directory",
-            path.display()
+            "checkpoint {}: no such file or directory{}",
+            path.display(),
+            checkpoints_beside(path)
         )));
     }
-    find_latest(path)?
-        .ok_or_else(|| bad_input!("{}: no valid checkpoint found there", path.display()))
+    find_latest(path)?.ok_or_else(|| {
+        bad_input!(
+            "{}: no valid checkpoint found there{}",
+            path.display(),
+            runs_hint(path)
+        )
+    })
+}
+
+/// The checkpoints in the directory of a missing `path`, oldest first ("" when there are none).
+fn checkpoints_beside(path: &Path) -> String {
+    let Some(parent) = path.parent() else {
+        return String::new();
+    };
+    let names: Vec<String> = list(parent)
+        .iter()
+        .rev()
+        .filter_map(|p| Some(p.file_name()?.to_string_lossy().into_owned()))
+        .collect();
+    match names.is_empty() {
+        true => String::new(),
+        false => format!(
+            "; {} holds {} (or give the run directory for its newest)",
+            parent.display(),
+            names.join(", ")
+        ),
+    }
+}
+
+/// The run directories in `dir` (those with checkpoints or metrics), by name.
+pub fn runs_in(dir: &Path) -> Vec<String> {
+    let mut runs: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let p = e.ok()?.path();
+            let run = p.join("checkpoints").is_dir() || p.join("metrics.jsonl").is_file();
+            run.then(|| p.file_name().map(|n| n.to_string_lossy().into_owned()))?
+        })
+        .collect();
+    runs.sort();
+    runs
+}
+
+/// For a directory of runs (a `log_dir`): "name one", with the runs it holds ("" for anything else).
+pub fn runs_hint(dir: &Path) -> String {
+    let runs = runs_in(dir);
+    match runs.first() {
+        None => String::new(),
+        Some(first) => format!(
+            "; it is a directory of runs: name one, e.g. {} (runs there: {})",
+            dir.join(first).display(),
+            runs.join(", ")
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 //! process's rayon pool.
 //!
 //! Results do not depend on which slot computes: every slot has the same number of threads, and the CPU
-//! engine's reductions are ordered by task, not by thread (tests/distributed.rs checks 64 workers
+//! engine's reductions are ordered by task, not by thread (tests/it/distributed.rs checks 64 workers
 //! against the rows of the engine that gave every worker its own pool and buffers).
 
 use std::sync::{Condvar, Mutex};
@@ -26,20 +26,15 @@ struct Slot {
 pub(crate) struct Compute {
     free: Mutex<Vec<Slot>>,
     returned: Condvar,
-    slots: usize,
-    threads: usize,
 }
 
 impl Compute {
     /// One slot that computes on the calling thread (its process's rayon pool).
     pub fn here() -> Self {
-        Self::of(
-            vec![Slot {
-                pool: None,
-                scratch: Scratch::default(),
-            }],
-            rayon::current_num_threads(),
-        )
+        Self::of(vec![Slot {
+            pool: None,
+            scratch: Scratch::default(),
+        }])
     }
 
     /// `slots` slots of `threads` threads each, for the workers of the local engine.
@@ -57,21 +52,14 @@ impl Compute {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self::of(slots, threads))
+        Ok(Self::of(slots))
     }
 
-    fn of(slots: Vec<Slot>, threads: usize) -> Self {
+    fn of(slots: Vec<Slot>) -> Self {
         Self {
-            slots: slots.len(),
             free: Mutex::new(slots),
             returned: Condvar::new(),
-            threads,
         }
-    }
-
-    /// Threads that compute at once: slots x threads per slot.
-    pub fn threads(&self) -> usize {
-        self.slots * self.threads
     }
 
     /// Runs `f` in a free slot (waiting for one), on the slot's threads, with its scratch memory. `f`
@@ -135,7 +123,6 @@ mod tests {
     #[test]
     fn no_more_computations_run_at_once_than_there_are_slots_and_each_has_its_threads() {
         let compute = Compute::pools(2, 3).unwrap();
-        assert_eq!(compute.threads(), 6);
         let (now, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
         std::thread::scope(|s| {
             for _ in 0..16 {

@@ -91,7 +91,7 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
     let named = crate::model::gpt::layout(&cfg.model, t.context_length)
         .into_iter()
         .map(|(name, shape, _)| (name, shape));
-    let tensors = crate::sync::compress::TensorView::of_shapes(named);
+    let tensors = crate::kernels::Segment::of_shapes(named);
     let sync = crate::sync::footprint(&plan.sync, &tensors, plan.world_size as u64);
     let optimizer = crate::optim::state_buffers(&t.optim, plan.sync.plain_sgd_in_loop());
     // Parameters and gradient (the local engine's reductions copy nothing; its all-gathers keep their

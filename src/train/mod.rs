@@ -37,6 +37,17 @@ pub enum Exit {
     Signal(&'static str),
 }
 
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Exit::Finished => write!(f, "finished"),
+            Exit::ExitInterval => write!(f, "stopped at train.exit_interval"),
+            Exit::ExitDuration => write!(f, "stopped at train.exit_duration_mins"),
+            Exit::Signal(s) => write!(f, "stopped by {s} after saving a checkpoint"),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Summary {
     pub run_dir: PathBuf,
@@ -146,11 +157,9 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
     let mut plan = plan.clone();
     plan.decisions = agree_decisions(&plan, source.as_ref(), &mut process_comm)?;
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
-    // The resolved config: on the local engine `workers` is the world size (--workers included).
+    // The resolved config records the world that ran (--workers, or the launcher's ranks).
     let mut resolved = cfg.clone();
-    if plan.engine == Engine::Local {
-        resolved.train.workers = Some(plan.world_size);
-    }
+    resolved.train.workers = Some(plan.world_size);
     resolved.train.engine = plan.engine;
     write_atomic(&run_dir.join("config.toml"), resolved.to_toml().as_bytes())?;
     // The plan as `check` prints it, with what was decided from the machine.

@@ -30,36 +30,72 @@ pub struct Ready {
     pub source: Option<(std::path::PathBuf, CheckpointMode)>,
 }
 
-/// Checks that `loaded` can run on `host`; returns its data, opened and validated.
+/// Checks that `loaded` can run on `host`; returns its data, opened and validated. Every problem is
+/// found (see `survey`) and returned at once (`all_of`).
 pub fn check(loaded: &Loaded, host: Host) -> Result<Ready> {
+    let (ready, problems) = survey(loaded, host);
+    all_of(problems)?;
+    Ok(ready.expect("the data of a run without problems"))
+}
+
+/// Ok without problems; one problem as it is; several as one error that lists them all.
+pub fn all_of(mut problems: Vec<anyhow::Error>) -> Result<()> {
+    match problems.len() {
+        0 => Ok(()),
+        1 => Err(problems.remove(0)),
+        n => Err(bad_input!(
+            "{n} problems:\n{}",
+            problems
+                .iter()
+                .map(|e| format!("  - {e:#}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        )),
+    }
+}
+
+/// Every reason `loaded` cannot start on `host`, each checked on its own (data that is missing does not
+/// hide an engine this build lacks), and the opened data when there is none.
+pub fn survey(loaded: &Loaded, host: Host) -> (Option<Ready>, Vec<anyhow::Error>) {
     let (cfg, plan) = (&loaded.config, &loaded.plan);
     let own_binary = match host {
         Host::Here => true,
         Host::Job { own_binary } => own_binary,
     };
+    let mut problems = Vec::new();
     if own_binary {
-        build_supports(plan.engine, cfg.train.device, plan.world_size)?;
+        problems.extend(build_supports(plan.engine, cfg.train.device, plan.world_size).err());
     }
     if host == Host::Here {
-        crate::device::check(cfg.train.device)?;
-        fits_in_memory(loaded)?;
+        problems.extend(crate::device::check(cfg.train.device).err());
+        problems.extend(fits_in_memory(loaded).err());
     }
     let sample_len = cfg.train.context_length + 1;
-    let train_data = Blend::open(cfg, Split::Train, sample_len, cfg.model.vocab_size)?;
-    let val_data = Blend::open(cfg, Split::Val, sample_len, cfg.model.vocab_size)?;
+    let mut open = |split| {
+        Blend::open(cfg, split, sample_len, cfg.model.vocab_size)
+            .map_err(|e| problems.push(e))
+            .ok()
+    };
+    let (train_data, val_data) = (open(Split::Train), open(Split::Val));
     let source = match &cfg.checkpoint {
         Some(p) => {
-            let dir = checkpoint::require(Path::new(p))?;
-            compatible(loaded, &dir, Source::Named(cfg.checkpoint_mode), &[])?;
-            Some((dir, cfg.checkpoint_mode))
+            let named = checkpoint::require(Path::new(p)).and_then(|dir| {
+                compatible(loaded, &dir, Source::Named(cfg.checkpoint_mode), &[])?;
+                Ok((dir, cfg.checkpoint_mode))
+            });
+            named.map_err(|e| problems.push(e)).ok()
         }
         None => None,
     };
-    Ok(Ready {
-        train_data,
-        val_data,
-        source,
-    })
+    let ready = match (train_data, val_data) {
+        (Some(train_data), Some(val_data)) if problems.is_empty() => Some(Ready {
+            train_data,
+            val_data,
+            source,
+        }),
+        _ => None,
+    };
+    (ready, problems)
 }
 
 /// Config keys a resume may change freely: logging and evaluation, and how this invocation runs (not what
@@ -198,17 +234,42 @@ fn fits_in_memory(loaded: &Loaded) -> Result<()> {
     let fit = have.saturating_sub(need.shared()) / need.per_worker().max(1);
     let fewer = match fit {
         0 => String::new(),
-        n => format!("at most {n} workers here (--workers, train.workers), "),
+        n => format!("; or at most {n} workers here (--workers, train.workers)"),
+    };
+    let smaller = match largest_batch_that_fits(loaded, have) {
+        Some((b, accum)) => format!(
+            "train.local_batch_size = {b} fits, with {accum} accumulation step(s) for the same global \
+             batch (--set train.local_batch_size={b}): the same experiment"
+        ),
+        None => "not even train.local_batch_size = 1 fits: a smaller model".into(),
     };
     Err(bad_input!(
         "{}: {} local worker(s) need about {} of memory ({need}), and {} is available (MemAvailable \
-         within the cgroup's limit, or $NANODIST_MEMORY_GB); run {fewer}a smaller model or batch, or \
-         the MPI engine across nodes",
+         within the cgroup's limit, or $NANODIST_MEMORY_GB); {smaller}{fewer}; or the MPI engine \
+         across nodes",
         loaded.path.display(),
         plan.world_size,
         crate::units::bytes(need.peak() as f64),
         crate::units::bytes(have as f64),
     ))
+}
+
+/// The largest micro-batch below the plan's that fits in `have` bytes, and its accumulation steps for the
+/// global batch: a divisor of the plan's micro-batch, so that it divides every step's share under a
+/// ramp-up too.
+fn largest_batch_that_fits(loaded: &Loaded, have: u64) -> Option<(usize, usize)> {
+    let (cfg, plan) = (&loaded.config, &loaded.plan);
+    let share = plan.local_batch_size * plan.accum_steps;
+    (1..plan.local_batch_size)
+        .rev()
+        .filter(|b| plan.local_batch_size % b == 0)
+        .find(|&b| {
+            let mut smaller = plan.clone();
+            smaller.local_batch_size = b;
+            smaller.accum_steps = share / b;
+            super::memory::estimate(cfg, &smaller).peak() <= have
+        })
+        .map(|b| (b, share / b))
 }
 
 /// Whether this build can run `engine` on `device`.
@@ -232,4 +293,39 @@ fn build_supports(engine: Engine, device: Device, world: usize) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refusal for memory names the largest micro-batch that fits (a divisor of the planned one) and
+    /// its accumulation for the same global batch: with room for a micro-batch of 2 of the planned 8, 2
+    /// with 4 steps; with room for less than 1, none.
+    #[test]
+    fn the_largest_micro_batch_that_fits_keeps_the_global_batch() {
+        let src = "[train]\nglobal_batch_size = 32\nlocal_batch_size = 8\ncontext_length = 256\n\
+                   [model]\nn_layers = 2\nn_heads = 2\nn_embd = 64\nvocab_size = 64\n";
+        let launch = crate::plan::LaunchEnv {
+            workers_flag: Some(4),
+            ..crate::plan::LaunchEnv::default()
+        };
+        let loaded = crate::plan::load_str(Path::new("t.toml"), src, &[], &launch).unwrap();
+        assert_eq!(
+            (loaded.plan.local_batch_size, loaded.plan.accum_steps),
+            (8, 1)
+        );
+        let peak_at = |b: usize| {
+            let mut plan = loaded.plan.clone();
+            (plan.local_batch_size, plan.accum_steps) = (b, 8 / b);
+            super::super::memory::estimate(&loaded.config, &plan).peak()
+        };
+        assert!(peak_at(4) > peak_at(2) && peak_at(2) > peak_at(1));
+        assert_eq!(largest_batch_that_fits(&loaded, peak_at(2)), Some((2, 4)));
+        assert_eq!(
+            largest_batch_that_fits(&loaded, peak_at(4) - 1),
+            Some((2, 4))
+        );
+        assert_eq!(largest_batch_that_fits(&loaded, peak_at(1) - 1), None);
+    }
 }

@@ -27,8 +27,9 @@ const A100_BF16_PEAK_FLOPS: f64 = 312e12;
 /// The peak FLOP/s that MFU divides by, and how the console names it. On CUDA, nanoGPT's convention: an
 /// A100's bf16 peak. On CPU, the `local` cluster profile's single-thread f32 GEMM peak (what `nanodist
 /// calibrate` measured; a `config/clusters/local.toml` of this machine's takes precedence over the
-/// built-in one) times the threads that compute at once in the whole job; with bf16 products
-/// (`train.amp`), times the rate of this CPU's vdpbf16ps over its f32 FMA.
+/// built-in one) times the cores of the job's nodes (`job_cores`): the machine's peak, whatever threads
+/// the ranks start on it; with bf16 products (`train.amp`), times the rate of this CPU's vdpbf16ps over
+/// its f32 FMA.
 fn mfu_peak(cuda: bool, n: usize, decisions: &crate::plan::Decisions) -> Option<(f64, String)> {
     if cuda {
         return Some((A100_BF16_PEAK_FLOPS, "of an A100's bf16 peak".into()));
@@ -36,7 +37,7 @@ fn mfu_peak(cuda: bool, n: usize, decisions: &crate::plan::Decisions) -> Option<
     let local = crate::predict::profile::load("local").ok()?;
     let per_thread = local.profile.device.peak_tflops * 1e12;
     let label = format!(
-        "of {n} thread(s)' f32 GEMM peak ({:.0} GFLOP/s each, cluster profile {})",
+        "of {n} core(s)' f32 GEMM peak ({:.0} GFLOP/s each, cluster profile {})",
         per_thread / 1e9,
         local.source
     );
@@ -52,6 +53,44 @@ fn mfu_peak(cuda: bool, n: usize, decisions: &crate::plan::Decisions) -> Option<
         },
     )
 }
+/// The first line of a run's log, on every start and resume: the version, the config's digest (sha256 of
+/// the config as resolved, the file that `config.toml` in the run directory holds), the world, the
+/// backend, the engine and the precision.
+fn header(setup: &Setup, cuda: bool) -> String {
+    use sha2::Digest;
+    let (cfg, plan) = (&setup.cfg, &setup.plan);
+    let digest = sha2::Sha256::digest(cfg.to_toml().as_bytes());
+    let hex: String = digest[..6].iter().map(|b| format!("{b:02x}")).collect();
+    let precision = match (cuda, cfg.train.amp, plan.decisions.cpu_precision()) {
+        (true, true, _) => "bf16 matmuls, f32 weights (CUDA)",
+        (true, false, _) => "f32 on CUDA",
+        (false, _, crate::model::matmul::Precision::Bf16) => "bf16 products, f32 sums (CPU)",
+        (false, _, crate::model::matmul::Precision::F32) => "f32 (CPU)",
+    };
+    format!(
+        "nanodist {} | config {} sha256 {hex} | world {} ({} per node) | backend {} | engine {} | {precision}",
+        env!("CARGO_PKG_VERSION"),
+        setup.run_dir.join("config.toml").display(),
+        plan.world_size,
+        plan.local_world_size.unwrap_or(plan.world_size),
+        cfg.train.backend.name(),
+        plan.engine.name(),
+    )
+}
+
+/// The cores a job computes on: every core of each of its nodes (the local engine's one; a launcher's
+/// world over its ranks per node), nodes alike to this one. Ranks that share a node share its cores, so
+/// however many threads they start, they compute on no more than these.
+fn job_cores(plan: &crate::plan::Plan, cores: usize) -> usize {
+    match plan.engine {
+        crate::config::Engine::Local | crate::config::Engine::Auto => cores,
+        _ => {
+            let per_node = plan.local_world_size.unwrap_or(plan.world_size).max(1);
+            plan.world_size.div_ceil(per_node) * cores
+        }
+    }
+}
+
 const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
 
 /// What the staged backward calls with each complete range of the gradient (`SyncBackend::grads_ready`).
@@ -135,18 +174,8 @@ impl<'s> Worker<'s> {
         // Mixed precision: bf16 matmuls, f32 master weights, optimizer and reducer state.
         let model = Gpt::new(&cfg.model, t.context_length, t.seed, &device)?
             .with_amp(t.amp, plan.decisions.cpu_precision());
-        let tensors = crate::sync::compress::TensorView::of(&model.params.params);
-        let mut sync = crate::sync::build(&plan.sync, comm, tensors)?;
-        let segments: Vec<Segment> = model
-            .params
-            .params
-            .iter()
-            .map(|p| Segment {
-                offset: p.offset,
-                len: p.len,
-                decay: p.decays(),
-            })
-            .collect();
+        let segments = model.params.segments();
+        let mut sync = crate::sync::build(&plan.sync, comm, segments.clone())?;
         let mut dropout = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
         dropout.set_stream(sync.rank() as u64);
         let shared = replica::shared_by(plan, device.is_cuda());
@@ -231,13 +260,20 @@ impl<'s> Worker<'s> {
         }
         self.console = Console::new(t.n_steps, step, root);
         self.console.log_to(&setup.run_dir.join("train.log"))?;
-        // The local engine's slots compute for all its workers; each process of a multi-process job
-        // computes on its own threads.
-        let threads = match setup.plan.engine {
-            crate::config::Engine::Local => setup.compute.threads(),
-            _ => setup.compute.threads() * self.sync.world_size(),
-        };
-        if let Some((peak, label)) = mfu_peak(cuda, threads, &setup.plan.decisions) {
+        self.console.line(&header(setup, cuda));
+        if let Some((dir, mode)) = &setup.source {
+            self.console.line(&format!(
+                "resumed from {} ({}) at step {step}",
+                dir.display(),
+                match mode {
+                    CheckpointMode::Full => "full state",
+                    CheckpointMode::Weights => "weights only",
+                }
+            ));
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cores = job_cores(&setup.plan, cores);
+        if let Some((peak, label)) = mfu_peak(cuda, cores, &setup.plan.decisions) {
             self.mfu_peak = Some(peak);
             self.console.mfu_label = label;
         }
@@ -281,17 +317,6 @@ impl<'s> Worker<'s> {
             }
         }
         self.model.load(self.replica.params())?;
-        if rank == 0 {
-            tracing::info!(
-                "resumed from {} ({}) at step {}",
-                dir.display(),
-                match mode {
-                    CheckpointMode::Full => "full state",
-                    CheckpointMode::Weights => "weights only",
-                },
-                self.progress.step
-            );
-        }
         Ok(())
     }
 
@@ -332,6 +357,10 @@ impl<'s> Worker<'s> {
                 break self.exit_of(exit);
             }
         };
+        self.console
+            .line(&format!("{exit} at step {}", self.progress.step));
+        self.console
+            .line(&format!("{exit} at step {}", self.progress.step));
         self.console.finish();
         if let Some(m) = self.metrics.take() {
             m.finish(i32::from(matches!(exit, Exit::Signal(_))))?;
@@ -662,6 +691,7 @@ impl<'s> Worker<'s> {
             value,
             resume,
         };
+        self.console.line(&format!("stopped: {err}"));
         self.console.finish();
         if let Some(m) = self.metrics.take() {
             if let Err(e) = m.finish(3) {
@@ -912,5 +942,29 @@ mod tests {
         for v in Vote::ALL {
             assert_eq!(v.agree(-1.5, &mut solo).unwrap(), (v, 0, -1.5));
         }
+    }
+
+    /// MFU's peak counts each node's cores once, however many ranks and threads share them: `mpirun -np 2`
+    /// on 2 cores is 2 cores (it once logged MFU 100.18% against 2 ranks x 2 threads), 8 ranks on 2 nodes
+    /// of 16 cores are 32, and the local engine's workers share this machine's.
+    #[test]
+    fn mfu_counts_the_cores_of_the_jobs_nodes_once() {
+        let src = "[train]\nglobal_batch_size = 24\n";
+        let plan = |launcher: Option<(usize, usize)>, workers: Option<usize>| {
+            let launch = crate::plan::LaunchEnv {
+                workers_flag: workers,
+                launcher_world: launcher.map(|l| l.0),
+                launcher_local_world: launcher.map(|l| l.1),
+                launched_processes: launcher.map(|l| l.0),
+                ..crate::plan::LaunchEnv::default()
+            };
+            crate::plan::load_str(std::path::Path::new("t.toml"), src, &[], &launch)
+                .unwrap()
+                .plan
+        };
+        assert_eq!(job_cores(&plan(Some((2, 2)), None), 2), 2);
+        assert_eq!(job_cores(&plan(Some((8, 4)), None), 16), 32);
+        assert_eq!(job_cores(&plan(Some((3, 2)), None), 4), 8);
+        assert_eq!(job_cores(&plan(None, Some(4)), 2), 2);
     }
 }

@@ -6,7 +6,8 @@ use rand_chacha::ChaCha8Rng;
 
 use super::Compressor;
 use crate::kernels;
-use crate::sync::compress::{self, k_of, TensorView};
+use crate::kernels::Segment;
+use crate::sync::compress::{self, k_of};
 
 pub(super) const RANDOMK_KEY: u64 = 0x0072_616e_646f_6d6b; // "randomk"
 pub(super) const QSGD_KEY: u64 = 0x7173_6764; // "qsgd"
@@ -65,7 +66,7 @@ pub struct Codec {
 }
 
 impl Codec {
-    pub fn new(compressor: Compressor, tensors: &[TensorView], seed: u64) -> Self {
+    pub fn new(compressor: Compressor, tensors: &[Segment], seed: u64) -> Self {
         let tensors: Vec<(usize, usize)> = tensors.iter().map(|t| (t.offset, t.len)).collect();
         let ks: Vec<usize> = tensors
             .iter()

@@ -39,11 +39,12 @@ use codec::{bucket_len, buckets};
 pub use codec::{qsgd_bits, qsgd_tau, Codec};
 pub use tuning::{mean_of, random_vectors, tune_gamma, Simulation, TUNE_ITERS};
 
-use super::compress::{self, TensorView};
+use super::compress;
 use super::topology::Round;
 use super::trace::{Collective, Op};
 use super::{Metrics, SyncBackend};
 use crate::comm::{all_reduce_bytes, pack_u64, unpack_u64, Communicator};
+use crate::kernels::Segment;
 #[cfg(feature = "cuda")]
 use {
     crate::flat::{DeviceFlat, FlatMut},
@@ -141,7 +142,7 @@ impl Choco {
         rounds: Vec<Round>,
         overlap: bool,
         plan: &ChocoPlan,
-        tensors: &[TensorView],
+        tensors: &[Segment],
     ) -> Result<Self> {
         let numel = tensors.iter().map(|t| t.len).sum();
         let channels = Channels::new(&rounds, comm.rank(), numel)?;
@@ -605,7 +606,7 @@ pub fn footprint(
     topology: crate::config::Topology,
     world: usize,
     ranks_per_node: usize,
-    tensors: &[TensorView],
+    tensors: &[Segment],
 ) -> super::Footprint {
     let numel = tensors.iter().map(|t| t.len).sum::<usize>() as u64;
     let words = Codec::new(plan.compressor, tensors, plan.seed).words() as u64;

@@ -41,8 +41,8 @@ fn topologies() -> Vec<(&'static str, Vec<Round>)> {
     ]
 }
 
-fn shapes() -> Vec<TensorView> {
-    TensorView::from_shapes(&[(7, 9, true), (1, 13, false), (3, 40, true)])
+fn shapes() -> Vec<Segment> {
+    Segment::from_shapes(&[(7, 9, true), (1, 13, false), (3, 40, true)])
 }
 
 #[test]
@@ -149,7 +149,7 @@ fn top_k_selects_what_the_reducers_kernel_selects() {
 
 #[test]
 fn unbiased_qsgd_is_unbiased() {
-    let tensors = TensorView::from_shapes(&[(1, 50, false)]);
+    let tensors = Segment::from_shapes(&[(1, 50, false)]);
     let x = &random_vectors(1, 50, 9)[0];
     let zero = vec![0.0; 50];
     let codec = Codec::new(

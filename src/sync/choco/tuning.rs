@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use super::codec::mix;
 use super::{Channels, Codec, Compressor};
-use crate::sync::compress::TensorView;
+use crate::kernels::Segment;
 use crate::sync::topology::Round;
 
 /// All ranks' CHOCO consensus in one process (no communication, no gradients): the same channels,
@@ -130,7 +130,7 @@ pub fn tune_gamma(rounds: &[Round], compressor: Compressor, seed: u64) -> Result
         .max()
         .unwrap_or(1);
     let dim = (64_000 / (world * group)).clamp(16, 1000);
-    let tensors = TensorView::from_shapes(&[(1, dim, false)]);
+    let tensors = Segment::from_shapes(&[(1, dim, false)]);
     let codec = Codec::new(compressor, &tensors, seed);
     let x0 = random_vectors(world, dim, mix(&[seed, 0x7475_6e65]));
     let start = Simulation::new(rounds.to_vec(), codec.clone(), 0.0, dim)?.error(&x0);

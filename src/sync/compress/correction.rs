@@ -6,7 +6,7 @@
 //! minus the direction m̂ / (sqrt(v̂) + eps). Its moments see the reduced gradient, zero outside the mask,
 //! so the momentum of unselected coordinates keeps decaying. With SGD applying p (1 - lr wd) - lr d this is
 //! AdamW's update on the reduced gradient, so both modes train the same model up to float rounding
-//! (tests/compression.rs checks it); a checkpoint moves between them with its Adam state (`carry_over`).
+//! (tests/it/compression.rs checks it); a checkpoint moves between them with its Adam state (`carry_over`).
 
 use anyhow::Result;
 
@@ -61,11 +61,7 @@ fn adam(numel: usize, betas: [f64; 2], eps: f64, place: &Place) -> Result<Box<dy
         eps,
         weight_decay: 0.0,
     });
-    let all = Segment {
-        offset: 0,
-        len: numel,
-        decay: false,
-    };
+    let all = Segment::flat(0, numel, false);
     optim::build(&cfg, vec![all], numel, place)
 }
 

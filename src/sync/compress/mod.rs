@@ -13,71 +13,8 @@ use anyhow::{bail, Result};
 use super::trace::{Collective, Op, Overlap};
 use crate::comm::{all_reduce_bytes, CommStats, Communicator};
 use crate::flat::FlatMut;
-use crate::model::params::Param;
+use crate::kernels::Segment;
 use crate::sync::plan::ReducerPlan;
-
-/// One parameter tensor in the flat gradient, viewed as a `rows x cols` matrix (rows = first dimension).
-#[derive(Debug, Clone, PartialEq)]
-pub struct TensorView {
-    pub offset: usize,
-    pub len: usize,
-    pub rows: usize,
-    pub cols: usize,
-    /// Rank >= 2: the references compress only these; vectors (biases, LayerNorm) go dense.
-    pub matrix: bool,
-}
-
-impl TensorView {
-    pub fn of(params: &[Param]) -> Vec<Self> {
-        Self::of_shapes(params.iter().map(|p| (p.name.clone(), p.shape.clone())))
-    }
-
-    /// The flat layout of named parameters: sorted by name, as `ParamSet` lays them out.
-    pub fn of_shapes(named: impl IntoIterator<Item = (String, Vec<usize>)>) -> Vec<Self> {
-        let mut named: Vec<_> = named.into_iter().collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut offset = 0;
-        named
-            .into_iter()
-            .map(|(_, shape)| {
-                let len = shape.iter().product::<usize>();
-                let rows = shape.first().copied().unwrap_or(1);
-                let t = Self {
-                    offset,
-                    len,
-                    rows,
-                    cols: len / rows.max(1),
-                    matrix: shape.len() >= 2,
-                };
-                offset += len;
-                t
-            })
-            .collect()
-    }
-
-    /// Consecutive tensors of the given (rows, cols, is a matrix) shapes.
-    pub fn from_shapes(shapes: &[(usize, usize, bool)]) -> Vec<Self> {
-        let mut offset = 0;
-        shapes
-            .iter()
-            .map(|&(rows, cols, matrix)| {
-                let t = Self {
-                    offset,
-                    len: rows * cols,
-                    rows,
-                    cols,
-                    matrix,
-                };
-                offset += t.len;
-                t
-            })
-            .collect()
-    }
-
-    pub fn range(&self) -> std::ops::Range<usize> {
-        self.offset..self.offset + self.len
-    }
-}
 
 /// What one reduction measured, for the metrics rows.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -214,7 +151,7 @@ pub trait Reducer {
 }
 
 /// The planned reducer (its rules were checked when the plan was resolved).
-pub fn build(plan: &ReducerPlan, tensors: Vec<TensorView>) -> Box<dyn Reducer> {
+pub fn build(plan: &ReducerPlan, tensors: Vec<Segment>) -> Box<dyn Reducer> {
     match plan {
         ReducerPlan::TopK(k) => {
             Box::new(topk::TopK::new(tensors, k.density, k.error_feedback_on()))

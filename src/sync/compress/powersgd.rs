@@ -13,7 +13,7 @@ use anyhow::Result;
 use rand::SeedableRng;
 use rand_distr::{Distribution, StandardNormal};
 
-use super::{all_reduce, take, Reducer, Report, State, TensorView};
+use super::{all_reduce, take, Reducer, Report, Segment, State};
 use crate::comm::{all_reduce_mean_flat, all_reduce_sum_flat, Communicator};
 use crate::config::backend::PowerSgdConfig;
 use crate::flat::{Flat, FlatMut, FlatRef};
@@ -33,7 +33,7 @@ struct Factor {
 /// all-reduces run on the device (NCCL). The host path runs the same steps with the CPU matmul and the
 /// kernel's twin, so the two agree up to the matmuls' summation order.
 pub struct PowerSgd {
-    tensors: Vec<TensorView>,
+    tensors: Vec<Segment>,
     cfg: PowerSgdConfig,
     seed: u64,
     factors: Vec<Factor>,
@@ -52,7 +52,7 @@ fn should_compress(n: usize, m: usize, r: usize, rate: f64) -> bool {
 }
 
 impl PowerSgd {
-    pub fn new(tensors: Vec<TensorView>, cfg: PowerSgdConfig, seed: u64) -> Self {
+    pub fn new(tensors: Vec<Segment>, cfg: PowerSgdConfig, seed: u64) -> Self {
         let (mut factors, mut p_len, mut q_len) = (Vec::new(), 0, 0);
         for (i, t) in tensors.iter().enumerate() {
             let rank = cfg.rank.min(t.rows).min(t.cols);

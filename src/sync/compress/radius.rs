@@ -9,8 +9,8 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, StateBuf,
-    TensorView,
+    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, Segment, State,
+    StateBuf,
 };
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::config::backend::RadiusConfig;
@@ -19,7 +19,7 @@ use crate::optim::global_norm;
 use crate::sync::trace::Collective;
 
 pub struct Radius {
-    tensors: Vec<TensorView>,
+    tensors: Vec<Segment>,
     cfg: RadiusConfig,
     residual: StateBuf,
     /// Sorted flat indices all-reduced on stable steps.
@@ -34,7 +34,7 @@ pub struct Radius {
 }
 
 impl Radius {
-    pub fn new(tensors: Vec<TensorView>, cfg: RadiusConfig) -> Self {
+    pub fn new(tensors: Vec<Segment>, cfg: RadiusConfig) -> Self {
         Self {
             tensors,
             cfg,
@@ -331,14 +331,14 @@ mod tests {
     #[test]
     fn widened_mask_stays_inside_its_tensor_and_keeps_vectors_whole() {
         let tensors = vec![
-            TensorView {
+            Segment {
                 offset: 0,
                 len: 3,
                 rows: 3,
                 cols: 1,
                 matrix: false,
             },
-            TensorView {
+            Segment {
                 offset: 3,
                 len: 20,
                 rows: 4,

@@ -8,8 +8,8 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, State, StateBuf,
-    TensorView,
+    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, Segment, State,
+    StateBuf,
 };
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::kernels;
@@ -17,7 +17,7 @@ use crate::optim::global_norm;
 use crate::sync::trace::{Collective, Op, Overlap};
 
 pub struct TopK {
-    tensors: Vec<TensorView>,
+    tensors: Vec<Segment>,
     error_feedback: bool,
     /// Entries kept per tensor (0 for vectors, which are all-reduced whole).
     k: Vec<usize>,
@@ -25,7 +25,7 @@ pub struct TopK {
 }
 
 impl TopK {
-    pub fn new(tensors: Vec<TensorView>, density: f64, error_feedback: bool) -> Self {
+    pub fn new(tensors: Vec<Segment>, density: f64, error_feedback: bool) -> Self {
         let k = tensors
             .iter()
             .map(|t| if t.matrix { k_of(density, t.len) } else { 0 })
@@ -223,12 +223,12 @@ mod device {
     use anyhow::{Context, Result};
     use cudarc::driver::{CudaSlice, CudaStream};
 
-    use super::super::TensorView;
+    use super::super::Segment;
     use crate::flat::DeviceFlat;
 
     /// The vectors of `d`, back to back in one buffer (their all-reduce's).
     pub fn vectors(
-        vectors: &[TensorView],
+        vectors: &[Segment],
         d: &DeviceFlat,
         s: &std::sync::Arc<CudaStream>,
     ) -> Result<CudaSlice<f32>> {
@@ -248,7 +248,7 @@ mod device {
     /// Each matrix's selection of its k entries, packed as [values | indices as f32 bits] (the message)
     /// with the indices also as u32 (for the residual); and how many.
     pub fn select(
-        tensors: &[TensorView],
+        tensors: &[Segment],
         ks: &[usize],
         d: &DeviceFlat,
     ) -> Result<(CudaSlice<f32>, CudaSlice<u32>, usize)> {
@@ -278,7 +278,7 @@ mod device {
     /// The matrices from every rank's message (rank-ordered sums, then the mean), the vectors from their
     /// all-reduced `dense` copy.
     pub fn decompress(
-        tensors: &[TensorView],
+        tensors: &[Segment],
         d: &mut DeviceFlat,
         all: &CudaSlice<f32>,
         total: usize,

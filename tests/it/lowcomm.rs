@@ -7,8 +7,8 @@ use std::path::Path;
 use nanodist::metrics::Row;
 use nanodist::train;
 
-mod common;
-use common::{exact, make_data};
+use crate::common;
+use crate::common::{exact, make_data};
 
 /// Trains the tiny config on `workers` local workers with `set`; returns the summary and the rows.
 fn train_rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> (train::Summary, Vec<Row>) {

@@ -9,8 +9,8 @@ use nanodist::metrics::{read_rows, Row};
 use nanodist::plan::LaunchEnv;
 use nanodist::train::{self, checkpoint, Exit};
 
-mod common;
-use common::make_data;
+use crate::common;
+use crate::common::make_data;
 
 /// The tiny config with a local batch of 2 (accumulation on one worker), dropout (its RNG is state to
 /// resume), and checkpoints every 5 steps.
@@ -167,6 +167,30 @@ fn train_log_has_the_seed_runners_lines() {
         .collect();
     // Step 0, the evaluation at step 10 (first segment), and step 20 after the resume.
     assert_eq!(steps, [0, 10, 20], "{log}");
+    // Each start opens with a header (version, config digest, world, backend, engine, precision); the
+    // resume says where it resumed from, and each segment ends with why it stopped.
+    let header = regex::Regex::new(&format!(
+        r"{prefix}nanodist \d+\.\d+\.\d+ \| config \S+config\.toml sha256 [0-9a-f]{{12}} \| world 1 \(1 per node\) \| backend pytorchddp \| engine local \| [^|]+$"
+    ))
+    .unwrap();
+    let headers: Vec<usize> = (0..lines.len())
+        .filter(|&i| header.is_match(lines[i]))
+        .collect();
+    assert_eq!(headers.len(), 2, "{log}");
+    assert_eq!(headers[0], 0, "{log}");
+    let after = lines[headers[1] + 1];
+    assert!(
+        after.contains("resumed from ") && after.ends_with("step_00000012 (full state) at step 12"),
+        "{after}"
+    );
+    assert!(
+        lines[headers[1] - 1].ends_with("] stopped at train.exit_interval at step 12"),
+        "{log}"
+    );
+    assert!(
+        lines.last().unwrap().ends_with("] finished at step 20"),
+        "{log}"
+    );
     let rows = read_rows(&done.run_dir.join("metrics.jsonl")).unwrap();
     let val = |step: u64| {
         rows.iter()
@@ -208,8 +232,9 @@ fn train_log_has_the_seed_runners_lines() {
         &LaunchEnv::default(),
     )
     .unwrap();
-    let threads = loaded.plan.threads.unwrap();
-    let peak = local.profile.device.peak_tflops * 1e12 * threads as f64;
+    // The machine's peak: every core of it, whatever threads the run starts.
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let peak = local.profile.device.peak_tflops * 1e12 * cores as f64;
     for r in rows.iter().filter(|r| r.step > 0) {
         let want = loaded.plan.flops_per_token as f64 * r.tokens_per_s / peak;
         let mfu = r.mfu.unwrap();
@@ -220,7 +245,7 @@ fn train_log_has_the_seed_runners_lines() {
         );
     }
     assert!(
-        log.contains(&format!("of {threads} thread(s)' f32 GEMM peak")),
+        log.contains(&format!("of {cores} core(s)' f32 GEMM peak")),
         "{log}"
     );
 }
@@ -422,7 +447,8 @@ fn a_run_directory_in_use_is_refused_and_a_dead_holders_lock_taken_over() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("taking over the lock of PID"), "{err}");
-    assert!(err.contains("resumed from"), "{err}");
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(log.contains("resumed from"), "{log}");
     assert!(!run_dir.join("train.lock").exists());
 }
 

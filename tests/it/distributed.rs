@@ -9,8 +9,8 @@ use nanodist::plan::LaunchEnv;
 use nanodist::sync::{topology, Gossip, SyncBackend};
 use nanodist::train;
 
-mod common;
-use common::{exact, make_data, on_ranks, tiny_config};
+use crate::common;
+use crate::common::{exact, make_data, on_ranks, tiny_config};
 
 fn train_with(dir: &Path, workers: usize, set: &[&str]) -> Vec<nanodist::metrics::Row> {
     let src = tiny_config(dir, &format!("w{workers}"));
@@ -76,7 +76,7 @@ fn allreduce_with_n_workers_at_batch_b_equals_one_worker_at_batch_n_b() {
 /// All-reduce workers share one replica on the local engine (`train::replica`), each updating its own
 /// part, with buckets that cut across the parts: a run stopped and resumed gives the rows of the
 /// uninterrupted one bit for bit, and every rank's checkpoint holds the same parameters and optimizer
-/// state, as separate replicas would. (tests/mpi.rs holds these runs to the MPI engine's, whose ranks
+/// state, as separate replicas would. (tests/cluster/mpi.rs holds these runs to the MPI engine's, whose ranks
 /// keep replicas of their own, bit for bit.)
 #[test]
 fn allreduce_workers_share_one_replica_that_checkpoints_and_resumes_bit_for_bit() {

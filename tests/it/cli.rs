@@ -1,12 +1,12 @@
 //! The command line: exit codes, the plan printed by `check`, `schema` output, vocabulary checks against
 //! prepared data, and text in and out of a trained model.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Output;
 
-use common::{make_data, nanodist, nanodist_with, write_tiny_config};
+use crate::common::{make_data, nanodist, nanodist_with, write_tiny_config};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -84,9 +84,17 @@ fn check_and_train_refuse_local_workers_that_do_not_fit_in_memory() {
             "8 local worker(s) need about",
             "50.0 MB is available",
             "peak: 8 worker(s)",
+            "not even train.local_batch_size = 1 fits",
         ] {
             assert!(err.contains(want), "{cmd}: missing {want:?} in {err}");
         }
+        // `check` prints the plan before the problems.
+        let printed = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            cmd == "check",
+            printed.contains("\nmemory "),
+            "{cmd}: {printed}"
+        );
         assert!(
             !dir.path().join("log/mem").exists(),
             "{cmd} created the run"
@@ -541,8 +549,9 @@ fn text(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
 }
 
-/// `check`, `sbatch --dry-run` and `train` run one set of checks: for each bad input all three exit 2
-/// with the same reason, and `train` creates no run directory.
+/// `check`, `sbatch` and `train` run one set of checks: for each bad input all three exit 2 with the same
+/// reason (`sbatch` before it calls Slurm's), `sbatch --dry-run` renders what it can and names the same
+/// reason, and `train` creates no run directory.
 #[test]
 fn check_sbatch_and_train_refuse_the_same_inputs_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
@@ -586,12 +595,23 @@ fn check_sbatch_and_train_refuse_the_same_inputs_before_any_work() {
         ),
     ];
     for (set, why) in cases {
-        for cmd in [&["check"][..], &["sbatch", "--dry-run"], &["train"]] {
+        // A dry run renders what it can and lists what a submission would refuse.
+        for cmd in [
+            &["check"][..],
+            &["sbatch"],
+            &["sbatch", "--dry-run"],
+            &["train"],
+        ] {
             let mut args: Vec<&str> = cmd.to_vec();
             args.push(cfg);
             args.extend(set);
+            if cmd[0] == "sbatch" && set.contains(&"train.engine=\"nccl\"") {
+                args.extend(["--gpus-per-node", "1"]); // a GPU job asks for its GPUs
+            }
             let out = nanodist(&args);
-            assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+            let refused = text(&out).contains("# a submission from here would be refused");
+            let code = if refused { Some(0) } else { Some(2) };
+            assert_eq!(out.status.code(), code, "{args:?}: {}", text(&out));
             assert!(
                 text(&out).contains(why),
                 "{args:?}: {why:?} missing:\n{}",
@@ -948,4 +968,199 @@ fn machine_decisions_are_recorded_once_and_kept_by_every_resume() {
     assert_eq!(rows("cut"), rows("whole"));
     train("log.run_name=\"f32\"", "0.5", &[]);
     assert_ne!(rows("f32"), rows("whole"), "bf16 and f32 products differ");
+}
+
+/// Paths that name the wrong thing get exit 2 and what to give instead: a metrics file to `sample`, a
+/// missing checkpoint to `eval` (with the ones that exist), a directory of runs to `eval` and `compare`
+/// (with the runs in it), a plot into a directory that does not exist.
+#[test]
+fn wrong_paths_exit_2_with_what_to_give_instead() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r");
+    let trained = nanodist(&[
+        "train",
+        cfg.to_str().unwrap(),
+        "--set",
+        "train.n_steps=6",
+        "--set",
+        "log.ckpt_interval=2",
+    ]);
+    assert_eq!(trained.status.code(), Some(0), "{}", text(&trained));
+    let (log, run) = (dir.path().join("log"), dir.path().join("log/r"));
+    let path = |p: &Path| p.display().to_string();
+    let val = path(&dir.path().join("val.bin"));
+    let cases: [(Vec<String>, &[&str]); 5] = [
+        (
+            vec!["sample".into(), path(&run.join("metrics.jsonl"))],
+            &["not a weights file", "best_model.safetensors"],
+        ),
+        (
+            vec![
+                "eval".into(),
+                path(&run.join("checkpoints/step_00000050")),
+                "--data".into(),
+                val.clone(),
+            ],
+            &["no such file", "holds step_00000004, step_00000006"],
+        ),
+        (
+            vec!["eval".into(), path(&log), "--data".into(), val.clone()],
+            &["a directory of runs: name one", &path(&run)],
+        ),
+        (
+            vec!["compare".into(), path(&log)],
+            &["not a run directory", "runs there: r"],
+        ),
+        (
+            vec![
+                "plot".into(),
+                path(&run),
+                "--output".into(),
+                path(&dir.path().join("missing/dir/x.png")),
+            ],
+            &["there is no directory", "mkdir -p"],
+        ),
+    ];
+    for (args, parts) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = nanodist(&args);
+        let err = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        for part in parts {
+            assert!(err.contains(part), "{args:?}: {part:?} in {err}");
+        }
+    }
+}
+
+/// `sbatch --gpus-per-node` renders a GPU job from any build: the seed GPT-2 config on 4 nodes x 4 GPUs
+/// is one NCCL rank per GPU on CUDA, with CPUs per task for the GPU ranks; the dry run lists what a
+/// submission from here would refuse (this build's engines, the data that is not on this machine) and a
+/// submission refuses it (exit 2, before sbatch). GPUs with a CPU engine, the NCCL engine without GPUs,
+/// and tasks that are not one per GPU are errors naming the flag to change.
+#[test]
+fn sbatch_renders_a_gpu_job_from_any_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = root().join("config/gpt2-small.toml");
+    let log_dir = format!("log_dir={:?}", dir.path().display().to_string());
+    let job = |extra: &[&str]| {
+        let base = [
+            "sbatch",
+            cfg.to_str().unwrap(),
+            "--set",
+            &log_dir,
+            "--nodes",
+            "4",
+        ];
+        nanodist(&[&base[..], extra].concat())
+    };
+    // A partition this machine's Slurm (if any) does not know: its nodes' CPUs are unknown here.
+    let gpus = [
+        "--gpus-per-node",
+        "4",
+        "-A",
+        "proj",
+        "--partition",
+        "gpu",
+        "--time",
+        "20:00:00",
+    ];
+    let out = job(&[&gpus[..], &["--dry-run"]].concat());
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let printed = String::from_utf8_lossy(&out.stdout).to_string();
+    for want in [
+        "#SBATCH --nodes=4\n",
+        "#SBATCH --ntasks-per-node=4\n",
+        "#SBATCH --gpus-per-node=4\n",
+        "#SBATCH --cpus-per-task=8\n",
+        "#SBATCH --account=proj\n",
+        "\nENGINE=nccl\n",
+    ] {
+        assert!(printed.contains(want), "missing {want:?} in:\n{printed}");
+    }
+    let refused: Vec<&str> = printed
+        .lines()
+        .filter(|l| l.starts_with("# a submission from here would be refused: "))
+        .collect();
+    let no_cuda = usize::from(!cfg!(feature = "cuda"));
+    assert_eq!(refused.len(), no_cuda + 2, "{printed}");
+    assert!(
+        refused.iter().any(|l| l.contains("no token data there")),
+        "{printed}"
+    );
+    if no_cuda == 1 {
+        assert!(printed.contains("built without CUDA support"), "{printed}");
+        let submitted = job(&gpus);
+        assert_eq!(submitted.status.code(), Some(2), "{}", text(&submitted));
+        assert!(
+            text(&submitted).contains("not submitted"),
+            "{}",
+            text(&submitted)
+        );
+    }
+    for (extra, says) in [
+        (
+            &["--gpus-per-node", "4", "--set", "train.engine=\"mpi\""][..],
+            "--gpus-per-node 4 asks for GPUs, but train.engine = \"mpi\"",
+        ),
+        (
+            &["--set", "train.engine=\"nccl\"", "--dry-run"][..],
+            "add --gpus-per-node N",
+        ),
+        (
+            &["--gpus-per-node", "4", "--tasks-per-node", "2", "--dry-run"][..],
+            "drop --tasks-per-node or make it 4",
+        ),
+    ] {
+        let out = job(extra);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {}", text(&out));
+        assert!(text(&out).contains(says), "{extra:?}: {}", text(&out));
+    }
+}
+
+/// `check --ranks N --ranks-per-node M [--device cuda]` plans a launcher's job instead of this machine:
+/// the world and ranks per node are the flags', CUDA means the NCCL engine, and the problems are the
+/// job's (this build's engines, the data), listed after the plan; `--workers` with `--ranks` is refused.
+#[test]
+fn check_previews_a_job_layout_it_is_not_running_on() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cfg = write_tiny_config(dir.path(), "c.toml", "r");
+    let check = |extra: &[&str]| nanodist(&[&["check", cfg.to_str().unwrap()][..], extra].concat());
+    let out = check(&["--ranks", "4", "--ranks-per-node", "2"]);
+    let printed = String::from_utf8_lossy(&out.stdout).to_string();
+    let mpi = cfg!(feature = "mpi");
+    assert_eq!(
+        out.status.code(),
+        Some(if mpi { 0 } else { 2 }),
+        "{}",
+        text(&out)
+    );
+    for want in [
+        "engine            mpi\n",
+        "world size        4\n",
+        "ranks per node    2\n",
+    ] {
+        assert!(printed.contains(want), "{want:?} in {printed}");
+    }
+    let out = check(&["--ranks", "8", "--device", "cuda"]);
+    let printed = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(printed.contains("engine            nccl\n"), "{printed}");
+    assert!(printed.contains("world size        8\n"), "{printed}");
+    if !cfg!(feature = "cuda") {
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(printed.contains("1 problem(s) for the job"), "{printed}");
+        assert!(
+            text(&out).contains("built without CUDA support"),
+            "{}",
+            text(&out)
+        );
+    }
+    let both = check(&["--ranks", "4", "--workers", "2"]);
+    assert_eq!(both.status.code(), Some(2), "{}", text(&both));
+    assert!(
+        text(&both).contains("with --ranks, leave it out"),
+        "{}",
+        text(&both)
+    );
 }

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use nanodist::metrics::{read_rows, Row};
 use nanodist::netlab::Lab;
 
-mod common;
-use common::{exact, make_data, tiny_config};
+use crate::common;
+use crate::common::{exact, make_data, tiny_config};
 
 const EXE: &str = env!("CARGO_BIN_EXE_nanodist");
 
@@ -117,6 +117,7 @@ fn sent(out: &str, h: usize) -> u64 {
 /// failed (the local engine's, bit for bit); and `down` leaves nothing.
 #[test]
 fn two_hosts_at_20_mbit() {
+    let _turn = crate::turn();
     if !available() {
         return;
     }

@@ -8,8 +8,8 @@ use std::process::Command;
 use nanodist::metrics::read_rows;
 use serde_json::Value;
 
-mod common;
-use common::{make_data, tiny_config};
+use crate::common;
+use crate::common::{make_data, tiny_config};
 
 fn python_has(module: &str) -> bool {
     Command::new("python3")
@@ -36,7 +36,7 @@ fn python_json(script: &str, arg: &Path) -> Value {
 fn train(dir: &Path, set: &[&str]) -> PathBuf {
     let mut set = set.to_vec();
     set.extend(["log.wandb_log=true", "log.tensorboard=true"]);
-    common::train_config(&tiny_config(dir, "tracked"), 1, &set).run_dir
+    common::train_config(&tiny_config(dir, "tracked"), 2, &set).run_dir
 }
 
 fn wandb_files(run_dir: &Path) -> Vec<PathBuf> {
@@ -110,6 +110,19 @@ fn wandb_offline_run_reads_back_with_wandbs_own_protobufs_and_resumes_the_same_r
                 .unwrap();
             assert_eq!(h["train_loss"].as_f64().unwrap(), row.train_loss);
             assert!(h["_runtime"].as_f64().unwrap() >= 0.0);
+            // Cumulative bytes, carried across the resume: loss charts against them in W&B.
+            let total: u64 = rows
+                .iter()
+                .filter(|r| r.step <= row.step)
+                .map(|r| r.comm_bytes)
+                .sum();
+            assert!(total > 0);
+            assert_eq!(
+                h["comm_bytes_total"].as_f64().unwrap(),
+                total as f64,
+                "step {}",
+                row.step
+            );
         }
     }
     assert_eq!(
@@ -174,6 +187,16 @@ fn tensorboard_scalars_read_back_with_the_strict_reader() {
     }
     assert_eq!(s["train/loss"].as_object().unwrap().len(), 20);
     assert_eq!(s["val/loss"].as_object().unwrap().len(), 2);
+    let mut total = 0;
+    for r in &rows {
+        total += r.comm_bytes;
+        let got = s["comm/bytes_total"][r.step.to_string()].as_f64().unwrap();
+        assert!(
+            total > 0 && same(got, total as f64),
+            "step {}: {got} vs {total}",
+            r.step
+        );
+    }
 }
 
 /// A W&B run stopped at step 10 and resumed to 20 (two offline segments of one run id).

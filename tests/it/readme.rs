@@ -16,12 +16,12 @@ const NOT_HERE: &[(&str, &str)] = &[
     (
         "nanodist calibrate",
         "measures this machine for minutes and rewrites config/clusters/local.toml \
-         (tests/predict_validation.rs runs calibrate)",
+         (tests/cluster/predict_validation.rs runs calibrate)",
     ),
     (
         "--time 20:00:00",
         "submits a 20-hour job to Slurm (the --dry-run line beside it renders the same job here; \
-         tests/slurm.rs submits real jobs)",
+         tests/cluster/slurm.rs submits real jobs)",
     ),
 ];
 

@@ -1,7 +1,7 @@
 //! GPT-2 token ids equal Python tiktoken's: a committed golden file for tricky text (made by
 //! scripts/gpt2_ids.py), and, when Python tiktoken and a real corpus are present, the corpus itself.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

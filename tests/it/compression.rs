@@ -6,20 +6,19 @@ use std::path::Path;
 
 use nanodist::comm::Communicator;
 use nanodist::config::backend::{PowerSgdConfig, RadiusConfig};
+use nanodist::kernels::Segment;
 use nanodist::metrics::Row;
-use nanodist::sync::compress::{
-    self, powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer, TensorView,
-};
+use nanodist::sync::compress::{self, powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer};
 use rand::{Rng, SeedableRng};
 
-mod common;
-use common::{make_data, on_ranks, tiny_config};
+use crate::common;
+use crate::common::{make_data, on_ranks, tiny_config};
 
 /// A vector, two matrices of different shapes and one of the same shape as the first.
-fn tensors() -> Vec<TensorView> {
+fn tensors() -> Vec<Segment> {
     let shapes: [(usize, usize, bool); 4] =
         [(7, 1, false), (12, 9, true), (6, 20, true), (12, 9, true)];
-    TensorView::from_shapes(&shapes)
+    Segment::from_shapes(&shapes)
 }
 
 fn numel() -> usize {
@@ -186,7 +185,7 @@ fn error_feedback_conserves_mass() {
 fn powersgd_is_exact_on_rank_r_input() {
     // Every rank's matrix is U V_r^T with a shared U (rows x 2): the average has rank 2.
     let (rows, cols, r, n) = (10, 8, 2, 3);
-    let t = vec![TensorView {
+    let t = vec![Segment {
         offset: 0,
         len: rows * cols,
         rows,

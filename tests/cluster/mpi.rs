@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use nanodist::metrics::{read_rows, Row};
 
-mod common;
-use common::{make_data, tiny_config};
+use crate::common;
+use crate::common::{make_data, tiny_config};
 
 fn mpirun(np: usize, args: &[String]) -> Command {
     let mut c = Command::new("mpirun");
@@ -86,10 +86,12 @@ fn assert_same(local: &[Row], mpi: &[Row], what: &str) {
     }
 }
 
-/// A config that does not name an engine runs on MPI under mpirun (engine "auto") and equals the local
-/// engine's 2 workers; an explicit "local" under mpirun stays a clear error (exit 2 on every rank).
+/// A config that does not name an engine runs on MPI under mpirun (engine "auto"), equals the local
+/// engine's 2 workers and records that world in its saved config; an explicit "local" under mpirun, and a
+/// `train.workers` that is not mpirun's world, stay clear errors (exit 2 on every rank).
 #[test]
 fn the_default_engine_is_mpi_under_mpirun_and_explicit_local_is_refused() {
+    let _turn = crate::turn();
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
     let cfg = write_config(d.path(), "auto");
@@ -116,6 +118,7 @@ fn the_default_engine_is_mpi_under_mpirun_and_explicit_local_is_refused() {
     );
     let resolved = std::fs::read_to_string(d.path().join("log/auto/config.toml")).unwrap();
     assert!(resolved.contains("engine = \"mpi\""), "{resolved}");
+    assert!(resolved.contains("workers = 2"), "{resolved}");
     let mpi = read_rows(&d.path().join("log/auto/metrics.jsonl")).unwrap();
     assert_same(
         &run_local(d.path(), "auto-local", 2, &[]),
@@ -134,10 +137,20 @@ fn the_default_engine_is_mpi_under_mpirun_and_explicit_local_is_refused() {
         "{stderr}"
     );
     assert!(!d.path().join("log/refused").exists());
+
+    let four = spawn(args(&["train.workers=4", "log.run_name=\"four\""]));
+    let stderr = String::from_utf8_lossy(&four.stderr);
+    assert_eq!(four.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("train.workers = 4 but the launcher started 2 rank(s)"),
+        "{stderr}"
+    );
+    assert!(!d.path().join("log/four").exists());
 }
 
 #[test]
 fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
+    let _turn = crate::turn();
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
     let cases: Vec<(usize, Vec<&str>)> = vec![
@@ -225,6 +238,7 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
 /// engine's rows bit for bit at 2 and 4 ranks, and an MPI run stopped mid-period resumes exactly.
 #[test]
 fn low_communication_backends_match_the_local_engine_and_resume_under_mpi() {
+    let _turn = crate::turn();
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
     let cases: [&[&str]; 4] = [
@@ -286,6 +300,7 @@ fn low_communication_backends_match_the_local_engine_and_resume_under_mpi() {
 /// command resumes from the last good one to the local engine's rows.
 #[test]
 fn a_non_finite_step_stops_every_mpi_rank_and_resumes_from_the_last_checkpoint() {
+    let _turn = crate::turn();
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
     let set = ["train.n_steps=10", "log.ckpt_interval=3"];
@@ -325,6 +340,7 @@ fn a_non_finite_step_stops_every_mpi_rank_and_resumes_from_the_last_checkpoint()
 /// bit, and not those of two that both have rank 1's.
 #[test]
 fn ranks_with_different_probe_results_train_as_rank_0_decided() {
+    let _turn = crate::turn();
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
     let run = |name: &str, rates: [&str; 2]| {
@@ -374,6 +390,7 @@ fn ranks_with_different_probe_results_train_as_rank_0_decided() {
 /// in flight resumes under mpirun to the same rows.
 #[test]
 fn compressed_gossip_matches_the_local_engine_and_resumes_under_mpi() {
+    let _turn = crate::turn();
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
     let compressors = [
@@ -445,9 +462,6 @@ fn hurt_rank_one(signal: &str, timeout_secs: u32) -> (Output, Duration) {
     make_data(d.path());
     let cfg = write_config(d.path(), "hurt");
     let timeout = format!("train.comm_timeout_secs={timeout_secs}");
-    // One hurt job at a time: each oversubscribes the machine already.
-    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let mut child = mpirun(
         2,
         &train_args(
@@ -494,6 +508,7 @@ fn hurt_rank_one(signal: &str, timeout_secs: u32) -> (Output, Duration) {
 
 #[test]
 fn a_hung_rank_is_named_and_the_job_ends_within_the_timeout() {
+    let _turn = crate::turn();
     let (out, took) = hurt_rank_one("-STOP", 3);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
@@ -506,6 +521,7 @@ fn a_hung_rank_is_named_and_the_job_ends_within_the_timeout() {
 
 #[test]
 fn a_killed_rank_ends_the_job_instead_of_hanging() {
+    let _turn = crate::turn();
     let (out, took) = hurt_rank_one("-KILL", 600);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());

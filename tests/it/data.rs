@@ -1,7 +1,7 @@
 //! Token data: prepare writes what it claims, formats round-trip, corrupt files are rejected, Python's
 //! nanoGPT-style files are read as they are.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

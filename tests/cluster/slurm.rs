@@ -12,8 +12,8 @@ use nanodist::metrics::{read_rows, Row};
 use nanodist::plan::LaunchEnv;
 use nanodist::train;
 
-mod common;
-use common::make_data;
+use crate::common;
+use crate::common::make_data;
 
 const EXE: &str = env!("CARGO_BIN_EXE_nanodist");
 
@@ -21,10 +21,6 @@ const EXE: &str = env!("CARGO_BIN_EXE_nanodist");
 fn config_text(dir: &Path, set: &[&str]) -> String {
     common::config(dir, None, &[&["log.ckpt_interval=10"], set].concat())
 }
-
-/// The local cluster is one 2-CPU node: tests that submit jobs take turns, so that no job waits in the queue
-/// behind another test's and the timings below hold.
-static CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn slurm_up() -> bool {
     let up = Command::new("sinfo")
@@ -152,7 +148,7 @@ fn setup(set: &[&str]) -> (tempfile::TempDir, PathBuf) {
 
 #[test]
 fn sbatch_runs_a_two_rank_mpi_job_to_the_end() {
-    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::turn();
     if !slurm_up() {
         return;
     }
@@ -182,7 +178,7 @@ fn sbatch_runs_a_two_rank_mpi_job_to_the_end() {
 /// by the tasks (this node: 4 CPUs, 2 tasks).
 #[test]
 fn a_named_run_keeps_its_job_output_and_tasks_share_the_nodes_cpus() {
-    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::turn();
     if !slurm_up() {
         return;
     }
@@ -230,11 +226,14 @@ fn a_named_run_keeps_its_job_output_and_tasks_share_the_nodes_cpus() {
     let log = std::fs::read_to_string(run.join(format!("slurm-{id}.out"))).unwrap();
     assert!(log.contains("finished at step 20"), "{log}");
     assert!(run.join("metrics.jsonl").is_file() && !d.path().join("log").join(&id).exists());
+    // The job's output is in the run directory only: Slurm's empty file in log_dir is gone.
+    let left = d.path().join("log").join(format!("slurm-{id}.out"));
+    assert!(!left.exists(), "{} left behind", left.display());
 }
 
 #[test]
 fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run() {
-    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::turn();
     if !slurm_up() {
         return;
     }
@@ -326,7 +325,7 @@ done"#,
 
 #[test]
 fn an_array_chain_resumes_link_by_link_and_later_links_exit_at_once() {
-    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::turn();
     if !slurm_up() {
         return;
     }
@@ -365,7 +364,7 @@ fn an_array_chain_resumes_link_by_link_and_later_links_exit_at_once() {
 
 #[test]
 fn exit_duration_mins_under_srun_stops_every_rank_at_one_step_and_the_chain_finishes_exactly() {
-    let _turn = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = crate::turn();
     if !slurm_up() {
         return;
     }

@@ -5,8 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
-mod common;
-use common::make_data;
+use crate::common::make_data;
 
 /// The shortened form: long enough for each method's phases (Radius's dense steps, PowerSGD's warm-up,
 /// two DiLoCo syncs).

@@ -1,12 +1,12 @@
 //! The time model against real runs: `nanodist calibrate --engine mpi`, then real `mpirun` runs against
-//! their predictions. Timing-sensitive, so in a test binary of its own (cargo runs test binaries one
-//! after another, so nothing else competes for the cores).
+//! their predictions. Timing-sensitive: it runs in its turn (`crate::turn`), and cargo runs test binaries
+//! one after another, so nothing else competes for the cores.
 #![cfg(feature = "mpi")]
 
 use std::path::Path;
 
-mod common;
-use common::make_data;
+use crate::common;
+use crate::common::make_data;
 
 /// The validation on this machine (scripts/bench/predict.py): after `calibrate --engine mpi`, predicted
 /// ms/step of real `mpirun -np 2` and `-np 4` runs (all-reduce, ring and exp gossip, PowerSGD, top-k; the
@@ -16,6 +16,7 @@ use common::make_data;
 /// and both tries are printed.
 #[test]
 fn predictions_of_mpirun_runs_are_within_30_percent_plus_their_spread() {
+    let _turn = crate::turn();
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use nanodist::predict;
 
-mod common;
-use common::{make_data, nanodist};
+use crate::common;
+use crate::common::{make_data, nanodist};
 
 /// Trains the tiny config on `workers` local workers with `set`; returns the run directory.
 fn train_run(dir: &Path, name: &str, workers: usize, set: &[&str]) -> std::path::PathBuf {

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use nanodist::metrics::Row;
 
-mod common;
-use common::{exact, make_data};
+use crate::common;
+use crate::common::{exact, make_data};
 
 fn rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> (u64, Vec<Row>) {
     let s = common::train_tiny(dir, name, workers, set);

@@ -6,8 +6,8 @@ use std::process::Command;
 
 use nanodist::plan::LaunchEnv;
 
-mod common;
-use common::{make_data, tiny_config};
+use crate::common;
+use crate::common::{make_data, tiny_config};
 
 const EXE: &str = env!("CARGO_BIN_EXE_nanodist");
 
@@ -64,14 +64,26 @@ fn compare_and_plot_read_real_runs() {
         "{table}"
     );
     // The default target is the worse final val loss, so both runs reach it.
-    assert!(rows.iter().all(|r| r[11].starts_with("step ")), "{table}");
-    // Comm share in percent; a consensus distance for gossip only.
+    assert!(rows.iter().all(|r| r[13].starts_with("step ")), "{table}");
+    // Collective and codec ms per step, comm share in percent (three significant digits each); a
+    // consensus distance for gossip only.
     for r in &rows {
-        let share: f64 = r[9].trim_end_matches('%').parse().unwrap();
+        let share: f64 = r[11].trim_end_matches('%').parse().unwrap();
         assert!(share > 0.0 && share < 100.0, "{table}");
+        for cell in &r[9..12] {
+            let digits = cell
+                .trim_end_matches('%')
+                .chars()
+                .filter(char::is_ascii_digit);
+            let significant = digits.skip_while(|&c| c == '0').count();
+            assert!(
+                significant >= 3 || cell.trim_end_matches('%') == "0",
+                "{cell}: {table}"
+            );
+        }
     }
-    assert_eq!(rows[0][10], "-", "{table}");
-    assert!(rows[1][10].parse::<f64>().unwrap() > 0.0, "{table}");
+    assert_eq!(rows[0][12], "-", "{table}");
+    assert!(rows[1][12].parse::<f64>().unwrap() > 0.0, "{table}");
     // Bytes per step per worker, to three significant digits. Both runs evaluate, vote and checkpoint
     // alike, so their difference is the gradient all-reduce (2 (N - 1) / N of the model at N = 4) minus the
     // (synchronous) ring's pair mix (1 model).
@@ -115,6 +127,28 @@ fn compare_and_plot_read_real_runs() {
         let rows = metrics(run);
         let bytes: u64 = rows.iter().map(|r| r.comm_bytes).sum();
         assert_eq!(all[i]["bytes_per_step"], bytes as f64 / 20.0);
+        // The comm share counts the codec's time with the collectives'.
+        let (comm, sync) = rows
+            .iter()
+            .fold((0.0, 0.0), |(c, y), r| (c + r.comm_ms, y + r.sync_ms));
+        let mut prev = 0;
+        let total: f64 = rows
+            .iter()
+            .map(|r| r.ms_per_step * (r.step - std::mem::replace(&mut prev, r.step)) as f64)
+            .sum();
+        let near = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1.0);
+        assert!(near(
+            all[i]["comm_ms_per_step"].as_f64().unwrap(),
+            comm / 20.0
+        ));
+        assert!(near(
+            all[i]["sync_ms_per_step"].as_f64().unwrap(),
+            sync / 20.0
+        ));
+        assert!(near(
+            all[i]["comm_share"].as_f64().unwrap(),
+            (comm + sync) / total
+        ));
         assert_eq!(all[i]["workers"], 4);
         assert_eq!(all[i]["steps"], 20);
     }
