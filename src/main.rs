@@ -177,15 +177,26 @@ struct SbatchArgs {
 
 #[derive(clap::Args)]
 #[command(
-    after_help = "Examples:\n  nanodist predict config/gpt2-small.toml --cluster a100-ib100 --workers 32\n  \
-nanodist predict log/quickstart-char --cluster wan-1g --json"
+    after_help = "Examples:\n  nanodist predict config/gpt2-small.toml --cluster a100-ib100 --workers 16\n  \
+nanodist predict log/quickstart-char --cluster wan-1g --json\n  \
+nanodist predict config/gpt2-small.toml --workers 16 --cluster a100-ib100 --cluster wan-1g \
+--variant train.backend=diloco --variant train.bucket_size_mb=1000"
 )]
 struct PredictArgs {
-    /// A config file, or a run directory (its logged communication and evaluations).
-    target: PathBuf,
-    /// A built-in profile (a40-25gbe, a100-ib100, h100-ib400, t4-ib, wan-1g, local) or a profile file.
-    #[arg(long, value_name = "NAME|FILE")]
-    cluster: String,
+    /// Config files, or run directories (their logged communication and evaluations); several make a
+    /// comparison.
+    #[arg(required = true, num_args = 1..)]
+    targets: Vec<PathBuf>,
+    /// A built-in profile (a40-25gbe, a100-ib100, h100-ib400, t4-ib, wan-1g, local) or a profile file;
+    /// repeatable: each entry on each cluster.
+    #[arg(long, value_name = "NAME|FILE", required = true)]
+    cluster: Vec<String>,
+    /// Each target again with these keys set (KEY=VALUE[,KEY=VALUE...]), compared with it; repeatable.
+    #[arg(long, value_name = "KEY=VALUE,...")]
+    variant: Vec<String>,
+    /// In a comparison of run directories: the val loss to reach (default: the worst final one).
+    #[arg(long, value_name = "VAL_LOSS")]
+    target_loss: Option<f64>,
     /// World size (default: the run's, else the config's train.workers).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     workers: Option<u32>,
@@ -199,7 +210,7 @@ struct PredictArgs {
     /// `local` profile's device speed to the cluster's, instead of from FLOPs (run directories only).
     #[arg(long)]
     measured: bool,
-    /// One JSON object instead of the table.
+    /// JSON instead of the table.
     #[arg(long)]
     json: bool,
 }
@@ -235,7 +246,7 @@ enum Command {
     /// Validate a config and print the resolved plan (world size, batch arithmetic, model size, run time).
     #[command(
         after_help = "Examples:\n  nanodist check config/quickstart-char.toml\n  \
-nanodist check config/gpt2-small.toml --ranks 16 --ranks-per-node 4 --device cuda"
+nanodist check config/gpt2-small.toml --ranks 16 --ranks-per-node 4"
     )]
     Check {
         #[command(flatten)]
@@ -632,41 +643,31 @@ fn runs_on(dirs: &[PathBuf], clusters: &[String]) -> Result<Vec<nanodist::report
 }
 
 fn predict(a: PredictArgs) -> Result<()> {
-    let cluster = predict::profile::load(&a.cluster)?;
-    let rpn = a.ranks_per_node.map(|n| n as usize);
-    let workers = a.workers.map(|n| n as usize);
-    let out = if a.target.join("metrics.jsonl").is_file() {
-        let run = nanodist::report::Run::load(&a.target)?;
-        let (loaded, layout) = predict::load(
-            &a.target.join("config.toml"),
-            &a.set,
-            workers.or(run.world_size),
-            &cluster.profile,
-            rpn,
-        )?;
-        let compute = match a.measured {
-            true => Some(predict::measured_compute(
-                &run.rows,
-                run.world_size.unwrap_or(1),
-                &loaded,
-                &cluster,
-            )?),
-            false => None,
-        };
-        predict::predict_run(&loaded, &run.rows, &cluster, layout, compute)?
-    } else {
-        if a.measured {
-            return Err(nanodist::bad_input!(
-                "--measured needs a run directory (its metrics.jsonl), not a config"
-            ));
-        }
-        let (loaded, layout) = predict::load(&a.target, &a.set, workers, &cluster.profile, rpn)?;
-        predict::predict(&loaded, &cluster, layout)?
+    use nanodist::report::whatif;
+    let q = whatif::Question {
+        set: a.set,
+        workers: a.workers.map(|n| n as usize),
+        ranks_per_node: a.ranks_per_node.map(|n| n as usize),
+        measured: a.measured,
     };
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        print!("{out}");
+    let clusters = a
+        .cluster
+        .iter()
+        .map(|c| predict::profile::load(c))
+        .collect::<Result<Vec<_>>>()?;
+    if let ([target], [cluster], []) = (&a.targets[..], &clusters[..], &a.variant[..]) {
+        let out = whatif::one(target, &[], cluster, &q)?;
+        match a.json {
+            true => println!("{}", serde_json::to_string_pretty(&out)?),
+            false => print!("{out}"),
+        }
+        return Ok(());
+    }
+    let entries = whatif::Entry::all(&a.targets, &a.variant);
+    let lines = whatif::compare(&entries, &clusters, &q, a.target_loss)?;
+    match a.json {
+        true => println!("{}", serde_json::to_string_pretty(&lines)?),
+        false => print!("{}", whatif::table(&lines)),
     }
     Ok(())
 }

@@ -36,6 +36,34 @@ fn join(path: &str, key: &str) -> String {
     }
 }
 
+/// How to make `global` a whole number of `local` x `world` micro-batches: the local batch sizes that
+/// fit this world (the largest divisor of global / world), or the world sizes that fit this local batch.
+fn batch_fix(global: usize, local: usize, world: usize) -> String {
+    let mut fixes = Vec::new();
+    if global.is_multiple_of(world) {
+        let share = global / world;
+        let b = (1..=local.min(share))
+            .rev()
+            .find(|b| share.is_multiple_of(*b))
+            .unwrap_or(1);
+        fixes.push(format!(
+            "set train.local_batch_size = {b} (--set train.local_batch_size={b})"
+        ));
+    }
+    if local > 0 && global.is_multiple_of(local) {
+        let most = global / local;
+        let worlds: Vec<String> = (1..=most)
+            .filter(|w| most.is_multiple_of(*w))
+            .map(|w| w.to_string())
+            .collect();
+        fixes.push(format!("run {} workers", worlds.join(", ")));
+    }
+    match fixes.is_empty() {
+        true => "change train.global_batch_size".into(),
+        false => fixes.join(", or "),
+    }
+}
+
 fn consts_of(branches: &[J]) -> Option<Vec<&str>> {
     branches
         .iter()
@@ -489,8 +517,9 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
             "train.local_batch_size",
             format!(
                 "global_batch_size = {} is not divisible by local_batch_size ({local}) x world size ({world}) = {per_step}; \
-                 gradient accumulation steps must be a whole number",
-                t.global_batch_size
+                 gradient accumulation steps must be a whole number: {}",
+                t.global_batch_size,
+                batch_fix(t.global_batch_size, local, world)
             ),
         );
     } else if let Some([start, inc, _]) =
@@ -616,5 +645,24 @@ fn schedule_rules(
             "train.lr_schedule.eta_min",
             format!("eta_min = {} is above the peak lr = {}", c.eta_min, c.lr),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::batch_fix;
+
+    /// A batch that does not divide gets the local batch sizes and world sizes that would.
+    #[test]
+    fn a_batch_that_does_not_divide_gets_the_sizes_that_would() {
+        assert_eq!(
+            batch_fix(480, 30, 32),
+            "set train.local_batch_size = 15 (--set train.local_batch_size=15), or run 1, 2, 4, 8, 16 workers"
+        );
+        assert_eq!(
+            batch_fix(12, 5, 4),
+            "set train.local_batch_size = 3 (--set train.local_batch_size=3)"
+        );
+        assert_eq!(batch_fix(7, 2, 3), "change train.global_batch_size");
     }
 }

@@ -3,6 +3,7 @@
 //! `config.toml` and the newest checkpoint's manifest.
 
 pub mod plot;
+pub mod whatif;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

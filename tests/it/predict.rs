@@ -216,3 +216,99 @@ fn compare_and_plot_price_runs_on_a_cluster() {
     ]));
     assert!(m["compute_ms"].as_f64().unwrap() > 0.0);
 }
+
+/// `predict` answers a comparison in one call: configs and run directories with `--variant`s on several
+/// clusters, each line the same prediction as its own call, the speed-up against the first entry on its
+/// cluster, the predicted time to a target loss for run directories, and a note where per-message latency
+/// dominates (all-reduce's default buckets on the WAN profile, not DiLoCo's rare syncs).
+#[test]
+fn predict_compares_entries_on_clusters_in_one_call() {
+    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/gpt2-small.toml");
+    let cfg = cfg.to_str().unwrap();
+    let base = [
+        "predict",
+        cfg,
+        "--workers",
+        "16",
+        "--cluster",
+        "a100-ib100",
+        "--cluster",
+        "wan-1g",
+    ];
+    let with = |extra: &[&str]| nanodist(&[&base[..], extra].concat());
+    let lines = json(&with(&["--variant", "train.backend=diloco", "--json"]));
+    let lines = lines.as_array().unwrap();
+    assert_eq!(lines.len(), 4);
+    for (i, l) in lines.iter().enumerate() {
+        let cluster = l["cluster"].as_str().unwrap();
+        let mut single = vec![
+            "predict",
+            cfg,
+            "--workers",
+            "16",
+            "--cluster",
+            cluster,
+            "--json",
+        ];
+        if i % 2 == 1 {
+            single.extend(["--set", "train.backend=diloco"]);
+        }
+        let alone = json(&nanodist(&single));
+        assert_eq!(l["ms_per_step"], alone["ms_per_step"], "{l}");
+        let first = lines[i - i % 2]["ms_per_step"].as_f64().unwrap();
+        let speedup = first / l["ms_per_step"].as_f64().unwrap();
+        assert!(
+            (l["speedup"].as_f64().unwrap() - speedup).abs() < 1e-12,
+            "{l}"
+        );
+        let latency = l["latency_ms"].as_f64().unwrap();
+        assert!(
+            latency >= 0.0 && latency < l["ms_per_step"].as_f64().unwrap(),
+            "{l}"
+        );
+    }
+    assert_eq!(lines[2]["cluster"], "wan-1g");
+    assert!(
+        lines[3]["speedup"].as_f64().unwrap() > 10.0,
+        "DiLoCo on the WAN: {lines:?}"
+    );
+    let table =
+        String::from_utf8_lossy(&with(&["--variant", "train.backend=diloco"]).stdout).to_string();
+    assert!(
+        table.starts_with("| entry | cluster | ms/step |"),
+        "{table}"
+    );
+    let notes: Vec<&str> = table
+        .lines()
+        .filter(|l| l.contains("latency-bound"))
+        .collect();
+    assert_eq!(notes.len(), 1, "{table}");
+    assert!(
+        notes[0].starts_with("gpt2-small on wan-1g:") && notes[0].contains("train.bucket_size_mb")
+    );
+
+    // Run directories: the time each is predicted to reach the worse final val loss.
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let dense = train_run(d.path(), "dense", 2, &[]);
+    let ring = train_run(
+        d.path(),
+        "ring",
+        2,
+        &["train.backend=\"decentdp\"", "train.topology=\"ring\""],
+    );
+    let args = [
+        "predict",
+        dense.to_str().unwrap(),
+        ring.to_str().unwrap(),
+        "--cluster",
+        "wan-1g",
+    ];
+    let lines = json(&nanodist(&[&args[..], &["--json"]].concat()));
+    for l in lines.as_array().unwrap() {
+        assert!(l["target_step"].as_u64().is_some(), "{l}");
+        assert!(l["time_to_target_s"].as_f64().unwrap() > 0.0, "{l}");
+    }
+    let table = String::from_utf8_lossy(&nanodist(&args).stdout).to_string();
+    assert!(table.contains(" time to target |"), "{table}");
+}

@@ -1,5 +1,6 @@
-//! The README's example commands, run as written: every line of a ```sh block that starts with `nanodist`
-//! or `./target/release/nanodist` runs through `sh -c` in a scratch directory laid out like a checkout
+//! The example commands of the README and of every `--help`, run as written: every line of a ```sh block
+//! that starts with `nanodist` or `./target/release/nanodist`, and every line under a `--help`'s
+//! "Examples:", runs through `sh -c` in a scratch directory laid out like a checkout
 //! (a copy of config/, data/ prepared from text this test writes, and log/ with the run directories the
 //! examples name, trained here for a few steps), and must exit 0. The lines that cannot run here are listed
 //! in NOT_HERE with the reason; a NOT_HERE entry that matches no README line fails the test, so the list
@@ -181,11 +182,40 @@ fn scratch(dir: &Path) {
     }
 }
 
+/// The examples every command's `--help` gives (the lines under "Examples:").
+fn help_examples() -> Vec<String> {
+    let help = |args: &[&str]| {
+        let out = Command::new(EXE).args(args).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let top = help(&["--help"]);
+    let commands = top
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help");
+    commands
+        .flat_map(|c| {
+            let text = help(&[c, "--help"]);
+            let lines: Vec<String> = text
+                .lines()
+                .skip_while(|l| !l.starts_with("Examples:"))
+                .map(str::trim)
+                .filter(|l| l.starts_with("nanodist "))
+                .map(String::from)
+                .collect();
+            lines
+        })
+        .collect()
+}
+
 #[test]
-fn every_example_command_of_the_readme_runs_as_written() {
+fn every_example_command_of_the_readme_and_the_help_runs_as_written() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let lines = examples(&readme);
+    let mut lines = examples(&readme);
     assert!(lines.len() >= 10, "{lines:#?}");
     for (piece, _) in NOT_HERE {
         assert!(
@@ -193,6 +223,9 @@ fn every_example_command_of_the_readme_runs_as_written() {
             "NOT_HERE names {piece:?}, which no README example contains any more"
         );
     }
+    let help = help_examples();
+    assert!(help.len() >= 4, "{help:#?}");
+    lines.extend(help);
     let d = tempfile::tempdir().unwrap();
     scratch(d.path());
     let path = format!(
@@ -206,7 +239,7 @@ fn every_example_command_of_the_readme_runs_as_written() {
             continue;
         }
         // The job's layout (2 nodes x 4 MPI ranks) is validated against this build's engines.
-        if line.contains(" sbatch ") && !cfg!(feature = "mpi") {
+        if (line.contains(" sbatch ") || line.contains(" --ranks ")) && !cfg!(feature = "mpi") {
             eprintln!("skipped without the mpi feature: {line}");
             continue;
         }
