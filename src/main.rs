@@ -299,16 +299,21 @@ nanodist check config/gpt2-small.toml --ranks 16 --ranks-per-node 4"
         #[arg(long, default_value = "runs.png")]
         output: PathBuf,
         /// Draw val loss against the time predicted on this cluster (a built-in name or a profile file)
-        /// instead of the measured wall time; repeat to compare clusters (the first solid, the others
-        /// dashed).
+        /// instead of the measured wall time; repeat for a panel per cluster.
         #[arg(long, value_name = "NAME|FILE")]
         cluster: Vec<String>,
         /// The figure's title (default: the run's label, or "N runs").
         #[arg(long)]
         title: Option<String>,
+        /// Draw steps, tokens and time on logarithmic axes (bytes always are).
+        #[arg(long)]
+        log_x: bool,
         /// Draw the loss on a logarithmic axis.
         #[arg(long)]
         log_y: bool,
+        /// The loss axis's range, LO,HI (default: where the runs differ, past each panel's first tenth).
+        #[arg(long, value_name = "LO,HI", value_parser = parse_ylim)]
+        ylim: Option<(f64, f64)>,
         /// Smooth each curve: the trailing mean of its last N logged points.
         #[arg(long, value_name = "N", default_value_t = 1)]
         smooth: usize,
@@ -389,6 +394,19 @@ fn preview_load(args: &mut ConfigArgs, ranks: usize, preview: &Preview) -> Resul
     };
     launch.data_vocab = data_vocab(&args.config, &args.set);
     Ok(plan::load(&args.config, &args.set, &launch)?)
+}
+
+/// `--ylim LO,HI`: two numbers, LO below HI.
+fn parse_ylim(s: &str) -> std::result::Result<(f64, f64), String> {
+    let parsed = s
+        .split_once(',')
+        .and_then(|(a, b)| Some((a.trim().parse::<f64>().ok()?, b.trim().parse::<f64>().ok()?)));
+    match parsed {
+        Some((lo, hi)) if lo < hi && lo.is_finite() && hi.is_finite() => Ok((lo, hi)),
+        _ => Err(format!(
+            "{s:?}: expected LO,HI with LO < HI, e.g. --ylim 2.3,2.6"
+        )),
+    }
 }
 
 fn load(args: &ConfigArgs) -> Result<plan::Loaded> {
@@ -858,13 +876,17 @@ fn run(cli: Cli) -> Result<()> {
             output,
             cluster,
             title,
+            log_x,
             log_y,
+            ylim,
             smooth,
         } => {
             let runs = runs_on(&runs, &cluster)?;
             let style = nanodist::report::plot::Style {
                 title,
+                log_x,
                 log_y,
+                ylim,
                 smooth,
             };
             let (png, svg) = nanodist::report::plot::plot(&runs, &output, &style)?;

@@ -2,6 +2,7 @@
 //! `nanodist plot` draws their curves. Both work from what training wrote: `metrics.jsonl`, the resolved
 //! `config.toml` and the newest checkpoint's manifest.
 
+mod axis;
 pub mod plot;
 pub mod whatif;
 

@@ -1,5 +1,7 @@
-//! `nanodist plot`: loss curves of one or several runs, as a PNG and an SVG of four panels: train and val
-//! loss vs step, val loss vs tokens, val loss vs wall time, and val loss vs bytes each worker sent.
+//! `nanodist plot`: loss curves of one or several runs, as a PNG and an SVG of panels: train and val loss
+//! vs step, val loss vs tokens, val loss vs cumulative bytes each worker sent (log axis), and val loss vs
+//! wall time, or one panel per `--cluster` of the time predicted there. The loss axis frames where the
+//! runs differ: it leaves out the first tenth of each panel's x range (the initial loss), unless `--ylim`.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -8,11 +10,13 @@ use anyhow::{anyhow, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+use super::axis::{clip, Axis};
 use super::Run;
 use crate::bad_input;
 
-/// Size of the whole figure in pixels.
-pub const SIZE: (u32, u32) = (1600, 1100);
+/// Width of the figure, and height of a row of two panels, in pixels.
+pub const WIDTH: u32 = 1600;
+const ROW: u32 = 500;
 
 /// Where to look for a TrueType font (plotters renders text with one): NANODIST_PLOT_FONT first.
 const FONTS: &[&str] = &[
@@ -67,7 +71,7 @@ const COLORS: [(u8, u8, u8); 10] = [
     (23, 190, 207),
 ];
 
-/// Axis numbers without noise: 40k, 1.2M, 0.5, 300.
+/// Axis numbers without noise: 40k, 1.2M, 0.5, 2.425, 300.
 fn tick(v: &f64) -> String {
     let a = v.abs();
     let (x, suffix) = match a {
@@ -76,52 +80,36 @@ fn tick(v: &f64) -> String {
         a if a >= 1e4 => (v / 1e3, "k"),
         _ => (*v, ""),
     };
-    let text = format!("{x:.2}");
+    let text = format!("{x:.4}");
     let text = text.trim_end_matches('0').trim_end_matches('.');
     format!("{text}{suffix}")
 }
 
 /// One curve: points and the run it belongs to.
-struct Series {
-    run: usize,
-    dashed: bool,
-    points: Vec<(f64, f64)>,
+#[derive(Debug, Clone)]
+pub struct Series {
+    pub run: usize,
+    pub dashed: bool,
+    pub points: Vec<(f64, f64)>,
 }
 
-/// Val loss against each run's predicted clock on each cluster (the first solid, the others dashed).
-fn predicted(runs: &[Run]) -> Vec<Series> {
-    let mut out = Vec::new();
-    for (i, run) in runs.iter().enumerate() {
-        for (k, p) in run.predicted.iter().enumerate() {
-            let points = run
-                .rows
-                .iter()
-                .zip(&p.clock)
-                .filter_map(|(r, &t)| Some((t, r.val_loss?)))
-                .collect();
-            out.push(Series {
-                run: i,
-                dashed: k > 0,
-                points,
-            });
-        }
-    }
-    out
-}
-
-/// How the figure is drawn (`nanodist plot --title --log-y --smooth`).
+/// How the figure is drawn (`nanodist plot --title --log-x --log-y --ylim --smooth`).
 #[derive(Debug, Clone, Default)]
 pub struct Style {
     /// The figure's title (default: the run's label, or "N runs").
     pub title: Option<String>,
+    /// Steps, tokens and time on logarithmic axes (bytes always are).
+    pub log_x: bool,
     /// Loss on a logarithmic axis.
     pub log_y: bool,
+    /// The loss axis's range, instead of the one that frames where the runs differ.
+    pub ylim: Option<(f64, f64)>,
     /// Each curve as the trailing mean of its last `smooth` points (0 or 1: as logged).
     pub smooth: usize,
 }
 
 impl Style {
-    /// A curve as drawn: smoothed, then on the loss axis's scale (log10 with `log_y`).
+    /// A curve as drawn: the trailing mean of its last `smooth` points.
     pub fn apply(&self, points: &[(f64, f64)]) -> Vec<(f64, f64)> {
         let window = self.smooth.max(1);
         let mut sum = 0.0;
@@ -131,11 +119,152 @@ impl Style {
             if i >= window {
                 sum -= points[i - window].1;
             }
-            let mean = sum / (i + 1).min(window) as f64;
-            out.push((x, if self.log_y { mean.log10() } else { mean }));
+            out.push((x, sum / (i + 1).min(window) as f64));
         }
         out
     }
+}
+
+/// One panel: its caption, axes and curves.
+#[derive(Debug, Clone)]
+pub struct Panel {
+    pub caption: String,
+    pub x_label: String,
+    pub x: Axis,
+    pub y: Axis,
+    pub series: Vec<Series>,
+}
+
+impl Panel {
+    /// The panel of `series` (smoothed by `style`), its axes framed around them.
+    fn new(
+        caption: String,
+        x_label: &str,
+        log_x: bool,
+        series: Vec<Series>,
+        style: &Style,
+    ) -> Self {
+        let series: Vec<Series> = series
+            .into_iter()
+            .map(|s| Series {
+                points: style.apply(&s.points),
+                ..s
+            })
+            .collect();
+        let xs = Axis::new(0.0, 1.0, log_x);
+        let ok = |&&(x, y): &&(f64, f64)| xs.takes(x) && y.is_finite() && (!style.log_y || y > 0.0);
+        let pts: Vec<(f64, f64)> = series
+            .iter()
+            .flat_map(|s| s.points.iter().filter(ok).copied())
+            .collect();
+        let (x0, x1) = bounds(pts.iter().map(|p| p.0)).unwrap_or((1.0, 2.0));
+        let x = Axis::new(x0, x1, log_x);
+        // Past the first tenth of the x range (on its drawn scale): where the runs differ.
+        let cut = x.scaled(x0) + 0.1 * (x.scaled(x1) - x.scaled(x0));
+        let late = pts.iter().filter(|p| x.scaled(p.0) >= cut).map(|p| p.1);
+        let (y0, y1) = style
+            .ylim
+            .or_else(|| bounds(late))
+            .or_else(|| bounds(pts.iter().map(|p| p.1)))
+            .unwrap_or((1.0, 2.0));
+        let pad = if style.ylim.is_some() {
+            0.0
+        } else {
+            ((y1 - y0) * 0.05).max(1e-3)
+        };
+        let y = Axis::new(y0 - pad, y1 + pad, style.log_y);
+        Self {
+            caption,
+            x_label: x_label.into(),
+            x,
+            y,
+            series,
+        }
+    }
+}
+
+/// The smallest and largest of `values`, if any.
+fn bounds(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
+    values.fold(None, |b, v| match b {
+        None => Some((v, v)),
+        Some((lo, hi)) => Some((lo.min(v), hi.max(v))),
+    })
+}
+
+/// The figure's panels: loss vs step, vs tokens, vs cumulative bytes (log), and vs wall time or one panel
+/// per cluster the runs were priced on.
+pub fn panels(runs: &[Run], style: &Style) -> Vec<Panel> {
+    let log_x = style.log_x;
+    let mut out = vec![
+        Panel::new(
+            "loss vs step (dashed: train, solid: val)".into(),
+            "step",
+            log_x,
+            series_by(runs, &|r, _| r.step as f64, true),
+            style,
+        ),
+        Panel::new(
+            "val loss vs tokens".into(),
+            "tokens",
+            log_x,
+            series_by(runs, &|r, _| r.tokens as f64, false),
+            style,
+        ),
+        Panel::new(
+            "val loss vs cumulative bytes sent per worker".into(),
+            "bytes (log scale)",
+            true,
+            series_by(runs, &|_, b| b as f64, false),
+            style,
+        ),
+    ];
+    let clusters: Vec<String> = runs
+        .first()
+        .map(|r| r.predicted.iter().map(|p| p.cluster.clone()).collect())
+        .unwrap_or_default();
+    if clusters.is_empty() {
+        out.push(Panel::new(
+            "val loss vs wall time".into(),
+            "seconds",
+            log_x,
+            series_by(runs, &|r, _| r.elapsed_s, false),
+            style,
+        ));
+    }
+    for (k, cluster) in clusters.iter().enumerate() {
+        out.push(Panel::new(
+            format!("val loss vs predicted time on {cluster}"),
+            "predicted seconds",
+            log_x,
+            predicted(runs, k),
+            style,
+        ));
+    }
+    out
+}
+
+/// Val loss against each run's predicted clock on its `k`th cluster.
+fn predicted(runs: &[Run], k: usize) -> Vec<Series> {
+    let on = |(i, run): (usize, &Run)| {
+        let p = run.predicted.get(k)?;
+        let points = run
+            .rows
+            .iter()
+            .zip(&p.clock)
+            .filter_map(|(r, &t)| Some((t, r.val_loss?)))
+            .collect();
+        Some(Series {
+            run: i,
+            dashed: false,
+            points,
+        })
+    };
+    runs.iter().enumerate().filter_map(on).collect()
+}
+
+/// The figure's size for `panels` panels, two to a row.
+pub fn size(panels: usize) -> (u32, u32) {
+    (WIDTH, 120 + ROW * panels.div_ceil(2) as u32)
 }
 
 /// Draws `runs` to `output` (.png) and to the same path with .svg; returns both paths.
@@ -167,15 +296,17 @@ pub fn plot(runs: &[Run], output: &Path, style: &Style) -> Result<(PathBuf, Path
         [one] => one.label(),
         _ => format!("{} runs", runs.len()),
     });
+    let panels = panels(runs, style);
+    let size = size(panels.len());
     {
-        let root = BitMapBackend::new(output, SIZE).into_drawing_area();
-        draw(&root, runs, &title, style)?;
+        let root = BitMapBackend::new(output, size).into_drawing_area();
+        draw(&root, runs, &panels, &title)?;
         root.present()
             .map_err(|e| anyhow!("writing {}: {e}", output.display()))?;
     }
     {
-        let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
-        draw(&root, runs, &title, style)?;
+        let root = SVGBackend::new(&svg, size).into_drawing_area();
+        draw(&root, runs, &panels, &title)?;
         root.present()
             .map_err(|e| anyhow!("writing {}: {e}", svg.display()))?;
     }
@@ -189,8 +320,8 @@ const LEGEND_COLUMNS: usize = 2;
 fn draw<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     runs: &[Run],
+    panels: &[Panel],
     title: &str,
-    style: &Style,
 ) -> Result<()>
 where
     DB::ErrorType: 'static,
@@ -201,29 +332,9 @@ where
     let legend_lines = runs.len().div_ceil(LEGEND_COLUMNS) as i32;
     let (top, body) = root.split_vertically(50 + LEGEND_LINE * legend_lines + 6);
     legend(&top, runs, title)?;
-    let specs: [(String, &str, Vec<Series>); 4] = [
-        (
-            "loss vs step (dashed: train, solid: val)".into(),
-            "step",
-            series_by(runs, &|r, _| r.step as f64, true),
-        ),
-        (
-            "val loss vs tokens".into(),
-            "tokens",
-            series_by(runs, &|r, _| r.tokens as f64, false),
-        ),
-        time_panel(runs),
-        (
-            "val loss vs bytes sent per worker".into(),
-            "MB",
-            series_by(runs, &|_, b| b as f64 / 1e6, false),
-        ),
-    ];
-    for (panel, (caption, xlabel, mut series)) in body.split_evenly((2, 2)).iter().zip(specs) {
-        for s in &mut series {
-            s.points = style.apply(&s.points);
-        }
-        draw_panel(panel, &caption, xlabel, &series, style.log_y)?;
+    let areas = body.split_evenly((panels.len().div_ceil(2), 2));
+    for (area, panel) in areas.iter().zip(panels) {
+        draw_panel(area, panel)?;
     }
     Ok(())
 }
@@ -240,7 +351,7 @@ where
         ("sans-serif", 26).into_font(),
     ))
     .map_err(err)?;
-    let column_width = SIZE.0 as i32 / LEGEND_COLUMNS as i32;
+    let column_width = WIDTH as i32 / LEGEND_COLUMNS as i32;
     for (i, run) in runs.iter().enumerate() {
         let (x, y) = (
             20 + column_width * (i % LEGEND_COLUMNS) as i32,
@@ -298,94 +409,45 @@ fn series_by(
     out
 }
 
-/// The time panel: val loss against wall time, or with --cluster the predicted time on each cluster.
-fn time_panel(runs: &[Run]) -> (String, &'static str, Vec<Series>) {
-    let clusters: Vec<&str> = runs
-        .first()
-        .map(|r| r.predicted.iter().map(|p| p.cluster.as_str()).collect())
-        .unwrap_or_default();
-    match clusters.as_slice() {
-        [] => (
-            "val loss vs wall time".to_string(),
-            "seconds",
-            series_by(runs, &|r, _| r.elapsed_s, false),
-        ),
-        [one] => (
-            format!("val loss vs predicted time on {one}"),
-            "predicted seconds",
-            predicted(runs),
-        ),
-        [first, rest @ ..] => (
-            format!(
-                "val loss vs predicted time: {first} (solid), {} (dashed)",
-                rest.join(", ")
-            ),
-            "predicted seconds",
-            predicted(runs),
-        ),
-    }
-}
-
-fn draw_panel<DB: DrawingBackend>(
-    area: &DrawingArea<DB, Shift>,
-    caption: &str,
-    xlabel: &str,
-    series: &[Series],
-    log_y: bool,
-) -> Result<()>
+fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel) -> Result<()>
 where
     DB::ErrorType: 'static,
 {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| anyhow!("drawing the plot: {e}");
-    let pts = series.iter().flat_map(|s| s.points.iter());
-    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for &(x, y) in pts.filter(|(x, y)| x.is_finite() && y.is_finite()) {
-        (x0, x1, y0, y1) = (x0.min(x), x1.max(x), y0.min(y), y1.max(y));
-    }
-    if x0 > x1 {
-        // Nothing to draw (no evaluation yet): leave the panel with its caption.
-        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
-    }
-    let pad = ((y1 - y0) * 0.05).max(1e-3);
     let mut chart = ChartBuilder::on(area)
-        .caption(caption, ("sans-serif", 20))
+        .caption(&panel.caption, ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(x0..x1.max(x0 + 1e-9), (y0 - pad)..(y1 + pad))
+        .build_cartesian_2d(panel.x.clone(), panel.y.clone())
         .map_err(err)?;
-    // On a log axis the points are log10(loss): the labels show the loss itself.
-    let y_label = |v: &f64| tick(&if log_y { 10f64.powf(*v) } else { *v });
     chart
         .configure_mesh()
-        .x_desc(xlabel)
-        .y_desc(if log_y {
+        .x_desc(&panel.x_label)
+        .y_desc(if panel.y.log {
             "loss (nats, log scale)"
         } else {
             "loss (nats)"
         })
         .x_label_formatter(&tick)
-        .y_label_formatter(&y_label)
+        .y_label_formatter(&tick)
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(err)?;
-    for s in series {
+    for s in &panel.series {
         let (r, g, b) = COLORS[s.run % COLORS.len()];
         let color = RGBColor(r, g, b).to_rgba();
         let style = ShapeStyle::from(&color).stroke_width(if s.dashed { 1 } else { 2 });
-        let points = s
-            .points
-            .iter()
-            .copied()
-            .filter(|(x, y)| x.is_finite() && y.is_finite());
-        if s.dashed {
-            chart
-                .draw_series(DashedLineSeries::new(points, 6, 4, style))
-                .map_err(err)?;
-        } else {
-            chart
-                .draw_series(LineSeries::new(points, style))
-                .map_err(err)?;
+        for part in clip(&s.points, &panel.x, &panel.y) {
+            if s.dashed {
+                chart
+                    .draw_series(DashedLineSeries::new(part, 6, 4, style))
+                    .map_err(err)?;
+            } else {
+                chart
+                    .draw_series(LineSeries::new(part, style))
+                    .map_err(err)?;
+            }
         }
     }
     Ok(())

@@ -223,7 +223,7 @@ fn compare_and_plot_read_real_runs() {
     let mut reader = decoder.read_info().unwrap();
     let mut buf = vec![0; reader.output_buffer_size()];
     let info = reader.next_frame(&mut buf).unwrap();
-    assert_eq!((info.width, info.height), nanodist::report::plot::SIZE);
+    assert_eq!((info.width, info.height), nanodist::report::plot::size(4));
     let pixels = &buf[..info.buffer_size()];
     let step = info.color_type.samples();
     let mut colors: Vec<&[u8]> = pixels.chunks(step).collect();
@@ -254,18 +254,86 @@ fn compare_and_plot_read_real_runs() {
     );
     let svg = std::fs::read_to_string(styled.with_extension("svg")).unwrap();
     assert!(svg.contains("dense vs ring") && svg.contains("log scale"));
+    plot_panels_frame_the_runs(&dense, &ring, d.path());
 }
 
-/// `--smooth` is a trailing mean and `--log-y` plots log10 of it, point by point.
+/// The panels of `plot`: the loss axis frames where the runs differ (not the initial loss) unless
+/// `--ylim` says otherwise, ticks are round numbers, bytes are on a log axis (and steps with `--log-x`),
+/// and each `--cluster` has a time panel of its own, in a figure that grows with the panels.
+fn plot_panels_frame_the_runs(dense: &Path, ring: &Path, dir: &Path) {
+    use nanodist::report::plot::{panels, size, Style};
+    let mut runs = nanodist::report::load_runs(&[dense.to_path_buf(), ring.to_path_buf()]).unwrap();
+    let plain = panels(&runs, &Style::default());
+    assert_eq!(plain.len(), 4);
+    let step = &plain[0];
+    let first = runs[0].rows[0].train_loss.max(runs[1].rows[0].train_loss);
+    let last_val = runs
+        .iter()
+        .map(|r| r.evals().last().unwrap().1)
+        .fold(f64::MAX, f64::min);
+    assert!(
+        step.y.hi < first && step.y.lo <= last_val,
+        "{:?} vs {first}, {last_val}",
+        step.y
+    );
+    for axis in [&step.x, &step.y] {
+        let gap = axis.ticks[1] - axis.ticks[0];
+        assert!(
+            axis.ticks.len() >= 3
+                && axis
+                    .ticks
+                    .iter()
+                    .all(|t| ((t / gap).round() * gap - t).abs() < 1e-9 * gap.max(1.0)),
+            "{axis:?}"
+        );
+    }
+    assert!(plain[2].x.log && !step.x.log && plain[3].caption.contains("wall time"));
+    let styled = Style {
+        log_x: true,
+        ylim: Some((2.0, 3.0)),
+        ..Style::default()
+    };
+    let styled = panels(&runs, &styled);
+    assert!(styled[0].x.log && (styled[0].y.lo, styled[0].y.hi) == (2.0, 3.0));
+    for cluster in ["a100-ib100", "wan-1g"] {
+        let c = nanodist::predict::profile::load(cluster).unwrap();
+        for r in &mut runs {
+            r.predict_on(&c).unwrap();
+        }
+    }
+    let priced = panels(&runs, &Style::default());
+    let captions: Vec<&str> = priced.iter().map(|p| p.caption.as_str()).collect();
+    assert_eq!(captions.len(), 5, "{captions:?}");
+    assert!(
+        captions[3].ends_with("on a100-ib100") && captions[4].ends_with("on wan-1g"),
+        "{captions:?}"
+    );
+    let png = dir.join("clusters.png");
+    let args = [
+        "plot",
+        dense.to_str().unwrap(),
+        ring.to_str().unwrap(),
+        "--cluster",
+        "a100-ib100",
+        "--cluster",
+        "wan-1g",
+        "--output",
+    ];
+    succeed(Command::new(EXE).args(args).arg(&png));
+    let decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap()));
+    let info = decoder.read_info().unwrap().info().clone();
+    assert_eq!((info.width, info.height), size(5));
+}
+
+/// `--smooth` is a trailing mean, point by point.
 #[test]
-fn plot_style_smooths_and_logs_each_curve() {
+fn plot_style_smooths_each_curve() {
     let style = nanodist::report::plot::Style {
-        title: None,
-        log_y: true,
         smooth: 2,
+        ..Default::default()
     };
     let got = style.apply(&[(0.0, 10.0), (1.0, 1000.0), (2.0, 10.0)]);
-    let want = [(0.0, 1.0), (1.0, 505f64.log10()), (2.0, 505f64.log10())];
+    let want = [(0.0, 10.0), (1.0, 505.0), (2.0, 505.0)];
     for (g, w) in got.iter().zip(want) {
         assert!(
             (g.0 - w.0).abs() < 1e-12 && (g.1 - w.1).abs() < 1e-12,
