@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's figure of val loss against predicted wall-clock time: the runs of scripts/demo_compare.sh
+# The figure in docs/predict.md of val loss against predicted wall-clock time: the runs of scripts/demo_compare.sh
 # (the quick-start model for 300 steps on 4 local workers by all-reduce, ring gossip and PowerSGD rank 4
 # from step 50) plus DiLoCo (H = 10), priced on two clusters (a100-ib100 solid, wan-1g dashed), with the
 # comparison table on wan-1g.

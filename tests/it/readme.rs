@@ -1,5 +1,5 @@
-//! The example commands of the README and of every `--help`, run as written: every line of a ```sh block
-//! that starts with `nanodist` or `./target/release/nanodist`, and every line under a `--help`'s
+//! The example commands of the README, of docs/*.md and of every `--help`, run as written: every line of
+//! a ```sh block that starts with `nanodist` or `./target/release/nanodist`, and every line under a `--help`'s
 //! "Examples:", runs through `sh -c` in a scratch directory laid out like a checkout
 //! (a copy of config/, data/ prepared from text this test writes, and log/ with the run directories the
 //! examples name, trained here for a few steps), and must exit 0. The lines that cannot run here are listed
@@ -214,13 +214,23 @@ fn help_examples() -> Vec<String> {
 #[test]
 fn every_example_command_of_the_readme_and_the_help_runs_as_written() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let mut lines = examples(&readme);
+    let mut docs = vec![root.join("README.md")];
+    let mut more: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    more.sort();
+    docs.extend(more);
+    let mut lines: Vec<String> = docs
+        .iter()
+        .flat_map(|d| examples(&std::fs::read_to_string(d).unwrap()))
+        .collect();
     assert!(lines.len() >= 10, "{lines:#?}");
     for (piece, _) in NOT_HERE {
         assert!(
             lines.iter().any(|l| l.contains(piece)),
-            "NOT_HERE names {piece:?}, which no README example contains any more"
+            "NOT_HERE names {piece:?}, which no README or docs example contains any more"
         );
     }
     let help = help_examples();
