@@ -77,25 +77,47 @@ fn dct_matrix(n: usize) -> Vec<f32> {
     d
 }
 
-/// y = A x B^T for x of r x c, A of r x r, B of c x c (row-major); with `inverse`, y = A^T x B.
-fn transform(x: &[f32], a: &[f32], b: &[f32], r: usize, c: usize, inverse: bool) -> Vec<f32> {
-    let at = |i: usize, j: usize| if inverse { a[j * r + i] } else { a[i * r + j] };
-    let bt = |i: usize, j: usize| if inverse { b[j * c + i] } else { b[i * c + j] };
+/// The orthonormal DCT-II matrix of one size, and its transpose.
+struct Dct {
+    d: Vec<f32>,
+    t: Vec<f32>,
+}
+
+impl Dct {
+    fn new(n: usize) -> Self {
+        let d = dct_matrix(n);
+        let t = (0..n * n).map(|o| d[(o % n) * n + o / n]).collect();
+        Self { d, t }
+    }
+}
+
+/// y = A x B^T for x of r x c, A of r x r, B of c x c (row-major); with `inverse`, y = A^T x B. Each
+/// entry is the kernels' sum (`dct_left`, `dct_right` in kernels/reducers.cu): over k ascending from 0,
+/// the left one skipping zero weights; both stages add a scaled row to a row, so they vectorize (on the
+/// widest vectors this CPU has; Rust never fuses the multiply and the add, so every target sums alike).
+#[multiversion::multiversion(targets = "simd")]
+fn transform(x: &[f32], a: &Dct, b: &Dct, r: usize, c: usize, inverse: bool) -> Vec<f32> {
     let mut tmp = vec![0.0f32; r * c];
-    for i in 0..r {
-        for k in 0..r {
-            let w = at(i, k);
+    for (i, row) in tmp.chunks_exact_mut(c).enumerate() {
+        for (k, xk) in x.chunks_exact(c).enumerate() {
+            let w = if inverse {
+                a.d[k * r + i]
+            } else {
+                a.d[i * r + k]
+            };
             if w != 0.0 {
-                for j in 0..c {
-                    tmp[i * c + j] += w * x[k * c + j];
-                }
+                row.iter_mut().zip(xk).for_each(|(t, v)| *t += w * v);
             }
         }
     }
+    // Row k of B^T (forward: B's column k) or of B (inverse) holds b(j, k) for every j.
+    let bt = if inverse { &b.d } else { &b.t };
     let mut y = vec![0.0f32; r * c];
-    for i in 0..r {
-        for j in 0..c {
-            y[i * c + j] = (0..c).fold(0.0, |s, k| s + tmp[i * c + k] * bt(j, k));
+    for (row, t) in y.chunks_exact_mut(c).zip(tmp.chunks_exact(c)) {
+        for (k, &tk) in t.iter().enumerate() {
+            row.iter_mut()
+                .zip(&bt[k * c..(k + 1) * c])
+                .for_each(|(yv, bv)| *yv += tk * bv);
         }
     }
     y
@@ -105,7 +127,7 @@ pub struct Demo {
     comm: Box<dyn Communicator>,
     cfg: DemoConfig,
     layouts: Vec<Layout>,
-    dct: HashMap<usize, Vec<f32>>,
+    dct: HashMap<usize, Dct>,
     /// The momentum, beside the gradient (on the GPU with it); empty before the first step.
     delta: Flat,
     numel: usize,
@@ -153,7 +175,7 @@ impl Demo {
         let mut dct = HashMap::new();
         for l in &layouts {
             for n in [l.cr, l.cc] {
-                dct.entry(n).or_insert_with(|| dct_matrix(n));
+                dct.entry(n).or_insert_with(|| Dct::new(n));
             }
         }
         let numel = tensors.iter().map(|t| t.len).sum();
@@ -257,7 +279,7 @@ impl Demo {
         let (mut dct, mut at) = (Vec::new(), HashMap::new());
         for n in sizes {
             at.insert(n, dct.len());
-            dct.extend_from_slice(&self.dct[&n]);
+            dct.extend_from_slice(&self.dct[&n].d);
         }
         let (mut table, mut msg) = (Vec::new(), 0);
         for (l, c) in self.chunks() {
@@ -517,9 +539,58 @@ mod tests {
         assert_eq!(all, (10..58).collect::<Vec<_>>());
         // A transform and its inverse give the block back.
         let x: Vec<f32> = (0..12).map(|i| (i as f32 * 0.37).sin()).collect();
-        let (a, b) = (dct_matrix(3), dct_matrix(4));
+        let (a, b) = (Dct::new(3), Dct::new(4));
         let y = transform(&transform(&x, &a, &b, 3, 4, false), &a, &b, 3, 4, true);
         assert!(x.iter().zip(&y).all(|(p, q)| (p - q).abs() < 1e-5));
+    }
+
+    /// The transform as the kernels' twin first wrote it: a scalar sum per entry, over k ascending.
+    fn transform_reference(
+        x: &[f32],
+        a: &[f32],
+        b: &[f32],
+        r: usize,
+        c: usize,
+        inverse: bool,
+    ) -> Vec<f32> {
+        let at = |i: usize, j: usize| if inverse { a[j * r + i] } else { a[i * r + j] };
+        let bt = |i: usize, j: usize| if inverse { b[j * c + i] } else { b[i * c + j] };
+        let mut tmp = vec![0.0f32; r * c];
+        for i in 0..r {
+            for k in 0..r {
+                let w = at(i, k);
+                if w != 0.0 {
+                    for j in 0..c {
+                        tmp[i * c + j] += w * x[k * c + j];
+                    }
+                }
+            }
+        }
+        let mut y = vec![0.0f32; r * c];
+        for i in 0..r {
+            for j in 0..c {
+                y[i * c + j] = (0..c).fold(0.0, |s, k| s + tmp[i * c + k] * bt(j, k));
+            }
+        }
+        y
+    }
+
+    /// The vectorized transform adds the same terms in the same order as the scalar one (and so as the
+    /// GPU kernels): bit for bit, both ways, on every chunk shape DeMo makes.
+    #[test]
+    fn the_row_wise_transform_equals_the_scalar_one_bit_for_bit() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for (r, c) in [(1, 1), (3, 4), (7, 13), (1, 64), (64, 64), (29, 64)] {
+            let (a, b) = (Dct::new(r), Dct::new(c));
+            let x: Vec<f32> = (0..r * c).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            for inverse in [false, true] {
+                let fast = transform(&x, &a, &b, r, c, inverse);
+                let slow = transform_reference(&x, &a.d, &b.d, r, c, inverse);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&fast), bits(&slow), "{r} x {c}, inverse {inverse}");
+            }
+        }
     }
 
     /// The kernels' chunk table addresses what the host path does: each chunk's entries in the order

@@ -209,7 +209,7 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
         assert!(out.status.success(), "{set:?} np={np}: {stderr}");
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert_eq!(
-            stdout.matches("finished at step 20").count(),
+            stdout.matches("finished at step 20 (last val loss").count(),
             1,
             "only rank 0 reports: {stdout}"
         );

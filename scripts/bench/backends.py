@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""The algorithms' own cost: each backend's step on the local engine against all-reduce's, where the network
+costs nothing (in-process workers), so what is left is each method's own computing. The quick-start model
+(config/quickstart-char.toml) with a global batch of 24 sequences on 4 and 8 local workers (the compressed
+reducers compress from step 3); per run the mean ms/step over the steps after the first `--skip`, the share of it the sync backend computed outside
+collectives (`sync_ms`: compression, decompression, mixing), and the ratio to all-reduce's ms/step at the same
+worker count (target: <= 1.25x).
+
+    python3 scripts/bench/backends.py [--steps 60] [--skip 10] [--workers 4 8] [--nanodist PATH]
+
+Needs a release build (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
+"""
+import argparse
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RUNS = [
+    ("all-reduce", []),
+    ("gossip ring", ['train.backend="decentdp"', 'train.topology="ring"']),
+    ("gossip exp", ['train.backend="decentdp"', 'train.topology="exp"']),
+    ("CHOCO top-10% exp", ['train.backend="decentdp"', 'train.topology="exp"',
+                           'train.compression={ name = "topk", density = 0.1 }']),
+    ("top-k 1%", ['train.compression={ name = "topk", density = 0.01 }']),
+    ("Radius 1%", ['train.compression={ name = "radius", density = 0.01, threshold = 3 }']),
+    ("PowerSGD r4", ['train.compression={ name = "powersgd", rank = 4, start_iter = 2 }']),
+    ("DiLoCo H=10", ['train.backend="diloco"', "train.diloco={ sync_every = 10 }"]),
+    ("SPARTA p=0.005", ['train.backend="sparta"', "train.sparta={ p = 0.005 }"]),
+    ("DeMo", ['train.backend="demo"', 'train.optim={ name = "sgd" }']),
+]
+
+
+def run(exe, out, name, workers, steps, sets):
+    run_name = f"{name.replace(' ', '-').replace('%', 'pct')}-{workers}"
+    args = [exe, "train", os.path.join(ROOT, "config", "quickstart-char.toml"), "--workers", str(workers),
+            "--set", f"log_dir={json.dumps(out)}", "--set", f"log.run_name={json.dumps(run_name)}",
+            "--set", f"train.n_steps={steps}", "--set", "train.global_batch_size=24",
+            "--set", "log.eval_interval=100000", "--set", "log.ckpt_interval=0", "--set", "log.log_interval=1",
+            "--set", "log.eval_at_start=false", "--set", "train.lr_schedule.warmup_steps=5"]
+    for s in sets:
+        args += ["--set", s]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} on {workers} workers failed:\n{done.stderr}")
+    with open(os.path.join(out, run_name, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--skip", type=int, default=10)
+    ap.add_argument("--workers", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--nanodist", default=os.path.join(ROOT, "target", "release", "nanodist"))
+    a = ap.parse_args()
+    out = tempfile.mkdtemp(prefix="nanodist-backends-")
+    atexit.register(shutil.rmtree, out, True)
+    print("| backend | workers | ms/step | sync share | vs all-reduce |")
+    print("|---|---|---|---|---|")
+    for workers in a.workers:
+        base = None
+        for name, sets in RUNS:
+            rows = [r for r in run(a.nanodist, out, name, workers, a.steps, sets) if r["step"] > a.skip]
+            ms = sum(r["ms_per_step"] for r in rows) / len(rows)
+            share = sum(r.get("sync_ms", 0.0) for r in rows) / sum(r["ms_per_step"] for r in rows)
+            base = base or ms
+            print(f"| {name} | {workers} | {ms:.1f} | {100 * share:.0f}% | {ms / base:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
