@@ -359,8 +359,6 @@ impl<'s> Worker<'s> {
         };
         self.console
             .line(&format!("{exit} at step {}", self.progress.step));
-        self.console
-            .line(&format!("{exit} at step {}", self.progress.step));
         self.console.finish();
         if let Some(m) = self.metrics.take() {
             m.finish(i32::from(matches!(exit, Exit::Signal(_))))?;

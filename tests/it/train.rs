@@ -191,6 +191,12 @@ fn train_log_has_the_seed_runners_lines() {
         lines.last().unwrap().ends_with("] finished at step 20"),
         "{log}"
     );
+    // Once per segment.
+    let ends = lines
+        .iter()
+        .filter(|l| l.contains("] stopped at ") || l.contains("] finished at "))
+        .count();
+    assert_eq!(ends, 2, "{log}");
     let rows = read_rows(&done.run_dir.join("metrics.jsonl")).unwrap();
     let val = |step: u64| {
         rows.iter()
