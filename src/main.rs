@@ -207,9 +207,14 @@ struct PredictArgs {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
     /// Compute from the run's own measured ms/step (minus its communication) scaled by the ratio of the
-    /// `local` profile's device speed to the cluster's, instead of from FLOPs (run directories only).
+    /// `--ran-on` profile's device speed to the cluster's, instead of from FLOPs (run directories only).
     #[arg(long)]
     measured: bool,
+    /// The profile of the machine the run directories ran on (default: local): their measured codec
+    /// time (and compute, with --measured) is scaled from its device to the cluster's. A netlab run:
+    /// the profile `calibrate` wrote inside the lab.
+    #[arg(long, value_name = "NAME|FILE")]
+    ran_on: Option<String>,
     /// JSON instead of the table.
     #[arg(long)]
     json: bool,
@@ -667,6 +672,12 @@ fn predict(a: PredictArgs) -> Result<()> {
         workers: a.workers.map(|n| n as usize),
         ranks_per_node: a.ranks_per_node.map(|n| n as usize),
         measured: a.measured,
+        ran_on: a
+            .ran_on
+            .as_deref()
+            .map(predict::profile::load)
+            .transpose()?
+            .map(|c| c.profile),
     };
     let clusters = a
         .cluster
@@ -708,7 +719,10 @@ fn calibrate(
                 })
                 .collect::<Result<Vec<f64>>>()?;
             let shared = predict::calibrate::median(shared);
-            on_threads(2, |c| predict::calibrate::measure(c, "local", Some(shared)))?.swap_remove(0)
+            on_threads(2, |c| {
+                predict::calibrate::measure(c, "local", 2, Some(shared))
+            })?
+            .swap_remove(0)
         }
         CalibrateEngine::Mpi => match calibrate_mpi(output, shared_step, probe)? {
             Some(m) => m,
@@ -717,15 +731,18 @@ fn calibrate(
     };
     predict::calibrate::write_profile(output, &measured.profile_toml())?;
     println!(
-        "{} engine, {} ranks: alpha {:.1} us, bandwidth {:.2} GB/s; GEMM peak {:.1} GFLOP/s, training {:.1} GFLOP/s, \
-         sharing efficiency {:.2}; wrote {}",
+        "{} engine, {} ranks ({} per node): alpha {:.1} us, bandwidth {:.4} GB/s; GEMM peak {:.1} GFLOP/s, \
+         training {:.1} GFLOP/s, sharing efficiency {}; wrote {}",
         measured.engine,
         measured.ranks,
+        measured.per_node,
         measured.alpha * 1e6,
         measured.bandwidth / 1e9,
         measured.peak / 1e9,
         measured.achieved / 1e9,
-        measured.sharing,
+        measured
+            .sharing
+            .map_or("not measured".into(), |s| format!("{s:.2}")),
         output.display()
     );
     Ok(())
@@ -777,7 +794,10 @@ fn calibrate_mpi(
             }
             return Ok(None);
         }
-        let m = predict::calibrate::measure(&mut comm, "mpi", shared_step)?;
+        let per_node = LaunchEnv::from_env(None)
+            .launcher_local_world
+            .unwrap_or(comm.world_size());
+        let m = predict::calibrate::measure(&mut comm, "mpi", per_node, shared_step)?;
         return Ok((comm.rank() == 0).then_some(m));
     }
     let exe = std::env::current_exe().context("locating this program for mpirun")?;

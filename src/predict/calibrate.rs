@@ -25,18 +25,38 @@ fn sizes() -> Vec<usize> {
     (0..=12).map(|i| 4usize << (2 * i)).collect()
 }
 
-/// Median seconds of `f` over repeats (more for small messages).
-fn time(bytes: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    let reps = (20_000_000 / bytes.max(1)).clamp(3, 200);
-    f()?;
-    let mut t: Vec<f64> = (0..reps)
-        .map(|_| {
-            let s = Instant::now();
-            f().map(|_| s.elapsed().as_secs_f64())
-        })
-        .collect::<Result<_>>()?;
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+/// The sweep always reaches this size (the bandwidth is fitted from 1 MB and up); past it, a size is
+/// measured while the previous all-reduce took under `SWEEP_SECONDS` on average over the ranks (on a
+/// 20 Mbit/s link a 64 MB all-reduce takes half a minute).
+const SWEEP_MIN_TOP: usize = 4 << 20;
+const SWEEP_SECONDS: f64 = 0.25;
+
+/// Idle time before each timed repeat, as a training step computes between its collectives: on a link
+/// with a deep queue (a shaper's, a switch's), back-to-back transfers keep the queue full and TCP's
+/// round trips long, and large messages measured up to 1.4x slower than they cross between steps.
+const GAP: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Median seconds of `f` over repeats (more for small messages), each started together after a barrier
+/// and `GAP` of idle, as a training step's collectives are (back-to-back repeats would overlap one rank's
+/// tail with the next repeat's head).
+fn time(
+    comm: &mut dyn Communicator,
+    bytes: usize,
+    mut f: impl FnMut(&mut dyn Communicator) -> Result<()>,
+) -> Result<f64> {
+    let reps = (2_000_000 / bytes.max(1)).clamp(5, 200);
+    f(comm)?;
+    let mut t: Vec<f64> = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        comm.barrier()?;
+        if bytes >= 64 << 10 {
+            std::thread::sleep(GAP);
+        }
+        let s = Instant::now();
+        f(comm)?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    Ok(median(t))
 }
 
 /// (size, all-reduce seconds, ping-pong seconds) over the sweep; every rank calls it.
@@ -47,21 +67,92 @@ pub fn sweep(comm: &mut dyn Communicator) -> Result<Vec<(usize, f64, f64)>> {
     for bytes in sizes() {
         let words = bytes / 4;
         let mut buf = vec![1.0f32; words];
-        comm.barrier()?;
-        let ar = time(bytes, || comm.all_reduce_sum(&mut buf))?;
+        let ar = time(comm, bytes, |c| {
+            // Zeros stay zeros: repeats sum no infinities.
+            buf.fill(0.0);
+            c.all_reduce_sum(&mut buf)
+        })?;
         let send = vec![1.0f32; words];
         let mut recv = vec![0.0f32; words];
-        comm.barrier()?;
-        let pp = time(bytes, || {
-            if peer < n {
-                comm.exchange(&[(peer, &send)], &mut [(peer, &mut recv)])
-            } else {
-                comm.exchange(&[], &mut [])
-            }
+        let pp = time(comm, bytes, |c| match peer < n {
+            true => c.exchange(&[(peer, &send)], &mut [(peer, &mut recv)]),
+            false => c.exchange(&[], &mut []),
         })?;
         out.push((bytes, ar, pp));
+        // Every rank gets the same sum, so every rank stops at the same size.
+        let mut mean = [ar as f32];
+        comm.all_reduce_sum(&mut mean)?;
+        if bytes >= SWEEP_MIN_TOP && f64::from(mean[0]) / n as f64 > SWEEP_SECONDS {
+            break;
+        }
     }
     Ok(out)
+}
+
+/// Sizes of the pairwise probe across nodes, bytes.
+const PAIR_SIZES: [usize; 6] = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20];
+
+/// Rounds of disjoint pairs of `n` ranks that meet every pair once (the circle method; with an odd `n`
+/// one rank sits each round out).
+fn pair_rounds(n: usize) -> Vec<Vec<(usize, usize)>> {
+    let m = n + n % 2;
+    (0..m - 1)
+        .map(|r| {
+            (0..m / 2)
+                .map(|i| match i {
+                    0 => (r, m - 1),
+                    _ => ((r + i) % (m - 1), (r + m - 1 - i) % (m - 1)),
+                })
+                .filter(|&(a, b)| a < n && b < n)
+                .map(|(a, b)| (a.min(b), a.max(b)))
+                .collect()
+        })
+        .collect()
+}
+
+/// Each rank's own link, as `[bytes, us]` of one message at `PAIR_SIZES` (one rank a node): every pair
+/// exchanges each size both ways at once, the pairs of a round at the same time. A pair runs at its
+/// slower member's link, so a rank's fastest pair gives its own link (unless it is the fastest of all).
+/// Every rank calls it; all get the same result.
+pub fn node_messages(comm: &mut dyn Communicator) -> Result<Vec<Vec<[f64; 2]>>> {
+    let (n, me, k) = (comm.world_size(), comm.rank(), PAIR_SIZES.len());
+    // seen[(a n + b) k + s]: the seconds rank a took with rank b at size s.
+    let mut seen = vec![0.0f32; n * n * k];
+    for round in pair_rounds(n) {
+        let partner = round
+            .iter()
+            .find_map(|&(a, b)| (a == me).then_some(b).or((b == me).then_some(a)));
+        for (s, &bytes) in PAIR_SIZES.iter().enumerate() {
+            let send = vec![1.0f32; bytes / 4];
+            let mut recv = vec![0.0f32; bytes / 4];
+            let t = time(comm, bytes, |c| match partner {
+                Some(p) => c.exchange(&[(p, &send)], &mut [(p, &mut recv)]),
+                None => c.exchange(&[], &mut []),
+            })?;
+            if let Some(p) = partner {
+                seen[(me * n + p) * k + s] = t as f32;
+            }
+        }
+    }
+    comm.all_reduce_sum(&mut seen)?;
+    let pair = |a: usize, b: usize, s: usize| {
+        f64::from(seen[(a * n + b) * k + s].max(seen[(b * n + a) * k + s]))
+    };
+    Ok((0..n)
+        .map(|a| {
+            PAIR_SIZES
+                .iter()
+                .enumerate()
+                .map(|(s, &bytes)| {
+                    let best = (0..n)
+                        .filter(|&b| b != a)
+                        .map(|b| pair(a, b, s))
+                        .fold(f64::INFINITY, f64::min);
+                    [bytes as f64, best * 1e6]
+                })
+                .collect()
+        })
+        .collect())
 }
 
 /// Least-squares line t = a + b S.
@@ -248,6 +339,9 @@ pub const SHARING_REPEATS: usize = 3;
 pub struct Measured {
     pub engine: &'static str,
     pub ranks: usize,
+    /// Ranks on each node: `ranks` when they share one machine, 1 when each is on a node of its own
+    /// (the sweep then measured the link between nodes).
+    pub per_node: usize,
     pub cores: usize,
     pub alpha: f64,
     pub bandwidth: f64,
@@ -255,10 +349,12 @@ pub struct Measured {
     pub peak: f64,
     pub achieved: f64,
     pub memory: f64,
-    /// Throughput kept when two ranks share each core (1: not measured).
-    pub sharing: f64,
+    /// Throughput kept when two ranks share each core (None: not measured).
+    pub sharing: Option<f64>,
     /// (bytes, all-reduce seconds, ping-pong seconds).
     pub sweep: Vec<(usize, f64, f64)>,
+    /// With one rank on each of 3 or more nodes: each node's own link (`node_messages`); else empty.
+    pub nodes: Vec<Vec<[f64; 2]>>,
 }
 
 /// (width, rows) of the training steps whose mean throughput gives the MFU: the quick-start model at 6
@@ -267,40 +363,42 @@ pub struct Measured {
 /// quick-start's width, deeper or shallower.
 const LADDER: [(usize, usize); 2] = [(128, 6), (128, 12)];
 
-/// Measures on `comm` (every rank calls it; compute is measured on every rank at once, rank 0's kept).
-/// `shared_step`: the lockstep step's seconds with two ranks per core and half the rows each (the same
-/// work per core), for the sharing efficiency.
+/// Measures on `comm` (every rank calls it; compute is measured on every rank at once, rank 0's kept),
+/// whose ranks run `per_node` to a node: all on one, or one on each. `shared_step`: the lockstep
+/// step's seconds with two ranks per core and half the rows each (the same work per core), for the
+/// sharing efficiency.
 pub fn measure(
     comm: &mut dyn Communicator,
     engine: &'static str,
+    per_node: usize,
     shared_step: Option<f64>,
 ) -> Result<Measured> {
+    let world = comm.world_size();
+    if per_node != world && per_node != 1 {
+        return Err(crate::bad_input!(
+            "calibrate measures one link: run its ranks all on one node, or one on each node (the link \
+             between nodes); the launcher placed {per_node} of {world} on a node"
+        ));
+    }
     // Compute on every rank at once (a busy machine, as in training), five times spread around the link
     // sweep; the medians, so that a passing slowdown of a shared machine does not become the profile.
-    let compute = || -> Result<(f64, f64, f64)> {
-        let achieved = LADDER
-            .iter()
-            .map(|&(w, rows)| training_flops(w, rows))
-            .sum::<Result<f64>>()?
-            / LADDER.len() as f64;
-        Ok((gemm_peak(), achieved, memory_bandwidth()))
-    };
     let mut reps = Vec::new();
     for _ in 0..3 {
         comm.barrier()?;
         reps.push(compute()?);
     }
     // The median of three, as the probe of two ranks per core (`SHARING_REPEATS`): on a shared machine one
-    // measurement of each can put the sharing efficiency anywhere from 0.75 to 1.
-    let alone = median(
-        (0..SHARING_REPEATS)
-            .map(|_| lockstep_step(comm, LOCKSTEP_ROWS))
-            .collect::<Result<_>>()?,
-    );
-    // Two ranks per core with half the rows each ideally take as long; what they take beyond that is
-    // lost to sharing.
-    let sharing = shared_step.map_or(1.0, |shared| (alone / shared).min(1.0));
+    // measurement of each can put the sharing efficiency anywhere from 0.75 to 1. Two ranks per core with
+    // half the rows each ideally take as long; what they take beyond that is lost to sharing.
+    let sharing = match shared_step {
+        Some(shared) => Some((lockstep_alone(comm)? / shared).min(1.0)),
+        None => None,
+    };
     let sweep = sweep(comm)?;
+    let nodes = match per_node == 1 && world >= 3 {
+        true => node_messages(comm)?,
+        false => Vec::new(),
+    };
     for _ in 0..2 {
         comm.barrier()?;
         reps.push(compute()?);
@@ -314,19 +412,11 @@ pub fn measure(
         .filter(|p| p.0 <= 4096)
         .map(|p| (p.0 as f64, p.2))
         .collect();
-    // The cores the ranks may use: each rank's (a launcher binds one core to each), summed; the local
-    // engine's ranks share one process's.
-    let own = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cores = if engine == "local" {
-        own
-    } else {
-        let mut c = [own as f32];
-        comm.all_reduce_sum(&mut c)?;
-        c[0] as usize
-    };
+    let cores = job_cores(comm, engine)?;
     Ok(Measured {
         engine,
-        ranks: comm.world_size(),
+        ranks: world,
+        per_node,
         cores,
         alpha,
         bandwidth,
@@ -336,49 +426,99 @@ pub fn measure(
         memory,
         sharing,
         sweep,
+        nodes,
     })
 }
 
+/// (GEMM peak, training FLOP/s, memory bytes/s) of one rank.
+fn compute() -> Result<(f64, f64, f64)> {
+    let achieved = LADDER
+        .iter()
+        .map(|&(w, rows)| training_flops(w, rows))
+        .sum::<Result<f64>>()?
+        / LADDER.len() as f64;
+    Ok((gemm_peak(), achieved, memory_bandwidth()))
+}
+
+/// The lockstep step's median seconds over `SHARING_REPEATS`, one rank per core.
+fn lockstep_alone(comm: &mut dyn Communicator) -> Result<f64> {
+    Ok(median(
+        (0..SHARING_REPEATS)
+            .map(|_| lockstep_step(comm, LOCKSTEP_ROWS))
+            .collect::<Result<_>>()?,
+    ))
+}
+
+/// The cores the ranks may use: each rank's (a launcher binds one core to each), summed; the local
+/// engine's ranks share one process's.
+fn job_cores(comm: &mut dyn Communicator, engine: &str) -> Result<usize> {
+    let own = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if engine == "local" {
+        return Ok(own);
+    }
+    let mut c = [own as f32];
+    comm.all_reduce_sum(&mut c)?;
+    Ok(c[0] as usize)
+}
+
 impl Measured {
-    /// The measurements as a cluster profile (one node of `cores` single-thread ranks; the inter-node link
-    /// is the same engine, for layouts that ask for more than one node).
+    /// The measurements as a cluster profile: one node of `cores` single-thread ranks, whose links both
+    /// are the engine's; or, with one rank on each node, nodes of one rank joined by the measured link.
     pub fn profile_toml(&self) -> String {
         let mut s = String::new();
-        let gbps = self.bandwidth * 8.0 / 1e9;
-        let us = self.alpha * 1e6;
         let _ = writeln!(s, "#:schema ../../schemas/cluster.schema.json");
         let _ = writeln!(
             s,
-            "# Written by `nanodist calibrate --engine {}` ({} ranks, {} cores). Measured, not datasheet values:",
-            self.engine, self.ranks, self.cores
+            "# Written by `nanodist calibrate --engine {}` ({} ranks, {} per node, {} cores). Measured, not \
+             datasheet values:",
+            self.engine, self.ranks, self.per_node, self.cores
         );
         let _ = writeln!(
             s,
-            "# all-reduce over {} ranks at 4 B .. 64 MB fitted to 2(n-1)(alpha + S/(nB)); ping-pong latency {:.1} us.",
+            "# all-reduce over {} ranks at 4 B .. {} fitted to 2(n-1)(alpha + S/(nB)); ping-pong latency {:.1} us.",
             self.ranks,
+            crate::units::bytes(self.sweep.last().map_or(0.0, |p| p.0 as f64)),
             self.ping_pong_alpha * 1e6
         );
+        let spread = self.per_node == 1 && self.ranks > 1;
+        let (description, per_node) = match spread {
+            true => (
+                format!("{} nodes of one rank, {} engine", self.ranks, self.engine),
+                1,
+            ),
+            false => (
+                format!("this machine: {} cores, {} engine", self.cores, self.engine),
+                self.cores,
+            ),
+        };
+        let _ = writeln!(s, "description = \"{description}\"");
         let _ = writeln!(
             s,
-            "description = \"this machine: {} cores, {} engine\"",
-            self.cores, self.engine
+            "# One single-thread rank per device (a core); more ranks share it."
         );
-        let _ = writeln!(
-            s,
-            "# One single-thread rank per core; more ranks share the cores."
-        );
-        let _ = writeln!(s, "devices_per_node = {}", self.cores);
+        let _ = writeln!(s, "devices_per_node = {per_node}");
         let _ = writeln!(s, "nic_shared = false");
         let _ = writeln!(
             s,
             "# nanodist's engines all-reduce after the backward pass."
         );
-        let _ = writeln!(s, "overlap_backward = false\n");
+        let _ = writeln!(s, "overlap_backward = false");
+        let _ = writeln!(
+            s,
+            "# A rank's core also moves its messages: communication beside compute is not free."
+        );
+        let _ = writeln!(s, "overlap_compute = false\n");
+        self.device_toml(&mut s);
+        self.links_toml(&mut s, spread);
+        s.trim_end().to_string() + "\n"
+    }
+
+    fn device_toml(&self, s: &mut String) {
         let _ = writeln!(s, "[device]");
         let _ = writeln!(s, "name = \"CPU core (f32, one thread)\"");
         let _ = writeln!(
             s,
-            "# Single-thread f32 GEMM (512^3) of the CPU engine's GEMM."
+            "# Single-thread f32 GEMM (512^3) of the CPU engine's GEMM, on every rank at once."
         );
         let _ = writeln!(s, "peak_tflops = {:.6}", self.peak / 1e12);
         let _ = writeln!(
@@ -393,23 +533,137 @@ impl Measured {
         );
         let _ = writeln!(s, "# Single-thread copy, read + write.");
         let _ = writeln!(s, "memory_gbps = {:.2}", self.memory / 1e9);
-        let _ = writeln!(
-            s,
-            "# Two ranks per core, half the rows each: a data-parallel step took {:.2}x its time alone.",
-            1.0 / self.sharing
-        );
-        let _ = writeln!(s, "sharing_efficiency = {:.4}\n", self.sharing);
-        let _ = writeln!(s, "# The sweep: bytes, all-reduce us, ping-pong us.");
+        if let Some(sharing) = self.sharing {
+            let _ = writeln!(
+                s,
+                "# Two ranks per core, half the rows each: a data-parallel step took {:.2}x its time alone.",
+                1.0 / sharing
+            );
+            let _ = writeln!(s, "sharing_efficiency = {sharing:.4}");
+        }
+        let _ = writeln!(s, "\n# The sweep: bytes, all-reduce us, ping-pong us.");
         for (bytes, ar, pp) in &self.sweep {
             let _ = writeln!(s, "#   {bytes:>9}  {:>10.1}  {:>10.1}", ar * 1e6, pp * 1e6);
         }
+    }
+
+    /// `[intra]` and `[inter]`: both the measured link (with one rank a node, nothing ran within a node,
+    /// and `[intra]` says so).
+    fn links_toml(&self, s: &mut String, spread: bool) {
+        let slow = self.slow_nodes();
+        // With a slow node the all-reduce sweep ran at its pace: the others' link is their pairs' median.
+        let (alpha_us, gbps, base) = match slow.is_empty() {
+            true => (
+                self.alpha * 1e6,
+                self.bandwidth * 8.0 / 1e9,
+                self.messages(),
+            ),
+            false => {
+                let base = median_curve(&self.nodes);
+                let (a, b) = line_of(&base);
+                (a, b, base)
+            }
+        };
         for table in ["intra", "inter"] {
+            if spread && table == "intra" {
+                let _ = writeln!(
+                    s,
+                    "# Not measured (one rank a node): the link between nodes, for layouts of more."
+                );
+            }
             let _ = writeln!(s, "[{table}]");
-            let _ = writeln!(s, "bandwidth_gbps = {gbps:.3}");
-            let _ = writeln!(s, "latency_us = {us:.3}");
-            let _ = writeln!(s, "efficiency = 1.0\n");
+            write_link(s, alpha_us, gbps, None);
+            if spread && table == "inter" {
+                let _ = writeln!(
+                    s,
+                    "# {}: predictions take a message's time from these.",
+                    match slow.is_empty() {
+                        true => "Each message of the all-reduce sweep (S / n bytes, 1 / (2 (n - 1)) of its time)",
+                        false => "The median node's message, exchanged with each other node in turn",
+                    }
+                );
+                let _ = writeln!(s, "measured = [{}]", points(&base));
+            }
+            let _ = writeln!(s);
         }
-        s.trim_end().to_string() + "\n"
+        for k in slow {
+            let curve = &self.nodes[k];
+            let (a, b) = line_of(curve);
+            let _ = writeln!(
+                s,
+                "# Node {k}'s link is slower than the others': its fastest exchange with another node."
+            );
+            let _ = writeln!(s, "[[node_links]]\nnode = {k}\n[node_links.link]");
+            write_link(s, a, b, Some(curve));
+            let _ = writeln!(s);
+        }
+    }
+
+    /// `[bytes, us]` of one message of the all-reduce sweep: the all-reduce of S over n ranks is 2 (n - 1)
+    /// exchanges of S / n.
+    fn messages(&self) -> Vec<[f64; 2]> {
+        let n = self.ranks.max(2) as f64;
+        self.sweep
+            .iter()
+            .map(|(bytes, ar, _)| [(*bytes as f64 / n).round(), ar * 1e6 / (2.0 * (n - 1.0))])
+            .collect()
+    }
+
+    /// Nodes whose 1 MB message took more than `SLOW_NODE` times the median node's.
+    fn slow_nodes(&self) -> Vec<usize> {
+        let lasts: Vec<f64> = self
+            .nodes
+            .iter()
+            .map(|c| c.last().map_or(0.0, |p| p[1]))
+            .collect();
+        if lasts.is_empty() {
+            return Vec::new();
+        }
+        let mid = median(lasts.clone());
+        (0..lasts.len())
+            .filter(|&k| lasts[k] > SLOW_NODE * mid)
+            .collect()
+    }
+}
+
+/// A node is slow when its largest message takes this many times the median node's.
+const SLOW_NODE: f64 = 1.5;
+
+/// The pointwise median of equally sized curves.
+fn median_curve(curves: &[Vec<[f64; 2]>]) -> Vec<[f64; 2]> {
+    (0..curves[0].len())
+        .map(|i| {
+            [
+                curves[0][i][0],
+                median(curves.iter().map(|c| c[i][1]).collect()),
+            ]
+        })
+        .collect()
+}
+
+/// (latency us, bandwidth Gbit/s) of a message curve: its smallest message's time, and the rate between
+/// its two largest.
+fn line_of(curve: &[[f64; 2]]) -> (f64, f64) {
+    let [b0, t0] = curve[curve.len() - 2];
+    let [b1, t1] = curve[curve.len() - 1];
+    let bytes_per_s = (b1 - b0) / ((t1 - t0).max(1e-3) * 1e-6);
+    (curve[0][1], bytes_per_s * 8.0 / 1e9)
+}
+
+fn points(curve: &[[f64; 2]]) -> String {
+    curve
+        .iter()
+        .map(|[b, us]| format!("[{b}, {us:.1}]"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn write_link(s: &mut String, alpha_us: f64, gbps: f64, measured: Option<&[[f64; 2]]>) {
+    let _ = writeln!(s, "bandwidth_gbps = {gbps:.4}");
+    let _ = writeln!(s, "latency_us = {alpha_us:.3}");
+    let _ = writeln!(s, "efficiency = 1.0");
+    if let Some(m) = measured {
+        let _ = writeln!(s, "measured = [{}]", points(m));
     }
 }
 
@@ -442,5 +696,113 @@ mod tests {
             (a - alpha).abs() < 1e-9 && (bw / b - 1.0).abs() < 1e-6,
             "{a} {bw}"
         );
+    }
+
+    fn measured(ranks: usize, per_node: usize, sweep: Vec<(usize, f64, f64)>) -> Measured {
+        Measured {
+            engine: "mpi",
+            ranks,
+            per_node,
+            cores: 2,
+            alpha: 20e-6,
+            bandwidth: 3e6,
+            ping_pong_alpha: 10e-6,
+            peak: 1e11,
+            achieved: 5e10,
+            memory: 1e10,
+            sharing: None,
+            sweep,
+            nodes: vec![],
+        }
+    }
+
+    /// Ranks one to a node: nodes of one rank whose link prices a message of the all-reduce sweep's
+    /// pieces (S / n) at its share of the all-reduce's time (1 / (2 (n - 1))), so that the model's
+    /// all-reduce of a swept size takes what it took; no sharing efficiency where none was measured.
+    /// On one node: the cores, the fitted line only.
+    #[test]
+    fn ranks_across_nodes_give_one_rank_nodes_priced_by_the_measured_messages() {
+        let sweep = vec![
+            (4096, 0.003, 0.001),
+            (1 << 20, 1.2, 0.5),
+            (4 << 20, 6.0, 2.0),
+        ];
+        let p =
+            super::super::profile::parse("lab.toml", &measured(4, 1, sweep.clone()).profile_toml())
+                .unwrap();
+        assert_eq!(p.devices_per_node, 1);
+        assert_eq!(p.device.sharing_efficiency, None);
+        let wire = super::super::model::Wire {
+            link: &p.inter,
+            share: 1,
+        };
+        for (bytes, secs, _) in sweep {
+            let t = super::super::model::ring_all_reduce(4, bytes as f64, wire);
+            assert!((t / secs - 1.0).abs() < 1e-3, "{bytes}: {t} {secs}");
+        }
+        let one = super::super::profile::parse(
+            "l.toml",
+            &measured(2, 2, vec![(4, 1e-5, 1e-5)]).profile_toml(),
+        )
+        .unwrap();
+        assert_eq!(one.devices_per_node, 2);
+        assert!(one.inter.measured.is_empty() && one.intra.measured.is_empty());
+    }
+
+    #[test]
+    fn pair_rounds_meet_every_pair_once_in_disjoint_rounds() {
+        for n in 2..=9 {
+            let rounds = pair_rounds(n);
+            let mut met = std::collections::BTreeSet::new();
+            for round in &rounds {
+                let mut busy = std::collections::BTreeSet::new();
+                for &(a, b) in round {
+                    assert!(
+                        a < b && b < n && busy.insert(a) && busy.insert(b),
+                        "{n}: {rounds:?}"
+                    );
+                    assert!(met.insert((a, b)), "{n}: ({a}, {b}) twice");
+                }
+            }
+            assert_eq!(met.len(), n * (n - 1) / 2, "{n}");
+        }
+    }
+
+    /// With a node 4x slower than the others, the profile gives it a link of its own (its curve, and
+    /// the line through its two largest messages) and the others the median node's curve; with nodes
+    /// alike, no node links and the all-reduce sweep's messages.
+    #[test]
+    fn a_slow_node_gets_a_link_of_its_own() {
+        let curve = |k: f64| {
+            PAIR_SIZES
+                .iter()
+                .map(|&b| [b as f64, 50.0 + k * b as f64 / 6.25])
+                .collect()
+        };
+        let sweep = vec![
+            (4096, 0.003, 0.001),
+            (1 << 20, 1.2, 0.5),
+            (4 << 20, 6.0, 2.0),
+        ];
+        let mut m = measured(4, 1, sweep);
+        m.nodes = vec![curve(1.0), curve(4.0), curve(1.0), curve(1.1)];
+        let p = super::super::profile::parse("lab.toml", &m.profile_toml()).unwrap();
+        assert_eq!(p.node_links.len(), 1);
+        assert_eq!(p.node_links[0].node, 1);
+        for (got, want) in p.inter_of(1).measured.iter().zip(&m.nodes[1]) {
+            assert!(
+                got[0] == want[0] && (got[1] - want[1]).abs() <= 0.05,
+                "{got:?} {want:?}"
+            );
+        }
+        assert!((p.inter_of(1).bandwidth_gbps / (6.25e6 / 4.0 * 8.0 / 1e9) - 1.0).abs() < 1e-3);
+        let base: Vec<[f64; 2]> = curve(1.1);
+        for (got, want) in p.inter.measured.iter().zip(&base) {
+            assert!((got[1] - want[1]).abs() < 0.1, "{got:?} {want:?}");
+        }
+        assert_eq!(p.inter_of(0), &p.inter);
+        m.nodes = vec![curve(1.0), curve(1.2), curve(1.0), curve(1.1)];
+        let p = super::super::profile::parse("lab.toml", &m.profile_toml()).unwrap();
+        assert!(p.node_links.is_empty() && p.inter.measured.len() == 3);
     }
 }

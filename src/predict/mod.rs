@@ -58,7 +58,8 @@ pub fn layout(world: usize, ranks_per_node: Option<usize>, p: &ClusterProfile) -
 }
 
 impl Predictor {
-    /// `loaded`'s plan on `layout`; `compute` overrides the FLOPs-based compute seconds per step.
+    /// `loaded`'s plan on `layout`; `compute` overrides the FLOPs-based compute seconds per step (a run's
+    /// measured step outside its communication and codec: the update included, so not added again).
     pub fn new(
         loaded: &Loaded,
         p: &ClusterProfile,
@@ -71,7 +72,7 @@ impl Predictor {
         // More ranks than devices on a node share them (a CPU's cores, with `local`).
         let per_device = layout.ranks_per_node as f64 / p.devices_per_node as f64;
         let shared = match per_device > 1.0 {
-            true => per_device / p.device.sharing_efficiency,
+            true => per_device / p.device.sharing_efficiency.unwrap_or(1.0),
             false => 1.0,
         };
         let n = plan.n_steps.max(1);
@@ -80,10 +81,14 @@ impl Predictor {
         // Ranks that share cores also share them for their intra-node transfers (the CPU copies them) and
         // wait for each other to be scheduled.
         let mut profile = p.clone();
-        profile.intra.bandwidth_gbps /= shared;
-        profile.intra.latency_us *= shared;
-        let update =
-            UPDATE_BYTES_PER_PARAM * plan.n_params as f64 / (p.device.memory_gbps * 1e9) * shared;
+        profile.intra = profile.intra.slowed(shared);
+        let update = match compute {
+            Some(_) => 0.0,
+            None => {
+                UPDATE_BYTES_PER_PARAM * plan.n_params as f64 / (p.device.memory_gbps * 1e9)
+                    * shared
+            }
+        };
         let compute =
             compute.unwrap_or(flops / (p.device.peak_tflops * 1e12 * p.device.mfu) * shared);
         let codec = if compresses(&plan.sync) {
@@ -123,7 +128,7 @@ impl Predictor {
         let refs: Vec<(&Collective, f64)> = described.iter().zip(secs.iter().copied()).collect();
         let overlaps = model::Overlaps {
             backward: self.profile.overlap_backward,
-            compute: !self.cores_shared,
+            compute: !self.cores_shared && self.profile.overlap_compute,
         };
         let time = model::step_time(self.compute, codec + self.update, &refs, overlaps);
         (secs, time)
@@ -339,18 +344,17 @@ pub fn prediction(
 
 /// A run directory's steps priced on a cluster: each metrics row's interval at the bytes it logged (so
 /// data-dependent sizes, e.g. Radius's masks, count as they were), with the sync backend's own compute
-/// as the run measured it (`sync_ms`, memory-bound: scaled by the `local` profile's memory bandwidth
-/// over the cluster's), and the time of each evaluation.
+/// as the run measured it (`sync_ms`, memory-bound: scaled by the memory bandwidth of `ran_on`, the
+/// machine the run ran on, over the cluster's), and the time of each evaluation.
 pub fn predict_run(
     loaded: &Loaded,
     rows: &[crate::metrics::Row],
-    cluster: &Cluster,
+    (cluster, ran_on): (&Cluster, &ClusterProfile),
     layout: Layout,
     compute: Option<f64>,
 ) -> Result<Prediction> {
     let mut p = Predictor::new(loaded, &cluster.profile, layout, compute)?;
-    let memory =
-        profile::load("local")?.profile.device.memory_gbps / cluster.profile.device.memory_gbps;
+    let memory = ran_on.device.memory_gbps / cluster.profile.device.memory_gbps;
     let (mut clock, mut prev, mut matching, mut logged, mut described) = (0.0, 0u64, 0, 0u64, 0u64);
     let (mut sync_s, mut sync_steps) = (0.0, 0u64);
     let (mut evals, mut clocks) = (Vec::new(), Vec::new());
@@ -405,22 +409,23 @@ pub fn predict_run(
 }
 
 /// Seconds of compute per step on `cluster` from the run's own rows: the median over its rows of
-/// ms/step minus the communication time, scaled by the `local` device's sustained FLOP/s over the
-/// cluster's and by the tokens per rank.
+/// ms/step minus the communication and codec time (the update stays in), scaled by the sustained FLOP/s of `ran_on` (the machine the run
+/// ran on) over the cluster's and by the tokens per rank.
 pub fn measured_compute(
     rows: &[crate::metrics::Row],
     run_world: usize,
     loaded: &Loaded,
     cluster: &Cluster,
+    ran_on: &ClusterProfile,
 ) -> Result<f64> {
-    let local = profile::load("local")?.profile;
     let mut per_step: Vec<f64> = Vec::new();
     let mut prev = 0;
     for r in rows {
         let steps = r.step.saturating_sub(prev);
         prev = r.step;
         if steps > 0 && r.val_loss.is_none() {
-            per_step.push((r.ms_per_step - r.comm_ms / steps as f64).max(0.0) / 1e3);
+            let outside = (r.comm_ms + r.sync_ms) / steps as f64;
+            per_step.push((r.ms_per_step - outside).max(0.0) / 1e3);
         }
     }
     if per_step.is_empty() {
@@ -432,7 +437,7 @@ pub fn measured_compute(
     let measured = per_step[per_step.len() / 2];
     let speed = |p: &profile::ClusterProfile| p.device.peak_tflops * p.device.mfu;
     let tokens = run_world as f64 / loaded.plan.world_size as f64;
-    Ok(measured * speed(&local) / speed(&cluster.profile) * tokens)
+    Ok(measured * speed(ran_on) / speed(&cluster.profile) * tokens)
 }
 
 impl std::fmt::Display for Prediction {

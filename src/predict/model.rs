@@ -31,33 +31,51 @@ impl Layout {
     }
 }
 
-/// A link with its bandwidth divided among `share` concurrent senders.
-fn shared(link: &Link, share: usize) -> (f64, f64) {
-    (link.alpha(), link.bytes_per_s() / share.max(1) as f64)
+/// A link whose bandwidth `share` concurrent senders split.
+#[derive(Clone, Copy)]
+pub struct Wire<'a> {
+    pub link: &'a Link,
+    pub share: usize,
 }
 
-/// Ring all-reduce of `bytes` over `n` ranks: 2 (n - 1) (alpha + S / (n B)).
-pub fn ring_all_reduce(n: usize, bytes: f64, (alpha, b): (f64, f64)) -> f64 {
+impl Wire<'_> {
+    fn message(&self, bytes: f64) -> f64 {
+        self.link.message_seconds(bytes, self.share)
+    }
+}
+
+fn shared(link: &Link, share: usize) -> Wire<'_> {
+    Wire { link, share }
+}
+
+/// Ring all-reduce of `bytes` over `n` ranks: 2 (n - 1) messages of S / n, each alpha + S / (n B).
+pub fn ring_all_reduce(n: usize, bytes: f64, wire: Wire) -> f64 {
     if n < 2 {
         return 0.0;
     }
-    2.0 * (n - 1) as f64 * (alpha + bytes / (n as f64 * b))
+    2.0 * (n - 1) as f64 * wire.message(bytes / n as f64)
 }
 
 /// Ring all-gather (or reduce-scatter) of pieces of `piece` bytes over `n` ranks: (n - 1) (alpha + P / B).
-pub fn ring_all_gather(n: usize, piece: f64, (alpha, b): (f64, f64)) -> f64 {
+pub fn ring_all_gather(n: usize, piece: f64, wire: Wire) -> f64 {
     if n < 2 {
         return 0.0;
     }
-    (n - 1) as f64 * (alpha + piece / b)
+    (n - 1) as f64 * wire.message(piece)
 }
 
 /// Hierarchical all-reduce over `nodes` nodes with `m` ranks each: intra-node reduce-scatter, the 1/m
-/// shards all-reduced across nodes by all m ranks at once (sharing the NIC when `nic_shared`), intra-node
-/// all-gather.
-pub fn hierarchical_all_reduce(m: usize, nodes: usize, bytes: f64, p: &ClusterProfile) -> f64 {
+/// shards all-reduced across nodes over `inter` by all m ranks at once (sharing the NIC when
+/// `nic_shared`), intra-node all-gather.
+pub fn hierarchical_all_reduce(
+    m: usize,
+    nodes: usize,
+    bytes: f64,
+    p: &ClusterProfile,
+    inter: &Link,
+) -> f64 {
     let intra = shared(&p.intra, 1);
-    let inter = shared(&p.inter, if p.nic_shared { m } else { 1 });
+    let inter = shared(inter, if p.nic_shared { m } else { 1 });
     let shard = bytes / m as f64;
     2.0 * ring_all_gather(m, shard, intra) + ring_all_reduce(nodes, shard, inter)
 }
@@ -79,6 +97,17 @@ pub fn collective_seconds(c: &Collective, layout: &Layout, p: &ClusterProfile) -
 
 fn spans(g: &[usize], layout: &Layout) -> bool {
     g.iter().any(|&r| layout.node(r) != layout.node(g[0]))
+}
+
+/// The slowest of `nodes`' links for a message of `bytes`: a collective across them runs at its pace.
+fn slowest(p: &ClusterProfile, nodes: impl Iterator<Item = usize>, bytes: f64) -> &Link {
+    nodes
+        .map(|k| p.inter_of(k))
+        .max_by(|a, b| {
+            a.message_seconds(bytes, 1)
+                .total_cmp(&b.message_seconds(bytes, 1))
+        })
+        .unwrap_or(&p.inter)
 }
 
 fn group_seconds(
@@ -106,9 +135,10 @@ fn group_seconds(
         .for_each(|&r| *per_node.entry(layout.node(r)).or_default() += 1);
     let m = per_node.values().copied().max().unwrap_or(1);
     let regular = per_node.values().all(|&k| k == m);
+    let inter = slowest(p, per_node.keys().copied(), bytes / n as f64);
     match c.op {
         Op::AllReduce { .. } if m > 1 && regular => {
-            hierarchical_all_reduce(m, per_node.len(), bytes, p)
+            hierarchical_all_reduce(m, per_node.len(), bytes, p, inter)
         }
         // A flat ring across nodes: its slowest hop is inter-node. In a ring over ranks placed in order
         // one rank per node sends off-node; gossip groups of a round all send at once.
@@ -121,10 +151,10 @@ fn group_seconds(
             } else {
                 1
             };
-            ring_all_reduce(n, bytes, shared(&p.inter, share))
+            ring_all_reduce(n, bytes, shared(inter, share))
         }
         Op::AllGather { .. } | Op::ReduceScatter { .. } => {
-            ring_all_gather(n, bytes, shared(&p.inter, 1))
+            ring_all_gather(n, bytes, shared(inter, 1))
         }
     }
 }
@@ -225,20 +255,24 @@ mod tests {
                 peak_tflops: 1.0,
                 mfu: 1.0,
                 memory_gbps: 1.0,
-                sharing_efficiency: 1.0,
+                sharing_efficiency: None,
             },
             intra: Link {
                 bandwidth_gbps: 8.0,
                 latency_us: 1.0,
                 efficiency: 1.0,
+                measured: vec![],
             },
             inter: Link {
                 bandwidth_gbps: 0.8,
                 latency_us: 10.0,
                 efficiency: 1.0,
+                measured: vec![],
             },
             nic_shared,
             overlap_backward: true,
+            overlap_compute: true,
+            node_links: vec![],
         }
     }
 
@@ -273,6 +307,42 @@ mod tests {
         };
         // 3 * (1e-6 + 1e6 / 1e9)
         close(collective_seconds(&ag, &layout, &p), 3.0 * (1e-6 + 1e-3));
+    }
+
+    /// A node with a link of its own 10x slower: a collective that spans it runs at its pace, a gossip
+    /// pair beside it at the others'; in a hierarchical all-reduce only the inter-node phase slows.
+    #[test]
+    fn a_slow_node_slows_the_groups_it_is_in() {
+        let mut p = profile(false);
+        p.node_links.push(crate::predict::profile::NodeLink {
+            node: 1,
+            link: p.inter.slowed(10.0),
+        });
+        let one = Layout {
+            world: 4,
+            ranks_per_node: 1,
+        };
+        let c = all_reduce(4_000_000, vec![(0..4).collect()], Overlap::None);
+        close(collective_seconds(&c, &one, &p), 6.0 * (1e-4 + 1e6 / 1e7));
+        let pairs = all_reduce(4_000_000, vec![vec![0, 1], vec![2, 3]], Overlap::None);
+        let fast = all_reduce(4_000_000, vec![vec![2, 3]], Overlap::None);
+        close(
+            collective_seconds(&pairs, &one, &p),
+            2.0 * (1e-4 + 2e6 / 1e7),
+        );
+        close(
+            collective_seconds(&fast, &one, &p),
+            2.0 * (1e-5 + 2e6 / 1e8),
+        );
+        let two = Layout {
+            world: 8,
+            ranks_per_node: 4,
+        };
+        let c = all_reduce(4_000_000, vec![(0..8).collect()], Overlap::None);
+        close(
+            collective_seconds(&c, &two, &p),
+            6.0 * (1e-6 + 1e-3) + 2.0 * (1e-4 + 1e6 / (2.0 * 1e7)),
+        );
     }
 
     #[test]

@@ -32,6 +32,40 @@ pub struct ClusterProfile {
     /// Whether gradient all-reduce buckets run during the backward pass, as PyTorch DDP does on GPUs.
     /// nanodist's own engines reduce after the backward pass (`local` says false).
     pub overlap_backward: bool,
+    /// Whether collectives run beside the forward and backward pass at no cost to them (overlapped
+    /// gossip, streaming DiLoCo's fragments): GPUs, whose NCCL kernels run on their own streams. False
+    /// where the core that computes also moves the bytes (one CPU core a rank, as `calibrate` measures):
+    /// on this machine's netlab, overlapped gossip steps took as long as synchronous ones.
+    #[serde(default = "yes")]
+    pub overlap_compute: bool,
+    /// Nodes whose link to the others is not `[inter]` (a slow site, a straggler's link): a collective
+    /// across nodes runs at its slowest member's link.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub node_links: Vec<NodeLink>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `[[node_links]]`: one node's own link to the others.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NodeLink {
+    /// The node (ranks fill nodes in rank order: node k holds ranks k x ranks-per-node and up).
+    pub node: usize,
+    /// Its link, in place of `[inter]`.
+    pub link: Link,
+}
+
+impl ClusterProfile {
+    /// Node `k`'s link to the other nodes.
+    pub fn inter_of(&self, k: usize) -> &Link {
+        self.node_links
+            .iter()
+            .find(|n| n.node == k)
+            .map_or(&self.inter, |n| &n.link)
+    }
 }
 
 /// One device.
@@ -53,16 +87,15 @@ pub struct DeviceSpec {
     pub memory_gbps: f64,
     /// When a node runs more ranks than devices, the fraction of the devices' throughput the ranks keep
     /// (time slicing, caches, waiting for a co-located rank); measured by `nanodist calibrate` on CPUs.
-    #[serde(default = "one")]
+    /// Absent: the devices are not shared (one rank per GPU), and a run directory's ranks are placed at
+    /// most `devices_per_node` to a node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("exclusiveMinimum" = 0, "maximum" = 1))]
-    pub sharing_efficiency: f64,
+    pub sharing_efficiency: Option<f64>,
 }
 
-fn one() -> f64 {
-    1.0
-}
-
-/// A link in the alpha-beta model: a message of S bytes takes latency + S / (bandwidth x efficiency).
+/// A link in the alpha-beta model: a message of S bytes takes latency + S / (bandwidth x efficiency);
+/// or, where `measured` gives them, the times a real link took by message size.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Link {
@@ -75,6 +108,13 @@ pub struct Link {
     /// Fraction of the bandwidth a collective achieves (protocol and NCCL/MPI overheads).
     #[schemars(extend("exclusiveMinimum" = 0, "maximum" = 1))]
     pub efficiency: f64,
+    /// Measured `[bytes, microseconds]` of one message sent both ways at once, by ascending size
+    /// (`nanodist calibrate` across nodes writes them). When given, a message's time is interpolated
+    /// from them (past the largest, at the rate of the last two): real links are not one line (MPI's
+    /// eager and rendezvous protocols, TCP's windows, a shaper's token bucket). Latency, bandwidth and
+    /// efficiency then only describe the link.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub measured: Vec<[f64; 2]>,
 }
 
 impl Link {
@@ -87,6 +127,56 @@ impl Link {
     pub fn bytes_per_s(&self) -> f64 {
         self.bandwidth_gbps * 1e9 / 8.0 * self.efficiency
     }
+
+    /// Seconds of one message of `bytes` while `share` senders split the link (as one message
+    /// `share` times larger).
+    pub fn message_seconds(&self, bytes: f64, share: usize) -> f64 {
+        let bytes = bytes * share.max(1) as f64;
+        match self.measured.as_slice() {
+            [] => self.alpha() + bytes / self.bytes_per_s(),
+            [[_, us]] => us * 1e-6,
+            points => interpolate(points, bytes) * 1e-6,
+        }
+    }
+
+    /// The link `k` times slower (ranks that share cores also share their copies).
+    pub fn slowed(&self, k: f64) -> Link {
+        Link {
+            bandwidth_gbps: self.bandwidth_gbps / k,
+            latency_us: self.latency_us * k,
+            efficiency: self.efficiency,
+            measured: self.measured.iter().map(|&[b, us]| [b, us * k]).collect(),
+        }
+    }
+
+    /// The link without its per-message latency (the smallest message's time, where measured).
+    pub fn latency_free(&self) -> Link {
+        let floor = self.measured.first().map_or(0.0, |p| p[1]);
+        Link {
+            latency_us: 0.0,
+            measured: self
+                .measured
+                .iter()
+                .map(|&[b, us]| [b, (us - floor).max(0.0)])
+                .collect(),
+            ..self.clone()
+        }
+    }
+}
+
+/// Microseconds at `bytes` on the piecewise-linear curve through `points` (at least two, ascending):
+/// the first point's below it, the last segment's slope past it (never falling).
+fn interpolate(points: &[[f64; 2]], bytes: f64) -> f64 {
+    if bytes <= points[0][0] {
+        return points[0][1];
+    }
+    let i = points
+        .windows(2)
+        .position(|w| bytes <= w[1][0])
+        .unwrap_or(points.len() - 2);
+    let ([b0, t0], [b1, t1]) = (points[i], points[i + 1]);
+    let slope = ((t1 - t0) / (b1 - b0).max(1.0)).max(0.0);
+    t0 + slope * (bytes - b0)
 }
 
 /// The built-in profiles, by name.
@@ -168,9 +258,46 @@ pub fn parse(source: &str, text: &str) -> Result<ClusterProfile, ConfigError> {
         file: source.to_string(),
         problems,
     };
-    crate::config::parse_as::<ClusterProfile>(text, &[], &schema())
-        .map(|(p, _)| p)
-        .map_err(fail)
+    let (p, doc) = crate::config::parse_as::<ClusterProfile>(text, &[], &schema()).map_err(fail)?;
+    let mut links = vec![
+        ("intra".to_string(), &p.intra),
+        ("inter".to_string(), &p.inter),
+    ];
+    for (i, n) in p.node_links.iter().enumerate() {
+        links.push((format!("node_links[{i}].link"), &n.link));
+    }
+    let mut problems: Vec<Problem> = links
+        .into_iter()
+        .filter(|(_, l)| {
+            l.measured.windows(2).any(|w| w[1][0] <= w[0][0])
+                || l.measured.iter().any(|&[b, us]| b < 0.0 || us < 0.0)
+        })
+        .map(|(name, _)| {
+            crate::config::validate::problem_at(
+                &doc,
+                &format!("{name}.measured"),
+                "measured points are [bytes, microseconds] pairs, neither negative, by strictly ascending \
+                 bytes; sort them by size and drop repeated sizes"
+                    .into(),
+            )
+        })
+        .collect();
+    for (i, n) in p.node_links.iter().enumerate() {
+        if p.node_links[..i].iter().any(|m| m.node == n.node) {
+            problems.push(crate::config::validate::problem_at(
+                &doc,
+                &format!("node_links[{i}].node"),
+                format!(
+                    "node {} has a link already; give each node one [[node_links]] entry",
+                    n.node
+                ),
+            ));
+        }
+    }
+    match problems.is_empty() {
+        true => Ok(p),
+        false => Err(fail(problems)),
+    }
 }
 
 #[cfg(test)]
@@ -196,5 +323,46 @@ mod tests {
         let text = BUILTIN[0].1.replace("nic_shared", "nic_sharde");
         let err = parse("x.toml", &text).unwrap_err().to_string();
         assert!(err.contains("nic_shared"), "{err}");
+        let text = BUILTIN[0]
+            .1
+            .replace("[inter]", "[inter]\nmeasured = [[10, 5.0], [10, 6.0]]");
+        let err = parse("x.toml", &text).unwrap_err().to_string();
+        assert!(
+            err.contains("inter.measured") && err.contains("ascending"),
+            "{err}"
+        );
+    }
+
+    fn link(measured: Vec<[f64; 2]>) -> Link {
+        Link {
+            bandwidth_gbps: 8.0,
+            latency_us: 10.0,
+            efficiency: 0.5,
+            measured,
+        }
+    }
+
+    /// Without measurements a message costs alpha + S / (B x efficiency), a shared link as one message
+    /// `share` times larger; with them, the curve through them: their own times at their sizes, linear
+    /// between, the last segment's rate past the last, the first time below the first.
+    #[test]
+    fn a_message_costs_the_line_or_the_measured_curve() {
+        let close = |a: f64, b: f64| assert!((a - b).abs() <= 1e-12 * b.abs().max(1.0), "{a} {b}");
+        let l = link(vec![]);
+        close(l.message_seconds(1e6, 1), 10e-6 + 1e6 / 0.5e9);
+        close(l.message_seconds(1e6, 3), 10e-6 + 3e6 / 0.5e9);
+        let points = vec![[100.0, 50.0], [1000.0, 60.0], [10_000.0, 960.0]];
+        let m = link(points.clone());
+        for [b, us] in &points {
+            close(m.message_seconds(*b, 1), us * 1e-6);
+        }
+        close(m.message_seconds(10.0, 1), 50e-6);
+        close(m.message_seconds(550.0, 1), 55e-6);
+        close(m.message_seconds(20_000.0, 1), 1960e-6);
+        close(m.message_seconds(5_000.0, 2), 960e-6);
+        // Latency-free: the smallest message's time comes off every point; slowed: every time k x.
+        close(m.latency_free().message_seconds(1000.0, 1), 10e-6);
+        close(m.slowed(2.0).message_seconds(550.0, 1), 110e-6);
+        close(l.latency_free().message_seconds(1e6, 1), 1e6 / 0.5e9);
     }
 }

@@ -39,18 +39,35 @@ pub struct Predicted {
 }
 
 impl Run {
-    /// Prices this run's steps on `cluster` (its own world size, the cluster's devices per node).
+    /// Prices this run's steps on `cluster` (its own world size and placement, `Run::placed_on`).
     pub fn predict_on(&mut self, cluster: &crate::predict::profile::Cluster) -> Result<()> {
         let config = self.dir.join("config.toml");
+        let placed = self.placed_on(&cluster.profile);
         let (loaded, layout) =
-            crate::predict::load(&config, &[], self.world_size, &cluster.profile, None)?;
-        let p = crate::predict::predict_run(&loaded, &self.rows, cluster, layout, None)?;
+            crate::predict::load(&config, &[], self.world_size, &cluster.profile, placed)?;
+        let local = crate::predict::profile::load("local")?.profile;
+        let p = crate::predict::predict_run(&loaded, &self.rows, (cluster, &local), layout, None)?;
         self.predicted.push(Predicted {
             cluster: cluster.name.clone(),
             ms_per_step: p.average.ms_per_step,
             clock: p.row_clock,
         });
         Ok(())
+    }
+
+    /// The ranks per node this run had (its resolved config records them; the local engine's workers
+    /// share one machine), as placed on `profile`: where its devices cannot be shared (GPUs), at most
+    /// one rank per device. None where the run did not record them (the profile's devices per node).
+    pub fn placed_on(&self, profile: &crate::predict::profile::ClusterProfile) -> Option<usize> {
+        let t = &self.config.train;
+        let had = t.ranks_per_node.or(match t.engine {
+            crate::config::Engine::Local => self.world_size,
+            _ => None,
+        })?;
+        Some(match profile.device.sharing_efficiency {
+            Some(_) => had,
+            None => had.min(profile.devices_per_node),
+        })
     }
 
     pub fn load(dir: &Path) -> Result<Self> {

@@ -21,6 +21,9 @@ pub struct Question {
     pub ranks_per_node: Option<usize>,
     /// A run's compute from its measured ms/step (run directories only).
     pub measured: bool,
+    /// The machine the run directories ran on (default: the `local` profile): their measured times are
+    /// scaled from its device to the cluster's.
+    pub ran_on: Option<crate::predict::profile::ClusterProfile>,
 }
 
 /// One entry of a comparison: a config or run directory, with the `--set`s of its variant.
@@ -76,18 +79,23 @@ pub fn one(target: &Path, extra: &[String], cluster: &Cluster, q: &Question) -> 
         &set,
         q.workers.or(run.world_size),
         &cluster.profile,
-        q.ranks_per_node,
+        q.ranks_per_node.or_else(|| run.placed_on(&cluster.profile)),
     )?;
+    let ran_on = match &q.ran_on {
+        Some(p) => p.clone(),
+        None => predict::profile::load("local")?.profile,
+    };
     let compute = match q.measured {
         true => Some(predict::measured_compute(
             &run.rows,
             run.world_size.unwrap_or(1),
             &loaded,
             cluster,
+            &ran_on,
         )?),
         false => None,
     };
-    predict::predict_run(&loaded, &run.rows, cluster, layout, compute)
+    predict::predict_run(&loaded, &run.rows, (cluster, &ran_on), layout, compute)
 }
 
 /// One line of a comparison (`predict --json` with several entries or clusters gives these).
@@ -122,8 +130,8 @@ pub fn compare(
     let mut lines = Vec::new();
     for cluster in clusters {
         let mut flat = cluster.clone();
-        flat.profile.intra.latency_us = 0.0;
-        flat.profile.inter.latency_us = 0.0;
+        flat.profile.intra = flat.profile.intra.latency_free();
+        flat.profile.inter = flat.profile.inter.latency_free();
         let mut first = None;
         let mut priced = Vec::new();
         for e in entries {

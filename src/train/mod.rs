@@ -157,9 +157,11 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
     let mut plan = plan.clone();
     plan.decisions = agree_decisions(&plan, source.as_ref(), &mut process_comm)?;
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
-    // The resolved config records the world that ran (--workers, or the launcher's ranks).
+    // The resolved config records the world that ran (--workers, or the launcher's ranks) and how its
+    // ranks were placed (`predict RUN_DIR` prices that layout).
     let mut resolved = cfg.clone();
     resolved.train.workers = Some(plan.world_size);
+    resolved.train.ranks_per_node = plan.local_world_size;
     resolved.train.engine = plan.engine;
     write_atomic(&run_dir.join("config.toml"), resolved.to_toml().as_bytes())?;
     // The plan as `check` prints it, with what was decided from the machine.

@@ -34,7 +34,8 @@ fn every_backends_step_description_sums_to_the_bytes_its_run_logs() {
             Some(2),
         )
         .unwrap();
-        let p = predict::predict_run(&loaded, &rows, &cluster, layout, None).unwrap();
+        let local = predict::profile::load("local").unwrap().profile;
+        let p = predict::predict_run(&loaded, &rows, (&cluster, &local), layout, None).unwrap();
         let check = p.bytes_check.unwrap();
         assert_eq!(check.rows, 20, "{name}");
         if *name == "radius" {
@@ -132,6 +133,40 @@ fn predict_answers_per_cluster_and_layout() {
     assert!(
         text.contains("a40-25gbe") && text.contains("8 ranks, 4 per node, 2 nodes"),
         "{text}"
+    );
+}
+
+/// A run directory is priced on the layout it had: its config.toml records the ranks per node (4 local
+/// workers: one node), which a CPU profile keeps (its cores are shared, `local`'s 2 included) and a GPU
+/// profile caps at one rank per GPU (wan-1g has one a site); `--ranks-per-node` still decides. With
+/// `--ran-on` naming the run's own machine, its codec time is used as measured.
+#[test]
+fn a_run_is_priced_on_the_layout_it_had() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let set = ["train.compression={ name = \"topk\", density = 0.1 }"];
+    let run = train_run(d.path(), "placed", 4, &set);
+    let saved = std::fs::read_to_string(run.join("config.toml")).unwrap();
+    assert!(saved.contains("ranks_per_node = 4"), "{saved}");
+    let ask = |extra: &[&str]| {
+        let mut args = vec!["predict", run.to_str().unwrap(), "--json"];
+        args.extend(extra);
+        json(&nanodist(&args))
+    };
+    let layout = |v: &serde_json::Value| (v["ranks_per_node"].clone(), v["nodes"].clone());
+    let local = ask(&["--cluster", "local"]);
+    assert_eq!(layout(&local), (4.into(), 1.into()));
+    assert_eq!(layout(&ask(&["--cluster", "wan-1g"])), (1.into(), 4.into()));
+    assert_eq!(
+        layout(&ask(&["--cluster", "local", "--ranks-per-node", "2"])),
+        (2.into(), 2.into())
+    );
+    let rows = nanodist::metrics::read_rows(&run.join("metrics.jsonl")).unwrap();
+    let codec: f64 = rows.iter().map(|r| r.sync_ms).sum::<f64>() / rows.last().unwrap().step as f64;
+    let own = ask(&["--cluster", "local", "--ran-on", "local"]);
+    assert!(
+        (own["codec_ms"].as_f64().unwrap() - codec).abs() < 1e-9 * codec.max(1.0),
+        "{own}"
     );
 }
 
