@@ -59,6 +59,17 @@ pub struct NodeLink {
 }
 
 impl ClusterProfile {
+    /// The profile with every link's per-message latency taken off (`Link::latency_free`).
+    pub fn latency_free(&self) -> ClusterProfile {
+        let mut p = self.clone();
+        p.intra = p.intra.latency_free();
+        p.inter = p.inter.latency_free();
+        for n in &mut p.node_links {
+            n.link = n.link.latency_free();
+        }
+        p
+    }
+
     /// Node `k`'s link to the other nodes.
     pub fn inter_of(&self, k: usize) -> &Link {
         self.node_links

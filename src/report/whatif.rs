@@ -130,8 +130,7 @@ pub fn compare(
     let mut lines = Vec::new();
     for cluster in clusters {
         let mut flat = cluster.clone();
-        flat.profile.intra = flat.profile.intra.latency_free();
-        flat.profile.inter = flat.profile.inter.latency_free();
+        flat.profile = flat.profile.latency_free();
         let mut first = None;
         let mut priced = Vec::new();
         for e in entries {
