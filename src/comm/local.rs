@@ -14,13 +14,23 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use super::{all_reduce_bytes, check_gather, chunk, CommStats, Communicator};
+use super::{all_reduce_bytes, check_gather, chunk, CommStats, Communicator, Regroup};
 
 struct Barrier {
     generation: u64,
     arrived: Vec<bool>,
     count: usize,
     failed: Option<(usize, String)>,
+    /// The ranks that take part in collectives (all of them, unless a membership schedule sent some
+    /// away): a barrier waits for these.
+    members: Vec<usize>,
+    /// The members from the barrier that completes next, and the step index they start at
+    /// (`LocalComm::regroup`).
+    next: Option<(u64, Vec<usize>)>,
+    /// The step index of the last change of members.
+    epoch: u64,
+    /// The run ended: ranks waiting to come back stop waiting.
+    ended: bool,
 }
 
 /// A rank's buffer during a reduction: published before its first barrier, read by the other members
@@ -114,10 +124,13 @@ impl Shared {
         let gen = b.generation;
         b.arrived[rank] = true;
         b.count += 1;
-        if b.count == self.n {
+        if b.count == b.members.len() {
             b.count = 0;
             b.arrived.iter_mut().for_each(|a| *a = false);
             b.generation += 1;
+            if let Some((epoch, members)) = b.next.take() {
+                (b.epoch, b.members) = (epoch, members);
+            }
             self.cv.notify_all();
             return Ok(());
         }
@@ -128,7 +141,12 @@ impl Shared {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let missing: Vec<usize> = (0..self.n).filter(|&r| !b.arrived[r]).collect();
+                let missing: Vec<usize> = b
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|&r| !b.arrived[r])
+                    .collect();
                 bail!(
                     "rank {rank}: timed out after {:.0} s waiting for rank(s) {missing:?} in a collective \
                      (train.comm_timeout_secs)",
@@ -143,13 +161,39 @@ impl Shared {
         }
         Ok(())
     }
+
+    /// Waits, without a timeout (the members' own collectives time out), until the members change at
+    /// step index `epoch` or later, or the run ends (false) or fails.
+    fn wait_for_epoch(&self, epoch: u64) -> Result<bool> {
+        let mut b = self.lock();
+        loop {
+            if let Some((r, why)) = &b.failed {
+                bail!("rank {r} failed: {why}");
+            }
+            if b.epoch >= epoch {
+                return Ok(true);
+            }
+            if b.ended {
+                return Ok(false);
+            }
+            b = self
+                .cv
+                .wait_timeout(b, Duration::from_secs(1))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
 }
 
-/// One rank's handle on a local group.
+/// One rank's handle on a local group. Its rank is its position among the members that take part now
+/// (all ranks, unless a membership schedule sent some away), its id its place in the whole group.
 pub struct LocalComm {
-    rank: usize,
+    id: usize,
     shared: Arc<Shared>,
     stats: CommStats,
+    /// The members taking part now (ids, in order), and this rank's position among them.
+    members: Vec<usize>,
+    pos: usize,
 }
 
 /// Creates the N communicators of a local group (hand one to each worker thread).
@@ -162,6 +206,10 @@ pub fn group(n: usize, timeout: Duration) -> Vec<LocalComm> {
             arrived: vec![false; n],
             count: 0,
             failed: None,
+            members: (0..n).collect(),
+            next: None,
+            epoch: 0,
+            ended: false,
         }),
         cv: Condvar::new(),
         views: (0..n)
@@ -177,9 +225,11 @@ pub fn group(n: usize, timeout: Duration) -> Vec<LocalComm> {
     });
     (0..n)
         .map(|rank| LocalComm {
-            rank,
+            id: rank,
             shared: Arc::clone(&shared),
             stats: CommStats::default(),
+            members: (0..n).collect(),
+            pos: rank,
         })
         .collect()
 }
@@ -203,7 +253,7 @@ impl Failer {
 impl LocalComm {
     pub fn failer(&self) -> Failer {
         Failer {
-            rank: self.rank,
+            rank: self.id,
             shared: Arc::clone(&self.shared),
         }
     }
@@ -214,7 +264,7 @@ impl LocalComm {
     }
 
     fn deposit(&self, buf: &[f32]) {
-        let mut slot = self.shared.slots[self.rank]
+        let mut slot = self.shared.slots[self.id]
             .write()
             .unwrap_or_else(|p| p.into_inner());
         slot.clear();
@@ -260,7 +310,7 @@ impl LocalComm {
         let (ptr, len) = (buf.as_mut_ptr(), buf.len());
         let (pos, views) = self.publish(View { ptr, len }, group)?;
         sum_chunk(&views, part(pos), ptr, scale);
-        self.shared.wait(self.rank)?;
+        self.shared.wait(self.id)?;
         if !gather {
             return Ok(());
         }
@@ -282,7 +332,7 @@ impl LocalComm {
                 )
             };
         }
-        self.shared.wait(self.rank)?;
+        self.shared.wait(self.id)?;
         Ok(())
     }
 
@@ -290,7 +340,7 @@ impl LocalComm {
     /// position in the group and the members' buffers. Every member sees the same lengths, so all of
     /// them fail together on a mismatch.
     fn publish(&self, mine: View, group: &[usize]) -> Result<(usize, Vec<View>)> {
-        let me = self.rank;
+        let me = self.id;
         let Some(pos) = group.iter().position(|&r| r == me) else {
             bail!("rank {me}: reduction over {group:?}, which does not include it");
         };
@@ -326,12 +376,44 @@ impl LocalComm {
         part: Option<&dyn Fn(usize) -> std::ops::Range<usize>>,
     ) -> Result<()> {
         let start = Instant::now();
-        let (n, len) = (self.shared.n, buf.len());
-        let all: Vec<usize> = (0..n).collect();
+        let (n, len) = (self.members.len(), buf.len());
+        let all = self.members.clone();
         let even = |q| chunk(len, n, q);
         self.reduce(buf, &all, scale, part.unwrap_or(&even), part.is_none())?;
-        self.account(all_reduce_bytes(len, n, self.rank), start);
+        self.account(all_reduce_bytes(len, n, self.pos), start);
         Ok(())
+    }
+
+    /// The ids of the members at positions `group`.
+    fn ids_of(&self, group: &[usize]) -> Vec<usize> {
+        group.iter().map(|&p| self.members[p]).collect()
+    }
+
+    /// The members change at step index `epoch`, from `before` to `after` (ids, in order). Every rank
+    /// of `before` calls it: they meet at a barrier whose completion installs `after`; those of `after`
+    /// then take part in its collectives. A rank of `after` alone (one coming back) calls it too: it
+    /// waits, without a timeout, until the others reach that change, or the run ends.
+    pub fn regroup(&mut self, epoch: u64, before: &[usize], after: &[usize]) -> Result<Regroup> {
+        let me = self.id;
+        if before.contains(&me) {
+            self.shared.lock().next = Some((epoch, after.to_vec()));
+            self.shared.wait(me)?;
+        } else if !self.shared.wait_for_epoch(epoch)? {
+            return Ok(Regroup::Ended);
+        }
+        match after.iter().position(|&r| r == me) {
+            Some(pos) => {
+                (self.members, self.pos) = (after.to_vec(), pos);
+                Ok(Regroup::Member)
+            }
+            None => Ok(Regroup::Away),
+        }
+    }
+
+    /// The run ended: ranks waiting in `regroup` to come back return `Regroup::Ended`.
+    pub fn end(&self) {
+        self.shared.lock().ended = true;
+        self.shared.cv.notify_all();
     }
 
     fn account(&mut self, bytes: u64, start: Instant) {
@@ -342,11 +424,27 @@ impl LocalComm {
 
 impl Communicator for LocalComm {
     fn rank(&self) -> usize {
-        self.rank
+        self.pos
     }
 
     fn world_size(&self) -> usize {
-        self.shared.n
+        self.members.len()
+    }
+
+    fn id(&self) -> usize {
+        self.id
+    }
+
+    fn ids(&self) -> Vec<usize> {
+        self.members.clone()
+    }
+
+    fn regroup(&mut self, epoch: u64, before: &[usize], after: &[usize]) -> Result<Regroup> {
+        LocalComm::regroup(self, epoch, before, after)
+    }
+
+    fn end(&mut self) {
+        LocalComm::end(self)
     }
 
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
@@ -368,25 +466,27 @@ impl Communicator for LocalComm {
 
     fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()> {
         let (start, len) = (Instant::now(), buf.len());
-        self.reduce(buf, group, None, &|q| chunk(len, group.len(), q), true)?;
+        let ids = self.ids_of(group);
+        self.reduce(buf, &ids, None, &|q| chunk(len, group.len(), q), true)?;
         // What the MPI engine's reduce-scatter + all-gather within the group sends from this rank.
-        let pos = group.iter().position(|&r| r == self.rank).unwrap_or(0);
+        let pos = group.iter().position(|&r| r == self.pos).unwrap_or(0);
         self.account(all_reduce_bytes(buf.len(), group.len(), pos), start);
         Ok(())
     }
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
         let start = Instant::now();
-        if self.rank == root {
+        let (me, root_id) = (self.id, self.members[root]);
+        if me == root_id {
             self.deposit(buf);
         }
-        self.shared.wait(self.rank)?;
-        if self.rank != root {
-            self.sum_slots(&[root], buf);
+        self.shared.wait(me)?;
+        if me != root_id {
+            self.sum_slots(&[root_id], buf);
         }
-        self.shared.wait(self.rank)?;
-        let sent = if self.rank == root {
-            (self.shared.n as u64 - 1) * buf.len() as u64 * 4
+        self.shared.wait(me)?;
+        let sent = if me == root_id {
+            (self.members.len() as u64 - 1) * buf.len() as u64 * 4
         } else {
             0
         };
@@ -395,17 +495,17 @@ impl Communicator for LocalComm {
     }
 
     fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()> {
-        let n = self.shared.n;
+        let n = self.members.len();
         check_gather(send, out, n)?;
         let start = Instant::now();
         self.deposit(send);
-        self.shared.wait(self.rank)?;
+        self.shared.wait(self.id)?;
         if !send.is_empty() {
-            for (r, piece) in out.chunks_mut(send.len()).enumerate() {
+            for (&r, piece) in self.members.iter().zip(out.chunks_mut(send.len())) {
                 self.sum_slots(&[r], piece);
             }
         }
-        self.shared.wait(self.rank)?;
+        self.shared.wait(self.id)?;
         self.account((n as u64 - 1) * send.len() as u64 * 4, start);
         Ok(())
     }
@@ -415,10 +515,10 @@ impl Communicator for LocalComm {
         sends: &[(usize, &[f32])],
         recvs: &mut [(usize, &mut [f32])],
     ) -> Result<()> {
-        let (n, me) = (self.shared.n, self.rank);
+        let (n, me) = (self.shared.n, self.id);
         let start = Instant::now();
         for (dst, buf) in sends {
-            let mut m = self.shared.mail[me * n + dst]
+            let mut m = self.shared.mail[me * n + self.members[*dst]]
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             m.clear();
@@ -426,12 +526,13 @@ impl Communicator for LocalComm {
         }
         self.shared.wait(me)?;
         for (src, buf) in recvs.iter_mut() {
-            let m = self.shared.mail[*src * n + me]
+            let m = self.shared.mail[self.members[*src] * n + me]
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             if m.len() != buf.len() {
                 bail!(
-                    "rank {me}: exchange expected {} values from rank {src}, it sent {}",
+                    "rank {}: exchange expected {} values from rank {src}, it sent {}",
+                    self.pos,
                     buf.len(),
                     m.len()
                 );
@@ -444,7 +545,7 @@ impl Communicator for LocalComm {
     }
 
     fn barrier(&mut self) -> Result<()> {
-        self.shared.wait(self.rank)
+        self.shared.wait(self.id)
     }
 
     fn stats(&self) -> CommStats {

@@ -220,10 +220,38 @@ pub(crate) fn group_sum(
     Ok(bytes)
 }
 
+/// Where a rank stands after a change of members (`Communicator::regroup`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Regroup {
+    /// It takes part in the collectives of the new members.
+    Member,
+    /// It is away until it regroups again.
+    Away,
+    /// The run ended while it waited to come back.
+    Ended,
+}
+
 /// Collectives are called by every rank in the same order. Engines count the bytes each rank sends.
 pub trait Communicator {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
+    /// This rank's place in the whole world: its rank, unless some ranks are away (the local engine's
+    /// membership schedule), when `rank` is its position among those present.
+    fn id(&self) -> usize {
+        self.rank()
+    }
+    /// The ids of the ranks taking part now, in rank order.
+    fn ids(&self) -> Vec<usize> {
+        (0..self.world_size()).collect()
+    }
+    /// The ranks taking part change at step index `epoch` from the ids `before` to `after`: every rank
+    /// of either calls it (see `local::LocalComm::regroup`). Only the local engine's ranks leave and come
+    /// back.
+    fn regroup(&mut self, _epoch: u64, _before: &[usize], _after: &[usize]) -> Result<Regroup> {
+        anyhow::bail!("internal error: only the local engine's workers leave and come back")
+    }
+    /// The run ended: ranks waiting to come back stop waiting.
+    fn end(&mut self) {}
     /// Element-wise sum over all ranks, in place.
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()>;
     /// The sum over all ranks times `scale` (the mean, with 1 / N), in place: each element's sum, then

@@ -9,6 +9,7 @@ pub mod batch;
 pub mod error;
 pub mod log;
 pub mod lr;
+pub mod membership;
 pub mod model;
 pub mod optim;
 pub mod train;

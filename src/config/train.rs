@@ -7,6 +7,7 @@ use super::backend::{
     Backend, Compression, DemoConfig, DilocoConfig, Engine, SpartaConfig, Topology,
 };
 use super::lr::LrSchedule;
+use super::membership::MembershipConfig;
 use super::optim::OptimConfig;
 
 /// The compute device.
@@ -112,6 +113,9 @@ pub struct TrainConfig {
     pub optim: OptimConfig,
     /// Learning-rate schedule.
     pub lr_schedule: LrSchedule,
+    /// Workers that leave and come back (simulated churn; the local engine only).
+    #[serde(skip_serializing_if = "MembershipConfig::is_default")]
+    pub membership: MembershipConfig,
 }
 
 impl Default for TrainConfig {
@@ -145,6 +149,7 @@ impl Default for TrainConfig {
             exit_duration_mins: None,
             optim: OptimConfig::default(),
             lr_schedule: LrSchedule::default(),
+            membership: MembershipConfig::default(),
         }
     }
 }

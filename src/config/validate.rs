@@ -480,6 +480,7 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
     }
     let t = &cfg.train;
     schedule_rules(doc, t, &mut add, &mut placed);
+    placed.extend(t.membership.problems(doc, world, t.n_steps));
     if let super::OptimConfig::Sgd(o) = &t.optim {
         if o.nesterov && o.momentum == 0.0 {
             add(

@@ -77,6 +77,13 @@ pub struct Row {
     /// Compressed gossip (CHOCO): the consensus step gamma, as given or tuned ("auto").
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub consensus_step: Option<f64>,
+    /// Runs with `[train.membership]`: the workers that took part in the row's last step.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub workers: Option<u64>,
+    /// Runs with `[train.membership]`: the simulated seconds on its cluster when every worker present had
+    /// done the row's last step (stragglers and churn included; see `predict::clock`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub sim_s: Option<f64>,
 }
 
 impl Row {

@@ -5,6 +5,7 @@
 
 mod launch;
 mod lines;
+pub mod membership;
 mod rules;
 
 use std::fmt;
@@ -46,6 +47,8 @@ pub struct Plan {
     pub compute_slots: usize,
     /// What was decided from the machine rather than the config (see `Decisions`).
     pub decisions: Decisions,
+    /// Who takes part in each step, when workers leave and come back (`[train.membership]`).
+    pub membership: Option<membership::Membership>,
 }
 
 /// What the plan decides from the machine rather than the config, so that it is decided once: rank 0's
@@ -278,6 +281,9 @@ pub fn resolve(
             ));
         }
     }
+    if let Some(s) = sync.as_ref().filter(|_| !t.membership.is_empty()) {
+        problems.extend(membership::problems(doc, engine, s));
+    }
     let Some(sync) = sync.filter(|_| problems.is_empty()) else {
         return Err(problems);
     };
@@ -315,8 +321,49 @@ pub fn resolve(
                 && CpuAmp::of(launch.cpu_bf16_rate).precision(t.amp) == Precision::Bf16,
             cpu_bf16_rate: launch.cpu_bf16_rate,
         },
+        membership: membership::Membership::of(&t.membership, world, t.n_steps, t.seed),
     };
+    if let Some(m) = &plan.membership {
+        notes.push(membership_note(m, t.n_steps));
+    }
     Ok((plan, notes))
+}
+
+/// What `check` says of a membership schedule: how often the workers present change, and the first few
+/// changes.
+fn membership_note(m: &membership::Membership, n_steps: u64) -> String {
+    let changes = m.changes(n_steps);
+    let first: Vec<String> = changes
+        .iter()
+        .take(4)
+        .map(|(s, left, back)| {
+            let mut what = Vec::new();
+            if !left.is_empty() {
+                what.push(format!("{left:?} leave"));
+            }
+            if !back.is_empty() {
+                what.push(format!("{back:?} come back"));
+            }
+            format!("after step {s}: {}", what.join(", "))
+        })
+        .collect();
+    let slow: Vec<String> = (m.slowdown.iter().enumerate())
+        .filter(|(_, &s)| s != 1.0)
+        .map(|(w, s)| format!("worker {w} x{s}"))
+        .collect();
+    format!(
+        "train.membership: the workers present change {} time(s){}{}{}; simulated clock on {}{}",
+        changes.len(),
+        if first.is_empty() { "" } else { ": " },
+        first.join("; "),
+        if changes.len() > 4 { "; ..." } else { "" },
+        m.cluster,
+        if slow.is_empty() {
+            String::new()
+        } else {
+            format!(", stragglers {}", slow.join(", "))
+        }
+    )
 }
 
 /// The world size and ranks per node: the local engine's from `--workers` or the config, a launcher's

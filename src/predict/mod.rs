@@ -4,6 +4,7 @@
 //! comes from the model's FLOPs and the device's sustained throughput.
 
 pub mod calibrate;
+pub mod clock;
 pub mod model;
 pub mod profile;
 
@@ -114,8 +115,32 @@ impl Predictor {
         trace::patterns(self.backend.as_ref(), steps)
     }
 
+    /// The mean step of every worker present with these slowdowns, by the simulated clock over the first
+    /// `steps` steps (at most 20000); and the steps simulated.
+    pub fn clock_ms_per_step(&self, slowdown: &[f64], steps: u64) -> (f64, u64) {
+        let steps = steps.min(20_000);
+        let mut c = clock::Clock::new(slowdown.to_vec());
+        let all: Vec<usize> = (0..slowdown.len()).collect();
+        for s in 0..steps {
+            c.step(self, &all, &self.backend.step_comm(s));
+        }
+        (c.now(&all) / steps.max(1) as f64 * 1e3, steps)
+    }
+
+    /// A step of these collectives on a worker whose compute takes `slowdown` times as long as the
+    /// cluster's: its time, and each collective's (see `clock`).
+    pub fn worker_step(&self, described: &[Collective], slowdown: f64) -> (f64, Vec<f64>) {
+        let (secs, t) = self.price_with(described, self.compute * slowdown);
+        (t.total(), secs)
+    }
+
     /// A step of these collectives: each one's seconds, and the step's time.
     fn price(&self, described: &[Collective]) -> (Vec<f64>, StepTime) {
+        self.price_with(described, self.compute)
+    }
+
+    /// `price` with a compute of `compute` seconds.
+    fn price_with(&self, described: &[Collective], compute: f64) -> (Vec<f64>, StepTime) {
         let secs: Vec<f64> = described
             .iter()
             .map(|c| model::collective_seconds(c, &self.layout, &self.profile))
@@ -130,7 +155,7 @@ impl Predictor {
             backward: self.profile.overlap_backward,
             compute: !self.cores_shared && self.profile.overlap_compute,
         };
-        let time = model::step_time(self.compute, codec + self.update, &refs, overlaps);
+        let time = model::step_time(compute, codec + self.update, &refs, overlaps);
         (secs, time)
     }
 
@@ -258,6 +283,9 @@ pub struct Prediction {
     /// From a run directory: the predicted seconds at each metrics row.
     #[serde(skip)]
     pub row_clock: Vec<f64>,
+    /// With stragglers: who, and the step with and without them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stragglers: Option<String>,
     /// From a run directory: rows whose logged `comm_bytes` equal the described step's bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes_check: Option<BytesCheck>,
@@ -306,15 +334,34 @@ pub fn load(
     Ok((crate::plan::load_str(path, &src, &sets, &launch)?, layout))
 }
 
-/// The prediction of `loaded` (its steps 0..n_steps) on `cluster`.
+/// The prediction of `loaded` (its steps 0..n_steps) on `cluster`; with stragglers
+/// (`[train.membership] stragglers`), the step is the simulated clock's (`clock`), as the run logs it.
 pub fn predict(loaded: &Loaded, cluster: &Cluster, layout: Layout) -> Result<Prediction> {
     let p = Predictor::new(loaded, &cluster.profile, layout, None)?;
-    Ok(prediction(
-        loaded,
-        cluster,
-        &p,
-        p.average(0..loaded.plan.n_steps.max(1)),
-    ))
+    let steps = loaded.plan.n_steps.max(1);
+    let mut average = p.average(0..steps);
+    let slow = loaded
+        .plan
+        .membership
+        .as_ref()
+        .filter(|m| m.slowdown.iter().any(|&s| s != 1.0));
+    let mut stragglers = None;
+    if let Some(m) = slow {
+        let (ms, simulated) = p.clock_ms_per_step(&m.slowdown, steps);
+        let who: Vec<String> = (m.slowdown.iter().enumerate())
+            .filter(|(_, &s)| s != 1.0)
+            .map(|(w, s)| format!("worker {w} x{s}"))
+            .collect();
+        stragglers = Some(format!(
+            "{}: {ms:.2} ms/step with them, {:.2} ms without (the simulated clock over {simulated} steps)",
+            who.join(", "),
+            average.ms_per_step
+        ));
+        average.ms_per_step = ms;
+    }
+    let mut out = prediction(loaded, cluster, &p, average);
+    out.stragglers = stragglers;
+    Ok(out)
 }
 
 /// The answer around an average step.
@@ -339,6 +386,7 @@ pub fn prediction(
         evals: Vec::new(),
         row_clock: Vec::new(),
         bytes_check: None,
+        stragglers: None,
     }
 }
 
@@ -494,6 +542,9 @@ impl std::fmt::Display for Prediction {
             "step             {:.2} ms, {:.0} tokens/s",
             a.ms_per_step, self.tokens_per_s
         )?;
+        if let Some(s) = &self.stragglers {
+            writeln!(f, "stragglers       {s}")?;
+        }
         if let Some(c) = &self.bytes_check {
             writeln!(
                 f,

@@ -453,6 +453,10 @@ impl SyncBackend for Demo {
     fn clipped_grad_norm(&self) -> Option<f64> {
         self.grad_norm
     }
+    /// The momentum is the worker's own: it restarts at zero.
+    fn recovered(&mut self, _state: State, _params: &mut [f32]) -> Result<()> {
+        self.load_state(Vec::new())
+    }
     fn state(&self) -> Result<State> {
         if self.delta.is_empty() {
             return Ok(Vec::new());

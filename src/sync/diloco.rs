@@ -403,6 +403,27 @@ impl SyncBackend for Diloco {
         }
         m
     }
+    /// The global model and the outer state: what every worker holds alike.
+    fn recovery_state(&self) -> Result<State> {
+        const GLOBAL: [&str; 4] = [
+            "diloco.backup",
+            "diloco.momentum",
+            "diloco.outer_steps",
+            "diloco.syncs",
+        ];
+        let mut s = self.state()?;
+        s.retain(|(n, _)| GLOBAL.contains(&n.as_str()));
+        Ok(s)
+    }
+    /// The worker continues from the global model.
+    fn recovered(&mut self, state: State, params: &mut [f32]) -> Result<()> {
+        if state.is_empty() {
+            return Ok(());
+        }
+        self.load_state(state)?;
+        params.copy_from_slice(&self.backup.to_host()?);
+        Ok(())
+    }
     fn state(&self) -> Result<State> {
         if self.backup.is_empty() {
             return Ok(Vec::new());

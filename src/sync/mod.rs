@@ -111,6 +111,22 @@ pub trait SyncBackend {
     fn comm_stats(&self) -> CommStats {
         self.comm().stats()
     }
+    /// The ranks taking part changed (the communicator regrouped, see `train.membership`): rebuild what
+    /// depends on who they are (gossip's rounds; CHOCO restarts its channels). Nothing is pending.
+    fn members_changed(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Live recovery (torchft's): what a worker that comes back copies from a live peer besides the
+    /// peer's parameters and optimizer: the backend's state that every worker holds alike (DiLoCo's
+    /// global model and outer state).
+    fn recovery_state(&self) -> Result<compress::State> {
+        Ok(Vec::new())
+    }
+    /// Live recovery on the worker that came back: `state` is the peer's `recovery_state`, `params` hold
+    /// the peer's parameters. What is the worker's own (DeMo's momentum) restarts.
+    fn recovered(&mut self, _state: compress::State, _params: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
     /// State to checkpoint (a compressed reducer's residuals, masks, factors); empty for the others.
     fn state(&self) -> Result<compress::State> {
         Ok(Vec::new())
@@ -325,6 +341,9 @@ impl SyncBackend for AllReduce {
 /// instead of x_{t+1} = W_t (x_t - lr u(g(x_t))). As in the reference, step 0 mixes synchronously.
 pub struct Gossip {
     comm: Box<dyn Communicator>,
+    /// The topology and ranks per node the rounds were made from, to remake them when the members
+    /// change (None: rounds given as they are).
+    topology: Option<(crate::config::Topology, usize)>,
     rounds: Vec<Round>,
     overlap: bool,
     numel: usize,
@@ -343,12 +362,26 @@ impl Gossip {
     ) -> Self {
         Self {
             comm,
+            topology: None,
             rounds,
             overlap,
             numel,
             buf: Flat::Host(Vec::new()),
             pending: None,
         }
+    }
+
+    /// Gossip over `topo` with `per_node` ranks per node.
+    pub fn over(
+        comm: Box<dyn Communicator>,
+        (topo, per_node): (crate::config::Topology, usize),
+        overlap: bool,
+        numel: usize,
+    ) -> Result<Self> {
+        let rounds = topology::rounds(topo, comm.world_size(), per_node)?;
+        let mut g = Self::new(comm, rounds, overlap, numel);
+        g.topology = Some((topo, per_node));
+        Ok(g)
     }
 
     /// This rank's group in `round` and the two mixing weights: (members, own, other), where
@@ -375,11 +408,13 @@ impl Gossip {
         self.buf.as_mut().assign_scaled(params, other)
     }
 
-    /// The group all-reduce of the send buffer (a single rank's group sends nothing): on the device
-    /// where the engine has device collectives, else through host memory.
+    /// The group all-reduce of the send buffer: on the device where the engine has device
+    /// collectives, else through host memory. A rank alone in its group sends nothing; it still takes
+    /// part in the round where others do (the local engine's rounds are barriers of every rank), as
+    /// after a change of members (`rounds_over`).
     fn send(&mut self, round: usize) -> Result<()> {
         let group = self.weights(round)?.0.to_vec();
-        if group.len() == 1 {
+        if group.len() == 1 && self.rounds[round].len() == 1 {
             return Ok(());
         }
         let comm = self.comm.as_mut();
@@ -424,6 +459,10 @@ impl SyncBackend for Gossip {
     }
     fn has_pending(&self) -> bool {
         matches!(self.pending, Some((_, false)))
+    }
+    fn members_changed(&mut self) -> Result<()> {
+        self.rounds = rounds_over(self.topology, self.comm.world_size())?;
+        Ok(())
     }
     fn communicate(&mut self) -> Result<()> {
         if let Some((round, false)) = self.pending {
@@ -488,6 +527,17 @@ impl SyncBackend for Gossip {
         self.pending = Some((round, false));
         Ok(())
     }
+}
+
+/// The rounds of a gossip made from `topology` over `world` present workers (`topology::rounds_over`).
+fn rounds_over(
+    topology: Option<(crate::config::Topology, usize)>,
+    world: usize,
+) -> Result<Vec<Round>> {
+    let Some((topo, per_node)) = topology else {
+        anyhow::bail!("internal error: gossip over given rounds cannot follow a change of members");
+    };
+    topology::rounds_over(topo, world, per_node)
 }
 
 /// Refuses a checkpoint whose overlapped gossip left a message of the other kind (plain or compressed)
@@ -600,10 +650,10 @@ pub fn build(
             ranks_per_node,
             choco,
         } => {
-            let rounds = topology::rounds(*topology, comm.world_size(), *ranks_per_node)?;
+            let topology = (*topology, *ranks_per_node);
             match choco {
-                Some(c) => Box::new(choco::Choco::new(comm, rounds, *overlap, c, &tensors)?),
-                None => Box::new(Gossip::new(comm, rounds, *overlap, numel)),
+                Some(c) => Box::new(choco::Choco::over(comm, topology, *overlap, c, &tensors)?),
+                None => Box::new(Gossip::over(comm, topology, *overlap, numel)?),
             }
         }
         SyncPlan::Diloco { cfg, reducer } => {

@@ -126,6 +126,49 @@ pub fn rounds(topo: Topology, world: usize, per_node: usize) -> Result<Vec<Round
     })
 }
 
+/// The rounds of `topo` over the `world` workers present after some left (positions 0..world): those
+/// of `rounds` where the topology fits that count; else ring's and exp's pairings over it, where a
+/// worker left without a partner mixes alone (weight 1) in that round. Every round stays a partition
+/// into groups that mix uniformly, so its mixing matrix stays symmetric and doubly stochastic.
+pub fn rounds_over(topo: Topology, world: usize, per_node: usize) -> Result<Vec<Round>> {
+    if fits(topo, world, per_node).is_ok() {
+        return rounds(topo, world, per_node);
+    }
+    let with_singles = |pairs: Vec<(usize, usize)>| -> Round {
+        let mut paired = vec![false; world];
+        let mut round: Round = pairs
+            .into_iter()
+            .map(|(a, b)| {
+                (paired[a], paired[b]) = (true, true);
+                Group {
+                    ranks: vec![a, b],
+                    weight: 0.5,
+                }
+            })
+            .collect();
+        round.extend((0..world).filter(|&i| !paired[i]).map(|i| Group {
+            ranks: vec![i],
+            weight: 1.0,
+        }));
+        round
+    };
+    Ok(match topo {
+        Topology::Ring => vec![
+            with_singles((0..world - 1).step_by(2).map(|i| (i, i + 1)).collect()),
+            with_singles((1..world - 1).step_by(2).map(|i| (i, i + 1)).collect()),
+        ],
+        Topology::Exp => (0..world.next_power_of_two().trailing_zeros())
+            .map(|i| with_singles(exp_pairs(world, 1 << i)))
+            .collect(),
+        Topology::Complete | Topology::AlternatingExpRing => {
+            bail!(
+                "{topo:?} over {world} workers: {}",
+                fits(topo, world, per_node).unwrap_err()
+            )
+        }
+    })
+}
+
 /// Pairs (j, j + d mod n), greedily from j = 0 upward, each index used once (j xor d for powers of two).
 fn exp_pairs(n: usize, d: usize) -> Vec<(usize, usize)> {
     let mut used = vec![false; n];
@@ -199,6 +242,41 @@ mod tests {
                 2 * (n / l).trailing_zeros() as usize
             );
         }
+    }
+
+    /// Any membership schedule: the rounds over the workers present, embedded in the whole world (the
+    /// absent keep their parameters), are doubly stochastic in every round and put each present worker
+    /// in exactly one group.
+    #[test]
+    fn rounds_over_any_members_stay_doubly_stochastic() {
+        use proptest::prelude::*;
+        let schedule = (2usize..40, proptest::collection::vec(any::<u64>(), 1..12));
+        proptest!(|((world, masks) in schedule, topo in 0usize..3)| {
+            let topo = [Topology::Ring, Topology::Exp, Topology::Complete][topo];
+            for mask in masks {
+                // Worker 0 never leaves; the others are present where their bit is set.
+                let present: Vec<usize> =
+                    (0..world).filter(|&w| w == 0 || mask >> (w % 64) & 1 == 1).collect();
+                let m = present.len();
+                for round in rounds_over(topo, m, m).unwrap() {
+                    let mut full = vec![vec![0.0; world]; world];
+                    let local = mixing_matrix(&round, m).unwrap();
+                    for (w, row) in full.iter_mut().enumerate() {
+                        row[w] = 1.0;
+                    }
+                    for (i, &a) in present.iter().enumerate() {
+                        for (j, &b) in present.iter().enumerate() {
+                            full[a][b] = local[i][j];
+                        }
+                    }
+                    for (i, r) in full.iter().enumerate() {
+                        let row: f64 = r.iter().sum();
+                        let col: f64 = (0..world).map(|j| full[j][i]).sum();
+                        prop_assert!((row - 1.0).abs() < 1e-12 && (col - 1.0).abs() < 1e-12);
+                    }
+                }
+            }
+        });
     }
 
     #[test]

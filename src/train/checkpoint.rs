@@ -165,6 +165,7 @@ impl<'a> RankView<'a> {
             loss_since_log,
             // The metadata's copy: name and step (the buffers are tensors of their own).
             optimizer: optimizer.header(),
+            sim_clock: None,
         };
         Self {
             params,
@@ -185,6 +186,10 @@ pub struct RankMeta {
     #[serde(alias = "loss_window")]
     pub loss_since_log: (f64, u64),
     pub optimizer: OptimState,
+    /// Worker 0 of a run with `[train.membership]`: every worker's simulated clock (`predict::clock`),
+    /// as f64 bit patterns (JSON's decimals need not read back to the same bits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sim_clock: Option<Vec<u64>>,
 }
 
 impl RankMeta {
@@ -431,7 +436,8 @@ pub fn save(
     mut manifest: Manifest,
     keep: usize,
 ) -> Result<PathBuf> {
-    let (rank, root) = (sync.rank(), sync.rank() == 0);
+    // Files by the worker's place in the whole world: a worker away (`train.membership`) has none.
+    let (rank, root) = (sync.comm().id(), sync.rank() == 0);
     let name = format!("step_{:08}", manifest.step);
     let dest = ckpt_dir.join(&name);
     let tmp = ckpt_dir.join(format!(".{name}.tmp"));
@@ -453,7 +459,12 @@ pub fn save(
             &serde_json::to_vec_pretty(&hf_config(model))?,
         )?;
         let mut files: Vec<String> = vec!["model.safetensors".into(), "config.json".into()];
-        files.extend((0..sync.world_size()).map(|r| format!("rank_{r}.safetensors")));
+        files.extend(
+            sync.comm()
+                .ids()
+                .iter()
+                .map(|r| format!("rank_{r}.safetensors")),
+        );
         for file in files {
             let (sum, _) = sha256_file(&tmp.join(&file))?;
             manifest.files.insert(file, sum);

@@ -99,6 +99,7 @@ pub(crate) fn shared_by(plan: &crate::plan::Plan, cuda: bool) -> bool {
     ) && plan.world_size > 1
         && !cuda
         && plan.sync.replicas_stay_equal()
+        && plan.membership.is_none()
 }
 
 impl Replica {

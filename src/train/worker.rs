@@ -21,6 +21,8 @@ use crate::model::{Gpt, Scratch};
 use crate::optim;
 use crate::sync::SyncBackend;
 
+mod churn;
+
 /// A100 bf16 dense peak, nanoGPT's reference for MFU on GPUs.
 const A100_BF16_PEAK_FLOPS: f64 = 312e12;
 
@@ -141,6 +143,8 @@ impl Vote {
 
 pub(super) struct Worker<'s> {
     setup: &'s Setup,
+    /// This worker's place in the whole world (its rank, also while others are away).
+    id: usize,
     model: Gpt,
     sync: Box<dyn SyncBackend>,
     /// The parameters (name-ordered flat buffer) and the optimizer, this worker's or shared (see
@@ -163,6 +167,8 @@ pub(super) struct Worker<'s> {
     console: Console,
     /// What MFU divides by (see `mfu_peak`).
     mfu_peak: Option<f64>,
+    /// Worker 0 of a run with `[train.membership]`: the simulated clock and what prices it.
+    clock: Option<Box<(crate::predict::Predictor, crate::predict::clock::Clock)>>,
 }
 
 impl<'s> Worker<'s> {
@@ -181,8 +187,10 @@ impl<'s> Worker<'s> {
         let shared = replica::shared_by(plan, device.is_cuda());
         let parts = replica::parts(model.params.numel, sync.world_size());
         let replica = Self::replica(setup, &model, sync.as_mut(), shared, &segments)?;
+        let sync_id = sync.comm().id();
         let mut w = Self {
             setup,
+            id: sync_id,
             replica,
             grads: model.place().zeros_for_collectives(model.params.numel)?,
             model,
@@ -199,9 +207,12 @@ impl<'s> Worker<'s> {
             metrics: None,
             console: Console::new(t.n_steps, 0, false),
             mfu_peak: None,
+            clock: churn::clock(setup, sync_id)?,
         };
-        if let Some((dir, mode)) = &setup.source {
-            w.restore(dir, *mode)?;
+        if w.join_schedule()? {
+            if let Some((dir, mode)) = &setup.source {
+                w.restore(dir, *mode)?;
+            }
         }
         if shared {
             if w.sync.rank() == 0 {
@@ -284,7 +295,7 @@ impl<'s> Worker<'s> {
     }
 
     fn restore(&mut self, dir: &std::path::Path, mode: CheckpointMode) -> Result<()> {
-        let (rank, world) = (self.sync.rank(), self.sync.world_size());
+        let (rank, world) = (self.id, self.setup.plan.world_size);
         match mode {
             CheckpointMode::Full => {
                 let r = checkpoint::restore(dir, &self.model, rank, world)?;
@@ -306,6 +317,9 @@ impl<'s> Worker<'s> {
                 }
                 self.sync.load_state(reducer)?;
                 self.dropout.set_word_pos(r.state.meta.dropout_pos());
+                if let (Some(c), Some(t)) = (&mut self.clock, r.state.meta.sim_clock) {
+                    c.1.t = t.into_iter().map(f64::from_bits).collect();
+                }
                 (self.since_log.loss_sum, self.since_log.loss_steps) = r.state.meta.loss_since_log;
             }
             CheckpointMode::Weights => {
@@ -337,6 +351,9 @@ impl<'s> Worker<'s> {
             self.evaluate_at_start()?;
         }
         let exit = loop {
+            if !self.take_part()? {
+                return Ok(self.summary(Exit::Finished, self.last_val));
+            }
             let (lr, loss, grad_norm) = self.step()?;
             let step = self.progress.step;
             let log = &self.setup.cfg.log;
@@ -354,6 +371,8 @@ impl<'s> Worker<'s> {
                 self.control(Self::save_checkpoint)?;
             }
             if exit != Vote::Continue {
+                // Workers away stop waiting to come back.
+                self.sync.comm_mut().end();
                 break self.exit_of(exit);
             }
         };
@@ -383,11 +402,16 @@ impl<'s> Worker<'s> {
                 self.setup.plan.sync.describe()
             ));
         }
-        // Debug builds (the tests) hold every step to the backend's description of it.
-        let planned = cfg!(debug_assertions).then(|| {
+        // Debug builds (the tests) hold every step to the backend's description of it; not the step where
+        // the members changed, whose overlapped round was sent at the change (see `churn`).
+        let planned = (cfg!(debug_assertions) && !self.members_change()).then(|| {
             let step = self.progress.step;
             (self.sync.step_comm(step), self.sync.comm_stats().bytes_sent)
         });
+        let described = self
+            .clock
+            .is_some()
+            .then(|| self.sync.step_comm(self.progress.step));
         let mut loss = self.forward_backward()?;
         if poison {
             loss = f64::NAN;
@@ -421,8 +445,11 @@ impl<'s> Worker<'s> {
                 self.progress.step - 1
             );
         }
+        if let (Some(c), Some(d)) = (&mut self.clock, described) {
+            c.1.step(&c.0, &self.sync.comm().ids(), &d);
+        }
         self.since_log
-            .add_step(loss, self.setup.plan.tokens_at(self.progress.step - 1));
+            .add_step(loss, self.step_tokens(self.progress.step - 1));
         Ok((lr, loss, grad_norm))
     }
 
@@ -435,7 +462,8 @@ impl<'s> Worker<'s> {
         let plan = &self.setup.plan;
         let step = self.progress.step;
         let (local_b, accum) = (plan.local_batch_size, plan.accum_at(step));
-        let (rank, world) = (self.sync.rank(), self.sync.world_size());
+        // Rows of the step's batch by the worker's place in the whole world: the present keep theirs.
+        let (rank, world) = (self.id, plan.world_size);
         let ctx = self.setup.cfg.train.context_length;
         let overlap_backward = self.sync.overlaps_backward(self.grads.as_ref());
         let (model, weights, grads, dropout, sampler) = (
@@ -497,7 +525,7 @@ impl<'s> Worker<'s> {
         }
         self.since_log.sync_end(start, self.sync.comm_stats());
         self.model.load(self.replica.params())?;
-        self.progress.tokens += self.setup.plan.tokens_at(self.progress.step);
+        self.progress.tokens += self.step_tokens(self.progress.step);
         self.progress.step += 1;
         Ok(())
     }
@@ -518,22 +546,36 @@ impl<'s> Worker<'s> {
         // The loss and the backend's per-rank values, averaged over the ranks in one message (every rank
         // has the same fields set: they follow the same schedule).
         let per_rank = [m.pseudo_grad_norm, m.consensus_distance];
-        let mut means: Vec<f32> = std::iter::once(self.since_log.mean_loss())
-            .chain(per_rank.iter().flatten().copied())
-            .map(|x| x as f32)
-            .collect();
-        self.control(|w| w.sync.mean_scalars(&mut means))?;
-        let mut row = self.since_log.row(
-            &self.progress,
-            lr,
-            means[0] as f64,
-            grad_norm,
-            self.sync.comm_stats(),
-        );
-        // The batch of the row's last step.
-        row.batch_size = plan.batches.batch_at(self.progress.step.saturating_sub(1));
-        let mut rest = means[1..].iter().map(|&x| x as f64);
-        let [norm, distance] = per_rank.map(|v| v.and_then(|_| rest.next()));
+        let (loss, [norm, distance]) = match plan.membership {
+            None => {
+                let mut means: Vec<f32> = std::iter::once(self.since_log.mean_loss())
+                    .chain(per_rank.iter().flatten().copied())
+                    .map(|x| x as f32)
+                    .collect();
+                self.control(|w| w.sync.mean_scalars(&mut means))?;
+                let mut rest = means[1..].iter().map(|&x| x as f64);
+                (
+                    means[0] as f64,
+                    per_rank.map(|v| v.and_then(|_| rest.next())),
+                )
+            }
+            Some(_) => self.control(|w| w.means_of_present(per_rank))?,
+        };
+        let mut row =
+            self.since_log
+                .row(&self.progress, lr, loss, grad_norm, self.sync.comm_stats());
+        // The batch of the row's last step (of the workers that took part in it).
+        let last = self.progress.step.saturating_sub(1);
+        row.batch_size =
+            plan.batches.batch_at(last) / plan.world_size as u64 * self.sync.world_size() as u64;
+        row.workers = plan
+            .membership
+            .as_ref()
+            .map(|_| self.sync.world_size() as u64);
+        row.sim_s = self
+            .clock
+            .as_ref()
+            .map(|c| c.1.now(&self.sync.comm().ids()));
         (row.pseudo_grad_norm, row.consensus_distance) = (norm, distance);
         row.outer_lr = m.outer_lr;
         row.param_norm = optim::norm(self.replica.params())?;
@@ -650,7 +692,7 @@ impl<'s> Worker<'s> {
             seed: self.setup.cfg.train.seed,
             steps: self.setup.cfg.log.eval_steps,
             local_b: self.setup.plan.local_batch_size,
-            world: self.sync.world_size(),
+            world: self.setup.plan.world_size,
         }
     }
 
@@ -741,7 +783,7 @@ impl<'s> Worker<'s> {
         progress.elapsed_s = self.elapsed();
         let manifest = Manifest::new(
             &progress,
-            self.sync.world_size(),
+            setup.plan.world_size,
             &setup.cfg,
             setup.tokenizer.clone(),
             self.segments.clone(),
@@ -758,19 +800,21 @@ impl<'s> Worker<'s> {
             .replica
             .average(self.sync.as_mut(), &params, &mut avg)?;
         let (params, replica, dropout) = (&params, &self.replica, &self.dropout);
+        let sim_clock = (self.clock.as_ref()).map(|c| c.1.t.iter().map(|t| t.to_bits()).collect());
         let loss_since_log = (self.since_log.loss_sum, self.since_log.loss_steps);
         // The rank's state, written from its buffers in place (only the reducer's state is a copy) while
         // it holds a compute slot: on the local engine, as many writes and copies at once as slots.
         let write_rank = |sync: &dyn SyncBackend, path: &std::path::Path| {
             let _slot = setup.compute.hold();
-            let state = RankView::new(
-                sync.rank(),
+            let mut state = RankView::new(
+                sync.comm().id(),
                 FlatRef::Host(params),
                 replica.opt_view(),
                 sync.state()?,
                 dropout.get_word_pos(),
                 loss_since_log,
             );
+            state.meta.sim_clock = sim_clock;
             checkpoint::write_rank(path, &state)
         };
         let dir = checkpoint::save(
@@ -851,7 +895,10 @@ fn eval_shared(
     data: &Blend,
     split: Split,
 ) -> Result<f64> {
-    let rank = sync.rank();
+    let (rank, present) = (sync.rank(), sync.world_size());
+    if present < spec.world {
+        return churn::eval_present(sync, compute, model, spec, weights, data, split);
+    }
     let mut acc = [compute
         .run(|scratch| spec.rows(model, scratch, weights, data, split, rank..rank + 1))?
         as f32];
@@ -871,8 +918,9 @@ fn eval_local(
 ) -> Result<(f64, f64)> {
     let (rank, n) = (sync.rank(), sync.world_size());
     let mut all = vec![0.0f32; n];
-    all[rank] =
-        compute.run(|scratch| spec.rows(model, scratch, weights, data, Split::Val, 0..n))? as f32;
+    all[rank] = compute
+        .run(|scratch| spec.rows(model, scratch, weights, data, Split::Val, 0..spec.world))?
+        as f32;
     // The mean of a vector with one non-zero slot per rank gathers the ranks' values.
     sync.mean_scalars(&mut all)?;
     let losses: Vec<f64> = all.iter().map(|&x| x as f64 * n as f64).collect();

@@ -7,6 +7,7 @@
 mod common;
 
 mod choco;
+mod churn;
 mod cli;
 mod compression;
 mod config_errors;

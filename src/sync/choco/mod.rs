@@ -116,6 +116,8 @@ struct Pending {
 /// Compressed gossip (see the module's documentation).
 pub struct Choco {
     comm: Box<dyn Communicator>,
+    /// What the rounds were made from (see `Gossip`'s field).
+    topology: Option<(crate::config::Topology, usize)>,
     rounds: Vec<Round>,
     overlap: bool,
     numel: usize,
@@ -148,6 +150,7 @@ impl Choco {
         let channels = Channels::new(&rounds, comm.rank(), numel)?;
         Ok(Self {
             comm,
+            topology: None,
             rounds,
             overlap,
             numel,
@@ -164,6 +167,20 @@ impl Choco {
             #[cfg(feature = "cuda")]
             device_recv: None,
         })
+    }
+
+    /// Compressed gossip over `topo` with `per_node` ranks per node.
+    pub fn over(
+        comm: Box<dyn Communicator>,
+        (topo, per_node): (crate::config::Topology, usize),
+        overlap: bool,
+        plan: &ChocoPlan,
+        tensors: &[Segment],
+    ) -> Result<Self> {
+        let rounds = super::topology::rounds(topo, comm.world_size(), per_node)?;
+        let mut c = Self::new(comm, rounds, overlap, plan, tensors)?;
+        c.topology = Some((topo, per_node));
+        Ok(c)
     }
 
     fn round_of(&self, step: u64) -> usize {
@@ -533,6 +550,13 @@ impl SyncBackend for Choco {
             }
             p => p.through_host(|p| self.after_step(p, step)),
         }
+    }
+    /// New rounds over the workers present, and fresh channels: the public copies restart at zero, as
+    /// at step 0.
+    fn members_changed(&mut self) -> Result<()> {
+        self.rounds = super::rounds_over(self.topology, self.comm.world_size())?;
+        self.channels = Channels::new(&self.rounds, self.comm.rank(), self.numel)?;
+        Ok(())
     }
     /// The channels' public copies and memories, and a message that waits to be sent.
     fn state(&self) -> Result<compress::State> {
