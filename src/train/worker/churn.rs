@@ -159,9 +159,10 @@ impl Worker<'_> {
         }
         self.since_log.sync_end(start, self.sync.comm_stats());
         // The copy as a message of the size of this worker's own state, on the cluster's link.
-        let bytes = match self.clock.is_some() {
-            true => 4.0 * encode(&self.recovery_state()?).len() as f64,
-            false => 0.0,
+        let bytes = match (self.clock.is_some(), msg.is_empty()) {
+            (false, _) => 0.0,
+            (true, false) => 4.0 * msg.len() as f64,
+            (true, true) => 4.0 * encode(&self.recovery_state()?).len() as f64,
         };
         if let Some(c) = self.clock.as_mut() {
             let secs = c.0.profile.inter.message_seconds(bytes, 1);
