@@ -70,6 +70,15 @@ pub fn survey(loaded: &Loaded, host: Host) -> (Option<Ready>, Vec<anyhow::Error>
         problems.extend(crate::device::check(cfg.train.device).err());
         problems.extend(fits_in_memory(loaded).err());
     }
+    if let Some(m) = &plan.membership {
+        let profile = crate::predict::profile::load(&m.cluster);
+        problems.extend(profile.err().map(|e| {
+            bad_input!(
+                "train.membership.cluster = {:?}, the simulated clock's: {e:#}",
+                m.cluster
+            )
+        }));
+    }
     let sample_len = cfg.train.context_length + 1;
     let mut open = |split| {
         Blend::open(cfg, split, sample_len, cfg.model.vocab_size)

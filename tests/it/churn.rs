@@ -307,3 +307,22 @@ fn schedules_that_cannot_run_are_refused_with_the_key_and_the_fix() {
     assert!(topk.contains("compressed reducer"), "{topk}");
     assert_eq!(problems(&[AWAY]), "");
 }
+
+#[test]
+fn check_refuses_a_clock_on_a_cluster_that_does_not_exist_and_creates_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let cfg = d.path().join("c.toml");
+    let set = ["train.membership={ cluster = \"nope\" }"];
+    std::fs::write(&cfg, common::config(d.path(), Some("r"), &set)).unwrap();
+    for cmd in ["check", "train"] {
+        let out = common::nanodist(&[cmd, cfg.to_str().unwrap(), "--workers", "2"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{cmd}: {err}");
+        assert!(
+            err.contains("train.membership.cluster = \"nope\"") && err.contains("wan-1g"),
+            "{err}"
+        );
+    }
+    assert!(!d.path().join("log").join("r").exists());
+}
