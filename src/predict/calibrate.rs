@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 
+use super::codec::CodecName;
 use crate::comm::Communicator;
 use crate::config::ModelConfig;
 
@@ -355,6 +356,21 @@ pub struct Measured {
     pub sweep: Vec<(usize, f64, f64)>,
     /// With one rank on each of 3 or more nodes: each node's own link (`node_messages`); else empty.
     pub nodes: Vec<Vec<[f64; 2]>>,
+    /// Each codec's GB/s on one GPT-2-small block (`codec::measure`), every rank at once, rank 0's.
+    pub codecs: Vec<(CodecName, f64)>,
+}
+
+/// Timed calls of each codec (their median is its rate).
+const CODEC_RUNS: usize = 3;
+
+/// Every codec's rate on this rank, measured while every rank measures (a busy machine, as in training).
+fn codecs(comm: &mut dyn Communicator) -> Result<Vec<(CodecName, f64)>> {
+    let block = super::codec::gpt2_block();
+    comm.barrier()?;
+    CodecName::ALL
+        .iter()
+        .map(|&c| Ok((c, super::codec::measure(c, &block, CODEC_RUNS)?)))
+        .collect()
 }
 
 /// (width, rows) of the training steps whose mean throughput gives the MFU: the quick-start model at 6
@@ -395,6 +411,7 @@ pub fn measure(
         None => None,
     };
     let sweep = sweep(comm)?;
+    let codecs = codecs(comm)?;
     let nodes = match per_node == 1 && world >= 3 {
         true => node_messages(comm)?,
         false => Vec::new(),
@@ -427,6 +444,7 @@ pub fn measure(
         sharing,
         sweep,
         nodes,
+        codecs,
     })
 }
 
@@ -541,9 +559,26 @@ impl Measured {
             );
             let _ = writeln!(s, "sharing_efficiency = {sharing:.4}");
         }
+        self.codecs_toml(s);
         let _ = writeln!(s, "\n# The sweep: bytes, all-reduce us, ping-pong us.");
         for (bytes, ar, pp) in &self.sweep {
             let _ = writeln!(s, "#   {bytes:>9}  {:>10.1}  {:>10.1}", ar * 1e6, pp * 1e6);
+        }
+    }
+
+    /// `[device.codec_gbps]`: each codec's measured rate, with what was measured.
+    fn codecs_toml(&self, s: &mut String) {
+        if self.codecs.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "\n[device.codec_gbps]\n# GB/s of f32 gradient through encode + decode, one rank, on one \
+             GPT-2-small block (7.1M floats), every rank at once."
+        );
+        for (c, gbps) in &self.codecs {
+            let _ = writeln!(s, "# {}", c.measured_as());
+            let _ = writeln!(s, "{} = {gbps:.4}", c.key());
         }
     }
 
@@ -713,6 +748,7 @@ mod tests {
             sharing: None,
             sweep,
             nodes: vec![],
+            codecs: vec![(CodecName::TopK, 1.5), (CodecName::Demo, 0.25)],
         }
     }
 
@@ -732,6 +768,12 @@ mod tests {
                 .unwrap();
         assert_eq!(p.devices_per_node, 1);
         assert_eq!(p.device.sharing_efficiency, None);
+        // The codecs' rates, as measured; the others are not in the profile.
+        let rates = &p.device.codec_gbps;
+        assert_eq!(
+            (rates.topk, rates.demo, rates.qsgd),
+            (Some(1.5), Some(0.25), None)
+        );
         let wire = super::super::model::Wire {
             link: &p.inter,
             share: 1,

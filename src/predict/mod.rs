@@ -5,6 +5,7 @@
 
 pub mod calibrate;
 pub mod clock;
+pub mod codec;
 pub mod model;
 pub mod profile;
 
@@ -14,7 +15,7 @@ use std::path::Path;
 use anyhow::Result;
 use serde::Serialize;
 
-use crate::config::{backend::Quantize, ConfigError};
+use crate::config::ConfigError;
 use crate::plan::SyncPlan;
 use crate::plan::{LaunchEnv, Loaded};
 use crate::sync::trace::{self, Collective, Overlap};
@@ -27,10 +28,6 @@ use profile::{Cluster, ClusterProfile};
 /// for clipping (8 B), and the new parameters are copied into the model (8 B). Memory-bound.
 const UPDATE_BYTES_PER_PARAM: f64 = 44.0;
 
-/// Memory passes over the gradient that a compressor makes per step (accumulate the residual, select or
-/// project, write the residual, scatter the result), each reading and writing f32.
-const CODEC_PASSES: f64 = 4.0;
-
 /// A configured run on a cluster, ready to price its steps.
 pub struct Predictor {
     backend: Box<dyn SyncBackend>,
@@ -42,6 +39,8 @@ pub struct Predictor {
     pub update: f64,
     /// Seconds of compression on steps that communicate (compressing backends).
     pub codec: f64,
+    /// How `codec` was priced: the codec, its GB/s on the cluster's device, and whether measured.
+    pub codec_rate: Option<CodecRate>,
     /// Whether more ranks than devices share a node's devices (a CPU's cores).
     pub cores_shared: bool,
     /// Tokens of the mean step (with a ramp-up, the early steps are smaller).
@@ -92,11 +91,10 @@ impl Predictor {
         };
         let compute =
             compute.unwrap_or(flops / (p.device.peak_tflops * 1e12 * p.device.mfu) * shared);
-        let codec = if compresses(&plan.sync) {
-            CODEC_PASSES * 8.0 * plan.n_params as f64 / (p.device.memory_gbps * 1e9) * shared
-        } else {
-            0.0
-        };
+        let codec_rate = codec::of(&plan.sync).map(|c| CodecRate::on(c, &p.device));
+        let codec = codec_rate.as_ref().map_or(0.0, |r| {
+            4.0 * plan.n_params as f64 / (r.gbps * 1e9) * shared
+        });
         Ok(Self {
             backend,
             layout,
@@ -104,6 +102,7 @@ impl Predictor {
             compute,
             update,
             codec,
+            codec_rate,
             cores_shared: per_device > 1.0,
             tokens_per_step,
         })
@@ -201,12 +200,33 @@ impl Predictor {
 }
 
 /// Whether the backend runs a compressor on the steps that communicate.
-fn compresses(plan: &SyncPlan) -> bool {
-    match plan {
-        SyncPlan::Compressed(_) | SyncPlan::Demo { .. } => true,
-        SyncPlan::Diloco { cfg, reducer } => reducer.is_some() || cfg.quantize != Quantize::None,
-        SyncPlan::Gossip { choco, .. } => choco.is_some(),
-        SyncPlan::AllReduce { .. } | SyncPlan::Sparta { .. } => false,
+/// A codec's throughput on a device (`DeviceSpec::codec_rate`).
+#[derive(Debug, Clone, Serialize)]
+pub struct CodecRate {
+    pub codec: &'static str,
+    pub gbps: f64,
+    /// Measured (`[device.codec_gbps]`), or the memory-bound estimate.
+    pub measured: bool,
+}
+
+impl CodecRate {
+    fn on(c: codec::CodecName, device: &profile::DeviceSpec) -> Self {
+        let (gbps, measured) = device.codec_rate(c);
+        Self {
+            codec: c.key(),
+            gbps,
+            measured,
+        }
+    }
+}
+
+/// What a run's measured sync compute (`sync_ms`) takes on `cluster` per second it took on `ran_on`: the
+/// ratio of the two devices' rates for the plan's codec (measured or memory-bound), else of their memory
+/// bandwidths (the backends' other work, averaging and outer steps, is memory-bound).
+fn sync_scale(plan: &SyncPlan, ran_on: &ClusterProfile, cluster: &ClusterProfile) -> f64 {
+    match codec::of(plan) {
+        Some(c) => ran_on.device.codec_rate(c).0 / cluster.device.codec_rate(c).0,
+        None => ran_on.device.memory_gbps / cluster.device.memory_gbps,
     }
 }
 
@@ -283,6 +303,9 @@ pub struct Prediction {
     /// From a run directory: the predicted seconds at each metrics row.
     #[serde(skip)]
     pub row_clock: Vec<f64>,
+    /// The codec's rate the compression was priced at.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub codec_rate: Option<CodecRate>,
     /// With stragglers: who, and the step with and without them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stragglers: Option<String>,
@@ -387,13 +410,14 @@ pub fn prediction(
         row_clock: Vec::new(),
         bytes_check: None,
         stragglers: None,
+        codec_rate: p.codec_rate.clone(),
     }
 }
 
 /// A run directory's steps priced on a cluster: each metrics row's interval at the bytes it logged (so
 /// data-dependent sizes, e.g. Radius's masks, count as they were), with the sync backend's own compute
-/// as the run measured it (`sync_ms`, memory-bound: scaled by the memory bandwidth of `ran_on`, the
-/// machine the run ran on, over the cluster's), and the time of each evaluation.
+/// as the run measured it (`sync_ms`, scaled by `sync_scale` from `ran_on`, the machine the run ran on,
+/// to the cluster's device), and the time of each evaluation.
 pub fn predict_run(
     loaded: &Loaded,
     rows: &[crate::metrics::Row],
@@ -402,7 +426,7 @@ pub fn predict_run(
     compute: Option<f64>,
 ) -> Result<Prediction> {
     let mut p = Predictor::new(loaded, &cluster.profile, layout, compute)?;
-    let memory = ran_on.device.memory_gbps / cluster.profile.device.memory_gbps;
+    let device_scale = sync_scale(&loaded.plan.sync, ran_on, &cluster.profile);
     let (mut clock, mut prev, mut matching, mut logged, mut described) = (0.0, 0u64, 0, 0u64, 0u64);
     let (mut sync_s, mut sync_steps) = (0.0, 0u64);
     let (mut evals, mut clocks) = (Vec::new(), Vec::new());
@@ -417,7 +441,7 @@ pub fn predict_run(
         } else {
             1.0
         };
-        let codec = row.sync_ms / 1e3 * memory;
+        let codec = row.sync_ms / 1e3 * device_scale;
         (sync_s, sync_steps) = (sync_s + codec, sync_steps + (row.step - prev));
         for (c, k) in interval {
             let t = p.price(&c).1;
@@ -512,7 +536,14 @@ impl std::fmt::Display for Prediction {
         )?;
         writeln!(f, "update           {:.2} ms/step (optimizer)", a.update_ms)?;
         if a.codec_ms > 0.0 {
-            writeln!(f, "compression      {:.2} ms/step", a.codec_ms)?;
+            let how = self.codec_rate.as_ref().map_or(String::new(), |r| {
+                let source = match r.measured {
+                    true => "measured",
+                    false => "memory-bound estimate",
+                };
+                format!(" ({} at {:.3} GB/s, {source})", r.codec, r.gbps)
+            });
+            writeln!(f, "compression      {:.2} ms/step{how}", a.codec_ms)?;
         }
         writeln!(f, "collectives      (averaged over {} steps)", self.steps)?;
         for c in &a.collectives {
@@ -572,4 +603,51 @@ pub fn human_secs(s: f64) -> String {
     }
     let t = s.round() as u64;
     format!("{}:{:02}:{:02}", t / 3600, t / 60 % 60, t % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loaded(set: &[&str]) -> Loaded {
+        let src = "[train]\nglobal_batch_size = 12\nn_steps = 100\n[train.lr_schedule]\nwarmup_steps = 1\n\
+                   [model]\nn_layers = 2\nn_heads = 2\nn_embd = 64\nvocab_size = 128\n";
+        let set: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+        let launch = LaunchEnv {
+            workers_flag: Some(4),
+            ..Default::default()
+        };
+        crate::plan::load_str(Path::new("t.toml"), src, &set, &launch)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A compressing plan's codec is priced at the profile's measured rate for it, else as memory-bound;
+    /// a run's measured sync compute moves to another device by the ratio of the two devices' rates.
+    #[test]
+    fn a_measured_codec_rate_prices_the_compression() {
+        let topk = loaded(&["train.compression={ name = \"topk\", density = 0.01 }"]);
+        let bytes = 4.0 * topk.plan.n_params as f64;
+        let mut a100 = profile::load("a100-ib100").unwrap().profile;
+        let layout = layout(4, None, &a100);
+        let estimate = Predictor::new(&topk, &a100, layout, None).unwrap();
+        let memory_bound = bytes / (a100.device.memory_gbps / 8.0 * 1e9);
+        assert!((estimate.codec / memory_bound - 1.0).abs() < 1e-12);
+        assert!(!estimate.codec_rate.unwrap().measured);
+        a100.device.codec_gbps.topk = Some(2.0);
+        let measured = Predictor::new(&topk, &a100, layout, None).unwrap();
+        assert!((measured.codec / (bytes / 2e9) - 1.0).abs() < 1e-12);
+        let rate = measured.codec_rate.unwrap();
+        assert_eq!((rate.codec, rate.gbps, rate.measured), ("topk", 2.0, true));
+        let dense = loaded(&[]);
+        assert_eq!(
+            Predictor::new(&dense, &a100, layout, None).unwrap().codec,
+            0.0
+        );
+        // The run's sync_ms: scaled by the codec's rates where the plan compresses, else by memory.
+        let mut laptop = profile::load("local").unwrap().profile;
+        laptop.device.codec_gbps.topk = Some(0.5);
+        assert_eq!(sync_scale(&topk.plan.sync, &laptop, &a100), 0.25);
+        let memory = laptop.device.memory_gbps / a100.device.memory_gbps;
+        assert_eq!(sync_scale(&dense.plan.sync, &laptop, &a100), memory);
+    }
 }

@@ -256,6 +256,7 @@ mod tests {
                 mfu: 1.0,
                 memory_gbps: 1.0,
                 sharing_efficiency: None,
+                codec_gbps: Default::default(),
             },
             intra: Link {
                 bandwidth_gbps: 8.0,

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use super::codec::CodecName;
 use crate::config::{ConfigError, Problem};
 
 /// A cluster to predict a run's wall-clock time on. The number of nodes is not part of it: it follows
@@ -103,6 +104,79 @@ pub struct DeviceSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("exclusiveMinimum" = 0, "maximum" = 1))]
     pub sharing_efficiency: Option<f64>,
+    /// `[device.codec_gbps]`: each compressor's measured throughput on one device, GB/s of f32 gradient
+    /// through encode and decode (`nanodist calibrate` measures them on this machine). A codec without a
+    /// rate is priced as memory-bound: 4 passes over the gradient at `memory_gbps`.
+    #[serde(default, skip_serializing_if = "CodecRates::is_empty")]
+    pub codec_gbps: CodecRates,
+}
+
+/// Measured codec throughputs, GB/s of f32 gradient (see `predict::codec::measure` for the settings).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CodecRates {
+    /// Top-k 1% with error feedback (the reducer and CHOCO's top-k).
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub topk: Option<f64>,
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub randomk: Option<f64>,
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub qsgd: Option<f64>,
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub sign: Option<f64>,
+    /// Radius's stable steps.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub radius: Option<f64>,
+    /// PowerSGD rank 4.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub powersgd: Option<f64>,
+    /// DiLoCo's quantized all-reduces.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub bf16: Option<f64>,
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub fp8: Option<f64>,
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub uint8: Option<f64>,
+    /// DeMo's momentum, DCT, top-k and sign.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub demo: Option<f64>,
+}
+
+impl CodecRates {
+    pub fn is_empty(&self) -> bool {
+        *self == CodecRates::default()
+    }
+
+    /// The rate of `codec`, GB/s (None: not measured).
+    pub fn get(&self, codec: CodecName) -> Option<f64> {
+        match codec {
+            CodecName::TopK => self.topk,
+            CodecName::RandomK => self.randomk,
+            CodecName::Qsgd => self.qsgd,
+            CodecName::Sign => self.sign,
+            CodecName::Radius => self.radius,
+            CodecName::PowerSgd => self.powersgd,
+            CodecName::Bf16 => self.bf16,
+            CodecName::Fp8 => self.fp8,
+            CodecName::Uint8 => self.uint8,
+            CodecName::Demo => self.demo,
+        }
+    }
+}
+
+/// Memory passes over the gradient that a codec without a measured rate is priced at (accumulate the
+/// residual, select or project, write the residual, scatter the result), each reading and writing f32.
+pub const CODEC_PASSES: f64 = 4.0;
+
+impl DeviceSpec {
+    /// `codec`'s throughput on this device, GB/s of f32 gradient, and whether it was measured (else the
+    /// memory-bound estimate: `CODEC_PASSES` reads and writes of the gradient at `memory_gbps`).
+    pub fn codec_rate(&self, codec: CodecName) -> (f64, bool) {
+        match self.codec_gbps.get(codec) {
+            Some(r) => (r, true),
+            None => (self.memory_gbps / (2.0 * CODEC_PASSES), false),
+        }
+    }
 }
 
 /// A link in the alpha-beta model: a message of S bytes takes latency + S / (bandwidth x efficiency);
