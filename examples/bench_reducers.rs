@@ -5,7 +5,7 @@
 //! network. `nanodist calibrate` measures the same codecs on one GPT-2-small block for a profile's
 //! `[device.codec_gbps]`.
 //!
-//!     cargo run --release --example bench_reducers [-- --runs 3]
+//!     cargo run --release --example bench_reducers [-- --runs 3] [--only fp8 topk ...]
 
 use std::time::Instant;
 
@@ -70,7 +70,15 @@ fn main() -> anyhow::Result<()> {
     );
     println!("| codec | measured as | GB/s | vs memcpy |\n|---|---|---|---|");
     println!("| memcpy | copy | {memcpy:.2} | 1.00 |");
-    for c in CodecName::ALL {
+    let args: Vec<String> = std::env::args().collect();
+    let only: Vec<&str> = match args.iter().position(|a| a == "--only") {
+        Some(i) => args[i + 1..].iter().map(String::as_str).collect(),
+        None => Vec::new(),
+    };
+    for c in CodecName::ALL
+        .into_iter()
+        .filter(|c| only.is_empty() || only.contains(&c.key()))
+    {
         let s = codec::measure(c, &tensors, runs)?;
         println!(
             "| {} | {} | {s:.2} | {:.3} |",

@@ -25,46 +25,65 @@ const E4M3_MAX: f32 = 448.0;
 
 /// The value of an e4m3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits; 0x7f/0xff are NaN).
 pub fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = (((b >> 3) & 0xf) as i32, (b & 7) as f32);
-    if e == 0xf && m == 7.0 {
-        return f32::NAN;
-    }
-    let mag = if e == 0 {
-        m / 8.0 * 2f32.powi(-6)
-    } else {
-        (1.0 + m / 8.0) * 2f32.powi(e - 7)
-    };
-    sign * mag
+    E4M3[b as usize]
 }
 
-/// The nearest e4m3 byte (ties to even), saturating at +-448.
+/// Every e4m3 byte's value, built from its bits.
+const E4M3: [f32; 256] = {
+    let mut t = [0.0f32; 256];
+    let mut b = 0;
+    while b < 256 {
+        t[b] = f32::from_bits(e4m3_bits(b as u8));
+        b += 1;
+    }
+    t
+};
+
+/// The f32 bits of an e4m3 byte's value.
+const fn e4m3_bits(b: u8) -> u32 {
+    let sign = ((b & 0x80) as u32) << 24;
+    let (e, m) = (((b >> 3) & 0xf) as u32, (b & 7) as u32);
+    if e == 0xf && m == 7 {
+        return sign | 0x7fc0_0000;
+    }
+    if e == 0 {
+        // Subnormal: m x 2^-9, normalised around m's top bit p.
+        if m == 0 {
+            return sign;
+        }
+        let p = 31 - m.leading_zeros();
+        return sign | ((p + 127 - 9) << 23) | ((m - (1 << p)) << (23 - p));
+    }
+    sign | ((e + 120) << 23) | (m << 20)
+}
+
+/// The smallest normal e4m3 magnitude, 2^-6.
+const E4M3_MIN_NORMAL: f32 = 0.015625;
+
+/// The nearest e4m3 byte (ties to even), saturating at +-448; NaN gives 0x7f.
 pub fn f32_to_e4m3(x: f32) -> u8 {
-    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
     let a = x.abs();
     if a.is_nan() {
         return 0x7f;
     }
-    // The 127 non-negative finite codes 0x00..=0x7e increase with their value: binary search.
-    let (mut lo, mut hi) = (0u8, 0x7eu8);
     if a >= E4M3_MAX {
         return sign | 0x7e;
     }
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if e4m3_to_f32(mid) <= a {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
+    if a < E4M3_MIN_NORMAL {
+        // Subnormal codes are multiples of 2^-9: the code is a x 2^9 (exact) rounded half to even; 8
+        // is the smallest normal's code.
+        return sign | (a * 512.0).round_ties_even() as u8;
     }
-    let (dl, dh) = (a - e4m3_to_f32(lo), e4m3_to_f32(hi) - a);
-    let code = if dl < dh || (dl == dh && lo % 2 == 0) {
-        lo
-    } else {
-        hi
-    };
-    sign | code
+    // Normal: the exponent re-biased, the top 3 mantissa bits, and the 20 below them rounded half to
+    // even (a carry moves to the next exponent, as it should; below 448 it never reaches 0x7f).
+    let bits = a.to_bits();
+    let mut code = ((bits >> 23) - 120) << 3 | (bits >> 20) & 7;
+    let rest = bits & 0xf_ffff;
+    if rest > 0x8_0000 || (rest == 0x8_0000 && code & 1 == 1) {
+        code += 1;
+    }
+    sign | code as u8
 }
 
 /// Wire words of one row of `len` values.
@@ -77,45 +96,40 @@ pub fn row_words(q: Quantize, len: usize) -> usize {
     }
 }
 
-/// Packs bytes into f32 bit patterns, four to a word (little-endian order within the word).
-fn pack_bytes(bytes: impl Iterator<Item = u8>, out: &mut Vec<f32>) {
-    let mut word = [0u8; 4];
-    let mut n = 0;
-    for b in bytes {
-        word[n] = b;
-        n += 1;
-        if n == 4 {
-            out.push(f32::from_bits(u32::from_le_bytes(word)));
-            (word, n) = ([0; 4], 0);
-        }
-    }
-    if n > 0 {
-        out.push(f32::from_bits(u32::from_le_bytes(word)));
-    }
+/// Packs `f` of each value into f32 bit patterns, four bytes to a word (little-endian within the word; a
+/// last partial word's high bytes are zero).
+fn pack(row: &[f32], f: impl Fn(f32) -> u8, out: &mut Vec<f32>) {
+    out.extend(row.chunks(4).map(|c| {
+        let w = c.iter().rev().fold(0u32, |w, &x| w << 8 | f(x) as u32);
+        f32::from_bits(w)
+    }));
 }
 
-fn unpack_bytes(words: &[f32]) -> impl Iterator<Item = u8> + '_ {
-    words.iter().flat_map(|w| w.to_bits().to_le_bytes())
+/// `set(o, b)` for each output and its byte of `words` (as `pack` laid them out).
+fn unpack(words: &[f32], out: &mut [f32], set: impl Fn(&mut f32, u8)) {
+    for (o, w) in out.chunks_mut(4).zip(words) {
+        for (o, b) in o.iter_mut().zip(w.to_bits().to_le_bytes()) {
+            set(o, b);
+        }
+    }
 }
 
 /// Appends the encoding of `row` to `out`.
 pub fn encode(q: Quantize, row: &[f32], out: &mut Vec<f32>) {
     match q {
         Quantize::None => out.extend_from_slice(row),
-        Quantize::Bf16 => {
-            for pair in row.chunks(2) {
-                let lo = half::bf16::from_f32(pair[0]).to_bits() as u32;
-                let hi = pair
-                    .get(1)
-                    .map_or(0, |&x| half::bf16::from_f32(x).to_bits() as u32);
-                out.push(f32::from_bits(lo | (hi << 16)));
-            }
-        }
+        Quantize::Bf16 => out.extend(row.chunks(2).map(|pair| {
+            let lo = half::bf16::from_f32(pair[0]).to_bits() as u32;
+            let hi = pair
+                .get(1)
+                .map_or(0, |&x| half::bf16::from_f32(x).to_bits() as u32);
+            f32::from_bits(lo | (hi << 16))
+        })),
         Quantize::Fp8 => {
             let max = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             let scale = if max > 0.0 { max / E4M3_MAX } else { 1.0 };
             out.push(scale);
-            pack_bytes(row.iter().map(|&x| f32_to_e4m3(x / scale)), out);
+            pack(row, |x| f32_to_e4m3(x / scale), out);
         }
         Quantize::Uint8 => {
             let (min, max) = row
@@ -128,9 +142,9 @@ pub fn encode(q: Quantize, row: &[f32], out: &mut Vec<f32>) {
             };
             let scale = if max > min { (max - min) / 255.0 } else { 1.0 };
             out.extend([min, scale]);
-            pack_bytes(
-                row.iter()
-                    .map(|&x| ((x - min) / scale).round().clamp(0.0, 255.0) as u8),
+            pack(
+                row,
+                |x| ((x - min) / scale).round().clamp(0.0, 255.0) as u8,
                 out,
             );
         }
@@ -139,26 +153,28 @@ pub fn encode(q: Quantize, row: &[f32], out: &mut Vec<f32>) {
 
 /// Decodes one row of `out.len()` values from `words` (its `row_words` words).
 pub fn decode(q: Quantize, words: &[f32], out: &mut [f32]) {
+    decode_with(q, words, out, |o, v| *o = v);
+}
+
+/// Decodes one row as `decode` does, handing each output and its value to `set` (to assign or add).
+fn decode_with(q: Quantize, words: &[f32], out: &mut [f32], set: impl Fn(&mut f32, f32)) {
     match q {
-        Quantize::None => out.copy_from_slice(words),
+        Quantize::None => out.iter_mut().zip(words).for_each(|(o, &v)| set(o, v)),
         Quantize::Bf16 => {
-            for (i, o) in out.iter_mut().enumerate() {
-                let w = words[i / 2].to_bits();
-                let bits = if i % 2 == 0 { w & 0xffff } else { w >> 16 };
-                *o = half::bf16::from_bits(bits as u16).to_f32();
+            for (o, w) in out.chunks_mut(2).zip(words) {
+                let w = w.to_bits();
+                for (o, bits) in o.iter_mut().zip([w & 0xffff, w >> 16]) {
+                    set(o, half::bf16::from_bits(bits as u16).to_f32());
+                }
             }
         }
         Quantize::Fp8 => {
             let scale = words[0];
-            for (o, b) in out.iter_mut().zip(unpack_bytes(&words[1..])) {
-                *o = e4m3_to_f32(b) * scale;
-            }
+            unpack(&words[1..], out, |o, b| set(o, e4m3_to_f32(b) * scale));
         }
         Quantize::Uint8 => {
             let (min, scale) = (words[0], words[1]);
-            for (o, b) in out.iter_mut().zip(unpack_bytes(&words[2..])) {
-                *o = min + b as f32 * scale;
-            }
+            unpack(&words[2..], out, |o, b| set(o, min + b as f32 * scale));
         }
     }
 }
@@ -245,32 +261,39 @@ pub fn all_reduce_mean(
     // Every rank's copy of my rows arrives; mine is quantized like theirs, so every rank's share weighs
     // the same.
     let encoded: Vec<Vec<f32>> = owned.iter().map(|rs| encode_rows(q, buf, rs)).collect();
-    let mut copies: Vec<Vec<f32>> = (0..n).map(|_| vec![0.0; words(owned[me])]).collect();
+    let mut copies: Vec<Vec<f32>> = (0..n)
+        .map(|r| vec![0.0; if r == me { 0 } else { words(owned[me]) }])
+        .collect();
     all_to_all(comm, |r| &encoded[r], &mut copies)?;
-    copies[me].clone_from(&encoded[me]);
-    // The owner's mean in f32, rank order, then requantized.
-    let mut mean = vec![0.0f32; buf.len()];
-    let mut scratch = vec![0.0f32; buf.len()];
-    for (r, copy) in copies.iter().enumerate() {
-        decode_rows(q, copy, owned[me], &mut scratch);
-        for row in owned[me] {
-            let (m, s) = (&mut mean[row.clone()], &scratch[row.clone()]);
-            if r == 0 {
-                m.copy_from_slice(s);
-            } else {
-                m.iter_mut().zip(s).for_each(|(a, b)| *a += b);
+    // The owner's mean in f32, rank order, then requantized. My rows are one span of `buf`.
+    let mine = owned[me];
+    let base = mine.first().map_or(0, |r| r.start);
+    let mut mean = vec![0.0f32; mine.last().map_or(0, |r| r.end) - base];
+    for r in 0..n {
+        let copy = if r == me { &encoded[me] } else { &copies[r] };
+        let mut at = 0;
+        for row in mine {
+            let (w, m) = (
+                row_words(q, row.len()),
+                &mut mean[row.start - base..row.end - base],
+            );
+            match r {
+                0 => decode(q, &copy[at..at + w], m),
+                _ => decode_with(q, &copy[at..at + w], m, |o, v| *o += v),
             }
+            at += w;
         }
     }
     let inv = 1.0 / n as f32;
-    owned[me]
-        .iter()
-        .for_each(|row| mean[row.clone()].iter_mut().for_each(|x| *x *= inv));
-    let mine = encode_rows(q, &mean, owned[me]);
+    mean.iter_mut().for_each(|x| *x *= inv);
+    let mut requantized = Vec::with_capacity(words(mine));
+    for row in mine {
+        encode(q, &mean[row.start - base..row.end - base], &mut requantized);
+    }
     // All-gather the requantized chunks; every rank, the owner included, decodes the same words.
     let mut chunks: Vec<Vec<f32>> = (0..n).map(|c| vec![0.0; words(owned[c])]).collect();
-    all_to_all(comm, |_| &mine, &mut chunks)?;
-    chunks[me] = mine;
+    all_to_all(comm, |_| &requantized, &mut chunks)?;
+    chunks[me] = requantized;
     for (c, words) in chunks.iter().enumerate() {
         decode_rows(q, words, owned[c], buf);
     }
@@ -393,6 +416,125 @@ mod tests {
         let mut out = vec![0.0; x.len()];
         decode(q, &w, &mut out);
         out
+    }
+
+    /// The nearest e4m3 byte by binary search over the codes' values (ties to even): the definition
+    /// `f32_to_e4m3` is checked against.
+    fn e4m3_by_search(x: f32) -> u8 {
+        let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+        let a = x.abs();
+        if a.is_nan() {
+            return 0x7f;
+        }
+        if a >= E4M3_MAX {
+            return sign | 0x7e;
+        }
+        let (mut lo, mut hi) = (0u8, 0x7eu8);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if e4m3_to_f32(mid) <= a {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let (dl, dh) = (a - e4m3_to_f32(lo), e4m3_to_f32(hi) - a);
+        sign | if dl < dh || (dl == dh && lo % 2 == 0) {
+            lo
+        } else {
+            hi
+        }
+    }
+
+    /// The value of an e4m3 byte by its definition, sign x (1 + m/8) 2^(e-7), subnormals m/8 2^-6.
+    fn e4m3_by_definition(b: u8) -> f32 {
+        let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+        let (e, m) = (((b >> 3) & 0xf) as i32, (b & 7) as f32);
+        let mag = if e == 0 {
+            m / 8.0 * 2f32.powi(-6)
+        } else {
+            (1.0 + m / 8.0) * 2f32.powi(e - 7)
+        };
+        sign * mag
+    }
+
+    /// The bit-level conversions equal the definitions: every code's value, and the nearest code of
+    /// every code's value, the midpoints between codes and their neighbours one and two ulps away,
+    /// and a million random floats of both signs across the range (and past it).
+    #[test]
+    fn e4m3_conversions_equal_their_definitions() {
+        for b in 0..=255u8 {
+            let (x, want) = (e4m3_to_f32(b), e4m3_by_definition(b));
+            match b & 0x7f == 0x7f {
+                true => assert!(x.is_nan(), "{b:#x}"),
+                false => assert_eq!(x.to_bits(), want.to_bits(), "{b:#x}"),
+            }
+        }
+        let mut probes: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            f32::NAN,
+            f32::INFINITY,
+            -f32::INFINITY,
+            1e-30,
+            1e6,
+        ];
+        for b in 0..0x7eu8 {
+            let (lo, hi) = (e4m3_to_f32(b), e4m3_to_f32(b + 1));
+            for x in [lo, (lo + hi) / 2.0] {
+                for d in -2i32..=2 {
+                    probes.push(f32::from_bits((x.to_bits() as i32 + d).max(0) as u32));
+                }
+            }
+        }
+        let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(3);
+        for _ in 0..1_000_000 {
+            let e = rand::Rng::random_range(&mut rng, -14.0f32..10.0);
+            let s = if rand::Rng::random::<bool>(&mut rng) {
+                1.0
+            } else {
+                -1.0
+            };
+            probes.push(s * 2f32.powf(e));
+        }
+        for x in probes.iter().flat_map(|&x| [x, -x]) {
+            assert_eq!(
+                f32_to_e4m3(x),
+                e4m3_by_search(x),
+                "{x:e} ({:#x})",
+                x.to_bits()
+            );
+        }
+    }
+
+    /// The wire layout (which the GPU kernels share): fp8 is the row's scale, then its codes four to a
+    /// word, little-endian, a last partial word padded with zeros; uint8 the minimum and the step first.
+    #[test]
+    fn bytes_pack_four_to_a_little_endian_word() {
+        let row = [448.0f32, -448.0, 1.0, 0.0, 2.0];
+        let mut out = Vec::new();
+        encode(Quantize::Fp8, &row, &mut out);
+        let codes: Vec<u32> = row.iter().map(|&x| f32_to_e4m3(x) as u32).collect();
+        let words: Vec<u32> = out[1..].iter().map(|w| w.to_bits()).collect();
+        assert_eq!(out[0], 1.0);
+        assert_eq!(
+            words,
+            [
+                codes[0] | codes[1] << 8 | codes[2] << 16 | codes[3] << 24,
+                codes[4]
+            ]
+        );
+        let mut back = [0.0f32; 5];
+        decode(Quantize::Fp8, &out, &mut back);
+        assert_eq!(back, row);
+        let (mut u, mut back) = (Vec::new(), [0.0f32; 5]);
+        encode(Quantize::Uint8, &[0.0, 255.0, 1.0, 2.0, 3.0], &mut u);
+        assert_eq!(
+            (u[0], u[1], u[2].to_bits(), u[3].to_bits()),
+            (0.0, 1.0, 0x0201_ff00, 3)
+        );
+        decode(Quantize::Uint8, &u, &mut back);
+        assert_eq!(back, [0.0, 255.0, 1.0, 2.0, 3.0]);
     }
 
     #[test]
