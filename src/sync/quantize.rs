@@ -86,6 +86,13 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
     sign | code as u8
 }
 
+/// `x.round().clamp(0.0, 255.0) as u8` for the x >= 0 (or NaN) of a uint8 row, without `round`'s
+/// library call: the integer part, plus one where the fraction (exact below 2^23) is at least a half.
+fn uint8_level(x: f32) -> u8 {
+    let t = x as u32;
+    t.saturating_add(u32::from(x - t as f32 >= 0.5)).min(255) as u8
+}
+
 /// Wire words of one row of `len` values.
 pub fn row_words(q: Quantize, len: usize) -> usize {
     match q {
@@ -142,11 +149,7 @@ pub fn encode(q: Quantize, row: &[f32], out: &mut Vec<f32>) {
             };
             let scale = if max > min { (max - min) / 255.0 } else { 1.0 };
             out.extend([min, scale]);
-            pack(
-                row,
-                |x| ((x - min) / scale).round().clamp(0.0, 255.0) as u8,
-                out,
-            );
+            pack(row, |x| uint8_level((x - min) / scale), out);
         }
     }
 }
@@ -265,10 +268,11 @@ pub fn all_reduce_mean(
         .map(|r| vec![0.0; if r == me { 0 } else { words(owned[me]) }])
         .collect();
     all_to_all(comm, |r| &encoded[r], &mut copies)?;
-    // The owner's mean in f32, rank order, then requantized. My rows are one span of `buf`.
+    // The owner's mean in f32, rank order, then requantized. My rows are one span of `buf`, which is
+    // encoded already and holds the mean until the all-gather's decoding overwrites it.
     let mine = owned[me];
     let base = mine.first().map_or(0, |r| r.start);
-    let mut mean = vec![0.0f32; mine.last().map_or(0, |r| r.end) - base];
+    let mean = &mut buf[base..mine.last().map_or(0, |r| r.end)];
     for r in 0..n {
         let copy = if r == me { &encoded[me] } else { &copies[r] };
         let mut at = 0;
@@ -535,6 +539,32 @@ mod tests {
         );
         decode(Quantize::Uint8, &u, &mut back);
         assert_eq!(back, [0.0, 255.0, 1.0, 2.0, 3.0]);
+    }
+
+    /// uint8's level equals rounding half away from zero and clamping, on halves, their neighbours,
+    /// the range's ends and past them.
+    #[test]
+    fn uint8_levels_round_half_away_from_zero() {
+        let mut xs = vec![
+            0.0f32,
+            -0.0,
+            255.0,
+            255.5,
+            256.0,
+            1e9,
+            f32::INFINITY,
+            f32::NAN,
+            0.49999997,
+        ];
+        for k in 0..300 {
+            let half = k as f32 + 0.5;
+            for d in -2i32..=2 {
+                xs.push(f32::from_bits((half.to_bits() as i32 + d) as u32));
+            }
+        }
+        for x in xs {
+            assert_eq!(uint8_level(x), x.round().clamp(0.0, 255.0) as u8, "{x}");
+        }
     }
 
     #[test]
