@@ -273,8 +273,8 @@ pub fn all_reduce_mean(
     let mine = owned[me];
     let base = mine.first().map_or(0, |r| r.start);
     let mean = &mut buf[base..mine.last().map_or(0, |r| r.end)];
-    for r in 0..n {
-        let copy = if r == me { &encoded[me] } else { &copies[r] };
+    for (r, copy) in copies.iter().enumerate() {
+        let copy = if r == me { &encoded[me] } else { copy };
         let mut at = 0;
         for row in mine {
             let (w, m) = (
