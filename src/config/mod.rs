@@ -24,7 +24,7 @@ pub use error::{ConfigError, Problem};
 pub use log::LogConfig;
 pub use lr::{LrSchedule, ScheduleName, WsdDecay};
 pub use model::{Activation, ModelConfig};
-pub use optim::{AccumAdamWConfig, AdamWConfig, OptimConfig};
+pub use optim::{AccumAdamWConfig, AdamWConfig, MuonConfig, OptimConfig};
 pub use train::{Device, TrainConfig};
 
 /// A nanodist experiment: data, logging, training and model.

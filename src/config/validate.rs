@@ -489,6 +489,14 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
             );
         }
     }
+    if matches!(t.optim, super::OptimConfig::Muon(_)) && t.device == super::Device::Cuda {
+        add(
+            "train.optim.name",
+            "Muon runs on the CPU only (its GPU path is not built): set train.device = \"cpu\", or \
+             train.optim.name = \"adamw\" on GPUs"
+                .into(),
+        );
+    }
 
     // Batch arithmetic: every batch (global, and the ramp-up's) = local x world x accumulation.
     let local = t.local_batch(world);

@@ -5,6 +5,7 @@
 //! (`scripts/gpu/selftest.py`) compares every kernel with its twin on a GPU. The host-side steps between kernel launches (the digit search
 //! of the radix select, the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
 
+pub mod gemm;
 pub mod optim;
 mod segment;
 

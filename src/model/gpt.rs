@@ -771,6 +771,7 @@ mod tests {
         let mut opt = crate::optim::build(
             &crate::config::OptimConfig::default(),
             segments,
+            &[],
             m.params.numel,
             &crate::flat::Place::Host,
         )

@@ -60,6 +60,15 @@ impl ParamSet {
         )
     }
 
+    /// Whether each parameter, in `segments` order, is a hidden matrix: one of the blocks' four
+    /// projections (Muon's group; embeddings, the head tied to them, norms and biases are not).
+    pub fn hidden_matrices(&self) -> Vec<bool> {
+        self.params
+            .iter()
+            .map(|p| p.shape.len() == 2 && super::gpt::is_conv1d(&p.name))
+            .collect()
+    }
+
     /// The set's layout alone, from (name, shape): no tensors (see the module's note).
     pub fn layout(mut items: Vec<(String, Vec<usize>)>) -> Self {
         items.sort_by(|a, b| a.0.cmp(&b.0));

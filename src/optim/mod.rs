@@ -2,6 +2,7 @@
 //! gradient and state buffers (name-sorted, as `model::ParamSet` lays them out).
 
 pub mod adamw;
+pub mod muon;
 mod optimizer;
 pub mod schedule;
 pub mod sgd;
@@ -19,18 +20,26 @@ use crate::kernels::Segment;
 
 /// The optimizer the training loop steps: the configured one, or, when `plain_sgd` gives its decoupled
 /// weight decay, SGD (Radius runs Adam inside its reducer, `sync::compress::correction`; DeMo computes
-/// the direction: `SyncPlan::plain_sgd_in_loop`).
+/// the direction: `SyncPlan::plain_sgd_in_loop`). `hidden[i]`: whether segment i is a hidden matrix
+/// (Muon's group).
 pub fn for_run(
     optim: &crate::config::OptimConfig,
     plain_sgd: Option<f64>,
     segments: Vec<Segment>,
+    hidden: &[bool],
     numel: usize,
     place: &Place,
 ) -> Result<Box<dyn Optimizer>> {
     match plain_sgd {
         Some(wd) => Ok(Box::new(Sgd::new(wd, segments))),
-        None => build(optim, segments, numel, place),
+        None => build(optim, segments, hidden, numel, place),
     }
+}
+
+/// Whether the optimizer updates each element from its own state alone, so that ranges of a buffer
+/// can be updated apart (`Optimizer::step_shard`): all but Muon, whose update of a matrix needs all of it.
+pub fn elementwise(optim: &crate::config::OptimConfig, plain_sgd: Option<f64>) -> bool {
+    plain_sgd.is_some() || !matches!(optim, crate::config::OptimConfig::Muon(_))
 }
 
 /// Whole-model buffers (of the parameters' size) that the loop's optimizer of `for_run` keeps.
@@ -41,6 +50,7 @@ pub fn state_buffers(optim: &crate::config::OptimConfig, plain_sgd: Option<f64>)
         (None, OptimConfig::AdamW(_)) => 2,
         (None, OptimConfig::AccumAdamW(_)) => 3,
         (None, OptimConfig::Sgd(c)) => u64::from(c.momentum > 0.0),
+        (None, OptimConfig::Muon(_)) => 3,
     }
 }
 

@@ -5,6 +5,7 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use super::adamw::{AccumAdamW, AdamW};
+use super::muon::Muon;
 use super::sgd::MomentumSgd;
 use crate::config::OptimConfig;
 use crate::flat::{FlatMut, FlatRef, Place};
@@ -151,10 +152,12 @@ impl Segments {
     }
 }
 
-/// Builds the configured optimizer for a flat buffer laid out as `segments`, its state in `place`.
+/// Builds the configured optimizer for a flat buffer laid out as `segments`, its state in `place`;
+/// `hidden[i]`: whether segment i is a hidden matrix (Muon's group; the others ignore it).
 pub fn build(
     cfg: &OptimConfig,
     segments: Vec<Segment>,
+    hidden: &[bool],
     numel: usize,
     place: &Place,
 ) -> Result<Box<dyn Optimizer>> {
@@ -163,6 +166,7 @@ pub fn build(
         OptimConfig::AdamW(c) => Box::new(AdamW::new(c, segs, numel, place)?),
         OptimConfig::Sgd(c) => Box::new(MomentumSgd::new(c, segs, numel, place)?),
         OptimConfig::AccumAdamW(c) => Box::new(AccumAdamW::new(c, segs, numel, place)?),
+        OptimConfig::Muon(c) => Box::new(Muon::new(c, segs, hidden, numel, place)?),
     })
 }
 

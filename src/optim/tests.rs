@@ -13,7 +13,7 @@ fn adamw_matches_torch() {
         weight_decay: 0.1,
     });
     let segs = vec![Segment::flat(0, 2, true), Segment::flat(2, 1, false)];
-    let mut opt = build(&cfg, segs, 3, &Place::Host).unwrap();
+    let mut opt = build(&cfg, segs, &[], 3, &Place::Host).unwrap();
     let mut p = vec![1.0f32, -2.0, 0.5];
     for t in 1..=3 {
         let g = [0.1 * t as f32, -0.2, 0.3 / t as f32];
@@ -69,7 +69,7 @@ fn accumadamw_follows_the_reference_recurrence() {
         weight_decay: 0.0,
         accum_steps: 2,
     });
-    let mut opt = build(&cfg, vec![Segment::flat(0, 1, true)], 1, &Place::Host).unwrap();
+    let mut opt = build(&cfg, vec![Segment::flat(0, 1, true)], &[], 1, &Place::Host).unwrap();
     let mut p = vec![0.0f32];
     let gs = [1.0f64, 3.0, -2.0, 0.5];
     // f64 transcription of Decent-DP's optim.py.
@@ -125,7 +125,7 @@ fn shards_updated_apart_are_the_whole_step() {
         .map(|c| {
             (
                 format!("{c:?}"),
-                build(c, segs.clone(), n, &Place::Host).unwrap(),
+                build(c, segs.clone(), &[], n, &Place::Host).unwrap(),
             )
         })
         .collect();
@@ -178,7 +178,7 @@ fn build_like(
     n: usize,
 ) -> Box<dyn Optimizer> {
     match configs.iter().find(|c| format!("{c:?}") == name) {
-        Some(c) => build(c, segs.to_vec(), n, &Place::Host).unwrap(),
+        Some(c) => build(c, segs.to_vec(), &[], n, &Place::Host).unwrap(),
         None => Box::new(Sgd::new(0.1, segs.to_vec())),
     }
 }
@@ -198,11 +198,11 @@ fn cut_segments_cover_the_range_from_its_start() {
 fn state_round_trips_and_rejects_another_optimizer() {
     let cfg = OptimConfig::AdamW(AdamWConfig::default());
     let seg = vec![Segment::flat(0, 2, true)];
-    let mut a = build(&cfg, seg.clone(), 2, &Place::Host).unwrap();
+    let mut a = build(&cfg, seg.clone(), &[], 2, &Place::Host).unwrap();
     let mut p = vec![1.0f32, 2.0];
     a.step((&mut p).into(), (&[0.5, -0.5][..]).into(), 0.01)
         .unwrap();
-    let mut b = build(&cfg, seg.clone(), 2, &Place::Host).unwrap();
+    let mut b = build(&cfg, seg.clone(), &[], 2, &Place::Host).unwrap();
     b.load_state(a.state().unwrap()).unwrap();
     let mut p2 = p.clone();
     let g = [0.1f32, 0.2];
@@ -212,6 +212,7 @@ fn state_round_trips_and_rejects_another_optimizer() {
     let mut c = build(
         &OptimConfig::AccumAdamW(AccumAdamWConfig::default()),
         seg,
+        &[],
         2,
         &Place::Host,
     )
@@ -261,8 +262,8 @@ fn a_scaled_step_is_the_step_of_the_scaled_gradient() {
         sgd(0.0, false),
         sgd(0.9, true),
     ] {
-        let mut a = for_run(&optim, dense, segs.clone(), 10, &Place::Host).unwrap();
-        let mut b = for_run(&optim, dense, segs.clone(), 10, &Place::Host).unwrap();
+        let mut a = for_run(&optim, dense, segs.clone(), &[], 10, &Place::Host).unwrap();
+        let mut b = for_run(&optim, dense, segs.clone(), &[], 10, &Place::Host).unwrap();
         let (mut pa, mut pb) = (vec![0.3f32; 10], vec![0.3f32; 10]);
         for t in 0..4 {
             let g: Vec<f32> = (0..10).map(|i| (i as f32 - 4.5) * (t + 1) as f32).collect();
@@ -295,7 +296,7 @@ fn state_buffers_counts_what_the_optimizers_hold() {
     for optim in [OptimConfig::default(), accum, sgd(0.0), sgd(0.9)] {
         let numel = 10;
         let seg = vec![Segment::flat(0, numel, true)];
-        let mut opt = for_run(&optim, dense, seg, numel, &Place::Host).unwrap();
+        let mut opt = for_run(&optim, dense, seg, &[], numel, &Place::Host).unwrap();
         let mut p = vec![1.0f32; numel];
         opt.step((&mut p).into(), (&[0.5; 10][..]).into(), 0.1)
             .unwrap();

@@ -97,7 +97,7 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
     // Parameters and gradient (the local engine's reductions copy nothing; its all-gathers keep their
     // last message, counted by the backends that gather).
     let cuda = t.device == crate::config::train::Device::Cuda;
-    let shared = super::replica::shared_by(plan, cuda);
+    let shared = super::replica::shared_by(plan, &t.optim, cuda);
     // A shared replica holds the parameters, the optimizer's buffers and the replicas' average.
     let (state, replica) = if shared {
         (4 * (numel + sync.kept), 4 * numel * (2 + optimizer))

@@ -92,7 +92,11 @@ pub(crate) fn parts(numel: usize, world: usize) -> Parts {
 
 /// Whether the workers of `plan` share one replica: on the local engine, with more than one worker on
 /// the CPU, when the backend's replicas stay equal.
-pub(crate) fn shared_by(plan: &crate::plan::Plan, cuda: bool) -> bool {
+pub(crate) fn shared_by(
+    plan: &crate::plan::Plan,
+    optim: &crate::config::OptimConfig,
+    cuda: bool,
+) -> bool {
     matches!(
         plan.engine,
         crate::config::Engine::Local | crate::config::Engine::Auto
@@ -100,6 +104,7 @@ pub(crate) fn shared_by(plan: &crate::plan::Plan, cuda: bool) -> bool {
         && !cuda
         && plan.sync.replicas_stay_equal()
         && plan.membership.is_none()
+        && crate::optim::elementwise(optim, plan.sync.plain_sgd_in_loop())
 }
 
 impl Replica {

@@ -184,7 +184,7 @@ impl<'s> Worker<'s> {
         let mut sync = crate::sync::build(&plan.sync, comm, segments.clone())?;
         let mut dropout = ChaCha8Rng::seed_from_u64(t.seed ^ DROPOUT_KEY);
         dropout.set_stream(sync.rank() as u64);
-        let shared = replica::shared_by(plan, device.is_cuda());
+        let shared = replica::shared_by(plan, &t.optim, device.is_cuda());
         let parts = replica::parts(model.params.numel, sync.world_size());
         let replica = Self::replica(setup, &model, sync.as_mut(), shared, &segments)?;
         let sync_id = sync.comm().id();
@@ -254,6 +254,7 @@ impl<'s> Worker<'s> {
                     &t.optim,
                     setup.plan.sync.plain_sgd_in_loop(),
                     segments.to_vec(),
+                    &model.params.hidden_matrices(),
                     numel,
                     place,
                 )?,

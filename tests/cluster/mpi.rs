@@ -234,17 +234,25 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
     }
 }
 
-/// DiLoCo (streaming with fp8, and with PowerSGD pseudo-gradients), SPARTA and DeMo on MPI give the local
-/// engine's rows bit for bit at 2 and 4 ranks, and an MPI run stopped mid-period resumes exactly.
+/// DiLoCo (streaming with fp8, with Muon inside (MuLoCo), and with PowerSGD pseudo-gradients), SPARTA and
+/// DeMo on MPI give the local engine's rows bit for bit at 2 and 4 ranks, and an MPI run stopped
+/// mid-period resumes exactly.
 #[test]
 fn low_communication_backends_match_the_local_engine_and_resume_under_mpi() {
     let _turn = crate::turn();
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
-    let cases: [&[&str]; 4] = [
+    let cases: [&[&str]; 5] = [
         &[
             "train.backend=\"diloco\"",
             "train.diloco={ sync_every = 4, fragments = 2, fragment_delay = 1, quantize = \"fp8\" }",
+        ],
+        // MuLoCo: Muon as DiLoCo's inner optimizer.
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4 }",
+            "train.optim={ name = \"muon\" }",
+            "train.lr_schedule.lr=0.02",
         ],
         &[
             "train.backend=\"diloco\"",

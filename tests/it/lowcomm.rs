@@ -121,8 +121,17 @@ fn sparta_with_p_one_is_parameter_averaging_every_step() {
 /// uninterrupted run bit for bit, and it learns.
 #[test]
 fn each_low_communication_backend_resumes_bit_for_bit() {
-    let cases: [&[&str]; 5] = [
+    let cases: [&[&str]; 7] = [
         &["train.backend=\"diloco\"", "train.diloco={ sync_every = 4 }"],
+        // MuLoCo: Muon inside DiLoCo; and Muon under all-reduce (whose workers then keep replicas of
+        // their own: Muon has no range update for a shared one).
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4 }",
+            "train.optim={ name = \"muon\" }",
+            "train.lr_schedule.lr=0.02",
+        ],
+        &["train.optim={ name = \"muon\" }", "train.lr_schedule.lr=0.02"],
         &[
             "train.backend=\"diloco\"",
             "train.diloco={ sync_every = 4, fragments = 2, fragment_delay = 1, fragment_alpha = 0.5, quantize = \"fp8\" }",

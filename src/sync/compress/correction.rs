@@ -62,7 +62,7 @@ fn adam(numel: usize, betas: [f64; 2], eps: f64, place: &Place) -> Result<Box<dy
         weight_decay: 0.0,
     });
     let all = Segment::flat(0, numel, false);
-    optim::build(&cfg, vec![all], numel, place)
+    optim::build(&cfg, vec![all], &[], numel, place)
 }
 
 impl Reducer for Corrected {
