@@ -5,7 +5,10 @@ method of the low-communication family. Prints, per run: method, workers, final 
 against all-reduce at the same worker count, and the mean bytes sent per worker per step (rank 0's
 count; control traffic such as loss means is not in it).
 
-    python3 scripts/bench/lowcomm.py [--steps 600] [--workers 4 8]
+    python3 scripts/bench/lowcomm.py [--steps 600] [--workers 4 8] [--only "DiLoCo H=10" "MuLoCo H=10"]
+
+Muon's rows (all-reduce with Muon, and MuLoCo: Muon as DiLoCo's inner optimizer) take the reference's
+learning rate, 0.02 (its AdamW group 0.015x that), with the quick-start's cosine schedule scaled to it.
 
 Needs `./target/release/nanodist` (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 """
@@ -19,6 +22,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+MUON = ['train.optim={ name = "muon" }', "train.lr_schedule.lr=0.02", "train.lr_schedule.eta_min=0.002"]
+
 RUNS = [
     ("all-reduce", []),
     ("DiLoCo H=10", ['train.backend="diloco"', "train.diloco={ sync_every = 10 }"]),
@@ -28,6 +33,8 @@ RUNS = [
     ("DiLoCo H=50 + fp8", ['train.backend="diloco"', 'train.diloco={ sync_every = 50, quantize = "fp8" }']),
     ("SPARTA p=0.005", ['train.backend="sparta"', "train.sparta={ p = 0.005 }"]),
     ("DeMo", ['train.backend="demo"', 'train.optim={ name = "sgd" }']),
+    ("all-reduce Muon", MUON),
+    ("MuLoCo H=10", ['train.backend="diloco"', "train.diloco={ sync_every = 10 }"] + MUON),
 ]
 
 
@@ -35,14 +42,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--workers", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--only", nargs="+", help="methods besides all-reduce (names as in the table)")
     a = ap.parse_args()
+    runs = [r for r in RUNS if not a.only or r[0] == "all-reduce" or r[0] in a.only]
     exe = os.path.join(ROOT, "target", "release", "nanodist")
     out = tempfile.mkdtemp(prefix="nanodist-lowcomm-")
     atexit.register(shutil.rmtree, out, True)  # runs leave GBs of checkpoints
     table = []
     for workers in a.workers:
         base = None
-        for name, sets in RUNS:
+        for name, sets in runs:
             run = f"{name}-{workers}".replace(" ", "_").replace("=", "").replace("+", "")
             cmd = [exe, "train", os.path.join(ROOT, "config", "quickstart-char.toml"), "--workers", str(workers),
                    "--set", "train.global_batch_size=24", "--set", f"train.n_steps={a.steps}",

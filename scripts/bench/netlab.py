@@ -12,8 +12,9 @@ over every step), predicted ms/step, the error, and the bytes each rank sent a s
 With --slow-host RATE, host 1's link is shaped to RATE before calibration (one straggler's link): the
 profile then gives node 1 a link of its own, and the table shows which methods one slow link hurts most.
 
-With --target-loss L, every run evaluates every --eval-interval steps and the table adds the measured
-wall-clock to the first evaluation at or below L (the runs' own elapsed time) beside the predicted one.
+With --target-loss L, every run evaluates every --eval-interval steps and the table adds, for the first
+evaluation at or below L, the measured training time (the steps' own time, without the evaluations),
+the predicted one, and the run's elapsed wall-clock (evaluations included).
 
     sudo python3 scripts/bench/netlab.py [--hosts 2 4] [--rates 50mbit 500mbit] [--steps 30] [--only all-reduce DiLoCo]
 
@@ -82,10 +83,14 @@ def measured(rows):
 
 
 def reached(rows, loss):
-    """Measured seconds to the first evaluation at or below `loss` (None: not reached)."""
+    """(training seconds, elapsed seconds) to the first evaluation at or below `loss` (None: not reached).
+    Training seconds sum the rows' ms/step over their steps; elapsed adds the evaluations."""
+    train, prev = 0.0, 0
     for r in rows:
+        train += r["ms_per_step"] * (r["step"] - prev) / 1e3
+        prev = r["step"]
         if r.get("val_loss") is not None and r["val_loss"] <= loss:
-            return r.get("elapsed_s")
+            return train, r["elapsed_s"]
     return None
 
 
@@ -109,7 +114,7 @@ def main():
     head = ("| hosts | link | method | measured ms/step | predicted ms/step | error | predicted from FLOPs | "
             "sent/step |")
     if a.target_loss:
-        head += f" measured s to {a.target_loss} | predicted s |"
+        head += f" to {a.target_loss}: measured training s | predicted s | elapsed s |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     worst = 0.0
@@ -150,7 +155,8 @@ def lab_rows(a, out, methods, hosts, rate):
         if a.target_loss:
             t = reached(rows, a.target_loss)
             p = next((e["predicted_s"] for e in pred["evals"] if e["val_loss"] <= a.target_loss), None)
-            line += f" {'-' if t is None else f'{t:.1f}'} | {'-' if p is None else f'{p:.1f}'} |"
+            line += (f" {'-' if t is None else f'{t[0]:.1f}'} | {'-' if p is None else f'{p:.1f}'} |"
+                     f" {'-' if t is None else f'{t[1]:.1f}'} |")
         print(line, flush=True)
     return worst
 

@@ -481,22 +481,7 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
     let t = &cfg.train;
     schedule_rules(doc, t, &mut add, &mut placed);
     placed.extend(t.membership.problems(doc, world, t.n_steps));
-    if let super::OptimConfig::Sgd(o) = &t.optim {
-        if o.nesterov && o.momentum == 0.0 {
-            add(
-                "train.optim.nesterov",
-                "nesterov = true needs momentum > 0 (as torch.optim.SGD requires)".into(),
-            );
-        }
-    }
-    if matches!(t.optim, super::OptimConfig::Muon(_)) && t.device == super::Device::Cuda {
-        add(
-            "train.optim.name",
-            "Muon runs on the CPU only (its GPU path is not built): set train.device = \"cpu\", or \
-             train.optim.name = \"adamw\" on GPUs"
-                .into(),
-        );
-    }
+    optim_rules(t, &mut add);
 
     // Batch arithmetic: every batch (global, and the ramp-up's) = local x world x accumulation.
     let local = t.local_batch(world);
@@ -653,6 +638,26 @@ fn schedule_rules(
         add(
             "train.lr_schedule.eta_min",
             format!("eta_min = {} is above the peak lr = {}", c.eta_min, c.lr),
+        );
+    }
+}
+
+/// The optimizer's own rules.
+fn optim_rules(t: &super::TrainConfig, add: &mut impl FnMut(&str, String)) {
+    if let super::OptimConfig::Sgd(o) = &t.optim {
+        if o.nesterov && o.momentum == 0.0 {
+            add(
+                "train.optim.nesterov",
+                "nesterov = true needs momentum > 0 (as torch.optim.SGD requires)".into(),
+            );
+        }
+    }
+    if matches!(t.optim, super::OptimConfig::Muon(_)) && t.device == super::Device::Cuda {
+        add(
+            "train.optim.name",
+            "Muon runs on the CPU only (its GPU path is not built): set train.device = \"cpu\", or \
+             train.optim.name = \"adamw\" on GPUs"
+                .into(),
         );
     }
 }

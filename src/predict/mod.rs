@@ -210,6 +210,15 @@ pub struct CodecRate {
 }
 
 impl CodecRate {
+    /// " (topk at 0.473 GB/s, measured)".
+    fn describe(&self) -> String {
+        let source = match self.measured {
+            true => "measured",
+            false => "memory-bound estimate",
+        };
+        format!(" ({} at {:.3} GB/s, {source})", self.codec, self.gbps)
+    }
+
     fn on(c: codec::CodecName, device: &profile::DeviceSpec) -> Self {
         let (gbps, measured) = device.codec_rate(c);
         Self {
@@ -536,13 +545,10 @@ impl std::fmt::Display for Prediction {
         )?;
         writeln!(f, "update           {:.2} ms/step (optimizer)", a.update_ms)?;
         if a.codec_ms > 0.0 {
-            let how = self.codec_rate.as_ref().map_or(String::new(), |r| {
-                let source = match r.measured {
-                    true => "measured",
-                    false => "memory-bound estimate",
-                };
-                format!(" ({} at {:.3} GB/s, {source})", r.codec, r.gbps)
-            });
+            let how = self
+                .codec_rate
+                .as_ref()
+                .map_or(String::new(), CodecRate::describe);
             writeln!(f, "compression      {:.2} ms/step{how}", a.codec_ms)?;
         }
         writeln!(f, "collectives      (averaged over {} steps)", self.steps)?;
