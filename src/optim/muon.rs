@@ -3,10 +3,12 @@
 //! every other parameter (embeddings and the head tied to them, norms, biases) at `adam_lr_ratio` times
 //! the learning rate. Per hidden matrix G (rows x cols), step t:
 //!
-//!     m = m + (1 - beta) (g - m)                    (momentum.lerp_(grad, 1 - beta))
-//!     u = g + beta (m - g)  (Nesterov; else u = m)
-//!     X = NS5(u) sqrt(max(1, rows / cols))
-//!     p = (1 - lr wd) p - lr X
+//! ```text
+//! m = m + (1 - beta) (g - m)                    (momentum.lerp_(grad, 1 - beta))
+//! u = g + beta (m - g)  (Nesterov; else u = m)
+//! X = NS5(u) sqrt(max(1, rows / cols))
+//! p = (1 - lr wd) p - lr X
+//! ```
 //!
 //! NS5 transposes a tall matrix, divides by its Frobenius norm + 1e-7, and repeats `ns_steps` times
 //! A = X X^T, B = b A + c A A, X = a X + B X with (a, b, c) = (3.4445, -4.7750, 2.0315). The reference runs
