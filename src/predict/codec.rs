@@ -3,7 +3,6 @@
 //! writes the rates into a profile's `[device.codec_gbps]`, `predict` prices a compressing run's codec
 //! with them, and `examples/bench_reducers.rs` prints them against memcpy on GPT-2-small shapes.
 
-use std::ops::Range;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -221,17 +220,7 @@ fn choco(c: Compressor, tensors: &[Segment]) -> Pass {
 
 /// DiLoCo's quantized all-reduce of the pseudo-gradient at world 1, by rows (matrices' rows, vectors whole).
 fn quantized(q: Quantize, tensors: &[Segment]) -> Pass {
-    let rows: Vec<Range<usize>> = tensors
-        .iter()
-        .flat_map(|t| {
-            let (n, len) = if t.matrix {
-                (t.rows, t.cols)
-            } else {
-                (1, t.len)
-            };
-            (0..n).map(move |r| t.offset + r * len..t.offset + (r + 1) * len)
-        })
-        .collect();
+    let rows = crate::sync::diloco::rows_of(tensors);
     let mut comm = Solo;
     Box::new(move |g, _| crate::sync::quantize::all_reduce_mean(&mut comm, g, &rows, q))
 }

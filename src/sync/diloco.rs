@@ -66,7 +66,7 @@ pub struct Diloco {
 }
 
 /// Rows of the flat buffer: one per matrix row, one per vector.
-fn rows_of(tensors: &[Segment]) -> Vec<Range<usize>> {
+pub(crate) fn rows_of(tensors: &[Segment]) -> Vec<Range<usize>> {
     let mut rows = Vec::new();
     for t in tensors {
         if t.matrix {
