@@ -43,6 +43,9 @@ pub struct Config {
     pub train_data: Vec<DataSource>,
     /// Validation token sources (default: data_dir/val.bin).
     pub val_data: Vec<DataSource>,
+    /// How the training data is divided among the workers (default "shared": every worker samples the
+    /// whole blend, IID).
+    pub worker_data: WorkerData,
     /// Load token files into memory instead of memory-mapping them.
     pub in_memory: bool,
     /// Checkpoint to start from (a checkpoint directory or a run directory, whose newest valid checkpoint
@@ -57,6 +60,38 @@ pub struct Config {
     pub train: TrainConfig,
     /// Model architecture.
     pub model: ModelConfig,
+}
+
+/// `[worker_data]`: what each worker's training windows are drawn from, selected by `name`. Windows stay a
+/// pure function of (seed, step, row), so runs resume exactly; evaluation always samples the whole blend.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "name", deny_unknown_fields)]
+pub enum WorkerData {
+    /// Every worker samples the whole blend (IID data).
+    #[default]
+    #[serde(rename = "shared")]
+    Shared,
+    /// Worker r of N samples only the r-th of N contiguous shards of every source (different parts of
+    /// the corpus: documents, plays, books), with the blend's weights.
+    #[serde(rename = "shard")]
+    Shard,
+    /// Worker r samples the `train_data` sources with its own weights: row r of `weights` (row r mod
+    /// rows when there are fewer rows than workers), one weight per source.
+    #[serde(rename = "blend")]
+    Blend {
+        /// One row per worker, one non-negative weight per `train_data` source (a row may not be all 0).
+        weights: Vec<Vec<f64>>,
+    },
+}
+
+impl WorkerData {
+    pub fn name(&self) -> &'static str {
+        match self {
+            WorkerData::Shared => "shared",
+            WorkerData::Shard => "shard",
+            WorkerData::Blend { .. } => "blend",
+        }
+    }
 }
 
 /// One token source of a blend.
@@ -95,6 +130,7 @@ impl Default for Config {
             data_dir: "./data/openwebtext".into(),
             train_data: Vec::new(),
             val_data: Vec::new(),
+            worker_data: WorkerData::Shared,
             in_memory: false,
             checkpoint: None,
             checkpoint_mode: CheckpointMode::Full,

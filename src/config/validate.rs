@@ -169,7 +169,13 @@ impl<'a> Walker<'a> {
             let found = node.value.to_json();
             if !options.contains(&found) {
                 let names: Vec<&str> = options.iter().filter_map(J::as_str).collect();
-                self.enum_problem(path, node, &names);
+                if names.len() == options.len() {
+                    self.enum_problem(path, node, &names);
+                } else {
+                    let list: Vec<String> = options.iter().map(J::to_string).collect();
+                    let message = format!("found {found}, allowed: {}", list.join(", "));
+                    self.problem(path, node, message);
+                }
             }
         }
     }
@@ -482,6 +488,7 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
     schedule_rules(doc, t, &mut add, &mut placed);
     placed.extend(t.membership.problems(doc, world, t.n_steps));
     optim_rules(t, &mut add);
+    worker_data_rules(cfg, &mut add);
 
     // Batch arithmetic: every batch (global, and the ramp-up's) = local x world x accumulation.
     let local = t.local_batch(world);
@@ -569,6 +576,49 @@ fn warmup_too_long(doc: &Node, t: &super::TrainConfig, w: u64, end: u64) -> Prob
     );
     p.path = warmup_key.into();
     p
+}
+
+/// Non-IID data: a blend row per worker names a weight for every source, and some data; membership
+/// keeps every worker on the whole blend.
+fn worker_data_rules(cfg: &Config, add: &mut impl FnMut(&str, String)) {
+    let sources = cfg.train_data.len().max(1);
+    if let super::WorkerData::Blend { weights } = &cfg.worker_data {
+        let bad = weights.iter().enumerate().find_map(|(r, row)| {
+            let why = if row.len() != sources {
+                format!(
+                    "has {} weights, train_data has {sources} source(s)",
+                    row.len()
+                )
+            } else if row.iter().any(|w| !(w.is_finite() && *w >= 0.0)) {
+                "has a weight that is negative or not finite".to_string()
+            } else if row.iter().all(|&w| w == 0.0) {
+                "gives every source weight 0".to_string()
+            } else {
+                return None;
+            };
+            Some(format!(
+                "row {r} {why}; give each row one weight >= 0 per source, not all 0"
+            ))
+        });
+        match (weights.is_empty(), bad) {
+            (true, _) => add(
+                "worker_data.weights",
+                "give at least one row of weights".into(),
+            ),
+            (_, Some(why)) => add("worker_data.weights", why),
+            _ => {}
+        }
+    }
+    if cfg.worker_data != super::WorkerData::Shared && !cfg.train.membership.is_empty() {
+        add(
+            "worker_data.name",
+            format!(
+                "worker_data = {:?} with [train.membership] is not supported: a worker that is away \
+                 leaves its data unread; use \"shared\"",
+                cfg.worker_data.name()
+            ),
+        );
+    }
 }
 
 /// The learning-rate schedule's rules: one way to give the warm-up, keys that belong to other schedules,

@@ -8,6 +8,6 @@ pub mod tokenizer;
 
 pub use format::TokenFile;
 pub use prepare::{prepare, Meta, OutputFormat, PrepareOptions, TokenizerKind};
-pub use sampler::{eval_batch, Batch, Sampler};
+pub use sampler::{eval_batch, Batch, Sampler, View};
 pub use source::{open_source, Blend, Split};
 pub use tokenizer::Tokenizer;

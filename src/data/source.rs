@@ -65,16 +65,22 @@ impl Blend {
             f.check_vocab(vocab_size)?;
             files.push(f);
         }
-        let total: f64 = sources.iter().map(|s| s.weight).sum();
+        let weights: Vec<f64> = sources.iter().map(|s| s.weight).collect();
+        Ok(Self::from_files(files, &weights))
+    }
+
+    /// A blend of already opened files with relative `weights`.
+    pub fn from_files(files: Vec<TokenFile>, weights: &[f64]) -> Self {
+        let total: f64 = weights.iter().sum();
         let mut acc = 0.0;
-        let cumulative = sources
+        let cumulative = weights
             .iter()
-            .map(|s| {
-                acc += s.weight / total;
+            .map(|w| {
+                acc += w / total;
                 acc
             })
             .collect();
-        Ok(Self { files, cumulative })
+        Self { files, cumulative }
     }
 
     /// A blend of already opened files (tests, eval of one file).
@@ -85,12 +91,9 @@ impl Blend {
         }
     }
 
-    /// Index of the file that uniform `u` in [0, 1) selects.
-    pub fn pick(&self, u: f64) -> usize {
-        self.cumulative
-            .iter()
-            .position(|&c| u < c)
-            .unwrap_or(self.files.len() - 1)
+    /// The sources' cumulative normalised weights.
+    pub fn cumulative(&self) -> &[f64] {
+        &self.cumulative
     }
 
     pub fn total_tokens(&self) -> usize {

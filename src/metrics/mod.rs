@@ -77,6 +77,10 @@ pub struct Row {
     /// Compressed gossip (CHOCO): the consensus step gamma, as given or tuned ("auto").
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub consensus_step: Option<f64>,
+    /// Non-IID data (`[worker_data]`): per worker (rank order), the training windows it drew from each
+    /// `train_data` source since the previous row.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub source_windows: Option<Vec<Vec<u64>>>,
     /// Runs with `[train.membership]`: the workers that took part in the row's last step.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub workers: Option<u64>,

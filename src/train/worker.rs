@@ -11,9 +11,9 @@ use super::compute::Compute;
 use super::console::{Console, Interval};
 use super::replica::{self, Replica};
 use super::{Exit, Setup, Summary};
-use crate::comm::Communicator;
+use crate::comm::{pack_u64, unpack_u64, Communicator};
 use crate::config::CheckpointMode;
-use crate::data::{eval_batch, Blend, Sampler, Split};
+use crate::data::{eval_batch, Blend, Sampler, Split, View};
 use crate::flat::{Flat, FlatMut, FlatRef};
 use crate::kernels::Segment;
 use crate::metrics::{Row, Tracker};
@@ -195,7 +195,16 @@ impl<'s> Worker<'s> {
             grads: model.place().zeros_for_collectives(model.params.numel)?,
             model,
             sync,
-            sampler: Sampler::new(t.seed),
+            sampler: Sampler::new(
+                t.seed,
+                View::of(
+                    &setup.train_data,
+                    &cfg.worker_data,
+                    sync_id,
+                    plan.world_size,
+                    t.context_length + 1,
+                )?,
+            ),
             dropout,
             progress: Progress::default(),
             segments: checkpoint::continue_segments(None, 0, cfg),
@@ -584,6 +593,7 @@ impl<'s> Worker<'s> {
         row.mfu = self
             .mfu_peak
             .map(|peak| plan.flops_per_token as f64 * row.tokens_per_s / peak);
+        row.source_windows = self.source_windows()?;
         row.compression_ratio = m.compression_ratio;
         row.compression_error = m.compression_error;
         row.topk_overlap = m.topk_overlap;
@@ -599,6 +609,21 @@ impl<'s> Worker<'s> {
         }
         self.since_log = Interval::new(self.sync.comm_stats());
         Ok(())
+    }
+
+    /// With non-IID data, the windows each worker drew from each source since the last row (rank order);
+    /// their exchange is bookkeeping.
+    fn source_windows(&mut self) -> Result<Option<Vec<Vec<u64>>>> {
+        let counts = self.sampler.take_counts();
+        if self.setup.cfg.worker_data == crate::config::WorkerData::Shared {
+            return Ok(None);
+        }
+        let n = self.sync.world_size();
+        let mine: Vec<f32> = counts.iter().flat_map(|&c| pack_u64(c)).collect();
+        let mut all = vec![0.0f32; mine.len() * n];
+        self.control(|w| w.sync.comm_mut().all_gather(&mine, &mut all))?;
+        let unpack = |w: &[f32]| w.chunks(2).map(|c| unpack_u64([c[0], c[1]])).collect();
+        Ok(Some(all.chunks(mine.len().max(1)).map(unpack).collect()))
     }
 
     /// The evaluation before the first step (`log.eval_at_start`): a row at step 0 whose `train_loss` is

@@ -415,3 +415,68 @@ fn the_openwebtext_script_prepares_parquet_shards_as_the_seed_configs_expect() {
     let bad = run(&["--nope"]);
     assert_eq!(bad.status.code(), Some(2));
 }
+
+/// Non-IID data: one source with a one-row blend is today's sampler bit for bit; shards and per-worker
+/// blends train, resume exactly, and the rows say what each worker read.
+#[test]
+fn workers_with_their_own_data_resume_exactly_and_log_their_sources() {
+    let d = tempfile::tempdir().unwrap();
+    common::make_data(d.path());
+    let run =
+        |name: &str, set: &[&str]| common::rows_of(&common::train_tiny(d.path(), name, 2, set));
+    let shared = run("shared", &[]);
+    let one_row = run(
+        "one",
+        &[r#"worker_data={ name = "blend", weights = [[2.0]] }"#],
+    );
+    assert_eq!(
+        shared.iter().map(common::exact).collect::<Vec<_>>(),
+        one_row.iter().map(common::exact).collect::<Vec<_>>()
+    );
+    assert!(shared.iter().all(|r| r.source_windows.is_none()));
+    let (train, val) = (d.path().join("train.bin"), d.path().join("val.bin"));
+    let sources = format!(
+        "train_data=[{{ path = {:?} }}, {{ path = {:?} }}]",
+        train.display().to_string(),
+        val.display().to_string()
+    );
+    let cases = [
+        vec![r#"worker_data={ name = "shard" }"#.to_string()],
+        vec![
+            sources,
+            r#"worker_data={ name = "blend", weights = [[1.0, 0.0], [0.0, 1.0]] }"#.into(),
+        ],
+    ];
+    for (i, case) in cases.iter().enumerate() {
+        let mut set: Vec<&str> = case.iter().map(String::as_str).collect();
+        set.push("train.backend=\"diloco\"");
+        set.push("train.diloco={ sync_every = 4 }");
+        let full = run(&format!("full{i}"), &set);
+        let mut first = set.clone();
+        first.push("train.exit_interval=5");
+        run(&format!("cut{i}"), &first);
+        let cut = run(&format!("cut{i}"), &set);
+        assert_eq!(
+            full.iter().map(common::exact).collect::<Vec<_>>(),
+            cut.iter().map(common::exact).collect::<Vec<_>>(),
+            "{case:?}"
+        );
+        assert_ne!(
+            full[3].train_loss, shared[3].train_loss,
+            "{case:?}: other data"
+        );
+        let windows = full.iter().filter_map(|r| r.source_windows.clone());
+        let total: Vec<Vec<u64>> = windows.fold(Vec::new(), |acc, w| match acc.is_empty() {
+            true => w,
+            false => acc
+                .iter()
+                .zip(&w)
+                .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x + y).collect())
+                .collect(),
+        });
+        assert_eq!(total.len(), 2, "{case:?}: a count per worker");
+        if i == 1 {
+            assert!(total[0][1] == 0 && total[1][0] == 0 && total[0][0] > 0 && total[1][1] > 0);
+        }
+    }
+}
