@@ -7,6 +7,9 @@ count; control traffic such as loss means is not in it).
 
     python3 scripts/bench/lowcomm.py [--steps 600] [--workers 4 8] [--only "DiLoCo H=10" "MuLoCo H=10"]
 
+SparseLoCo's rows (2-bit values, 3% and the default 1.5% of each chunk of 4096, error-feedback decay 0.95)
+run DiLoCo's outer SGD at lr 1 without momentum, as the paper does.
+
 Muon's rows (all-reduce with Muon, and MuLoCo: Muon as DiLoCo's inner optimizer) take the reference's
 learning rate, 0.02 (its AdamW group 0.015x that), with the quick-start's cosine schedule scaled to it.
 
@@ -24,6 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 MUON = ['train.optim={ name = "muon" }', "train.lr_schedule.lr=0.02", "train.lr_schedule.eta_min=0.002"]
 
+# SparseLoCo's outer step: plain SGD at lr 1 (its decaying error feedback stands in for the momentum).
+SPARSELOCO = ['train.backend="diloco"', "train.diloco={ sync_every = 10, outer_lr = 1.0, outer_momentum = 0.0 }"]
+
 RUNS = [
     ("all-reduce", []),
     ("DiLoCo H=10", ['train.backend="diloco"', "train.diloco={ sync_every = 10 }"]),
@@ -33,6 +39,17 @@ RUNS = [
     ("DiLoCo H=50 + fp8", ['train.backend="diloco"', 'train.diloco={ sync_every = 50, quantize = "fp8" }']),
     ("SPARTA p=0.005", ['train.backend="sparta"', "train.sparta={ p = 0.005 }"]),
     ("DeMo", ['train.backend="demo"', 'train.optim={ name = "sgd" }']),
+    ("DiLoCo H=10 + fp8", ['train.backend="diloco"', 'train.diloco={ sync_every = 10, quantize = "fp8" }']),
+    ("SparseLoCo H=10 2-bit 3%", SPARSELOCO + ['train.compression={ name = "sparseloco", density = 0.03 }']),
+    ("SparseLoCo H=10 2-bit 1.5%", SPARSELOCO + ['train.compression={ name = "sparseloco" }']),
+    ("SparseLoCo H=10 f32 3%", SPARSELOCO + ['train.compression={ name = "sparseloco", density = 0.03, bits = 32 }']),
+    ("SparseLoCo H=10 2-bit 100%", SPARSELOCO + ['train.compression={ name = "sparseloco", density = 1.0 }']),
+    ("DiLoCo H=10 eager", ['train.backend="diloco"', "train.diloco={ sync_every = 10, eager = true }"]),
+    ("LocalSGD H=10", ['train.backend="diloco"', "train.diloco={ sync_every = 10, outer_lr = 1.0, outer_momentum = 0.0 }"]),
+    ("LocalSGD H=10 eager", ['train.backend="diloco"',
+                             "train.diloco={ sync_every = 10, outer_lr = 1.0, outer_momentum = 0.0, eager = true }"]),
+    ("SparseLoCo H=10 2-bit 3% Nesterov", ['train.backend="diloco"', "train.diloco={ sync_every = 10 }",
+                                           'train.compression={ name = "sparseloco", density = 0.03 }']),
     ("all-reduce Muon", MUON),
     ("MuLoCo H=10", ['train.backend="diloco"', "train.diloco={ sync_every = 10 }"] + MUON),
 ]

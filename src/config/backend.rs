@@ -127,6 +127,10 @@ pub enum Compression {
     /// PowerSGD low-rank compression (PyTorch's hook, or the one-all-reduce alternating variant).
     #[serde(rename = "powersgd")]
     PowerSgd(PowerSgdConfig),
+    /// diloco only: SparseLoCo, chunk-wise top-k of the pseudo-gradient with values quantized to `bits`
+    /// and a decaying error feedback (arXiv 2508.15706); (index, value) messages are all-gathered.
+    #[serde(rename = "sparseloco")]
+    SparseLoco(SparseLocoConfig),
 }
 
 impl Compression {
@@ -138,6 +142,7 @@ impl Compression {
             Compression::RandomK(_) => "randomk",
             Compression::Qsgd(_) => "qsgd",
             Compression::Sign(_) => "sign",
+            Compression::SparseLoco(_) => "sparseloco",
         }
     }
 
@@ -148,7 +153,7 @@ impl Compression {
             Compression::RandomK(c) => c.consensus_step,
             Compression::Qsgd(c) => c.consensus_step,
             Compression::Sign(c) => c.consensus_step,
-            Compression::Radius(_) | Compression::PowerSgd(_) => None,
+            Compression::Radius(_) | Compression::PowerSgd(_) | Compression::SparseLoco(_) => None,
         }
     }
 }
@@ -259,6 +264,37 @@ impl TopKConfig {
     /// Whether the reducer keeps a residual (the default).
     pub fn error_feedback_on(&self) -> bool {
         self.error_feedback.unwrap_or(true)
+    }
+}
+
+/// SparseLoCo options (defaults: the paper's 2-bit values, chunks of 4096, error-feedback decay 0.95).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct SparseLocoConfig {
+    /// Fraction of each chunk's entries sent per sync, in (0, 1] (k = max(floor(density * chunk), 1)).
+    #[schemars(extend("exclusiveMinimum" = 0), range(max = 1.0))]
+    pub density: f64,
+    /// Consecutive entries of a tensor that choose their top k together (the last chunk of a tensor may
+    /// be shorter); an index travels in ceil(log2(chunk)) bits.
+    #[schemars(range(min = 1, max = 65536))]
+    pub chunk: usize,
+    /// Bits per sent value: 2, 4 or 8 (a per-tensor statistical quantizer), or 32 (f32, unquantized).
+    #[schemars(extend("enum" = [2, 4, 8, 32]))]
+    pub bits: u32,
+    /// Decay beta of the error feedback, e <- beta e + delta before each selection; it stands in for the
+    /// outer momentum (the paper runs the outer SGD without momentum).
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub error_decay: f64,
+}
+
+impl Default for SparseLocoConfig {
+    fn default() -> Self {
+        Self {
+            density: 0.015625,
+            chunk: 4096,
+            bits: 2,
+            error_decay: 0.95,
+        }
     }
 }
 
@@ -418,6 +454,22 @@ pub struct DilocoConfig {
     pub fragment_alpha: f64,
     /// Pseudo-gradient quantization on the wire.
     pub quantize: Quantize,
+    /// Eager outer steps (Kale, Douillard, Donchev 2025, arXiv 2502.12996): the all-reduce of sync t runs
+    /// beside the next H inner steps; at sync t each worker steps with the average of sync t - 1 plus
+    /// 1 / N of (its own pseudo-gradient of t - its own of t - 1). Needs fragments = 1.
+    pub eager: bool,
+    /// Eager, f32 pseudo-gradients: the all-reduce is cut into this many pieces, one beside each of the
+    /// steps after the sync (default sync_every; at most sync_every). More pieces hide more of it behind
+    /// computation; each pays the link's latency once, so on high-latency links fewer can be faster
+    /// (`nanodist predict` shows both). Quantized or compressed pseudo-gradients go in one piece.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub eager_pieces: Option<u64>,
+    /// Hierarchical DiLoCo: ranks form groups of this many consecutive ranks (within a node when it
+    /// divides ranks_per_node) that all-reduce their gradients every step, and the groups run DiLoCo
+    /// among themselves. Must divide the world size; 1 (the default) is DiLoCo.
+    #[schemars(range(min = 1))]
+    pub group_size: u64,
 }
 
 impl Default for DilocoConfig {
@@ -431,6 +483,9 @@ impl Default for DilocoConfig {
             fragment_delay: 0,
             fragment_alpha: 0.0,
             quantize: Quantize::None,
+            eager: false,
+            eager_pieces: None,
+            group_size: 1,
         }
     }
 }

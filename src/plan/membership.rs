@@ -144,6 +144,18 @@ pub(super) fn problems(doc: &Node, engine: Engine, sync: &SyncPlan) -> Vec<Probl
              feedback has no defined state; remove [train.compression] or [train.membership]"
                 .into(),
         ),
+        SyncPlan::Diloco { cfg, .. } if cfg.group_size > 1 => add(
+            "train.diloco.group_size",
+            "membership with hierarchical DiLoCo is not supported yet: a group that loses a member no \
+             longer steps alike; set group_size = 1"
+                .into(),
+        ),
+        SyncPlan::Diloco { cfg, .. } if cfg.eager => add(
+            "train.diloco.eager",
+            "membership with eager outer steps is not supported yet: the all-reduce in flight across \
+             a change has no defined members; set eager = false"
+                .into(),
+        ),
         SyncPlan::Diloco { cfg, .. } if cfg.fragment_delay > 0 => add(
             "train.diloco.fragment_delay",
             "membership with fragments in flight across steps is not supported yet: set \

@@ -48,7 +48,7 @@ pub(super) fn sync_plan(
                 Some(c) => Some(reducer_plan(t, c, &mut add)?),
                 None => None,
             };
-            diloco_plan(t, reducer, &mut add)
+            diloco_plan(t, reducer, world, &mut add)
         }
         (Backend::Sparta, _) => SyncPlan::Sparta {
             p: t.sparta.clone().unwrap_or_default().p,
@@ -131,6 +131,20 @@ fn reducer_plan(
             correction: radius_correction(t, r.correction, add),
         },
         Compression::PowerSgd(p) => powersgd_plan(t, p, add),
+        Compression::SparseLoco(c) if t.backend == Backend::Diloco => {
+            ReducerPlan::SparseLoco(c.clone())
+        }
+        Compression::SparseLoco(_) => {
+            add(
+                "train.compression.name",
+                format!(
+                    "\"sparseloco\" compresses DiLoCo's pseudo-gradients (backend = \"diloco\"), but backend = \
+                     {:?}; for gradients take \"topk\"",
+                    t.backend.name()
+                ),
+            );
+            return None;
+        }
     })
 }
 
@@ -276,7 +290,7 @@ fn choco_plan(
             bucket: q.bucket,
         },
         Compression::Sign(_) => Compressor::Sign,
-        Compression::Radius(_) | Compression::PowerSgd(_) => {
+        Compression::Radius(_) | Compression::PowerSgd(_) | Compression::SparseLoco(_) => {
             add(
                 "train.compression.name",
                 format!(
@@ -319,10 +333,20 @@ fn choco_plan(
 fn diloco_plan(
     t: &crate::config::TrainConfig,
     reducer: Option<ReducerPlan>,
+    world: usize,
     add: &mut dyn FnMut(&str, String),
 ) -> SyncPlan {
     let cfg = t.diloco.clone().unwrap_or_default();
     let (h, f) = (cfg.sync_every, cfg.fragments);
+    if !(world as u64).is_multiple_of(cfg.group_size) {
+        add(
+            "train.diloco.group_size",
+            format!(
+                "group_size = {} must divide the world size {world} (groups of consecutive ranks)",
+                cfg.group_size
+            ),
+        );
+    }
     if h % f != 0 {
         add(
             "train.diloco.fragments",
@@ -338,6 +362,32 @@ fn diloco_plan(
                 h / f
             ),
         );
+    }
+    if cfg.eager && f > 1 {
+        add(
+            "train.diloco.eager",
+            format!(
+                "eager outer steps overlap the whole model's all-reduce with the next {h} steps; with \
+                 fragments = {f} the streaming fragments overlap theirs (fragment_delay): set fragments = 1 \
+                 or eager = false"
+            ),
+        );
+    }
+    if let Some(p) = cfg.eager_pieces {
+        let whole = reducer.is_some() || cfg.quantize != Quantize::None;
+        let why = match (cfg.eager, whole) {
+            (false, _) => Some("eager_pieces cuts eager DiLoCo's all-reduce: it needs eager = true".to_string()),
+            (true, true) if p > 1 => Some(
+                "quantized or compressed pseudo-gradients go in one piece: remove eager_pieces".to_string(),
+            ),
+            _ if p > h => Some(format!(
+                "eager_pieces = {p}: at most sync_every = {h} (one piece beside each step up to the next sync)"
+            )),
+            _ => None,
+        };
+        if let Some(why) = why {
+            add("train.diloco.eager_pieces", why);
+        }
     }
     if f == 1 && (cfg.fragment_delay > 0 || cfg.fragment_alpha > 0.0) {
         add(

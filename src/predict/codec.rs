@@ -12,6 +12,7 @@ use crate::config::backend::{DemoConfig, PowerSgdConfig, Quantize, RadiusConfig}
 use crate::kernels::Segment;
 use crate::plan::SyncPlan;
 use crate::sync::choco::{Codec, Compressor};
+use crate::sync::compress::sparseloco::SparseLoco;
 use crate::sync::compress::{powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer};
 use crate::sync::plan::ReducerPlan;
 use crate::sync::SyncBackend;
@@ -29,10 +30,11 @@ pub enum CodecName {
     Fp8,
     Uint8,
     Demo,
+    SparseLoco,
 }
 
 impl CodecName {
-    pub const ALL: [CodecName; 10] = [
+    pub const ALL: [CodecName; 11] = [
         CodecName::TopK,
         CodecName::RandomK,
         CodecName::Qsgd,
@@ -43,6 +45,7 @@ impl CodecName {
         CodecName::Fp8,
         CodecName::Uint8,
         CodecName::Demo,
+        CodecName::SparseLoco,
     ];
 
     /// The profile's key.
@@ -58,6 +61,7 @@ impl CodecName {
             CodecName::Fp8 => "fp8",
             CodecName::Uint8 => "uint8",
             CodecName::Demo => "demo",
+            CodecName::SparseLoco => "sparseloco",
         }
     }
 
@@ -74,6 +78,9 @@ impl CodecName {
             CodecName::Fp8 => "fp8 e4m3 row-wise all-reduce codec",
             CodecName::Uint8 => "uint8 min-max row-wise all-reduce codec",
             CodecName::Demo => "DeMo (momentum, chunked DCT, top-32 of 64x64, sign)",
+            CodecName::SparseLoco => {
+                "SparseLoCo 64 of each 4096, 2-bit values (select, quantize, pack, decode)"
+            }
         }
     }
 }
@@ -83,6 +90,7 @@ fn reducer_codec(r: &ReducerPlan) -> CodecName {
         ReducerPlan::TopK(_) => CodecName::TopK,
         ReducerPlan::Radius { .. } => CodecName::Radius,
         ReducerPlan::PowerSgd { .. } => CodecName::PowerSgd,
+        ReducerPlan::SparseLoco(_) => CodecName::SparseLoco,
     }
 }
 
@@ -188,6 +196,10 @@ fn passes(codec: CodecName, tensors: &[Segment]) -> Pass {
             let mut demo =
                 crate::sync::demo::Demo::new(Box::new(Solo), DemoConfig::default(), 0.0, &t);
             Box::new(move |g, step| demo.reduce_grads(g, step, 1e-3))
+        }
+        CodecName::SparseLoco => {
+            let cfg = crate::config::backend::SparseLocoConfig::default();
+            reducer(Box::new(SparseLoco::new(t, &cfg)), false)
         }
     }
 }

@@ -140,6 +140,9 @@ pub struct CodecRates {
     /// DeMo's momentum, DCT, top-k and sign.
     #[schemars(extend("exclusiveMinimum" = 0))]
     pub demo: Option<f64>,
+    /// SparseLoCo's chunk-wise top-k, quantization and decoding.
+    #[schemars(extend("exclusiveMinimum" = 0))]
+    pub sparseloco: Option<f64>,
 }
 
 impl CodecRates {
@@ -160,6 +163,7 @@ impl CodecRates {
             CodecName::Fp8 => self.fp8,
             CodecName::Uint8 => self.uint8,
             CodecName::Demo => self.demo,
+            CodecName::SparseLoco => self.sparseloco,
         }
     }
 }

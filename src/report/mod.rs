@@ -139,6 +139,9 @@ impl Run {
             Some(Compression::RandomK(c)) => s += &format!(" + randomk {}", c.density),
             Some(Compression::Qsgd(c)) => s += &format!(" + qsgd s{}", c.levels),
             Some(Compression::Sign(_)) => s += " + sign",
+            Some(Compression::SparseLoco(c)) => {
+                s += &format!(" + sparseloco {} {}-bit", c.density, c.bits)
+            }
             None => {}
         }
         s

@@ -14,6 +14,19 @@
 //! pseudo-gradient: the residual is part of the delta that was not averaged yet, so nothing of the
 //! workers' progress is dropped, only delayed by H steps. Its step counter counts syncs.
 //!
+//! Hierarchical DiLoCo (`group_size` G > 1; torchft issue 171, Prime's data parallel inside a node and
+//! DiLoCo across): G consecutive ranks form a group that all-reduces its gradients every step, so its
+//! members step alike; the pseudo-gradient average over all ranks is then the average over the groups.
+//! G = 1 is DiLoCo; G = world with outer lr 1 and momentum 0 is data-parallel training.
+//!
+//! Eager outer steps (`eager`, Kale, Douillard, Donchev 2025, arXiv 2502.12996, its "eager updates"): at
+//! sync t each worker takes its pseudo-gradient delta_t, starts its all-reduce, which runs beside the next
+//! H inner steps, and steps its own outer model at once with the proxy
+//! `mean_{t-1} + (delta_t - delta_{t-1}) / N`: its own share of sync t and the others' shares of sync
+//! t - 1, whose average has arrived by then. Every worker's delta enters each outer model once, the
+//! others' one period late. The outer models (and momenta) differ between workers by their own last
+//! shares; evaluation and checkpoints take their mean.
+//!
 //! Fragments are contiguous ranges of the name-ordered flat buffer cut on row boundaries (a row: one row
 //! of a matrix, or a whole vector), of about numel / F values each.
 
@@ -24,7 +37,7 @@ use anyhow::{bail, Result};
 use super::compress::{self, take, Reducer, State};
 use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
-use crate::comm::{all_reduce_mean_flat, pack_u64, unpack_u64, Communicator};
+use crate::comm::{all_reduce_mean, all_reduce_mean_flat, pack_u64, unpack_u64, Communicator};
 use crate::config::backend::{DilocoConfig, Quantize};
 use crate::flat::{Flat, FlatMut, FlatRef, Place};
 use crate::kernels::optim as kernels;
@@ -43,7 +56,8 @@ struct InFlight {
     /// Inner steps done at the sync point.
     sync_at: u64,
     delta: Flat,
-    reduced: bool,
+    /// Pieces of `delta` averaged so far (of `Diloco::pieces`).
+    done: u64,
 }
 
 pub struct Diloco {
@@ -61,6 +75,8 @@ pub struct Diloco {
     inflight: Option<InFlight>,
     /// Fragment syncs so far (the reducer's step).
     syncs: u64,
+    /// Eager: this rank's own pseudo-gradient of the last sync (empty before the first).
+    previous: Flat,
     /// This rank's pseudo-gradient norm and distance from the average at the last sync, until logged.
     pending: Option<(f64, f64)>,
 }
@@ -134,6 +150,7 @@ impl Diloco {
             momentum: Flat::Host(Vec::new()),
             inflight: None,
             syncs: 0,
+            previous: Flat::Host(Vec::new()),
             pending: None,
         })
     }
@@ -184,6 +201,51 @@ impl Diloco {
         // The distance from the average: || -local + mean || (the `mix` kernel), which is || local - mean ||.
         local.as_mut().mix(delta.as_ref(), -1.0)?;
         self.pending = Some((local_norm, norm(local.as_ref())?));
+        Ok(())
+    }
+
+    /// Pieces an in-flight pseudo-gradient of `len` values is averaged in, one beside each step: eager
+    /// f32 all-reduces are spread over `eager_pieces` (default H) steps after the sync; the rest go whole.
+    fn pieces(&self, len: usize) -> u64 {
+        let plain = self.reducer.is_none() && self.cfg.quantize == Quantize::None;
+        match self.cfg.eager && plain {
+            true => self
+                .cfg
+                .eager_pieces
+                .unwrap_or(self.cfg.sync_every)
+                .min(len as u64)
+                .max(1),
+            false => 1,
+        }
+    }
+
+    /// Averages the next piece of the pseudo-gradient in flight (all of it when it goes whole).
+    fn reduce_piece(&mut self, f: &mut InFlight) -> Result<()> {
+        let (len, pieces) = (f.delta.len(), self.pieces(f.delta.len()));
+        if pieces == 1 {
+            self.reduce(f.fragment, &mut f.delta)?;
+            f.done = 1;
+            return Ok(());
+        }
+        let r = crate::comm::chunk(len, pieces as usize, f.done as usize);
+        let mut piece = f.delta.place().zeros(r.len())?;
+        piece.as_mut().copy_from(0, f.delta.as_ref(), r.clone())?;
+        all_reduce_mean_flat(self.comm.as_mut(), piece.as_mut())?;
+        f.delta
+            .as_mut()
+            .copy_from(r.start, piece.as_ref(), 0..r.len())?;
+        f.done += 1;
+        if f.done == pieces {
+            // The whole average is in: this rank's distance from it (its own delta is `previous`).
+            self.syncs += 1;
+            let mut local = f.delta.place().zeros(len)?;
+            local
+                .as_mut()
+                .copy_from(0, self.previous.as_ref(), 0..len)?;
+            let local_norm = norm(local.as_ref())?;
+            local.as_mut().mix(f.delta.as_ref(), -1.0)?;
+            self.pending = Some((local_norm, norm(local.as_ref())?));
+        }
         Ok(())
     }
 
@@ -271,10 +333,131 @@ impl Diloco {
         }
     }
 
+    /// Eager: step `step` averages piece `step mod H` of the last sync's pseudo-gradient, beside its
+    /// computation (all of it in the step after the sync when it goes whole).
+    fn eager_comm(&self, step: u64) -> Vec<Collective> {
+        let (h, n) = (self.cfg.sync_every, self.world_size());
+        let (sync, piece) = (step - step % h, step % h);
+        let len = self.fragments[0].range.len();
+        let pieces = self.pieces(len);
+        if sync == 0 || piece >= pieces {
+            return Vec::new();
+        }
+        let overlap = Overlap::Compute;
+        match (&self.reducer, self.cfg.quantize) {
+            (None, Quantize::None) => {
+                let words = crate::comm::chunk(len, pieces as usize, piece as usize).len() as u64;
+                vec![Collective::world(Op::AllReduce { words }, n, overlap)]
+            }
+            (Some(r), _) => r
+                .step_comm(n, sync / h - 1)
+                .into_iter()
+                .map(|c| Collective { overlap, ..c })
+                .collect(),
+            (None, q) => super::quantize::collectives(&self.fragments[0].rows, q, n, overlap),
+        }
+    }
+
+    /// An eager sync point (see the module's doc): the proxy step, then this sync's all-reduce in flight.
+    fn eager_sync(&mut self, mut params: FlatMut<'_>, done: u64) -> Result<()> {
+        let place = params.as_ref().place();
+        self.settle(&place)?;
+        let mean = match self.inflight.take() {
+            Some(mut f) if f.sync_at == done => {
+                while f.done < self.pieces(f.delta.len()) {
+                    self.reduce_piece(&mut f)?;
+                }
+                Some(f.delta)
+            }
+            other => {
+                self.inflight = other;
+                None
+            }
+        };
+        let delta = self.delta(0, params.as_ref())?;
+        let n = delta.len();
+        // (delta - previous) / N + mean: the `mix` kernel twice (x <- own x + b).
+        let mut proxy = place.zeros(n)?;
+        if self.previous.is_empty() {
+            proxy.as_mut().copy_from(0, delta.as_ref(), 0..n)?;
+        } else {
+            proxy.as_mut().copy_from(0, self.previous.as_ref(), 0..n)?;
+            proxy.as_mut().mix(delta.as_ref(), -1.0)?;
+        }
+        let mean = match mean {
+            Some(m) => m,
+            None => place.zeros(n)?,
+        };
+        proxy
+            .as_mut()
+            .mix(mean.as_ref(), 1.0 / self.comm.world_size() as f32)?;
+        self.apply(0, proxy.as_ref(), params.reborrow())?;
+        let mut inflight = place.zeros(n)?;
+        inflight.as_mut().copy_from(0, delta.as_ref(), 0..n)?;
+        self.inflight = Some(InFlight {
+            fragment: 0,
+            sync_at: done + self.cfg.sync_every,
+            delta: inflight,
+            done: 0,
+        });
+        self.previous = delta;
+        Ok(())
+    }
+
+    /// The sync's collectives of step `step` (see `step_comm`).
+    fn sync_comm(&self, step: u64) -> Vec<Collective> {
+        let (delay, n) = (self.cfg.fragment_delay, self.world_size());
+        if self.cfg.eager {
+            return self.eager_comm(step);
+        }
+        let (at, overlap) = match delay {
+            0 => (step + 1, Overlap::None),
+            d => (step + d, Overlap::Compute),
+        };
+        let Some(f) = self.fragment_at(at) else {
+            return Vec::new();
+        };
+        let fragment = &self.fragments[f];
+        match (&self.reducer, self.cfg.quantize) {
+            (Some(r), _) => r
+                .step_comm(n, at / self.period() - 1)
+                .into_iter()
+                .map(|c| Collective { overlap, ..c })
+                .collect(),
+            (None, Quantize::None) => {
+                let words = fragment.range.len() as u64;
+                vec![Collective::world(Op::AllReduce { words }, n, overlap)]
+            }
+            (None, q) => super::quantize::collectives(&fragment.rows, q, n, overlap),
+        }
+    }
+
+    /// The ranks of this rank's group (hierarchical DiLoCo): `group_size` consecutive ranks.
+    fn group(&self) -> Vec<usize> {
+        let g = self.cfg.group_size as usize;
+        let first = self.comm.rank() / g * g;
+        (first..first + g).collect()
+    }
+
+    /// Every group's gradient all-reduce of a step (hierarchical DiLoCo), none with groups of one.
+    fn group_comm(&self) -> Vec<Collective> {
+        let (g, n) = (self.cfg.group_size as usize, self.world_size());
+        if g == 1 {
+            return Vec::new();
+        }
+        let words = self.fragments.last().map_or(0, |f| f.range.end) as u64;
+        vec![Collective {
+            op: Op::AllReduce { words },
+            groups: (0..n / g).map(|k| (k * g..(k + 1) * g).collect()).collect(),
+            overlap: Overlap::None,
+        }]
+    }
+
     /// Moves the state beside the parameters (a restored state is in host memory).
     fn settle(&mut self, place: &Place) -> Result<()> {
         self.backup.move_to(place)?;
         self.momentum.move_to(place)?;
+        self.previous.move_to(place)?;
         if let Some(f) = &mut self.inflight {
             f.delta.move_to(place)?;
         }
@@ -292,43 +475,35 @@ impl SyncBackend for Diloco {
     fn comm_mut(&mut self) -> &mut dyn Communicator {
         self.comm.as_mut()
     }
-    /// A fragment's pseudo-gradient averaged at its sync point: in the step that reaches it, or with
-    /// `fragment_delay` d in the step d before it, beside that step's forward and backward pass.
+    /// The groups' gradient all-reduce (hierarchical DiLoCo), then a fragment's pseudo-gradient
+    /// averaged at its sync point: in the step that reaches it, or with `fragment_delay` d in the step d
+    /// before it (eager: after it), beside that step's forward and backward pass.
     fn step_comm(&self, step: u64) -> Vec<Collective> {
-        let (delay, n) = (self.cfg.fragment_delay, self.world_size());
-        let at = if delay == 0 { step + 1 } else { step + delay };
-        let Some(f) = self.fragment_at(at) else {
-            return Vec::new();
-        };
-        let overlap = if delay == 0 {
-            Overlap::None
-        } else {
-            Overlap::Compute
-        };
-        let fragment = &self.fragments[f];
-        match (&self.reducer, self.cfg.quantize) {
-            (Some(r), _) => r
-                .step_comm(n, at / self.period() - 1)
-                .into_iter()
-                .map(|c| Collective { overlap, ..c })
-                .collect(),
-            (None, Quantize::None) => {
-                let words = fragment.range.len() as u64;
-                vec![Collective::world(Op::AllReduce { words }, n, overlap)]
-            }
-            (None, q) => super::quantize::collectives(&fragment.rows, q, n, overlap),
-        }
+        let mut out = self.group_comm();
+        out.extend(self.sync_comm(step));
+        out
     }
     fn has_pending(&self) -> bool {
-        self.inflight.as_ref().is_some_and(|f| !f.reduced)
+        self.inflight
+            .as_ref()
+            .is_some_and(|f| f.done < self.pieces(f.delta.len()))
     }
     fn communicate(&mut self) -> Result<()> {
         if let Some(mut f) = self.inflight.take() {
-            if !f.reduced {
-                self.reduce(f.fragment, &mut f.delta)?;
-                f.reduced = true;
+            if f.done < self.pieces(f.delta.len()) {
+                self.reduce_piece(&mut f)?;
             }
             self.inflight = Some(f);
+        }
+        Ok(())
+    }
+    /// Hierarchical DiLoCo: the mean gradient of this rank's group (its members then step alike).
+    fn reduce_grads(&mut self, grads: &mut [f32], _step: u64, _lr: f64) -> Result<()> {
+        let g = self.cfg.group_size as usize;
+        if g > 1 {
+            let group = self.group();
+            self.comm.group_all_reduce_sum(grads, &group)?;
+            crate::kernels::scale(grads, 1.0 / g as f32);
         }
         Ok(())
     }
@@ -352,6 +527,12 @@ impl SyncBackend for Diloco {
     /// Acts only at sync points (and at the step a delayed fragment's delta is taken).
     fn after_step_flat(&mut self, mut params: FlatMut<'_>, step: u64) -> Result<()> {
         let done = step + 1;
+        if self.cfg.eager {
+            return match self.fragment_at(done) {
+                Some(_) => self.eager_sync(params, done),
+                None => Ok(()),
+            };
+        }
         let at = done + self.cfg.fragment_delay;
         let arrives = self.inflight.as_ref().is_some_and(|f| f.sync_at == done);
         let leaves = self.fragment_at(at);
@@ -375,7 +556,7 @@ impl SyncBackend for Diloco {
                     fragment,
                     sync_at: at,
                     delta,
-                    reduced: false,
+                    done: 0,
                 });
             }
         }
@@ -392,6 +573,10 @@ impl SyncBackend for Diloco {
         }
         avg.clear();
         avg.extend_from_slice(&self.backup.to_host()?);
+        if self.cfg.eager && self.comm.world_size() > 1 {
+            // The workers' outer models differ by their own last shares: their mean.
+            all_reduce_mean(self.comm.as_mut(), avg)?;
+        }
         Ok((avg, None))
     }
     fn take_metrics(&mut self) -> Metrics {
@@ -437,9 +622,12 @@ impl SyncBackend for Diloco {
         s.push(("diloco.outer_steps".into(), words(&self.outer_steps)));
         s.push(("diloco.syncs".into(), words(&[self.syncs])));
         if let Some(f) = &self.inflight {
-            let meta = [f.fragment as u64, f.sync_at, f.reduced as u64];
+            let meta = [f.fragment as u64, f.sync_at, f.done];
             s.push(("diloco.inflight".into(), host(&f.delta)?));
             s.push(("diloco.inflight_meta".into(), words(&meta)));
+        }
+        if !self.previous.is_empty() {
+            s.push(("diloco.eager_previous".into(), host(&self.previous)?));
         }
         if let Some((norm, distance)) = self.pending {
             s.push((
@@ -497,9 +685,15 @@ impl SyncBackend for Diloco {
                 fragment,
                 sync_at: meta[1],
                 delta,
-                reduced: meta[2] != 0,
+                done: meta[2],
             });
         }
+        self.previous = Flat::Host(
+            match state.iter().any(|(n, _)| n == "diloco.eager_previous") {
+                true => take(&mut state, "diloco.eager_previous", Some(numel))?,
+                false => Vec::new(),
+            },
+        );
         self.pending = None;
         if state.iter().any(|(n, _)| n == "diloco.pending_metrics") {
             let m = u64s(take(&mut state, "diloco.pending_metrics", Some(4))?);
@@ -533,5 +727,100 @@ mod tests {
             }
         }
         assert!(split(&rows, rows.len() + 1).is_err());
+    }
+
+    /// An inner step of rank m: a pull towards its own target (the ranks disagree).
+    fn inner(m: usize, s: u64, x: &mut [f64]) {
+        for (i, v) in x.iter_mut().enumerate() {
+            let target = (m as f64 + 1.0) * ((i as f64 + 0.3 * s as f64).sin());
+            *v += 0.2 * (target - *v);
+        }
+    }
+
+    /// Eager DiLoCo's defining recurrence, in f64: at each sync every rank steps its own outer model
+    /// with mean_{t-1} + (delta_t - delta_{t-1}) / N (outer SGD without momentum) and restarts from it.
+    fn eager_reference(n: usize, h: u64, steps: u64, lr: f64, x0: &[f64]) -> Vec<Vec<f64>> {
+        let len = x0.len();
+        let (mut theta, mut x) = (vec![x0.to_vec(); n], vec![x0.to_vec(); n]);
+        let (mut prev, mut mean) = (vec![vec![0.0; len]; n], vec![0.0; len]);
+        for s in 0..steps {
+            (0..n).for_each(|m| inner(m, s, &mut x[m]));
+            if (s + 1) % h != 0 {
+                continue;
+            }
+            let delta: Vec<Vec<f64>> = (0..n)
+                .map(|m| (0..len).map(|i| theta[m][i] - x[m][i]).collect())
+                .collect();
+            for m in 0..n {
+                for i in 0..len {
+                    theta[m][i] -= lr * (mean[i] + (delta[m][i] - prev[m][i]) / n as f64);
+                }
+                x[m] = theta[m].clone();
+            }
+            mean = (0..len)
+                .map(|i| delta.iter().map(|d| d[i]).sum::<f64>() / n as f64)
+                .collect();
+            prev = delta;
+        }
+        x
+    }
+
+    /// Eager DiLoCo (H = 1, and H = 3 with its all-reduce spread over the three steps after a sync) on
+    /// the local engine follows the recurrence, and each step sends what `step_comm` says.
+    #[test]
+    fn eager_outer_steps_follow_their_recurrence() {
+        let tensors = Segment::from_shapes(&[(3, 4, true), (5, 1, false)]);
+        let len: usize = tensors.iter().map(|t| t.len).sum();
+        let x0: Vec<f64> = (0..len).map(|i| (i as f64 * 0.37).cos()).collect();
+        let (n, steps, lr) = (3, 12, 1.0);
+        for h in [1, 3] {
+            let want = eager_reference(n, h, steps, lr, &x0);
+            let comms = crate::comm::local::group(n, std::time::Duration::from_secs(20));
+            let got: Vec<Vec<f32>> = std::thread::scope(|sc| {
+                let jobs: Vec<_> = comms
+                    .into_iter()
+                    .enumerate()
+                    .map(|(m, comm)| {
+                        let (tensors, x0) = (tensors.clone(), &x0);
+                        sc.spawn(move || {
+                            let cfg = DilocoConfig {
+                                sync_every: h,
+                                outer_lr: lr,
+                                outer_momentum: 0.0,
+                                nesterov: false,
+                                eager: true,
+                                ..DilocoConfig::default()
+                            };
+                            let mut d = Diloco::new(Box::new(comm), cfg, tensors, None).unwrap();
+                            let mut x: Vec<f32> = x0.iter().map(|&v| v as f32).collect();
+                            for s in 0..steps {
+                                d.before_step(&mut x).unwrap();
+                                let (want, before) = (d.step_comm(s), d.comm().stats().bytes_sent);
+                                if d.has_pending() {
+                                    d.communicate().unwrap();
+                                }
+                                let mut v: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+                                inner(m, s, &mut v);
+                                x = v.iter().map(|&v| v as f32).collect();
+                                d.after_step(&mut x, s).unwrap();
+                                let sent = d.comm().stats().bytes_sent - before;
+                                assert_eq!(sent, crate::sync::trace::sent_by(&want, m), "step {s}");
+                            }
+                            x
+                        })
+                    })
+                    .collect();
+                jobs.into_iter().map(|j| j.join().unwrap()).collect()
+            });
+            for m in 0..n {
+                for i in 0..len {
+                    let (g, w) = (got[m][i] as f64, want[m][i]);
+                    assert!(
+                        (g - w).abs() < 1e-5 * (1.0 + w.abs()),
+                        "H {h} rank {m} [{i}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -2,6 +2,7 @@
 //! (allreduce, compressed reducers, DeMo), mix or sync parameters after it (gossip, DiLoCo, SPARTA), and
 //! the model to evaluate and checkpoint (the replicas' average, or DiLoCo's global model).
 
+pub mod bits;
 pub mod choco;
 pub mod compress;
 pub mod demo;
@@ -756,5 +757,14 @@ fn reducer_footprint(r: &crate::sync::plan::ReducerPlan, numel: u64, world: u64)
             kept: if cfg.error_feedback { numel } else { 0 } + part(0.25).min(numel),
             during_step: numel + part(0.25).min(numel),
         },
+        // The residual; per sync the selection (indices, values) and every rank's message (at most two
+        // words an entry) with this rank's.
+        ReducerPlan::SparseLoco(c) => {
+            let k = part(c.density);
+            Footprint {
+                kept: numel,
+                during_step: 2 * k + 2 * k * (world + 1),
+            }
+        }
     }
 }

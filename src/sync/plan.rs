@@ -4,7 +4,8 @@
 
 use super::choco::ChocoPlan;
 use crate::config::backend::{
-    Backend, DemoConfig, DilocoConfig, PowerSgdConfig, RadiusConfig, TopKConfig, Topology,
+    Backend, DemoConfig, DilocoConfig, PowerSgdConfig, RadiusConfig, SparseLocoConfig, TopKConfig,
+    Topology,
 };
 
 /// How the workers synchronise (see the module's doc).
@@ -52,6 +53,8 @@ pub enum ReducerPlan {
         cfg: PowerSgdConfig,
         seed: u64,
     },
+    /// SparseLoCo (DiLoCo's pseudo-gradients only).
+    SparseLoco(SparseLocoConfig),
 }
 
 /// Radius's correction mode: Adam with the run's AdamW betas and eps, clipping to `clip` inside the reducer;
@@ -203,6 +206,10 @@ impl ReducerPlan {
                 } else {
                     ""
                 }
+            ),
+            ReducerPlan::SparseLoco(c) => format!(
+                "sparseloco density {} per chunk of {}, {}-bit values, error-feedback decay {}",
+                c.density, c.chunk, c.bits, c.error_decay
             ),
         }
     }

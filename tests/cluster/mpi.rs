@@ -234,7 +234,7 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
     }
 }
 
-/// DiLoCo (streaming with fp8, with Muon inside (MuLoCo), and with PowerSGD pseudo-gradients), SPARTA and
+/// DiLoCo (streaming with fp8, with Muon inside (MuLoCo), with PowerSGD pseudo-gradients, SparseLoCo, eager, hierarchical), SPARTA and
 /// DeMo on MPI give the local engine's rows bit for bit at 2 and 4 ranks, and an MPI run stopped
 /// mid-period resumes exactly.
 #[test]
@@ -242,7 +242,7 @@ fn low_communication_backends_match_the_local_engine_and_resume_under_mpi() {
     let _turn = crate::turn();
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
-    let cases: [&[&str]; 5] = [
+    let cases: [&[&str]; 8] = [
         &[
             "train.backend=\"diloco\"",
             "train.diloco={ sync_every = 4, fragments = 2, fragment_delay = 1, quantize = \"fp8\" }",
@@ -258,6 +258,22 @@ fn low_communication_backends_match_the_local_engine_and_resume_under_mpi() {
             "train.backend=\"diloco\"",
             "train.diloco={ sync_every = 2 }",
             r#"train.compression={ name = "powersgd", rank = 2, start_iter = 2 }"#,
+        ],
+        // SparseLoCo: 2-bit top-k pseudo-gradients with decaying error feedback.
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 2, outer_momentum = 0.0, outer_lr = 1.0 }",
+            r#"train.compression={ name = "sparseloco", density = 0.05, chunk = 256 }"#,
+        ],
+        // Hierarchical: groups of 2 all-reduce gradients every step, DiLoCo between the groups.
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4, group_size = 2 }",
+        ],
+        // Eager outer steps (the all-reduce spread over the 4 steps after a sync).
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4, eager = true }",
         ],
         &["train.backend=\"sparta\"", "train.sparta={ p = 0.1 }"],
         &[

@@ -121,7 +121,7 @@ fn sparta_with_p_one_is_parameter_averaging_every_step() {
 /// uninterrupted run bit for bit, and it learns.
 #[test]
 fn each_low_communication_backend_resumes_bit_for_bit() {
-    let cases: [&[&str]; 7] = [
+    let cases: [&[&str]; 9] = [
         &["train.backend=\"diloco\"", "train.diloco={ sync_every = 4 }"],
         // MuLoCo: Muon inside DiLoCo; and Muon under all-reduce (whose workers then keep replicas of
         // their own: Muon has no range update for a shared one).
@@ -140,6 +140,16 @@ fn each_low_communication_backend_resumes_bit_for_bit() {
             "train.backend=\"diloco\"",
             "train.diloco={ sync_every = 2, outer_lr = 0.5 }",
             "train.compression={ name = \"topk\", density = 0.1 }",
+        ],
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 2, outer_momentum = 0.0, outer_lr = 1.0 }",
+            "train.compression={ name = \"sparseloco\", density = 0.05, chunk = 256 }",
+        ],
+        // Eager outer steps, stopped with the all-reduce of sync 4 half spread over steps 5-8.
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4, eager = true }",
         ],
         &["train.backend=\"sparta\"", "train.sparta={ p = 0.1 }"],
         &[
@@ -260,4 +270,119 @@ fn diloco_pseudo_gradients_through_a_reducer_keep_what_was_not_sent() {
         .sum::<f64>()
         .sqrt();
     assert!(norm > 0.0, "nothing kept for the next sync");
+}
+
+/// SparseLoCo sending every entry as f32 is DiLoCo bit for bit (the decayed residual stays zero and the
+/// rank-ordered mean of the messages is the all-reduce's); at 2 bits and 2% it sends about 3% of DiLoCo's
+/// bytes, counted exactly (debug builds hold every step to the backend's description), keeps a residual,
+/// and learns.
+#[test]
+fn sparseloco_with_everything_sent_in_f32_is_diloco_and_two_bits_still_learn() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let base = [
+        "train.backend=\"diloco\"",
+        "train.diloco={ sync_every = 2 }",
+    ];
+    let plain = rows(d.path(), "plain", 2, &base);
+    let all = [
+        base[0],
+        base[1],
+        "train.compression={ name = \"sparseloco\", density = 1.0, bits = 32, chunk = 64 }",
+    ];
+    // Everything but the bytes (indices travel too) and the compression metrics.
+    let learning = |r: &Row| {
+        let bits = |x: Option<f64>| x.map(f64::to_bits);
+        let (pg, cd) = (bits(r.pseudo_grad_norm), bits(r.consensus_distance));
+        (r.step, r.train_loss.to_bits(), bits(r.val_loss), pg, cd)
+    };
+    assert_eq!(
+        plain.iter().map(learning).collect::<Vec<_>>(),
+        rows(d.path(), "all", 2, &all)
+            .iter()
+            .map(learning)
+            .collect::<Vec<_>>(),
+        "density 1, 32 bits"
+    );
+    let two_bits = [
+        base[0],
+        "train.diloco={ sync_every = 2, outer_momentum = 0.0, outer_lr = 1.0 }",
+        "train.compression={ name = \"sparseloco\", density = 0.02, chunk = 256 }",
+    ];
+    let (s, r) = train_rows(d.path(), "two", 2, &two_bits);
+    let ratios: Vec<f64> = r.iter().filter_map(|r| r.compression_ratio).collect();
+    assert!(
+        !ratios.is_empty() && ratios.iter().all(|c| *c > 20.0),
+        "{ratios:?}"
+    );
+    let last = r.last().unwrap().val_loss.unwrap();
+    assert!(
+        last < r[0].train_loss - 0.3,
+        "2-bit SparseLoCo learns: {last}"
+    );
+    let ckpt = nanodist::train::checkpoint::find_latest(&s.run_dir)
+        .unwrap()
+        .unwrap();
+    let bytes = std::fs::read(ckpt.join("rank_0.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let residual = st
+        .tensor("reducer.compress.residual")
+        .expect("the residual");
+    assert!(
+        residual.data().iter().any(|b| *b != 0),
+        "nothing kept for the next sync"
+    );
+}
+
+/// Hierarchical DiLoCo: groups of one are DiLoCo bit for bit; one group of every worker with LocalSGD's
+/// outer step is data-parallel training; 2 groups of 2 resume bit for bit, and the groups' gradient
+/// all-reduce is counted every step (debug builds hold each step's bytes to its description).
+#[test]
+fn hierarchical_diloco_reduces_to_diloco_and_to_data_parallel() {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let h = |rest: &str| format!("train.diloco={{ sync_every = 4{rest} }}");
+    let diloco = rows(d.path(), "flat", 4, &["train.backend=\"diloco\"", &h("")]);
+    let ones = rows(
+        d.path(),
+        "ones",
+        4,
+        &["train.backend=\"diloco\"", &h(", group_size = 1")],
+    );
+    assert_eq!(
+        diloco.iter().map(exact).collect::<Vec<_>>(),
+        ones.iter().map(exact).collect::<Vec<_>>()
+    );
+    let ddp = rows(d.path(), "ddp", 4, &[]);
+    let local_sgd = ", outer_lr = 1.0, outer_momentum = 0.0, nesterov = false, group_size = 4";
+    // H = 5: the evaluations (every 5 steps) see the outer model right after a sync.
+    let world_h5 = format!("train.diloco={{ sync_every = 5{local_sgd} }}");
+    let world = rows(
+        d.path(),
+        "world",
+        4,
+        &["train.backend=\"diloco\"", &world_h5],
+    );
+    assert_close(&ddp, &world, 1e-5, "one group of 4");
+    let two = [
+        "train.backend=\"diloco\"".to_string(),
+        h(", group_size = 2"),
+    ];
+    let two: Vec<&str> = two.iter().map(String::as_str).collect();
+    let full = rows(d.path(), "two", 4, &two);
+    let mut first = two.clone();
+    first.push("train.exit_interval=5");
+    train_rows(d.path(), "cut", 4, &first);
+    let cut = rows(d.path(), "cut", 4, &two);
+    assert_eq!(
+        full.iter().map(exact).collect::<Vec<_>>(),
+        cut.iter().map(exact).collect::<Vec<_>>()
+    );
+    // Every step sends the group's all-reduce; sync steps also the pseudo-gradients'.
+    assert!(full.iter().all(|r| r.comm_bytes > 0));
+    assert!(full[3].comm_bytes > full[2].comm_bytes);
+    assert_ne!(
+        full.last().unwrap().val_loss,
+        diloco.last().unwrap().val_loss
+    );
 }

@@ -7,6 +7,7 @@ use rand_chacha::ChaCha8Rng;
 use super::Compressor;
 use crate::kernels;
 use crate::kernels::Segment;
+use crate::sync::bits::{BitReader, BitWriter};
 use crate::sync::compress::{self, k_of};
 
 pub(super) const RANDOMK_KEY: u64 = 0x0072_616e_646f_6d6b; // "randomk"
@@ -313,74 +314,5 @@ pub(super) fn top_k(x: &[f32], vals: &mut [f32], idx: &mut [f32]) {
                 break;
             }
         }
-    }
-}
-
-/// Codes of a few bits packed into f32 words (as u32 bit patterns), lowest bits first.
-pub(super) struct BitWriter<'a> {
-    pub(super) out: &'a mut [f32],
-    pub(super) word: usize,
-    pub(super) acc: u64,
-    pub(super) used: u32,
-}
-
-impl<'a> BitWriter<'a> {
-    pub(super) fn new(out: &'a mut [f32]) -> Self {
-        Self {
-            out,
-            word: 0,
-            acc: 0,
-            used: 0,
-        }
-    }
-
-    pub(super) fn put(&mut self, code: u32, bits: u32) {
-        self.acc |= (code as u64) << self.used;
-        self.used += bits;
-        if self.used >= 32 {
-            self.out[self.word] = f32::from_bits(self.acc as u32);
-            self.word += 1;
-            self.acc >>= 32;
-            self.used -= 32;
-        }
-    }
-}
-
-impl Drop for BitWriter<'_> {
-    fn drop(&mut self) {
-        if self.used > 0 {
-            self.out[self.word] = f32::from_bits(self.acc as u32);
-        }
-    }
-}
-
-pub(super) struct BitReader<'a> {
-    pub(super) words: &'a [f32],
-    pub(super) word: usize,
-    pub(super) acc: u64,
-    pub(super) have: u32,
-}
-
-impl<'a> BitReader<'a> {
-    pub(super) fn new(words: &'a [f32]) -> Self {
-        Self {
-            words,
-            word: 0,
-            acc: 0,
-            have: 0,
-        }
-    }
-
-    pub(super) fn get(&mut self, bits: u32) -> u32 {
-        if self.have < bits {
-            let w = self.words.get(self.word).map_or(0, |w| w.to_bits());
-            self.acc |= (w as u64) << self.have;
-            self.have += 32;
-            self.word += 1;
-        }
-        let code = (self.acc & ((1u64 << bits) - 1)) as u32;
-        self.acc >>= bits;
-        self.have -= bits;
-        code
     }
 }

@@ -6,6 +6,7 @@
 pub mod correction;
 pub mod powersgd;
 pub mod radius;
+pub mod sparseloco;
 pub mod topk;
 
 use anyhow::{bail, Result};
@@ -169,6 +170,7 @@ pub fn build(plan: &ReducerPlan, tensors: Vec<Segment>) -> Box<dyn Reducer> {
         ReducerPlan::PowerSgd { cfg, seed } => {
             Box::new(powersgd::PowerSgd::new(tensors, cfg.clone(), *seed))
         }
+        ReducerPlan::SparseLoco(cfg) => Box::new(sparseloco::SparseLoco::new(tensors, cfg)),
     }
 }
 

@@ -1,0 +1,398 @@
+//! SparseLoCo (Sarfi, Thérien, Lidin, Belilovsky 2025, arXiv 2508.15706): DiLoCo's pseudo-gradients
+//! through chunk-wise top-k, with the sent values quantized to a few bits and an error feedback that
+//! decays. Per sync, on each rank with pseudo-gradient delta:
+//!
+//! ```text
+//! e    <- beta e + delta
+//! sent  = Q(TopK(e))     in each chunk, the k = max(floor(density * chunk), 1) entries of largest |e|
+//! e    <- e - sent       what was sent, as quantized, leaves the residual
+//! mean  = 1/N sum_r sent_r   every rank's message all-gathered, summed in rank order, times 1 / N
+//! ```
+//!
+//! DiLoCo's outer step then takes `mean`; the paper's outer SGD has no momentum, the decaying residual
+//! stands in for it. A chunk is `chunk` consecutive entries of one tensor (the reference cuts matrices
+//! into square blocks; either partition spreads the selection over the tensor).
+//!
+//! Q is the reference's statistical quantizer, per tensor over the values it sends: shift = their mean,
+//! scale = 6 sigma / 2^bits, code = clamp(round((v - shift) / scale + 2^bits / 2), 0, 2^bits - 1), and a
+//! code stands for the mean of the centered values that took it (a table of 2^bits floats per tensor
+//! travels with the codes) plus the shift. With bits = 32 the values travel as f32, unquantized.
+//!
+//! On the wire, per rank, in f32 words: each tensor's shift and table (bits < 32), then one bit stream of
+//! every chunk's entries, each its index inside the chunk (ceil(log2(chunk)) bits) and its code.
+
+use anyhow::{bail, Result};
+use rayon::prelude::*;
+
+use super::{k_of, take, Reducer, Report, Segment, State, StateBuf};
+use crate::comm::Communicator;
+use crate::config::backend::SparseLocoConfig;
+use crate::kernels;
+use crate::optim::global_norm;
+use crate::sync::bits::{BitReader, BitWriter};
+use crate::sync::trace::{Collective, Op, Overlap};
+
+/// The reference's quantization range: 6 standard deviations.
+const RANGE_SIGMAS: f64 = 6.0;
+
+pub struct SparseLoco {
+    tensors: Vec<Segment>,
+    cfg: SparseLocoConfig,
+    residual: StateBuf,
+}
+
+/// `len` consecutive entries from `start` of the flat buffer, of which `k` are sent.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Chunk {
+    start: usize,
+    len: usize,
+    k: usize,
+}
+
+/// One tensor's part of a message: the flat indices sent (chunk by chunk, in index order), their codes,
+/// the values the codes stand for, and the quantizer's shift and table.
+struct Picked {
+    idx: Vec<u32>,
+    codes: Vec<u32>,
+    values: Vec<f32>,
+    shift: f32,
+    table: Vec<f32>,
+}
+
+/// Bits that hold every index below `len`.
+fn index_bits(len: usize) -> u32 {
+    usize::BITS - len.saturating_sub(1).leading_zeros()
+}
+
+/// The reference's statistical quantizer of `vals` to `bits` (< 32): (shift, table, codes).
+fn quantize(vals: &[f32], bits: u32) -> (f32, Vec<f32>, Vec<u32>) {
+    let bins = 1usize << bits;
+    let m = vals.len().max(1) as f64;
+    let shift = (vals.iter().map(|&v| v as f64).sum::<f64>() / m) as f32;
+    let squares: f64 = vals.iter().map(|&v| ((v - shift) as f64).powi(2)).sum();
+    let sigma = if vals.len() > 1 {
+        (squares / (m - 1.0)).sqrt()
+    } else {
+        0.0
+    };
+    let scale = match (RANGE_SIGMAS * sigma / bins as f64) as f32 {
+        s if s.is_finite() && s > 0.0 => s,
+        _ => 1.0,
+    };
+    let (offset, top) = ((bins / 2) as f32, (bins - 1) as f32);
+    let codes: Vec<u32> = vals
+        .iter()
+        .map(|&v| ((v - shift) / scale + offset).round().clamp(0.0, top) as u32)
+        .collect();
+    let (mut sums, mut counts) = (vec![0.0f64; bins], vec![0u64; bins]);
+    for (&v, &c) in vals.iter().zip(&codes) {
+        sums[c as usize] += (v - shift) as f64;
+        counts[c as usize] += 1;
+    }
+    let table = sums
+        .iter()
+        .zip(&counts)
+        .map(|(&s, &c)| if c > 0 { (s / c as f64) as f32 } else { 0.0 })
+        .collect();
+    (shift, table, codes)
+}
+
+impl SparseLoco {
+    pub fn new(tensors: Vec<Segment>, cfg: &SparseLocoConfig) -> Self {
+        Self {
+            tensors,
+            cfg: cfg.clone(),
+            residual: StateBuf::default(),
+        }
+    }
+
+    fn numel(&self) -> usize {
+        self.tensors.iter().map(|t| t.len).sum()
+    }
+
+    fn chunks(&self, t: &Segment) -> Vec<Chunk> {
+        let c = self.cfg.chunk.max(1);
+        (0..t.len.div_ceil(c))
+            .map(|j| {
+                let len = c.min(t.len - j * c);
+                Chunk {
+                    start: t.offset + j * c,
+                    len,
+                    k: k_of(self.cfg.density, len),
+                }
+            })
+            .collect()
+    }
+
+    /// f32 words of each tensor's shift and table.
+    fn table_words(&self) -> usize {
+        match self.cfg.bits {
+            32 => 0,
+            b => 1 + (1 << b),
+        }
+    }
+
+    /// f32 words of one rank's message (the same on every rank).
+    fn words(&self) -> usize {
+        let stream: u64 = self
+            .tensors
+            .iter()
+            .map(|t| {
+                let sent: usize = self.chunks(t).iter().map(|c| c.k).sum();
+                sent as u64 * (index_bits(self.cfg.chunk.min(t.len)) + self.cfg.bits) as u64
+            })
+            .sum();
+        self.tensors.len() * self.table_words() + stream.div_ceil(32) as usize
+    }
+
+    /// Tensor `t`'s top entries of `e`, chunk by chunk, and their codes.
+    fn pick(&self, t: &Segment, e: &[f32]) -> Picked {
+        let (mut idx, mut vals) = (Vec::new(), Vec::new());
+        for c in self.chunks(t) {
+            kernels::top_k(
+                &e[c.start..c.start + c.len],
+                c.k,
+                c.start as u32,
+                &mut idx,
+                &mut vals,
+            );
+        }
+        if self.cfg.bits == 32 {
+            let codes = vals.iter().map(|v| v.to_bits()).collect();
+            return Picked {
+                idx,
+                codes,
+                values: vals,
+                shift: 0.0,
+                table: Vec::new(),
+            };
+        }
+        let (shift, table, codes) = quantize(&vals, self.cfg.bits);
+        let values = codes.iter().map(|&c| table[c as usize] + shift).collect();
+        Picked {
+            idx,
+            codes,
+            values,
+            shift,
+            table,
+        }
+    }
+
+    /// This rank's message from the accumulated `e`, which keeps what it did not send.
+    fn encode(&self, e: &mut [f32], out: &mut [f32]) {
+        let picked: Vec<Picked> = self.tensors.par_iter().map(|t| self.pick(t, e)).collect();
+        let (head, stream) = out.split_at_mut(self.tensors.len() * self.table_words());
+        let mut w = BitWriter::new(stream);
+        for (i, (t, p)) in self.tensors.iter().zip(&picked).enumerate() {
+            if !p.table.is_empty() {
+                let h = &mut head[i * self.table_words()..(i + 1) * self.table_words()];
+                h[0] = p.shift;
+                h[1..].copy_from_slice(&p.table);
+            }
+            let bits = index_bits(self.cfg.chunk.min(t.len));
+            let mut at = 0;
+            for c in self.chunks(t) {
+                for j in at..at + c.k {
+                    w.put(p.idx[j] - c.start as u32, bits);
+                    w.put(p.codes[j], self.cfg.bits);
+                    e[p.idx[j] as usize] -= p.values[j];
+                }
+                at += c.k;
+            }
+        }
+    }
+
+    /// Adds the values of one rank's message to `out`.
+    fn decode(&self, msg: &[f32], out: &mut [f32]) -> Result<()> {
+        let (head, stream) = msg.split_at(self.tensors.len() * self.table_words());
+        let mut r = BitReader::new(stream);
+        for (i, t) in self.tensors.iter().enumerate() {
+            let h = &head[i * self.table_words()..(i + 1) * self.table_words()];
+            let bits = index_bits(self.cfg.chunk.min(t.len));
+            for c in self.chunks(t) {
+                for _ in 0..c.k {
+                    let (at, code) = (r.get(bits) as usize, r.get(self.cfg.bits));
+                    if at >= c.len || (!h.is_empty() && code as usize >= h.len() - 1) {
+                        bail!("internal error: a SparseLoCo message names entry {at} of a chunk of {}", c.len);
+                    }
+                    out[c.start + at] += match h {
+                        [] => f32::from_bits(code),
+                        [shift, table @ ..] => table[code as usize] + shift,
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Reducer for SparseLoco {
+    fn reduce(
+        &mut self,
+        comm: &mut dyn Communicator,
+        grads: &mut [f32],
+        _step: u64,
+    ) -> Result<Report> {
+        let n = comm.world_size();
+        let mut e = self.residual.take_host(grads.len());
+        let beta = self.cfg.error_decay as f32;
+        e.par_iter_mut()
+            .zip(grads.par_iter())
+            .with_min_len(1 << 14)
+            .for_each(|(e, &d)| *e = beta * *e + d);
+        let acc_norm = global_norm(&e);
+        let words = self.words();
+        let mut send = vec![0.0f32; words];
+        self.encode(&mut e, &mut send);
+        let lost = global_norm(&e);
+        let mut all = vec![0.0f32; words * n];
+        comm.all_gather(&send, &mut all)?;
+        // The rank-ordered sum of the decoded messages, then times 1 / N (all_reduce_mean's order).
+        grads.iter_mut().for_each(|g| *g = 0.0);
+        for msg in all.chunks_exact(words) {
+            self.decode(msg, grads)?;
+        }
+        if n > 1 {
+            kernels::scale(grads, 1.0 / n as f32);
+        }
+        self.residual.keep_host(e);
+        Ok(Report {
+            error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
+            ..Report::default()
+        })
+    }
+
+    /// Every rank's message, all-gathered.
+    fn step_comm(&self, world: usize, _step: u64) -> Vec<Collective> {
+        let pieces = vec![self.words() as u64];
+        vec![Collective::world(
+            Op::AllGather { pieces },
+            world,
+            Overlap::None,
+        )]
+    }
+
+    fn state(&self) -> Result<State> {
+        Ok(match self.residual.to_host()? {
+            Some(r) => vec![("residual".into(), r)],
+            None => Vec::new(),
+        })
+    }
+
+    fn load_state(&mut self, mut state: State) -> Result<()> {
+        self.residual.clear();
+        if !state.is_empty() {
+            let r = take(&mut state, "residual", Some(self.numel()))?;
+            self.residual.restore(r);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::Solo;
+
+    fn cfg(density: f64, chunk: usize, bits: u32, error_decay: f64) -> SparseLocoConfig {
+        SparseLocoConfig {
+            density,
+            chunk,
+            bits,
+            error_decay,
+        }
+    }
+
+    fn grad(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32 * 0.618_034 + seed as f32 * 0.31).fract() - 0.5) * 1e-2)
+            .collect()
+    }
+
+    #[test]
+    fn index_bits_hold_every_index_of_a_chunk() {
+        for (len, bits) in [
+            (1, 0),
+            (2, 1),
+            (3, 2),
+            (4, 2),
+            (5, 3),
+            (4096, 12),
+            (4097, 13),
+        ] {
+            assert_eq!(index_bits(len), bits, "{len}");
+        }
+    }
+
+    /// The quantizer's codes stand for the mean of the values that took them: the decoded values keep
+    /// the sum of the input, and every code is in range.
+    #[test]
+    fn quantized_values_keep_the_sum_and_the_codes_fit() {
+        let vals = grad(1000, 3);
+        for bits in [2, 4, 8] {
+            let (shift, table, codes) = quantize(&vals, bits);
+            assert_eq!(table.len(), 1 << bits);
+            assert!(codes.iter().all(|&c| c < 1 << bits));
+            let sum: f64 = vals.iter().map(|&v| v as f64).sum();
+            let decoded: f64 = codes
+                .iter()
+                .map(|&c| (table[c as usize] + shift) as f64)
+                .sum();
+            assert!(
+                (sum - decoded).abs() < 1e-5,
+                "{bits} bits: {sum} vs {decoded}"
+            );
+        }
+    }
+
+    /// One rank: what it applies plus what it keeps is what it accumulated, and the message has exactly
+    /// the words the step's collective names.
+    #[test]
+    fn sent_plus_kept_is_the_accumulated_pseudo_gradient() {
+        let tensors = Segment::from_shapes(&[(37, 1, false), (40, 30, true), (9, 70, true)]);
+        let numel: usize = tensors.iter().map(|t| t.len).sum();
+        for (bits, decay) in [(2, 0.95), (4, 0.5), (8, 1.0), (32, 0.95)] {
+            let mut r = SparseLoco::new(tensors.clone(), &cfg(0.05, 64, bits, decay));
+            let mut comm = Solo;
+            let first = grad(numel, 1);
+            let mut g = first.clone();
+            r.reduce(&mut comm, &mut g, 0).unwrap();
+            let kept = r.residual.host().to_vec();
+            for i in 0..numel {
+                assert!(
+                    (g[i] + kept[i] - first[i]).abs() < 1e-7,
+                    "{bits}: entry {i}"
+                );
+            }
+            let sent = g.iter().filter(|v| **v != 0.0).count();
+            let k: usize = tensors.iter().flat_map(|t| r.chunks(t)).map(|c| c.k).sum();
+            assert!(sent <= k && sent > k / 2, "{bits}: {sent} of {k}");
+            // The next sync decays what was kept first.
+            let second = grad(numel, 2);
+            let mut g2 = second.clone();
+            r.reduce(&mut comm, &mut g2, 1).unwrap();
+            let kept2 = r.residual.host();
+            for i in 0..numel {
+                let acc = decay as f32 * kept[i] + second[i];
+                assert!(
+                    (g2[i] + kept2[i] - acc).abs() < 1e-7,
+                    "{bits}: sync 2 entry {i}"
+                );
+            }
+        }
+    }
+
+    /// Density 1 with 32-bit values sends everything exactly: the mean is the pseudo-gradient and
+    /// nothing is kept, whatever the decay.
+    #[test]
+    fn everything_at_32_bits_is_the_plain_average() {
+        let tensors = Segment::from_shapes(&[(5, 1, false), (17, 13, true)]);
+        let numel: usize = tensors.iter().map(|t| t.len).sum();
+        let mut r = SparseLoco::new(tensors, &cfg(1.0, 16, 32, 0.95));
+        let first = grad(numel, 4);
+        let mut g = first.clone();
+        r.reduce(&mut Solo, &mut g, 0).unwrap();
+        assert_eq!(g, first);
+        assert!(r.residual.host().iter().all(|&x| x == 0.0));
+    }
+}
