@@ -1,7 +1,9 @@
 //! Each backend's rules: keys that belong to another backend are errors, defaults are filled in, and the
 //! rules of topologies, reducers and the low-communication family are checked, giving the `SyncPlan`.
 
-use crate::config::backend::{Backend, Compression, PowerSgdConfig, Quantize, Topology};
+use crate::config::backend::{
+    Backend, Compression, DilocoConfig, PowerSgdConfig, Quantize, Topology,
+};
 use crate::config::tree::Node;
 use crate::config::{validate, Config, OptimConfig, Problem};
 use crate::sync::choco::{ChocoPlan, Compressor};
@@ -261,6 +263,37 @@ fn gossip_plan(
 
 /// Compressed gossip's rules: CHOCO's compressors only, no error feedback (the public copies are the
 /// memory); the consensus step as given, CHOCO's default, or tuned for "auto".
+/// Eager outer steps: the whole model at once, and pieces only of f32 all-reduces, at most one a step.
+fn eager_rules(cfg: &DilocoConfig, compressed: bool, add: &mut dyn FnMut(&str, String)) {
+    let (h, f) = (cfg.sync_every, cfg.fragments);
+    if cfg.eager && f > 1 {
+        add(
+            "train.diloco.eager",
+            format!(
+                "eager outer steps overlap the whole model's all-reduce with the next {h} steps; with \
+                 fragments = {f} the streaming fragments overlap theirs (fragment_delay): set fragments = 1 \
+                 or eager = false"
+            ),
+        );
+    }
+    if let Some(p) = cfg.eager_pieces {
+        let whole = compressed || cfg.quantize != Quantize::None;
+        let why = match (cfg.eager, whole) {
+            (false, _) => Some("eager_pieces cuts eager DiLoCo's all-reduce: it needs eager = true".to_string()),
+            (true, true) if p > 1 => Some(
+                "quantized or compressed pseudo-gradients go in one piece: remove eager_pieces".to_string(),
+            ),
+            _ if p > h => Some(format!(
+                "eager_pieces = {p}: at most sync_every = {h} (one piece beside each step up to the next sync)"
+            )),
+            _ => None,
+        };
+        if let Some(why) = why {
+            add("train.diloco.eager_pieces", why);
+        }
+    }
+}
+
 fn choco_plan(
     t: &crate::config::TrainConfig,
     c: &Compression,
@@ -363,32 +396,7 @@ fn diloco_plan(
             ),
         );
     }
-    if cfg.eager && f > 1 {
-        add(
-            "train.diloco.eager",
-            format!(
-                "eager outer steps overlap the whole model's all-reduce with the next {h} steps; with \
-                 fragments = {f} the streaming fragments overlap theirs (fragment_delay): set fragments = 1 \
-                 or eager = false"
-            ),
-        );
-    }
-    if let Some(p) = cfg.eager_pieces {
-        let whole = reducer.is_some() || cfg.quantize != Quantize::None;
-        let why = match (cfg.eager, whole) {
-            (false, _) => Some("eager_pieces cuts eager DiLoCo's all-reduce: it needs eager = true".to_string()),
-            (true, true) if p > 1 => Some(
-                "quantized or compressed pseudo-gradients go in one piece: remove eager_pieces".to_string(),
-            ),
-            _ if p > h => Some(format!(
-                "eager_pieces = {p}: at most sync_every = {h} (one piece beside each step up to the next sync)"
-            )),
-            _ => None,
-        };
-        if let Some(why) = why {
-            add("train.diloco.eager_pieces", why);
-        }
-    }
+    eager_rules(&cfg, reducer.is_some(), add);
     if f == 1 && (cfg.fragment_delay > 0 || cfg.fragment_alpha > 0.0) {
         add(
             "train.diloco.fragments",

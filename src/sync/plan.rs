@@ -162,7 +162,7 @@ impl SyncPlan {
                 reducer
                     .as_ref()
                     .map_or(String::new(), |r| format!(", pseudo-gradients by {}", r.describe()))
-            ),
+            ) + &diloco_extras(cfg),
             SyncPlan::Sparta { p, .. } => {
                 format!("sparta: average a fraction {p} of the parameters after every step")
             }
@@ -176,6 +176,23 @@ impl SyncPlan {
             SyncPlan::Compressed(r) => r.describe(),
         }
     }
+}
+
+/// Eager outer steps and hierarchical groups, as `describe` says them.
+fn diloco_extras(cfg: &DilocoConfig) -> String {
+    let mut s = String::new();
+    if cfg.eager {
+        let pieces = cfg.eager_pieces.unwrap_or(cfg.sync_every);
+        s +=
+            &format!(", eager outer steps (all-reduce in {pieces} piece(s) beside the next steps)");
+    }
+    if cfg.group_size > 1 {
+        s += &format!(
+            ", groups of {} ranks all-reducing gradients every step",
+            cfg.group_size
+        );
+    }
+    s
 }
 
 impl ReducerPlan {

@@ -121,7 +121,7 @@ fn sparta_with_p_one_is_parameter_averaging_every_step() {
 /// uninterrupted run bit for bit, and it learns.
 #[test]
 fn each_low_communication_backend_resumes_bit_for_bit() {
-    let cases: [&[&str]; 9] = [
+    let cases: [&[&str]; 10] = [
         &["train.backend=\"diloco\"", "train.diloco={ sync_every = 4 }"],
         // MuLoCo: Muon inside DiLoCo; and Muon under all-reduce (whose workers then keep replicas of
         // their own: Muon has no range update for a shared one).
@@ -146,10 +146,15 @@ fn each_low_communication_backend_resumes_bit_for_bit() {
             "train.diloco={ sync_every = 2, outer_momentum = 0.0, outer_lr = 1.0 }",
             "train.compression={ name = \"sparseloco\", density = 0.05, chunk = 256 }",
         ],
-        // Eager outer steps, stopped with the all-reduce of sync 4 half spread over steps 5-8.
+        // Eager outer steps, stopped with the all-reduce of sync 4 half spread over steps 5-8; and with
+        // fp8 pseudo-gradients, whose all-reduce goes whole beside step 5.
         &[
             "train.backend=\"diloco\"",
             "train.diloco={ sync_every = 4, eager = true }",
+        ],
+        &[
+            "train.backend=\"diloco\"",
+            "train.diloco={ sync_every = 4, eager = true, quantize = \"fp8\" }",
         ],
         &["train.backend=\"sparta\"", "train.sparta={ p = 0.1 }"],
         &[
