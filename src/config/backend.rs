@@ -455,13 +455,14 @@ pub struct DilocoConfig {
     /// Pseudo-gradient quantization on the wire.
     pub quantize: Quantize,
     /// Eager outer steps (Kale, Douillard, Donchev 2025, arXiv 2502.12996): the all-reduce of sync t runs
-    /// beside the next H inner steps; at sync t each worker steps with the average of sync t - 1 plus
-    /// 1 / N of (its own pseudo-gradient of t - its own of t - 1). Needs fragments = 1.
+    /// beside the next inner steps (see eager_pieces); at sync t each worker steps with the average of
+    /// sync t - 1 plus 1 / N of (its own pseudo-gradient of t - its own of t - 1). Needs fragments = 1.
     pub eager: bool,
     /// Eager, f32 pseudo-gradients: the all-reduce is cut into this many pieces, one beside each of the
-    /// steps after the sync (default sync_every; at most sync_every). More pieces hide more of it behind
-    /// computation; each pays the link's latency once, so on high-latency links fewer can be faster
-    /// (`nanodist predict` shows both). Quantized or compressed pseudo-gradients go in one piece.
+    /// steps after the sync (default 1: all of it beside the first step; at most sync_every). More pieces
+    /// hide more of it behind computation, but each pays the link's latency once, so on high-latency
+    /// links or small models fewer are faster (`nanodist predict` prices both). Quantized or compressed
+    /// pseudo-gradients go in one piece.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub eager_pieces: Option<u64>,

@@ -20,8 +20,9 @@
 //! G = 1 is DiLoCo; G = world with outer lr 1 and momentum 0 is data-parallel training.
 //!
 //! Eager outer steps (`eager`, Kale, Douillard, Donchev 2025, arXiv 2502.12996, its "eager updates"): at
-//! sync t each worker takes its pseudo-gradient delta_t, starts its all-reduce, which runs beside the next
-//! H inner steps, and steps its own outer model at once with the proxy
+//! sync t each worker takes its pseudo-gradient delta_t, starts its all-reduce, which runs beside the
+//! computation of the next inner step (cut into `eager_pieces` pieces, beside the next steps one a step),
+//! and steps its own outer model at once with the proxy
 //! `mean_{t-1} + (delta_t - delta_{t-1}) / N`: its own share of sync t and the others' shares of sync
 //! t - 1, whose average has arrived by then. Every worker's delta enters each outer model once, the
 //! others' one period late. The outer models (and momenta) differ between workers by their own last
@@ -205,16 +206,11 @@ impl Diloco {
     }
 
     /// Pieces an in-flight pseudo-gradient of `len` values is averaged in, one beside each step: eager
-    /// f32 all-reduces are spread over `eager_pieces` (default H) steps after the sync; the rest go whole.
+    /// f32 all-reduces are spread over `eager_pieces` (default 1) steps after the sync; the rest go whole.
     fn pieces(&self, len: usize) -> u64 {
         let plain = self.reducer.is_none() && self.cfg.quantize == Quantize::None;
         match self.cfg.eager && plain {
-            true => self
-                .cfg
-                .eager_pieces
-                .unwrap_or(self.cfg.sync_every)
-                .min(len as u64)
-                .max(1),
+            true => self.cfg.eager_pieces.unwrap_or(1).min(len as u64).max(1),
             false => 1,
         }
     }
@@ -334,7 +330,7 @@ impl Diloco {
     }
 
     /// Eager: step `step` averages piece `step mod H` of the last sync's pseudo-gradient, beside its
-    /// computation (all of it in the step after the sync when it goes whole).
+    /// computation (all of it in the step after the sync when it goes in one piece).
     fn eager_comm(&self, step: u64) -> Vec<Collective> {
         let (h, n) = (self.cfg.sync_every, self.world_size());
         let (sync, piece) = (step - step % h, step % h);
@@ -789,6 +785,7 @@ mod tests {
                                 outer_momentum: 0.0,
                                 nesterov: false,
                                 eager: true,
+                                eager_pieces: Some(h),
                                 ..DilocoConfig::default()
                             };
                             let mut d = Diloco::new(Box::new(comm), cfg, tensors, None).unwrap();

@@ -182,7 +182,7 @@ impl SyncPlan {
 fn diloco_extras(cfg: &DilocoConfig) -> String {
     let mut s = String::new();
     if cfg.eager {
-        let pieces = cfg.eager_pieces.unwrap_or(cfg.sync_every);
+        let pieces = cfg.eager_pieces.unwrap_or(1);
         s +=
             &format!(", eager outer steps (all-reduce in {pieces} piece(s) beside the next steps)");
     }

@@ -269,7 +269,7 @@ fn low_communication_backends_match_the_local_engine_and_resume_under_mpi() {
         // (the all-reduce spread over the 4 steps after a sync), each worker on its shard of the data.
         &[
             "train.backend=\"diloco\"",
-            "train.diloco={ sync_every = 4, group_size = 2, eager = true }",
+            "train.diloco={ sync_every = 4, group_size = 2, eager = true, eager_pieces = 4 }",
             r#"worker_data={ name = "shard" }"#,
         ],
         &["train.backend=\"sparta\"", "train.sparta={ p = 0.1 }"],

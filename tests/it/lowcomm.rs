@@ -146,11 +146,11 @@ fn each_low_communication_backend_resumes_bit_for_bit() {
             "train.diloco={ sync_every = 2, outer_momentum = 0.0, outer_lr = 1.0 }",
             "train.compression={ name = \"sparseloco\", density = 0.05, chunk = 256 }",
         ],
-        // Eager outer steps, stopped with the all-reduce of sync 4 half spread over steps 5-8; and with
-        // fp8 pseudo-gradients, whose all-reduce goes whole beside step 5.
+        // Eager outer steps, stopped with the all-reduce of sync 4 in four pieces, one beside each of
+        // steps 5-8; and with fp8 pseudo-gradients, whose all-reduce goes whole beside step 5.
         &[
             "train.backend=\"diloco\"",
-            "train.diloco={ sync_every = 4, eager = true }",
+            "train.diloco={ sync_every = 4, eager = true, eager_pieces = 4 }",
         ],
         &[
             "train.backend=\"diloco\"",
