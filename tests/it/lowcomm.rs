@@ -21,6 +21,21 @@ fn rows(dir: &Path, name: &str, workers: usize, set: &[&str]) -> Vec<Row> {
     train_rows(dir, name, workers, set).1
 }
 
+/// Rank `rank`'s compressing reducer's residual in the run's newest checkpoint.
+fn residual(s: &train::Summary, rank: usize) -> Vec<f32> {
+    let ckpt = train::checkpoint::find_latest(&s.run_dir).unwrap().unwrap();
+    let bytes = std::fs::read(ckpt.join(format!("rank_{rank}.safetensors"))).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let residual = st
+        .tensor("reducer.compress.residual")
+        .expect("the reducer's residual");
+    residual
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
 /// Rows agree within `tol` (relative) on the losses.
 fn assert_close(a: &[Row], b: &[Row], tol: f64, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: rows");
@@ -256,20 +271,7 @@ fn diloco_pseudo_gradients_through_a_reducer_keep_what_was_not_sent() {
         .iter()
         .filter_map(|r| r.compression_ratio)
         .all(|c| c > 5.0));
-    let ckpt = nanodist::train::checkpoint::find_latest(&s.run_dir)
-        .unwrap()
-        .unwrap();
-    let bytes = std::fs::read(ckpt.join("rank_1.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let residual = st
-        .tensor("reducer.compress.residual")
-        .expect("the reducer's residual");
-    let values: Vec<f32> = residual
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    let norm = values
+    let norm = residual(&s, 1)
         .iter()
         .map(|x| (*x as f64).powi(2))
         .sum::<f64>()
@@ -325,16 +327,8 @@ fn sparseloco_with_everything_sent_in_f32_is_diloco_and_two_bits_still_learn() {
         last < r[0].train_loss - 0.3,
         "2-bit SparseLoCo learns: {last}"
     );
-    let ckpt = nanodist::train::checkpoint::find_latest(&s.run_dir)
-        .unwrap()
-        .unwrap();
-    let bytes = std::fs::read(ckpt.join("rank_0.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let residual = st
-        .tensor("reducer.compress.residual")
-        .expect("the residual");
     assert!(
-        residual.data().iter().any(|b| *b != 0),
+        residual(&s, 0).iter().any(|x| *x != 0.0),
         "nothing kept for the next sync"
     );
 }

@@ -92,6 +92,24 @@ impl StateBuf {
         self.host = r;
     }
 
+    /// A reducer's state when the residual is all of it: `residual`, when one is kept.
+    pub fn residual_state(&self) -> Result<State> {
+        Ok(match self.to_host()? {
+            Some(r) => vec![("residual".into(), r)],
+            None => Vec::new(),
+        })
+    }
+
+    /// Restores `residual_state` for a model of `numel` values (an empty state: no residual).
+    pub fn load_residual(&mut self, mut state: State, numel: usize) -> Result<()> {
+        self.clear();
+        if !state.is_empty() {
+            let r = take(&mut state, "residual", Some(numel))?;
+            self.restore(r);
+        }
+        Ok(())
+    }
+
     /// A host copy; None when no residual is kept.
     pub fn to_host(&self) -> Result<Option<Vec<f32>>> {
         #[cfg(feature = "cuda")]

@@ -24,7 +24,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{k_of, take, Reducer, Report, Segment, State, StateBuf};
+use super::{k_of, Reducer, Report, Segment, State, StateBuf};
 use crate::comm::Communicator;
 use crate::config::backend::SparseLocoConfig;
 use crate::kernels;
@@ -273,19 +273,11 @@ impl Reducer for SparseLoco {
     }
 
     fn state(&self) -> Result<State> {
-        Ok(match self.residual.to_host()? {
-            Some(r) => vec![("residual".into(), r)],
-            None => Vec::new(),
-        })
+        self.residual.residual_state()
     }
 
-    fn load_state(&mut self, mut state: State) -> Result<()> {
-        self.residual.clear();
-        if !state.is_empty() {
-            let r = take(&mut state, "residual", Some(self.numel()))?;
-            self.residual.restore(r);
-        }
-        Ok(())
+    fn load_state(&mut self, state: State) -> Result<()> {
+        self.residual.load_residual(state, self.numel())
     }
 }
 

@@ -8,8 +8,7 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    all_reduce, f32_to_indices, indices_to_f32, k_of, take, Reducer, Report, Segment, State,
-    StateBuf,
+    all_reduce, f32_to_indices, indices_to_f32, k_of, Reducer, Report, Segment, State, StateBuf,
 };
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::kernels;
@@ -201,19 +200,11 @@ impl Reducer for TopK {
     }
 
     fn state(&self) -> Result<State> {
-        Ok(match self.residual.to_host()? {
-            Some(r) => vec![("residual".into(), r)],
-            None => Vec::new(),
-        })
+        self.residual.residual_state()
     }
 
-    fn load_state(&mut self, mut state: State) -> Result<()> {
-        self.residual.clear();
-        if !state.is_empty() {
-            let r = take(&mut state, "residual", Some(self.numel()))?;
-            self.residual.restore(r);
-        }
-        Ok(())
+    fn load_state(&mut self, state: State) -> Result<()> {
+        self.residual.load_residual(state, self.numel())
     }
 }
 
