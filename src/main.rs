@@ -352,13 +352,14 @@ nanodist check config/gpt2-small.toml --ranks 16 --ranks-per-node 4"
         /// The profile to write.
         #[arg(long, default_value = "config/clusters/local.toml")]
         output: PathBuf,
-        /// Internal (the MPI ranks of a calibration): the seconds of a lockstep step with two ranks per
-        /// core, measured by an earlier launch.
+        /// Internal (the MPI ranks of a calibration): the sharing efficiency, measured by earlier
+        /// launches.
         #[arg(long, hide = true)]
-        shared_step_secs: Option<f64>,
-        /// Internal: only measure the lockstep step (rank 0 prints its seconds).
+        sharing: Option<f64>,
+        /// Internal: only measure the lockstep step with this many rows per rank (rank 0 prints its
+        /// seconds).
         #[arg(long, hide = true)]
-        probe: bool,
+        probe: Option<usize>,
     },
     /// Hosts in network namespaces joined by shaped links on this machine, for real multi-host runs
     /// (needs root, iproute2, and Open MPI for `run`).
@@ -704,27 +705,27 @@ fn predict(a: PredictArgs) -> Result<()> {
 fn calibrate(
     engine: CalibrateEngine,
     output: &std::path::Path,
-    shared_step: Option<f64>,
-    probe: bool,
+    sharing: Option<f64>,
+    probe: Option<usize>,
 ) -> Result<()> {
     let measured = match engine {
         CalibrateEngine::Local => {
+            // One rank per core, then two, each on its own thread, for the sharing efficiency; then two
+            // ranks.
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            // Two ranks per core, each on its own thread, for the sharing efficiency; then two ranks.
-            let half = predict::calibrate::LOCKSTEP_ROWS / 2;
-            let shared = (0..predict::calibrate::SHARING_REPEATS)
-                .map(|_| {
-                    on_threads(2 * cores, |c| predict::calibrate::lockstep_step(c, half))
-                        .map(|s| s[0])
-                })
-                .collect::<Result<Vec<f64>>>()?;
-            let shared = predict::calibrate::median(shared);
+            let lockstep = |ranks: usize, rows: usize| {
+                on_threads(ranks, |c| predict::calibrate::lockstep_step(c, rows)).map(|s| s[0])
+            };
+            let rows = predict::calibrate::LOCKSTEP_ROWS;
+            let sharing = predict::calibrate::sharing_efficiency(|| {
+                Ok((lockstep(cores, rows)?, lockstep(2 * cores, rows / 2)?))
+            })?;
             on_threads(2, |c| {
-                predict::calibrate::measure(c, "local", 2, Some(shared))
+                predict::calibrate::measure(c, "local", 2, Some(sharing))
             })?
             .swap_remove(0)
         }
-        CalibrateEngine::Mpi => match calibrate_mpi(output, shared_step, probe)? {
+        CalibrateEngine::Mpi => match calibrate_mpi(output, sharing, probe)? {
             Some(m) => m,
             None => return Ok(()),
         },
@@ -775,20 +776,19 @@ fn on_threads<T: Send>(
 }
 
 /// Under an MPI launcher: this rank's part (rank 0's measurement, None elsewhere; with `probe`, rank 0
-/// prints the lockstep step's seconds). Otherwise launches the probe with two ranks per core, then the
-/// measurement with two ranks, whose rank 0 writes the profile.
+/// prints the lockstep step's seconds). Otherwise launches the probes with one rank per core and two, in
+/// pairs, then the measurement with two ranks, whose rank 0 writes the profile.
 #[cfg(feature = "mpi")]
 fn calibrate_mpi(
     output: &std::path::Path,
-    shared_step: Option<f64>,
-    probe: bool,
+    sharing: Option<f64>,
+    probe: Option<usize>,
 ) -> Result<Option<predict::calibrate::Measured>> {
     use nanodist::comm::Communicator;
     if LaunchEnv::process_rank().is_some() {
         let mut comm = nanodist::comm::mpi::MpiComm::init(std::time::Duration::from_secs(300))?;
-        if probe {
-            let half = predict::calibrate::LOCKSTEP_ROWS / 2;
-            let secs = predict::calibrate::lockstep_step(&mut comm, half)?;
+        if let Some(rows) = probe {
+            let secs = predict::calibrate::lockstep_step(&mut comm, rows)?;
             if comm.rank() == 0 {
                 println!("{secs}");
             }
@@ -797,7 +797,7 @@ fn calibrate_mpi(
         let per_node = LaunchEnv::from_env(None)
             .launcher_local_world
             .unwrap_or(comm.world_size());
-        let m = predict::calibrate::measure(&mut comm, "mpi", per_node, shared_step)?;
+        let m = predict::calibrate::measure(&mut comm, "mpi", per_node, sharing)?;
         return Ok((comm.rank() == 0).then_some(m));
     }
     let exe = std::env::current_exe().context("locating this program for mpirun")?;
@@ -833,21 +833,22 @@ fn calibrate_mpi(
         Ok(String::from_utf8_lossy(&out.stdout).to_string())
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let probes = (0..predict::calibrate::SHARING_REPEATS)
-        .map(|_| {
-            let probed = mpirun(2 * cores, &["--probe".into()])?;
-            probed
-                .trim()
-                .parse::<f64>()
-                .with_context(|| format!("the sharing probe printed {probed:?}"))
-        })
-        .collect::<Result<Vec<f64>>>()?;
-    let secs = predict::calibrate::median(probes);
+    let probe = |ranks: usize, rows: usize| -> Result<f64> {
+        let probed = mpirun(ranks, &["--probe".into(), rows.to_string()])?;
+        probed
+            .trim()
+            .parse::<f64>()
+            .with_context(|| format!("the sharing probe printed {probed:?}"))
+    };
+    let rows = predict::calibrate::LOCKSTEP_ROWS;
+    let sharing = predict::calibrate::sharing_efficiency(|| {
+        Ok((probe(cores, rows)?, probe(2 * cores, rows / 2)?))
+    })?;
     let args = [
         "--output".to_string(),
         output.display().to_string(),
-        "--shared-step-secs".into(),
-        secs.to_string(),
+        "--sharing".into(),
+        sharing.to_string(),
     ];
     print!("{}", mpirun(2, &args)?);
     Ok(None)
@@ -857,7 +858,7 @@ fn calibrate_mpi(
 fn calibrate_mpi(
     _: &std::path::Path,
     _: Option<f64>,
-    _: bool,
+    _: Option<usize>,
 ) -> Result<Option<predict::calibrate::Measured>> {
     Err(nanodist::bad_input!(
         "calibrate --engine mpi: this nanodist was built without MPI; rebuild with `cargo build --release --features mpi`"
@@ -927,9 +928,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Calibrate {
             engine,
             output,
-            shared_step_secs,
+            sharing,
             probe,
-        } => calibrate(engine, &output, shared_step_secs, probe),
+        } => calibrate(engine, &output, sharing, probe),
         Command::Schema { cluster, output } => schema(cluster, output),
         Command::Netlab(c) => match nanodist::netlab::command(c)? {
             0 => Ok(()),

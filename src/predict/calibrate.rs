@@ -332,9 +332,21 @@ pub fn lockstep_step(comm: &mut dyn Communicator, rows: usize) -> Result<f64> {
 /// Rows per rank of the lockstep step alone (one rank per core); with two ranks per core each takes half.
 pub const LOCKSTEP_ROWS: usize = 12;
 
-/// Times the lockstep step is measured, alone and with two ranks per core, for the sharing efficiency
-/// (the median of each).
-pub const SHARING_REPEATS: usize = 3;
+/// Pairs of lockstep measurements, one rank per core then two, for the sharing efficiency (the median of
+/// the pairs' ratios).
+pub const SHARING_REPEATS: usize = 5;
+
+/// The throughput kept when two ranks share each core, from `SHARING_REPEATS` pairs of (seconds of the
+/// lockstep step with one rank per core and `LOCKSTEP_ROWS` rows, seconds with two ranks per core and
+/// half the rows each): each pair is measured back to back, so that a shared machine's drift between
+/// minutes cancels in its ratio (medians of separate runs put it anywhere from 0.68 to 0.91 in one
+/// morning), and the median of the ratios is kept.
+pub fn sharing_efficiency(mut pair: impl FnMut() -> Result<(f64, f64)>) -> Result<f64> {
+    let ratios = (0..SHARING_REPEATS)
+        .map(|_| pair().map(|(alone, shared)| (alone / shared).min(1.0)))
+        .collect::<Result<Vec<f64>>>()?;
+    Ok(median(ratios))
+}
 
 /// What one calibration measured.
 pub struct Measured {
@@ -380,14 +392,13 @@ fn codecs(comm: &mut dyn Communicator) -> Result<Vec<(CodecName, f64)>> {
 const LADDER: [(usize, usize); 2] = [(128, 6), (128, 12)];
 
 /// Measures on `comm` (every rank calls it; compute is measured on every rank at once, rank 0's kept),
-/// whose ranks run `per_node` to a node: all on one, or one on each. `shared_step`: the lockstep
-/// step's seconds with two ranks per core and half the rows each (the same work per core), for the
-/// sharing efficiency.
+/// whose ranks run `per_node` to a node: all on one, or one on each. `sharing`: the sharing efficiency
+/// measured before (`sharing_efficiency`), which the profile records.
 pub fn measure(
     comm: &mut dyn Communicator,
     engine: &'static str,
     per_node: usize,
-    shared_step: Option<f64>,
+    sharing: Option<f64>,
 ) -> Result<Measured> {
     let world = comm.world_size();
     if per_node != world && per_node != 1 {
@@ -403,13 +414,6 @@ pub fn measure(
         comm.barrier()?;
         reps.push(compute()?);
     }
-    // The median of three, as the probe of two ranks per core (`SHARING_REPEATS`): on a shared machine one
-    // measurement of each can put the sharing efficiency anywhere from 0.75 to 1. Two ranks per core with
-    // half the rows each ideally take as long; what they take beyond that is lost to sharing.
-    let sharing = match shared_step {
-        Some(shared) => Some((lockstep_alone(comm)? / shared).min(1.0)),
-        None => None,
-    };
     let sweep = sweep(comm)?;
     let codecs = codecs(comm)?;
     let nodes = match per_node == 1 && world >= 3 {
@@ -456,15 +460,6 @@ fn compute() -> Result<(f64, f64, f64)> {
         .sum::<Result<f64>>()?
         / LADDER.len() as f64;
     Ok((gemm_peak(), achieved, memory_bandwidth()))
-}
-
-/// The lockstep step's median seconds over `SHARING_REPEATS`, one rank per core.
-fn lockstep_alone(comm: &mut dyn Communicator) -> Result<f64> {
-    Ok(median(
-        (0..SHARING_REPEATS)
-            .map(|_| lockstep_step(comm, LOCKSTEP_ROWS))
-            .collect::<Result<_>>()?,
-    ))
 }
 
 /// The cores the ranks may use: each rank's (a launcher binds one core to each), summed; the local
