@@ -692,7 +692,15 @@ fn quantized_all_reduce_on_the_gpu_equals_its_host_path() {
                                 s.clone_dtoh(&d.buf).unwrap()
                             } else {
                                 let mut comm = c;
-                                quantize::all_reduce_mean(&mut comm, &mut x, &rows, q).unwrap();
+                                let mut scratch = quantize::Scratch::default();
+                                quantize::all_reduce_mean(
+                                    &mut comm,
+                                    &mut x,
+                                    &rows,
+                                    q,
+                                    &mut scratch,
+                                )
+                                .unwrap();
                                 x
                             }
                         })

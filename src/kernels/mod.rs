@@ -151,9 +151,10 @@ pub fn select_write(
 
 /// The `k` entries of largest magnitude of `x` (ties towards lower indices), in index order, appended
 /// to `idx` as `base + i` and to `val`: the radix select of the threshold, then the compaction. No sort.
+/// A small `k` of a long `x` goes through `top_k_of_candidates` (one pass over `x`); the same entries.
 pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
     let k = k.min(x.len());
-    if k == 0 {
+    if k == 0 || top_k_of_candidates(x, k, base, idx, val) {
         return;
     }
     let t = radix_threshold(k, |p, m, s| Ok(radix_histogram(x, p, m, s)))
@@ -172,6 +173,66 @@ pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f
         &mut idx[start..],
         &mut val[start..],
     );
+}
+
+/// Keys sampled from `x` to place the candidates' threshold.
+const SAMPLES: usize = 2048;
+
+/// `top_k` on the host for a `k` below a sixteenth of a long `x`, in one pass over it: a key that about
+/// 1.5 k keys reach, from a sample of `x`; every entry reaching it, with its index (the
+/// candidates); the threshold of `radix_threshold` over the candidates' keys, which hold the k largest
+/// of `x` when there are k of them, so it is `x`'s; then the selection in index order. False (nothing
+/// appended) where it does not apply, or the sample's key let fewer than k through or too many.
+fn top_k_of_candidates(
+    x: &[f32],
+    k: usize,
+    base: u32,
+    idx: &mut Vec<u32>,
+    val: &mut Vec<f32>,
+) -> bool {
+    if x.len() < 16 * SAMPLES || 16 * k > x.len() {
+        return false;
+    }
+    // One key from each of SAMPLES equal spans, at a pseudo-random place in it (an evenly strided
+    // sample aliases with a matrix's rows or any other period of the data).
+    let stride = x.len() / SAMPLES;
+    let mut sample: Vec<u32> = (0..SAMPLES)
+        .map(|i| {
+            let h = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
+            abs_key(x[i * stride + h as usize % stride])
+        })
+        .collect();
+    sample.sort_unstable_by(|a, b| b.cmp(a));
+    let at = (k * SAMPLES / x.len() * 3 / 2 + 16).min(SAMPLES - 1);
+    let floor = sample[at];
+    // Past 4 k candidates (ties at the sample's key, or a sample far off) the pass stops: the full
+    // selection is then the cheaper one.
+    let cap = 4 * k + SAMPLES;
+    let (mut cand_i, mut cand_v) = (Vec::with_capacity(2 * k), Vec::with_capacity(2 * k));
+    for (i, &v) in x.iter().enumerate() {
+        if abs_key(v) >= floor {
+            if cand_v.len() == cap {
+                return false;
+            }
+            cand_i.push(i as u32);
+            cand_v.push(v);
+        }
+    }
+    if cand_v.len() < k {
+        return false;
+    }
+    let t = radix_threshold(k, |p, m, s| Ok(radix_histogram(&cand_v, p, m, s)))
+        .expect("the histograms of a slice count every key");
+    let mut ties = 0;
+    for (&i, &v) in cand_i.iter().zip(&cand_v) {
+        let key = abs_key(v);
+        if key > t.key || (key == t.key && ties < t.ties) {
+            idx.push(base + i);
+            val.push(v);
+        }
+        ties += u32::from(key == t.key);
+    }
+    true
 }
 
 /// Twin of `gather`: out[j] = x[idx[j]].
@@ -397,6 +458,31 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Large values exactly where the sample looks: its key lets too few through, and the full path
+    /// selects instead; the same entries either way.
+    #[test]
+    fn a_sample_that_lets_too_few_or_too_many_through_falls_back_to_the_full_selection() {
+        let len = 16 * SAMPLES * 2;
+        let stride = len / SAMPLES;
+        let mut x: Vec<f32> = (0..len).map(|i| (i % 7) as f32 * 1e-3).collect();
+        for i in 0..SAMPLES {
+            let h = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
+            x[i * stride + h as usize % stride] = 1.0;
+        }
+        let k = 2 * SAMPLES;
+        let (mut idx, mut val) = (Vec::new(), Vec::new());
+        assert!(!top_k_of_candidates(&x, k, 0, &mut idx, &mut val));
+        assert!(idx.is_empty() && val.is_empty());
+        top_k(&x, k, 0, &mut idx, &mut val);
+        assert_eq!(idx, naive_top_k(&x, k));
+        // All ties: every key reaches the sample's.
+        let x = vec![-0.5f32; len];
+        let (mut idx, mut val) = (Vec::new(), Vec::new());
+        assert!(!top_k_of_candidates(&x, 100, 0, &mut idx, &mut val));
+        top_k(&x, 100, 0, &mut idx, &mut val);
+        assert_eq!(idx, (0..100).collect::<Vec<u32>>());
+    }
+
     /// The exact top-k set by a full sort (|x| descending, then index ascending), in index order.
     fn naive_top_k(x: &[f32], k: usize) -> Vec<u32> {
         let mut order: Vec<u32> = (0..x.len() as u32).collect();
@@ -437,6 +523,29 @@ mod tests {
             prop_assert_eq!(&idx[1..], &want[..]);
             for (i, v) in idx[1..].iter().zip(&val[1..]) {
                 prop_assert_eq!(v.to_bits(), x[(i - base) as usize].to_bits());
+            }
+        }
+
+        #[test]
+        fn long_inputs_select_through_candidates_the_exact_top_k(
+            levels in 1i32..2000, seed in any::<u64>(), frac in 0.0f64..0.07, len in 32768usize..70000
+        ) {
+            // Few levels (many ties at the threshold) to many; clustered runs defeat the even sample.
+            use rand::{Rng, SeedableRng};
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let x: Vec<f32> = (0..len)
+                .map(|i| {
+                    let l = rng.random_range(-levels..=levels) as f32;
+                    if (i / 4096) % 3 == 0 { l * 1e-3 } else { l }
+                })
+                .collect();
+            let k = (frac * len as f64) as usize;
+            let (mut idx, mut val) = (Vec::new(), Vec::new());
+            top_k(&x, k, 5, &mut idx, &mut val);
+            let want: Vec<u32> = naive_top_k(&x, k).iter().map(|i| 5 + i).collect();
+            prop_assert_eq!(&idx, &want);
+            for (i, v) in idx.iter().zip(&val) {
+                prop_assert_eq!(v.to_bits(), x[(i - 5) as usize].to_bits());
             }
         }
 

@@ -137,8 +137,10 @@ pub fn gpt2_block() -> Vec<Segment> {
 /// `tensors`: GB/s of f32 gradient, 4 bytes a parameter.
 pub fn measure(codec: CodecName, tensors: &[Segment], runs: usize) -> Result<f64> {
     let numel: usize = tensors.iter().map(|t| t.len).sum();
+    // Spread evenly over +-0.005 (in f64: in f32 the fraction of i x 0.618 runs out of bits past 2^24 and
+    // most of a model's gradient would be one value).
     let grad: Vec<f32> = (0..numel)
-        .map(|i| ((i as f32 * 0.618_034).fract() - 0.5) * 1e-2)
+        .map(|i| (((i as f64 * 0.618_033_988_749_895).fract() - 0.5) * 1e-2) as f32)
         .collect();
     let mut pass = passes(codec, tensors);
     let mut work = grad.clone();
@@ -234,7 +236,10 @@ fn choco(c: Compressor, tensors: &[Segment]) -> Pass {
 fn quantized(q: Quantize, tensors: &[Segment]) -> Pass {
     let rows = crate::sync::diloco::rows_of(tensors);
     let mut comm = Solo;
-    Box::new(move |g, _| crate::sync::quantize::all_reduce_mean(&mut comm, g, &rows, q))
+    let mut scratch = crate::sync::quantize::Scratch::default();
+    Box::new(move |g, _| {
+        crate::sync::quantize::all_reduce_mean(&mut comm, g, &rows, q, &mut scratch)
+    })
 }
 
 #[cfg(test)]

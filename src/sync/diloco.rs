@@ -80,6 +80,8 @@ pub struct Diloco {
     previous: Flat,
     /// This rank's pseudo-gradient norm and distance from the average at the last sync, until logged.
     pending: Option<(f64, f64)>,
+    /// The quantized all-reduce's message buffers, kept across syncs.
+    scratch: super::quantize::Scratch,
 }
 
 /// Rows of the flat buffer: one per matrix row, one per vector.
@@ -153,6 +155,7 @@ impl Diloco {
             syncs: 0,
             previous: Flat::Host(Vec::new()),
             pending: None,
+            scratch: Default::default(),
         })
     }
 
@@ -188,7 +191,9 @@ impl Diloco {
                     FlatMut::Cuda(d) if comm.device_collectives() => {
                         super::quantize::all_reduce_mean_device(comm, d, rows, q)?
                     }
-                    d => d.through_host(|d| super::quantize::all_reduce_mean(comm, d, rows, q))?,
+                    d => d.through_host(|d| {
+                        super::quantize::all_reduce_mean(comm, d, rows, q, &mut self.scratch)
+                    })?,
                 }
                 compress::Report::default()
             }

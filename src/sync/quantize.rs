@@ -60,37 +60,63 @@ const fn e4m3_bits(b: u8) -> u32 {
 /// The smallest normal e4m3 magnitude, 2^-6.
 const E4M3_MIN_NORMAL: f32 = 0.015625;
 
-/// The nearest e4m3 byte (ties to even), saturating at +-448; NaN gives 0x7f.
+/// The nearest e4m3 byte (ties to even), saturating at +-448; NaN gives 0x7f. Every case is computed and
+/// one is chosen, without branches, so that the encoding loop vectorizes.
 pub fn f32_to_e4m3(x: f32) -> u8 {
-    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
-    let a = x.abs();
-    if a.is_nan() {
-        return 0x7f;
-    }
-    if a >= E4M3_MAX {
-        return sign | 0x7e;
-    }
-    if a < E4M3_MIN_NORMAL {
-        // Subnormal codes are multiples of 2^-9: the code is a x 2^9 (exact) rounded half to even; 8
-        // is the smallest normal's code.
-        return sign | (a * 512.0).round_ties_even() as u8;
-    }
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let a = bits & 0x7fff_ffff;
+    let af = f32::from_bits(a);
+    // Subnormal codes are multiples of 2^-9: the code is a x 2^9 (exact, below 8) rounded half to even,
+    // by adding 2^23 (the sum's rounding is the hardware's, to nearest even), whose low mantissa bits
+    // are then the integer; 8 is the smallest normal's code.
+    const SHIFT: f32 = 8_388_608.0;
+    let subnormal = (af * 512.0 + SHIFT).to_bits().wrapping_sub(SHIFT.to_bits());
     // Normal: the exponent re-biased, the top 3 mantissa bits, and the 20 below them rounded half to
     // even (a carry moves to the next exponent, as it should; below 448 it never reaches 0x7f).
-    let bits = a.to_bits();
-    let mut code = ((bits >> 23) - 120) << 3 | (bits >> 20) & 7;
-    let rest = bits & 0xf_ffff;
-    if rest > 0x8_0000 || (rest == 0x8_0000 && code & 1 == 1) {
-        code += 1;
+    let code = ((a >> 23).wrapping_sub(120) << 3) | ((a >> 20) & 7);
+    let rest = a & 0xf_ffff;
+    let up = u32::from(rest > 0x8_0000 || (rest == 0x8_0000 && code & 1 == 1));
+    let normal = code.wrapping_add(up);
+    let magnitude = if af < E4M3_MIN_NORMAL {
+        subnormal
+    } else {
+        normal
+    };
+    let magnitude = if af >= E4M3_MAX { 0x7e } else { magnitude };
+    if a > 0x7f80_0000 {
+        0x7f
+    } else {
+        sign | magnitude as u8
     }
-    sign | code as u8
 }
 
 /// `x.round().clamp(0.0, 255.0) as u8` for the x >= 0 (or NaN) of a uint8 row, without `round`'s
 /// library call: the integer part, plus one where the fraction (exact below 2^23) is at least a half.
 fn uint8_level(x: f32) -> u8 {
-    let t = x as u32;
-    t.saturating_add(u32::from(x - t as f32 >= 0.5)).min(255) as u8
+    // Clamped first (NaN to 0), so that the conversion is a signed one, which vectorizes.
+    let x = if x >= 0.0 { x.min(256.0) } else { 0.0 };
+    let t = x as i32;
+    (t + i32::from(x - t as f32 >= 0.5)).min(255) as u8
+}
+
+/// The bf16 bits of `x` (in the low half), as `half::bf16::from_f32`: round to nearest even, and a NaN
+/// keeps its high bits with the quiet bit set. Branch-free, so that the encoding loop vectorizes.
+fn bf16_bits(x: f32) -> u32 {
+    let b = x.to_bits();
+    let up = u32::from(b & 0x8000 != 0 && b & 0x1_7fff != 0);
+    let nan = b & 0x7fff_ffff > 0x7f80_0000;
+    if nan {
+        b >> 16 | 0x40
+    } else {
+        (b >> 16) + up
+    }
+}
+
+/// The value of bf16 bits (the low 16 of `h`), as `half::bf16::to_f32`: a NaN gets the quiet bit.
+fn bf16_value(h: u32) -> f32 {
+    let nan = h & 0x7fff > 0x7f80;
+    f32::from_bits(if nan { (h | 0x40) << 16 } else { h << 16 })
 }
 
 /// Wire words of one row of `len` values.
@@ -106,10 +132,21 @@ pub fn row_words(q: Quantize, len: usize) -> usize {
 /// Packs `f` of each value into f32 bit patterns, four bytes to a word (little-endian within the word; a
 /// last partial word's high bytes are zero).
 fn pack(row: &[f32], f: impl Fn(f32) -> u8, out: &mut Vec<f32>) {
-    out.extend(row.chunks(4).map(|c| {
-        let w = c.iter().rev().fold(0u32, |w, &x| w << 8 | f(x) as u32);
-        f32::from_bits(w)
-    }));
+    let start = out.len();
+    out.resize(start + row.len().div_ceil(4), 0.0);
+    let words = &mut out[start..];
+    let quads = row.chunks_exact(4);
+    if let Some(last) = words.last_mut().filter(|_| !quads.remainder().is_empty()) {
+        let w = quads
+            .remainder()
+            .iter()
+            .rev()
+            .fold(0u32, |w, &x| w << 8 | f(x) as u32);
+        *last = f32::from_bits(w);
+    }
+    for (w, c) in words.iter_mut().zip(quads) {
+        *w = f32::from_bits(u32::from_le_bytes([f(c[0]), f(c[1]), f(c[2]), f(c[3])]));
+    }
 }
 
 /// `set(o, b)` for each output and its byte of `words` (as `pack` laid them out).
@@ -125,13 +162,18 @@ fn unpack(words: &[f32], out: &mut [f32], set: impl Fn(&mut f32, u8)) {
 pub fn encode(q: Quantize, row: &[f32], out: &mut Vec<f32>) {
     match q {
         Quantize::None => out.extend_from_slice(row),
-        Quantize::Bf16 => out.extend(row.chunks(2).map(|pair| {
-            let lo = half::bf16::from_f32(pair[0]).to_bits() as u32;
-            let hi = pair
-                .get(1)
-                .map_or(0, |&x| half::bf16::from_f32(x).to_bits() as u32);
-            f32::from_bits(lo | (hi << 16))
-        })),
+        Quantize::Bf16 => {
+            let start = out.len();
+            out.resize(start + row.len().div_ceil(2), 0.0);
+            let words = &mut out[start..];
+            let pairs = row.chunks_exact(2);
+            if let [last] = pairs.remainder() {
+                words[words.len() - 1] = f32::from_bits(bf16_bits(*last));
+            }
+            for (w, p) in words.iter_mut().zip(pairs) {
+                *w = f32::from_bits(bf16_bits(p[0]) | bf16_bits(p[1]) << 16);
+            }
+        }
         Quantize::Fp8 => {
             let max = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             let scale = if max > 0.0 { max / E4M3_MAX } else { 1.0 };
@@ -164,11 +206,15 @@ fn decode_with(q: Quantize, words: &[f32], out: &mut [f32], set: impl Fn(&mut f3
     match q {
         Quantize::None => out.iter_mut().zip(words).for_each(|(o, &v)| set(o, v)),
         Quantize::Bf16 => {
-            for (o, w) in out.chunks_mut(2).zip(words) {
+            let last = words.get(out.len() / 2).map(|w| w.to_bits() & 0xffff);
+            let mut pairs = out.chunks_exact_mut(2);
+            for (o, w) in (&mut pairs).zip(words) {
                 let w = w.to_bits();
-                for (o, bits) in o.iter_mut().zip([w & 0xffff, w >> 16]) {
-                    set(o, half::bf16::from_bits(bits as u16).to_f32());
-                }
+                set(&mut o[0], bf16_value(w & 0xffff));
+                set(&mut o[1], bf16_value(w >> 16));
+            }
+            if let ([o], Some(h)) = (pairs.into_remainder(), last) {
+                set(o, bf16_value(h));
             }
         }
         Quantize::Fp8 => {
@@ -182,13 +228,12 @@ fn decode_with(q: Quantize, words: &[f32], out: &mut [f32], set: impl Fn(&mut f3
     }
 }
 
-/// The encoding of `rows` of `buf`, concatenated.
-fn encode_rows(q: Quantize, buf: &[f32], rows: &[Range<usize>]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows.iter().map(|r| row_words(q, r.len())).sum());
+/// Appends the encoding of `rows` of `buf`, concatenated, to `out`.
+fn encode_rows(q: Quantize, buf: &[f32], rows: &[Range<usize>], out: &mut Vec<f32>) {
+    out.reserve(rows.iter().map(|r| row_words(q, r.len())).sum());
     for r in rows {
-        encode(q, &buf[r.clone()], &mut out);
+        encode(q, &buf[r.clone()], out);
     }
-    out
 }
 
 /// Decodes the concatenated encoding of `rows` into `buf`.
@@ -250,55 +295,80 @@ pub fn collectives(
     ]
 }
 
+/// The message buffers of [`all_reduce_mean`], kept from one call to the next: a fresh buffer of a
+/// model's size costs its page faults on every call (most of the codec's time on a CPU).
+#[derive(Default)]
+pub struct Scratch {
+    /// This rank's encoding of each owner's rows.
+    encoded: Vec<Vec<f32>>,
+    /// Every other rank's encoding of my rows.
+    copies: Vec<Vec<f32>>,
+    /// My rows' mean, requantized.
+    requantized: Vec<f32>,
+    /// Every other owner's requantized mean.
+    chunks: Vec<Vec<f32>>,
+}
+
+/// Sizes `bufs` to `n` buffers of `len(r)` words each (contents left to be overwritten).
+fn size_buffers(bufs: &mut Vec<Vec<f32>>, n: usize, len: impl Fn(usize) -> usize) {
+    bufs.resize_with(n, Vec::new);
+    for (r, b) in bufs.iter_mut().enumerate() {
+        b.resize(len(r), 0.0);
+    }
+}
+
 /// The mean over ranks of `buf`, in place, through `q` on the wire; `rows` tile `buf` (in order).
+/// `scratch` keeps the messages' buffers for the next call.
 pub fn all_reduce_mean(
     comm: &mut dyn Communicator,
     buf: &mut [f32],
     rows: &[Range<usize>],
     q: Quantize,
+    scratch: &mut Scratch,
 ) -> Result<()> {
     let (n, me) = (comm.world_size(), comm.rank());
+    let Scratch {
+        encoded,
+        copies,
+        requantized,
+        chunks,
+    } = scratch;
     // Row chunk c belongs to rank c.
     let owned: Vec<&[Range<usize>]> = (0..n).map(|c| &rows[chunk(rows.len(), n, c)]).collect();
     let words = |rs: &[Range<usize>]| rs.iter().map(|r| row_words(q, r.len())).sum::<usize>();
     // Every rank's copy of my rows arrives; mine is quantized like theirs, so every rank's share weighs
     // the same.
-    let encoded: Vec<Vec<f32>> = owned.iter().map(|rs| encode_rows(q, buf, rs)).collect();
-    let mut copies: Vec<Vec<f32>> = (0..n)
-        .map(|r| vec![0.0; if r == me { 0 } else { words(owned[me]) }])
-        .collect();
-    all_to_all(comm, |r| &encoded[r], &mut copies)?;
-    // The owner's mean in f32, rank order, then requantized. My rows are one span of `buf`, which is
-    // encoded already and holds the mean until the all-gather's decoding overwrites it.
-    let mine = owned[me];
-    let base = mine.first().map_or(0, |r| r.start);
-    let mean = &mut buf[base..mine.last().map_or(0, |r| r.end)];
-    for (r, copy) in copies.iter().enumerate() {
-        let copy = if r == me { &encoded[me] } else { copy };
-        let mut at = 0;
-        for row in mine {
-            let (w, m) = (
-                row_words(q, row.len()),
-                &mut mean[row.start - base..row.end - base],
-            );
-            match r {
-                0 => decode(q, &copy[at..at + w], m),
-                _ => decode_with(q, &copy[at..at + w], m, |o, v| *o += v),
-            }
-            at += w;
-        }
+    encoded.resize_with(n, Vec::new);
+    for (e, rs) in encoded.iter_mut().zip(&owned) {
+        e.clear();
+        encode_rows(q, buf, rs, e);
     }
+    size_buffers(copies, n, |r| if r == me { 0 } else { words(owned[me]) });
+    all_to_all(comm, |r| &encoded[r], copies)?;
+    // The owner's mean in f32, rank order, then requantized, a row at a time (while it is in cache). My
+    // rows are one span of `buf`, which is encoded already and holds the mean until the all-gather's
+    // decoding overwrites it.
     let inv = 1.0 / n as f32;
-    mean.iter_mut().for_each(|x| *x *= inv);
-    let mut requantized = Vec::with_capacity(words(mine));
-    for row in mine {
-        encode(q, &mean[row.start - base..row.end - base], &mut requantized);
+    requantized.clear();
+    let mut at = 0;
+    for row in owned[me] {
+        let (w, mean) = (row_words(q, row.len()), &mut buf[row.clone()]);
+        for (r, copy) in copies.iter().enumerate() {
+            let copy = if r == me { &encoded[me] } else { copy };
+            match r {
+                0 => decode(q, &copy[at..at + w], mean),
+                _ => decode_with(q, &copy[at..at + w], mean, |o, v| *o += v),
+            }
+        }
+        mean.iter_mut().for_each(|x| *x *= inv);
+        encode(q, mean, requantized);
+        at += w;
     }
     // All-gather the requantized chunks; every rank, the owner included, decodes the same words.
-    let mut chunks: Vec<Vec<f32>> = (0..n).map(|c| vec![0.0; words(owned[c])]).collect();
-    all_to_all(comm, |_| &requantized, &mut chunks)?;
-    chunks[me] = requantized;
+    size_buffers(chunks, n, |c| if c == me { 0 } else { words(owned[c]) });
+    all_to_all(comm, |_| requantized, chunks)?;
     for (c, words) in chunks.iter().enumerate() {
+        let words = if c == me { &requantized[..] } else { words };
         decode_rows(q, words, owned[c], buf);
     }
     Ok(())
@@ -544,6 +614,28 @@ mod tests {
     /// uint8's level equals rounding half away from zero and clamping, on halves, their neighbours,
     /// the range's ends and past them.
     #[test]
+    fn bf16_conversions_equal_the_half_crates_on_every_rounding_case() {
+        for h in 0..=0xffffu32 {
+            let want = half::bf16::from_bits(h as u16).to_f32().to_bits();
+            assert_eq!(bf16_value(h).to_bits(), want, "bits {h:#06x}");
+            for low in [0, 1, 0x7fff, 0x8000, 0x8001, 0xbfff, 0xc000, 0xffff] {
+                let x = f32::from_bits(h << 16 | low);
+                let want = half::bf16::from_f32(x).to_bits() as u32;
+                assert_eq!(bf16_bits(x), want, "{:#010x}", x.to_bits());
+            }
+        }
+        // Rows of odd and even lengths, through the wire format.
+        for len in [0, 1, 2, 7, 64] {
+            let x = row(len as u64, len, 3.0);
+            let want: Vec<f32> = x
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_f32())
+                .collect();
+            assert_eq!(round_trip(Quantize::Bf16, &x), want);
+        }
+    }
+
+    #[test]
     fn uint8_levels_round_half_away_from_zero() {
         let mut xs = vec![
             0.0f32,
@@ -633,7 +725,8 @@ mod tests {
                     .map(|mut c| {
                         let (rows, mut buf) = (&rows, inputs[c.rank()].clone());
                         s.spawn(move || {
-                            all_reduce_mean(&mut c, &mut buf, rows, q).unwrap();
+                            all_reduce_mean(&mut c, &mut buf, rows, q, &mut Scratch::default())
+                                .unwrap();
                             buf
                         })
                     })
