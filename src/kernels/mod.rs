@@ -178,6 +178,12 @@ pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f
 /// Keys sampled from `x` to place the candidates' threshold.
 const SAMPLES: usize = 2048;
 
+/// Where sample `i` is taken: a pseudo-random place (a Fibonacci hash of i) in the i-th span of `stride`.
+fn sample_at(i: usize, stride: usize) -> usize {
+    let h = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
+    i * stride + h as usize % stride
+}
+
 /// `top_k` on the host for a `k` below a sixteenth of a long `x`, in one pass over it: a key that about
 /// 1.5 k keys reach, from a sample of `x`; every entry reaching it, with its index (the
 /// candidates); the threshold of `radix_threshold` over the candidates' keys, which hold the k largest
@@ -197,10 +203,7 @@ fn top_k_of_candidates(
     // sample aliases with a matrix's rows or any other period of the data).
     let stride = x.len() / SAMPLES;
     let mut sample: Vec<u32> = (0..SAMPLES)
-        .map(|i| {
-            let h = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
-            abs_key(x[i * stride + h as usize % stride])
-        })
+        .map(|i| abs_key(x[sample_at(i, stride)]))
         .collect();
     sample.sort_unstable_by(|a, b| b.cmp(a));
     let at = (k * SAMPLES / x.len() * 3 / 2 + 16).min(SAMPLES - 1);
@@ -466,8 +469,7 @@ mod tests {
         let stride = len / SAMPLES;
         let mut x: Vec<f32> = (0..len).map(|i| (i % 7) as f32 * 1e-3).collect();
         for i in 0..SAMPLES {
-            let h = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
-            x[i * stride + h as usize % stride] = 1.0;
+            x[sample_at(i, stride)] = 1.0;
         }
         let k = 2 * SAMPLES;
         let (mut idx, mut val) = (Vec::new(), Vec::new());

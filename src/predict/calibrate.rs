@@ -339,8 +339,8 @@ pub const SHARING_REPEATS: usize = 5;
 /// The throughput kept when two ranks share each core, from `SHARING_REPEATS` pairs of (seconds of the
 /// lockstep step with one rank per core and `LOCKSTEP_ROWS` rows, seconds with two ranks per core and
 /// half the rows each): each pair is measured back to back, so that a shared machine's drift between
-/// minutes cancels in its ratio (medians of separate runs put it anywhere from 0.68 to 0.91 in one
-/// morning), and the median of the ratios is kept.
+/// minutes cancels in its ratio (medians of separate runs put it at 0.68 and 0.91 in two calibrations
+/// minutes apart), and the median of the ratios is kept.
 pub fn sharing_efficiency(mut pair: impl FnMut() -> Result<(f64, f64)>) -> Result<f64> {
     let ratios = (0..SHARING_REPEATS)
         .map(|_| pair().map(|(alone, shared)| (alone / shared).min(1.0)))

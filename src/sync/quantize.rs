@@ -611,8 +611,8 @@ mod tests {
         assert_eq!(back, [0.0, 255.0, 1.0, 2.0, 3.0]);
     }
 
-    /// uint8's level equals rounding half away from zero and clamping, on halves, their neighbours,
-    /// the range's ends and past them.
+    /// bf16 both ways equals the `half` crate on every high half with the low halves that decide the
+    /// rounding (NaNs included), and through the wire format on rows of odd and even lengths.
     #[test]
     fn bf16_conversions_equal_the_half_crates_on_every_rounding_case() {
         for h in 0..=0xffffu32 {
@@ -635,6 +635,8 @@ mod tests {
         }
     }
 
+    /// uint8's level equals rounding half away from zero and clamping, on halves, their neighbours,
+    /// the range's ends and past them.
     #[test]
     fn uint8_levels_round_half_away_from_zero() {
         let mut xs = vec![
