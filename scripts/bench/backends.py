@@ -7,6 +7,7 @@ collectives (`sync_ms`: compression, decompression, mixing), and the ratio to al
 worker count (target: <= 1.25x).
 
     python3 scripts/bench/backends.py [--steps 60] [--skip 10] [--workers 4 8] [--nanodist PATH]
+                                      [--only DeMo "top-k 1%" ...]   (all-reduce always runs: the baseline)
 
 Needs a release build (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 """
@@ -57,14 +58,20 @@ def main():
     ap.add_argument("--skip", type=int, default=10)
     ap.add_argument("--workers", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--nanodist", default=os.path.join(ROOT, "target", "release", "nanodist"))
+    ap.add_argument("--only", nargs="+", default=None, help="backends to run besides all-reduce")
     a = ap.parse_args()
+    names = [n for n, _ in RUNS]
+    unknown = [n for n in a.only or [] if n not in names]
+    if unknown:
+        ap.error(f"unknown backend(s) {unknown}; choose from {names}")
+    runs = [(n, s) for n, s in RUNS if a.only is None or n == "all-reduce" or n in a.only]
     out = tempfile.mkdtemp(prefix="nanodist-backends-")
     atexit.register(shutil.rmtree, out, True)
     print("| backend | workers | ms/step | sync share | vs all-reduce |")
     print("|---|---|---|---|---|")
     for workers in a.workers:
         base = None
-        for name, sets in RUNS:
+        for name, sets in runs:
             rows = [r for r in run(a.nanodist, out, name, workers, a.steps, sets) if r["step"] > a.skip]
             ms = sum(r["ms_per_step"] for r in rows) / len(rows)
             share = sum(r.get("sync_ms", 0.0) for r in rows) / sum(r["ms_per_step"] for r in rows)
