@@ -211,18 +211,19 @@ fn top_k_of_candidates(
     // Past 4 k candidates (ties at the sample's key, or a sample far off) the pass stops: the full
     // selection is then the cheaper one.
     let cap = 4 * k + SAMPLES;
-    let (mut cand_i, mut cand_v) = (Vec::with_capacity(2 * k), Vec::with_capacity(2 * k));
-    for (i, &v) in x.iter().enumerate() {
-        if abs_key(v) >= floor {
-            if cand_v.len() == cap {
-                return false;
-            }
-            cand_i.push(i as u32);
-            cand_v.push(v);
-        }
-    }
-    if cand_v.len() < k {
+    let spans: Vec<(Vec<u32>, Vec<f32>)> = x
+        .par_chunks(1 << 16)
+        .enumerate()
+        .map(|(s, span)| candidates(span, s << 16, floor))
+        .collect();
+    let total: usize = spans.iter().map(|(i, _)| i.len()).sum();
+    if total < k || total > cap {
         return false;
+    }
+    let (mut cand_i, mut cand_v) = (Vec::with_capacity(total), Vec::with_capacity(total));
+    for (i, v) in &spans {
+        cand_i.extend_from_slice(i);
+        cand_v.extend_from_slice(v);
     }
     let t = radix_threshold(k, |p, m, s| Ok(radix_histogram(&cand_v, p, m, s)))
         .expect("the histograms of a slice count every key");
@@ -236,6 +237,27 @@ fn top_k_of_candidates(
         ties += u32::from(key == t.key);
     }
     true
+}
+
+/// The entries of `span` (at `start` in its tensor) whose key is at least `floor`, with their indices;
+/// groups of 16 with none are passed over in one vectorized test.
+fn candidates(span: &[f32], start: usize, floor: u32) -> (Vec<u32>, Vec<f32>) {
+    let (mut idx, mut val) = (Vec::new(), Vec::new());
+    for (g, group) in span.chunks(16).enumerate() {
+        let mut any = false;
+        for &v in group {
+            any |= abs_key(v) >= floor;
+        }
+        if any {
+            for (i, &v) in (start + 16 * g..).zip(group) {
+                if abs_key(v) >= floor {
+                    idx.push(i as u32);
+                    val.push(v);
+                }
+            }
+        }
+    }
+    (idx, val)
 }
 
 /// Twin of `gather`: out[j] = x[idx[j]].
@@ -274,6 +296,19 @@ pub fn ef_accumulate(acc: &mut [f32], g: &[f32]) {
         .zip(g.par_iter())
         .with_min_len(1 << 14)
         .for_each(|(a, &b)| *a += b);
+}
+
+/// `ef_accumulate` (with `feedback`), then `kept = acc`; returns `sum_squares(acc)` (the same tiles and
+/// order): one pass where the three take three.
+pub fn ef_accumulate_keep(acc: &mut [f32], kept: &mut [f32], feedback: bool) -> f64 {
+    let tiles = acc.par_chunks_mut(TILE).zip(kept.par_chunks_mut(TILE));
+    optim::add_in_order(tiles.with_min_len(16).map(|(a, k)| {
+        if feedback {
+            a.iter_mut().zip(k.iter()).for_each(|(a, &k)| *a += k);
+        }
+        k.copy_from_slice(a);
+        optim::tile_sum_squares(a)
+    }))
 }
 
 /// Twin of `scale`: x *= s.
@@ -445,6 +480,28 @@ mod tests {
                     rng.next_u32(),
                     "seed {seed}, word {e}"
                 );
+            }
+        }
+    }
+
+    /// The fused pass is error feedback, a copy and the sum of squares, bit for bit.
+    #[test]
+    fn ef_accumulate_keep_is_ef_accumulate_a_copy_and_the_sum_of_squares() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for n in [0, 5, TILE + 3, 40 * TILE + 17] {
+            let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let r: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            for feedback in [false, true] {
+                let mut want = g.clone();
+                if feedback {
+                    super::ef_accumulate(&mut want, &r);
+                }
+                let (mut got, mut kept) = (g.clone(), r.clone());
+                let sum = super::ef_accumulate_keep(&mut got, &mut kept, feedback);
+                assert_eq!(sum.to_bits(), super::optim::sum_squares(&want).to_bits());
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!((bits(&got), bits(&kept)), (bits(&want), bits(&want)));
             }
         }
     }

@@ -3,6 +3,8 @@
 //! so that a kernel and its twin agree bit for bit. The optimizers in `crate::optim` run these twins on
 //! CPU; the coefficients of a step are computed once on the host (`AdamWStep`, `AccumStep`) for both.
 
+use rayon::prelude::*;
+
 use super::Segment;
 
 /// Elements per block of `sum_squares` (`TILE` in optim.cu).
@@ -227,10 +229,16 @@ pub fn tile_sum_squares(tile: &[f32]) -> f64 {
     super::block_sum(&mut sh)
 }
 
-/// The sum of squares of `x` as the kernel and its host step compute it: per tile (`tile_sum_squares`),
-/// then the tiles' sums added in order.
+/// The sum of squares of `x` as the kernel and its host step compute it: per tile (`tile_sum_squares`,
+/// the tiles in parallel), then the tiles' sums added in order.
 pub fn sum_squares(x: &[f32]) -> f64 {
-    x.chunks(TILE).map(tile_sum_squares).fold(0.0, |a, b| a + b)
+    add_in_order(x.par_chunks(TILE).with_min_len(16).map(tile_sum_squares))
+}
+
+/// Tiles' sums, computed in parallel, added in the tiles' order (the host step of every sum of squares).
+pub fn add_in_order(tiles: impl IndexedParallelIterator<Item = f64>) -> f64 {
+    let sums: Vec<f64> = tiles.collect();
+    sums.into_iter().fold(0.0, |a, b| a + b)
 }
 
 #[cfg(test)]
@@ -379,6 +387,16 @@ mod tests {
             // Blocked: 16 additions per lane, 8 in the tree, then one per tile.
             let bound = (24.0 + x.len().div_ceil(TILE) as f64) * f64::EPSILON * want;
             prop_assert!((got - want).abs() <= bound, "{got} vs {want}");
+        }
+    }
+
+    /// The tiles summed in parallel give the tiles' sums added one after the other, bit for bit.
+    #[test]
+    fn the_parallel_sum_of_squares_adds_the_tiles_in_order() {
+        for n in [0, 1, TILE - 1, TILE, 16 * TILE + 5, 300_001] {
+            let x = vals(n, n as u64, -3.0, 3.0);
+            let serial = x.chunks(TILE).map(tile_sum_squares).fold(0.0, |a, b| a + b);
+            assert_eq!(sum_squares(&x).to_bits(), serial.to_bits(), "{n}");
         }
     }
 

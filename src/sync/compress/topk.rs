@@ -51,9 +51,9 @@ impl Reducer for TopK {
     ) -> Result<Report> {
         let n = comm.world_size();
         let mut residual = self.residual.take_host(grads.len());
-        if self.error_feedback {
-            kernels::ef_accumulate(grads, &residual);
-        }
+        // grads += residual (error feedback); the new residual starts as the whole accumulated gradient.
+        let acc_norm =
+            kernels::ef_accumulate_keep(grads, &mut residual, self.error_feedback).sqrt();
         // Dense part: the vectors, in one all-reduce.
         let mut dense: Vec<f32> = self
             .tensors
@@ -75,22 +75,21 @@ impl Reducer for TopK {
                 (idx, vals)
             })
             .collect();
-        let (idx, mut send): (Vec<u32>, Vec<f32>) = selected
-            .into_iter()
-            .flat_map(|(i, v)| i.into_iter().zip(v))
-            .unzip();
-        let kk = idx.len();
-        send.extend(indices_to_f32(&idx));
+        // [values | indices as f32 bits], tensor after tensor.
+        let kk: usize = selected.iter().map(|(i, _)| i.len()).sum();
+        let mut send = Vec::with_capacity(2 * kk);
+        selected.iter().for_each(|(_, v)| send.extend_from_slice(v));
+        selected
+            .iter()
+            .for_each(|(i, _)| send.extend(indices_to_f32(i)));
         let mut all = vec![0.0f32; send.len() * n];
         comm.all_gather(&send, &mut all)?;
 
-        let acc_norm = global_norm(grads);
         // The new residual: everything not sent (vectors are exact and leave none).
-        residual.copy_from_slice(grads);
         for t in self.tensors.iter().filter(|t| !t.matrix) {
-            residual[t.range()].iter_mut().for_each(|r| *r = 0.0);
+            residual[t.range()].fill(0.0);
         }
-        for &i in &idx {
+        for &i in selected.iter().flat_map(|(i, _)| i) {
             residual[i as usize] = 0.0;
         }
         let lost = global_norm(&residual);
@@ -98,7 +97,9 @@ impl Reducer for TopK {
         let mut pos = 0;
         for t in &self.tensors {
             if t.matrix {
-                grads[t.range()].iter_mut().for_each(|g| *g = 0.0);
+                grads[t.range()]
+                    .par_chunks_mut(1 << 16)
+                    .for_each(|g| g.fill(0.0));
             } else {
                 grads[t.range()].copy_from_slice(&dense[pos..pos + t.len]);
                 pos += t.len;
@@ -112,7 +113,7 @@ impl Reducer for TopK {
         }
         let inv = 1.0 / n as f32;
         for t in self.tensors.iter().filter(|t| t.matrix) {
-            grads[t.range()].iter_mut().for_each(|g| *g *= inv);
+            kernels::scale(&mut grads[t.range()], inv);
         }
         if self.error_feedback {
             self.residual.keep_host(residual);
