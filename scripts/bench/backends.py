@@ -4,7 +4,8 @@ costs nothing (in-process workers), so what is left is each method's own computi
 (config/quickstart-char.toml) with a global batch of 24 sequences on 4 and 8 local workers (the compressed
 reducers compress from step 3); per run the mean ms/step over the steps after the first `--skip`, the share of it the sync backend computed outside
 collectives (`sync_ms`: compression, decompression, mixing), and the ratio to all-reduce's ms/step at the same
-worker count (target: <= 1.25x).
+worker count (target: <= 1.25x), all-reduce measured again between every two backends (this ratio is to the mean
+of the all-reduce runs on either side: the machine's speed drifts between minutes).
 
     python3 scripts/bench/backends.py [--steps 60] [--skip 10] [--workers 4 8] [--nanodist PATH]
                                       [--only DeMo "top-k 1%" ...]   (all-reduce always runs: the baseline)
@@ -67,17 +68,27 @@ def main():
     runs = [(n, s) for n, s in RUNS if a.only is None or n == "all-reduce" or n in a.only]
     out = tempfile.mkdtemp(prefix="nanodist-backends-")
     atexit.register(shutil.rmtree, out, True)
-    print("| backend | workers | ms/step | sync share | vs all-reduce |")
-    print("|---|---|---|---|---|")
+    # This machine's speed drifts between minutes: all-reduce runs again between every two backends, and
+    # each backend is compared with the mean of the all-reduce runs just before and just after it.
+    print("| backend | workers | ms/step | sync share | all-reduce beside it | vs all-reduce |")
+    print("|---|---|---|---|---|---|")
     for workers in a.workers:
-        base = None
-        for name, sets in runs:
-            rows = [r for r in run(a.nanodist, out, name, workers, a.steps, sets) if r["step"] > a.skip]
-            ms = sum(r["ms_per_step"] for r in rows) / len(rows)
-            share = sum(r.get("sync_ms", 0.0) for r in rows) / sum(r["ms_per_step"] for r in rows)
-            base = base or ms
-            print(f"| {name} | {workers} | {ms:.1f} | {100 * share:.0f}% | {ms / base:.2f}x |", flush=True)
+        measure = lambda name, sets: mean_ms(run(a.nanodist, out, name, workers, a.steps, sets), a.skip)
+        before = measure(*RUNS[0])
+        for name, sets in runs[1:]:
+            ms, share = measure(name, sets)
+            after = measure(*RUNS[0])
+            base = (before[0] + after[0]) / 2
+            print(f"| {name} | {workers} | {ms:.1f} | {100 * share:.0f}% | {base:.1f} | {ms / base:.2f}x |",
+                  flush=True)
+            before = after
 
+
+def mean_ms(rows, skip):
+    """Mean ms/step over the steps after `skip`, and the share of it the backend's sync computed."""
+    rows = [r for r in rows if r["step"] > skip]
+    ms = sum(r["ms_per_step"] for r in rows) / len(rows)
+    return ms, sum(r.get("sync_ms", 0.0) for r in rows) / sum(r["ms_per_step"] for r in rows)
 
 if __name__ == "__main__":
     main()

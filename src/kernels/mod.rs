@@ -402,12 +402,11 @@ pub fn chacha8_word(key: &[u32; 8], stream: u64, e: u64) -> u32 {
 /// i = t, t + BLOCK, ... in order, then the tree over the BLOCK partial sums.
 pub fn block_strided_sum(x: &[f32], term: impl Fn(f32) -> f64) -> f64 {
     let mut sh = [0.0f64; BLOCK];
-    for (t, s) in sh.iter_mut().enumerate() {
-        *s = x
-            .iter()
-            .skip(t)
-            .step_by(BLOCK)
-            .fold(0.0, |a, &v| a + term(v));
+    // Row by row over x (one read of it, not one per thread): each lane still adds its terms in order.
+    for row in x.chunks(BLOCK) {
+        for (s, &v) in sh.iter_mut().zip(row) {
+            *s += term(v);
+        }
     }
     block_sum(&mut sh)
 }
@@ -506,13 +505,30 @@ mod tests {
         }
     }
 
-    /// The strided block sum is a sum: exact on integers, and the order the kernel's threads use.
+    /// The strided block sum is a sum: exact on integers, and the order the kernel's threads use (each
+    /// lane's terms in index order, then the tree: here against the lanes summed one at a time).
     #[test]
     fn block_strided_sum_adds_every_term() {
         let x: Vec<f32> = (0..1000).map(|i| (i % 7) as f32 - 3.0).collect();
         let want: f64 = x.iter().map(|&v| (v as f64).abs()).sum();
         assert_eq!(block_strided_sum(&x, |v| (v as f64).abs()), want);
         assert_eq!(block_strided_sum(&[], |v| v as f64), 0.0);
+        let y: Vec<f32> = (0..70_001)
+            .map(|i| ((i as f32) * 0.7548).sin() * 1e3)
+            .collect();
+        let mut lanes = [0.0f64; BLOCK];
+        for (t, s) in lanes.iter_mut().enumerate() {
+            *s = y
+                .iter()
+                .skip(t)
+                .step_by(BLOCK)
+                .fold(0.0, |a, &v| a + (v as f64).powi(2));
+        }
+        let term = |v: f32| (v as f64).powi(2);
+        assert_eq!(
+            block_strided_sum(&y, term).to_bits(),
+            block_sum(&mut lanes).to_bits()
+        );
     }
 
     use super::*;
