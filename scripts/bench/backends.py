@@ -14,12 +14,14 @@ Needs a release build (cargo build --release) and data/shakespeare_char (scripts
 """
 import argparse
 import atexit
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import tempfile
 
+SERIAL = itertools.count()  # every run its own directory (all-reduce runs many times)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RUNS = [
@@ -38,7 +40,7 @@ RUNS = [
 
 
 def run(exe, out, name, workers, steps, sets):
-    run_name = f"{name.replace(' ', '-').replace('%', 'pct')}-{workers}"
+    run_name = f"{name.replace(' ', '-').replace('%', 'pct')}-{workers}-{next(SERIAL)}"
     args = [exe, "train", os.path.join(ROOT, "config", "quickstart-char.toml"), "--workers", str(workers),
             "--set", f"log_dir={json.dumps(out)}", "--set", f"log.run_name={json.dumps(run_name)}",
             "--set", f"train.n_steps={steps}", "--set", "train.global_batch_size=24",
