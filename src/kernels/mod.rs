@@ -208,8 +208,8 @@ fn top_k_of_candidates(
     sample.sort_unstable_by(|a, b| b.cmp(a));
     let at = (k * SAMPLES / x.len() * 3 / 2 + 16).min(SAMPLES - 1);
     let floor = sample[at];
-    // Past 4 k candidates (ties at the sample's key, or a sample far off) the pass stops: the full
-    // selection is then the cheaper one.
+    // Past 4 k + SAMPLES candidates (ties at the sample's key, or a sample far off) the full selection
+    // runs instead: it is then the cheaper one.
     let cap = 4 * k + SAMPLES;
     let spans: Vec<(Vec<u32>, Vec<f32>)> = x
         .par_chunks(1 << 16)
@@ -299,7 +299,7 @@ pub fn ef_accumulate(acc: &mut [f32], g: &[f32]) {
 }
 
 /// `ef_accumulate` (with `feedback`), then `kept = acc`; returns `sum_squares(acc)` (the same tiles and
-/// order): one pass where the three take three.
+/// order): one pass over the data instead of three.
 pub fn ef_accumulate_keep(acc: &mut [f32], kept: &mut [f32], feedback: bool) -> f64 {
     let tiles = acc.par_chunks_mut(TILE).zip(kept.par_chunks_mut(TILE));
     optim::add_in_order(tiles.with_min_len(16).map(|(a, k)| {
