@@ -3,6 +3,7 @@
 //! above the modules whose types it fills in (`sync`'s `SyncPlan`, the model's sizes), so `config` stays
 //! wire types and validation. `lines` renders what `check` prints of the synchronisation.
 
+pub mod gamma;
 mod launch;
 mod lines;
 pub mod membership;

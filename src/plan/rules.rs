@@ -344,7 +344,7 @@ fn choco_plan(
                 world,
                 ranks_per_node,
             );
-            match rounds.and_then(|r| crate::sync::choco::tune_gamma(&r, compressor, t.seed)) {
+            match rounds.and_then(|r| super::gamma::tuned(&r, compressor, t.seed)) {
                 Ok(g) => (g, true),
                 Err(e) => {
                     add("train.compression.consensus_step", format!("{e:#}"));

@@ -139,6 +139,35 @@ impl Channels {
         ch.memory.keep_host(memory);
     }
 
+    /// `absorb` from the group's decoded messages, for the simulation: this rank's own `q` and the sum of
+    /// all members' `sum` (dense). The memory gains w_other * sum + (w_own - w_other) * q and the public
+    /// copy q, then the consensus step.
+    pub(super) fn absorb_sum(
+        &mut self,
+        round: usize,
+        q: &[f32],
+        sum: &[f32],
+        x: &mut [f32],
+        gamma: f32,
+    ) {
+        let Some(c) = self.of_round[round] else {
+            return;
+        };
+        let ch = &mut self.list[c];
+        let (mut hat, mut memory) = (
+            ch.hat.take_host(self.numel),
+            ch.memory.take_host(self.numel),
+        );
+        let (other, own) = (ch.other, ch.own - ch.other);
+        for (((m, h), &s), &q) in memory.iter_mut().zip(hat.iter_mut()).zip(sum).zip(q) {
+            *m += other * s + own * q;
+            *h += q;
+        }
+        kernels::choco_step(x, &memory, &hat, gamma);
+        ch.hat.keep_host(hat);
+        ch.memory.keep_host(memory);
+    }
+
     pub(super) fn state(&self) -> Result<compress::State> {
         let saved = |v: &StateBuf| -> Result<Vec<f32>> {
             Ok(v.to_host()?.unwrap_or_else(|| vec![0.0; self.numel]))

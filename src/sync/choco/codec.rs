@@ -215,9 +215,12 @@ impl Codec {
                     let usable = norm > 0.0 && norm.is_finite();
                     for &v in vals {
                         let lf = if usable { s * v.abs() / norm } else { 0.0 };
-                        let lo = lf.floor();
-                        let up = rng.random::<f32>() < lf - lo;
-                        let level = ((lo as u32) + u32::from(up)).min(levels);
+                        // lf >= 0 (infinite when s * |v| overflows): truncation of min(lf, s) is its
+                        // floor wherever the level can still be below `levels` (f32::floor is a call
+                        // into libm on x86-64's baseline), and the level is capped at `levels` anyway.
+                        let lo = lf.min(s) as u32;
+                        let up = rng.random::<f32>() < lf - lo as f32;
+                        let level = (lo + u32::from(up)).min(levels);
                         let neg = u32::from(v < 0.0);
                         w.put(level | neg << (bits - 1), bits);
                     }

@@ -37,7 +37,7 @@ pub use channels::Channels;
 #[cfg(feature = "cuda")]
 use codec::{bucket_len, buckets};
 pub use codec::{qsgd_bits, qsgd_tau, Codec};
-pub use tuning::{mean_of, random_vectors, tune_gamma, Simulation, TUNE_ITERS};
+pub use tuning::{mean_of, random_vectors, tune_gamma, Simulation, TUNE_ITERS, TUNING_VERSION};
 
 use super::compress;
 use super::topology::Round;
