@@ -68,10 +68,36 @@ impl std::fmt::Debug for Place {
 pub const MIXED: &str =
     "internal error: flat buffers in host memory and on the GPU in one operation";
 
+/// `n` zeros whose pages are mapped now, by one write each. Memory fresh from the OS reads as the shared
+/// zero page until it is written, so a buffer first read and then written (an optimizer's moments) faults
+/// twice per page, and the second fault flushes the TLB of every core running the process: with hundreds
+/// of local workers, most of their first step.
+fn mapped_zeros(n: usize) -> Vec<f32> {
+    let mut v = vec![0.0f32; n];
+    // One f32 per 4 KiB page; black_box keeps the store that the zeroed allocation would make redundant.
+    for i in (0..n).step_by(1024) {
+        v[i] = std::hint::black_box(0.0);
+    }
+    v
+}
+
 impl Place {
     pub fn zeros(&self, n: usize) -> Result<Flat> {
         match self {
             Place::Host => Ok(Flat::Host(vec![0.0; n])),
+            #[cfg(feature = "cuda")]
+            Place::Cuda(k) => Ok(Flat::Cuda(DeviceFlat {
+                buf: k.stream().alloc_zeros::<f32>(n)?,
+                kernels: k.clone(),
+            })),
+        }
+    }
+
+    /// Zeros for state that is read before it is first written (an optimizer's moments and
+    /// accumulators): on the host with its pages mapped now (see `mapped_zeros`).
+    pub fn state_zeros(&self, n: usize) -> Result<Flat> {
+        match self {
+            Place::Host => Ok(Flat::Host(mapped_zeros(n))),
             #[cfg(feature = "cuda")]
             Place::Cuda(k) => Ok(Flat::Cuda(DeviceFlat {
                 buf: k.stream().alloc_zeros::<f32>(n)?,
@@ -463,6 +489,14 @@ impl<'a> From<&'a Vec<f32>> for FlatRef<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn state_zeros_are_zeros_of_every_length() {
+        for n in [0, 1, 1023, 1024, 1025, 5000] {
+            let v = Place::Host.state_zeros(n).unwrap().into_host_vec().unwrap();
+            assert_eq!(v, vec![0.0f32; n]);
+        }
+    }
 
     #[test]
     fn host_buffers_are_borrowed_in_place_and_changed_in_place() {

@@ -959,6 +959,7 @@ extern "C" fn mimalloc_options() {
 }
 
 fn main() -> ExitCode {
+    nanodist::train::clock::mark_process_start();
     // candle runs its elementwise ops on a spin-waiting barrier pool beside rayon's. Training on CPU does
     // not use it (the CPU engine runs on rayon alone), but candle's graph does (generation); on a few cores
     // the spinning threads steal the cores rayon needs: one candle thread was 20% faster on 2 cores. Set

@@ -88,6 +88,11 @@ pub struct Row {
     /// done the row's last step (stragglers and churn included; see `predict::clock`).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub sim_s: Option<f64>,
+    /// The first row after this process's first step: seconds from the command to that step's start
+    /// (config, plan and its tuning, data, workers, the resumed checkpoint; the evaluation at start not
+    /// counted).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub startup_s: Option<f64>,
 }
 
 impl Row {

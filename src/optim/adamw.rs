@@ -31,8 +31,8 @@ impl AdamW {
             eps: c.eps,
             wd: c.weight_decay,
             segs,
-            m: place.zeros(numel)?,
-            v: place.zeros(numel)?,
+            m: place.state_zeros(numel)?,
+            v: place.state_zeros(numel)?,
             t: 0,
         })
     }
@@ -135,9 +135,9 @@ impl AccumAdamW {
             wd: c.weight_decay,
             k: c.accum_steps,
             segs,
-            sm: place.zeros(numel)?,
-            sv: place.zeros(numel)?,
-            acc: place.zeros(numel)?,
+            sm: place.state_zeros(numel)?,
+            sv: place.state_zeros(numel)?,
+            acc: place.state_zeros(numel)?,
             t: 0,
         })
     }

@@ -73,9 +73,9 @@ impl Muon {
             cfg: *c,
             hidden: muon,
             adam: Segments::new(adam),
-            momentum: place.zeros(numel)?,
-            m: place.zeros(numel)?,
-            v: place.zeros(numel)?,
+            momentum: place.state_zeros(numel)?,
+            m: place.state_zeros(numel)?,
+            v: place.state_zeros(numel)?,
             t: 0,
         })
     }

@@ -107,7 +107,7 @@ impl MomentumSgd {
             nesterov: c.nesterov,
             wd: c.weight_decay,
             segs,
-            buf: place.zeros(if c.momentum > 0.0 { numel } else { 0 })?,
+            buf: place.state_zeros(if c.momentum > 0.0 { numel } else { 0 })?,
             t: 0,
         })
     }

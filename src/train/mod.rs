@@ -3,6 +3,7 @@
 //! anything, connects the engine, and starts the workers.
 
 pub mod checkpoint;
+pub mod clock;
 mod compute;
 mod console;
 mod engine;
@@ -107,6 +108,18 @@ pub(crate) struct Setup {
     compute: compute::Compute,
     /// The local engine's one replica, when its workers share it (see `replica`).
     replica: replica::Slot,
+    /// Nanoseconds from the command to the start of the first step of this process's last worker to
+    /// start one (see `Row::startup_s`).
+    first_step_ns: std::sync::atomic::AtomicU64,
+    /// The initial weights the local engine's workers copy (see `replica::Initial`).
+    initial: replica::Initial,
+}
+
+impl Setup {
+    /// Whether this process runs several workers, as threads (the local engine).
+    fn local_workers(&self) -> bool {
+        self.plan.engine == Engine::Local && self.plan.world_size > 1
+    }
 }
 
 /// How `train` treats an existing run directory.
@@ -187,6 +200,8 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
         fault: fault::Fault::from_env()?,
         compute,
         replica: replica::Slot::default(),
+        first_step_ns: Default::default(),
+        initial: Default::default(),
     };
     match (process_comm, world) {
         (Some(comm), _) => Worker::new(&setup, comm)?.train(),

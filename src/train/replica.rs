@@ -330,3 +330,42 @@ impl Shared {
         unsafe { std::slice::from_raw_parts(self.params, self.numel) }
     }
 }
+
+/// nanoGPT's initial weights, drawn once for all the workers of a local run (each drew them itself: at
+/// 512 workers that was most of the start), until `release` (every worker has built its replica by its
+/// first metrics row). A worker built after that draws its own; a process of one worker never shares.
+#[derive(Default)]
+pub(crate) struct Initial(std::sync::Mutex<InitialState>);
+
+#[derive(Default)]
+enum InitialState {
+    #[default]
+    Unset,
+    Drawn(Arc<Vec<f32>>),
+    Released,
+}
+
+impl Initial {
+    /// The initial weights of `model`: the drawn ones when `shared` (the local engine's workers), else
+    /// drawn for this caller alone.
+    pub(crate) fn weights(&self, model: &crate::model::Gpt, shared: bool) -> Vec<f32> {
+        if !shared {
+            return model.initial_weights();
+        }
+        let mut state = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match &*state {
+            InitialState::Drawn(w) => w.to_vec(),
+            InitialState::Released => model.initial_weights(),
+            InitialState::Unset => {
+                let w = Arc::new(model.initial_weights());
+                *state = InitialState::Drawn(Arc::clone(&w));
+                w.to_vec()
+            }
+        }
+    }
+
+    /// Frees the drawn weights.
+    pub(crate) fn release(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = InitialState::Released;
+    }
+}

@@ -169,6 +169,8 @@ pub(super) struct Worker<'s> {
     mfu_peak: Option<f64>,
     /// Worker 0 of a run with `[train.membership]`: the simulated clock and what prices it.
     clock: Option<Box<(crate::predict::Predictor, crate::predict::clock::Clock)>>,
+    /// Whether the next row is this process's first after its first step (it carries `startup_s`).
+    startup_due: bool,
 }
 
 impl<'s> Worker<'s> {
@@ -217,6 +219,7 @@ impl<'s> Worker<'s> {
             console: Console::new(t.n_steps, 0, false),
             mfu_peak: None,
             clock: churn::clock(setup, sync_id)?,
+            startup_due: true,
         };
         if w.join_schedule()? {
             if let Some((dir, mode)) = &setup.source {
@@ -258,7 +261,7 @@ impl<'s> Worker<'s> {
         Ok(match joined {
             Some(member) => member,
             None => Replica::Own {
-                params: place.from_host(model.initial_weights())?,
+                params: place.from_host(setup.initial.weights(model, setup.local_workers()))?,
                 opt: optim::for_run(
                     &t.optim,
                     setup.plan.sync.plain_sgd_in_loop(),
@@ -357,9 +360,7 @@ impl<'s> Worker<'s> {
             }
             return Ok(self.summary(Exit::Finished, self.progress.best_val_loss));
         }
-        if self.progress.step == 0 && self.setup.cfg.log.eval_at_start {
-            self.evaluate_at_start()?;
-        }
+        self.start()?;
         let exit = loop {
             if !self.take_part()? {
                 return Ok(self.summary(Exit::Finished, self.last_val));
@@ -393,6 +394,25 @@ impl<'s> Worker<'s> {
             m.finish(i32::from(matches!(exit, Exit::Signal(_))))?;
         }
         Ok(self.summary(exit, self.last_val))
+    }
+
+    /// Before the first step: the local engine's workers wait until all are built (those built first would
+    /// take the cores from those still building), the evaluation at start, and the time from the command
+    /// to the first step (evaluation not counted) for `startup`.
+    fn start(&mut self) -> Result<()> {
+        if self.setup.local_workers() && self.setup.plan.membership.is_none() {
+            self.sync.barrier()?;
+        }
+        let mut evaluating = std::time::Duration::ZERO;
+        if self.progress.step == 0 && self.setup.cfg.log.eval_at_start {
+            let begun = Instant::now();
+            self.evaluate_at_start()?;
+            evaluating = begun.elapsed();
+        }
+        let ready = super::clock::since_process_start().saturating_sub(evaluating);
+        let ready_ns = u64::try_from(ready.as_nanos()).unwrap_or(u64::MAX);
+        (self.setup.first_step_ns).fetch_max(ready_ns, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 
     /// One training step: forward and backward, the backend's reduction, clipping and the optimizer's
@@ -599,6 +619,7 @@ impl<'s> Worker<'s> {
         row.topk_overlap = m.topk_overlap;
         row.compressed_fraction = m.compressed_fraction;
         row.consensus_step = m.consensus_step;
+        row.startup_s = self.startup();
         if eval_due {
             self.evaluate(&mut row)?;
         } else {
@@ -609,6 +630,29 @@ impl<'s> Worker<'s> {
         }
         self.since_log = Interval::new(self.sync.comm_stats());
         Ok(())
+    }
+
+    /// On the first row after this process's first step (every worker of it has started one by then: the
+    /// row's means are a collective), the seconds from the command to the last one's start; rank 0 says it.
+    fn startup(&mut self) -> Option<f64> {
+        if !std::mem::take(&mut self.startup_due) {
+            return None;
+        }
+        self.setup.initial.release();
+        let ns = (self.setup.first_step_ns).load(std::sync::atomic::Ordering::Relaxed);
+        let s = ns as f64 * 1e-9;
+        if self.sync.rank() == 0 {
+            let at_start = self.setup.cfg.log.eval_at_start && self.start_step == 0;
+            self.console.note(&format!(
+                "first step {s:.2} s after the command{}",
+                if at_start {
+                    " (the evaluation at start not counted)"
+                } else {
+                    ""
+                }
+            ));
+        }
+        Some(s)
     }
 
     /// With non-IID data, the windows each worker drew from each source since the last row (rank order);

@@ -1164,3 +1164,57 @@ fn check_previews_a_job_layout_it_is_not_running_on() {
         text(&both)
     );
 }
+
+/// The first row after the first step carries the seconds from the command to it (and no other row
+/// does), and `consensus_step = "auto"` is tuned once per cache directory: a second run reads the cached
+/// answer (a planted one, to tell reading from tuning again).
+#[test]
+fn the_first_row_says_when_training_started_and_a_tuned_gamma_is_read_from_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    make_data(dir.path());
+    let cache = dir.path().join("cache");
+    let cfg = write_tiny_config(dir.path(), "c.toml", "c");
+    let train = |fresh: bool| {
+        let began = std::time::Instant::now();
+        let mut args = vec![
+            "train",
+            cfg.to_str().unwrap(),
+            "--workers",
+            "4",
+            "--set",
+            "train.backend=\"decentdp\"",
+            "--set",
+            "train.topology=\"ring\"",
+            "--set",
+            "train.compression={ name = \"topk\", density = 0.1, consensus_step = \"auto\" }",
+            "--set",
+            "train.n_steps=6",
+        ];
+        if fresh {
+            args.push("--fresh");
+        }
+        let out = nanodist_with(&args, &[("NANODIST_CACHE_DIR", cache.to_str().unwrap())]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+        (out, began.elapsed().as_secs_f64())
+    };
+    let (_, wall) = train(false);
+    let rows = nanodist::metrics::read_rows(&dir.path().join("log/c/metrics.jsonl")).unwrap();
+    let started = rows[0].startup_s.expect("the first row's startup_s");
+    assert!(started > 0.0 && started < wall, "{started} s of {wall}");
+    assert!(rows[1..].iter().all(|r| r.startup_s.is_none()));
+    let tuned = rows[0].consensus_step.unwrap();
+    let files: Vec<_> = std::fs::read_dir(cache.join("choco-gamma"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let mut entry: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&files[0]).unwrap()).unwrap();
+    assert_eq!(f64::from_bits(entry["bits"].as_u64().unwrap()), tuned);
+    entry["bits"] = 0.25f64.to_bits().into();
+    std::fs::write(&files[0], entry.to_string()).unwrap();
+    let (again, _) = train(true);
+    assert!(text(&again).contains("log/c-2"), "{}", text(&again));
+    let rows = nanodist::metrics::read_rows(&dir.path().join("log/c-2/metrics.jsonl")).unwrap();
+    assert_eq!(rows[0].consensus_step, Some(0.25));
+}
