@@ -72,7 +72,7 @@ pub const MIXED: &str =
 /// zero page until it is written, so a buffer first read and then written (an optimizer's moments) faults
 /// twice per page, and the second fault flushes the TLB of every core running the process: with hundreds
 /// of local workers, most of their first step.
-fn mapped_zeros(n: usize) -> Vec<f32> {
+pub fn mapped_zeros(n: usize) -> Vec<f32> {
     let mut v = vec![0.0f32; n];
     // One f32 per 4 KiB page; black_box keeps the store that the zeroed allocation would make redundant.
     for i in (0..n).step_by(1024) {

@@ -42,11 +42,12 @@ pub struct StateBuf {
 }
 
 impl StateBuf {
-    /// The host residual of `len` values (zeros when none of that length is kept).
+    /// The host residual of `len` values (zeros when none of that length is kept; state read before it
+    /// is written, so with its pages mapped: `flat::mapped_zeros`).
     pub fn take_host(&mut self, len: usize) -> Vec<f32> {
         match std::mem::take(&mut self.host) {
             r if r.len() == len => r,
-            _ => vec![0.0; len],
+            _ => crate::flat::mapped_zeros(len),
         }
     }
 
