@@ -105,38 +105,30 @@ impl Channels {
         x: &mut [f32],
         gamma: f32,
     ) {
-        let Some(c) = self.of_round[round] else {
-            return;
-        };
-        let ch = &mut self.list[c];
-        let (mut hat, mut memory) = (
-            ch.hat.take_host(self.numel),
-            ch.memory.take_host(self.numel),
-        );
-        for (pos, &j) in ch.ranks.iter().enumerate() {
-            let (mine, w) = if j == self.rank {
-                (true, ch.own)
-            } else {
-                (false, ch.other)
-            };
-            if codec.sparse() {
-                for (t, &(off, _)) in codec.tensors.iter().enumerate() {
-                    let (idx, vals) = codec.sparse_part(msg(pos), step, j, t);
-                    let hat = mine.then_some(&mut hat[..]);
-                    kernels::choco_absorb(hat, &mut memory, &idx, vals, off, w);
+        let rank = self.rank;
+        self.step_in(round, x, gamma, |ch, hat, memory| {
+            for (pos, &j) in ch.ranks.iter().enumerate() {
+                let (mine, w) = if j == rank {
+                    (true, ch.own)
+                } else {
+                    (false, ch.other)
+                };
+                if codec.sparse() {
+                    for (t, &(off, _)) in codec.tensors.iter().enumerate() {
+                        let (idx, vals) = codec.sparse_part(msg(pos), step, j, t);
+                        let hat = mine.then_some(&mut *hat);
+                        kernels::choco_absorb(hat, memory, &idx, vals, off, w);
+                    }
+                } else if mine {
+                    codec.decode(msg(pos), step, j, |i, q| {
+                        hat[i] += q;
+                        memory[i] += w * q;
+                    });
+                } else {
+                    codec.decode(msg(pos), step, j, |i, q| memory[i] += w * q);
                 }
-            } else if mine {
-                codec.decode(msg(pos), step, j, |i, q| {
-                    hat[i] += q;
-                    memory[i] += w * q;
-                });
-            } else {
-                codec.decode(msg(pos), step, j, |i, q| memory[i] += w * q);
             }
-        }
-        kernels::choco_step(x, &memory, &hat, gamma);
-        ch.hat.keep_host(hat);
-        ch.memory.keep_host(memory);
+        });
     }
 
     /// `absorb` from the group's decoded messages, for the simulation: this rank's own `q` and the sum of
@@ -150,6 +142,24 @@ impl Channels {
         x: &mut [f32],
         gamma: f32,
     ) {
+        self.step_in(round, x, gamma, |ch, hat, memory| {
+            let (other, own) = (ch.other, ch.own - ch.other);
+            for (((m, h), &s), &q) in memory.iter_mut().zip(hat.iter_mut()).zip(sum).zip(q) {
+                *m += other * s + own * q;
+                *h += q;
+            }
+        });
+    }
+
+    /// With the channel of `round` (none: alone, nothing to do): `add` updates its public copy and
+    /// memory on the host, then the consensus step x += gamma (s - x_hat).
+    fn step_in(
+        &mut self,
+        round: usize,
+        x: &mut [f32],
+        gamma: f32,
+        add: impl FnOnce(&Channel, &mut [f32], &mut [f32]),
+    ) {
         let Some(c) = self.of_round[round] else {
             return;
         };
@@ -158,11 +168,7 @@ impl Channels {
             ch.hat.take_host(self.numel),
             ch.memory.take_host(self.numel),
         );
-        let (other, own) = (ch.other, ch.own - ch.other);
-        for (((m, h), &s), &q) in memory.iter_mut().zip(hat.iter_mut()).zip(sum).zip(q) {
-            *m += other * s + own * q;
-            *h += q;
-        }
+        add(ch, &mut hat, &mut memory);
         kernels::choco_step(x, &memory, &hat, gamma);
         ch.hat.keep_host(hat);
         ch.memory.keep_host(memory);
