@@ -402,13 +402,20 @@ pub fn chacha8_word(key: &[u32; 8], stream: u64, e: u64) -> u32 {
 /// i = t, t + BLOCK, ... in order, then the tree over the BLOCK partial sums.
 pub fn block_strided_sum(x: &[f32], term: impl Fn(f32) -> f64) -> f64 {
     let mut sh = [0.0f64; BLOCK];
+    block_strided_add(&mut sh, x, term);
+    block_sum(&mut sh)
+}
+
+/// The lanes' part of `block_strided_sum`, for x given in pieces: each piece but the last a whole number
+/// of BLOCK rows, so that lane t still adds x[t], x[t + BLOCK], ... in order.
+#[inline(always)]
+pub fn block_strided_add(sh: &mut [f64; BLOCK], x: &[f32], term: impl Fn(f32) -> f64) {
     // Row by row over x (one read of it, not one per thread): each lane still adds its terms in order.
     for row in x.chunks(BLOCK) {
         for (s, &v) in sh.iter_mut().zip(row) {
             *s += term(v);
         }
     }
-    block_sum(&mut sh)
 }
 
 /// Twin of `block_sum` (and of `sum_squares`'s tree in f64): the tree over the BLOCK partial sums

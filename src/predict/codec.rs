@@ -224,10 +224,18 @@ fn choco(c: Compressor, tensors: &[Segment]) -> Pass {
     let (mut hat, mut memory, mut msg) = (vec![0.0f32; numel], vec![0.0f32; numel], Vec::new());
     Box::new(move |g, step| {
         codec.encode(g, &zero, step, 0, &mut msg);
-        codec.decode(&msg, step, 0, |i, q| {
-            hat[i] += q;
-            memory[i] += 0.5 * q;
-        });
+        let mut add = |at: usize, q: &[f32]| {
+            let span = at..at + q.len();
+            let (h, m) = (&mut hat[span.clone()], &mut memory[span]);
+            for ((h, m), &q) in h.iter_mut().zip(m).zip(q) {
+                *h += q;
+                *m += 0.5 * q;
+            }
+        };
+        match codec.sparse() {
+            true => codec.decode(&msg, step, 0, |i, q| add(i, &[q])),
+            false => codec.decode_dense(&msg, add),
+        }
         Ok(())
     })
 }

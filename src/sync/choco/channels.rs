@@ -120,12 +120,19 @@ impl Channels {
                         kernels::choco_absorb(hat, memory, &idx, vals, off, w);
                     }
                 } else if mine {
-                    codec.decode(msg(pos), step, j, |i, q| {
-                        hat[i] += q;
-                        memory[i] += w * q;
+                    codec.decode_dense(msg(pos), |at, q| {
+                        let span = at..at + q.len();
+                        let (h, m) = (&mut hat[span.clone()], &mut memory[span]);
+                        for ((h, m), &q) in h.iter_mut().zip(m).zip(q) {
+                            *h += q;
+                            *m += w * q;
+                        }
                     });
                 } else {
-                    codec.decode(msg(pos), step, j, |i, q| memory[i] += w * q);
+                    codec.decode_dense(msg(pos), |at, q| {
+                        let m = &mut memory[at..at + q.len()];
+                        m.iter_mut().zip(q).for_each(|(m, &q)| *m += w * q);
+                    });
                 }
             }
         });

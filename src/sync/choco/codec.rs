@@ -1,6 +1,7 @@
 //! CHOCO's messages: each compressor's encoding of a model's tensors (top-k, random-k, QSGD, sign),
 //! their bit packing, and the seeds the receivers share.
 
+use multiversion::multiversion;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -171,123 +172,192 @@ impl Codec {
         }
         outs.into_iter().enumerate().for_each(|(t, out)| {
             let (off, len) = self.tensors[t];
-            let u: Vec<f32> = x[off..off + len]
-                .iter()
-                .zip(&hat[off..off + len])
-                .map(|(a, b)| a - b)
-                .collect();
-            self.encode_tensor(t, &u, step, rank, out);
+            let (x, hat) = (&x[off..off + len], &hat[off..off + len]);
+            self.encode_tensor(t, x, hat, step, rank, out);
         });
     }
 
-    pub(super) fn encode_tensor(
+    /// Tensor `t`'s part of the message of Q(x - hat), x and hat that tensor's entries.
+    fn encode_tensor(
         &self,
         t: usize,
-        u: &[f32],
+        x: &[f32],
+        hat: &[f32],
         step: u64,
         rank: usize,
         out: &mut [f32],
     ) {
-        let len = u.len();
+        let diff = || -> Vec<f32> { x.iter().zip(hat).map(|(a, b)| a - b).collect() };
         match self.compressor {
             Compressor::TopK { .. } => {
                 let k = self.ks[t];
                 let (vals, idx) = out.split_at_mut(k);
-                top_k(u, vals, idx);
+                top_k(&diff(), vals, idx);
             }
+            // Only the sampled entries of x - hat.
             Compressor::RandomK { .. } => {
                 for (o, i) in out.iter_mut().zip(self.random_indices(step, rank, t)) {
-                    *o = u[i];
+                    *o = x[i] - hat[i];
                 }
             }
             Compressor::Qsgd { levels, bucket, .. } => {
-                let ranges = buckets(len, bucket);
-                let (norms, codes) = out.split_at_mut(ranges.len());
-                let (bits, s) = (qsgd_bits(levels), levels as f32);
                 let mut rng = self.rng(QSGD_KEY, step, rank, t);
-                let mut w = BitWriter::new(codes);
-                for (norm_out, r) in norms.iter_mut().zip(ranges) {
-                    let vals = &u[r];
-                    // The f64 sum in the order of the `qsgd_encode` kernel's block.
-                    let norm = kernels::block_strided_sum(vals, |v| (v as f64) * (v as f64));
-                    let norm = norm.sqrt() as f32;
-                    *norm_out = norm;
-                    let usable = norm > 0.0 && norm.is_finite();
-                    for &v in vals {
-                        let lf = if usable { s * v.abs() / norm } else { 0.0 };
-                        // lf >= 0 (infinite when s * |v| overflows): truncation of min(lf, s) is its
-                        // floor wherever the level can still be below `levels` (f32::floor is a call
-                        // into libm on x86-64's baseline), and the level is capped at `levels` anyway.
-                        let lo = lf.min(s) as u32;
-                        let up = rng.random::<f32>() < lf - lo as f32;
-                        let level = (lo + u32::from(up)).min(levels);
-                        let neg = u32::from(v < 0.0);
-                        w.put(level | neg << (bits - 1), bits);
-                    }
-                }
+                qsgd_encode(&diff(), (levels, bucket), &mut rng, out);
             }
-            Compressor::Sign => {
-                // ||u||_1 / len, the f64 sum in the order of the `sign_encode` kernel's block.
-                let l1 = kernels::block_strided_sum(u, |v| v.abs() as f64);
-                out[0] = (l1 / len.max(1) as f64) as f32;
-                for (word, vals) in out[1..].iter_mut().zip(u.chunks(32)) {
-                    let bits = vals
-                        .iter()
-                        .enumerate()
-                        .fold(0u32, |b, (i, &v)| b | u32::from(v < 0.0) << i);
-                    *word = f32::from_bits(bits);
-                }
-            }
+            Compressor::Sign => sign_encode(x, hat, out),
         }
     }
 
     /// Calls `f(index, q)` for the entries of the message `msg` that `sender` sent at `step` (every entry
     /// for the dense formats), indices into the flat parameters, ascending within each tensor.
     pub fn decode(&self, msg: &[f32], step: u64, sender: usize, mut f: impl FnMut(usize, f32)) {
-        for (t, &(off, len)) in self.tensors.iter().enumerate() {
+        if !self.sparse() {
+            return self.decode_dense(msg, |at, q| {
+                q.iter().enumerate().for_each(|(i, &q)| f(at + i, q));
+            });
+        }
+        for (t, &(off, _)) in self.tensors.iter().enumerate() {
             let part = &msg[self.parts[t]..self.parts[t + 1]];
+            let (vals, idx) = part.split_at(self.ks[t]);
             match self.compressor {
                 Compressor::TopK { .. } => {
-                    let (vals, idx) = part.split_at(self.ks[t]);
                     for (v, i) in vals.iter().zip(idx) {
                         f(off + i.to_bits() as usize, *v);
                     }
                 }
-                Compressor::RandomK { .. } => {
+                _ => {
                     for (v, i) in part.iter().zip(self.random_indices(step, sender, t)) {
                         f(off + i, *v);
                     }
                 }
+            }
+        }
+    }
+
+    /// A dense message (QSGD, sign) decoded a span at a time: `f(at, q)` with the values q of the entries
+    /// at.., in order, spans of at most `SPAN` entries within one tensor. The caller's update of a span
+    /// is a loop over slices, which vectorizes where a call per entry does not.
+    pub fn decode_dense(&self, msg: &[f32], mut f: impl FnMut(usize, &[f32])) {
+        let mut buf = [0.0f32; SPAN];
+        for (t, &(off, len)) in self.tensors.iter().enumerate() {
+            let part = &msg[self.parts[t]..self.parts[t + 1]];
+            match self.compressor {
                 Compressor::Qsgd {
                     levels,
                     biased,
                     bucket,
-                } => {
-                    let ranges = buckets(len, bucket);
-                    let (norms, codes) = part.split_at(ranges.len());
-                    let bits = qsgd_bits(levels);
-                    let mut r = BitReader::new(codes);
-                    for (norm, range) in norms.iter().zip(ranges) {
-                        let unit = norm / levels as f32 / qsgd_tau(levels, range.len(), biased);
-                        for i in range {
-                            let code = r.get(bits);
-                            let level = (code & ((1 << (bits - 1)) - 1)) as f32;
-                            let q = unit * level;
-                            f(off + i, if code >> (bits - 1) == 1 { -q } else { q });
-                        }
-                    }
-                }
+                } => qsgd_spans(part, len, (levels, biased, bucket), &mut buf, |at, q| {
+                    f(off + at, q)
+                }),
                 Compressor::Sign => {
-                    let scale = part[0];
-                    for (w, word) in part[1..].iter().enumerate() {
-                        let bits = word.to_bits();
-                        for i in 0..32.min(len - 32 * w) {
-                            let q = if bits >> i & 1 == 1 { -scale } else { scale };
-                            f(off + 32 * w + i, q);
-                        }
+                    for (s, words) in (0..len).step_by(SPAN).zip(part[1..].chunks(SPAN / 32)) {
+                        let q = &mut buf[..SPAN.min(len - s)];
+                        sign_values(words, part[0], q);
+                        f(off + s, q);
                     }
                 }
+                _ => unreachable!("decode_dense of a sparse format"),
             }
+        }
+    }
+}
+
+/// Entries of a span of `Codec::decode_dense` (a whole number of sign words).
+pub const SPAN: usize = 4096;
+
+/// One tensor's QSGD part decoded into `buf` a span at a time: `f(at, q)`, `at` within the tensor.
+fn qsgd_spans(
+    part: &[f32],
+    len: usize,
+    (levels, biased, bucket): (u32, bool, usize),
+    buf: &mut [f32; SPAN],
+    mut f: impl FnMut(usize, &[f32]),
+) {
+    let ranges = buckets(len, bucket);
+    let (norms, codes) = part.split_at(ranges.len());
+    let (bits, mut reader) = (qsgd_bits(levels), BitReader::new(codes));
+    let (mut start, mut filled) = (0, 0);
+    for (norm, range) in norms.iter().zip(ranges) {
+        let unit = norm / levels as f32 / qsgd_tau(levels, range.len(), biased);
+        for _ in range {
+            let code = reader.get(bits);
+            let q = unit * (code & ((1 << (bits - 1)) - 1)) as f32;
+            buf[filled] = if code >> (bits - 1) == 1 { -q } else { q };
+            filled += 1;
+            if filled == SPAN {
+                f(start, &buf[..]);
+                (start, filled) = (start + SPAN, 0);
+            }
+        }
+    }
+    if filled > 0 {
+        f(start, &buf[..filled]);
+    }
+}
+
+/// QSGD's part of a message for u: each bucket's l2 norm (the f64 sum in the order of the
+/// `qsgd_encode` kernel's block), then every entry's sign and stochastically rounded level, packed.
+fn qsgd_encode(u: &[f32], (levels, bucket): (u32, usize), rng: &mut ChaCha8Rng, out: &mut [f32]) {
+    let ranges = buckets(u.len(), bucket);
+    let (norms, codes) = out.split_at_mut(ranges.len());
+    let (bits, s) = (qsgd_bits(levels), levels as f32);
+    let mut w = BitWriter::new(codes);
+    for (norm_out, r) in norms.iter_mut().zip(ranges) {
+        let vals = &u[r];
+        let norm = kernels::block_strided_sum(vals, |v| (v as f64) * (v as f64));
+        let norm = norm.sqrt() as f32;
+        *norm_out = norm;
+        let usable = norm > 0.0 && norm.is_finite();
+        for &v in vals {
+            let lf = if usable { s * v.abs() / norm } else { 0.0 };
+            // lf >= 0 (infinite when s * |v| overflows): truncation of min(lf, s) is its floor
+            // wherever the level can still be below `levels` (f32::floor is a call into libm on
+            // x86-64's baseline), and the level is capped at `levels` anyway.
+            let lo = lf.min(s) as u32;
+            let up = rng.random::<f32>() < lf - lo as f32;
+            let level = (lo + u32::from(up)).min(levels);
+            let neg = u32::from(v < 0.0);
+            w.put(level | neg << (bits - 1), bits);
+        }
+    }
+}
+
+/// Entries of x - hat formed at a time by `sign_encode`: whole rows of the kernel's block (for the sum's
+/// order) and whole words of signs.
+const SIGN_CHUNK: usize = 16 * kernels::BLOCK;
+
+/// Sign's part of a message for u = x - hat: ||u||_1 / len (the f64 sum in the order of the
+/// `sign_encode` kernel's block), then u < 0 as bits, 32 to a word. u is formed a chunk at a time, in a
+/// buffer that stays in the core's cache, and never as a whole.
+#[multiversion(targets = "simd")]
+fn sign_encode(x: &[f32], hat: &[f32], out: &mut [f32]) {
+    let mut lanes = [0.0f64; kernels::BLOCK];
+    let mut buf = [0.0f32; SIGN_CHUNK];
+    let words = out[1..].chunks_mut(SIGN_CHUNK / 32);
+    for ((x, hat), words) in x.chunks(SIGN_CHUNK).zip(hat.chunks(SIGN_CHUNK)).zip(words) {
+        let u = &mut buf[..x.len()];
+        for ((u, &a), &b) in u.iter_mut().zip(x).zip(hat) {
+            *u = a - b;
+        }
+        kernels::block_strided_add(&mut lanes, u, |v| v.abs() as f64);
+        for (word, vals) in words.iter_mut().zip(u.chunks(32)) {
+            let bits = vals
+                .iter()
+                .enumerate()
+                .fold(0u32, |b, (i, &v)| b | u32::from(v < 0.0) << i);
+            *word = f32::from_bits(bits);
+        }
+    }
+    out[0] = (kernels::block_sum(&mut lanes) / x.len().max(1) as f64) as f32;
+}
+
+/// The values of sign's entries from their words (bit set: -scale, else scale), into `out`.
+#[multiversion(targets = "simd")]
+fn sign_values(words: &[f32], scale: f32, out: &mut [f32]) {
+    for (o, w) in out.chunks_mut(32).zip(words) {
+        let bits = w.to_bits();
+        for (i, o) in o.iter_mut().enumerate() {
+            *o = if bits >> i & 1 == 1 { -scale } else { scale };
         }
     }
 }

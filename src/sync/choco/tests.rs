@@ -354,3 +354,101 @@ fn tuning_on_the_group_sums_picks_the_backends_consensus_step() {
         }
     }
 }
+
+/// Tensors whose lengths straddle the sign encoding's chunks and the dense decoding's spans.
+fn span_shapes() -> Vec<Segment> {
+    let lens = [1, 31, 33, SPAN - 1, SPAN, SPAN + 1, 3 * SPAN + 517];
+    Segment::from_shapes(&lens.map(|n| (n, 1, false)))
+}
+
+/// Sign's message as written before it was formed a chunk at a time: u = x - hat whole, its l1 norm by
+/// `block_strided_sum`, its signs folded 32 to a word.
+fn sign_by_reference(codec: &Codec, x: &[f32], hat: &[f32]) -> Vec<f32> {
+    let mut msg = Vec::new();
+    for &(off, len) in &codec.tensors {
+        let u: Vec<f32> = (off..off + len).map(|i| x[i] - hat[i]).collect();
+        let l1 = kernels::block_strided_sum(&u, |v| v.abs() as f64);
+        msg.push((l1 / len.max(1) as f64) as f32);
+        for vals in u.chunks(32) {
+            let bits = vals.iter().enumerate();
+            let bits = bits.fold(0u32, |b, (i, &v)| b | u32::from(v < 0.0) << i);
+            msg.push(f32::from_bits(bits));
+        }
+    }
+    msg
+}
+
+/// A dense message's values one entry at a time, read with a `BitReader` from the format's definition.
+fn dense_by_reference(codec: &Codec, msg: &[f32]) -> Vec<f32> {
+    let mut out = Vec::new();
+    for (t, &(_, len)) in codec.tensors.iter().enumerate() {
+        let part = &msg[codec.parts[t]..codec.parts[t + 1]];
+        match codec.compressor {
+            Compressor::Sign => out.extend((0..len).map(|i| {
+                let neg = part[1 + i / 32].to_bits() >> (i % 32) & 1 == 1;
+                if neg {
+                    -part[0]
+                } else {
+                    part[0]
+                }
+            })),
+            Compressor::Qsgd {
+                levels,
+                biased,
+                bucket,
+            } => {
+                let ranges = buckets(len, bucket);
+                let (norms, codes) = part.split_at(ranges.len());
+                let (bits, mut r) = (qsgd_bits(levels), crate::sync::bits::BitReader::new(codes));
+                for (norm, range) in norms.iter().zip(ranges) {
+                    let unit = norm / levels as f32 / qsgd_tau(levels, range.len(), biased);
+                    for _ in range {
+                        let code = r.get(bits);
+                        let q = unit * (code & ((1 << (bits - 1)) - 1)) as f32;
+                        out.push(if code >> (bits - 1) == 1 { -q } else { q });
+                    }
+                }
+            }
+            _ => unreachable!(),
+        }
+    }
+    out
+}
+
+/// The chunked sign encoding equals the whole-tensor reference bit for bit, and the dense decoding's
+/// spans (sign, QSGD) tile every tensor in order with the reference's values, bit for bit, and
+/// `decode`'s entries with them.
+#[test]
+fn dense_messages_encode_and_decode_by_spans_as_the_reference_does() {
+    let tensors = span_shapes();
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    let v = random_vectors(2, n, 9);
+    let (x, hat) = (&v[0], &v[1]);
+    let qsgd = |bucket| Compressor::Qsgd {
+        levels: 15,
+        biased: true,
+        bucket,
+    };
+    for c in [Compressor::Sign, qsgd(512), qsgd(0), qsgd(100)] {
+        let codec = Codec::new(c, &tensors, 5);
+        let mut msg = Vec::new();
+        codec.encode(x, hat, 7, 1, &mut msg);
+        if c == Compressor::Sign {
+            let want = sign_by_reference(&codec, x, hat);
+            let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&msg), bits(&want));
+        }
+        let want = dense_by_reference(&codec, &msg);
+        let mut got = Vec::new();
+        codec.decode_dense(&msg, |at, q| {
+            assert_eq!(at, got.len(), "{c:?}: spans in order");
+            assert!(!q.is_empty() && q.len() <= SPAN);
+            got.extend_from_slice(q);
+        });
+        let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{c:?}");
+        let mut each = vec![f32::NAN; n];
+        codec.decode(&msg, 7, 1, |i, q| each[i] = q);
+        assert_eq!(bits(&each), bits(&want), "{c:?}");
+    }
+}
