@@ -239,22 +239,22 @@ fn top_k_of_candidates(
     true
 }
 
-/// The entries of `span` (at `start` in its tensor) whose key is at least `floor`, with their indices;
-/// groups of 16 with none are passed over in one vectorized test.
+/// The entries of `span` (at `start` in its tensor) whose key is at least `floor`, with their indices:
+/// each group of 16 gives a bit mask of its candidates in one vectorized pass, and only the set bits
+/// are visited.
+#[multiversion::multiversion(targets = "simd")]
 fn candidates(span: &[f32], start: usize, floor: u32) -> (Vec<u32>, Vec<f32>) {
     let (mut idx, mut val) = (Vec::new(), Vec::new());
     for (g, group) in span.chunks(16).enumerate() {
-        let mut any = false;
-        for &v in group {
-            any |= abs_key(v) >= floor;
+        let mut mask = 0u32;
+        for (b, &v) in group.iter().enumerate() {
+            mask |= u32::from(abs_key(v) >= floor) << b;
         }
-        if any {
-            for (i, &v) in (start + 16 * g..).zip(group) {
-                if abs_key(v) >= floor {
-                    idx.push(i as u32);
-                    val.push(v);
-                }
-            }
+        while mask != 0 {
+            let b = mask.trailing_zeros() as usize;
+            idx.push((start + 16 * g + b) as u32);
+            val.push(group[b]);
+            mask &= mask - 1;
         }
     }
     (idx, val)
@@ -302,13 +302,21 @@ pub fn ef_accumulate(acc: &mut [f32], g: &[f32]) {
 /// order): one pass over the data instead of three.
 pub fn ef_accumulate_keep(acc: &mut [f32], kept: &mut [f32], feedback: bool) -> f64 {
     let tiles = acc.par_chunks_mut(TILE).zip(kept.par_chunks_mut(TILE));
-    optim::add_in_order(tiles.with_min_len(16).map(|(a, k)| {
-        if feedback {
-            a.iter_mut().zip(k.iter()).for_each(|(a, &k)| *a += k);
-        }
-        k.copy_from_slice(a);
-        optim::tile_sum_squares(a)
-    }))
+    optim::add_in_order(
+        tiles
+            .with_min_len(16)
+            .map(|(a, k)| ef_keep_tile(a, k, feedback)),
+    )
+}
+
+/// One tile of `ef_accumulate_keep`.
+#[multiversion::multiversion(targets = "simd")]
+fn ef_keep_tile(a: &mut [f32], k: &mut [f32], feedback: bool) -> f64 {
+    if feedback {
+        a.iter_mut().zip(k.iter()).for_each(|(a, &k)| *a += k);
+    }
+    k.copy_from_slice(a);
+    optim::tile_sum_squares(a)
 }
 
 /// Twin of `scale`: x *= s.

@@ -217,6 +217,7 @@ pub fn momentum_sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], segments: &[Segme
 
 /// Twin of `sum_squares`: the f64 sum of squares of one tile (each square is exact in f64). "Thread" t
 /// adds the elements t, t + BLOCK, ... in order; then the tree over the BLOCK partial sums.
+#[multiversion::multiversion(targets = "simd")]
 pub fn tile_sum_squares(tile: &[f32]) -> f64 {
     let mut sh = [0.0f64; BLOCK];
     // Row by row over the tile, so that the lanes' additions vectorize; each lane keeps its own order.

@@ -150,18 +150,19 @@ impl Reducer for Radius {
             return Ok(Report::default());
         }
         let mut residual = self.residual.take_host(grads.len());
-        if self.cfg.error_feedback {
-            kernels::ef_accumulate(grads, &residual);
-        }
         let report = if self.reselects(step) {
+            if self.cfg.error_feedback {
+                kernels::ef_accumulate(grads, &residual);
+            }
             all_reduce_mean(comm, grads)?;
             residual.iter_mut().for_each(|r| *r = 0.0);
             let selection = self.select(grads);
             self.adopt(selection)
         } else {
-            let acc_norm = global_norm(grads);
-            // The masked values are sent; the residual is the gradient not sent (outside the mask).
-            residual.copy_from_slice(grads);
+            // The accumulated gradient, its copy into the residual and its norm in one pass. The masked
+            // values are sent; the residual is the gradient not sent (outside the mask).
+            let feedback = self.cfg.error_feedback;
+            let acc_norm = kernels::ef_accumulate_keep(grads, &mut residual, feedback).sqrt();
             let mut vals = vec![0.0f32; self.mask.len()];
             kernels::gather_clear(&mut residual, &self.mask, &mut vals);
             all_reduce_mean(comm, &mut vals)?;
