@@ -157,6 +157,9 @@ pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f
     if k == 0 || top_k_of_candidates(x, k, base, idx, val) {
         return;
     }
+    if x.len() <= SHORT {
+        return top_k_of_short(x, k, base, idx, val);
+    }
     let t = radix_threshold(k, |p, m, s| Ok(radix_histogram(x, p, m, s)))
         .expect("the histograms of a slice count every key");
     let (above, equal) = select_count(x, t.key);
@@ -173,6 +176,27 @@ pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f
         &mut idx[start..],
         &mut val[start..],
     );
+}
+
+/// Inputs up to this length are selected by `top_k_of_short`: the radix select's four 256-bin
+/// histograms and scans cost more than the whole of such an input.
+const SHORT: usize = 2048;
+
+/// `top_k` of a short `x`: the threshold key by one `select_nth_unstable` of the keys, then one scan
+/// taking the keys above it and the first of those equal to it, in index order.
+fn top_k_of_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
+    let mut keys: Vec<u32> = x.iter().map(|&v| abs_key(v)).collect();
+    let n = keys.len();
+    let (_, &mut t, above) = keys.select_nth_unstable(n - k);
+    let mut ties = k - above.iter().filter(|&&a| a > t).count();
+    for (i, &v) in x.iter().enumerate() {
+        let key = abs_key(v);
+        if key > t || (key == t && ties > 0) {
+            ties -= usize::from(key == t);
+            idx.push(base + i as u32);
+            val.push(v);
+        }
+    }
 }
 
 /// Keys sampled from `x` to place the candidates' threshold.

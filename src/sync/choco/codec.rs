@@ -191,8 +191,12 @@ impl Codec {
         match self.compressor {
             Compressor::TopK { .. } => {
                 let k = self.ks[t];
-                let (vals, idx) = out.split_at_mut(k);
-                top_k(&diff(), vals, idx);
+                let (mut idx, mut vals) = (Vec::with_capacity(k), Vec::with_capacity(k));
+                kernels::top_k(&diff(), k, 0, &mut idx, &mut vals);
+                out[..k].copy_from_slice(&vals);
+                for (o, &i) in out[k..].iter_mut().zip(&idx) {
+                    *o = f32::from_bits(i);
+                }
             }
             // Only the sampled entries of x - hat.
             Compressor::RandomK { .. } => {
@@ -238,7 +242,9 @@ impl Codec {
     /// at.., in order, spans of at most `SPAN` entries within one tensor. The caller's update of a span
     /// is a loop over slices, which vectorizes where a call per entry does not.
     pub fn decode_dense(&self, msg: &[f32], mut f: impl FnMut(usize, &[f32])) {
-        let mut buf = [0.0f32; SPAN];
+        // Spans of whole sign words, no longer than the longest tensor needs.
+        let longest = self.tensors.iter().map(|&(_, len)| len).max().unwrap_or(0);
+        let mut buf = vec![0.0f32; longest.next_multiple_of(32).clamp(32, SPAN)];
         for (t, &(off, len)) in self.tensors.iter().enumerate() {
             let part = &msg[self.parts[t]..self.parts[t + 1]];
             match self.compressor {
@@ -250,8 +256,9 @@ impl Codec {
                     f(off + at, q)
                 }),
                 Compressor::Sign => {
-                    for (s, words) in (0..len).step_by(SPAN).zip(part[1..].chunks(SPAN / 32)) {
-                        let q = &mut buf[..SPAN.min(len - s)];
+                    let span = buf.len();
+                    for (s, words) in (0..len).step_by(span).zip(part[1..].chunks(span / 32)) {
+                        let q = &mut buf[..span.min(len - s)];
                         sign_values(words, part[0], q);
                         f(off + s, q);
                     }
@@ -265,12 +272,13 @@ impl Codec {
 /// Entries of a span of `Codec::decode_dense` (a whole number of sign words).
 pub const SPAN: usize = 4096;
 
-/// One tensor's QSGD part decoded into `buf` a span at a time: `f(at, q)`, `at` within the tensor.
+/// One tensor's QSGD part decoded into `buf` a span (its length) at a time: `f(at, q)`, `at` within the
+/// tensor.
 fn qsgd_spans(
     part: &[f32],
     len: usize,
     (levels, biased, bucket): (u32, bool, usize),
-    buf: &mut [f32; SPAN],
+    buf: &mut [f32],
     mut f: impl FnMut(usize, &[f32]),
 ) {
     let ranges = buckets(len, bucket);
@@ -284,9 +292,9 @@ fn qsgd_spans(
             let q = unit * (code & ((1 << (bits - 1)) - 1)) as f32;
             buf[filled] = if code >> (bits - 1) == 1 { -q } else { q };
             filled += 1;
-            if filled == SPAN {
-                f(start, &buf[..]);
-                (start, filled) = (start + SPAN, 0);
+            if filled == buf.len() {
+                f(start, buf);
+                (start, filled) = (start + filled, 0);
             }
         }
     }
@@ -332,7 +340,7 @@ const SIGN_CHUNK: usize = 16 * kernels::BLOCK;
 #[multiversion(targets = "simd")]
 fn sign_encode(x: &[f32], hat: &[f32], out: &mut [f32]) {
     let mut lanes = [0.0f64; kernels::BLOCK];
-    let mut buf = [0.0f32; SIGN_CHUNK];
+    let mut buf = vec![0.0f32; x.len().min(SIGN_CHUNK)];
     let words = out[1..].chunks_mut(SIGN_CHUNK / 32);
     for ((x, hat), words) in x.chunks(SIGN_CHUNK).zip(hat.chunks(SIGN_CHUNK)).zip(words) {
         let u = &mut buf[..x.len()];
@@ -358,34 +366,6 @@ fn sign_values(words: &[f32], scale: f32, out: &mut [f32]) {
         let bits = w.to_bits();
         for (i, o) in o.iter_mut().enumerate() {
             *o = if bits >> i & 1 == 1 { -scale } else { scale };
-        }
-    }
-}
-
-/// The `vals.len()` entries of largest magnitude of `x`, ties towards lower indices, in index order, into
-/// `vals` and (as u32 bit patterns) `idx`: the selection of `kernels::top_k` (the CUDA twin the reducers
-/// run), computed the CPU's way, by one `select_nth_unstable` of the magnitudes' bits and one scan.
-pub(super) fn top_k(x: &[f32], vals: &mut [f32], idx: &mut [f32]) {
-    let k = vals.len().min(x.len());
-    if k == 0 {
-        return;
-    }
-    let key = |v: f32| v.to_bits() & 0x7fff_ffff;
-    let mut keys: Vec<u32> = x.iter().map(|&v| key(v)).collect();
-    let n = keys.len();
-    let (_, &mut t, above) = keys.select_nth_unstable(n - k);
-    let mut ties = k - above.iter().filter(|&&a| a > t).count();
-    let mut slot = 0;
-    for (i, &v) in x.iter().enumerate() {
-        let kv = key(v);
-        if kv > t || (kv == t && ties > 0) {
-            ties -= usize::from(kv == t);
-            vals[slot] = v;
-            idx[slot] = f32::from_bits(i as u32);
-            slot += 1;
-            if slot == k {
-                break;
-            }
         }
     }
 }
