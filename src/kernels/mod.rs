@@ -158,7 +158,7 @@ pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f
         return;
     }
     if x.len() <= SHORT {
-        return top_k_of_short(x, k, base, idx, val);
+        return top_k_by_select(x, k, base, idx, val);
     }
     let t = radix_threshold(k, |p, m, s| Ok(radix_histogram(x, p, m, s)))
         .expect("the histograms of a slice count every key");
@@ -178,13 +178,19 @@ pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f
     );
 }
 
-/// Inputs up to this length are selected by `top_k_of_short`: the radix select's four 256-bin
+/// Inputs up to this length are selected by `top_k_by_select`: the radix select's four 256-bin
 /// histograms and scans cost more than the whole of such an input.
 const SHORT: usize = 2048;
 
-/// `top_k` of a short `x`: the threshold key by one `select_nth_unstable` of the keys, then one scan
-/// taking the keys above it and the first of those equal to it, in index order.
-fn top_k_of_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
+/// `top_k`'s entries on one core, without its parallel passes: the threshold key by one
+/// `select_nth_unstable` of the keys, then one scan taking the keys above it and the first of those
+/// equal to it, in index order. `top_k` itself for short inputs; CHOCO's encoding, which runs on every
+/// worker at once and selects a tenth of a tensor, for all.
+pub fn top_k_by_select(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
+    let k = k.min(x.len());
+    if k == 0 {
+        return;
+    }
     let mut keys: Vec<u32> = x.iter().map(|&v| abs_key(v)).collect();
     let n = keys.len();
     let (_, &mut t, above) = keys.select_nth_unstable(n - k);
@@ -631,12 +637,14 @@ mod tests {
             x in values(), frac in 0.0f64..1.2, base in 0u32..1000
         ) {
             let k = (frac * x.len() as f64) as usize;
-            let (mut idx, mut val) = (vec![7], vec![7.0]);
-            top_k(&x, k, base, &mut idx, &mut val);
             let want: Vec<u32> = naive_top_k(&x, k).iter().map(|i| base + i).collect();
-            prop_assert_eq!(&idx[1..], &want[..]);
-            for (i, v) in idx[1..].iter().zip(&val[1..]) {
-                prop_assert_eq!(v.to_bits(), x[(i - base) as usize].to_bits());
+            for select in [top_k, top_k_by_select] {
+                let (mut idx, mut val) = (vec![7], vec![7.0]);
+                select(&x, k, base, &mut idx, &mut val);
+                prop_assert_eq!(&idx[1..], &want[..]);
+                for (i, v) in idx[1..].iter().zip(&val[1..]) {
+                    prop_assert_eq!(v.to_bits(), x[(i - base) as usize].to_bits());
+                }
             }
         }
 
