@@ -222,9 +222,9 @@ impl Codec {
         }
         for (t, &(off, _)) in self.tensors.iter().enumerate() {
             let part = &msg[self.parts[t]..self.parts[t + 1]];
-            let (vals, idx) = part.split_at(self.ks[t]);
             match self.compressor {
                 Compressor::TopK { .. } => {
+                    let (vals, idx) = part.split_at(self.ks[t]);
                     for (v, i) in vals.iter().zip(idx) {
                         f(off + i.to_bits() as usize, *v);
                     }
