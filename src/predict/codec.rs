@@ -224,18 +224,14 @@ fn choco(c: Compressor, tensors: &[Segment]) -> Pass {
     let (mut hat, mut memory, mut msg) = (vec![0.0f32; numel], vec![0.0f32; numel], Vec::new());
     Box::new(move |g, step| {
         codec.encode(g, &zero, step, 0, &mut msg);
-        let mut add = |at: usize, q: &[f32]| {
+        codec.decode_spans(&msg, step, 0, |at, q| {
             let span = at..at + q.len();
             let (h, m) = (&mut hat[span.clone()], &mut memory[span]);
             for ((h, m), &q) in h.iter_mut().zip(m).zip(q) {
                 *h += q;
                 *m += 0.5 * q;
             }
-        };
-        match codec.sparse() {
-            true => codec.decode(&msg, step, 0, |i, q| add(i, &[q])),
-            false => codec.decode_dense(&msg, add),
-        }
+        });
         Ok(())
     })
 }

@@ -120,7 +120,7 @@ impl Channels {
                         kernels::choco_absorb(hat, memory, &idx, vals, off, w);
                     }
                 } else if mine {
-                    codec.decode_dense(msg(pos), |at, q| {
+                    codec.decode_spans(msg(pos), step, j, |at, q| {
                         let span = at..at + q.len();
                         let (h, m) = (&mut hat[span.clone()], &mut memory[span]);
                         for ((h, m), &q) in h.iter_mut().zip(m).zip(q) {
@@ -129,7 +129,7 @@ impl Channels {
                         }
                     });
                 } else {
-                    codec.decode_dense(msg(pos), |at, q| {
+                    codec.decode_spans(msg(pos), step, j, |at, q| {
                         let m = &mut memory[at..at + q.len()];
                         m.iter_mut().zip(q).for_each(|(m, &q)| *m += w * q);
                     });

@@ -215,39 +215,38 @@ impl Codec {
     /// Calls `f(index, q)` for the entries of the message `msg` that `sender` sent at `step` (every entry
     /// for the dense formats), indices into the flat parameters, ascending within each tensor.
     pub fn decode(&self, msg: &[f32], step: u64, sender: usize, mut f: impl FnMut(usize, f32)) {
-        if !self.sparse() {
-            return self.decode_dense(msg, |at, q| {
-                q.iter().enumerate().for_each(|(i, &q)| f(at + i, q));
-            });
-        }
-        for (t, &(off, _)) in self.tensors.iter().enumerate() {
-            let part = &msg[self.parts[t]..self.parts[t + 1]];
-            match self.compressor {
-                Compressor::TopK { .. } => {
-                    let (vals, idx) = part.split_at(self.ks[t]);
-                    for (v, i) in vals.iter().zip(idx) {
-                        f(off + i.to_bits() as usize, *v);
-                    }
-                }
-                _ => {
-                    for (v, i) in part.iter().zip(self.random_indices(step, sender, t)) {
-                        f(off + i, *v);
-                    }
-                }
-            }
-        }
+        self.decode_spans(msg, step, sender, |at, q| {
+            q.iter().enumerate().for_each(|(i, &q)| f(at + i, q));
+        });
     }
 
-    /// A dense message (QSGD, sign) decoded a span at a time: `f(at, q)` with the values q of the entries
-    /// at.., in order, spans of at most `SPAN` entries within one tensor. The caller's update of a span
-    /// is a loop over slices, which vectorizes where a call per entry does not.
-    pub fn decode_dense(&self, msg: &[f32], mut f: impl FnMut(usize, &[f32])) {
-        // Spans of whole sign words, no longer than the longest tensor needs.
+    /// `decode` a span at a time: `f(at, q)` with the values q of the entries at.., in order within each
+    /// tensor. Dense formats (QSGD, sign) give spans of up to `SPAN` entries, which the caller updates as
+    /// slices (a loop that vectorizes, where a call per entry does not); sparse ones, each entry alone.
+    pub fn decode_spans(
+        &self,
+        msg: &[f32],
+        step: u64,
+        sender: usize,
+        mut f: impl FnMut(usize, &[f32]),
+    ) {
+        // Dense spans of whole sign words, no longer than the longest tensor needs.
         let longest = self.tensors.iter().map(|&(_, len)| len).max().unwrap_or(0);
         let mut buf = vec![0.0f32; longest.next_multiple_of(32).clamp(32, SPAN)];
         for (t, &(off, len)) in self.tensors.iter().enumerate() {
             let part = &msg[self.parts[t]..self.parts[t + 1]];
             match self.compressor {
+                Compressor::TopK { .. } => {
+                    let (vals, idx) = part.split_at(self.ks[t]);
+                    for (v, i) in vals.iter().zip(idx) {
+                        f(off + i.to_bits() as usize, std::slice::from_ref(v));
+                    }
+                }
+                Compressor::RandomK { .. } => {
+                    for (v, i) in part.iter().zip(self.random_indices(step, sender, t)) {
+                        f(off + i, std::slice::from_ref(v));
+                    }
+                }
                 Compressor::Qsgd {
                     levels,
                     biased,
@@ -263,13 +262,12 @@ impl Codec {
                         f(off + s, q);
                     }
                 }
-                _ => unreachable!("decode_dense of a sparse format"),
             }
         }
     }
 }
 
-/// Entries of a span of `Codec::decode_dense` (a whole number of sign words).
+/// Entries of a dense format's span in `Codec::decode_spans` (a whole number of sign words).
 pub const SPAN: usize = 4096;
 
 /// One tensor's QSGD part decoded into `buf` a span (its length) at a time: `f(at, q)`, `at` within the

@@ -426,7 +426,7 @@ fn dense_messages_match_the_reference(tensors: &[Segment]) {
         }
         let want = dense_by_reference(&codec, &msg);
         let mut got = Vec::new();
-        codec.decode_dense(&msg, |at, q| {
+        codec.decode_spans(&msg, 7, 1, |at, q| {
             assert_eq!(at, got.len(), "{c:?}: spans in order");
             assert!(!q.is_empty() && q.len() <= SPAN);
             got.extend_from_slice(q);

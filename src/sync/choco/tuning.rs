@@ -52,16 +52,12 @@ impl Simulation {
             node.encode(&self.codec, round, x, step, &mut self.msgs[rank]);
             let q = &mut self.decoded[rank];
             q.fill(0.0);
-            match self.msgs[rank].is_empty() {
-                true => {}
-                false if self.codec.sparse() => {
-                    self.codec
-                        .decode(&self.msgs[rank], step, rank, |i, v| q[i] += v)
-                }
-                false => self.codec.decode_dense(&self.msgs[rank], |at, v| {
-                    let q = &mut q[at..at + v.len()];
-                    q.iter_mut().zip(v).for_each(|(q, &v)| *q += v);
-                }),
+            if !self.msgs[rank].is_empty() {
+                self.codec
+                    .decode_spans(&self.msgs[rank], step, rank, |at, v| {
+                        let q = &mut q[at..at + v.len()];
+                        q.iter_mut().zip(v).for_each(|(q, &v)| *q += v);
+                    });
             }
         }
         for group in &self.rounds[round] {
