@@ -208,36 +208,95 @@ extern "C" __global__ void gram_schmidt(float* p, unsigned rows, unsigned cols, 
     }
 }
 
-// DeMo (src/sync/demo.rs): one block per DCT chunk. A chunk is a cr x cc block of a row-major tensor;
+// DeMo (src/sync/demo/): one block per DCT chunk. A chunk is a cr x cc block of a row-major tensor;
 // its entry (i, j) is x[base + (row0 + i) * cols + col0 + j]. The table holds per chunk the fields of
-// `struct Chunk`; `dct` holds the orthonormal DCT-II matrices (row k: frequency k) the chunks name;
+// `struct Chunk`; `dct` holds the constants of each transform size the chunks name (`Dct::words`);
 // `scratch` two regions of the flat length `numel`, the chunk's part of each at `scratch`.
 struct Chunk {
     unsigned base, cols, cr, cc, row0, col0, k, msg, da, db, scratch;
 };
 
-// tmp = A x (r x c; with `inverse`, A^T x): tmp(i, j) = sum over k ascending of a(i, k) x(k, j), the
-// terms with a(i, k) = 0 skipped (the twin's loop). x has row stride ldx.
-__device__ void dct_left(const float* x, unsigned ldx, const float* a, unsigned r, unsigned c,
-                         bool inverse, float* tmp) {
-    for (unsigned o = threadIdx.x; o < r * c; o += BLOCK) {
-        unsigned i = o / c, j = o % c;
-        float s = 0.0f;
-        for (unsigned k = 0; k < r; k++) {
-            float w = inverse ? a[k * r + i] : a[i * r + k];
-            if (w != 0.0f) s += w * x[(size_t)k * ldx + j];
+// Lee's C v (with `inverse`, C^T v) of the vector of n floats at v[i * s], i < n, in place; w (same
+// stride) is scratch. `d` holds the size's constants (`Dct::words`: the scale, each halving level's
+// factors, the odd base's dense C_m). The twin of `lee` in src/sync/demo/dct.rs: the same float
+// operations in the same order (-fmad=false keeps multiplies and adds apart), so the same bits.
+__device__ void lee(float* v, float* w, unsigned s, unsigned n, const float* d, bool inverse) {
+    const unsigned m = n >> (__ffs(n) - 1);
+    const float *tw = d + n, *dense = d + n + (n - m);
+    float *src = v, *dst = w, *t;
+    unsigned b = n;
+    for (; b > m; b /= 2) {
+        const unsigned h = b / 2;
+        const float* f = tw + (n - b);
+        for (unsigned o = 0; o < n; o += b) {
+            for (unsigned i = 0; i < h; i++) {
+                if (inverse) {
+                    dst[(o + i) * s] = src[(o + 2 * i) * s];
+                    dst[(o + h + i) * s] =
+                        i > 0 ? src[(o + 2 * i + 1) * s] + src[(o + 2 * i - 1) * s] : src[(o + 1) * s];
+                } else {
+                    float lo = src[(o + i) * s], hi = src[(o + b - 1 - i) * s];
+                    dst[(o + i) * s] = lo + hi;
+                    dst[(o + h + i) * s] = (lo - hi) * f[i];
+                }
+            }
         }
-        tmp[o] = s;
+        t = src, src = dst, dst = t;
     }
-    __syncthreads();
+    if (m > 1) {
+        for (unsigned o = 0; o < n; o += m) {
+            for (unsigned k = 0; k < m; k++) {
+                float acc = 0.0f;
+                for (unsigned i = 0; i < m; i++) {
+                    acc = acc + (inverse ? dense[i * m + k] : dense[k * m + i]) * src[(o + i) * s];
+                }
+                dst[(o + k) * s] = acc;
+            }
+        }
+        t = src, src = dst, dst = t;
+    }
+    while (b < n) {
+        b *= 2;
+        const unsigned h = b / 2;
+        const float* f = tw + (n - b);
+        for (unsigned o = 0; o < n; o += b) {
+            for (unsigned i = 0; i < h; i++) {
+                if (inverse) {
+                    float g = src[(o + i) * s], u = src[(o + h + i) * s];
+                    dst[(o + i) * s] = g + u * f[i];
+                    dst[(o + b - 1 - i) * s] = g - u * f[i];
+                } else {
+                    dst[(o + 2 * i) * s] = src[(o + i) * s];
+                    dst[(o + 2 * i + 1) * s] =
+                        i + 1 < h ? src[(o + h + i) * s] + src[(o + h + i + 1) * s] : src[(o + h + i) * s];
+                }
+            }
+        }
+        t = src, src = dst, dst = t;
+    }
+    if (src != v) {
+        for (unsigned i = 0; i < n; i++) v[i * s] = src[i * s];
+    }
 }
 
-// y = tmp B^T (with `inverse`, tmp B): y(i, j) = sum over k ascending of tmp(i, k) b(j, k), from 0.
-__device__ float dct_right(const float* tmp, const float* b, unsigned c, bool inverse, unsigned o) {
-    unsigned i = o / c, j = o % c;
-    float s = 0.0f;
-    for (unsigned k = 0; k < c; k++) s += tmp[i * c + k] * (inverse ? b[k * c + j] : b[j * c + k]);
-    return s;
+// The r x c chunk p (row-major) transformed in place, q scratch of its size: D_r p D_c^T, or with
+// `inverse` D_r^T p D_c (D = S C, S the scale at da / db): a thread per column, then a thread per row,
+// as `transform` in src/sync/demo/dct.rs does lane by lane.
+__device__ void dct2(float* p, float* q, unsigned r, unsigned c, const float* da, const float* db,
+                     bool inverse) {
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) {
+        if (inverse) for (unsigned i = 0; i < r; i++) p[i * c + j] *= da[i];
+        lee(p + j, q + j, c, r, da, inverse);
+        if (!inverse) for (unsigned i = 0; i < r; i++) p[i * c + j] *= da[i];
+    }
+    __syncthreads();
+    for (unsigned i = threadIdx.x; i < r; i += BLOCK) {
+        float* row = p + (size_t)i * c;
+        if (inverse) for (unsigned j = 0; j < c; j++) row[j] *= db[j];
+        lee(row, q + (size_t)i * c, 1, c, db, inverse);
+        if (!inverse) for (unsigned j = 0; j < c; j++) row[j] *= db[j];
+    }
+    __syncthreads();
 }
 
 // The k entries of largest |x| of x[0..n) (ties towards lower indices) in index order, as
@@ -279,19 +338,20 @@ extern "C" __global__ void demo_encode(float* delta, const Chunk* chunks, const 
     float* x = delta + ch.base + (size_t)ch.row0 * ch.cols + ch.col0;
     float *a = scratch + ch.scratch, *b = scratch + numel + ch.scratch;
     const float *da = dct + ch.da, *db = dct + ch.db;
-    dct_left(x, ch.cols, da, r, c, false, a);
-    for (unsigned o = threadIdx.x; o < n; o += BLOCK) b[o] = dct_right(a, db, c, false, o);
+    for (unsigned o = threadIdx.x; o < n; o += BLOCK) a[o] = x[(size_t)(o / c) * ch.cols + o % c];
     __syncthreads();
+    dct2(a, b, r, c, da, db, false);
     float *idx = msg + ch.msg, *val = msg + ch.msg + ch.k;
-    block_top_k(b, n, ch.k, idx, val);
-    for (unsigned o = threadIdx.x; o < n; o += BLOCK) a[o] = 0.0f;
+    block_top_k(a, n, ch.k, idx, val);
     __syncthreads();
-    for (unsigned j = threadIdx.x; j < ch.k; j += BLOCK) a[__float_as_uint(idx[j])] += val[j];
+    for (unsigned o = threadIdx.x; o < n; o += BLOCK) b[o] = 0.0f;
     __syncthreads();
-    dct_left(a, c, da, r, c, true, b);
+    for (unsigned j = threadIdx.x; j < ch.k; j += BLOCK) b[__float_as_uint(idx[j])] += val[j];
+    __syncthreads();
+    dct2(b, a, r, c, da, db, true);
     for (unsigned o = threadIdx.x; o < n; o += BLOCK) {
         float* e = x + (size_t)(o / c) * ch.cols + o % c;
-        *e = *e - dct_right(b, db, c, true, o);
+        *e = *e - b[o];
     }
 }
 
@@ -321,10 +381,10 @@ extern "C" __global__ void demo_decode(const float* all, unsigned per_rank, unsi
     }
     for (unsigned o = threadIdx.x; o < n; o += BLOCK) sum[o] = count[o] > 0 ? sum[o] / (float)count[o] : 0.0f;
     __syncthreads();
-    float* tmp = scratch + numel + ch.scratch;
-    dct_left(sum, c, dct + ch.da, r, c, true, tmp);
+    // The counts are spent: their region is the transform's scratch.
+    dct2(sum, scratch + numel + ch.scratch, r, c, dct + ch.da, dct + ch.db, true);
     for (unsigned o = threadIdx.x; o < n; o += BLOCK) {
-        float d = dct_right(tmp, dct + ch.db, c, true, o);
+        float d = sum[o];
         grads[ch.base + (size_t)(ch.row0 + o / c) * ch.cols + ch.col0 + o % c] =
             d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f);
     }

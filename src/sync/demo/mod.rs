@@ -26,6 +26,13 @@ use crate::flat::{Flat, Place};
 use crate::kernels;
 use crate::kernels::Segment;
 
+mod dct;
+
+use dct::{transform, Dct};
+
+/// The fewest floats the transform's row passes work on side by side (`Layout::group`).
+const LANES: usize = 64;
+
 /// The chunk layout of one tensor viewed as rows x cols (a vector is 1 x len).
 #[derive(Debug, Clone, Copy)]
 struct Layout {
@@ -41,21 +48,41 @@ impl Layout {
         (self.rows / self.cr) * (self.cols / self.cc)
     }
 
-    /// Chunk `j` of a band (`cr` rows of the tensor), row by row.
-    fn gather(&self, band: &[f32], j: usize) -> Vec<f32> {
-        let mut block = Vec::with_capacity(self.cr * self.cc);
-        for row in band.chunks_exact(self.cols) {
-            block.extend_from_slice(&row[j * self.cc..(j + 1) * self.cc]);
+    /// Chunks `j..j + g` of a band (`cr` rows of the tensor) into `block`: `cr` rows of `g cc`.
+    fn gather(&self, band: &[f32], j: usize, g: usize, block: &mut [f32]) {
+        let rows = block.chunks_exact_mut(g * self.cc);
+        for (row, b) in band.chunks_exact(self.cols).zip(rows) {
+            b.copy_from_slice(&row[j * self.cc..(j + g) * self.cc]);
         }
-        block
     }
 
-    /// Writes chunk `j` of a band from `block`, row by row.
-    fn scatter(&self, band: &mut [f32], j: usize, block: &[f32]) {
+    /// Writes chunks `j..j + g` of a band from `block` (as `gather` reads them).
+    fn scatter(&self, band: &mut [f32], j: usize, g: usize, block: &[f32]) {
         let rows = band.chunks_exact_mut(self.cols);
-        for (row, b) in rows.zip(block.chunks_exact(self.cc)) {
-            row[j * self.cc..(j + 1) * self.cc].copy_from_slice(b);
+        for (row, b) in rows.zip(block.chunks_exact(g * self.cc)) {
+            row[j * self.cc..(j + g) * self.cc].copy_from_slice(b);
         }
+    }
+
+    /// Where entry `i` of chunk `jc` (row by row) is in a block of `g` chunks side by side.
+    fn at(&self, i: usize, jc: usize, g: usize) -> usize {
+        (i / self.cc) * g * self.cc + jc * self.cc + i % self.cc
+    }
+
+    /// Chunk `jc` of a block of `g` chunks side by side into `out`, row by row.
+    fn chunk(&self, block: &[f32], jc: usize, g: usize, out: &mut [f32]) {
+        let rows = block.chunks_exact(g * self.cc);
+        for (r, o) in rows.zip(out.chunks_exact_mut(self.cc)) {
+            o.copy_from_slice(&r[jc * self.cc..(jc + 1) * self.cc]);
+        }
+    }
+
+    /// Chunks transformed together: the fewest whose rows (g cc) and transposed rows (g cr) hold
+    /// `LANES` floats, so that the transform's row passes fill the vector unit (a chunk's side may be
+    /// 29 or 1) while the block and its scratch stay in the first-level cache (two 64 x 64 chunks are
+    /// 32 KB).
+    fn group(&self) -> usize {
+        LANES.div_ceil(self.cc).max(LANES.div_ceil(self.cr))
     }
 
     /// Flat indices of chunk `c`, row by row.
@@ -98,154 +125,6 @@ fn divisor(n: usize, max: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// The orthonormal DCT-II matrix of size n (row k: frequency k), as torch's norm="ortho".
-fn dct_matrix(n: usize) -> Vec<f32> {
-    let mut d = vec![0.0f32; n * n];
-    for k in 0..n {
-        let s = if k == 0 {
-            (1.0 / n as f64).sqrt()
-        } else {
-            (2.0 / n as f64).sqrt()
-        };
-        for i in 0..n {
-            let a = std::f64::consts::PI * (2 * i + 1) as f64 * k as f64 / (2 * n) as f64;
-            d[k * n + i] = (s * a.cos()) as f32;
-        }
-    }
-    d
-}
-
-/// The orthonormal DCT-II matrix of one size, and its transpose.
-struct Dct {
-    d: Vec<f32>,
-    t: Vec<f32>,
-}
-
-impl Dct {
-    fn new(n: usize) -> Self {
-        let d = dct_matrix(n);
-        let t = (0..n * n).map(|o| d[(o % n) * n + o / n]).collect();
-        Self { d, t }
-    }
-}
-
-/// y = A x B^T for x of r x c, A of r x r, B of c x c (row-major); with `inverse`, y = A^T x B. Each
-/// entry is the kernels' sum (`dct_left`, `dct_right` in kernels/reducers.cu): over k ascending from 0,
-/// the left one skipping zero weights. Terms that are zero because x's entry (or the first stage's) is
-/// zero are left out too: a sum that starts at +0 never becomes -0, so adding +-0 to it changes
-/// nothing, and the result is the kernels' bit for bit while the inverse of a chunk's kept
-/// coefficients (a few of its entries) costs a few columns. Both stages add scaled rows to a row held
-/// in registers, so they vectorize (on the widest vectors this CPU has; Rust never fuses the multiply
-/// and the add, so every target sums alike).
-#[multiversion::multiversion(targets = "simd")]
-fn transform(x: &[f32], a: &Dct, b: &Dct, r: usize, c: usize, inverse: bool) -> Vec<f32> {
-    // Row i of `left` holds stage one's weights for output row i (`left_t` is its transpose); row k
-    // of `cols` (B^T forward, B inverse) holds stage two's terms.
-    let (left, left_t, cols) = match inverse {
-        false => (&a.d, &a.t, &b.t),
-        true => (&a.t, &a.d, &b.d),
-    };
-    let mut tmp = vec![0.0f32; r * c];
-    // (Compared as bits: +-0 are the floats whose bits but the sign are zero; this vectorizes.)
-    let mut nonzero = 0u32;
-    for v in x {
-        nonzero += u32::from(v.to_bits() << 1 != 0);
-    }
-    if nonzero as usize * 8 <= r * c {
-        // Entry by entry in row order, so that each sum still runs over k ascending (groups of 16
-        // entries that are all zero are passed over in one test).
-        for (g, group) in x.chunks(16).enumerate() {
-            let mut any = 0;
-            for v in group {
-                any |= v.to_bits() << 1;
-            }
-            if any == 0 {
-                continue;
-            }
-            for (o, &v) in (16 * g..).zip(group) {
-                if v != 0.0 {
-                    let (k, j) = (o / c, o % c);
-                    for (i, &w) in left_t[k * r..(k + 1) * r].iter().enumerate() {
-                        if w != 0.0 {
-                            tmp[i * c + j] += w * v;
-                        }
-                    }
-                }
-            }
-        }
-    } else {
-        let rows = live_rows(x, c);
-        weighted_sums(&mut tmp, c, left, r, &rows, x);
-    }
-    let ks = live_cols(&tmp, c);
-    let mut y = vec![0.0f32; r * c];
-    weighted_sums(&mut y, c, &tmp, c, &ks, cols);
-    y
-}
-
-/// The rows of x (r x c) that hold a nonzero.
-#[inline(always)]
-fn live_rows(x: &[f32], c: usize) -> Vec<usize> {
-    let mut rows = Vec::new();
-    for (k, row) in x.chunks_exact(c).enumerate() {
-        let mut any = false;
-        for v in row {
-            any |= v.to_bits() << 1 != 0;
-        }
-        if any {
-            rows.push(k);
-        }
-    }
-    rows
-}
-
-/// The columns of x (rows of c) that hold a nonzero.
-#[inline(always)]
-fn live_cols(x: &[f32], c: usize) -> Vec<usize> {
-    let mut any = vec![false; c];
-    for row in x.chunks_exact(c) {
-        for (a, v) in any.iter_mut().zip(row) {
-            *a |= v.to_bits() << 1 != 0;
-        }
-    }
-    let mut cols = Vec::new();
-    for (k, &a) in any.iter().enumerate() {
-        if a {
-            cols.push(k);
-        }
-    }
-    cols
-}
-
-/// Row i of `out` (rows of c) = the sum from +0 of w(i, k) x row k of `rows` over `ks` in their order,
-/// skipping zero weights (row i of w: `w[i * n..]`), entry by entry; a row of 64 (DeMo's chunk side) is
-/// summed in registers.
-#[inline(always)]
-fn weighted_sums(out: &mut [f32], c: usize, w: &[f32], n: usize, ks: &[usize], rows: &[f32]) {
-    for (o, wi) in out.chunks_exact_mut(c).zip(w.chunks_exact(n)) {
-        if let Ok(o) = <&mut [f32; 64]>::try_from(&mut *o) {
-            let mut acc = [0.0f32; 64];
-            for &k in ks {
-                if wi[k] != 0.0 {
-                    for (s, x) in acc.iter_mut().zip(&rows[k * 64..(k + 1) * 64]) {
-                        *s += wi[k] * x;
-                    }
-                }
-            }
-            *o = acc;
-        } else {
-            o.fill(0.0);
-            for &k in ks {
-                if wi[k] != 0.0 {
-                    for (s, x) in o.iter_mut().zip(&rows[k * c..(k + 1) * c]) {
-                        *s += wi[k] * x;
-                    }
-                }
-            }
-        }
-    }
-}
-
 pub struct Demo {
     comm: Box<dyn Communicator>,
     cfg: DemoConfig,
@@ -258,7 +137,7 @@ pub struct Demo {
     /// Clip of the local gradient (<= 0: none), and its norm before clipping at the last step.
     clip: f64,
     grad_norm: Option<f64>,
-    /// The chunk table, DCT matrices and scratch of the kernels, once a GPU step has run.
+    /// The chunk table, transforms' constants (`Dct::words`) and scratch of the kernels, once a GPU step has run.
     #[cfg(feature = "cuda")]
     device: Option<OnDevice>,
 }
@@ -367,27 +246,7 @@ impl Demo {
         bands
             .into_par_iter()
             .zip(msgs)
-            .for_each(|((l, band, _), msg)| {
-                let (da, db, k) = (&dct[&l.cr], &dct[&l.cc], kept(topk, &l));
-                let (mut idx, mut val) = (Vec::with_capacity(k), Vec::with_capacity(k));
-                for (j, m) in msg.chunks_exact_mut(2 * k).enumerate() {
-                    let block = l.gather(band, j);
-                    let coef = transform(&block, da, db, l.cr, l.cc, false);
-                    idx.clear();
-                    val.clear();
-                    kernels::top_k(&coef, k, 0, &mut idx, &mut val);
-                    let mut kept = vec![0.0f32; coef.len()];
-                    kernels::scatter_add(&mut kept, &idx, &val);
-                    let mut left = transform(&kept, da, db, l.cr, l.cc, true);
-                    left.iter_mut().zip(&block).for_each(|(s, b)| *s = b - *s);
-                    l.scatter(band, j, &left);
-                    let (mi, mv) = m.split_at_mut(k);
-                    mi.iter_mut()
-                        .zip(&idx)
-                        .for_each(|(o, i)| *o = f32::from_bits(*i));
-                    mv.copy_from_slice(&val);
-                }
-            });
+            .for_each(|((l, band, _), msg)| encode_band(&l, band, msg, dct, topk));
         Ok(send)
     }
 
@@ -396,30 +255,35 @@ impl Demo {
     /// 0 stays 0).
     fn decode(&self, grads: &mut [f32], all: &[f32], n: usize) -> Result<()> {
         let (dct, topk, words) = (&self.dct, self.cfg.topk, self.message_words());
-        let sign = |d: f32| match d {
-            d if d > 0.0 => 1.0,
-            d if d < 0.0 => -1.0,
-            _ => 0.0,
-        };
         self.bands(grads)?
             .into_par_iter()
             .for_each(|(l, band, at)| {
-                let (k, size) = (kept(topk, &l), l.cr * l.cc);
-                for j in 0..l.cols / l.cc {
-                    let (mut sum, mut count) = (vec![0.0f32; size], vec![0u32; size]);
-                    for r in 0..n {
-                        let m = &all[r * words + at + 2 * k * j..][..2 * k];
-                        for (i, &v) in m[..k].iter().zip(&m[k..]) {
-                            sum[i.to_bits() as usize] += v;
-                            count[i.to_bits() as usize] += 1;
+                let (k, per, g) = (kept(topk, &l), l.cols / l.cc, l.group());
+                let size = l.cr * g * l.cc;
+                let (mut sum, mut count, mut spare) =
+                    (vec![0.0f32; size], vec![0u32; size], vec![0.0; size]);
+                for j0 in (0..per).step_by(g) {
+                    let gn = g.min(per - j0);
+                    let len = l.cr * gn * l.cc;
+                    let (sum, count, spare) =
+                        (&mut sum[..len], &mut count[..len], &mut spare[..len]);
+                    sum.fill(0.0);
+                    count.fill(0);
+                    for jc in 0..gn {
+                        for r in 0..n {
+                            let m = &all[r * words + at + 2 * k * (j0 + jc)..][..2 * k];
+                            for (i, &v) in m[..k].iter().zip(&m[k..]) {
+                                let o = l.at(i.to_bits() as usize, jc, gn);
+                                (sum[o], count[o]) = (sum[o] + v, count[o] + 1);
+                            }
                         }
                     }
                     sum.iter_mut()
-                        .zip(&count)
+                        .zip(&*count)
                         .for_each(|(s, &c)| *s = if c > 0 { *s / c as f32 } else { 0.0 });
-                    let mut dir = transform(&sum, &dct[&l.cr], &dct[&l.cc], l.cr, l.cc, true);
-                    dir.iter_mut().for_each(|d| *d = sign(*d));
-                    l.scatter(band, j, &dir);
+                    transform(sum, spare, &dct[&l.cr], &dct[&l.cc], gn, true);
+                    sum.iter_mut().for_each(|d| *d = sign(*d));
+                    l.scatter(band, j0, gn, sum);
                 }
             });
         Ok(())
@@ -427,7 +291,7 @@ impl Demo {
 
     /// The table of DeMo's kernels (`kernels::CHUNK_FIELDS` words per chunk, in `chunks()` order:
     /// tensor offset, columns, chunk rows and columns, first row and column, coefficients kept, message
-    /// offset, offsets of the two DCT matrices, scratch offset), the DCT matrices it names, and the
+    /// offset, offsets of the two transforms' constants, scratch offset), the constants it names (`Dct::words`), and the
     /// message's length.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn table(&self) -> (Vec<u32>, Vec<f32>, usize) {
@@ -436,7 +300,7 @@ impl Demo {
         let (mut dct, mut at) = (Vec::new(), HashMap::new());
         for n in sizes {
             at.insert(n, dct.len());
-            dct.extend_from_slice(&self.dct[&n].d);
+            dct.extend(self.dct[&n].words());
         }
         let (mut table, mut msg) = (Vec::new(), 0);
         for (l, c) in self.chunks() {
@@ -524,6 +388,69 @@ impl Demo {
         self.tally
             .add(self.numel, n, rank, &before, &after, &report);
         Ok(())
+    }
+}
+
+/// One band's chunks, `Layout::group` at a time: each chunk's top-k DCT coefficients into its part of
+/// `msg` ([indices as f32 bits | values]); what is not sent stays in the band.
+fn encode_band(
+    l: &Layout,
+    band: &mut [f32],
+    msg: &mut [f32],
+    dct: &HashMap<usize, Dct>,
+    topk: usize,
+) {
+    let (da, db, k) = (&dct[&l.cr], &dct[&l.cc], kept(topk, l));
+    let (per, g) = (l.cols / l.cc, l.group());
+    let (mut idx, mut val) = (Vec::with_capacity(k), Vec::with_capacity(k));
+    // Buffers for a group of chunks, and one chunk's coefficients, reused group after group.
+    let size = l.cr * g * l.cc;
+    let (mut block, mut coef, mut sent, mut spare) = (
+        vec![0.0f32; size],
+        vec![0.0; size],
+        vec![0.0; size],
+        vec![0.0; size],
+    );
+    let mut one = vec![0.0f32; l.cr * l.cc];
+    for j0 in (0..per).step_by(g) {
+        let gn = g.min(per - j0);
+        let len = l.cr * gn * l.cc;
+        let (block, coef, sent, spare) = (
+            &mut block[..len],
+            &mut coef[..len],
+            &mut sent[..len],
+            &mut spare[..len],
+        );
+        l.gather(band, j0, gn, block);
+        coef.copy_from_slice(block);
+        transform(coef, spare, da, db, gn, false);
+        sent.fill(0.0);
+        for jc in 0..gn {
+            idx.clear();
+            val.clear();
+            l.chunk(coef, jc, gn, &mut one);
+            kernels::top_k(&one, k, 0, &mut idx, &mut val);
+            for (&i, &v) in idx.iter().zip(&val) {
+                sent[l.at(i as usize, jc, gn)] += v;
+            }
+            let (mi, mv) = msg[2 * k * (j0 + jc)..][..2 * k].split_at_mut(k);
+            mi.iter_mut()
+                .zip(&idx)
+                .for_each(|(o, i)| *o = f32::from_bits(*i));
+            mv.copy_from_slice(&val);
+        }
+        transform(sent, spare, da, db, gn, true);
+        sent.iter_mut().zip(&*block).for_each(|(s, b)| *s = b - *s);
+        l.scatter(band, j0, gn, sent);
+    }
+}
+
+/// torch.sign: 0 stays 0.
+fn sign(d: f32) -> f32 {
+    match d {
+        d if d > 0.0 => 1.0,
+        d if d < 0.0 => -1.0,
+        _ => 0.0,
     }
 }
 
@@ -622,6 +549,7 @@ impl SyncBackend for Demo {
 
 #[cfg(test)]
 mod tests {
+    use super::dct::transformed;
     use super::*;
 
     /// With every coefficient kept and one worker nothing is dropped: the direction is the momentum
@@ -661,16 +589,7 @@ mod tests {
     }
 
     #[test]
-    fn dct_is_orthonormal_and_chunks_tile_each_tensor() {
-        for n in [1, 3, 8, 64] {
-            let d = dct_matrix(n);
-            for i in 0..n {
-                for j in 0..n {
-                    let dot: f32 = (0..n).map(|k| d[i * n + k] * d[j * n + k]).sum();
-                    assert!((dot - if i == j { 1.0 } else { 0.0 }).abs() < 1e-5);
-                }
-            }
-        }
+    fn chunks_tile_each_tensor() {
         assert_eq!(
             (divisor(768, 64), divisor(50257, 64), divisor(7, 64)),
             (64, 29, 7)
@@ -685,97 +604,21 @@ mod tests {
         let mut all: Vec<usize> = (0..l.chunks()).flat_map(|c| l.indices(c)).collect();
         all.sort();
         assert_eq!(all, (10..58).collect::<Vec<_>>());
-        // A transform and its inverse give the block back.
-        let x: Vec<f32> = (0..12).map(|i| (i as f32 * 0.37).sin()).collect();
-        let (a, b) = (Dct::new(3), Dct::new(4));
-        let y = transform(&transform(&x, &a, &b, 3, 4, false), &a, &b, 3, 4, true);
-        assert!(x.iter().zip(&y).all(|(p, q)| (p - q).abs() < 1e-5));
     }
 
-    /// The transform as the kernels' twin first wrote it: a scalar sum per entry, over k ascending.
-    fn transform_reference(
-        x: &[f32],
-        a: &[f32],
-        b: &[f32],
-        r: usize,
-        c: usize,
-        inverse: bool,
-    ) -> Vec<f32> {
-        let at = |i: usize, j: usize| if inverse { a[j * r + i] } else { a[i * r + j] };
-        let bt = |i: usize, j: usize| if inverse { b[j * c + i] } else { b[i * c + j] };
-        let mut tmp = vec![0.0f32; r * c];
-        for i in 0..r {
-            for k in 0..r {
-                let w = at(i, k);
-                if w != 0.0 {
-                    for j in 0..c {
-                        tmp[i * c + j] += w * x[k * c + j];
-                    }
-                }
-            }
-        }
-        let mut y = vec![0.0f32; r * c];
-        for i in 0..r {
-            for j in 0..c {
-                y[i * c + j] = (0..c).fold(0.0, |s, k| s + tmp[i * c + k] * bt(j, k));
-            }
-        }
-        y
-    }
-
-    /// The vectorized transform adds the same terms in the same order as the scalar one (and so as the
-    /// GPU kernels): bit for bit, both ways, on every chunk shape DeMo makes, dense and sparse (a chunk's
-    /// kept coefficients, their mean over ranks, rows and columns of zeros, zeros of either sign).
-    #[test]
-    fn the_row_wise_transform_equals_the_scalar_one_bit_for_bit() {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-        let shapes = [
-            (1, 1),
-            (3, 4),
-            (7, 13),
-            (1, 64),
-            (64, 64),
-            (29, 64),
-            (64, 32),
-        ];
-        for (r, c) in shapes {
-            let (a, b) = (Dct::new(r), Dct::new(c));
-            for kept in [r * c, r * c / 2, 32, 128, 3, 1, 0] {
-                let mut x = vec![0.0f32; r * c];
-                for _ in 0..kept {
-                    x[rng.random_range(0..r * c)] = rng.random_range(-1.0f32..1.0);
-                }
-                for _ in 0..kept / 4 {
-                    x[rng.random_range(0..r * c)] = if rng.random() { 0.0 } else { -0.0 };
-                }
-                for inverse in [false, true] {
-                    let fast = transform(&x, &a, &b, r, c, inverse);
-                    let slow = transform_reference(&x, &a.d, &b.d, r, c, inverse);
-                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&fast), bits(&slow), "{r} x {c}, {kept}, {inverse}");
-                }
-            }
-        }
-    }
-
-    /// The reference encoding and decoding, chunk by chunk through `Layout::indices`: the scalar
-    /// transform, the top-k by a full sort (ties to the lower index, in index order), the mean of each
+    /// The reference encoding and decoding, chunk by chunk through `Layout::indices`: the transform
+    /// (held to the exact DCT and to the kernels' order in `dct`), the top-k by a full sort (ties to the lower index, in index order), the mean of each
     /// coefficient over the ranks that sent it.
     fn reference(demo: &Demo, deltas: &mut [Vec<f32>]) -> (Vec<Vec<f32>>, Vec<f32>) {
         let mut msgs = vec![Vec::new(); deltas.len()];
         let mut dir = vec![0.0f32; demo.numel];
         for (l, c) in demo.chunks() {
-            let (da, db, k) = (
-                &demo.dct[&l.cr].d,
-                &demo.dct[&l.cc].d,
-                kept(demo.cfg.topk, &l),
-            );
+            let (da, db, k) = (&demo.dct[&l.cr], &demo.dct[&l.cc], kept(demo.cfg.topk, &l));
             let at: Vec<usize> = l.indices(c).collect();
             let (mut sum, mut count) = (vec![0.0f32; at.len()], vec![0u32; at.len()]);
             for (delta, msg) in deltas.iter_mut().zip(&mut msgs) {
                 let block: Vec<f32> = at.iter().map(|&i| delta[i]).collect();
-                let coef = transform_reference(&block, da, db, l.cr, l.cc, false);
+                let coef = transformed(&block, da, db, 1, false);
                 let mut order: Vec<usize> = (0..coef.len()).collect();
                 order.sort_by_key(|&i| (std::cmp::Reverse(coef[i].abs().to_bits()), i));
                 order.truncate(k);
@@ -784,7 +627,7 @@ mod tests {
                 for &i in &order {
                     (kept[i], sum[i], count[i]) = (coef[i], sum[i] + coef[i], count[i] + 1);
                 }
-                let sent = transform_reference(&kept, da, db, l.cr, l.cc, true);
+                let sent = transformed(&kept, da, db, 1, true);
                 for (j, &i) in at.iter().enumerate() {
                     delta[i] = block[j] - sent[j];
                 }
@@ -796,7 +639,7 @@ mod tests {
                 .zip(&count)
                 .map(|(&s, &n)| if n > 0 { s / n as f32 } else { 0.0 })
                 .collect();
-            let d = transform_reference(&mean, da, db, l.cr, l.cc, true);
+            let d = transformed(&mean, da, db, 1, true);
             for (j, &i) in at.iter().enumerate() {
                 dir[i] = if d[j] > 0.0 {
                     1.0
@@ -810,8 +653,7 @@ mod tests {
         (msgs, dir)
     }
 
-    /// The banded, parallel encoding and decoding (chunks read and written in place, sparse inverse
-    /// transforms) equal the reference chunk by chunk, bit for bit: messages, the momentum left behind
+    /// The banded, parallel encoding and decoding (chunks read and written in place) equal the reference chunk by chunk, bit for bit: messages, the momentum left behind
     /// and the sign direction from three ranks' messages, on shapes with full and partial chunks.
     #[test]
     fn the_banded_encoding_and_decoding_equal_the_chunkwise_reference_bit_for_bit() {
@@ -873,7 +715,7 @@ mod tests {
 
     /// The kernels' chunk table addresses what the host path does: each chunk's entries in the order
     /// of `Layout::indices`, message offsets where the host packs each chunk's [indices | values], the
-    /// DCT matrices of its sizes, and scratch parts that tile the flat buffer.
+    /// transforms' constants of its sizes, and scratch parts that tile the flat buffer.
     #[test]
     fn the_kernels_chunk_table_addresses_the_host_paths_chunks() {
         use crate::kernels::CHUNK_FIELDS;
@@ -897,8 +739,10 @@ mod tests {
             assert_eq!(at, l.indices(*c).collect::<Vec<_>>());
             assert_eq!((k, f(7)), (kept(5, l), msg));
             msg += 2 * k;
-            assert_eq!(&dct[f(8)..f(8) + cr * cr], &dct_matrix(cr)[..]);
-            assert_eq!(&dct[f(9)..f(9) + cc * cc], &dct_matrix(cc)[..]);
+            for (at, n) in [(f(8), cr), (f(9), cc)] {
+                let words = Dct::new(n).words();
+                assert_eq!(&dct[at..at + words.len()], &words[..]);
+            }
             scratch.extend(f(10)..f(10) + cr * cc);
         }
         assert_eq!(words, msg);
