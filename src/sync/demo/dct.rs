@@ -71,22 +71,22 @@ impl Dct {
 #[multiversion::multiversion(targets = "simd")]
 pub(super) fn transform(p: &mut [f32], q: &mut [f32], a: &Dct, b: &Dct, g: usize, inverse: bool) {
     let (r, c) = (a.n, b.n);
-    if inverse {
-        scale_rows(p, &a.scale, g * c);
-    }
-    lee(a, p, q, g * c, inverse);
-    if !inverse {
-        scale_rows(p, &a.scale, g * c);
-    }
+    stage(a, p, q, g * c, inverse);
     transpose(p, q, r, c, g, false);
-    if inverse {
-        scale_rows(q, &b.scale, g * r);
-    }
-    lee(b, q, p, g * r, inverse);
-    if !inverse {
-        scale_rows(q, &b.scale, g * r);
-    }
+    stage(b, q, p, g * r, inverse);
     transpose(p, q, r, c, g, true);
+}
+
+/// D x of each column of x (d.n rows of w): C, then S; with `inverse` D^T x: S, then C^T.
+#[inline(always)]
+fn stage(d: &Dct, x: &mut [f32], scratch: &mut [f32], w: usize, inverse: bool) {
+    if inverse {
+        scale_rows(x, &d.scale, w);
+    }
+    lee(d, x, scratch, w, inverse);
+    if !inverse {
+        scale_rows(x, &d.scale, w);
+    }
 }
 
 /// `transform` of a copy of x.
@@ -580,5 +580,108 @@ mod tests {
             assert_eq!((d.base, d.twiddle.len(), d.dense.len()), (m, n - m, m * m));
             assert_eq!(d.words().len(), n + n - m + m * m);
         }
+    }
+
+    /// The kernels' `lee` and `dct2` (kernels/reducers.cu), compiled for the host by the C++ compiler with
+    /// contraction off (as nvcc's -fmad=false), give the host transform's bits, both ways, on the chunk
+    /// shapes DeMo makes: the GPU twin checked without a GPU. Skipped without a C++ compiler unless
+    /// NANODIST_REQUIRE_CXX is set (scripts/test.sh sets it).
+    #[test]
+    fn the_kernels_transform_compiled_for_the_host_gives_the_same_bits() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(exe) = kernels_on_the_host(dir.path()) else {
+            return;
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let (input, output) = (dir.path().join("in"), dir.path().join("out"));
+        for (r, c) in [(64, 64), (29, 64), (48, 16), (1, 64), (6, 12), (7, 13)] {
+            let (a, b) = (Dct::new(r), Dct::new(c));
+            for (kept, inverse) in [(r * c, false), (r * c, true), (5, true)] {
+                let x = block(&mut rng, r * c, kept);
+                let head = [r, c, inverse as usize, a.words().len(), b.words().len()];
+                let mut bytes: Vec<u8> = head
+                    .iter()
+                    .flat_map(|&v| (v as u32).to_le_bytes())
+                    .collect();
+                for v in [a.words(), b.words(), x.clone()].concat() {
+                    bytes.extend(v.to_le_bytes());
+                }
+                std::fs::write(&input, bytes).unwrap();
+                let run = std::process::Command::new(&exe)
+                    .args([&input, &output])
+                    .status();
+                assert!(
+                    run.unwrap().success(),
+                    "the host build of the kernels failed"
+                );
+                let got: Vec<u32> = std::fs::read(&output)
+                    .unwrap()
+                    .chunks_exact(4)
+                    .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
+                    .collect();
+                let want: Vec<u32> = transformed(&x, &a, &b, 1, inverse)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                let first = (0..want.len()).find(|&i| got.get(i) != Some(&want[i]));
+                assert!(
+                    first.is_none() && got.len() == want.len(),
+                    "{r} x {c}, inverse {inverse}: entry {first:?} differs"
+                );
+            }
+        }
+    }
+
+    /// The kernels' transform with a main that reads (r, c, inverse, the two sizes' words, the chunk)
+    /// from one file and writes the transformed chunk to another, built in `dir`; None (the test
+    /// skipped) when no C++ compiler is found and none is required.
+    fn kernels_on_the_host(dir: &std::path::Path) -> Option<std::path::PathBuf> {
+        let cu = include_str!("../../../kernels/reducers.cu");
+        let (from, to) = ("// Lee's C v", "// The k entries of largest |x|");
+        let body =
+            &cu[cu.find(from).expect("lee in reducers.cu")..cu.find(to).expect("block_top_k")];
+        let main = r#"
+#include <cstdio>
+#include <vector>
+int main(int argc, char** argv) {
+    FILE* f = fopen(argv[1], "rb");
+    unsigned h[5];
+    if (!f || fread(h, 4, 5, f) != 5) return 1;
+    std::vector<float> da(h[3]), db(h[4]), p(h[0] * h[1]), q(h[0] * h[1]);
+    if (fread(da.data(), 4, h[3], f) != h[3] || fread(db.data(), 4, h[4], f) != h[4]) return 1;
+    if (fread(p.data(), 4, p.size(), f) != p.size()) return 1;
+    dct2(p.data(), q.data(), h[0], h[1], da.data(), db.data(), h[2] != 0);
+    FILE* o = fopen(argv[2], "wb");
+    return o && fwrite(p.data(), 4, p.size(), o) == p.size() && fclose(o) == 0 ? 0 : 1;
+}
+"#;
+        let prelude = "#include <cstddef>\n#define __device__\n#define BLOCK 1u\nstatic struct { unsigned x = 0; } threadIdx;\n\
+                       static void __syncthreads() {}\nstatic int __ffs(unsigned v) { return __builtin_ffs(v); }\n";
+        let (src, exe) = (dir.join("lee.cpp"), dir.join("lee"));
+        std::fs::write(&src, format!("{prelude}{body}{main}")).unwrap();
+        for cxx in [
+            std::env::var("CXX").unwrap_or_default(),
+            "c++".into(),
+            "clang++".into(),
+        ] {
+            let args = ["-O1", "-ffp-contract=off", "-std=c++17", "-o"];
+            match std::process::Command::new(&cxx)
+                .args(args)
+                .arg(&exe)
+                .arg(&src)
+                .status()
+            {
+                Ok(s) if s.success() => return Some(exe),
+                Ok(s) => panic!("{cxx} could not build the kernels' transform for the host ({s})"),
+                Err(_) => {} // no such compiler: the next one
+            }
+        }
+        let required = std::env::var_os("NANODIST_REQUIRE_CXX").is_some_and(|v| v != "0");
+        assert!(
+            !required,
+            "no C++ compiler (c++, clang++ or $CXX), and NANODIST_REQUIRE_CXX is set"
+        );
+        eprintln!("skipped: no C++ compiler (c++, clang++ or $CXX) for the kernels' host build");
+        None
     }
 }
