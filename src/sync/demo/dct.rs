@@ -655,8 +655,15 @@ int main(int argc, char** argv) {
     return o && fwrite(p.data(), 4, p.size(), o) == p.size() && fclose(o) == 0 ? 0 : 1;
 }
 "#;
-        let prelude = "#include <cstddef>\n#define __device__\n#define BLOCK 1u\nstatic struct { unsigned x = 0; } threadIdx;\n\
-                       static void __syncthreads() {}\nstatic int __ffs(unsigned v) { return __builtin_ffs(v); }\n";
+        // What CUDA gives a kernel, for one thread that runs every loop of a block alone.
+        let prelude = r#"
+#include <cstddef>
+#define __device__
+#define BLOCK 1u
+static struct { unsigned x = 0; } threadIdx;
+static void __syncthreads() {}
+static int __ffs(unsigned v) { return __builtin_ffs(v); }
+"#;
         let (src, exe) = (dir.join("lee.cpp"), dir.join("lee"));
         std::fs::write(&src, format!("{prelude}{body}{main}")).unwrap();
         for cxx in [

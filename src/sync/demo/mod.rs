@@ -79,8 +79,7 @@ impl Layout {
 
     /// Chunks transformed together: the fewest whose rows (g cc) and transposed rows (g cr) hold
     /// `LANES` floats, so that the transform's row passes fill the vector unit (a chunk's side may be
-    /// 29 or 1) while the block and its scratch stay in the first-level cache (two 64 x 64 chunks are
-    /// 32 KB).
+    /// 29 or 1) while the block and its scratch stay small (a 64 x 64 chunk and its scratch: 32 KB).
     fn group(&self) -> usize {
         LANES.div_ceil(self.cc).max(LANES.div_ceil(self.cr))
     }
@@ -137,7 +136,8 @@ pub struct Demo {
     /// Clip of the local gradient (<= 0: none), and its norm before clipping at the last step.
     clip: f64,
     grad_norm: Option<f64>,
-    /// The chunk table, transforms' constants (`Dct::words`) and scratch of the kernels, once a GPU step has run.
+    /// The chunk table, the transforms' constants (`Dct::words`) and the kernels' scratch, once a GPU
+    /// step has run.
     #[cfg(feature = "cuda")]
     device: Option<OnDevice>,
 }
@@ -291,8 +291,8 @@ impl Demo {
 
     /// The table of DeMo's kernels (`kernels::CHUNK_FIELDS` words per chunk, in `chunks()` order:
     /// tensor offset, columns, chunk rows and columns, first row and column, coefficients kept, message
-    /// offset, offsets of the two transforms' constants, scratch offset), the constants it names (`Dct::words`), and the
-    /// message's length.
+    /// offset, offsets of the two transforms' constants, scratch offset), the constants it names
+    /// (`Dct::words`), and the message's length.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn table(&self) -> (Vec<u32>, Vec<f32>, usize) {
         let mut sizes: Vec<usize> = self.dct.keys().copied().collect();
@@ -607,8 +607,8 @@ mod tests {
     }
 
     /// The reference encoding and decoding, chunk by chunk through `Layout::indices`: the transform
-    /// (held to the exact DCT and to the kernels' order in `dct`), the top-k by a full sort (ties to the lower index, in index order), the mean of each
-    /// coefficient over the ranks that sent it.
+    /// (held to the exact DCT and to the kernels' order in `dct`), the top-k by a full sort (ties to
+    /// the lower index, in index order), the mean of each coefficient over the ranks that sent it.
     fn reference(demo: &Demo, deltas: &mut [Vec<f32>]) -> (Vec<Vec<f32>>, Vec<f32>) {
         let mut msgs = vec![Vec::new(); deltas.len()];
         let mut dir = vec![0.0f32; demo.numel];
@@ -653,8 +653,9 @@ mod tests {
         (msgs, dir)
     }
 
-    /// The banded, parallel encoding and decoding (chunks read and written in place) equal the reference chunk by chunk, bit for bit: messages, the momentum left behind
-    /// and the sign direction from three ranks' messages, on shapes with full and partial chunks.
+    /// The banded, parallel encoding and decoding (chunks read and written in place) equal the
+    /// reference chunk by chunk, bit for bit: messages, the momentum left behind and the sign
+    /// direction from three ranks' messages, on shapes with full and partial chunks.
     #[test]
     fn the_banded_encoding_and_decoding_equal_the_chunkwise_reference_bit_for_bit() {
         use rand::{Rng, SeedableRng};
