@@ -44,7 +44,7 @@ pub trait SyncBackend {
     }
     /// The workers share one replica divided into `parts` (the local engine, see `train::replica`),
     /// whose update reads each rank's part of the reduced gradient alone: the backend may leave the rest
-    /// of the rank's gradient unreduced (the dense all-reduce does; the others reduce it all).
+    /// of the rank's gradient unreduced (the dense all-reduce and DeMo do; the others reduce it all).
     fn share_replica(&mut self, _parts: Parts) {}
     /// `reduce_grads` on the gradient wherever it lives: on the GPU through a host copy, unless the
     /// backend reduces there itself (the dense all-reduce on an engine with device collectives).

@@ -13,6 +13,7 @@
 //! On the wire: `topk` values and `topk` indices per chunk, all-gathered, so the bytes grow with N.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use anyhow::Result;
 use rayon::prelude::*;
@@ -20,7 +21,7 @@ use rayon::prelude::*;
 use super::compress::{self, take, State};
 use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
-use crate::comm::Communicator;
+use crate::comm::{Communicator, Parts};
 use crate::config::backend::DemoConfig;
 use crate::flat::{Flat, Place};
 use crate::kernels;
@@ -116,6 +117,15 @@ fn disjoint_parts<'a>(layouts: &[Layout], mut buf: &'a mut [f32]) -> Result<Vec<
     Ok(parts.into_iter().flatten().collect())
 }
 
+/// One row band of a tensor in a flat buffer: its entries, where its part of a message (`2 kept` words
+/// per chunk) starts, and where the band starts in the flat buffer.
+struct Band<'a> {
+    l: Layout,
+    buf: &'a mut [f32],
+    at: usize,
+    start: usize,
+}
+
 /// The largest divisor of `n` that is at most `max`.
 fn divisor(n: usize, max: usize) -> usize {
     (1..=max.min(n).max(1))
@@ -129,6 +139,8 @@ pub struct Demo {
     cfg: DemoConfig,
     layouts: Vec<Layout>,
     dct: HashMap<usize, Dct>,
+    /// The parts of a shared replica (`share_replica`): each rank decodes the bands that meet its own.
+    shared: Option<Parts>,
     /// The momentum, beside the gradient (on the GPU with it); empty before the first step.
     delta: Flat,
     numel: usize,
@@ -186,6 +198,7 @@ impl Demo {
             cfg,
             layouts,
             dct,
+            shared: None,
             delta: Flat::Host(Vec::new()),
             numel,
             tally: compress::Tally::default(),
@@ -205,14 +218,19 @@ impl Demo {
     }
 
     /// Each tensor's row bands (`cr` rows: `cols / cc` chunks side by side, contiguous in the flat
-    /// buffer), in chunk order, with where the band's part of a message (`2 kept` words per chunk)
-    /// starts.
-    fn bands<'a>(&self, buf: &'a mut [f32]) -> Result<Vec<(Layout, &'a mut [f32], usize)>> {
+    /// buffer), in chunk order.
+    fn bands<'a>(&self, buf: &'a mut [f32]) -> Result<Vec<Band<'a>>> {
         let parts = disjoint_parts(&self.layouts, buf)?;
         let (mut out, mut at) = (Vec::new(), 0);
         for (l, part) in self.layouts.iter().zip(parts) {
-            for band in part.chunks_mut(l.cr * l.cols) {
-                out.push((*l, band, at));
+            for (i, buf) in part.chunks_mut(l.cr * l.cols).enumerate() {
+                let start = l.offset + i * l.cr * l.cols;
+                out.push(Band {
+                    l: *l,
+                    buf,
+                    at,
+                    start,
+                });
                 at += self.band_words(l);
             }
         }
@@ -237,8 +255,8 @@ impl Demo {
         let bands = self.bands(delta)?;
         let mut rest = &mut send[..];
         let mut msgs = Vec::with_capacity(bands.len());
-        for (l, _, _) in &bands {
-            let (m, tail) = std::mem::take(&mut rest).split_at_mut(self.band_words(l));
+        for b in &bands {
+            let (m, tail) = std::mem::take(&mut rest).split_at_mut(self.band_words(&b.l));
             msgs.push(m);
             rest = tail;
         }
@@ -246,46 +264,57 @@ impl Demo {
         bands
             .into_par_iter()
             .zip(msgs)
-            .for_each(|((l, band, _), msg)| encode_band(&l, band, msg, dct, topk));
+            .for_each(|(b, msg)| encode_band(&b.l, b.buf, msg, dct, topk));
         Ok(send)
     }
 
     /// Each chunk's direction from every rank's message in `all` (n of them): the mean of each
     /// coefficient over the ranks that sent it, transformed back; its sign goes to `grads` (torch.sign:
-    /// 0 stays 0).
-    fn decode(&self, grads: &mut [f32], all: &[f32], n: usize) -> Result<()> {
+    /// 0 stays 0). Only the bands that meet `only` where it is given (a shared replica's part: the rest
+    /// is left as it is).
+    fn decode(
+        &self,
+        grads: &mut [f32],
+        all: &[f32],
+        n: usize,
+        only: Option<Range<usize>>,
+    ) -> Result<()> {
         let (dct, topk, words) = (&self.dct, self.cfg.topk, self.message_words());
-        self.bands(grads)?
-            .into_par_iter()
-            .for_each(|(l, band, at)| {
-                let (k, per, g) = (kept(topk, &l), l.cols / l.cc, l.group());
-                let size = l.cr * g * l.cc;
-                let (mut sum, mut count, mut spare) =
-                    (vec![0.0f32; size], vec![0u32; size], vec![0.0; size]);
-                for j0 in (0..per).step_by(g) {
-                    let gn = g.min(per - j0);
-                    let len = l.cr * gn * l.cc;
-                    let (sum, count, spare) =
-                        (&mut sum[..len], &mut count[..len], &mut spare[..len]);
-                    sum.fill(0.0);
-                    count.fill(0);
-                    for jc in 0..gn {
-                        for r in 0..n {
-                            let m = &all[r * words + at + 2 * k * (j0 + jc)..][..2 * k];
-                            for (i, &v) in m[..k].iter().zip(&m[k..]) {
-                                let o = l.at(i.to_bits() as usize, jc, gn);
-                                (sum[o], count[o]) = (sum[o] + v, count[o] + 1);
-                            }
+        let meets = |b: &Band| {
+            only.as_ref()
+                .is_none_or(|r| b.start < r.end && r.start < b.start + b.buf.len())
+        };
+        let mut bands = self.bands(grads)?;
+        bands.retain(meets);
+        bands.into_par_iter().for_each(|b| {
+            let (l, k) = (b.l, kept(topk, &b.l));
+            let (per, g) = (l.cols / l.cc, l.group());
+            let size = l.cr * g * l.cc;
+            let (mut sum, mut count, mut spare) =
+                (vec![0.0f32; size], vec![0u32; size], vec![0.0; size]);
+            for j0 in (0..per).step_by(g) {
+                let gn = g.min(per - j0);
+                let len = l.cr * gn * l.cc;
+                let (sum, count, spare) = (&mut sum[..len], &mut count[..len], &mut spare[..len]);
+                sum.fill(0.0);
+                count.fill(0);
+                for jc in 0..gn {
+                    for r in 0..n {
+                        let m = &all[r * words + b.at + 2 * k * (j0 + jc)..][..2 * k];
+                        for (i, &v) in m[..k].iter().zip(&m[k..]) {
+                            let o = l.at(i.to_bits() as usize, jc, gn);
+                            (sum[o], count[o]) = (sum[o] + v, count[o] + 1);
                         }
                     }
-                    sum.iter_mut()
-                        .zip(&*count)
-                        .for_each(|(s, &c)| *s = if c > 0 { *s / c as f32 } else { 0.0 });
-                    transform(sum, spare, &dct[&l.cr], &dct[&l.cc], gn, true);
-                    sum.iter_mut().for_each(|d| *d = sign(*d));
-                    l.scatter(band, j0, gn, sum);
                 }
-            });
+                sum.iter_mut()
+                    .zip(&*count)
+                    .for_each(|(s, &c)| *s = if c > 0 { *s / c as f32 } else { 0.0 });
+                transform(sum, spare, &dct[&l.cr], &dct[&l.cc], gn, true);
+                sum.iter_mut().for_each(|d| *d = sign(*d));
+                l.scatter(b.buf, j0, gn, sum);
+            }
+        });
         Ok(())
     }
 
@@ -504,11 +533,16 @@ impl SyncBackend for Demo {
         let mut all = vec![0.0f32; send.len() * n];
         self.comm.all_gather(&send, &mut all)?;
         let after = self.comm.stats();
-        self.decode(grads, &all, n)?;
+        let only = self.shared.filter(|_| n > 1).map(|p| p.of(rank));
+        self.decode(grads, &all, n, only)?;
         let report = compress::Report::default();
         self.tally
             .add(self.numel, n, rank, &before, &after, &report);
         Ok(())
+    }
+    /// The update reads each rank's part of the direction alone: the bands that meet it are decoded.
+    fn share_replica(&mut self, parts: Parts) {
+        self.shared = Some(parts);
     }
     #[cfg(feature = "cuda")]
     fn reduce_flat(&mut self, grads: crate::flat::FlatMut<'_>, step: u64, lr: f64) -> Result<()> {
@@ -701,11 +735,33 @@ mod tests {
                 );
             }
             let mut dir = vec![f32::NAN; demo.numel];
-            demo.decode(&mut dir, &all, 3).unwrap();
+            demo.decode(&mut dir, &all, 3, None).unwrap();
             assert_eq!(
                 bits(&dir),
                 bits(&want_dir),
                 "direction, topk {topk}, chunk {chunk}"
+            );
+            shared_decoding_matches(&demo, &all, &want_dir);
+        }
+    }
+
+    /// On a shared replica each of three ranks decodes the bands that meet its part: there, the
+    /// direction of the whole decoding bit for bit; the bands that do not are left as they were.
+    fn shared_decoding_matches(demo: &Demo, all: &[f32], want: &[f32]) {
+        let parts = Parts {
+            len: demo.numel,
+            n: 3,
+            tile: 100,
+        };
+        for rank in 0..3 {
+            let r = parts.of(rank);
+            let mut dir = vec![f32::NAN; demo.numel];
+            demo.decode(&mut dir, all, 3, Some(r.clone())).unwrap();
+            assert_eq!(bits(&dir[r.clone()]), bits(&want[r.clone()]), "rank {rank}");
+            let left = dir.iter().filter(|d| d.is_nan()).count();
+            assert!(
+                left > 0 && dir[r].iter().all(|d| !d.is_nan()),
+                "rank {rank}: {left}"
             );
         }
     }
