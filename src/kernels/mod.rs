@@ -151,14 +151,15 @@ pub fn select_write(
 
 /// The `k` entries of largest magnitude of `x` (ties towards lower indices), in index order, appended
 /// to `idx` as `base + i` and to `val`: the radix select of the threshold, then the compaction. No sort.
-/// A small `k` of a long `x` goes through `top_k_of_candidates` (one pass over `x`); the same entries.
+/// A small `k` of a long `x` goes through `top_k_of_candidates` (one pass over `x`), a short `x` through
+/// `top_k_short`; the same entries.
 pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
     let k = k.min(x.len());
     if k == 0 || top_k_of_candidates(x, k, base, idx, val) {
         return;
     }
     if x.len() <= SHORT {
-        return top_k_by_select(x, k, base, idx, val);
+        return top_k_short(x, k, base, idx, val);
     }
     let t = radix_threshold(k, |p, m, s| Ok(radix_histogram(x, p, m, s)))
         .expect("the histograms of a slice count every key");
@@ -178,9 +179,59 @@ pub fn top_k(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f
     );
 }
 
-/// Inputs up to this length are selected by `top_k_by_select`: the radix select's four 256-bin
-/// histograms and scans cost more than the whole of such an input.
-const SHORT: usize = 2048;
+/// Inputs up to this length (a DeMo chunk: 4096) are selected by `top_k_short`: the radix select's
+/// four 256-bin histograms and scans, its tiles and their scans cost more than such an input.
+const SHORT: usize = 1 << 15;
+
+/// Floors `top_k_short` tries, a power of two apart, before it leaves the input to `top_k_by_select`.
+const FLOORS: u32 = 8;
+
+/// `top_k` for a short `x`, in a few vectorized passes: the largest power of two that at least k keys
+/// reach (counted from the largest key's exponent down, at most `FLOORS` tries, else
+/// `top_k_by_select`), the entries reaching it (the candidates, in index order), the threshold among them by `select_nth_unstable`, and the selection.
+#[multiversion::multiversion(targets = "simd")]
+pub fn top_k_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
+    let k = k.min(x.len());
+    if k == 0 {
+        return;
+    }
+    let top = x.iter().fold(0u32, |m, &v| m.max(abs_key(v))) >> 23;
+    let reaching = |floor: u32| {
+        x.iter()
+            .map(|&v| u32::from(abs_key(v) >= floor))
+            .sum::<u32>()
+    };
+    let Some(floor) = (0..FLOORS.min(top + 1))
+        .map(|e| (top - e) << 23)
+        .find(|&f| reaching(f) as usize >= k)
+    else {
+        return top_k_by_select(x, k, base, idx, val);
+    };
+    let (mut cand_i, mut keys) = (Vec::with_capacity(2 * k), Vec::with_capacity(2 * k));
+    for (g, group) in x.chunks(16).enumerate() {
+        let mut mask = 0u32;
+        for (b, &v) in group.iter().enumerate() {
+            mask |= u32::from(abs_key(v) >= floor) << b;
+        }
+        while mask != 0 {
+            let b = mask.trailing_zeros() as usize;
+            cand_i.push((16 * g + b) as u32);
+            keys.push(abs_key(group[b]));
+            mask &= mask - 1;
+        }
+    }
+    let mut sorted = keys.clone();
+    let c = sorted.len();
+    let (_, &mut t, above) = sorted.select_nth_unstable(c - k);
+    let mut ties = k - above.iter().filter(|&&a| a > t).count();
+    for (&i, &key) in cand_i.iter().zip(&keys) {
+        if key > t || (key == t && ties > 0) {
+            ties -= usize::from(key == t);
+            idx.push(base + i);
+            val.push(x[i as usize]);
+        }
+    }
+}
 
 /// `top_k`'s entries on one core, without its parallel passes: the threshold key by one
 /// `select_nth_unstable` of the keys, then one scan taking the keys above it and the first of those
@@ -638,7 +689,7 @@ mod tests {
         ) {
             let k = (frac * x.len() as f64) as usize;
             let want: Vec<u32> = naive_top_k(&x, k).iter().map(|i| base + i).collect();
-            for select in [top_k, top_k_by_select] {
+            for select in [top_k, top_k_by_select, top_k_short] {
                 let (mut idx, mut val) = (vec![7], vec![7.0]);
                 select(&x, k, base, &mut idx, &mut val);
                 prop_assert_eq!(&idx[1..], &want[..]);
