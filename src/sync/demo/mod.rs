@@ -65,6 +65,15 @@ impl Layout {
         }
     }
 
+    /// Chunks `j..j + g` of a band minus `block` (as `gather` reads it), in place.
+    fn subtract(&self, band: &mut [f32], j: usize, g: usize, block: &[f32]) {
+        let rows = band.chunks_exact_mut(self.cols);
+        for (row, b) in rows.zip(block.chunks_exact(g * self.cc)) {
+            let row = &mut row[j * self.cc..(j + g) * self.cc];
+            row.iter_mut().zip(b).for_each(|(x, s)| *x -= s);
+        }
+    }
+
     /// Where entry `i` of chunk `jc` (row by row) is in a block of `g` chunks side by side.
     fn at(&self, i: usize, jc: usize, g: usize) -> usize {
         (i / self.cc) * g * self.cc + jc * self.cc + i % self.cc
@@ -434,31 +443,27 @@ fn encode_band(
     let (mut idx, mut val) = (Vec::with_capacity(k), Vec::with_capacity(k));
     // Buffers for a group of chunks, and one chunk's coefficients, reused group after group.
     let size = l.cr * g * l.cc;
-    let (mut block, mut coef, mut sent, mut spare) = (
-        vec![0.0f32; size],
-        vec![0.0; size],
-        vec![0.0; size],
-        vec![0.0; size],
-    );
+    let (mut coef, mut sent, mut spare) = (vec![0.0f32; size], vec![0.0; size], vec![0.0; size]);
     let mut one = vec![0.0f32; l.cr * l.cc];
     for j0 in (0..per).step_by(g) {
         let gn = g.min(per - j0);
         let len = l.cr * gn * l.cc;
-        let (block, coef, sent, spare) = (
-            &mut block[..len],
-            &mut coef[..len],
-            &mut sent[..len],
-            &mut spare[..len],
-        );
-        l.gather(band, j0, gn, block);
-        coef.copy_from_slice(block);
+        let (coef, sent, spare) = (&mut coef[..len], &mut sent[..len], &mut spare[..len]);
+        l.gather(band, j0, gn, coef);
         transform(coef, spare, da, db, gn, false);
         sent.fill(0.0);
         for jc in 0..gn {
             idx.clear();
             val.clear();
-            l.chunk(coef, jc, gn, &mut one);
-            kernels::top_k(&one, k, 0, &mut idx, &mut val);
+            // A block of one chunk is the chunk, row by row.
+            let chunk = match gn {
+                1 => &coef[..],
+                _ => {
+                    l.chunk(coef, jc, gn, &mut one);
+                    &one[..]
+                }
+            };
+            kernels::top_k(chunk, k, 0, &mut idx, &mut val);
             for (&i, &v) in idx.iter().zip(&val) {
                 sent[l.at(i as usize, jc, gn)] += v;
             }
@@ -469,8 +474,7 @@ fn encode_band(
             mv.copy_from_slice(&val);
         }
         transform(sent, spare, da, db, gn, true);
-        sent.iter_mut().zip(&*block).for_each(|(s, b)| *s = b - *s);
-        l.scatter(band, j0, gn, sent);
+        l.subtract(band, j0, gn, sent);
     }
 }
 
