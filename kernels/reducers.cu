@@ -218,7 +218,7 @@ struct Chunk {
 
 // Lee's C v (with `inverse`, C^T v) of the vector of n floats at v[i * s], i < n, in place; w (same
 // stride) is scratch. `d` holds the size's constants (`Dct::words`: the scale, each halving level's
-// factors, the odd base's dense C_m). The twin of `lee` in src/sync/demo/dct.rs: the same float
+// factors, the odd base's dense C_m, then D = S C). The twin of `lee` in src/sync/demo/dct.rs: the same float
 // operations in the same order (-fmad=false keeps multiplies and adds apart), so the same bits.
 __device__ void lee(float* v, float* w, unsigned s, unsigned n, const float* d, bool inverse) {
     const unsigned m = n >> (__ffs(n) - 1);
@@ -299,6 +299,28 @@ __device__ void dct2(float* p, float* q, unsigned r, unsigned c, const float* da
     __syncthreads();
 }
 
+// D_r^T K D_c into p (r x c, row-major; q scratch of its size), where K holds only the chunk's k kept
+// coefficients (idx: their indices in the chunk, ascending, as f32 bits; val): each kept row's K D_c as
+// a sparse sum from +0 over the coefficients in index order, each value times its basis row of D_c
+// (after C_m in db's words), then D_r^T on the column. A thread per column does both, as `kept_inverse`
+// in src/sync/demo/dct.rs does lane by lane.
+__device__ void kept_inverse(float* p, float* q, unsigned r, unsigned c, const float* da, const float* db,
+                             const float* idx, const float* val, unsigned k) {
+    const unsigned m = c >> (__ffs(c) - 1);
+    const float* basis = db + c + (c - m) + m * m;
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) {
+        for (unsigned i = 0; i < r; i++) p[i * c + j] = 0.0f;
+        for (unsigned t = 0; t < k; t++) {
+            const unsigned o = __float_as_uint(idx[t]);
+            float* e = p + (size_t)(o / c) * c + j;
+            *e = *e + val[t] * basis[(o % c) * c + j];
+        }
+        for (unsigned i = 0; i < r; i++) p[i * c + j] *= da[i];
+        lee(p + j, q + j, c, r, da, true);
+    }
+    __syncthreads();
+}
+
 // The k entries of largest |x| of x[0..n) (ties towards lower indices) in index order, as
 // kernels::top_k: the radix select of the threshold in the block, then `compact`. The indices go out as
 // the bits of f32 words (`indices_to_f32`).
@@ -344,11 +366,7 @@ extern "C" __global__ void demo_encode(float* delta, const Chunk* chunks, const 
     float *idx = msg + ch.msg, *val = msg + ch.msg + ch.k;
     block_top_k(a, n, ch.k, idx, val);
     __syncthreads();
-    for (unsigned o = threadIdx.x; o < n; o += BLOCK) b[o] = 0.0f;
-    __syncthreads();
-    for (unsigned j = threadIdx.x; j < ch.k; j += BLOCK) b[__float_as_uint(idx[j])] += val[j];
-    __syncthreads();
-    dct2(b, a, r, c, da, db, true);
+    kept_inverse(b, a, r, c, da, db, idx, val, ch.k);
     for (unsigned o = threadIdx.x; o < n; o += BLOCK) {
         float* e = x + (size_t)(o / c) * ch.cols + o % c;
         *e = *e - b[o];

@@ -28,6 +28,9 @@ pub(super) struct Dct {
     twiddle: Vec<f32>,
     /// C_m, row k: frequency k (m x m).
     dense: Vec<f32>,
+    /// D = S C, row k: frequency k (n x n), for the inverse of a chunk's few kept coefficients
+    /// (`kept_inverse`).
+    basis: Vec<f32>,
 }
 
 impl Dct {
@@ -49,18 +52,26 @@ impl Dct {
                 (pi * ((2 * i + 1) * k) as f64 / (2 * base) as f64).cos() as f32
             })
             .collect();
+        let basis = (0..n * n)
+            .map(|o| {
+                let (k, i) = (o / n, o % n);
+                let s = (if k == 0 { 1.0 } else { 2.0 } / n as f64).sqrt();
+                (s * (pi * ((2 * i + 1) * k) as f64 / (2 * n) as f64).cos()) as f32
+            })
+            .collect();
         Self {
             n,
             base,
             scale,
             twiddle,
             dense,
+            basis,
         }
     }
 
-    /// What the kernels read for this size: s, then the factors, then C_m.
+    /// What the kernels read for this size: s, then the factors, then C_m, then D.
     pub fn words(&self) -> Vec<f32> {
-        [&self.scale[..], &self.twiddle, &self.dense].concat()
+        [&self.scale[..], &self.twiddle, &self.dense, &self.basis].concat()
     }
 }
 
@@ -75,6 +86,36 @@ pub(super) fn transform(p: &mut [f32], q: &mut [f32], a: &Dct, b: &Dct, g: usize
     transpose(p, q, r, c, g, false);
     stage(b, q, p, g * r, inverse);
     transpose(p, q, r, c, g, true);
+}
+
+/// D_r^T K D_c of each of `g` chunks side by side in p (r rows of g c, r = a.n and c = b.n), where a
+/// chunk's K holds only its kept coefficients: `msg`, per chunk [k indices in the chunk, ascending, as
+/// f32 bits | k values]. Each kept row's K D_c as a sparse sum (from +0, the coefficients in index
+/// order, each value times its basis row of D_c), then the column stage of `transform`; q is scratch.
+/// A handful of rows with entries need no transform along the rows (the kernels' `kept_inverse`).
+#[multiversion::multiversion(targets = "simd")]
+pub(super) fn kept_inverse(
+    p: &mut [f32],
+    q: &mut [f32],
+    a: &Dct,
+    b: &Dct,
+    g: usize,
+    msg: &[f32],
+    k: usize,
+) {
+    let (c, w) = (b.n, g * b.n);
+    p.fill(0.0);
+    // A chunk's kept coefficients (none where k is 0) in its message.
+    let kept = (0..g * usize::from(k > 0)).map(|jc| (jc, &msg[2 * k * jc..2 * k * (jc + 1)]));
+    for (jc, m) in kept {
+        for (i, &v) in m[..k].iter().zip(&m[k..]) {
+            let (u, f) = (i.to_bits() as usize / c, i.to_bits() as usize % c);
+            let row = &mut p[u * w + jc * c..][..c];
+            let basis = &b.basis[f * c..][..c];
+            row.iter_mut().zip(basis).for_each(|(o, &d)| *o += v * d);
+        }
+    }
+    stage(a, p, q, w, true);
 }
 
 /// D x of each column of x (d.n rows of w): C, then S; with `inverse` D^T x: S, then C^T.
@@ -488,9 +529,26 @@ mod tests {
         x
     }
 
+    /// A chunk's message of its nonzero entries: their indices as f32 bits, then their values.
+    fn message(x: &[f32]) -> (Vec<f32>, usize) {
+        let at: Vec<usize> = (0..x.len()).filter(|&i| x[i] != 0.0).collect();
+        let mut m: Vec<f32> = at.iter().map(|&i| f32::from_bits(i as u32)).collect();
+        m.extend(at.iter().map(|&i| x[i]));
+        (m, at.len())
+    }
+
+    /// `kept_inverse` of the message of x's nonzero entries into a fresh block.
+    fn kept_inverted(x: &[f32], a: &Dct, b: &Dct) -> Vec<f32> {
+        let (m, k) = message(x);
+        let (mut p, mut q) = (vec![f32::NAN; x.len()], vec![0.0; x.len()]);
+        kept_inverse(&mut p, &mut q, a, b, 1, &m, k);
+        p
+    }
+
     /// The fast transform is the orthonormal DCT: within 2e-6 of the exact f64 product relative to the
     /// block's norm (f32 rounding through the log2(n) levels; the dense f32 product it replaces was
-    /// within 1e-6), both ways, on dense and sparse blocks; and the inverse undoes the forward.
+    /// within 1e-6), both ways, on dense and sparse blocks; and the inverse undoes the forward. So is
+    /// the inverse of a few kept coefficients (`kept_inverse`).
     #[test]
     fn the_fast_transform_is_the_orthonormal_dct_within_rounding() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
@@ -516,6 +574,13 @@ mod tests {
                         .fold(0.0, f64::max);
                     assert!(err <= 2e-6 * norm, "{r} x {c}, {kept}, {inverse}: {err}");
                 }
+                let (sparse, want) = (kept_inverted(&x, &a, &b), exact(&x, r, c, true));
+                let err = sparse
+                    .iter()
+                    .zip(&want)
+                    .map(|(&f, &w)| (f as f64 - w).abs())
+                    .fold(0.0, f64::max);
+                assert!(err <= 2e-6 * norm, "{r} x {c}, {kept}: kept inverse {err}");
                 let back = transformed(&transformed(&x, &a, &b, 1, false), &a, &b, 1, true);
                 let err = x
                     .iter()
@@ -578,7 +643,7 @@ mod tests {
         for (n, m) in [(1, 1), (64, 1), (48, 3), (29, 29), (6, 3)] {
             let d = Dct::new(n);
             assert_eq!((d.base, d.twiddle.len(), d.dense.len()), (m, n - m, m * m));
-            assert_eq!(d.words().len(), n + n - m + m * m);
+            assert_eq!(d.words().len(), n + n - m + m * m + n * n);
         }
     }
 
@@ -596,9 +661,11 @@ mod tests {
         let (input, output) = (dir.path().join("in"), dir.path().join("out"));
         for (r, c) in [(64, 64), (29, 64), (48, 16), (1, 64), (6, 12), (7, 13)] {
             let (a, b) = (Dct::new(r), Dct::new(c));
-            for (kept, inverse) in [(r * c, false), (r * c, true), (5, true)] {
+            // Modes: 0 forward, 1 inverse, 2 the inverse of the kept (nonzero) coefficients.
+            let modes = [(r * c, 0), (r * c, 1), (5, 1), (5, 2), (r * c / 3, 2)];
+            for (kept, mode) in modes {
                 let x = block(&mut rng, r * c, kept);
-                let head = [r, c, inverse as usize, a.words().len(), b.words().len()];
+                let head = [r, c, mode, a.words().len(), b.words().len()];
                 let mut bytes: Vec<u8> = head
                     .iter()
                     .flat_map(|&v| (v as u32).to_le_bytes())
@@ -619,14 +686,15 @@ mod tests {
                     .chunks_exact(4)
                     .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
                     .collect();
-                let want: Vec<u32> = transformed(&x, &a, &b, 1, inverse)
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect();
+                let want = match mode {
+                    2 => kept_inverted(&x, &a, &b),
+                    _ => transformed(&x, &a, &b, 1, mode == 1),
+                };
+                let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
                 let first = (0..want.len()).find(|&i| got.get(i) != Some(&want[i]));
                 assert!(
                     first.is_none() && got.len() == want.len(),
-                    "{r} x {c}, inverse {inverse}: entry {first:?} differs"
+                    "{r} x {c}, mode {mode}: entry {first:?} differs"
                 );
             }
         }
@@ -650,7 +718,21 @@ int main(int argc, char** argv) {
     std::vector<float> da(h[3]), db(h[4]), p(h[0] * h[1]), q(h[0] * h[1]);
     if (fread(da.data(), 4, h[3], f) != h[3] || fread(db.data(), 4, h[4], f) != h[4]) return 1;
     if (fread(p.data(), 4, p.size(), f) != p.size()) return 1;
-    dct2(p.data(), q.data(), h[0], h[1], da.data(), db.data(), h[2] != 0);
+    if (h[2] == 2) {
+        std::vector<float> idx, val;
+        for (unsigned i = 0; i < p.size(); i++) {
+            if (p[i] != 0.0f) {
+                float f;
+                std::memcpy(&f, &i, 4);
+                idx.push_back(f);
+                val.push_back(p[i]);
+            }
+        }
+        kept_inverse(p.data(), q.data(), h[0], h[1], da.data(), db.data(), idx.data(), val.data(),
+                     idx.size());
+    } else {
+        dct2(p.data(), q.data(), h[0], h[1], da.data(), db.data(), h[2] != 0);
+    }
     FILE* o = fopen(argv[2], "wb");
     return o && fwrite(p.data(), 4, p.size(), o) == p.size() && fclose(o) == 0 ? 0 : 1;
 }
@@ -658,11 +740,17 @@ int main(int argc, char** argv) {
         // What CUDA gives a kernel, for one thread that runs every loop of a block alone.
         let prelude = r#"
 #include <cstddef>
+#include <cstring>
 #define __device__
 #define BLOCK 1u
 static struct { unsigned x = 0; } threadIdx;
 static void __syncthreads() {}
 static int __ffs(unsigned v) { return __builtin_ffs(v); }
+static unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
 "#;
         let (src, exe) = (dir.join("lee.cpp"), dir.join("lee"));
         std::fs::write(&src, format!("{prelude}{body}{main}")).unwrap();

@@ -29,7 +29,7 @@ use crate::kernels::Segment;
 
 mod dct;
 
-use dct::{transform, Dct};
+use dct::{kept_inverse, transform, Dct};
 
 /// The fewest floats the transform's row passes work on side by side (`Layout::group`).
 const LANES: usize = 64;
@@ -451,7 +451,6 @@ fn encode_band(
         let (coef, sent, spare) = (&mut coef[..len], &mut sent[..len], &mut spare[..len]);
         l.gather(band, j0, gn, coef);
         transform(coef, spare, da, db, gn, false);
-        sent.fill(0.0);
         for jc in 0..gn {
             idx.clear();
             val.clear();
@@ -464,16 +463,14 @@ fn encode_band(
                 }
             };
             kernels::top_k(chunk, k, 0, &mut idx, &mut val);
-            for (&i, &v) in idx.iter().zip(&val) {
-                sent[l.at(i as usize, jc, gn)] += v;
-            }
             let (mi, mv) = msg[2 * k * (j0 + jc)..][..2 * k].split_at_mut(k);
             mi.iter_mut()
                 .zip(&idx)
                 .for_each(|(o, i)| *o = f32::from_bits(*i));
             mv.copy_from_slice(&val);
         }
-        transform(sent, spare, da, db, gn, true);
+        let group = &msg[2 * k * j0..2 * k * (j0 + gn)];
+        kept_inverse(sent, spare, da, db, gn, group, k);
         l.subtract(band, j0, gn, sent);
     }
 }
@@ -661,16 +658,17 @@ mod tests {
                 order.sort_by_key(|&i| (std::cmp::Reverse(coef[i].abs().to_bits()), i));
                 order.truncate(k);
                 order.sort_unstable();
-                let mut kept = vec![0.0f32; coef.len()];
                 for &i in &order {
-                    (kept[i], sum[i], count[i]) = (coef[i], sum[i] + coef[i], count[i] + 1);
+                    (sum[i], count[i]) = (sum[i] + coef[i], count[i] + 1);
                 }
-                let sent = transformed(&kept, da, db, 1, true);
+                let mut m: Vec<f32> = order.iter().map(|&i| f32::from_bits(i as u32)).collect();
+                m.extend(order.iter().map(|&i| coef[i]));
+                let (mut sent, mut q) = (vec![f32::NAN; at.len()], vec![0.0; at.len()]);
+                kept_inverse(&mut sent, &mut q, da, db, 1, &m, k);
                 for (j, &i) in at.iter().enumerate() {
                     delta[i] = block[j] - sent[j];
                 }
-                msg.extend(order.iter().map(|&i| f32::from_bits(i as u32)));
-                msg.extend(order.iter().map(|&i| coef[i]));
+                msg.extend(m);
             }
             let mean: Vec<f32> = sum
                 .iter()
