@@ -11,7 +11,9 @@
 //! D_r X D_c^T (C_r on each column, then S_r; C_c on each row, then S_c) and back as D_r^T K D_c (S_r,
 //! then C_r^T on each column; S_c, then C_c^T on each row). That is n log n work where the matrix
 //! product was n^2 per vector; the sums are not the product's, so the two agree to rounding (the
-//! tests state how close).
+//! tests state how close). The encoding's inverse of a chunk's few kept coefficients skips the rows'
+//! transform: a row that holds kept coefficients gets their basis rows of D_c as a sparse sum, the
+//! others stay zero, and only the columns' transform runs (`kept_inverse`).
 //!
 //! On the host every pass works on whole rows of the block (a column transform adds and scales rows;
 //! a row transform runs on the transposed block), so it vectorizes across the lanes of independent
@@ -647,10 +649,10 @@ mod tests {
         }
     }
 
-    /// The kernels' `lee` and `dct2` (kernels/reducers.cu), compiled for the host by the C++ compiler with
-    /// contraction off (as nvcc's -fmad=false), give the host transform's bits, both ways, on the chunk
-    /// shapes DeMo makes: the GPU twin checked without a GPU. Skipped without a C++ compiler unless
-    /// NANODIST_REQUIRE_CXX is set (scripts/test.sh sets it).
+    /// The kernels' `lee`, `dct2` and `kept_inverse` (kernels/reducers.cu), compiled for the host by the
+    /// C++ compiler with contraction off (as nvcc's -fmad=false), give the host transforms' bits, both
+    /// ways and for kept coefficients, on the chunk shapes DeMo makes: the GPU twin checked without a
+    /// GPU. Skipped without a C++ compiler unless NANODIST_REQUIRE_CXX is set (scripts/test.sh sets it).
     #[test]
     fn the_kernels_transform_compiled_for_the_host_gives_the_same_bits() {
         let dir = tempfile::tempdir().unwrap();
@@ -700,9 +702,10 @@ mod tests {
         }
     }
 
-    /// The kernels' transform with a main that reads (r, c, inverse, the two sizes' words, the chunk)
-    /// from one file and writes the transformed chunk to another, built in `dir`; None (the test
-    /// skipped) when no C++ compiler is found and none is required.
+    /// The kernels' transforms with a main that reads (r, c, the mode: forward, inverse or the kept
+    /// coefficients' inverse, the two sizes' words, the chunk) from one file and writes the result to
+    /// another, built in `dir`; None (the test skipped) when no C++ compiler is found and none is
+    /// required.
     fn kernels_on_the_host(dir: &std::path::Path) -> Option<std::path::PathBuf> {
         let cu = include_str!("../../../kernels/reducers.cu");
         let (from, to) = ("// Lee's C v", "// The k entries of largest |x|");
