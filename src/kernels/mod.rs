@@ -188,7 +188,8 @@ const FLOORS: u32 = 8;
 
 /// `top_k` for a short `x`, in a few vectorized passes: the largest power of two that at least k keys
 /// reach (counted from the largest key's exponent down, at most `FLOORS` tries, else
-/// `top_k_by_select`), the entries reaching it (the candidates, in index order), the threshold among them by `select_nth_unstable`, and the selection.
+/// `top_k_by_select`), the entries reaching it (`candidates`, in index order), the threshold among
+/// them by `select_nth_unstable`, and the selection.
 #[multiversion::multiversion(targets = "simd")]
 pub fn top_k_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
     let k = k.min(x.len());
@@ -207,28 +208,17 @@ pub fn top_k_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut
     else {
         return top_k_by_select(x, k, base, idx, val);
     };
-    let (mut cand_i, mut keys) = (Vec::with_capacity(2 * k), Vec::with_capacity(2 * k));
-    for (g, group) in x.chunks(16).enumerate() {
-        let mut mask = 0u32;
-        for (b, &v) in group.iter().enumerate() {
-            mask |= u32::from(abs_key(v) >= floor) << b;
-        }
-        while mask != 0 {
-            let b = mask.trailing_zeros() as usize;
-            cand_i.push((16 * g + b) as u32);
-            keys.push(abs_key(group[b]));
-            mask &= mask - 1;
-        }
-    }
-    let mut sorted = keys.clone();
-    let c = sorted.len();
-    let (_, &mut t, above) = sorted.select_nth_unstable(c - k);
+    let (cand_i, cand_v) = candidates(x, 0, floor);
+    let mut keys: Vec<u32> = cand_v.iter().map(|&v| abs_key(v)).collect();
+    let c = keys.len();
+    let (_, &mut t, above) = keys.select_nth_unstable(c - k);
     let mut ties = k - above.iter().filter(|&&a| a > t).count();
-    for (&i, &key) in cand_i.iter().zip(&keys) {
+    for (&i, &v) in cand_i.iter().zip(&cand_v) {
+        let key = abs_key(v);
         if key > t || (key == t && ties > 0) {
             ties -= usize::from(key == t);
             idx.push(base + i);
-            val.push(x[i as usize]);
+            val.push(v);
         }
     }
 }
