@@ -39,27 +39,21 @@ impl Dct {
     pub fn new(n: usize) -> Self {
         let base = n >> n.trailing_zeros();
         let pi = std::f64::consts::PI;
-        let scale = (0..n)
-            .map(|k| (if k == 0 { 1.0 } else { 2.0 } / n as f64).sqrt() as f32)
-            .collect();
+        // s_k and C(k, i) of size m, in f64.
+        let s = |k: usize| (if k == 0 { 1.0 } else { 2.0 } / n as f64).sqrt();
+        let cos =
+            |k: usize, i: usize, m: usize| (pi * ((2 * i + 1) * k) as f64 / (2 * m) as f64).cos();
+        let scale = (0..n).map(|k| s(k) as f32).collect();
         let (mut twiddle, mut b) = (Vec::with_capacity(n - base), n);
         while b > base {
-            let t = |i: usize| 1.0 / (2.0 * (pi * (2 * i + 1) as f64 / (2 * b) as f64).cos());
-            twiddle.extend((0..b / 2).map(|i| t(i) as f32));
+            twiddle.extend((0..b / 2).map(|i| (1.0 / (2.0 * cos(1, i, b))) as f32));
             b /= 2;
         }
         let dense = (0..base * base)
-            .map(|o| {
-                let (k, i) = (o / base, o % base);
-                (pi * ((2 * i + 1) * k) as f64 / (2 * base) as f64).cos() as f32
-            })
+            .map(|o| cos(o / base, o % base, base) as f32)
             .collect();
         let basis = (0..n * n)
-            .map(|o| {
-                let (k, i) = (o / n, o % n);
-                let s = (if k == 0 { 1.0 } else { 2.0 } / n as f64).sqrt();
-                (s * (pi * ((2 * i + 1) * k) as f64 / (2 * n) as f64).cos()) as f32
-            })
+            .map(|o| (s(o / n) * cos(o / n, o % n, n)) as f32)
             .collect();
         Self {
             n,
@@ -107,9 +101,10 @@ pub(super) fn kept_inverse(
 ) {
     let (c, w) = (b.n, g * b.n);
     p.fill(0.0);
-    // A chunk's kept coefficients (none where k is 0) in its message.
-    let kept = (0..g * usize::from(k > 0)).map(|jc| (jc, &msg[2 * k * jc..2 * k * (jc + 1)]));
-    for (jc, m) in kept {
+    if k == 0 {
+        return;
+    }
+    for (jc, m) in msg.chunks_exact(2 * k).take(g).enumerate() {
         for (i, &v) in m[..k].iter().zip(&m[k..]) {
             let (u, f) = (i.to_bits() as usize / c, i.to_bits() as usize % c);
             let row = &mut p[u * w + jc * c..][..c];
