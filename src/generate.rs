@@ -101,7 +101,7 @@ pub fn eval_file(
         || PathBuf::from(format!("{}.idx", data.display())).is_file();
     let tokens: Vec<u32> = if is_tokens {
         let f: TokenFile = open_source(data, false)?;
-        f.check_vocab(tr.config.model.vocab_size)?;
+        crate::data::source::check_vocab(&f, tr.config.model.vocab_size)?;
         let mut v = vec![0; f.len()];
         f.read(0, &mut v);
         v

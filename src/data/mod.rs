@@ -1,5 +1,6 @@
 //! Token data: tokenizers, `prepare`, file formats, sources and samplers.
 
+pub mod cache;
 pub mod format;
 pub mod prepare;
 pub mod sampler;

@@ -1,9 +1,7 @@
 //! CHOCO's tuned consensus step (`consensus_step = "auto"`), cached on disk: tuning simulates the whole
 //! world's consensus (seconds at hundreds of ranks), and its answer depends only on the rounds, the
-//! compressor, the seed and the tuning's own version. One small JSON file per answer, in
-//! `$NANODIST_CACHE_DIR`, else `$XDG_CACHE_HOME/nanodist`, else `~/.cache/nanodist`; a file that is
-//! missing, unreadable or of another key is tuned again and rewritten (atomically: the ranks of a job may
-//! write it at once). Without a cache directory, or when it cannot be written, every run tunes.
+//! compressor, the seed and the tuning's own version, kept in nanodist's cache folder (`data::cache`).
+//! Without a cache folder, or when it cannot be written, every run tunes.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -12,29 +10,17 @@ use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::data::cache;
 use crate::sync::choco::{tune_gamma, Compressor, TUNE_ITERS, TUNING_VERSION};
 use crate::sync::topology::Round;
 
 #[derive(Serialize, Deserialize)]
 struct Entry {
-    key: String,
     /// For reading; `bits` is the value (JSON's decimal does not round-trip every f64 here).
     gamma: f64,
     bits: u64,
     /// Seconds the tuning took when it ran.
     tuning_s: f64,
-}
-
-/// The cache directory (see the module's doc), if any.
-pub fn cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("NANODIST_CACHE_DIR")
-        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("nanodist")))
-        .or_else(|| var("HOME").map(|d| d.join(".cache").join("nanodist")))
 }
 
 /// What identifies a tuning's answer: everything it reads.
@@ -52,25 +38,21 @@ fn key(rounds: &[Round], compressor: Compressor, seed: u64) -> String {
 }
 
 fn file_of(dir: &Path, key: &str) -> PathBuf {
-    let h = Sha256::digest(key.as_bytes());
-    let hex: String = h[..8].iter().map(|b| format!("{b:02x}")).collect();
-    dir.join("choco-gamma").join(format!("{hex}.json"))
+    cache::file_of(dir, "choco-gamma", key)
 }
 
 fn read(path: &Path, key: &str) -> Option<Entry> {
-    let text = std::fs::read_to_string(path).ok()?;
-    serde_json::from_str::<Entry>(&text)
-        .ok()
+    cache::get::<Entry>(path, key)
         .map(|e| Entry {
             gamma: f64::from_bits(e.bits),
             ..e
         })
-        .filter(|e| e.key == key && e.gamma.is_finite() && e.gamma > 0.0)
+        .filter(|e| e.gamma.is_finite() && e.gamma > 0.0)
 }
 
 /// The tuned gamma for `rounds` and `compressor`: from the cache, else tuned (and cached).
 pub fn tuned(rounds: &[Round], compressor: Compressor, seed: u64) -> Result<f64> {
-    tuned_in(cache_dir().as_deref(), rounds, compressor, seed)
+    tuned_in(cache::dir().as_deref(), rounds, compressor, seed)
 }
 
 /// `tuned` with the cache in `dir` (none: tuned every time).
@@ -97,15 +79,11 @@ fn tuned_in(
         return Ok(gamma);
     };
     let entry = Entry {
-        key,
         gamma,
         bits: gamma.to_bits(),
         tuning_s,
     };
-    let written = std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))
-        .map_err(anyhow::Error::from)
-        .and_then(|()| Ok(serde_json::to_vec_pretty(&entry)?))
-        .and_then(|bytes| crate::data::format::write_atomic(&path, &bytes));
+    let written = cache::put(&path, &key, &entry);
     match written {
         Ok(()) => tracing::info!(
             "consensus step {gamma:.4} tuned in {tuning_s:.1} s, cached in {}",
@@ -154,12 +132,11 @@ mod tests {
         // A planted answer is what the cache returns (it is read, not tuned again).
         let planted = |key: &str, gamma: f64| {
             let e = Entry {
-                key: key.into(),
                 gamma,
                 bits: gamma.to_bits(),
                 tuning_s: 0.0,
             };
-            std::fs::write(&file, serde_json::to_vec(&e).unwrap()).unwrap();
+            cache::put(&file, key, &e).unwrap();
         };
         planted(&key, 0.123);
         assert_eq!(tuned(), 0.123);

@@ -2,8 +2,6 @@
 //! `resolve`. Everything that reads the world (environment variables, the cores, the bf16 rate probe)
 //! happens here, in `detect`, so that resolving is a function of (config, LaunchEnv).
 
-use std::path::PathBuf;
-
 use anyhow::{Context, Result};
 
 /// What the launcher says about this process. Built from `--workers` and the environment
@@ -88,7 +86,7 @@ impl LaunchEnv {
 
 /// The rate of this CPU's bf16 products over its f32 FMA (None: no AVX512-BF16):
 /// `NANODIST_CPU_BF16_RATE` when set (a number, or `none`); else what the probe recorded for this CPU's
-/// model in `cpu-probe.json` of the cache folder (`NANODIST_CACHE_DIR`, default `~/.cache/nanodist`); else
+/// model in `cpu-probe.json` of the cache folder (`data::cache::dir`); else
 /// the probe (`model::matmul::rate`, about 3 ms), recorded there. A rate near the threshold thus decides
 /// the same way every time on one machine, and rank 0's decision is every rank's anyway.
 pub fn cpu_bf16_rate() -> Result<Option<f64>> {
@@ -103,7 +101,7 @@ pub fn cpu_bf16_rate() -> Result<Option<f64>> {
             }),
         };
     }
-    let cache = cache_dir().map(|d| d.join("cpu-probe.json"));
+    let cache = crate::data::cache::dir().map(|d| d.join("cpu-probe.json"));
     let model = cpu_model();
     let mut known: serde_json::Map<String, serde_json::Value> = cache
         .as_ref()
@@ -126,13 +124,6 @@ pub fn cpu_bf16_rate() -> Result<Option<f64>> {
             .and_then(|_| crate::data::format::write_atomic(&path, text.as_bytes()));
     }
     Ok(rate)
-}
-
-/// nanodist's cache folder: `NANODIST_CACHE_DIR`, else `~/.cache/nanodist`.
-fn cache_dir() -> Option<PathBuf> {
-    std::env::var_os("NANODIST_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/nanodist")))
 }
 
 /// The CPU's model name (`/proc/cpuinfo`), with this build's version: what a recorded probe is of.

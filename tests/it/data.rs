@@ -183,9 +183,10 @@ fn odd_sized_and_out_of_vocab_nanogpt_files_are_rejected() {
         .collect();
     std::fs::write(&p, toks).unwrap();
     let f = TokenFile::open_nanogpt(&p, false).unwrap();
-    let err = format!("{:#}", f.check_vocab(50304).unwrap_err());
+    let err = format!("{:#}", f.check_vocab(50304, f.extremes()).unwrap_err());
     assert!(err.contains("token 60000 at position 1"), "{err}");
-    f.check_vocab(65536).unwrap();
+    assert_eq!(f.extremes(), (5, 60000));
+    f.check_vocab(65536, f.extremes()).unwrap();
     let err = format!(
         "{:#}",
         open_source(&dir.path().join("missing.bin"), false).unwrap_err()
