@@ -48,6 +48,9 @@ pub struct Config {
     pub worker_data: WorkerData,
     /// Load token files into memory instead of memory-mapping them.
     pub in_memory: bool,
+    /// Sample the next step's batches on a loader thread while the step computes (the same batches
+    /// either way; false: each step samples its own before it computes).
+    pub prefetch: bool,
     /// Checkpoint to start from (a checkpoint directory or a run directory, whose newest valid checkpoint
     /// is used). Without it, a run resumes from its own run directory when it has checkpoints.
     pub checkpoint: Option<String>,
@@ -132,6 +135,7 @@ impl Default for Config {
             val_data: Vec::new(),
             worker_data: WorkerData::Shared,
             in_memory: false,
+            prefetch: true,
             checkpoint: None,
             checkpoint_mode: CheckpointMode::Full,
             log: LogConfig::default(),

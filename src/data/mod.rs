@@ -1,7 +1,8 @@
-//! Token data: tokenizers, `prepare`, file formats, sources and samplers.
+//! Token data: tokenizers, `prepare`, file formats, sources, samplers and their prefetching.
 
 pub mod cache;
 pub mod format;
+pub mod prefetch;
 pub mod prepare;
 pub mod sampler;
 pub mod source;

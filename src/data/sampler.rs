@@ -131,6 +131,14 @@ impl Sampler {
         std::mem::replace(&mut self.counts, zeros)
     }
 
+    /// Adds windows drawn by a copy of this sampler (see `prefetch`).
+    pub fn add_counts(&mut self, counts: &[u64]) {
+        self.counts
+            .iter_mut()
+            .zip(counts)
+            .for_each(|(c, n)| *c += n);
+    }
+
     /// Rows `first_row..first_row + b` of the global batch of optimizer step `step`.
     pub fn batch(&mut self, data: &Blend, step: u64, first_row: u64, b: usize, t: usize) -> Batch {
         let mut out = Batch {

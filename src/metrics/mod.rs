@@ -36,6 +36,10 @@ pub struct Row {
     /// decompression, mixing arithmetic).
     #[serde(default)]
     pub sync_ms: f64,
+    /// Milliseconds over the interval that rank 0 waited for its training batches: sampling them, or
+    /// waiting for the loader that samples them ahead (`prefetch`).
+    #[serde(default)]
+    pub data_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]

@@ -35,6 +35,8 @@ pub(super) struct Interval {
     control: CommStats,
     /// Seconds the sync backend's hooks computed outside collectives (compression, mixing).
     sync_seconds: f64,
+    /// Seconds the worker waited for its training batches.
+    pub data_seconds: f64,
 }
 
 impl Interval {
@@ -48,6 +50,7 @@ impl Interval {
             comm,
             control: CommStats::default(),
             sync_seconds: 0.0,
+            data_seconds: 0.0,
         }
     }
 
@@ -103,6 +106,7 @@ impl Interval {
             comm_ms: comm_s * 1e3,
             comm_frac: comm_s / secs,
             sync_ms: self.sync_seconds * 1e3,
+            data_ms: self.data_seconds * 1e3,
             ..Row::default()
         }
     }

@@ -96,8 +96,10 @@ pub(crate) struct Setup {
     cfg: Config,
     plan: crate::plan::Plan,
     run_dir: PathBuf,
-    train_data: Blend,
+    train_data: Arc<Blend>,
     val_data: Blend,
+    /// The thread that samples every worker's next batches (`prefetch`).
+    loader: Option<rayon::ThreadPool>,
     tokenizer: Option<crate::data::Tokenizer>,
     /// The checkpoint to start from and what to take from it.
     source: Option<(PathBuf, CheckpointMode)>,
@@ -189,8 +191,12 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
     let setup = Setup {
         cfg: cfg.clone(),
         plan,
-        train_data: ready.train_data,
+        train_data: Arc::new(ready.train_data),
         val_data: ready.val_data,
+        loader: match cfg.prefetch {
+            true => Some(crate::data::prefetch::loader().context("starting the batch loader")?),
+            false => None,
+        },
         tokenizer: crate::data::Meta::read(Path::new(&cfg.data_dir))
             .ok()
             .map(|m| m.tokenizer),

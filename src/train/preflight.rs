@@ -110,11 +110,12 @@ pub fn survey(loaded: &Loaded, host: Host) -> (Option<Ready>, Vec<anyhow::Error>
 /// Config keys a resume may change freely: logging and evaluation, and how this invocation runs (not what
 /// it computes). The device is one: checkpoints hold host copies of the same buffers on CPU and GPU, so a
 /// CUDA run resumes on CPU and the other way round (with the other device's arithmetic from there on).
-const FREE_TO_CHANGE: [&str; 11] = [
+const FREE_TO_CHANGE: [&str; 12] = [
     "log.",
     "checkpoint",
     "checkpoint_mode",
     "in_memory",
+    "prefetch",
     "train.exit_interval",
     "train.exit_duration_mins",
     "train.threads",

@@ -1,5 +1,6 @@
 //! One rank's training: its model, optimizer and sync backend, and the loop.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -13,6 +14,7 @@ use super::replica::{self, Replica};
 use super::{Exit, Setup, Summary};
 use crate::comm::{pack_u64, unpack_u64, Communicator};
 use crate::config::CheckpointMode;
+use crate::data::prefetch::{Prefetch, Rows};
 use crate::data::{eval_batch, Blend, Sampler, Split, View};
 use crate::flat::{Flat, FlatMut, FlatRef};
 use crate::kernels::Segment;
@@ -152,7 +154,7 @@ pub(super) struct Worker<'s> {
     /// average, which evaluations and checkpoints need, lives only while they run.)
     replica: Replica,
     grads: Flat,
-    sampler: Sampler,
+    batches: Prefetch<'s>,
     dropout: ChaCha8Rng,
     progress: Progress,
     /// The run's config segments (see `checkpoint::ConfigSegment`).
@@ -197,15 +199,19 @@ impl<'s> Worker<'s> {
             grads: model.place().zeros_for_collectives(model.params.numel)?,
             model,
             sync,
-            sampler: Sampler::new(
-                t.seed,
-                View::of(
-                    &setup.train_data,
-                    &cfg.worker_data,
-                    sync_id,
-                    plan.world_size,
-                    t.context_length + 1,
-                )?,
+            batches: Prefetch::new(
+                Arc::clone(&setup.train_data),
+                Sampler::new(
+                    t.seed,
+                    View::of(
+                        &setup.train_data,
+                        &cfg.worker_data,
+                        sync_id,
+                        plan.world_size,
+                        t.context_length + 1,
+                    )?,
+                ),
+                setup.loader.as_ref(),
             ),
             dropout,
             progress: Progress::default(),
@@ -489,36 +495,34 @@ impl<'s> Worker<'s> {
     /// to the backend, which starts reducing it while the next stage computes. Returns the mean loss over
     /// the micro-steps.
     fn forward_backward(&mut self) -> Result<f64> {
-        let plan = &self.setup.plan;
         let step = self.progress.step;
-        let (local_b, accum) = (plan.local_batch_size, plan.accum_at(step));
-        // Rows of the step's batch by the worker's place in the whole world: the present keep theirs.
-        let (rank, world) = (self.id, plan.world_size);
-        let ctx = self.setup.cfg.train.context_length;
+        let waited = Instant::now();
+        let batches = self.batches.take(&self.rows(step));
+        if step + 1 < self.setup.cfg.train.n_steps {
+            self.batches.ahead(self.rows(step + 1));
+        }
+        self.since_log.data_seconds += waited.elapsed().as_secs_f64();
+        let accum = batches.len();
         let overlap_backward = self.sync.overlaps_backward(self.grads.as_ref());
-        let (model, weights, grads, dropout, sampler) = (
+        let (model, weights, grads, dropout) = (
             &self.model,
             self.replica.params(),
             &mut self.grads,
             &mut self.dropout,
-            &mut self.sampler,
         );
-        let (data, compute) = (&self.setup.train_data, &self.setup.compute);
+        let compute = &self.setup.compute;
         let mut micro_steps = |scratch: &mut Scratch, mut ready: Option<&mut Ready<'_>>| {
             grads.as_mut().fill_zero()?;
             let mut loss_sum = 0.0f64;
-            for micro in 0..accum as u64 {
-                // Rows of this rank and micro-step in the step's global batch (see data::sampler).
-                let first_row = ((micro * world as u64) + rank as u64) * local_b as u64;
-                let batch = sampler.batch(data, step, first_row, local_b, ctx);
+            for (micro, batch) in batches.iter().enumerate() {
                 // Average over accumulation steps here and over workers in the reduce: DDP + nanoGPT's mean.
                 let scale = 1.0 / accum as f32;
                 let (g, drop) = (grads.as_mut(), Some(&mut *dropout));
                 loss_sum += match ready.as_deref_mut() {
-                    Some(ready) if micro + 1 == accum as u64 => {
-                        model.loss_and_grads_staged(&batch, drop, scale, g, ready)?
+                    Some(ready) if micro + 1 == accum => {
+                        model.loss_and_grads_staged(batch, drop, scale, g, ready)?
                     }
-                    _ => model.loss_and_grads(scratch, weights, &batch, drop, scale, g)?,
+                    _ => model.loss_and_grads(scratch, weights, batch, drop, scale, g)?,
                 } as f64;
             }
             anyhow::Ok(loss_sum)
@@ -534,6 +538,25 @@ impl<'s> Worker<'s> {
             })?
         };
         Ok(loss_sum / accum as f64)
+    }
+
+    /// This worker's rows of `step`'s global batch, by its place in the whole world (the present keep
+    /// theirs): in micro-step m, rows (m N + r) b .. (m N + r + 1) b (see `data::sampler`).
+    fn rows(&self, step: u64) -> Rows {
+        let plan = &self.setup.plan;
+        let (b, world, rank) = (
+            plan.local_batch_size as u64,
+            plan.world_size as u64,
+            self.id as u64,
+        );
+        Rows {
+            step,
+            first_rows: (0..plan.accum_at(step) as u64)
+                .map(|m| (m * world + rank) * b)
+                .collect(),
+            b: plan.local_batch_size,
+            t: self.setup.cfg.train.context_length,
+        }
     }
 
     /// The optimizer step (the gradient times `grad_scale`, clipping's factor) between the backend's hooks
@@ -658,7 +681,7 @@ impl<'s> Worker<'s> {
     /// With non-IID data, the windows each worker drew from each source since the last row (rank order);
     /// their exchange is bookkeeping.
     fn source_windows(&mut self) -> Result<Option<Vec<Vec<u64>>>> {
-        let counts = self.sampler.take_counts();
+        let counts = self.batches.take_counts();
         if self.setup.cfg.worker_data == crate::config::WorkerData::Shared {
             return Ok(None);
         }

@@ -418,7 +418,8 @@ fn the_openwebtext_script_prepares_parquet_shards_as_the_seed_configs_expect() {
 }
 
 /// Non-IID data: one source with a one-row blend is today's sampler bit for bit; shards and per-worker
-/// blends train, resume exactly, and the rows say what each worker read.
+/// blends train, resume exactly, and the rows say what each worker read, with batches sampled ahead or
+/// in place alike.
 #[test]
 fn workers_with_their_own_data_resume_exactly_and_log_their_sources() {
     let d = tempfile::tempdir().unwrap();
@@ -453,6 +454,21 @@ fn workers_with_their_own_data_resume_exactly_and_log_their_sources() {
         set.push("train.backend=\"diloco\"");
         set.push("train.diloco={ sync_every = 4 }");
         let full = run(&format!("full{i}"), &set);
+        // Batches sampled in place are the loader's, and so are their windows' sources.
+        let in_place = run(
+            &format!("in_place{i}"),
+            &[&set[..], &["prefetch=false"]].concat(),
+        );
+        let of = |rows: &[nanodist::metrics::Row]| {
+            let exact: Vec<_> = rows.iter().map(common::exact).collect();
+            (
+                exact,
+                rows.iter()
+                    .map(|r| r.source_windows.clone())
+                    .collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(of(&full), of(&in_place), "{case:?}");
         let mut first = set.clone();
         first.push("train.exit_interval=5");
         run(&format!("cut{i}"), &first);
