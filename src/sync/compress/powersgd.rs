@@ -17,6 +17,7 @@ use super::{all_reduce, take, Reducer, Report, Segment, State};
 use crate::comm::{all_reduce_mean_flat, all_reduce_sum_flat, Communicator};
 use crate::config::backend::PowerSgdConfig;
 use crate::flat::{Flat, FlatMut, FlatRef};
+use crate::kernels::gemm::{mm, M};
 use crate::sync::trace::Collective;
 
 /// A compressed matrix: which tensor, its rank and where its factors live in `p` and `q`.
@@ -44,6 +45,15 @@ pub struct PowerSgd {
     error: Flat,
     /// Compressed steps taken (the side of `single_allreduce`; 0: not started, Q to initialise).
     compressed_steps: u64,
+}
+
+/// The GEMM threading for a product of `flops` multiply-adds: the CPU GEMM's threads from about two
+/// million on; below, one thread (the threads' start costs more than they save).
+fn par_for(flops: usize) -> gemm::Parallelism {
+    match flops >= 1 << 21 {
+        true => crate::kernels::gemm::par(),
+        false => gemm::Parallelism::None,
+    }
 }
 
 /// PyTorch's `_should_compress`: worth it when (n + m) r * rate < n m.
@@ -124,8 +134,41 @@ impl PowerSgd {
         Ok(())
     }
 
-    /// For every compressed M: `left` ? M q -> p : M^T p -> q, batched by shape if configured.
+    /// For every compressed M: `left` ? M q -> p : M^T p -> q.
     fn project(&mut self, grads: FlatRef<'_>, left: bool) -> Result<()> {
+        match grads {
+            FlatRef::Host(g) => self.project_host(g, left),
+            #[cfg(feature = "cuda")]
+            FlatRef::Cuda(_) => self.project_tensors(grads, left),
+        }
+    }
+
+    /// `project` in host memory: each product read from and written into the buffers themselves by the
+    /// CPU GEMM (threaded only where the product is large enough to pay for it).
+    fn project_host(&mut self, grads: &[f32], left: bool) -> Result<()> {
+        let (p, q) = (self.p.host_mut()?, self.q.host_mut()?);
+        for f in &self.factors {
+            let t = &self.tensors[f.t];
+            let (rows, cols, r) = (t.rows, t.cols, f.rank);
+            let (m, par) = (
+                M::new(&grads[t.range()], rows, cols),
+                par_for(rows * cols * r),
+            );
+            let (p, q) = (
+                &mut p[f.p_off..f.p_off + rows * r],
+                &mut q[f.q_off..f.q_off + cols * r],
+            );
+            match left {
+                true => mm(p, r, m, M::new(q, cols, r), false, 1.0, par),
+                false => mm(q, r, m.t(), M::new(p, rows, r), false, 1.0, par),
+            }
+        }
+        Ok(())
+    }
+
+    /// `project` with candle's matmul (cuBLAS on the GPU), batched by shape if configured.
+    #[cfg(any(feature = "cuda", test))]
+    fn project_tensors(&mut self, grads: FlatRef<'_>, left: bool) -> Result<()> {
         for group in self.groups() {
             let f0 = &self.factors[group[0]];
             let (t0, r) = (&self.tensors[f0.t], f0.rank);
@@ -171,6 +214,7 @@ impl PowerSgd {
 
     /// Factor indices grouped for one batched multiplication: same shape and rank together when
     /// `batch_same_shape`, else one by one.
+    #[cfg(any(feature = "cuda", test))]
     fn groups(&self) -> Vec<Vec<usize>> {
         if !self.cfg.batch_same_shape {
             return (0..self.factors.len()).map(|i| vec![i]).collect();
@@ -190,7 +234,38 @@ impl PowerSgd {
     }
 
     /// grads[M] = p q^T for every compressed M.
-    fn decompress(&self, mut grads: FlatMut<'_>) -> Result<()> {
+    fn decompress(&self, grads: FlatMut<'_>) -> Result<()> {
+        match grads {
+            FlatMut::Host(g) => self.decompress_host(g),
+            #[cfg(feature = "cuda")]
+            FlatMut::Cuda(_) => self.decompress_tensors(grads),
+        }
+    }
+
+    /// `decompress` in host memory, by the CPU GEMM straight into the gradient.
+    fn decompress_host(&self, grads: &mut [f32]) -> Result<()> {
+        let (p, q) = (self.p.to_host()?, self.q.to_host()?);
+        for f in &self.factors {
+            let t = &self.tensors[f.t];
+            let (rows, cols, r) = (t.rows, t.cols, f.rank);
+            let p = M::new(&p[f.p_off..f.p_off + rows * r], rows, r);
+            let q = M::new(&q[f.q_off..f.q_off + cols * r], cols, r);
+            mm(
+                &mut grads[t.range()],
+                cols,
+                p,
+                q.t(),
+                false,
+                1.0,
+                par_for(rows * cols * r),
+            );
+        }
+        Ok(())
+    }
+
+    /// `decompress` with candle's matmul (cuBLAS on the GPU).
+    #[cfg(any(feature = "cuda", test))]
+    fn decompress_tensors(&self, mut grads: FlatMut<'_>) -> Result<()> {
         for f in &self.factors {
             let t = &self.tensors[f.t];
             let p = self.p.as_ref().tensor(
@@ -246,8 +321,17 @@ impl PowerSgd {
             }
             grads.add(self.error.as_ref())?;
         }
-        let mut input = place.zeros(numel)?;
-        input.as_mut().copy_from(0, grads.as_ref(), 0..numel)?;
+        // The metrics rows carry rank 0's compression error: the other ranks keep their input only for
+        // the error feedback.
+        let measure = comm.rank() == 0;
+        let input = match self.cfg.error_feedback || measure {
+            true => {
+                let mut input = place.zeros(numel)?;
+                input.as_mut().copy_from(0, grads.as_ref(), 0..numel)?;
+                Some(input)
+            }
+            false => None,
+        };
         let dense_idx = self.uncompressed();
         let dense_len = dense_idx.iter().map(|&i| self.tensors[i].len).sum();
         let mut dense = place.zeros(dense_len)?;
@@ -288,26 +372,45 @@ impl PowerSgd {
             self.orthogonalize_all(self.compressed_steps.is_multiple_of(2))?;
         }
         self.compressed_steps += 1;
-        // input - result: the new error (with error feedback) and the compression error's numerator.
+        self.new_error(grads.as_ref(), input, measure)
+    }
+
+    /// After a step that applied `grads`: the new error feedback (`input` - `grads`) and, when `measure`,
+    /// the compression error ||input - grads|| / ||input||.
+    fn new_error(
+        &mut self,
+        grads: FlatRef<'_>,
+        input: Option<Flat>,
+        measure: bool,
+    ) -> Result<Report> {
+        let report = Report {
+            compressed_fraction: Some(self.compressed_fraction()),
+            ..Report::default()
+        };
+        let Some(input) = input else {
+            return Ok(report);
+        };
         let mut diff = match self.cfg.error_feedback {
             true => std::mem::replace(&mut self.error, Flat::Host(Vec::new())),
-            false => place.zeros(numel)?,
+            false => input.place().zeros(input.len())?,
         };
-        diff.as_mut().assign_scaled(grads.as_ref(), -1.0)?;
+        diff.as_mut().assign_scaled(grads, -1.0)?;
         diff.as_mut().add(input.as_ref())?;
-        let (lost, total) = (diff.as_ref().sum_squares()?, input.as_ref().sum_squares()?);
+        let error = match measure {
+            true => {
+                let (lost, total) = (diff.as_ref().sum_squares()?, input.as_ref().sum_squares()?);
+                Some(if total > 0.0 {
+                    (lost / total).sqrt()
+                } else {
+                    0.0
+                })
+            }
+            false => None,
+        };
         if self.cfg.error_feedback {
             self.error = diff;
         }
-        Ok(Report {
-            error: Some(if total > 0.0 {
-                (lost / total).sqrt()
-            } else {
-                0.0
-            }),
-            compressed_fraction: Some(self.compressed_fraction()),
-            ..Report::default()
-        })
+        Ok(Report { error, ..report })
     }
 }
 
@@ -396,5 +499,71 @@ impl Reducer for PowerSgd {
         let s = take(&mut state, "compressed_steps", Some(2))?;
         self.compressed_steps = crate::comm::unpack_u64([s[0], s[1]]);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The host path's products (each read from and written into the buffers by the CPU GEMM) equal
+    /// candle's (the path the GPU keeps), batched by shape or not, both ways and in the decompression,
+    /// within f32 rounding (the GEMMs may add in another order): on shapes that repeat, a wide and a
+    /// tall one, one too small to compress, and one large enough for the threaded GEMM.
+    #[test]
+    fn host_products_equal_candles() {
+        let shapes = [
+            (12, 9, true),
+            (5, 40, true),
+            (12, 9, true),
+            (7, 1, false),
+            (33, 3, true),
+            (640, 512, true),
+        ];
+        let tensors = Segment::from_shapes(&shapes);
+        let n = tensors.iter().map(|t| t.len).sum();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            let scale = b.iter().fold(1e-30f32, |m, x| m.max(x.abs()));
+            let d = a
+                .iter()
+                .zip(b)
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(d <= 1e-5 * scale, "{what}: {d} against {scale}");
+        };
+        for batch in [false, true] {
+            let cfg = PowerSgdConfig {
+                rank: 3,
+                min_compression_rate: 0.0,
+                batch_same_shape: batch,
+                ..PowerSgdConfig::default()
+            };
+            let (mut a, mut b) = (
+                PowerSgd::new(tensors.clone(), cfg.clone(), 5),
+                PowerSgd::new(tensors.clone(), cfg, 5),
+            );
+            assert_eq!(a.factors.len(), 5, "every matrix compressed");
+            a.randomize_q(0).unwrap();
+            b.randomize_q(0).unwrap();
+            for left in [true, false] {
+                a.project_host(&g, left).unwrap();
+                b.project_tensors(FlatRef::Host(&g), left).unwrap();
+                close(a.p.host_mut().unwrap(), b.p.host_mut().unwrap(), "p");
+                close(a.q.host_mut().unwrap(), b.q.host_mut().unwrap(), "q");
+            }
+            let (mut x, mut y) = (g.clone(), g.clone());
+            a.decompress_host(&mut x).unwrap();
+            b.decompress_tensors(FlatMut::Host(&mut y)).unwrap();
+            close(&x, &y, "p q^T");
+            assert_eq!(
+                x[..108],
+                y[..108],
+                "the first compressed tensor is rewritten"
+            );
+            assert_ne!(x[..108], g[..108]);
+            assert_eq!(x[416..423], g[416..423], "a vector is left alone");
+        }
     }
 }
