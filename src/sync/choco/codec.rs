@@ -192,7 +192,7 @@ impl Codec {
             Compressor::TopK { .. } => {
                 let k = self.ks[t];
                 let (mut idx, mut vals) = (Vec::with_capacity(k), Vec::with_capacity(k));
-                kernels::top_k_by_select(&diff(), k, 0, &mut idx, &mut vals);
+                kernels::top_k_short(&diff(), k, 0, &mut idx, &mut vals);
                 out[..k].copy_from_slice(&vals);
                 for (o, &i) in out[k..].iter_mut().zip(&idx) {
                     *o = f32::from_bits(i);
