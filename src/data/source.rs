@@ -3,7 +3,6 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
-
 use serde::{Deserialize, Serialize};
 
 use super::cache;
