@@ -368,7 +368,8 @@ pub struct PowerSgdConfig {
     /// Added to norms during Gram-Schmidt orthogonalization.
     #[schemars(range(min = 0.0))]
     pub orthogonalization_epsilon: f64,
-    /// Compress tensors of the same shape in one batched multiplication.
+    /// Compress tensors of the same shape in one batched multiplication (on the GPU; in host memory each
+    /// product runs on the buffers themselves, one tensor at a time, with the same result).
     pub batch_same_shape: bool,
     /// One all-reduce per step by alternating left and right multiplications (epfml reference).
     pub single_allreduce: bool,

@@ -61,6 +61,15 @@ pub fn par() -> Parallelism {
     }
 }
 
+/// The gemm threading for one product of `flops` multiply-adds: the current pool's threads from about
+/// two million on; below, one thread (starting the threads costs more than they save).
+pub fn par_for(flops: usize) -> Parallelism {
+    match flops >= 1 << 21 {
+        true => par(),
+        false => Parallelism::None,
+    }
+}
+
 /// Checks the shapes and bounds of out = a b; (m, n, k).
 pub(crate) fn dims(out: &[f32], out_rs: usize, a: &M, b: &M) -> (usize, usize, usize) {
     let (m, n, k) = (a.rows, b.cols, a.cols);

@@ -17,7 +17,7 @@ use super::{all_reduce, take, Reducer, Report, Segment, State};
 use crate::comm::{all_reduce_mean_flat, all_reduce_sum_flat, Communicator};
 use crate::config::backend::PowerSgdConfig;
 use crate::flat::{Flat, FlatMut, FlatRef};
-use crate::kernels::gemm::{mm, M};
+use crate::kernels::gemm::{mm, par_for, M};
 use crate::sync::trace::Collective;
 
 /// A compressed matrix: which tensor, its rank and where its factors live in `p` and `q`.
@@ -45,15 +45,6 @@ pub struct PowerSgd {
     error: Flat,
     /// Compressed steps taken (the side of `single_allreduce`; 0: not started, Q to initialise).
     compressed_steps: u64,
-}
-
-/// The GEMM threading for a product of `flops` multiply-adds: the CPU GEMM's threads from about two
-/// million on; below, one thread (the threads' start costs more than they save).
-fn par_for(flops: usize) -> gemm::Parallelism {
-    match flops >= 1 << 21 {
-        true => crate::kernels::gemm::par(),
-        false => gemm::Parallelism::None,
-    }
 }
 
 /// PyTorch's `_should_compress`: worth it when (n + m) r * rate < n m.
