@@ -206,7 +206,7 @@ impl Codec {
             }
             Compressor::Qsgd { levels, bucket, .. } => {
                 let mut rng = self.rng(QSGD_KEY, step, rank, t);
-                qsgd_encode(&diff(), (levels, bucket), &mut rng, out);
+                qsgd_encode(x, hat, (levels, bucket), &mut rng, out);
             }
             Compressor::Sign => sign_encode(x, hat, out),
         }
@@ -271,7 +271,8 @@ impl Codec {
 pub const SPAN: usize = 4096;
 
 /// One tensor's QSGD part decoded into `buf` a span (its length) at a time: `f(at, q)`, `at` within the
-/// tensor.
+/// tensor. Each piece of a bucket is unpacked into codes, then turned into values in a loop that
+/// vectorizes.
 fn qsgd_spans(
     part: &[f32],
     len: usize,
@@ -282,14 +283,17 @@ fn qsgd_spans(
     let ranges = buckets(len, bucket);
     let (norms, codes) = part.split_at(ranges.len());
     let (bits, mut reader) = (qsgd_bits(levels), BitReader::new(codes));
+    let mut unpacked = vec![0u32; buf.len()];
     let (mut start, mut filled) = (0, 0);
     for (norm, range) in norms.iter().zip(ranges) {
         let unit = norm / levels as f32 / qsgd_tau(levels, range.len(), biased);
-        for _ in range {
-            let code = reader.get(bits);
-            let q = unit * (code & ((1 << (bits - 1)) - 1)) as f32;
-            buf[filled] = if code >> (bits - 1) == 1 { -q } else { q };
-            filled += 1;
+        let mut left = range.len();
+        while left > 0 {
+            let n = left.min(buf.len() - filled);
+            let c = &mut unpacked[..n];
+            reader.get_all(bits, c);
+            qsgd_values(c, unit, bits, &mut buf[filled..filled + n]);
+            (filled, left) = (filled + n, left - n);
             if filled == buf.len() {
                 f(start, buf);
                 (start, filled) = (start + filled, 0);
@@ -301,30 +305,99 @@ fn qsgd_spans(
     }
 }
 
-/// QSGD's part of a message for u: each bucket's l2 norm (the f64 sum in the order of the
-/// `qsgd_encode` kernel's block), then every entry's sign and stochastically rounded level, packed.
-fn qsgd_encode(u: &[f32], (levels, bucket): (u32, usize), rng: &mut ChaCha8Rng, out: &mut [f32]) {
-    let ranges = buckets(u.len(), bucket);
+/// QSGD's values from their codes: unit times the level, negated where the sign bit is set (a flip of
+/// the sign bit, which is what negation is).
+#[multiversion(targets = "simd")]
+fn qsgd_values(codes: &[u32], unit: f32, bits: u32, out: &mut [f32]) {
+    let mask = (1u32 << (bits - 1)) - 1;
+    for (o, &c) in out.iter_mut().zip(codes) {
+        let q = unit * (c & mask) as f32;
+        *o = f32::from_bits(q.to_bits() ^ (c >> (bits - 1)) << 31);
+    }
+}
+
+/// Entries of x - hat formed at a time by the QSGD encoding: whole rows of the kernel's block.
+const QSGD_CHUNK: usize = 16 * kernels::BLOCK;
+
+/// QSGD's part of a message for u = x - hat: each bucket's l2 norm (the f64 sum in the order of the
+/// `qsgd_encode` kernel's block), then every entry's sign and stochastically rounded level, packed. Entry
+/// i's rounding reads word i of the tensor's ChaCha8 stream, as the kernel does. u is formed a chunk at
+/// a time (twice for a bucket longer than a chunk: once for its norm, once for its codes).
+fn qsgd_encode(
+    x: &[f32],
+    hat: &[f32],
+    (levels, bucket): (u32, usize),
+    rng: &mut ChaCha8Rng,
+    out: &mut [f32],
+) {
+    let ranges = buckets(x.len(), bucket);
     let (norms, codes) = out.split_at_mut(ranges.len());
-    let (bits, s) = (qsgd_bits(levels), levels as f32);
+    let bits = qsgd_bits(levels);
     let mut w = BitWriter::new(codes);
-    for (norm_out, r) in norms.iter_mut().zip(ranges) {
-        let vals = &u[r];
-        let norm = kernels::block_strided_sum(vals, |v| (v as f64) * (v as f64));
-        let norm = norm.sqrt() as f32;
-        *norm_out = norm;
-        let usable = norm > 0.0 && norm.is_finite();
-        for &v in vals {
-            let lf = if usable { s * v.abs() / norm } else { 0.0 };
-            // lf >= 0 (infinite when s * |v| overflows): truncation of min(lf, s) is its floor
-            // wherever the level can still be below `levels` (f32::floor is a call into libm on
-            // x86-64's baseline), and the level is capped at `levels` anyway.
-            let lo = lf.min(s) as u32;
-            let up = rng.random::<f32>() < lf - lo as f32;
-            let level = (lo + u32::from(up)).min(levels);
-            let neg = u32::from(v < 0.0);
-            w.put(level | neg << (bits - 1), bits);
+    let n = x.len().min(QSGD_CHUNK);
+    let (mut u, mut words, mut c) = (vec![0.0f32; n], vec![0u32; n], vec![0u32; n]);
+    for (norm_out, range) in norms.iter_mut().zip(ranges) {
+        let (x, hat) = (&x[range.clone()], &hat[range]);
+        let mut lanes = [0.0f64; kernels::BLOCK];
+        for (x, hat) in x.chunks(QSGD_CHUNK).zip(hat.chunks(QSGD_CHUNK)) {
+            sub(x, hat, &mut u[..x.len()]);
+            add_squares(&mut lanes, &u[..x.len()]);
         }
+        let norm = kernels::block_sum(&mut lanes).sqrt() as f32;
+        *norm_out = norm;
+        let whole = x.len() <= QSGD_CHUNK;
+        for (x, hat) in x.chunks(QSGD_CHUNK).zip(hat.chunks(QSGD_CHUNK)) {
+            let n = x.len();
+            if !whole {
+                sub(x, hat, &mut u[..n]);
+            }
+            rng.fill(&mut words[..n]);
+            qsgd_codes(&u[..n], &words[..n], norm, (levels, bits), &mut c[..n]);
+            w.put_all(&c[..n], bits);
+        }
+    }
+}
+
+/// u = x - hat.
+#[multiversion(targets = "simd")]
+fn sub(x: &[f32], hat: &[f32], u: &mut [f32]) {
+    for ((u, &a), &b) in u.iter_mut().zip(x).zip(hat) {
+        *u = a - b;
+    }
+}
+
+/// The lanes' part of the f64 sum of squares of u (`kernels::block_strided_add`), in this core's vectors.
+#[multiversion(targets = "simd")]
+fn add_squares(lanes: &mut [f64; kernels::BLOCK], u: &[f32]) {
+    kernels::block_strided_add(lanes, u, |v| (v as f64) * (v as f64));
+}
+
+/// 2^23, the f32 whose unit in the last place is 1.
+const TWO_23: f32 = 8_388_608.0;
+
+/// Each entry's QSGD code: its level, rounded up where the uniform from its stream word (its top 24
+/// bits, as `rand` makes an f32) is below the level's fraction, and its sign bit above.
+#[multiversion(targets = "simd")]
+fn qsgd_codes(u: &[f32], words: &[u32], norm: f32, (levels, bits): (u32, u32), out: &mut [u32]) {
+    assert!(
+        levels < 1 << 23,
+        "QSGD levels {levels} (the config allows at most 65535)"
+    );
+    let s = levels as f32;
+    let usable = norm > 0.0 && norm.is_finite();
+    for ((o, &v), &word) in out.iter_mut().zip(u).zip(words) {
+        let lf = if usable { s * v.abs() / norm } else { 0.0 };
+        // lf >= 0 (infinite when s * |v| overflows) and s < 2^23, so m = min(lf, s) rounds to a whole
+        // number by adding and taking away 2^23, and its floor is that or one less. A whole level in
+        // [0, 2^23) plus 2^23 has the level in its low bits. Float operations only: the loop
+        // vectorizes, where conversions to integers (saturating, in Rust) do not.
+        let m = lf.min(s);
+        let near = (m + TWO_23) - TWO_23;
+        let lo = if near > m { near - 1.0 } else { near };
+        let r = (word >> 8) as f32 * (1.0 / 16_777_216.0);
+        let level = (lo + if r < lf - lo { 1.0 } else { 0.0 }).min(s);
+        let level = (level + TWO_23).to_bits() - TWO_23.to_bits();
+        *o = level | u32::from(v < 0.0) << (bits - 1);
     }
 }
 

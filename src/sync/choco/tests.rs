@@ -357,6 +357,43 @@ fn sign_by_reference(codec: &Codec, x: &[f32], hat: &[f32]) -> Vec<f32> {
     msg
 }
 
+/// QSGD's message as written before it was formed a chunk at a time: u = x - hat whole, each bucket's
+/// norm by `block_strided_sum`, and one `rng.random::<f32>()` per entry for its rounding, packed a code
+/// at a time.
+fn qsgd_by_reference(codec: &Codec, x: &[f32], hat: &[f32], step: u64, rank: usize) -> Vec<f32> {
+    use rand::Rng;
+    let Compressor::Qsgd { levels, bucket, .. } = codec.compressor else {
+        unreachable!()
+    };
+    let mut msg = vec![0.0f32; codec.words()];
+    for (t, &(off, len)) in codec.tensors.iter().enumerate() {
+        let u: Vec<f32> = (off..off + len).map(|i| x[i] - hat[i]).collect();
+        let mut rng = codec.rng(super::codec::QSGD_KEY, step, rank, t);
+        let ranges = buckets(len, bucket);
+        let part = &mut msg[codec.parts[t]..codec.parts[t + 1]];
+        let (norms, codes) = part.split_at_mut(ranges.len());
+        let (bits, s) = (qsgd_bits(levels), levels as f32);
+        let mut w = crate::sync::bits::BitWriter::new(codes);
+        for (norm_out, r) in norms.iter_mut().zip(ranges) {
+            let norm = kernels::block_strided_sum(&u[r.clone()], |v| (v as f64) * (v as f64));
+            let norm = norm.sqrt() as f32;
+            *norm_out = norm;
+            for &v in &u[r] {
+                let lf = if norm > 0.0 && norm.is_finite() {
+                    s * v.abs() / norm
+                } else {
+                    0.0
+                };
+                let lo = lf.min(s).floor() as u32;
+                let up = rng.random::<f32>() < lf - lo as f32;
+                let level = (lo + u32::from(up)).min(levels);
+                w.put(level | u32::from(v < 0.0) << (bits - 1), bits);
+            }
+        }
+    }
+    msg
+}
+
 /// A dense message's values one entry at a time, read with a `BitReader` from the format's definition.
 fn dense_by_reference(codec: &Codec, msg: &[f32]) -> Vec<f32> {
     let mut out = Vec::new();
@@ -408,22 +445,41 @@ fn dense_messages_encode_and_decode_by_spans_as_the_reference_does() {
 
 fn dense_messages_match_the_reference(tensors: &[Segment]) {
     let n: usize = tensors.iter().map(|t| t.len).sum();
-    let v = random_vectors(2, n, 9);
+    let mut v = random_vectors(2, n, 9);
+    // Zero differences, one large enough that s |u| overflows, and a NaN in a later bucket.
+    for (i, a) in [(2, 0.0), (3, 0.0), (40, 3e38), (n - 1, f32::NAN)] {
+        if i < n {
+            (v[0][i], v[1][i]) = (a, 0.0);
+        }
+    }
     let (x, hat) = (&v[0], &v[1]);
     let qsgd = |bucket| Compressor::Qsgd {
         levels: 15,
         biased: true,
         bucket,
     };
-    for c in [Compressor::Sign, qsgd(512), qsgd(0), qsgd(100)] {
+    let levels = |levels, biased| Compressor::Qsgd {
+        levels,
+        biased,
+        bucket: 512,
+    };
+    let qsgds = [
+        qsgd(512),
+        qsgd(0),
+        qsgd(100),
+        levels(1, false),
+        levels(65535, true),
+    ];
+    for c in std::iter::once(Compressor::Sign).chain(qsgds) {
         let codec = Codec::new(c, tensors, 5);
         let mut msg = Vec::new();
         codec.encode(x, hat, 7, 1, &mut msg);
-        if c == Compressor::Sign {
-            let want = sign_by_reference(&codec, x, hat);
-            let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&msg), bits(&want));
-        }
+        let want = match c {
+            Compressor::Sign => sign_by_reference(&codec, x, hat),
+            _ => qsgd_by_reference(&codec, x, hat, 7, 1),
+        };
+        let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&msg), bits(&want), "{c:?}: the message");
         let want = dense_by_reference(&codec, &msg);
         let mut got = Vec::new();
         codec.decode_spans(&msg, 7, 1, |at, q| {
