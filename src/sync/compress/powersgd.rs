@@ -16,7 +16,7 @@ use rand_distr::{Distribution, StandardNormal};
 use super::{all_reduce, take, Reducer, Report, Segment, State};
 use crate::comm::{all_reduce_mean_flat, all_reduce_sum_flat, Communicator};
 use crate::config::backend::PowerSgdConfig;
-use crate::flat::{Flat, FlatMut, FlatRef};
+use crate::flat::{Flat, FlatMut, FlatRef, Place};
 use crate::kernels::gemm::{mm, par_for, M};
 use crate::sync::trace::Collective;
 
@@ -43,8 +43,23 @@ pub struct PowerSgd {
     q: Flat,
     /// The error-feedback buffer (empty without error feedback, or before the first compressed step).
     error: Flat,
+    /// The step's input (for the error feedback and the error measure) and, without error feedback,
+    /// the measure's difference: kept between steps, so that a step does not fault in fresh pages.
+    input: Flat,
+    scratch: Flat,
     /// Compressed steps taken (the side of `single_allreduce`; 0: not started, Q to initialise).
     compressed_steps: u64,
+}
+
+/// `buf` taken out, `n` long at `place`: its own allocation where it already has that length (its
+/// values are then stale: for a buffer that is overwritten whole), else a new one.
+fn reuse(buf: &mut Flat, place: &Place, n: usize) -> Result<Flat> {
+    let mut b = std::mem::replace(buf, Flat::Host(Vec::new()));
+    match b.len() == n {
+        true => b.move_to(place)?,
+        false => b = place.zeros(n)?,
+    }
+    Ok(b)
 }
 
 /// PyTorch's `_should_compress`: worth it when (n + m) r * rate < n m.
@@ -76,6 +91,8 @@ impl PowerSgd {
             p: Flat::Host(vec![0.0; p_len]),
             q: Flat::Host(vec![0.0; q_len]),
             error: Flat::Host(Vec::new()),
+            input: Flat::Host(Vec::new()),
+            scratch: Flat::Host(Vec::new()),
             compressed_steps: 0,
         }
     }
@@ -317,7 +334,7 @@ impl PowerSgd {
         let measure = comm.rank() == 0;
         let input = match self.cfg.error_feedback || measure {
             true => {
-                let mut input = place.zeros(numel)?;
+                let mut input = reuse(&mut self.input, &place, numel)?;
                 input.as_mut().copy_from(0, grads.as_ref(), 0..numel)?;
                 Some(input)
             }
@@ -383,7 +400,7 @@ impl PowerSgd {
         };
         let mut diff = match self.cfg.error_feedback {
             true => std::mem::replace(&mut self.error, Flat::Host(Vec::new())),
-            false => input.place().zeros(input.len())?,
+            false => reuse(&mut self.scratch, &input.place(), input.len())?,
         };
         diff.as_mut().assign_scaled(grads, -1.0)?;
         diff.as_mut().add(input.as_ref())?;
@@ -398,9 +415,11 @@ impl PowerSgd {
             }
             false => None,
         };
-        if self.cfg.error_feedback {
-            self.error = diff;
+        match self.cfg.error_feedback {
+            true => self.error = diff,
+            false => self.scratch = diff,
         }
+        self.input = input;
         Ok(Report { error, ..report })
     }
 }
