@@ -8,6 +8,7 @@
 pub mod gemm;
 pub mod optim;
 mod segment;
+pub mod thin;
 
 pub use segment::Segment;
 

@@ -18,6 +18,7 @@ use crate::comm::{all_reduce_mean_flat, all_reduce_sum_flat, Communicator};
 use crate::config::backend::PowerSgdConfig;
 use crate::flat::{Flat, FlatMut, FlatRef, Place};
 use crate::kernels::gemm::{mm, par_for, M};
+use crate::kernels::thin::{self, THIN};
 use crate::sync::trace::Collective;
 
 /// A compressed matrix: which tensor, its rank and where its factors live in `p` and `q`.
@@ -151,10 +152,12 @@ impl PowerSgd {
         }
     }
 
-    /// `project` in host memory: each product read from and written into the buffers themselves by the
-    /// CPU GEMM (threaded only where the product is large enough to pay for it).
+    /// `project` in host memory: each product read from and written into the buffers themselves, by
+    /// `kernels::thin` for a factor of up to `THIN` columns, else by the CPU GEMM (each threaded only
+    /// where the product is large enough to pay for it).
     fn project_host(&mut self, grads: &[f32], left: bool) -> Result<()> {
         let (p, q) = (self.p.host_mut()?, self.q.host_mut()?);
+        let mut qt = Vec::new();
         for f in &self.factors {
             let t = &self.tensors[f.t];
             let (rows, cols, r) = (t.rows, t.cols, f.rank);
@@ -166,9 +169,14 @@ impl PowerSgd {
                 &mut p[f.p_off..f.p_off + rows * r],
                 &mut q[f.q_off..f.q_off + cols * r],
             );
-            match left {
-                true => mm(p, r, m, M::new(q, cols, r), false, 1.0, par),
-                false => mm(q, r, m.t(), M::new(p, rows, r), false, 1.0, par),
+            match (r <= THIN, left) {
+                (true, true) => {
+                    thin::transpose(q, r, &mut qt);
+                    thin::p_of(p, m.d, &qt, (rows, cols, r));
+                }
+                (true, false) => thin::q_of(q, m.d, p, (rows, cols, r)),
+                (false, true) => mm(p, r, m, M::new(q, cols, r), false, 1.0, par),
+                (false, false) => mm(q, r, m.t(), M::new(p, rows, r), false, 1.0, par),
             }
         }
         Ok(())
@@ -250,14 +258,24 @@ impl PowerSgd {
         }
     }
 
-    /// `decompress` in host memory, by the CPU GEMM straight into the gradient.
+    /// `decompress` in host memory, straight into the gradient (`kernels::thin` or the CPU GEMM, as
+    /// `project_host`).
     fn decompress_host(&self, grads: &mut [f32]) -> Result<()> {
         let (p, q) = (self.p.to_host()?, self.q.to_host()?);
+        let mut qt = Vec::new();
         for f in &self.factors {
             let t = &self.tensors[f.t];
             let (rows, cols, r) = (t.rows, t.cols, f.rank);
-            let p = M::new(&p[f.p_off..f.p_off + rows * r], rows, r);
-            let q = M::new(&q[f.q_off..f.q_off + cols * r], cols, r);
+            let (p, q) = (
+                &p[f.p_off..f.p_off + rows * r],
+                &q[f.q_off..f.q_off + cols * r],
+            );
+            if r <= THIN {
+                thin::transpose(q, r, &mut qt);
+                thin::expand(&mut grads[t.range()], p, &qt, (rows, cols, r));
+                continue;
+            }
+            let (p, q) = (M::new(p, rows, r), M::new(q, cols, r));
             mm(
                 &mut grads[t.range()],
                 cols,
@@ -517,7 +535,8 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// The host path's products (each read from and written into the buffers by the CPU GEMM) equal
+    /// The host path's products (each read from and written into the buffers by `kernels::thin` or the
+    /// CPU GEMM) equal
     /// candle's (the path the GPU keeps), batched by shape or not, both ways and in the decompression,
     /// within f32 rounding (the GEMMs may add in another order): on shapes that repeat, a wide and a
     /// tall one, one too small to compress, and one large enough for the threaded GEMM.
@@ -543,9 +562,10 @@ mod tests {
                 .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
             assert!(d <= 1e-5 * scale, "{what}: {d} against {scale}");
         };
-        for batch in [false, true] {
+        // Rank 3: every factor thin (`kernels::thin`); rank 12: the GEMM for the factors wider than THIN.
+        for (batch, rank) in [(false, 3), (true, 3), (false, 12), (true, 12)] {
             let cfg = PowerSgdConfig {
-                rank: 3,
+                rank,
                 min_compression_rate: 0.0,
                 batch_same_shape: batch,
                 ..PowerSgdConfig::default()
@@ -567,10 +587,10 @@ mod tests {
             a.decompress_host(&mut x).unwrap();
             b.decompress_tensors(FlatMut::Host(&mut y)).unwrap();
             close(&x, &y, "p q^T");
-            assert_eq!(
-                x[..108],
-                y[..108],
-                "the first compressed tensor is rewritten"
+            close(
+                &x[..108],
+                &y[..108],
+                "the first compressed tensor is rewritten",
             );
             assert_ne!(x[..108], g[..108]);
             assert_eq!(x[416..423], g[416..423], "a vector is left alone");
