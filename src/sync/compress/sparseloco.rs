@@ -145,17 +145,22 @@ impl SparseLoco {
         self.tensors.len() * self.table_words() + stream.div_ceil(32) as usize
     }
 
-    /// Tensor `t`'s top entries of `e`, chunk by chunk, and their codes.
-    fn pick(&self, t: &Segment, e: &[f32]) -> Picked {
+    /// Tensor `t`'s top entries of `e` (the tensor's own entries), chunk by chunk, and their codes; what
+    /// they stand for leaves `e` (while the tensor is still in the core's caches).
+    fn pick(&self, t: &Segment, e: &mut [f32]) -> Picked {
+        let picked = self.select(t, e);
+        for (&i, &v) in picked.idx.iter().zip(&picked.values) {
+            e[i as usize - t.offset] -= v;
+        }
+        picked
+    }
+
+    /// `pick`'s selection and quantization.
+    fn select(&self, t: &Segment, e: &[f32]) -> Picked {
         let (mut idx, mut vals) = (Vec::new(), Vec::new());
         for c in self.chunks(t) {
-            kernels::top_k(
-                &e[c.start..c.start + c.len],
-                c.k,
-                c.start as u32,
-                &mut idx,
-                &mut vals,
-            );
+            let at = c.start - t.offset;
+            kernels::top_k(&e[at..at + c.len], c.k, c.start as u32, &mut idx, &mut vals);
         }
         if self.cfg.bits == 32 {
             let codes = vals.iter().map(|v| v.to_bits()).collect();
@@ -180,7 +185,12 @@ impl SparseLoco {
 
     /// This rank's message from the accumulated `e`, which keeps what it did not send.
     fn encode(&self, e: &mut [f32], out: &mut [f32]) {
-        let picked: Vec<Picked> = self.tensors.par_iter().map(|t| self.pick(t, e)).collect();
+        let picked: Vec<Picked> = self
+            .tensors
+            .par_iter()
+            .zip(per_tensor(e, &self.tensors))
+            .map(|(t, e)| self.pick(t, e))
+            .collect();
         let (head, stream) = out.split_at_mut(self.tensors.len() * self.table_words());
         let mut w = BitWriter::new(stream);
         for (i, (t, p)) in self.tensors.iter().zip(&picked).enumerate() {
@@ -195,35 +205,81 @@ impl SparseLoco {
                 for j in at..at + c.k {
                     w.put(p.idx[j] - c.start as u32, bits);
                     w.put(p.codes[j], self.cfg.bits);
-                    e[p.idx[j] as usize] -= p.values[j];
                 }
                 at += c.k;
             }
         }
     }
 
-    /// Adds the values of one rank's message to `out`.
-    fn decode(&self, msg: &[f32], out: &mut [f32]) -> Result<()> {
-        let (head, stream) = msg.split_at(self.tensors.len() * self.table_words());
-        let mut r = BitReader::new(stream);
-        for (i, t) in self.tensors.iter().enumerate() {
-            let h = &head[i * self.table_words()..(i + 1) * self.table_words()];
-            let bits = index_bits(self.cfg.chunk.min(t.len));
-            for c in self.chunks(t) {
-                for _ in 0..c.k {
-                    let (at, code) = (r.get(bits) as usize, r.get(self.cfg.bits));
-                    if at >= c.len || (!h.is_empty() && code as usize >= h.len() - 1) {
-                        bail!("internal error: a SparseLoCo message names entry {at} of a chunk of {}", c.len);
-                    }
-                    out[c.start + at] += match h {
-                        [] => f32::from_bits(code),
-                        [shift, table @ ..] => table[code as usize] + shift,
-                    };
-                }
+    /// The mean of every rank's message (`all`, `words` each) into `out`: tensor by tensor, its entries
+    /// zeroed, each rank's values added in rank order, then times 1 / N, so that the tensor is in the
+    /// core's caches for its scattered additions.
+    fn decode_mean(&self, all: &[f32], words: usize, out: &mut [f32]) -> Result<()> {
+        let n = all.len() / words.max(1);
+        let heads = self.tensors.len() * self.table_words();
+        let mut msgs: Vec<_> = all
+            .chunks_exact(words)
+            .map(|m| (&m[..heads], BitReader::new(&m[heads..])))
+            .collect();
+        for (i, (t, out)) in self
+            .tensors
+            .iter()
+            .zip(per_tensor(out, &self.tensors))
+            .enumerate()
+        {
+            out.fill(0.0);
+            for (head, r) in &mut msgs {
+                let h = &head[i * self.table_words()..(i + 1) * self.table_words()];
+                self.decode_tensor(t, h, r, out)?;
+            }
+            if n > 1 {
+                kernels::scale(out, 1.0 / n as f32);
             }
         }
         Ok(())
     }
+
+    /// Adds tensor `t`'s values of one rank's message (its shift and table `h`, its entries next in `r`)
+    /// to `out`, the tensor's entries.
+    fn decode_tensor(
+        &self,
+        t: &Segment,
+        h: &[f32],
+        r: &mut BitReader,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let bits = index_bits(self.cfg.chunk.min(t.len));
+        for c in self.chunks(t) {
+            for _ in 0..c.k {
+                let (at, code) = (r.get(bits) as usize, r.get(self.cfg.bits));
+                if at >= c.len || (!h.is_empty() && code as usize >= h.len() - 1) {
+                    bail!(
+                        "internal error: a SparseLoCo message names entry {at} of a chunk of {}",
+                        c.len
+                    );
+                }
+                out[c.start - t.offset + at] += match h {
+                    [] => f32::from_bits(code),
+                    [shift, table @ ..] => table[code as usize] + shift,
+                };
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `x` cut into the tensors' entries, which tile it in order.
+fn per_tensor<'a>(mut x: &'a mut [f32], tensors: &[Segment]) -> Vec<&'a mut [f32]> {
+    let mut at = 0;
+    let parts = tensors.iter().map(|t| {
+        assert_eq!(t.offset, at, "tensors tile the flat buffer in order");
+        let (head, rest) = std::mem::take(&mut x).split_at_mut(t.len);
+        (x, at) = (rest, at + t.len);
+        head
+    });
+    let parts = parts.collect();
+    assert!(x.is_empty(), "tensors tile the flat buffer");
+    parts
 }
 
 impl Reducer for SparseLoco {
@@ -248,13 +304,7 @@ impl Reducer for SparseLoco {
         let mut all = vec![0.0f32; words * n];
         comm.all_gather(&send, &mut all)?;
         // The rank-ordered sum of the decoded messages, then times 1 / N (all_reduce_mean's order).
-        grads.iter_mut().for_each(|g| *g = 0.0);
-        for msg in all.chunks_exact(words) {
-            self.decode(msg, grads)?;
-        }
-        if n > 1 {
-            kernels::scale(grads, 1.0 / n as f32);
-        }
+        self.decode_mean(&all, words, grads)?;
         self.residual.keep_host(e);
         Ok(Report {
             error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
