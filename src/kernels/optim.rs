@@ -236,6 +236,36 @@ pub fn sum_squares(x: &[f32]) -> f64 {
     add_in_order(x.par_chunks(TILE).with_min_len(16).map(tile_sum_squares))
 }
 
+/// out = x - g and, with `measure`, the sums of squares of out and of x as `sum_squares` gives them (the
+/// same tiles, added in the same order): one pass over the three buffers.
+pub fn difference(out: &mut [f32], x: &[f32], g: &[f32], measure: bool) -> Option<(f64, f64)> {
+    assert!(
+        out.len() == x.len() && x.len() == g.len(),
+        "difference of unequal buffers"
+    );
+    let tiles = out
+        .par_chunks_mut(TILE)
+        .zip(x.par_chunks(TILE))
+        .zip(g.par_chunks(TILE));
+    let sums: Vec<(f64, f64)> = tiles
+        .with_min_len(16)
+        .map(|((o, x), g)| {
+            o.iter_mut()
+                .zip(x)
+                .zip(g)
+                .for_each(|((o, &x), &g)| *o = x - g);
+            match measure {
+                true => (tile_sum_squares(o), tile_sum_squares(x)),
+                false => (0.0, 0.0),
+            }
+        })
+        .collect();
+    measure.then(|| {
+        sums.into_iter()
+            .fold((0.0, 0.0), |(a, b), (c, d)| (a + c, b + d))
+    })
+}
+
 /// Tiles' sums, computed in parallel, added in the tiles' order (the host step of every sum of squares).
 pub fn add_in_order(tiles: impl IndexedParallelIterator<Item = f64>) -> f64 {
     let sums: Vec<f64> = tiles.collect();
@@ -246,6 +276,40 @@ pub fn add_in_order(tiles: impl IndexedParallelIterator<Item = f64>) -> f64 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// `difference` is x - g (as -g + x, the two steps it replaces) and `sum_squares` of it and of x,
+    /// bit for bit, with zeros of both signs, infinities and NaNs among the values.
+    #[test]
+    fn difference_is_the_negated_copy_plus_x_and_its_sums_of_squares() {
+        for n in [0, 1, TILE - 1, TILE, 16 * TILE + 5, 300_001] {
+            let (mut x, mut g) = (vals(n, 1, -3.0, 3.0), vals(n, 2, -3.0, 3.0));
+            for (i, (a, b)) in [
+                (0.0, 0.0),
+                (-0.0, 0.0),
+                (f32::INFINITY, 1.0),
+                (f32::NAN, 2.0),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                if 7 * i < n {
+                    (x[7 * i], g[7 * i]) = (a, b);
+                }
+            }
+            let mut want = vec![0.0f32; n];
+            crate::kernels::scaled_copy(&mut want, &g, -1.0);
+            want.iter_mut().zip(&x).for_each(|(w, &x)| *w += x);
+            let mut got = vec![f32::NAN; n];
+            let sums = difference(&mut got, &x, &g, true).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{n}");
+            let want_sums = (sum_squares(&want), sum_squares(&x));
+            assert_eq!(sums.0.to_bits(), want_sums.0.to_bits(), "{n}");
+            assert_eq!(sums.1.to_bits(), want_sums.1.to_bits(), "{n}");
+            assert_eq!(difference(&mut got, &x, &g, false), None);
+            assert_eq!(bits(&got), bits(&want));
+        }
+    }
 
     /// A flat buffer cut into segments of random lengths, alternating decay.
     fn layout() -> impl Strategy<Value = Vec<Segment>> {

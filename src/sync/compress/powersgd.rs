@@ -420,19 +420,24 @@ impl PowerSgd {
             true => std::mem::replace(&mut self.error, Flat::Host(Vec::new())),
             false => reuse(&mut self.scratch, &input.place(), input.len())?,
         };
-        diff.as_mut().assign_scaled(grads, -1.0)?;
-        diff.as_mut().add(input.as_ref())?;
-        let error = match measure {
-            true => {
-                let (lost, total) = (diff.as_ref().sum_squares()?, input.as_ref().sum_squares()?);
-                Some(if total > 0.0 {
-                    (lost / total).sqrt()
-                } else {
-                    0.0
-                })
+        let sums = match (diff.as_mut(), grads, input.as_ref()) {
+            (FlatMut::Host(d), FlatRef::Host(g), FlatRef::Host(x)) => {
+                crate::kernels::optim::difference(d, x, g, measure)
             }
-            false => None,
+            #[cfg(feature = "cuda")]
+            (mut d, g, x) => {
+                d.assign_scaled(g, -1.0)?;
+                d.add(x)?;
+                match measure {
+                    true => Some((d.as_ref().sum_squares()?, x.sum_squares()?)),
+                    false => None,
+                }
+            }
         };
+        let error = sums.map(|(lost, total)| match total > 0.0 {
+            true => (lost / total).sqrt(),
+            false => 0.0,
+        });
         match self.cfg.error_feedback {
             true => self.error = diff,
             false => self.scratch = diff,
