@@ -221,6 +221,20 @@ pub fn f32_to_indices(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// `x` cut into the tensors' entries, which tile it in order.
+pub fn per_tensor<'a>(mut x: &'a mut [f32], tensors: &[Segment]) -> Vec<&'a mut [f32]> {
+    let mut at = 0;
+    let parts = tensors.iter().map(|t| {
+        assert_eq!(t.offset, at, "tensors tile the flat buffer in order");
+        let (head, rest) = std::mem::take(&mut x).split_at_mut(t.len);
+        (x, at) = (rest, at + t.len);
+        head
+    });
+    let parts = parts.collect();
+    assert!(x.is_empty(), "tensors tile the flat buffer");
+    parts
+}
+
 /// Number of entries of a matrix tensor that top-k keeps: max(floor(density * len), 1).
 pub fn k_of(density: f64, len: usize) -> usize {
     ((density * len as f64) as usize).clamp(1, len.max(1))

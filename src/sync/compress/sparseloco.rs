@@ -24,7 +24,7 @@
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
-use super::{k_of, Reducer, Report, Segment, State, StateBuf};
+use super::{k_of, per_tensor, Reducer, Report, Segment, State, StateBuf};
 use crate::comm::Communicator;
 use crate::config::backend::SparseLocoConfig;
 use crate::kernels;
@@ -266,20 +266,6 @@ impl SparseLoco {
         }
         Ok(())
     }
-}
-
-/// `x` cut into the tensors' entries, which tile it in order.
-fn per_tensor<'a>(mut x: &'a mut [f32], tensors: &[Segment]) -> Vec<&'a mut [f32]> {
-    let mut at = 0;
-    let parts = tensors.iter().map(|t| {
-        assert_eq!(t.offset, at, "tensors tile the flat buffer in order");
-        let (head, rest) = std::mem::take(&mut x).split_at_mut(t.len);
-        (x, at) = (rest, at + t.len);
-        head
-    });
-    let parts = parts.collect();
-    assert!(x.is_empty(), "tensors tile the flat buffer");
-    parts
 }
 
 impl Reducer for SparseLoco {

@@ -8,7 +8,8 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    all_reduce, f32_to_indices, indices_to_f32, k_of, Reducer, Report, Segment, State, StateBuf,
+    all_reduce, f32_to_indices, indices_to_f32, k_of, per_tensor, Reducer, Report, Segment, State,
+    StateBuf,
 };
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::kernels;
@@ -62,15 +63,23 @@ impl Reducer for TopK {
             .flat_map(|t| grads[t.range()].iter().copied())
             .collect();
         all_reduce_mean(comm, &mut dense)?;
-        // Sparse part: per-tensor selections (in parallel), packed as [values | indices].
+        // Sparse part: per-tensor selections (in parallel), packed as [values | indices]. What is sent
+        // leaves the new residual (the whole accumulated gradient so far) while the tensor is in cache;
+        // vectors are exact and leave none.
         let selected: Vec<(Vec<u32>, Vec<f32>)> = self
             .tensors
             .par_iter()
             .zip(&self.k)
-            .map(|(t, &k)| {
+            .zip(per_tensor(&mut residual, &self.tensors))
+            .map(|((t, &k), residual)| {
                 let (mut idx, mut vals) = (Vec::with_capacity(k), Vec::with_capacity(k));
-                if t.matrix {
-                    kernels::top_k(&grads[t.range()], k, t.offset as u32, &mut idx, &mut vals);
+                match t.matrix {
+                    true => {
+                        kernels::top_k(&grads[t.range()], k, t.offset as u32, &mut idx, &mut vals);
+                        idx.iter()
+                            .for_each(|&i| residual[i as usize - t.offset] = 0.0);
+                    }
+                    false => residual.fill(0.0),
                 }
                 (idx, vals)
             })
@@ -85,35 +94,31 @@ impl Reducer for TopK {
         let mut all = vec![0.0f32; send.len() * n];
         comm.all_gather(&send, &mut all)?;
 
-        // The new residual: everything not sent (vectors are exact and leave none).
-        for t in self.tensors.iter().filter(|t| !t.matrix) {
-            residual[t.range()].fill(0.0);
-        }
-        for &i in selected.iter().flat_map(|(i, _)| i) {
-            residual[i as usize] = 0.0;
-        }
         let lost = global_norm(&residual);
-        // Decompress: rank-ordered sums of every rank's values, then the mean; vectors from the dense part.
-        let mut pos = 0;
-        for t in &self.tensors {
-            if t.matrix {
-                grads[t.range()]
-                    .par_chunks_mut(1 << 16)
-                    .for_each(|g| g.fill(0.0));
-            } else {
-                grads[t.range()].copy_from_slice(&dense[pos..pos + t.len]);
+        // Decompress, tensor by tensor (so that its scattered additions land in cache): the rank-ordered
+        // sum of every rank's values, then the mean; vectors from the dense part.
+        let (mut pos, mut at, inv) = (0, 0, 1.0 / n as f32);
+        for ((t, g), (idx, _)) in self
+            .tensors
+            .iter()
+            .zip(per_tensor(grads, &self.tensors))
+            .zip(&selected)
+        {
+            if !t.matrix {
+                g.copy_from_slice(&dense[pos..pos + t.len]);
                 pos += t.len;
+                continue;
             }
-        }
-        for part in all.chunks(2 * kk.max(1)).take(n) {
-            let (vals, ids) = part.split_at(kk);
-            for (v, i) in vals.iter().zip(f32_to_indices(ids)) {
-                grads[i as usize] += v;
+            g.par_chunks_mut(1 << 16).for_each(|g| g.fill(0.0));
+            for part in all.chunks(2 * kk.max(1)).take(n) {
+                let (vals, ids) = part.split_at(kk);
+                let (vals, ids) = (&vals[at..at + idx.len()], &ids[at..at + idx.len()]);
+                for (v, i) in vals.iter().zip(f32_to_indices(ids)) {
+                    g[i as usize - t.offset] += v;
+                }
             }
-        }
-        let inv = 1.0 / n as f32;
-        for t in self.tensors.iter().filter(|t| t.matrix) {
-            kernels::scale(&mut grads[t.range()], inv);
+            kernels::scale(g, inv);
+            at += idx.len();
         }
         if self.error_feedback {
             self.residual.keep_host(residual);
