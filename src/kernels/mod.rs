@@ -499,10 +499,11 @@ pub fn block_strided_add(sh: &mut [f64; BLOCK], x: &[f32], term: impl Fn(f32) ->
     }
 }
 
-/// Twin of `block_sum` (and of `sum_squares`'s tree in f64): the tree over the BLOCK partial sums
-/// (stride BLOCK / 2, ..., 1).
-pub(crate) fn block_sum<T: Copy + std::ops::AddAssign>(sh: &mut [T; BLOCK]) -> T {
-    let mut s = BLOCK / 2;
+/// Twin of `block_sum` (and of `sum_squares`'s tree in f64): the tree over the N (BLOCK there) partial
+/// sums, by halves (stride N / 2, ..., 1).
+#[inline(always)]
+pub(crate) fn block_sum<T: Copy + std::ops::AddAssign, const N: usize>(sh: &mut [T; N]) -> T {
+    let mut s = N / 2;
     while s > 0 {
         for t in 0..s {
             sh[t] += sh[t + s];

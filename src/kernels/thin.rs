@@ -75,22 +75,9 @@ fn p_rows<const R: usize>(p: &mut [f32], m: &[f32], qt: &[f32], cols: usize) {
             for (l, k) in (full..cols).enumerate() {
                 acc[l] += row[k] * qt[j * cols + k];
             }
-            out[j] = halves(acc);
+            out[j] = super::block_sum(acc);
         }
     }
-}
-
-/// The lanes' sum by halves: lane l += lane l + 8, then l + 4, l + 2, l + 1.
-#[inline(always)]
-fn halves(acc: &mut [f32; LANES]) -> f32 {
-    let mut s = LANES / 2;
-    while s > 0 {
-        for l in 0..s {
-            acc[l] += acc[l + s];
-        }
-        s /= 2;
-    }
-    acc[0]
 }
 
 /// q (cols x r, row-major) = m^T p, p rows x r (row-major).
@@ -255,7 +242,7 @@ mod tests {
                         }
                         assert_eq!(
                             p[i * r + j].to_bits(),
-                            halves(&mut lanes).to_bits(),
+                            crate::kernels::block_sum(&mut lanes).to_bits(),
                             "{dims:?}"
                         );
                         let exact: f64 = (0..cols)

@@ -41,6 +41,39 @@ impl TopK {
     fn numel(&self) -> usize {
         self.tensors.iter().map(|t| t.len).sum()
     }
+
+    /// Decompresses `all`, every rank's [values | indices] (each as `selected` holds this rank's counts),
+    /// into `grads`, tensor by tensor so that its scattered additions land in cache: the rank-ordered sum
+    /// of every rank's values, then the mean; vectors from the all-reduced `dense` part.
+    fn decode_mean(
+        &self,
+        grads: &mut [f32],
+        all: &[f32],
+        selected: &[(Vec<u32>, Vec<f32>)],
+        dense: &[f32],
+        n: usize,
+    ) {
+        let kk: usize = selected.iter().map(|(i, _)| i.len()).sum();
+        let (mut pos, mut at, inv) = (0, 0, 1.0 / n as f32);
+        let tensors = self.tensors.iter().zip(per_tensor(grads, &self.tensors));
+        for ((t, g), (idx, _)) in tensors.zip(selected) {
+            if !t.matrix {
+                g.copy_from_slice(&dense[pos..pos + t.len]);
+                pos += t.len;
+                continue;
+            }
+            g.par_chunks_mut(1 << 16).for_each(|g| g.fill(0.0));
+            for part in all.chunks(2 * kk.max(1)).take(n) {
+                let (vals, ids) = part.split_at(kk);
+                let (vals, ids) = (&vals[at..at + idx.len()], &ids[at..at + idx.len()]);
+                for (v, i) in vals.iter().zip(f32_to_indices(ids)) {
+                    g[i as usize - t.offset] += v;
+                }
+            }
+            kernels::scale(g, inv);
+            at += idx.len();
+        }
+    }
 }
 
 impl Reducer for TopK {
@@ -95,31 +128,7 @@ impl Reducer for TopK {
         comm.all_gather(&send, &mut all)?;
 
         let lost = global_norm(&residual);
-        // Decompress, tensor by tensor (so that its scattered additions land in cache): the rank-ordered
-        // sum of every rank's values, then the mean; vectors from the dense part.
-        let (mut pos, mut at, inv) = (0, 0, 1.0 / n as f32);
-        for ((t, g), (idx, _)) in self
-            .tensors
-            .iter()
-            .zip(per_tensor(grads, &self.tensors))
-            .zip(&selected)
-        {
-            if !t.matrix {
-                g.copy_from_slice(&dense[pos..pos + t.len]);
-                pos += t.len;
-                continue;
-            }
-            g.par_chunks_mut(1 << 16).for_each(|g| g.fill(0.0));
-            for part in all.chunks(2 * kk.max(1)).take(n) {
-                let (vals, ids) = part.split_at(kk);
-                let (vals, ids) = (&vals[at..at + idx.len()], &ids[at..at + idx.len()]);
-                for (v, i) in vals.iter().zip(f32_to_indices(ids)) {
-                    g[i as usize - t.offset] += v;
-                }
-            }
-            kernels::scale(g, inv);
-            at += idx.len();
-        }
+        self.decode_mean(grads, &all, &selected, &dense, n);
         if self.error_feedback {
             self.residual.keep_host(residual);
         }
