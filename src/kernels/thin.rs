@@ -48,12 +48,25 @@ pub fn p_of(p: &mut [f32], m: &[f32], qt: &[f32], (rows, cols, r): (usize, usize
     if cols == 0 {
         return p.fill(0.0);
     }
-    match threaded(rows * cols * r) {
-        true => p
-            .par_chunks_mut(r * 64)
-            .zip(m.par_chunks(cols * 64))
-            .for_each(|(p, m)| by_width!(r, p_rows(p, m, qt, cols))),
-        false => by_width!(r, p_rows(p, m, qt, cols)),
+    by_rows((p, r), (m, cols), rows * cols * r, |p, m| {
+        by_width!(r, p_rows(p, m, qt, cols))
+    });
+}
+
+/// `f(out, src)` on whole rows of both (`out_w` and `src_w` entries a row): on blocks of 64 rows on the
+/// pool's threads where `threaded(flops)`, else on all of them at once.
+fn by_rows(
+    (out, out_w): (&mut [f32], usize),
+    (src, src_w): (&[f32], usize),
+    flops: usize,
+    f: impl Fn(&mut [f32], &[f32]) + Sync,
+) {
+    match threaded(flops) {
+        true => out
+            .par_chunks_mut(out_w * 64)
+            .zip(src.par_chunks(src_w * 64))
+            .for_each(|(o, s)| f(o, s)),
+        false => f(out, src),
     }
 }
 
@@ -166,13 +179,9 @@ pub fn expand(m: &mut [f32], p: &[f32], qt: &[f32], (rows, cols, r): (usize, usi
     if r == 0 {
         return m.fill(0.0);
     }
-    match threaded(rows * cols * r) {
-        true => m
-            .par_chunks_mut(cols * 64)
-            .zip(p.par_chunks(r * 64))
-            .for_each(|(m, p)| by_width!(r, expand_rows(m, p, qt, cols))),
-        false => by_width!(r, expand_rows(m, p, qt, cols)),
-    }
+    by_rows((m, cols), (p, r), rows * cols * r, |m, p| {
+        by_width!(r, expand_rows(m, p, qt, cols))
+    });
 }
 
 #[multiversion(targets = "simd")]

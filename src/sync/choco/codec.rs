@@ -415,9 +415,7 @@ fn sign_encode(x: &[f32], hat: &[f32], out: &mut [f32]) {
     let words = out[1..].chunks_mut(SIGN_CHUNK / 32);
     for ((x, hat), words) in x.chunks(SIGN_CHUNK).zip(hat.chunks(SIGN_CHUNK)).zip(words) {
         let u = &mut buf[..x.len()];
-        for ((u, &a), &b) in u.iter_mut().zip(x).zip(hat) {
-            *u = a - b;
-        }
+        sub(x, hat, u);
         kernels::block_strided_add(&mut lanes, u, |v| v.abs() as f64);
         for (word, vals) in words.iter_mut().zip(u.chunks(32)) {
             let bits = vals

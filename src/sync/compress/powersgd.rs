@@ -52,8 +52,8 @@ pub struct PowerSgd {
     compressed_steps: u64,
 }
 
-/// `buf` taken out, `n` long at `place`: its own allocation where it already has that length (its
-/// values are then stale: for a buffer that is overwritten whole), else a new one.
+/// `buf` taken out, `n` long at `place`: its own allocation and values where it already has that length,
+/// else zeros.
 fn reuse(buf: &mut Flat, place: &Place, n: usize) -> Result<Flat> {
     let mut b = std::mem::replace(buf, Flat::Host(Vec::new()));
     match b.len() == n {
@@ -341,10 +341,7 @@ impl PowerSgd {
         self.p.move_to(&place)?;
         self.q.move_to(&place)?;
         if self.cfg.error_feedback {
-            match self.error.len() == numel {
-                true => self.error.move_to(&place)?,
-                false => self.error = place.zeros(numel)?,
-            }
+            self.error = reuse(&mut self.error, &place, numel)?;
             grads.add(self.error.as_ref())?;
         }
         // The metrics rows carry rank 0's compression error: the other ranks keep their input only for

@@ -8,8 +8,7 @@ use anyhow::Result;
 use rayon::prelude::*;
 
 use super::{
-    all_reduce, f32_to_indices, indices_to_f32, k_of, per_tensor, Reducer, Report, Segment, State,
-    StateBuf,
+    all_reduce, indices_to_f32, k_of, per_tensor, Reducer, Report, Segment, State, StateBuf,
 };
 use crate::comm::{all_reduce_mean, Communicator};
 use crate::kernels;
@@ -66,8 +65,8 @@ impl TopK {
             for part in all.chunks(2 * kk.max(1)).take(n) {
                 let (vals, ids) = part.split_at(kk);
                 let (vals, ids) = (&vals[at..at + idx.len()], &ids[at..at + idx.len()]);
-                for (v, i) in vals.iter().zip(f32_to_indices(ids)) {
-                    g[i as usize - t.offset] += v;
+                for (v, i) in vals.iter().zip(ids) {
+                    g[i.to_bits() as usize - t.offset] += v;
                 }
             }
             kernels::scale(g, inv);
