@@ -9,8 +9,10 @@ pub mod gemm;
 pub mod optim;
 mod segment;
 pub mod thin;
+mod transpose;
 
 pub use segment::Segment;
+pub use transpose::transpose;
 
 use anyhow::{ensure, Result};
 use rayon::prelude::*;

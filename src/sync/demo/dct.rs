@@ -17,7 +17,9 @@
 //!
 //! On the host every pass works on whole rows of the block (a column transform adds and scales rows;
 //! a row transform runs on the transposed block), so it vectorizes across the lanes of independent
-//! vectors and each lane computes what the GPU's thread for that vector computes, bit for bit.
+//! vectors and each lane computes what the GPU's thread for that vector computes, bit for bit. A pass
+//! takes two halving (or merging) levels at once where two are left: the same operations on each
+//! lane, half the loads and stores.
 
 /// One transform size: its scale, its halving levels' factors and the odd base's dense matrix.
 pub(super) struct Dct {
@@ -121,7 +123,10 @@ fn stage(d: &Dct, x: &mut [f32], scratch: &mut [f32], w: usize, inverse: bool) {
     if inverse {
         scale_rows(x, &d.scale, w);
     }
-    lee(d, x, scratch, w, inverse);
+    match w {
+        64 => lee::<64>(d, x, scratch, w, inverse),
+        _ => lee::<0>(d, x, scratch, w, inverse),
+    }
     if !inverse {
         scale_rows(x, &d.scale, w);
     }
@@ -144,41 +149,14 @@ fn scale_rows(x: &mut [f32], s: &[f32], w: usize) {
 }
 
 /// The block x of r rows of g chunks of c (entry (i, t) of chunk j at i g c + j c + t) into y as c rows
-/// of g lanes of r (at t g r + j r + i); with `back`, y to x. Chunk by chunk, in tiles of 8 x 8 that
-/// stay in a few cache lines (a column of the whole chunk at once would walk one cache set).
+/// of g lanes of r (at t g r + j r + i); with `back`, y to x. Chunk by chunk (`kernels::transpose`).
 #[inline(always)]
 fn transpose(x: &mut [f32], y: &mut [f32], r: usize, c: usize, g: usize, back: bool) {
     for j in 0..g {
         let (xs, ys) = (&mut x[j * c..], &mut y[j * r..]);
         match back {
-            false => transpose_matrix(xs, g * c, ys, g * r, r, c),
-            true => transpose_matrix(ys, g * r, xs, g * c, c, r),
-        }
-    }
-}
-
-/// dst (c x r, row stride ds) = src^T (r x c, row stride ss).
-#[inline(always)]
-fn transpose_matrix(src: &[f32], ss: usize, dst: &mut [f32], ds: usize, r: usize, c: usize) {
-    const T: usize = 8;
-    for i0 in (0..r).step_by(T) {
-        for t0 in (0..c).step_by(T) {
-            if i0 + T <= r && t0 + T <= c {
-                let mut tile = [[0.0f32; T]; T];
-                for (i, row) in tile.iter_mut().enumerate() {
-                    row.copy_from_slice(&src[(i0 + i) * ss + t0..][..T]);
-                }
-                for t in 0..T {
-                    let col: [f32; T] = std::array::from_fn(|i| tile[i][t]);
-                    dst[(t0 + t) * ds + i0..][..T].copy_from_slice(&col);
-                }
-            } else {
-                for i in i0..(i0 + T).min(r) {
-                    for t in t0..(t0 + T).min(c) {
-                        dst[t * ds + i] = src[i * ss + t];
-                    }
-                }
-            }
+            false => crate::kernels::transpose(xs, g * c, ys, g * r, r, c),
+            true => crate::kernels::transpose(ys, g * r, xs, g * c, c, r),
         }
     }
 }
@@ -186,28 +164,37 @@ fn transpose_matrix(src: &[f32], ss: usize, dst: &mut [f32], ds: usize, r: usize
 /// C x (or, with `inverse`, C^T x) of each column of p (d.n rows of w), in place; q is scratch of p's
 /// length. Each pass reads one buffer and writes the other.
 #[inline(always)]
-fn lee(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse: bool) {
+fn lee<const W: usize>(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse: bool) {
+    let w = if W > 0 { W } else { w };
     let (n, m) = (d.n, d.base);
     let (mut src, mut dst, mut swaps) = (p, q, 0);
     // The factors of the level with blocks of b rows start at n - b (n/2 + n/4 + ... + b before it).
     let t = |b: usize| &d.twiddle[n - b..n - b / 2];
+    // Two levels a pass where two are left (`split2` and the rest: the same operations, half the
+    // loads and stores), else one.
     let mut b = n;
     while b > m {
-        match inverse {
-            false => split(src, dst, b, t(b), w),
-            true => unmerge(src, dst, b, w),
+        let two = b / 2 > m;
+        match (inverse, two) {
+            (false, true) => split2(src, dst, b, [t(b), t(b / 2)], w),
+            (false, false) => split(src, dst, b, t(b), w),
+            (true, true) => unmerge2(src, dst, b, w),
+            (true, false) => unmerge(src, dst, b, w),
         }
-        (src, dst, swaps, b) = (dst, src, swaps + 1, b / 2);
+        (src, dst, swaps, b) = (dst, src, swaps + 1, if two { b / 4 } else { b / 2 });
     }
     if m > 1 {
         dense(src, dst, &d.dense, m, w, inverse);
         (src, dst, swaps) = (dst, src, swaps + 1);
     }
     while b < n {
-        b *= 2;
-        match inverse {
-            false => merge(src, dst, b, w),
-            true => unsplit(src, dst, b, t(b), w),
+        let two = 4 * b <= n;
+        b *= if two { 4 } else { 2 };
+        match (inverse, two) {
+            (false, true) => merge2(src, dst, b, w),
+            (false, false) => merge(src, dst, b, w),
+            (true, true) => unsplit2(src, dst, b, [t(b), t(b / 2)], w),
+            (true, false) => unsplit(src, dst, b, t(b), w),
         }
         (src, dst, swaps) = (dst, src, swaps + 1);
     }
@@ -216,15 +203,30 @@ fn lee(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse: bool) {
     }
 }
 
-/// y cut into `N` parts of `len` floats.
+/// y cut into two parts of `len` floats.
 #[inline(always)]
-fn parts<const N: usize>(y: &mut [f32], len: usize) -> [&mut [f32]; N] {
-    let mut rest = y;
-    std::array::from_fn(|_| {
-        let (part, tail) = std::mem::take(&mut rest).split_at_mut(len);
-        rest = tail;
-        part
-    })
+fn halves(y: &mut [f32], len: usize) -> [&mut [f32]; 2] {
+    let (a, b) = y.split_at_mut(len);
+    [a, &mut b[..len]]
+}
+
+/// y cut into four parts of `len` floats.
+#[inline(always)]
+fn quarters(y: &mut [f32], len: usize) -> [&mut [f32]; 4] {
+    let (lo, hi) = y.split_at_mut(2 * len);
+    let ([a, b], [c, d]) = (halves(lo, len), halves(hi, len));
+    [a, b, c, d]
+}
+
+/// Rows `at` of x (rows of w). (Loops, not `array::map` or `from_fn`: those are not always inlined
+/// into the vector code.)
+#[inline(always)]
+fn rows<const N: usize>(x: &[f32], at: [usize; N], w: usize) -> [&[f32]; N] {
+    let mut out: [&[f32]; N] = [&[]; N];
+    for (o, i) in out.iter_mut().zip(at) {
+        *o = row(x, i, w);
+    }
+    out
 }
 
 /// Row `i` of x (rows of w), to write.
@@ -250,12 +252,19 @@ fn lanes<const I: usize, const O: usize>(
     const L: usize = 16;
     let w = out[0].len();
     let whole = w / L * L;
+    // Plain loops over the arrays, not `array::from_fn` or `map`, which are not always inlined.
+    let mut x = [[0.0f32; L]; I];
+    let mut a = [0.0f32; I];
     for k in (0..whole).step_by(L) {
-        let x: [&[f32; L]; I] =
-            std::array::from_fn(|i| ins[i][k..k + L].try_into().expect("L lanes"));
+        for (x, i) in x.iter_mut().zip(&ins) {
+            x.copy_from_slice(&i[k..k + L]);
+        }
         let mut y = [[0.0f32; L]; O];
         for t in 0..L {
-            let v = f(std::array::from_fn(|i| x[i][t]));
+            for i in 0..I {
+                a[i] = x[i][t];
+            }
+            let v = f(a);
             for j in 0..O {
                 y[j][t] = v[j];
             }
@@ -265,8 +274,10 @@ fn lanes<const I: usize, const O: usize>(
         }
     }
     for k in whole..w {
-        let v = f(std::array::from_fn(|i| ins[i][k]));
-        for (o, v) in out.iter_mut().zip(v) {
+        for i in 0..I {
+            a[i] = ins[i][k];
+        }
+        for (o, v) in out.iter_mut().zip(f(a)) {
             o[k] = v;
         }
     }
@@ -278,7 +289,7 @@ fn lanes<const I: usize, const O: usize>(
 fn split(x: &[f32], y: &mut [f32], b: usize, t: &[f32], w: usize) {
     let h = b / 2;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
-        let [g, u] = parts(yb, h * w);
+        let [g, u] = halves(yb, h * w);
         for (i, &t) in t.iter().enumerate() {
             let ins = [row(xb, i, w), row(xb, b - 1 - i, w)];
             let out = [row_mut(g, i, w), row_mut(u, i, w)];
@@ -293,14 +304,12 @@ fn split(x: &[f32], y: &mut [f32], b: usize, t: &[f32], w: usize) {
 fn merge(x: &[f32], y: &mut [f32], b: usize, w: usize) {
     let h = b / 2;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
-        for k in 0..h {
-            yb[2 * k * w..(2 * k + 1) * w].copy_from_slice(row(xb, k, w));
-            let out = [row_mut(yb, 2 * k + 1, w)];
+        for (k, pair) in yb.chunks_exact_mut(2 * w).enumerate() {
+            let out = halves(pair, w);
+            let (g, a) = (row(xb, k, w), row(xb, h + k, w));
             match k + 1 < h {
-                true => lanes(out, [row(xb, h + k, w), row(xb, h + k + 1, w)], |[a, z]| {
-                    [a + z]
-                }),
-                false => out[0].copy_from_slice(row(xb, h + k, w)),
+                true => lanes(out, [g, a, row(xb, h + k + 1, w)], |[g, a, z]| [g, a + z]),
+                false => lanes(out, [g, a], |[g, a]| [g, a]),
             }
         }
     }
@@ -312,16 +321,13 @@ fn merge(x: &[f32], y: &mut [f32], b: usize, w: usize) {
 fn unmerge(x: &[f32], y: &mut [f32], b: usize, w: usize) {
     let h = b / 2;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
+        let [lo, hi] = halves(yb, h * w);
         for k in 0..h {
-            yb[k * w..(k + 1) * w].copy_from_slice(row(xb, 2 * k, w));
-            let out = [row_mut(yb, h + k, w)];
+            let out = [row_mut(lo, k, w), row_mut(hi, k, w)];
+            let (g, a) = (row(xb, 2 * k, w), row(xb, 2 * k + 1, w));
             match k > 0 {
-                true => lanes(
-                    out,
-                    [row(xb, 2 * k + 1, w), row(xb, 2 * k - 1, w)],
-                    |[a, z]| [a + z],
-                ),
-                false => out[0].copy_from_slice(row(xb, 1, w)),
+                true => lanes(out, [g, a, row(xb, 2 * k - 1, w)], |[g, a, z]| [g, a + z]),
+                false => lanes(out, [g, a], |[g, a]| [g, a]),
             }
         }
     }
@@ -333,11 +339,132 @@ fn unmerge(x: &[f32], y: &mut [f32], b: usize, w: usize) {
 fn unsplit(x: &[f32], y: &mut [f32], b: usize, t: &[f32], w: usize) {
     let h = b / 2;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
-        let [lo, hi] = parts(yb, h * w);
+        let [lo, hi] = halves(yb, h * w);
         for (i, &t) in t.iter().enumerate() {
             let ins = [row(xb, i, w), row(xb, h + i, w)];
             let out = [row_mut(lo, i, w), row_mut(hi, h - 1 - i, w)];
             lanes(out, ins, |[g, u]| [g + u * t, g - u * t]);
+        }
+    }
+}
+
+/// `split` at b, then at b / 2 on both halves, in one pass (q = b / 4, t = [t_b, t_{b/2}]): rows i,
+/// h - 1 - i, h + i and b - 1 - i of the block (i < q) make its rows i, q + i, h + i and h + q + i.
+#[inline(always)]
+fn split2(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
+    let (h, q) = (b / 2, b / 4);
+    for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
+        let [gg, gu, ug, uu] = quarters(yb, q * w);
+        for i in 0..q {
+            let (ti, tj, t2) = (t[0][i], t[0][h - 1 - i], t[1][i]);
+            let ins = rows(xb, [i, b - 1 - i, h - 1 - i, h + i], w);
+            let out = [
+                row_mut(gg, i, w),
+                row_mut(gu, i, w),
+                row_mut(ug, i, w),
+                row_mut(uu, i, w),
+            ];
+            lanes(out, ins, |[a, z, c, e]| {
+                let (gi, ui) = (a + z, (a - z) * ti);
+                let (gj, uj) = (c + e, (c - e) * tj);
+                [gi + gj, (gi - gj) * t2, ui + uj, (ui - uj) * t2]
+            });
+        }
+    }
+}
+
+/// `merge` at b / 2 on both halves, then at b, in one pass (q = b / 4): rows 4j..4j + 4 of the
+/// block from rows j, q + j, h + j and h + q + j (and the next of each but the first).
+#[inline(always)]
+fn merge2(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+    let (h, q) = (b / 2, b / 4);
+    for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
+        for (j, four) in yb.chunks_exact_mut(4 * w).enumerate() {
+            let out = quarters(four, w);
+            match j + 1 < q {
+                true => {
+                    let ins = [
+                        j,
+                        q + j,
+                        q + j + 1,
+                        h + j,
+                        h + q + j,
+                        h + q + j + 1,
+                        h + j + 1,
+                    ];
+                    lanes(out, rows(xb, ins, w), |[ag, a0, a1, bg, b0, b1, bn]| {
+                        let hb = b0 + b1;
+                        [ag, bg + hb, a0 + a1, hb + bn]
+                    })
+                }
+                false => {
+                    let ins = rows(xb, [j, q + j, h + j, h + q + j], w);
+                    lanes(out, ins, |[ag, a0, bg, b0]| [ag, bg + b0, a0, b0])
+                }
+            }
+        }
+    }
+}
+
+/// `unmerge` at b, then at b / 2 on both halves, in one pass (q = b / 4): rows j, q + j, h + j and
+/// h + q + j of the block from rows 4j - 3..4j + 4.
+#[inline(always)]
+fn unmerge2(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+    let q = b / 4;
+    for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
+        let [o0, o1, o2, o3] = quarters(yb, q * w);
+        for j in 0..q {
+            let out = [
+                row_mut(o0, j, w),
+                row_mut(o1, j, w),
+                row_mut(o2, j, w),
+                row_mut(o3, j, w),
+            ];
+            match j > 0 {
+                true => {
+                    let ins = [
+                        4 * j,
+                        4 * j + 1,
+                        4 * j + 2,
+                        4 * j + 3,
+                        4 * j - 1,
+                        4 * j - 2,
+                        4 * j - 3,
+                    ];
+                    lanes(out, rows(xb, ins, w), |[x0, x1, x2, x3, p1, p2, p3]| {
+                        [x0, x2 + p2, x1 + p1, (x3 + x1) + (p1 + p3)]
+                    })
+                }
+                false => {
+                    let ins = rows(xb, [0, 1, 2, 3], w);
+                    lanes(out, ins, |[x0, x1, x2, x3]| [x0, x2, x1, x3 + x1])
+                }
+            }
+        }
+    }
+}
+
+/// `unsplit` at b / 2 on both halves, then at b, in one pass (q = b / 4, t = [t_b, t_{b/2}]): rows
+/// i, q + i, h + i and h + q + i of the block (i < q) make its rows i, h - 1 - i, h + i and b - 1 - i.
+#[inline(always)]
+fn unsplit2(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
+    let (h, q) = (b / 2, b / 4);
+    for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
+        let [y0, y1, y2, y3] = quarters(yb, q * w);
+        for i in 0..q {
+            let (ti, tj, t2) = (t[0][i], t[0][h - 1 - i], t[1][i]);
+            let ins = rows(xb, [i, q + i, h + i, h + q + i], w);
+            let out = [
+                row_mut(y0, i, w),
+                row_mut(y1, q - 1 - i, w),
+                row_mut(y2, i, w),
+                row_mut(y3, q - 1 - i, w),
+            ];
+            lanes(out, ins, |[gg, gu, ug, uu]| {
+                let (gi, gj) = (gg + gu * t2, gg - gu * t2);
+                let (ui, uj) = (ug + uu * t2, ug - uu * t2);
+                [gi + ui * ti, gj + uj * tj, gj - uj * tj, gi - ui * ti]
+            });
         }
     }
 }

@@ -53,15 +53,16 @@ impl Layout {
     fn gather(&self, band: &[f32], j: usize, g: usize, block: &mut [f32]) {
         let rows = block.chunks_exact_mut(g * self.cc);
         for (row, b) in band.chunks_exact(self.cols).zip(rows) {
-            b.copy_from_slice(&row[j * self.cc..(j + g) * self.cc]);
+            copy(b, &row[j * self.cc..(j + g) * self.cc]);
         }
     }
 
-    /// Writes chunks `j..j + g` of a band from `block` (as `gather` reads them).
-    fn scatter(&self, band: &mut [f32], j: usize, g: usize, block: &[f32]) {
+    /// Writes the signs of `block` to chunks `j..j + g` of a band (as `gather` reads them).
+    fn scatter_signs(&self, band: &mut [f32], j: usize, g: usize, block: &[f32]) {
         let rows = band.chunks_exact_mut(self.cols);
         for (row, b) in rows.zip(block.chunks_exact(g * self.cc)) {
-            row[j * self.cc..(j + g) * self.cc].copy_from_slice(b);
+            let row = &mut row[j * self.cc..(j + g) * self.cc];
+            row.iter_mut().zip(b).for_each(|(o, &d)| *o = sign(d));
         }
     }
 
@@ -83,7 +84,7 @@ impl Layout {
     fn chunk(&self, block: &[f32], jc: usize, g: usize, out: &mut [f32]) {
         let rows = block.chunks_exact(g * self.cc);
         for (r, o) in rows.zip(out.chunks_exact_mut(self.cc)) {
-            o.copy_from_slice(&r[jc * self.cc..(jc + 1) * self.cc]);
+            copy(o, &r[jc * self.cc..(jc + 1) * self.cc]);
         }
     }
 
@@ -104,6 +105,20 @@ impl Layout {
             row..row + self.cc
         })
     }
+}
+
+/// o = i for the short rows of a chunk: 16 floats at a time as vector moves, where `copy_from_slice`
+/// would call memcpy for each row.
+#[inline(always)]
+fn copy(o: &mut [f32], i: &[f32]) {
+    assert_eq!(o.len(), i.len());
+    let mut whole = o.chunks_exact_mut(16);
+    for (o, i) in (&mut whole).zip(i.chunks_exact(16)) {
+        o.copy_from_slice(i);
+    }
+    let tail = whole.into_remainder();
+    let n = tail.len();
+    tail.copy_from_slice(&i[i.len() - n..]);
 }
 
 /// Each layout's entries in `buf`, in layout order (layouts do not overlap).
@@ -295,35 +310,9 @@ impl Demo {
         };
         let mut bands = self.bands(grads)?;
         bands.retain(meets);
-        bands.into_par_iter().for_each(|b| {
-            let (l, k) = (b.l, kept(topk, &b.l));
-            let (per, g) = (l.cols / l.cc, l.group());
-            let size = l.cr * g * l.cc;
-            let (mut sum, mut count, mut spare) =
-                (vec![0.0f32; size], vec![0u32; size], vec![0.0; size]);
-            for j0 in (0..per).step_by(g) {
-                let gn = g.min(per - j0);
-                let len = l.cr * gn * l.cc;
-                let (sum, count, spare) = (&mut sum[..len], &mut count[..len], &mut spare[..len]);
-                sum.fill(0.0);
-                count.fill(0);
-                for jc in 0..gn {
-                    for r in 0..n {
-                        let m = &all[r * words + b.at + 2 * k * (j0 + jc)..][..2 * k];
-                        for (i, &v) in m[..k].iter().zip(&m[k..]) {
-                            let o = l.at(i.to_bits() as usize, jc, gn);
-                            (sum[o], count[o]) = (sum[o] + v, count[o] + 1);
-                        }
-                    }
-                }
-                sum.iter_mut()
-                    .zip(&*count)
-                    .for_each(|(s, &c)| *s = if c > 0 { *s / c as f32 } else { 0.0 });
-                transform(sum, spare, &dct[&l.cr], &dct[&l.cc], gn, true);
-                sum.iter_mut().for_each(|d| *d = sign(*d));
-                l.scatter(b.buf, j0, gn, sum);
-            }
-        });
+        bands
+            .into_par_iter()
+            .for_each(|b| decode_band(b, all, n, words, dct, topk));
         Ok(())
     }
 
@@ -426,6 +415,54 @@ impl Demo {
         self.tally
             .add(self.numel, n, rank, &before, &after, &report);
         Ok(())
+    }
+}
+
+/// One band's directions from the `n` messages in `all` (`words` each), `Layout::group` chunks at a
+/// time: each coefficient's mean over the ranks that sent it, transformed back, its sign to the band.
+fn decode_band(
+    b: Band,
+    all: &[f32],
+    n: usize,
+    words: usize,
+    dct: &HashMap<usize, Dct>,
+    topk: usize,
+) {
+    let (l, k) = (b.l, kept(topk, &b.l));
+    let (per, g) = (l.cols / l.cc, l.group());
+    let size = l.cr * g * l.cc;
+    // count is back to zeros after each group: the mean resets the entries it divides.
+    let (mut sum, mut count, mut spare) = (vec![0.0f32; size], vec![0u32; size], vec![0.0; size]);
+    for j0 in (0..per).step_by(g) {
+        let gn = g.min(per - j0);
+        let len = l.cr * gn * l.cc;
+        let (sum, spare) = (&mut sum[..len], &mut spare[..len]);
+        sum.fill(0.0);
+        let messages = |jc: usize| {
+            let at = b.at + 2 * k * (j0 + jc);
+            (0..n).map(move |r| &all[r * words + at..][..2 * k])
+        };
+        for jc in 0..gn {
+            for m in messages(jc) {
+                for (i, &v) in m[..k].iter().zip(&m[k..]) {
+                    let o = l.at(i.to_bits() as usize, jc, gn);
+                    (sum[o], count[o]) = (sum[o] + v, count[o] + 1);
+                }
+            }
+        }
+        // The mean of the entries sent; the others keep the fill's +0.
+        for jc in 0..gn {
+            for m in messages(jc) {
+                for i in &m[..k] {
+                    let o = l.at(i.to_bits() as usize, jc, gn);
+                    if count[o] > 0 {
+                        (sum[o], count[o]) = (sum[o] / count[o] as f32, 0);
+                    }
+                }
+            }
+        }
+        transform(sum, spare, &dct[&l.cr], &dct[&l.cc], gn, true);
+        l.scatter_signs(b.buf, j0, gn, sum);
     }
 }
 
