@@ -66,6 +66,7 @@ impl AdamWStep {
 
 /// Twin of `adamw`: decoupled weight decay first, exp_avg.lerp_(g, 1 - b1),
 /// exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2), p -= step_size (m / (sqrt(v) / bc2_sqrt + eps)).
+#[multiversion::multiversion(targets = "simd")]
 pub fn adamw(
     p: &mut [f32],
     g: &[f32],
@@ -133,6 +134,7 @@ impl AccumStep {
 
 /// Twin of `accum_adamw`: the look-ahead step from the committed moments (stored pre-multiplied by the
 /// betas, as Decent-DP's), the running mean `acc` of the gradients, and the commit every k-th step.
+#[multiversion::multiversion(targets = "simd")]
 pub fn accum_adamw(
     p: &mut [f32],
     g: &[f32],
@@ -165,6 +167,7 @@ pub fn accum_adamw(
 }
 
 /// Twin of `sgd`: p = p (1 - lr wd) - lr (g grad_scale), the decay on decaying segments.
+#[multiversion::multiversion(targets = "simd")]
 pub fn sgd(p: &mut [f32], g: &[f32], segments: &[Segment], wd: f64, lr: f64, grad_scale: f32) {
     let (decay, lr32) = (decay_factor(lr, wd), lr as f32);
     for s in segments {
@@ -192,6 +195,7 @@ pub struct SgdStep {
 /// Twin of `momentum_sgd` (torch.optim.SGD, foreach=False): g' = g + wd p (decaying segments); with a
 /// momentum buffer (non-empty `buf`), b = g' at the first step, then b = mu b + g', and the direction is
 /// g' + mu b with Nesterov, else b; without one, g'; p -= lr d.
+#[multiversion::multiversion(targets = "simd")]
 pub fn momentum_sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], segments: &[Segment], c: &SgdStep) {
     for s in segments {
         let r = s.offset..s.offset + s.len;
