@@ -18,8 +18,8 @@
 //! On the host every pass works on whole rows of the block (a column transform adds and scales rows;
 //! a row transform runs on the transposed block), so it vectorizes across the lanes of independent
 //! vectors and each lane computes what the GPU's thread for that vector computes, bit for bit. A pass
-//! takes two halving (or merging) levels at once where two are left: the same operations on each
-//! lane, half the loads and stores.
+//! takes three halving (or merging) levels at once where three are left, else two: the same
+//! operations on each lane, a third (or half) of the loads and stores.
 
 /// One transform size: its scale, its halving levels' factors and the odd base's dense matrix.
 pub(super) struct Dct {
@@ -170,37 +170,47 @@ fn lee<const W: usize>(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse:
     let (mut src, mut dst, mut swaps) = (p, q, 0);
     // The factors of the level with blocks of b rows start at n - b (n/2 + n/4 + ... + b before it).
     let t = |b: usize| &d.twiddle[n - b..n - b / 2];
-    // Two levels a pass where two are left (`split2` and the rest: the same operations, half the
-    // loads and stores), else one.
+    // Three levels a pass where three are left, else two, else one (`split3`, `split2`, `split`: the
+    // same operations, a third or half of the loads and stores).
     let mut b = n;
     while b > m {
-        let two = b / 2 > m;
-        match (inverse, two) {
-            (false, true) => split2(src, dst, b, [t(b), t(b / 2)], w),
-            (false, false) => split(src, dst, b, t(b), w),
-            (true, true) => unmerge2(src, dst, b, w),
-            (true, false) => unmerge(src, dst, b, w),
+        let levels = levels_left(b / m);
+        match (inverse, levels) {
+            (false, 3) => split3(src, dst, b, [t(b), t(b / 2), t(b / 4)], w),
+            (false, 2) => split2(src, dst, b, [t(b), t(b / 2)], w),
+            (false, _) => split(src, dst, b, t(b), w),
+            (true, 3) => unmerge3(src, dst, b, w),
+            (true, 2) => unmerge2(src, dst, b, w),
+            (true, _) => unmerge(src, dst, b, w),
         }
-        (src, dst, swaps, b) = (dst, src, swaps + 1, if two { b / 4 } else { b / 2 });
+        (src, dst, swaps, b) = (dst, src, swaps + 1, b >> levels);
     }
     if m > 1 {
         dense(src, dst, &d.dense, m, w, inverse);
         (src, dst, swaps) = (dst, src, swaps + 1);
     }
     while b < n {
-        let two = 4 * b <= n;
-        b *= if two { 4 } else { 2 };
-        match (inverse, two) {
-            (false, true) => merge2(src, dst, b, w),
-            (false, false) => merge(src, dst, b, w),
-            (true, true) => unsplit2(src, dst, b, [t(b), t(b / 2)], w),
-            (true, false) => unsplit(src, dst, b, t(b), w),
+        let levels = levels_left(n / b);
+        b <<= levels;
+        match (inverse, levels) {
+            (false, 3) => merge3(src, dst, b, w),
+            (false, 2) => merge2(src, dst, b, w),
+            (false, _) => merge(src, dst, b, w),
+            (true, 3) => unsplit3(src, dst, b, [t(b), t(b / 2), t(b / 4)], w),
+            (true, 2) => unsplit2(src, dst, b, [t(b), t(b / 2)], w),
+            (true, _) => unsplit(src, dst, b, t(b), w),
         }
         (src, dst, swaps) = (dst, src, swaps + 1);
     }
     if swaps % 2 == 1 {
         dst.copy_from_slice(src);
     }
+}
+
+/// Levels one pass takes when `ratio` (a power of two > 1) is what is left to halve or merge: 3, 2 or 1.
+#[inline(always)]
+fn levels_left(ratio: usize) -> usize {
+    (ratio.trailing_zeros() as usize).min(3)
 }
 
 /// y cut into two parts of `len` floats.
@@ -216,6 +226,14 @@ fn quarters(y: &mut [f32], len: usize) -> [&mut [f32]; 4] {
     let (lo, hi) = y.split_at_mut(2 * len);
     let ([a, b], [c, d]) = (halves(lo, len), halves(hi, len));
     [a, b, c, d]
+}
+
+/// y cut into eight parts of `len` floats.
+#[inline(always)]
+fn eighths(y: &mut [f32], len: usize) -> [&mut [f32]; 8] {
+    let (lo, hi) = y.split_at_mut(4 * len);
+    let ([a, b, c, d], [e, f, g, h]) = (quarters(lo, len), quarters(hi, len));
+    [a, b, c, d, e, f, g, h]
 }
 
 /// Rows `at` of x (rows of w). (Loops, not `array::map` or `from_fn`: those are not always inlined
@@ -464,6 +482,201 @@ fn unsplit2(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
                 let (gi, gj) = (gg + gu * t2, gg - gu * t2);
                 let (ui, uj) = (ug + uu * t2, ug - uu * t2);
                 [gi + ui * ti, gj + uj * tj, gj - uj * tj, gi - ui * ti]
+            });
+        }
+    }
+}
+
+/// `split` at b, b / 2 and b / 4 in one pass (e = b / 8, t = [t_b, t_{b/2}, t_{b/4}]): for i < e, rows
+/// i, b - 1 - i, h - 1 - i, h + i, q - 1 - i, b - q + i, h - q + i and h + q - 1 - i of the block make
+/// row i of each of its eighths.
+#[inline(always)]
+fn split3(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
+    let (h, q, e) = (b / 2, b / 4, b / 8);
+    let f = |a: f32, z: f32, t: f32| (a + z, (a - z) * t);
+    for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
+        let mut ys = eighths(yb, e * w);
+        for i in 0..e {
+            let (j, k, l) = (h - 1 - i, q - 1 - i, h - q + i);
+            let (t1, t2, t3) = (
+                [t[0][i], t[0][j], t[0][k], t[0][l]],
+                [t[1][i], t[1][k]],
+                t[2][i],
+            );
+            let at = [i, b - 1 - i, j, h + i, k, b - q + i, l, h + q - 1 - i];
+            let out = part_rows(&mut ys, [i; 8], w);
+            lanes(out, rows(xb, at, w), |[x0, x1, x2, x3, x4, x5, x6, x7]| {
+                let ((g0, u0), (g1, u1)) = (f(x0, x1, t1[0]), f(x2, x3, t1[1]));
+                let ((g2, u2), (g3, u3)) = (f(x4, x5, t1[2]), f(x6, x7, t1[3]));
+                let ((gg0, gu0), (gg1, gu1)) = (f(g0, g1, t2[0]), f(g2, g3, t2[1]));
+                let ((ug0, uu0), (ug1, uu1)) = (f(u0, u1, t2[0]), f(u2, u3, t2[1]));
+                let ((a0, a1), (b0, b1)) = (f(gg0, gg1, t3), f(gu0, gu1, t3));
+                let ((c0, c1), (d0, d1)) = (f(ug0, ug1, t3), f(uu0, uu1, t3));
+                [a0, a1, b0, b1, c0, c1, d0, d1]
+            });
+        }
+    }
+}
+
+/// Row `at[k]` of part k of eight, to write.
+#[inline(always)]
+fn part_rows<'a>(parts: &'a mut [&mut [f32]; 8], at: [usize; 8], w: usize) -> [&'a mut [f32]; 8] {
+    let [a, b, c, d, e, f, g, h] = parts;
+    [
+        row_mut(a, at[0], w),
+        row_mut(b, at[1], w),
+        row_mut(c, at[2], w),
+        row_mut(d, at[3], w),
+        row_mut(e, at[4], w),
+        row_mut(f, at[5], w),
+        row_mut(g, at[6], w),
+        row_mut(h, at[7], w),
+    ]
+}
+
+/// `merge` at b / 4 on the quarters, at b / 2 on the halves, then at b, in one pass (e = b / 8, E_k
+/// the block's eighths): rows 8j..8j + 8 of the block from row j of each eighth and, but for the last
+/// j, row j + 1 of all but the first.
+#[inline(always)]
+fn merge3(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+    let e = b / 8;
+    for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
+        for (j, eight) in yb.chunks_exact_mut(8 * w).enumerate() {
+            let out = eighths(eight, w);
+            let r = |k: usize, next: usize| k * e + j + next;
+            match j + 1 < e {
+                true => {
+                    let at = [
+                        r(0, 0),
+                        r(1, 0),
+                        r(1, 1),
+                        r(2, 0),
+                        r(3, 0),
+                        r(3, 1),
+                        r(2, 1),
+                        r(4, 0),
+                        r(5, 0),
+                        r(5, 1),
+                        r(6, 0),
+                        r(7, 0),
+                        r(7, 1),
+                        r(6, 1),
+                        r(4, 1),
+                    ];
+                    lanes(out, rows(xb, at, w), |v: [f32; 15]| {
+                        let [e0, e1, e1n, e2, e3, e3n, e2n, e4, e5, e5n, e6, e7, e7n, e6n, e4n] = v;
+                        let (a1, c1) = (e1 + e1n, e3 + e3n);
+                        let (d1, f1) = (e5 + e5n, e7 + e7n);
+                        let (m1, m3) = (e2 + c1, c1 + e2n);
+                        let (n1, n3) = (e6 + f1, f1 + e6n);
+                        [e0, e4 + n1, m1, n1 + d1, a1, d1 + n3, m3, n3 + e4n]
+                    })
+                }
+                false => {
+                    let at = [
+                        r(0, 0),
+                        r(1, 0),
+                        r(2, 0),
+                        r(3, 0),
+                        r(4, 0),
+                        r(5, 0),
+                        r(6, 0),
+                        r(7, 0),
+                    ];
+                    let ins = rows(xb, at, w);
+                    lanes(out, ins, |[e0, e1, e2, e3, e4, e5, e6, e7]| {
+                        let (m1, n1) = (e2 + e3, e6 + e7);
+                        [e0, e4 + n1, m1, n1 + e5, e1, e5 + e7, e3, e7]
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// `unmerge` at b, at b / 2 on the halves, then at b / 4 on the quarters, in one pass (e = b / 8): row
+/// j of each of the block's eighths from rows 8j - 7..8j + 8 (rows 0..8 for j = 0).
+#[inline(always)]
+fn unmerge3(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+    let e = b / 8;
+    for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
+        let mut ys = eighths(yb, e * w);
+        for j in 0..e {
+            let out = part_rows(&mut ys, [j; 8], w);
+            match j > 0 {
+                true => {
+                    let r = 8 * j;
+                    let (a, z) = ([0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1]);
+                    let mut at = [r; 15];
+                    for (o, d) in at.iter_mut().zip(a) {
+                        *o += d;
+                    }
+                    for (o, d) in at[8..].iter_mut().zip(z) {
+                        *o -= d;
+                    }
+                    lanes(out, rows(xb, at, w), |v: [f32; 15]| {
+                        let [x0, x1, x2, x3, x4, x5, x6, x7, p7, p6, p5, p4, p3, p2, p1] = v;
+                        let (y31, q13) = (x3 + x1, p1 + p3);
+                        [
+                            x0,
+                            x4 + p4,
+                            x2 + p2,
+                            (x6 + x2) + (p2 + p6),
+                            x1 + p1,
+                            (x5 + x3) + (p3 + p5),
+                            y31 + q13,
+                            ((x7 + x5) + y31) + (q13 + (p5 + p7)),
+                        ]
+                    })
+                }
+                false => {
+                    let ins = rows(xb, [0, 1, 2, 3, 4, 5, 6, 7], w);
+                    lanes(out, ins, |[x0, x1, x2, x3, x4, x5, x6, x7]| {
+                        let y31 = x3 + x1;
+                        [x0, x4, x2, x6 + x2, x1, x5 + x3, y31, (x7 + x5) + y31]
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// `unsplit` at b / 4 on the quarters, at b / 2 on the halves, then at b, in one pass (e = b / 8,
+/// t = [t_b, t_{b/2}, t_{b/4}]): for i < e, row i of each of the block's eighths makes its rows i,
+/// q - 1 - i, q + i, h - 1 - i, h + i, h + q - 1 - i, h + q + i and b - 1 - i.
+#[inline(always)]
+fn unsplit3(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
+    let (h, q, e) = (b / 2, b / 4, b / 8);
+    let f = |g: f32, u: f32, t: f32| (g + u * t, g - u * t);
+    for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
+        let mut ys = eighths(yb, e * w);
+        for i in 0..e {
+            let (j, k, l) = (h - 1 - i, q - 1 - i, h - q + i);
+            let (t1, t2, t3) = (
+                [t[0][i], t[0][j], t[0][k], t[0][l]],
+                [t[1][i], t[1][k]],
+                t[2][i],
+            );
+            let at = [
+                i,
+                e + i,
+                q + i,
+                q + e + i,
+                h + i,
+                h + e + i,
+                h + q + i,
+                h + q + e + i,
+            ];
+            let (ii, jj) = (i, e - 1 - i);
+            let out = part_rows(&mut ys, [ii, jj, ii, jj, ii, jj, ii, jj], w);
+            lanes(out, rows(xb, at, w), |[x0, x1, x2, x3, x4, x5, x6, x7]| {
+                let ((ggi, ggk), (gui, guk)) = (f(x0, x1, t3), f(x2, x3, t3));
+                let ((ugi, ugk), (uui, uuk)) = (f(x4, x5, t3), f(x6, x7, t3));
+                let ((gi, gj), (gk, gl)) = (f(ggi, gui, t2[0]), f(ggk, guk, t2[1]));
+                let ((ui, uj), (uk, ul)) = (f(ugi, uui, t2[0]), f(ugk, uuk, t2[1]));
+                let ((yi, ybi), (yj, yhi)) = (f(gi, ui, t1[0]), f(gj, uj, t1[1]));
+                let ((yk, ybk), (yl, yhl)) = (f(gk, uk, t1[2]), f(gl, ul, t1[3]));
+                [yi, yk, yl, yj, yhi, yhl, ybk, ybi]
             });
         }
     }
