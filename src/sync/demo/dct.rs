@@ -487,6 +487,15 @@ fn unsplit2(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
     }
 }
 
+/// The factors a three-level pass on blocks of b uses for i: t_b at i, h - 1 - i, q - 1 - i and
+/// h - q + i; t_{b/2} at i and q - 1 - i; t_{b/4} at i.
+#[inline(always)]
+fn factors3(t: [&[f32]; 3], b: usize, i: usize) -> ([f32; 4], [f32; 2], f32) {
+    let (h, q) = (b / 2, b / 4);
+    let t1 = [t[0][i], t[0][h - 1 - i], t[0][q - 1 - i], t[0][h - q + i]];
+    (t1, [t[1][i], t[1][q - 1 - i]], t[2][i])
+}
+
 /// `split` at b, b / 2 and b / 4 in one pass (e = b / 8, t = [t_b, t_{b/2}, t_{b/4}]): for i < e, rows
 /// i, b - 1 - i, h - 1 - i, h + i, q - 1 - i, b - q + i, h - q + i and h + q - 1 - i of the block make
 /// row i of each of its eighths.
@@ -497,12 +506,8 @@ fn split3(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let mut ys = eighths(yb, e * w);
         for i in 0..e {
+            let (t1, t2, t3) = factors3(t, b, i);
             let (j, k, l) = (h - 1 - i, q - 1 - i, h - q + i);
-            let (t1, t2, t3) = (
-                [t[0][i], t[0][j], t[0][k], t[0][l]],
-                [t[1][i], t[1][k]],
-                t[2][i],
-            );
             let at = [i, b - 1 - i, j, h + i, k, b - q + i, l, h + q - 1 - i];
             let out = part_rows(&mut ys, [i; 8], w);
             lanes(out, rows(xb, at, w), |[x0, x1, x2, x3, x4, x5, x6, x7]| {
@@ -651,12 +656,7 @@ fn unsplit3(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let mut ys = eighths(yb, e * w);
         for i in 0..e {
-            let (j, k, l) = (h - 1 - i, q - 1 - i, h - q + i);
-            let (t1, t2, t3) = (
-                [t[0][i], t[0][j], t[0][k], t[0][l]],
-                [t[1][i], t[1][k]],
-                t[2][i],
-            );
+            let (t1, t2, t3) = factors3(t, b, i);
             let at = [
                 i,
                 e + i,
