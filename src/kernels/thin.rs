@@ -197,11 +197,12 @@ fn expand_rows<const R: usize>(m: &mut [f32], p: &[f32], qt: &[f32], cols: usize
     }
 }
 
-/// a (n x r, row-major) transposed into out (r x n).
+/// a (n x r, row-major) transposed into out (r x n), by `kernels::transpose`.
 pub fn transpose(a: &[f32], r: usize, out: &mut Vec<f32>) {
     let n = a.len() / r.max(1);
     out.clear();
-    out.extend((0..r).flat_map(|j| (0..n).map(move |i| a[i * r + j])));
+    out.resize(r * n, 0.0);
+    super::transpose(a, r, out, n, n, r);
 }
 
 #[cfg(test)]
