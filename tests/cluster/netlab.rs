@@ -111,7 +111,21 @@ fn predicted_within(dir: &Path, name: &str, profile: &Path) -> bool {
     (p / measured - 1.0).abs() <= 0.25
 }
 
-/// `calibrate --engine mpi` inside the lab: one rank a host, so it measures the link between hosts.
+/// `calibrate` writes `profile` and `predict` on it prices run `name` within 25%. Calibration times a
+/// shared machine's link and cores: a loaded machine has skewed it (once in CI, +40%), so a miss
+/// calibrates once more and both tries are printed.
+fn calibrated_within(lab: &str, dir: &Path, name: &str, profile: &Path) {
+    for _ in 0..2 {
+        calibrate(lab, profile);
+        if predicted_within(dir, name, profile) {
+            return;
+        }
+    }
+    panic!("{name}: predictions on two calibrations missed by over 25% (both printed above)");
+}
+
+/// `calibrate --engine mpi` inside the lab: one rank a host, so it measures the link between hosts. Its
+/// summary (the link's alpha and bandwidth, the GEMM and training rates) is printed.
 fn calibrate(lab: &str, profile: &Path) {
     let out = Command::new(EXE)
         .args([
@@ -130,6 +144,7 @@ fn calibrate(lab: &str, profile: &Path) {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string();
+    eprint!("calibrate: {text}");
     assert!(
         out.status.success() && text.contains("2 ranks (1 per node)"),
         "{text}{}",
@@ -170,11 +185,12 @@ fn sent(out: &str, h: usize) -> u64 {
 
 /// Two hosts at 20 Mbit/s: the lab comes up idempotently and shows its links; an all-reduce run steps no
 /// faster than its bytes cross the link, and at least 5x slower than DiLoCo syncing every 10 steps;
-/// `calibrate` inside the lab writes a profile on which `predict` prices both runs within 25%; what
-/// each host's interface counted on the wire is what the run logged it sent, plus TCP/IP and MPI overhead
-/// (bounded here); a host whose link is cut mid-run ends the job, naming the rank it cannot reach, within
-/// the timeout; healed, the same command resumes from the last checkpoint to the rows of a run that never
-/// failed (the local engine's, bit for bit); and `down` leaves nothing.
+/// `calibrate` inside the lab writes a profile on which `predict` prices both runs within 25% (each of
+/// these timings gets a second try); what each host's interface counted on the wire is what the run logged
+/// it sent, plus TCP/IP and MPI overhead (bounded here); a host whose link is cut mid-run ends the job,
+/// naming the rank it cannot reach, within the timeout; healed, the same command resumes from the last
+/// checkpoint to the rows of a run that never failed (the local engine's, bit for bit); and `down` leaves
+/// nothing.
 #[test]
 fn two_hosts_at_20_mbit() {
     let _turn = crate::turn();
@@ -233,8 +249,7 @@ fn two_hosts_at_20_mbit() {
         "all-reduce {ar:.1} ms/step, link floor {floor:.1}"
     );
     let profile = d.path().join("lab.toml");
-    calibrate(&name, &profile);
-    assert!(predicted_within(d.path(), "allreduce", &profile));
+    calibrated_within(&name, d.path(), "allreduce", &profile);
     diloco_outpaces_allreduce(&name, d.path(), &steps, ar, &profile);
     cut_heal_resume(&lab.0, d.path());
     drop(lab);
