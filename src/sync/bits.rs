@@ -31,10 +31,28 @@ impl<'a> BitWriter<'a> {
         }
     }
 
-    /// `put` of each code in turn, with the writer's state in registers for the run.
+    /// `put` of each code in turn, with the writer's state in registers for the run: 32 codes at a time
+    /// packed into `bits` whole words with shifts fixed at compile time (`pack`), each word then shifted
+    /// past the bits already pending; the rest one at a time.
     pub fn put_all(&mut self, codes: &[u32], bits: u32) {
         let (mut acc, mut used, mut word) = (self.acc, self.used, self.word);
-        for &code in codes {
+        let b = bits as usize;
+        let mut rest = codes;
+        if let Some(pack) = block(bits).map(|f| f.0) {
+            let mut packed = [0u32; 32];
+            let whole = codes.len() / 32 * 32;
+            for block in codes[..whole].chunks_exact(32) {
+                pack(block, &mut packed[..b]);
+                for (o, &p) in self.out[word..word + b].iter_mut().zip(&packed[..b]) {
+                    let x = acc | (p as u64) << used;
+                    *o = f32::from_bits(x as u32);
+                    acc = x >> 32;
+                }
+                word += b;
+            }
+            rest = &codes[whole..];
+        }
+        for &code in rest {
             acc |= (code as u64) << used;
             used += bits;
             if used >= 32 {
@@ -86,11 +104,29 @@ impl<'a> BitReader<'a> {
         code
     }
 
-    /// `get` of as many codes as `out` holds, with the reader's state in registers for the run.
+    /// `get` of as many codes as `out` holds, with the reader's state in registers for the run: 32 codes
+    /// at a time from `bits` words, realigned past the bits already read and unpacked with shifts fixed
+    /// at compile time (`unpack`), while whole words remain; the rest one at a time.
     pub fn get_all(&mut self, bits: u32, out: &mut [u32]) {
         let (mut acc, mut have, mut word) = (self.acc, self.have, self.word);
         let mask = (1u64 << bits) - 1;
-        for o in out {
+        let b = bits as usize;
+        let mut rest = out;
+        if let Some(unpack) = block(bits).map(|f| f.1) {
+            let mut aligned = [0u32; 32];
+            while rest.len() >= 32 && word + b <= self.words.len() && have < 32 {
+                for (a, w) in aligned[..b].iter_mut().zip(&self.words[word..word + b]) {
+                    let x = acc | (w.to_bits() as u64) << have;
+                    *a = x as u32;
+                    acc = x >> 32;
+                }
+                word += b;
+                let (block, tail) = std::mem::take(&mut rest).split_at_mut(32);
+                unpack(&aligned[..b], block);
+                rest = tail;
+            }
+        }
+        for o in rest {
             if have < bits {
                 let w = self.words.get(word).map_or(0, |w| w.to_bits());
                 acc |= (w as u64) << have;
@@ -105,17 +141,63 @@ impl<'a> BitReader<'a> {
     }
 }
 
+/// Packs 32 codes of `B` bits into `B` words, code i at bit i B (as `put` in turn from bit 0). Unrolled,
+/// so that every shift and every word's end is fixed at compile time.
+#[allow(clippy::erasing_op, clippy::identity_op)] // the copies for I = 0 and 1 multiply by 0 and 1
+fn pack<const B: usize>(codes: &[u32], words: &mut [u32]) {
+    let c: &[u32; 32] = codes[..32].try_into().expect("32 codes");
+    let w: &mut [u32; B] = (&mut words[..B]).try_into().expect("B words");
+    let mut acc = 0u64;
+    seq_macro::seq!(I in 0..32 {
+        acc |= (c[I] as u64) << (I * B % 32);
+        if I * B % 32 + B >= 32 {
+            w[I * B / 32] = acc as u32;
+            acc >>= 32;
+        }
+    });
+}
+
+/// The 32 codes of `B` bits that `pack` put into `B` words, unrolled as `pack` is.
+#[allow(clippy::erasing_op, clippy::identity_op)] // the copies for I = 0 and 1 multiply by 0 and 1
+fn unpack<const B: usize>(words: &[u32], codes: &mut [u32]) {
+    let w: &[u32; B] = words[..B].try_into().expect("B words");
+    let c: &mut [u32; 32] = (&mut codes[..32]).try_into().expect("32 codes");
+    let mask = ((1u64 << B) - 1) as u32;
+    seq_macro::seq!(I in 0..32 {
+        let (j, s) = (I * B / 32, I * B % 32);
+        let high = if s + B > 32 { (w[j + 1] as u64) << 32 } else { 0 };
+        c[I] = ((w[j] as u64 | high) >> s) as u32 & mask;
+    });
+}
+
+/// A block of 32 codes of `B` bits: `pack`, `unpack`.
+type Block = (fn(&[u32], &mut [u32]), fn(&[u32], &mut [u32]));
+
+/// `pack` and `unpack` for `bits` from 1 to 24 (the codes the compressors make), compiled for each.
+fn block(bits: u32) -> Option<Block> {
+    macro_rules! widths {
+        ($($b:literal)*) => {
+            match bits {
+                $($b => Some((pack::<$b>, unpack::<$b>)),)*
+                _ => None,
+            }
+        };
+    }
+    widths!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
     /// `put_all` and `get_all`, called on runs of any length and mixed with single calls, give the
-    /// words and codes that one `put` and one `get` per code give.
+    /// words and codes that one `put` and one `get` per code give: runs of whole blocks of 32 and not,
+    /// starting at any bit of a word, for every width the blocks are compiled for and one past.
     #[test]
     fn runs_of_codes_pack_and_unpack_as_one_code_at_a_time() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        for bits in 1..=24u32 {
+        for (bits, _) in (1..=25u32).flat_map(|b| [(b, 0), (b, 1), (b, 2)]) {
             let n = rng.random_range(2..300usize);
             let codes: Vec<u32> = (0..n).map(|_| rng.random::<u32>() >> (32 - bits)).collect();
             let words = (n * bits as usize).div_ceil(32);
