@@ -197,7 +197,7 @@ mod tests {
     #[test]
     fn runs_of_codes_pack_and_unpack_as_one_code_at_a_time() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        for (bits, _) in (1..=25u32).flat_map(|b| [(b, 0), (b, 1), (b, 2)]) {
+        for bits in (1..=25u32).flat_map(|b| [b; 3]) {
             let n = rng.random_range(2..300usize);
             let codes: Vec<u32> = (0..n).map(|_| rng.random::<u32>() >> (32 - bits)).collect();
             let words = (n * bits as usize).div_ceil(32);
