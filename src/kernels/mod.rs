@@ -189,30 +189,28 @@ const SHORT: usize = 1 << 15;
 /// Floors `top_k_short` tries, a power of two apart, before it leaves the input to `top_k_by_select`.
 const FLOORS: u32 = 8;
 
-/// `top_k` on one core, in a few vectorized passes: the largest power of two that at least k keys
-/// reach (counted from the largest key's exponent down, at most `FLOORS` tries, else
-/// `top_k_by_select`), the entries reaching it (`candidates`, in index order), the threshold among
-/// them by `select_nth_unstable`, and the selection. `top_k` itself for short inputs; CHOCO's
-/// encoding, which runs on every worker at once and selects a tenth of a tensor, for all.
+/// `top_k` on one core, in a few vectorized passes: a floor that a little over k keys reach (from a
+/// sample of `x`, `sampled_floor`; where the sample's floor lets fewer than k through, or `x` is too short
+/// to sample, the largest power of two that at least k keys reach, `power_floor`, else
+/// `top_k_by_select`), the entries reaching it (`candidates`, in index order), the threshold among them
+/// by `select_nth_unstable`, and the selection. `top_k` itself for short inputs; CHOCO's encoding,
+/// which runs on every worker at once and selects a tenth of a tensor, for all.
 #[multiversion::multiversion(targets = "simd")]
 pub fn top_k_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
     let k = k.min(x.len());
     if k == 0 {
         return;
     }
-    let top = x.iter().fold(0u32, |m, &v| m.max(abs_key(v))) >> 23;
-    let reaching = |floor: u32| {
-        x.iter()
-            .map(|&v| u32::from(abs_key(v) >= floor))
-            .sum::<u32>()
+    let sampled = sampled_floor(x, k)
+        .map(|floor| candidates(x, 0, floor))
+        .filter(|(i, _)| i.len() >= k);
+    let (cand_i, cand_v) = match sampled {
+        Some(c) => c,
+        None => match power_floor(x, k) {
+            Some(floor) => candidates(x, 0, floor),
+            None => return top_k_by_select(x, k, base, idx, val),
+        },
     };
-    let Some(floor) = (0..FLOORS.min(top + 1))
-        .map(|e| (top - e) << 23)
-        .find(|&f| reaching(f) as usize >= k)
-    else {
-        return top_k_by_select(x, k, base, idx, val);
-    };
-    let (cand_i, cand_v) = candidates(x, 0, floor);
     let mut keys: Vec<u32> = cand_v.iter().map(|&v| abs_key(v)).collect();
     let c = keys.len();
     let (_, &mut t, above) = keys.select_nth_unstable(c - k);
@@ -225,6 +223,43 @@ pub fn top_k_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut
             val.push(v);
         }
     }
+}
+
+/// A key that about k + 3 standard deviations of the sample's count of `x`'s keys reach: from one key
+/// in each of up to `SAMPLES` equal spans of `x` (at a pseudo-random place in it, as
+/// `top_k_of_candidates` samples). None for an `x` under 4096 entries, or a k too close to its length.
+fn sampled_floor(x: &[f32], k: usize) -> Option<u32> {
+    let n = x.len();
+    if n < 4096 {
+        return None;
+    }
+    let samples = (n / 16).min(SAMPLES);
+    let stride = n / samples;
+    let expected = k as f64 * samples as f64 / n as f64;
+    let at = (expected + 3.0 * expected.sqrt() + 8.0) as usize;
+    if at >= samples {
+        return None;
+    }
+    let mut sample: Vec<u32> = (0..samples)
+        .map(|i| abs_key(x[sample_at(i, stride)]))
+        .collect();
+    // The key with `at` sampled keys above it.
+    Some(*sample.select_nth_unstable(samples - 1 - at).1)
+}
+
+/// The largest power of two that at least k of `x`'s keys reach, counted from the largest key's
+/// exponent down, at most `FLOORS` tries.
+#[multiversion::multiversion(targets = "simd")]
+fn power_floor(x: &[f32], k: usize) -> Option<u32> {
+    let top = x.iter().fold(0u32, |m, &v| m.max(abs_key(v))) >> 23;
+    let reaching = |floor: u32| {
+        x.iter()
+            .map(|&v| u32::from(abs_key(v) >= floor))
+            .sum::<u32>()
+    };
+    (0..FLOORS.min(top + 1))
+        .map(|e| (top - e) << 23)
+        .find(|&f| reaching(f) as usize >= k)
 }
 
 /// `top_k`'s entries on one core, without its parallel passes: the threshold key by one
@@ -570,6 +605,28 @@ mod tests {
                     rng.next_u32(),
                     "seed {seed}, word {e}"
                 );
+            }
+        }
+    }
+
+    /// `top_k_short` where its sample misleads: the sampled places hold the largest keys, so the
+    /// sample's floor lets fewer than k through, and where it lets nearly everything through (zeros at
+    /// the sampled places); both give the exact top k, as do the fallbacks of a sample-less length.
+    #[test]
+    fn top_k_short_is_exact_when_its_sample_misleads() {
+        let n = 1 << 16;
+        let samples = (n / 16).min(super::SAMPLES);
+        let places: Vec<usize> = (0..samples)
+            .map(|i| super::sample_at(i, n / samples))
+            .collect();
+        for (at_places, elsewhere) in [(2.0f32, 1.0f32), (0.0, 1.0)] {
+            let mut x: Vec<f32> = (0..n).map(|i| elsewhere + (i % 97) as f32 * 1e-3).collect();
+            places.iter().for_each(|&p| x[p] = at_places);
+            for k in [1, 100, samples + 1, 6000, n / 2] {
+                let (mut idx, mut val) = (Vec::new(), Vec::new());
+                super::top_k_short(&x, k, 3, &mut idx, &mut val);
+                let want: Vec<u32> = naive_top_k(&x, k).iter().map(|i| 3 + i).collect();
+                assert_eq!(idx, want, "k {k}, sampled places {at_places}");
             }
         }
     }
