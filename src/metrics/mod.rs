@@ -40,6 +40,12 @@ pub struct Row {
     /// waiting for the loader that samples them ahead (`prefetch`).
     #[serde(default)]
     pub data_ms: f64,
+    /// Milliseconds over the interval that the slowest rank spent outside every collective (the
+    /// algorithm's and the bookkeeping's) and outside the sync backend's own compute: its forward,
+    /// backward, update and batches. A rank that leaves a collective early and waits in the next one
+    /// counts that wait in neither its nor the slowest rank's compute. Absent with `[train.membership]`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub compute_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub val_loss: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]

@@ -489,9 +489,10 @@ pub fn predict_run(
     Ok(out)
 }
 
-/// Seconds of compute per step on `cluster` from the run's own rows: the median over its rows of
-/// ms/step minus the communication and codec time (the update stays in), scaled by the sustained FLOP/s of `ran_on` (the machine the run
-/// ran on) over the cluster's and by the tokens per rank.
+/// Seconds of compute per step on `cluster` from the run's own rows: the median over its rows of the
+/// slowest rank's step outside every collective and the codec (`compute_ms`: the update stays in),
+/// scaled by the sustained FLOP/s of `ran_on` (the machine the run ran on) over the cluster's and by
+/// the tokens per rank.
 pub fn measured_compute(
     rows: &[crate::metrics::Row],
     run_world: usize,
@@ -505,8 +506,11 @@ pub fn measured_compute(
         let steps = r.step.saturating_sub(prev);
         prev = r.step;
         if steps > 0 && r.val_loss.is_none() {
-            let outside = (r.comm_ms + r.sync_ms) / steps as f64;
-            per_step.push((r.ms_per_step - outside).max(0.0) / 1e3);
+            // Rows before `compute_ms` was logged: rank 0's step outside its algorithm's collectives.
+            let ms = r
+                .compute_ms
+                .unwrap_or_else(|| (r.ms_per_step * steps as f64 - r.comm_ms - r.sync_ms).max(0.0));
+            per_step.push(ms / steps as f64 / 1e3);
         }
     }
     if per_step.is_empty() {
@@ -655,5 +659,45 @@ mod tests {
         assert_eq!(sync_scale(&topk.plan.sync, &laptop, &a100), 0.25);
         let memory = laptop.device.memory_gbps / a100.device.memory_gbps;
         assert_eq!(sync_scale(&dense.plan.sync, &laptop, &a100), memory);
+    }
+
+    /// A run's compute per step is the median over its rows without an evaluation of the slowest rank's
+    /// `compute_ms` over the row's steps; rows logged before that field, rank 0's step outside its
+    /// algorithm's collectives and codec. Scaled by tokens per rank and the two devices' speeds.
+    #[test]
+    fn measured_compute_is_the_slowest_ranks_median_step() {
+        use crate::metrics::Row;
+        let plan = loaded(&[]);
+        let local = profile::load("local").unwrap();
+        let row = |step, ms_per_step, comm_ms, compute_ms, val_loss| Row {
+            step,
+            ms_per_step,
+            comm_ms,
+            sync_ms: 5.0,
+            compute_ms,
+            val_loss,
+            ..Row::default()
+        };
+        // Rows of 5 steps: 60, 20 and 40 ms a step (the median 40); the evaluation's row is left out.
+        let logged = [
+            row(5, 90.0, 45.0, Some(300.0), None),
+            row(10, 90.0, 45.0, Some(100.0), None),
+            row(15, 90.0, 45.0, Some(200.0), None),
+            row(20, 900.0, 45.0, Some(4000.0), Some(2.0)),
+        ];
+        let at = |rows: &[Row], world| measured_compute(rows, world, &plan, &local, &local.profile);
+        assert!((at(&logged, 4).unwrap() - 0.040).abs() < 1e-12);
+        // A run of 2 ranks priced as the plan's 4: each of those computes half a run rank's tokens.
+        assert!((at(&logged, 2).unwrap() - 0.020).abs() < 1e-12);
+        // Without compute_ms: 90 - (45 + 5) / 5 = 80 ms a step.
+        let old: Vec<Row> = logged[..3]
+            .iter()
+            .map(|r| Row {
+                compute_ms: None,
+                ..r.clone()
+            })
+            .collect();
+        assert!((at(&old, 4).unwrap() - 0.080).abs() < 1e-12);
+        assert!(at(&logged[3..], 4).is_err());
     }
 }

@@ -65,6 +65,13 @@ impl Interval {
         self.sync_seconds += (start.elapsed().as_secs_f64() - inside).max(0.0);
     }
 
+    /// Seconds of the interval so far outside every collective (the algorithm's and the bookkeeping's,
+    /// `comm` being the communicator's totals now) and the sync backend's own compute.
+    pub fn compute_seconds(&self, comm: &CommStats) -> f64 {
+        let outside = comm.seconds - self.comm.seconds + self.sync_seconds;
+        (self.start.elapsed().as_secs_f64() - outside).max(0.0)
+    }
+
     /// Leaves the traffic between `before` and `after` out of the row.
     pub fn exclude(&mut self, before: &CommStats, after: &CommStats) {
         self.control.bytes_sent += after.bytes_sent - before.bytes_sent;

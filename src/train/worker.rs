@@ -143,6 +143,13 @@ impl Vote {
     }
 }
 
+/// The largest of every rank's `mine` (an all-gather, in f32).
+fn largest(mine: f64, comm: &mut dyn Communicator) -> Result<f64> {
+    let mut all = vec![0.0f32; comm.world_size()];
+    comm.all_gather(&[mine as f32], &mut all)?;
+    Ok(all.iter().fold(f32::MIN, |m, &x| m.max(x)) as f64)
+}
+
 pub(super) struct Worker<'s> {
     setup: &'s Setup,
     /// This worker's place in the whole world (its rank, also while others are away).
@@ -614,6 +621,10 @@ impl<'s> Worker<'s> {
             }
             Some(_) => self.control(|w| w.means_of_present(per_rank))?,
         };
+        let compute = match plan.membership {
+            None => Some(self.control(Self::slowest_compute)?),
+            Some(_) => None,
+        };
         let mut row =
             self.since_log
                 .row(&self.progress, lr, loss, grad_norm, self.sync.comm_stats());
@@ -630,6 +641,7 @@ impl<'s> Worker<'s> {
             .as_ref()
             .map(|c| c.1.now(&self.sync.comm().ids()));
         (row.pseudo_grad_norm, row.consensus_distance) = (norm, distance);
+        row.compute_ms = compute.map(|s| s * 1e3);
         row.outer_lr = m.outer_lr;
         row.param_norm = optim::norm(self.replica.params())?;
         row.elapsed_s = self.elapsed();
@@ -653,6 +665,12 @@ impl<'s> Worker<'s> {
         }
         self.since_log = Interval::new(self.sync.comm_stats());
         Ok(())
+    }
+
+    /// The interval's compute seconds (`Interval::compute_seconds`) of the slowest rank.
+    fn slowest_compute(&mut self) -> Result<f64> {
+        let mine = self.since_log.compute_seconds(&self.sync.comm_stats());
+        largest(mine, self.sync.comm_mut())
     }
 
     /// On the first row after this process's first step (every worker of it has started one by then: the
@@ -1081,6 +1099,20 @@ mod tests {
         for v in Vote::ALL {
             assert_eq!(v.agree(-1.5, &mut solo).unwrap(), (v, 0, -1.5));
         }
+    }
+
+    /// Every rank learns the largest value any rank holds.
+    #[test]
+    fn largest_is_every_ranks_maximum() {
+        let values = [3.5, -1.0, 12.25, 0.0];
+        let ranks: Vec<_> = crate::comm::local::group(4, std::time::Duration::from_secs(10))
+            .into_iter()
+            .zip(values)
+            .map(|(mut c, x)| std::thread::spawn(move || super::largest(x, &mut c).unwrap()))
+            .collect();
+        let got: Vec<f64> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(got, vec![12.25; 4]);
+        assert_eq!(super::largest(-2.0, &mut crate::comm::Solo).unwrap(), -2.0);
     }
 
     /// MFU's peak counts each node's cores once, however many ranks and threads share them: `mpirun -np 2`

@@ -136,6 +136,17 @@ fn compare_and_plot_read_real_runs() {
             .iter()
             .map(|r| r.ms_per_step * (r.step - std::mem::replace(&mut prev, r.step)) as f64)
             .sum();
+        // The slowest rank's compute: some, and no more than the row's interval (its rank started the
+        // interval within the same collective as rank 0).
+        let mut prev = 0;
+        for r in &rows {
+            let interval = r.ms_per_step * (r.step - std::mem::replace(&mut prev, r.step)) as f64;
+            let c = r.compute_ms.expect("every row logs compute_ms");
+            assert!(
+                c > 0.0 && c <= 1.02 * interval + 2.0,
+                "{c} of {interval} ms"
+            );
+        }
         let near = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1.0);
         assert!(near(
             all[i]["comm_ms_per_step"].as_f64().unwrap(),
