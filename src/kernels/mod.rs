@@ -225,26 +225,32 @@ pub fn top_k_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut
     }
 }
 
-/// A key that about k + 3 standard deviations of the sample's count of `x`'s keys reach: from one key
-/// in each of up to `SAMPLES` equal spans of `x` (at a pseudo-random place in it, as
-/// `top_k_of_candidates` samples). None for an `x` under 4096 entries, or a k too close to its length.
+/// A key that about k + 3 standard deviations of the sample's count of `x`'s keys reach, from
+/// `sampled_key` over up to `SAMPLES` keys. None for an `x` under 4096 entries, or a k too close to its
+/// length.
 fn sampled_floor(x: &[f32], k: usize) -> Option<u32> {
     let n = x.len();
     if n < 4096 {
         return None;
     }
     let samples = (n / 16).min(SAMPLES);
-    let stride = n / samples;
     let expected = k as f64 * samples as f64 / n as f64;
     let at = (expected + 3.0 * expected.sqrt() + 8.0) as usize;
     if at >= samples {
         return None;
     }
+    Some(sampled_key(x, samples, at))
+}
+
+/// The key with `at` keys above it among `samples` keys of `x`, one from each of `samples` equal spans
+/// at a pseudo-random place in it (an evenly strided sample aliases with a matrix's rows or any other
+/// period of the data). `at < samples <= x.len()`.
+fn sampled_key(x: &[f32], samples: usize, at: usize) -> u32 {
+    let stride = x.len() / samples;
     let mut sample: Vec<u32> = (0..samples)
         .map(|i| abs_key(x[sample_at(i, stride)]))
         .collect();
-    // The key with `at` sampled keys above it.
-    Some(*sample.select_nth_unstable(samples - 1 - at).1)
+    *sample.select_nth_unstable(samples - 1 - at).1
 }
 
 /// The largest power of two that at least k of `x`'s keys reach, counted from the largest key's
@@ -309,15 +315,8 @@ fn top_k_of_candidates(
     if x.len() < 16 * SAMPLES || 16 * k > x.len() {
         return false;
     }
-    // One key from each of SAMPLES equal spans, at a pseudo-random place in it (an evenly strided
-    // sample aliases with a matrix's rows or any other period of the data).
-    let stride = x.len() / SAMPLES;
-    let mut sample: Vec<u32> = (0..SAMPLES)
-        .map(|i| abs_key(x[sample_at(i, stride)]))
-        .collect();
-    sample.sort_unstable_by(|a, b| b.cmp(a));
     let at = (k * SAMPLES / x.len() * 3 / 2 + 16).min(SAMPLES - 1);
-    let floor = sample[at];
+    let floor = sampled_key(x, SAMPLES, at);
     // Past 4 k + SAMPLES candidates (ties at the sample's key, or a sample far off) the full selection
     // runs instead: it is then the cheaper one.
     let cap = 4 * k + SAMPLES;
