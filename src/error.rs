@@ -12,15 +12,18 @@ macro_rules! bad_input {
     ($($arg:tt)*) => { anyhow::Error::new($crate::error::BadInput(format!($($arg)*))) };
 }
 
-/// A rank's loss or gradient norm became NaN or infinite: every rank stopped at that step without saving
-/// it (exit code 3).
+/// A rank's loss or gradient norm became NaN or infinite: every rank stopped at the next vote (see
+/// `train::worker::vote`) without saving anything after the last checkpoint (exit code 3).
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "step {step}: rank {rank}'s {what} is {value}; every rank stopped at this step and nothing of it was \
-     saved{resume}"
+    "step {step}: rank {rank}'s {what} is {value}; every rank stopped at step {stopped} and nothing after \
+     the last checkpoint was saved{resume}"
 )]
 pub struct NonFinite {
+    /// The step (steps done) where the value appeared.
     pub step: u64,
+    /// The step where the ranks agreed to stop (the same or later).
+    pub stopped: u64,
     pub rank: usize,
     /// "train loss" or "gradient norm".
     pub what: &'static str,

@@ -17,11 +17,11 @@ DDP = os.path.join(ROOT, "config", "gpt2-small.toml")
 GOSSIP = os.path.join(ROOT, "config", "decent-gpt2-small.toml")
 METHODS = [
     ("all-reduce", DDP, []),
-    ("ring", GOSSIP, ['train.topology="ring"']),
+    ("ring", GOSSIP, ['train.topology="ring"', "train.overlap=false"]),
     ("ring overlap", GOSSIP, ['train.topology="ring"', "train.overlap=true"]),
-    ("exp", GOSSIP, ['train.topology="exp"']),
+    ("exp", GOSSIP, ['train.topology="exp"', "train.overlap=false"]),
     ("exp overlap", GOSSIP, ['train.topology="exp"', "train.overlap=true"]),
-    ("alt-exp-ring", GOSSIP, []),
+    ("alt-exp-ring", GOSSIP, ["train.overlap=false"]),
     ("alt-exp-ring overlap", GOSSIP, ["train.overlap=true"]),
     ("Radius", DDP, ['train.compression={ name = "radius" }']),
     ("PowerSGD r4", DDP, ['train.compression={ name = "powersgd", rank = 4 }']),

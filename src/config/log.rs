@@ -41,6 +41,12 @@ pub struct LogConfig {
     pub log_interval: u64,
     /// Save a checkpoint every this many steps (0: only at exit and at the end).
     pub ckpt_interval: u64,
+    /// The ranks agree on whether to stop (a signal, `train.exit_duration_mins`, a non-finite loss or
+    /// gradient norm) after every log, evaluation and checkpoint step, and in between after about this
+    /// many seconds of training (0: after every step). Each agreement is a collective of every rank: a
+    /// latency or more, which a run across slow links may want rarer, while a signal waits for the next.
+    #[schemars(range(min = 0.0))]
+    pub stop_check_secs: f64,
     /// How many step checkpoints to keep in the run directory (the newest ones).
     #[schemars(range(min = 1))]
     pub keep_checkpoints: u32,
@@ -66,6 +72,7 @@ impl Default for LogConfig {
             eval_local: false,
             log_interval: 10,
             ckpt_interval: 1000,
+            stop_check_secs: 10.0,
             keep_checkpoints: 2,
             run_name: None,
             tensorboard: false,

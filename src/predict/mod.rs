@@ -18,7 +18,7 @@ use serde::Serialize;
 use crate::config::ConfigError;
 use crate::plan::SyncPlan;
 use crate::plan::{LaunchEnv, Loaded};
-use crate::sync::trace::{self, Collective, Overlap};
+use crate::sync::trace::{self, Collective, Op, Overlap};
 use crate::sync::SyncBackend;
 use model::{Layout, StepTime};
 use profile::{Cluster, ClusterProfile};
@@ -45,6 +45,9 @@ pub struct Predictor {
     pub cores_shared: bool,
     /// Tokens of the mean step (with a ramp-up, the early steps are smaller).
     pub tokens_per_step: f64,
+    /// The loop's own collectives: steps between log steps, and seconds between stop votes.
+    log_interval: u64,
+    stop_check_secs: f64,
 }
 
 /// The run's ranks placed `ranks_per_node` to a node (default: the cluster's devices per node).
@@ -105,6 +108,8 @@ impl Predictor {
             codec_rate,
             cores_shared: per_device > 1.0,
             tokens_per_step,
+            log_interval: cfg.log.log_interval.max(1),
+            stop_check_secs: cfg.log.stop_check_secs,
         })
     }
 
@@ -158,6 +163,29 @@ impl Predictor {
         (secs, time)
     }
 
+    /// Seconds per step of the training loop's own collectives on a run whose step takes `step` seconds:
+    /// at each log step one all-gather of a few words a rank (the loss and the backend's means,
+    /// `compute_ms` and the stop vote), and where steps are short against `log.stop_check_secs`, the
+    /// timed stop votes between (an all-gather of 4 words a rank; see `train::worker`'s `vote`).
+    /// Checkpoints are not priced.
+    pub fn control_seconds(&self, step: f64) -> f64 {
+        let world = self.layout.world;
+        let price = |words: u64| {
+            let c = Collective::world(
+                Op::AllGather {
+                    pieces: vec![words],
+                },
+                world,
+                Overlap::None,
+            );
+            model::collective_seconds(&c, &self.layout, &self.profile)
+        };
+        let log = self.log_interval as f64;
+        let gap = (self.stop_check_secs / step.max(1e-9)).floor().max(1.0);
+        let timed = (1.0 / gap - 1.0 / log).max(0.0);
+        price(8) / log + price(4) * timed
+    }
+
     /// The average step over `steps`, with each kind of collective tallied.
     pub fn average(&self, steps: std::ops::Range<u64>) -> Average {
         self.average_of(&self.patterns(steps))
@@ -193,7 +221,8 @@ impl Predictor {
             codec_ms: sum.serial / n * 1e3 - self.update * 1e3,
             comm_ms: sum.comm / n * 1e3,
             exposed_comm_ms: sum.exposed / n * 1e3,
-            ms_per_step: sum.total() / n * 1e3,
+            control_ms: self.control_seconds(sum.total() / n) * 1e3,
+            ms_per_step: (sum.total() / n + self.control_seconds(sum.total() / n)) * 1e3,
             collectives,
         }
     }
@@ -287,6 +316,8 @@ pub struct Average {
     pub codec_ms: f64,
     pub comm_ms: f64,
     pub exposed_comm_ms: f64,
+    /// The training loop's own collectives: loss means and stop votes (`Predictor::control_seconds`).
+    pub control_ms: f64,
     pub ms_per_step: f64,
     pub collectives: Vec<CollectiveRow>,
 }
@@ -452,12 +483,15 @@ pub fn predict_run(
         };
         let codec = row.sync_ms / 1e3 * device_scale;
         (sync_s, sync_steps) = (sync_s + codec, sync_steps + (row.step - prev));
+        let start = clock;
         for (c, k) in interval {
             let t = p.price(&c).1;
             clock += k as f64 * (t.compute + p.update + t.exposed * scale);
             *all.entry(c).or_default() += k;
         }
         clock += codec;
+        let steps = row.step.saturating_sub(prev).max(1) as f64;
+        clock += steps * p.control_seconds((clock - start) / steps);
         clocks.push(clock);
         if let Some(v) = row.val_loss {
             evals.push(EvalTime {
@@ -525,6 +559,31 @@ pub fn measured_compute(
     Ok(measured * speed(ran_on) / speed(&cluster.profile) * tokens)
 }
 
+impl Prediction {
+    /// The collectives' lines of the answer.
+    fn collectives(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "collectives      (averaged over {} steps)", self.steps)?;
+        for c in &self.average.collectives {
+            writeln!(
+                f,
+                "  {:<15} {:>10}  {} group{} of {:<3} overlap {:<8} {:>7.3}/step {:>10.3} ms each",
+                c.op,
+                crate::units::bytes(c.bytes as f64),
+                c.groups,
+                if c.groups == 1 { " " } else { "s" },
+                c.group_size,
+                serde_json::to_value(c.overlap)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default(),
+                c.per_step,
+                c.ms
+            )?;
+        }
+        Ok(())
+    }
+}
+
 impl std::fmt::Display for Prediction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let a = &self.average;
@@ -555,28 +614,16 @@ impl std::fmt::Display for Prediction {
                 .map_or(String::new(), CodecRate::describe);
             writeln!(f, "compression      {:.2} ms/step{how}", a.codec_ms)?;
         }
-        writeln!(f, "collectives      (averaged over {} steps)", self.steps)?;
-        for c in &a.collectives {
-            writeln!(
-                f,
-                "  {:<15} {:>10}  {} group{} of {:<3} overlap {:<8} {:>7.3}/step {:>10.3} ms each",
-                c.op,
-                crate::units::bytes(c.bytes as f64),
-                c.groups,
-                if c.groups == 1 { " " } else { "s" },
-                c.group_size,
-                serde_json::to_value(c.overlap)
-                    .ok()
-                    .and_then(|v| v.as_str().map(String::from))
-                    .unwrap_or_default(),
-                c.per_step,
-                c.ms
-            )?;
-        }
+        self.collectives(f)?;
         writeln!(
             f,
             "communication    {:.2} ms/step, {:.2} ms exposed",
             a.comm_ms, a.exposed_comm_ms
+        )?;
+        writeln!(
+            f,
+            "bookkeeping      {:.2} ms/step (loss means and stop votes)",
+            a.control_ms
         )?;
         writeln!(
             f,

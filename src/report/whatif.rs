@@ -112,6 +112,8 @@ pub struct Line {
     /// subtracted from it), and the messages a step sends.
     pub latency_ms: f64,
     pub messages_per_step: f64,
+    /// The training loop's own collectives (loss means and stop votes; see `Average::control_ms`).
+    pub control_ms: f64,
     /// Run directories: the first evaluation at or below the target loss, and its predicted seconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub target_step: Option<u64>,
@@ -157,6 +159,7 @@ pub fn compare(
                 exposed_comm_ms: p.average.exposed_comm_ms,
                 latency_ms: latency.max(0.0),
                 messages_per_step: p.average.collectives.iter().map(|c| c.per_step).sum(),
+                control_ms: p.average.control_ms,
                 target_step: reached.map(|v| v.step),
                 time_to_target_s: reached.map(|v| v.predicted_s),
             });
@@ -199,14 +202,16 @@ pub fn table(lines: &[Line]) -> String {
     for l in lines.iter().filter(|l| l.latency_ms > 0.5 * l.ms_per_step) {
         let _ = writeln!(
             out,
-            "\n{} on {}: latency-bound, {} of its {} ms/step is per-message latency ({} collectives a step); \
-             fewer, larger messages would cut it (train.bucket_size_mb for all-reduce's buckets, a longer \
-             train.diloco.sync_every, fewer gossip rounds).",
+            "\n{} on {}: latency-bound, {} of its {} ms/step is per-message latency ({} collectives a step, \
+             and {} ms/step of loss means and stop votes); fewer, larger messages would cut it \
+             (train.bucket_size_mb for all-reduce's buckets, a longer train.diloco.sync_every, fewer gossip \
+             rounds, a larger log.log_interval for the bookkeeping).",
             l.entry,
             l.cluster,
             sig3(l.latency_ms),
             sig3(l.ms_per_step),
-            sig3(l.messages_per_step)
+            sig3(l.messages_per_step),
+            sig3(l.control_ms)
         );
     }
     out

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -24,6 +24,9 @@ use crate::optim;
 use crate::sync::SyncBackend;
 
 mod churn;
+mod vote;
+
+use vote::{Ballot, Outcome, Vote};
 
 /// A100 bf16 dense peak, nanoGPT's reference for MFU on GPUs.
 const A100_BF16_PEAK_FLOPS: f64 = 312e12;
@@ -100,54 +103,13 @@ const DROPOUT_KEY: u64 = 0x6472_6f70; // "drop"
 /// What the staged backward calls with each complete range of the gradient (`SyncBackend::grads_ready`).
 type Ready<'a> = dyn FnMut(FlatMut<'_>, std::ops::Range<usize>) -> Result<()> + 'a;
 
-/// Why a rank wants to stop after a step, in rising priority: when ranks disagree, the highest wins. A
-/// run that reached n_steps is finished whatever else happened; a signal beats the time limits; a
-/// non-finite gradient norm or loss on any rank beats everything (its state is never saved), the loss
-/// first: an all-reduce spreads one rank's NaN gradient to every rank, the loss names the rank it began on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Vote {
-    Continue = 0,
-    ExitInterval = 1,
-    ExitDuration = 2,
-    Signal = 3,
-    Finished = 4,
-    NonFiniteGradNorm = 5,
-    NonFiniteLoss = 6,
-}
-
-impl Vote {
-    const ALL: [Vote; 7] = [
-        Vote::Continue,
-        Vote::ExitInterval,
-        Vote::ExitDuration,
-        Vote::Signal,
-        Vote::Finished,
-        Vote::NonFiniteGradNorm,
-        Vote::NonFiniteLoss,
-    ];
-
-    /// Every rank's vote with the value that made it (a real all-gather of (vote, value) pairs; small
-    /// integers are exact in f32, and NaN and infinities cross as they are). The highest vote wins;
-    /// returns it with the lowest rank that cast it and that rank's value.
-    fn agree(self, value: f64, comm: &mut dyn Communicator) -> Result<(Vote, usize, f64)> {
-        let mut all = vec![0.0f32; 2 * comm.world_size()];
-        comm.all_gather(&[self as u8 as f32, value as f32], &mut all)?;
-        let votes: Vec<(usize, f32)> = all.chunks(2).map(|p| (p[0] as usize, p[1])).collect();
-        let top = votes.iter().map(|&(v, _)| v).max().unwrap_or(0);
-        let rank = votes.iter().position(|&(v, _)| v == top).unwrap_or(0);
-        let vote = Vote::ALL
-            .get(top)
-            .copied()
-            .with_context(|| format!("exit vote: a rank sent {top}, not a vote"))?;
-        Ok((vote, rank, votes[rank].1 as f64))
-    }
-}
-
-/// The largest of every rank's `mine` (an all-gather, in f32).
-fn largest(mine: f64, comm: &mut dyn Communicator) -> Result<f64> {
-    let mut all = vec![0.0f32; comm.world_size()];
-    comm.all_gather(&[mine as f32], &mut all)?;
-    Ok(all.iter().fold(f32::MIN, |m, &x| m.max(x)) as f64)
+/// What the ranks learn at a log step: the means of the loss and of the backend's per-rank values, the
+/// slowest rank's compute seconds and the stop vote (the last two absent under `[train.membership]`).
+struct Meeting {
+    loss: f64,
+    per_rank: [Option<f64>; 2],
+    compute: Option<f64>,
+    vote: Option<Outcome>,
 }
 
 pub(super) struct Worker<'s> {
@@ -180,6 +142,8 @@ pub(super) struct Worker<'s> {
     clock: Option<Box<(crate::predict::Predictor, crate::predict::clock::Clock)>>,
     /// Whether the next row is this process's first after its first step (it carries `startup_s`).
     startup_due: bool,
+    /// This rank's side of the votes on stopping.
+    ballot: Ballot,
 }
 
 impl<'s> Worker<'s> {
@@ -233,6 +197,7 @@ impl<'s> Worker<'s> {
             mfu_peak: None,
             clock: churn::clock(setup, sync_id)?,
             startup_due: true,
+            ballot: Ballot::new(0),
         };
         if w.join_schedule()? {
             if let Some((dir, mode)) = &setup.source {
@@ -379,25 +344,8 @@ impl<'s> Worker<'s> {
                 return Ok(self.summary(Exit::Finished, self.last_val));
             }
             let (lr, loss, grad_norm) = self.step()?;
-            let step = self.progress.step;
-            let log = &self.setup.cfg.log;
-            let eval_due = step.is_multiple_of(log.eval_interval) || step == t.n_steps;
-            if step.is_multiple_of(log.log_interval) || eval_due {
-                self.log(lr, grad_norm, eval_due)?;
-            }
-            let (vote, value) = self.vote(loss, grad_norm);
-            let (exit, rank, value) = self.control(|w| vote.agree(value, w.sync.comm_mut()))?;
-            if exit >= Vote::NonFiniteGradNorm {
-                return Err(self.stop_non_finite(exit, rank, value));
-            }
-            let ckpt_every = log.ckpt_interval;
-            if exit != Vote::Continue || (ckpt_every > 0 && step.is_multiple_of(ckpt_every)) {
-                self.control(Self::save_checkpoint)?;
-            }
-            if exit != Vote::Continue {
-                // Workers away stop waiting to come back.
-                self.sync.comm_mut().end();
-                break self.exit_of(exit);
+            if let Some(exit) = self.after_step(lr, loss, grad_norm)? {
+                break exit;
             }
         };
         self.console
@@ -407,6 +355,53 @@ impl<'s> Worker<'s> {
             m.finish(i32::from(matches!(exit, Exit::Signal(_))))?;
         }
         Ok(self.summary(exit, self.last_val))
+    }
+
+    /// After a step: its row and evaluation when due, the vote when due (see `vote`), and the checkpoint
+    /// when due or stopping. Returns how the run ends, if it does here.
+    fn after_step(&mut self, lr: f64, loss: f64, grad_norm: f64) -> Result<Option<Exit>> {
+        let step = self.progress.step;
+        self.ballot.record(step, loss, grad_norm);
+        let (t, log) = (&self.setup.cfg.train, &self.setup.cfg.log);
+        let eval_due = step.is_multiple_of(log.eval_interval) || step == t.n_steps;
+        let log_due = step.is_multiple_of(log.log_interval) || eval_due;
+        let ckpt_due = log.ckpt_interval > 0 && step.is_multiple_of(log.ckpt_interval);
+        let every_secs = log.stop_check_secs;
+        let stop = self.stop_vote();
+        // A log step's vote rides in its row's collective (not under `[train.membership]`).
+        let voted = match log_due {
+            true => self.log(lr, grad_norm, eval_due, stop)?,
+            false => None,
+        };
+        let out = match voted {
+            Some(out) => out,
+            None if log_due || ckpt_due || self.vote_due(step) => {
+                self.control(|w| w.ballot.agree(stop, step, every_secs, w.sync.comm_mut()))?
+            }
+            None => return Ok(None),
+        };
+        if out.vote >= Vote::NonFiniteGradNorm {
+            return Err(self.stop_non_finite(out));
+        }
+        if out.vote != Vote::Continue || ckpt_due {
+            self.control(Self::save_checkpoint)?;
+        }
+        if out.vote == Vote::Continue {
+            return Ok(None);
+        }
+        // Workers away stop waiting to come back.
+        self.sync.comm_mut().end();
+        Ok(Some(self.exit_of(out.vote)))
+    }
+
+    /// Whether the ranks vote after `step` besides the log, evaluation and checkpoint steps: at the timed
+    /// vote, the last step, the exit interval's, and after every step under `[train.membership]`.
+    fn vote_due(&self, step: u64) -> bool {
+        let t = &self.setup.cfg.train;
+        self.ballot.due(step)
+            || step >= t.n_steps
+            || t.exit_interval.is_some_and(|n| step - self.start_step >= n)
+            || self.setup.plan.membership.is_some()
     }
 
     /// Before the first step: the local engine's workers wait until all are built (those built first would
@@ -425,6 +420,7 @@ impl<'s> Worker<'s> {
         let ready = super::clock::since_process_start().saturating_sub(evaluating);
         let ready_ns = u64::try_from(ready.as_nanos()).unwrap_or(u64::MAX);
         (self.setup.first_step_ns).fetch_max(ready_ns, std::sync::atomic::Ordering::Relaxed);
+        self.ballot = Ballot::new(self.progress.step);
         Ok(())
     }
 
@@ -600,31 +596,31 @@ impl<'s> Worker<'s> {
     }
 
     /// A metrics row (the loss averaged over workers), with an evaluation when `eval_due`.
-    fn log(&mut self, lr: f64, grad_norm: f64, eval_due: bool) -> Result<()> {
+    /// A metrics row, with the stop vote (`stop`: this rank's reason) in its collective, except under
+    /// `[train.membership]`, where the vote follows on its own.
+    fn log(
+        &mut self,
+        lr: f64,
+        grad_norm: f64,
+        eval_due: bool,
+        stop: Vote,
+    ) -> Result<Option<Outcome>> {
         let plan = &self.setup.plan;
         let m = self.sync.take_metrics();
-        // The loss and the backend's per-rank values, averaged over the ranks in one message (every rank
-        // has the same fields set: they follow the same schedule).
         let per_rank = [m.pseudo_grad_norm, m.consensus_distance];
-        let (loss, [norm, distance]) = match plan.membership {
-            None => {
-                let mut means: Vec<f32> = std::iter::once(self.since_log.mean_loss())
-                    .chain(per_rank.iter().flatten().copied())
-                    .map(|x| x as f32)
-                    .collect();
-                self.control(|w| w.sync.mean_scalars(&mut means))?;
-                let mut rest = means[1..].iter().map(|&x| x as f64);
-                (
-                    means[0] as f64,
-                    per_rank.map(|v| v.and_then(|_| rest.next())),
-                )
+        let met = match plan.membership {
+            None => self.control(|w| w.meet(per_rank, stop))?,
+            Some(_) => {
+                let (loss, per_rank) = self.control(|w| w.means_of_present(per_rank))?;
+                Meeting {
+                    loss,
+                    per_rank,
+                    compute: None,
+                    vote: None,
+                }
             }
-            Some(_) => self.control(|w| w.means_of_present(per_rank))?,
         };
-        let compute = match plan.membership {
-            None => Some(self.control(Self::slowest_compute)?),
-            Some(_) => None,
-        };
+        let (loss, [norm, distance], compute) = (met.loss, met.per_rank, met.compute);
         let mut row =
             self.since_log
                 .row(&self.progress, lr, loss, grad_norm, self.sync.comm_stats());
@@ -664,13 +660,47 @@ impl<'s> Worker<'s> {
             m.write(&row)?;
         }
         self.since_log = Interval::new(self.sync.comm_stats());
-        Ok(())
+        Ok(met.vote)
     }
 
-    /// The interval's compute seconds (`Interval::compute_seconds`) of the slowest rank.
-    fn slowest_compute(&mut self) -> Result<f64> {
-        let mine = self.since_log.compute_seconds(&self.sync.comm_stats());
-        largest(mine, self.sync.comm_mut())
+    /// A log step's one bookkeeping collective: an all-gather of each rank's loss since the last row, the
+    /// backend's per-rank values (every rank has the same ones set: they follow the same schedule), its
+    /// compute seconds (`Interval::compute_seconds`) and its ballot. Means are the rank-ordered sum times
+    /// 1 / N (as `all_reduce_mean`), the compute the slowest rank's.
+    fn meet(&mut self, per_rank: [Option<f64>; 2], stop: Vote) -> Result<Meeting> {
+        let compute = self.since_log.compute_seconds(&self.sync.comm_stats());
+        let mut mine: Vec<f32> = std::iter::once(self.since_log.mean_loss())
+            .chain(per_rank.iter().flatten().copied())
+            .chain([compute])
+            .map(|x| x as f32)
+            .collect();
+        let every_secs = self.setup.cfg.log.stop_check_secs;
+        let step = self.progress.step;
+        mine.extend(self.ballot.words(stop, step, every_secs));
+        let comm = self.sync.comm_mut();
+        let (n, width) = (comm.world_size(), mine.len());
+        let mut all = vec![0.0f32; n * width];
+        comm.all_gather(&mine, &mut all)?;
+        let field = |i: usize| all.chunks_exact(width).map(move |r| r[i]);
+        let mean = |i: usize| field(i).fold(0.0f32, |a, x| a + x) * (1.0 / n as f32);
+        let mut next = 0;
+        let per_rank = per_rank.map(|v| {
+            v.map(|_| {
+                next += 1;
+                mean(next) as f64
+            })
+        });
+        let at = width - 5;
+        let ballots: Vec<f32> = all
+            .chunks_exact(width)
+            .flat_map(|r| r[at + 1..].to_vec())
+            .collect();
+        Ok(Meeting {
+            loss: mean(0) as f64,
+            per_rank,
+            compute: Some(field(at).fold(f32::MIN, f32::max) as f64),
+            vote: Some(self.ballot.settle(&ballots, step)?),
+        })
     }
 
     /// On the first row after this process's first step (every worker of it has started one by then: the
@@ -807,24 +837,11 @@ impl<'s> Worker<'s> {
         }
     }
 
-    /// This rank's reason to stop after the step just taken.
-    /// This rank's vote after a step, with the non-finite value that made it, if any.
-    fn vote(&self, loss: f64, grad_norm: f64) -> (Vote, f64) {
-        if !loss.is_finite() {
-            return (Vote::NonFiniteLoss, loss);
-        }
-        if !grad_norm.is_finite() {
-            return (Vote::NonFiniteGradNorm, grad_norm);
-        }
-        (self.stop_vote(), 0.0)
-    }
-
-    /// Every rank stopped at a non-finite step (`rank`'s `value`): nothing of it is saved; the error names
-    /// the step, the rank, the value and the checkpoint to resume from.
-    fn stop_non_finite(&mut self, vote: Vote, rank: usize, value: f64) -> anyhow::Error {
-        // The step as the console and the rows number it (steps done, this one included).
-        let step = self.progress.step;
-        let resume = match checkpoint::list(&self.setup.run_dir.join("checkpoints")).last() {
+    /// Every rank stopped at the vote after a non-finite step (`out`: its step, rank and value): nothing
+    /// since the last checkpoint is saved; the error names the step, the rank, the value, the step where
+    /// the ranks stopped and the checkpoint to resume from.
+    fn stop_non_finite(&mut self, out: Outcome) -> anyhow::Error {
+        let resume = match checkpoint::list(&self.setup.run_dir.join("checkpoints")).first() {
             Some(dir) => format!(
                 "; the last checkpoint, {}, is intact: the same command resumes from it (with a lower \
                  learning rate: --set train.lr_schedule.lr=... --allow-config-change train.lr_schedule)",
@@ -833,13 +850,15 @@ impl<'s> Worker<'s> {
             None => "; no checkpoint was saved before it".into(),
         };
         let err = crate::error::NonFinite {
-            step,
-            rank,
-            what: match vote {
+            // Steps as the console and the rows number them (steps done, this one included).
+            step: out.step,
+            stopped: self.progress.step,
+            rank: out.rank,
+            what: match out.vote {
                 Vote::NonFiniteLoss => "train loss",
                 _ => "gradient norm",
             },
-            value,
+            value: out.value,
             resume,
         };
         self.console.line(&format!("stopped: {err}"));
@@ -1065,55 +1084,6 @@ fn overlapped<T: Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The highest vote wins on every rank, with the lowest rank that cast it and its value: a NaN loss
-    /// beats a NaN gradient norm, which beats everything else.
-    #[test]
-    fn the_highest_vote_wins_on_every_rank() {
-        let agree = |votes: [(Vote, f64); 4]| -> Vec<(Vote, usize, f64)> {
-            let ranks: Vec<_> = crate::comm::local::group(4, std::time::Duration::from_secs(10))
-                .into_iter()
-                .zip(votes)
-                .map(|(mut c, (v, x))| std::thread::spawn(move || v.agree(x, &mut c).unwrap()))
-                .collect();
-            ranks.into_iter().map(|h| h.join().unwrap()).collect()
-        };
-        let agreed = agree([
-            (Vote::Continue, 0.0),
-            (Vote::Signal, 0.0),
-            (Vote::ExitInterval, 0.0),
-            (Vote::ExitDuration, 0.0),
-        ]);
-        assert_eq!(agreed, vec![(Vote::Signal, 1, 0.0); 4]);
-        let agreed = agree([
-            (Vote::NonFiniteGradNorm, f64::NAN),
-            (Vote::Finished, 0.0),
-            (Vote::NonFiniteLoss, f64::INFINITY),
-            (Vote::NonFiniteLoss, f64::NAN),
-        ]);
-        assert!(agreed
-            .iter()
-            .all(|&(v, r, x)| (v, r, x) == (Vote::NonFiniteLoss, 2, f64::INFINITY)));
-        assert!(Vote::Finished > Vote::Signal && Vote::Signal > Vote::ExitDuration);
-        let mut solo = crate::comm::Solo;
-        for v in Vote::ALL {
-            assert_eq!(v.agree(-1.5, &mut solo).unwrap(), (v, 0, -1.5));
-        }
-    }
-
-    /// Every rank learns the largest value any rank holds.
-    #[test]
-    fn largest_is_every_ranks_maximum() {
-        let values = [3.5, -1.0, 12.25, 0.0];
-        let ranks: Vec<_> = crate::comm::local::group(4, std::time::Duration::from_secs(10))
-            .into_iter()
-            .zip(values)
-            .map(|(mut c, x)| std::thread::spawn(move || super::largest(x, &mut c).unwrap()))
-            .collect();
-        let got: Vec<f64> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
-        assert_eq!(got, vec![12.25; 4]);
-        assert_eq!(super::largest(-2.0, &mut crate::comm::Solo).unwrap(), -2.0);
-    }
 
     /// MFU's peak counts each node's cores once, however many ranks and threads share them: `mpirun -np 2`
     /// on 2 cores is 2 cores (it once logged MFU 100.18% against 2 ranks x 2 threads), 8 ranks on 2 nodes

@@ -572,17 +572,50 @@ fn a_dead_or_hung_local_worker_ends_the_job_with_its_name_instead_of_hanging() {
     assert_eq!(code, Some(2), "{err}");
 }
 
-/// A NaN loss on one worker (injected: `NANODIST_FAULT=1:5:nan`) stops every worker at that step with
-/// exit code 3 and a message naming the step, the rank and the value; nothing of that step is saved, the
-/// last good checkpoint stays, and the same command then resumes from it to the rows of a run that never
-/// failed, bit for bit. For all-reduce (which spreads the NaN gradient to every rank) and gossip (which
-/// keeps it on rank 1 for the step).
+/// A NaN loss on one worker (injected: `NANODIST_FAULT=1:5:nan`) stops every worker at the next vote with
+/// exit code 3 and a message naming the step, the rank and the value; nothing after the last checkpoint is
+/// saved, and the same command then resumes from it to the rows of a run that never failed, bit for bit.
+/// For all-reduce (which spreads the NaN gradient to every rank), gossip (which keeps it on rank 1 for the
+/// step), and DiLoCo voting only at its log steps (4 and 8: the NaN of step 7 stops the run at step 8,
+/// after its outer step spread it, and the checkpoint of step 6 is the one to resume from).
 #[test]
 fn a_non_finite_step_stops_every_worker_saves_nothing_and_resumes_from_the_last_checkpoint() {
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
     let gossip: &[&str] = &["train.backend=\"decentdp\"", "train.topology=\"ring\""];
-    for (name, set) in [("allreduce", &[][..]), ("gossip", gossip)] {
+    let diloco: &[&str] = &[
+        "train.backend=\"diloco\"",
+        "train.diloco={ sync_every = 4 }",
+        "log.log_interval=4",
+        "log.stop_check_secs=1000",
+    ];
+    let cases = [
+        (
+            "allreduce",
+            &[][..],
+            "1:5:nan",
+            "step 6",
+            "stopped at step 6",
+            3,
+        ),
+        (
+            "gossip",
+            gossip,
+            "1:5:nan",
+            "step 6",
+            "stopped at step 6",
+            3,
+        ),
+        (
+            "diloco",
+            diloco,
+            "1:6:nan",
+            "step 7",
+            "stopped at step 8",
+            6,
+        ),
+    ];
+    for (name, set, fault, step, stopped, intact) in cases {
         let mut set = set.to_vec();
         set.extend([
             "train.n_steps=10",
@@ -595,20 +628,20 @@ fn a_non_finite_step_stops_every_worker_saves_nothing_and_resumes_from_the_last_
         std::fs::write(&cfg, common::config(d.path(), Some(name), &set)).unwrap();
         let cfg = cfg.display().to_string();
         let args = ["train", cfg.as_str(), "--workers", "2"];
-        let out = common::nanodist_with(&args, &[("NANODIST_FAULT", "1:5:nan")]);
+        let out = common::nanodist_with(&args, &[("NANODIST_FAULT", fault)]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{name}: {err}");
-        assert!(
-            err.contains("step 6: rank 1's train loss is NaN"),
-            "{name}: {err}"
-        );
-        assert!(err.contains("step_00000003, is intact"), "{name}: {err}");
+        let named = format!("{step}: rank 1's train loss is NaN; every rank {stopped}");
+        assert!(err.contains(&named), "{name}: {err}");
+        let last = format!("step_{intact:08}");
+        assert!(err.contains(&format!("{last}, is intact")), "{name}: {err}");
         let run = d.path().join("log").join(name);
-        let kept: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+        let mut kept: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
             .collect();
-        assert_eq!(kept, ["step_00000003"], "{name}: nothing of step 6 saved");
+        kept.sort();
+        assert_eq!(kept.last(), Some(&last), "{name}: nothing after it saved");
         let out = common::nanodist(&args);
         assert!(
             out.status.success(),
@@ -619,7 +652,7 @@ fn a_non_finite_step_stops_every_worker_saves_nothing_and_resumes_from_the_last_
         assert_eq!(
             resumed.iter().map(exact).collect::<Vec<_>>(),
             whole.iter().map(exact).collect::<Vec<_>>(),
-            "{name}: resumed from step 3"
+            "{name}: resumed from {last}"
         );
     }
 }

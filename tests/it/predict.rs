@@ -107,14 +107,18 @@ fn predict_answers_per_cluster_and_layout() {
     let total = slow["compute_ms"].as_f64().unwrap()
         + slow["update_ms"].as_f64().unwrap()
         + slow["codec_ms"].as_f64().unwrap()
-        + slow["exposed_comm_ms"].as_f64().unwrap();
+        + slow["exposed_comm_ms"].as_f64().unwrap()
+        + slow["control_ms"].as_f64().unwrap();
     assert!((total - slow["ms_per_step"].as_f64().unwrap()).abs() < 1e-6 * total);
-    // DiLoCo communicates once per 100 steps: far less per step than all-reduce over the WAN.
+    // DiLoCo communicates once per 100 steps: far less per step than all-reduce over the WAN (logging
+    // every 100 steps too: the tiny config's row every step is an all-gather of every rank, 750 ms here).
     let diloco = ask(
         "wan-1g",
         &[
             "--workers",
             "16",
+            "--set",
+            "log.log_interval=100",
             "--set",
             "train.backend=\"diloco\"",
             "--set",
@@ -320,6 +324,12 @@ fn predict_compares_entries_on_clusters_in_one_call() {
     assert_eq!(notes.len(), 1, "{table}");
     assert!(
         notes[0].starts_with("gpt2-small on wan-1g:") && notes[0].contains("train.bucket_size_mb")
+    );
+    // Its loss means and stop votes: one vote a step, as its 40 s step is longer than
+    // `log.stop_check_secs` (15 latencies of 50 ms each on 16 sites).
+    assert!(
+        notes[0].contains("and 750 ms/step of loss means and stop votes"),
+        "{table}"
     );
 
     // Run directories: the time each is predicted to reach the worse final val loss.
