@@ -595,9 +595,9 @@ impl<'s> Worker<'s> {
         Ok(out)
     }
 
-    /// A metrics row (the loss averaged over workers), with an evaluation when `eval_due`.
-    /// A metrics row, with the stop vote (`stop`: this rank's reason) in its collective, except under
-    /// `[train.membership]`, where the vote follows on its own.
+    /// A metrics row (the loss averaged over workers), with an evaluation when `eval_due` and the stop
+    /// vote (`stop`: this rank's reason) in its collective, except under `[train.membership]`, where the
+    /// vote follows on its own.
     fn log(
         &mut self,
         lr: f64,
@@ -624,6 +624,13 @@ impl<'s> Worker<'s> {
         let mut row =
             self.since_log
                 .row(&self.progress, lr, loss, grad_norm, self.sync.comm_stats());
+        let steps = self.since_log.steps;
+        // Every rank's next interval starts as it leaves the row's collective (after an evaluation, as
+        // it leaves the barrier below): each rank's `compute_ms` then spans the same time, and what the
+        // row costs besides (rank 0 writes it) counts in the next, as the others go on meanwhile.
+        if !eval_due {
+            self.since_log = Interval::new(self.sync.comm_stats());
+        }
         // The batch of the row's last step (of the workers that took part in it).
         let last = self.progress.step.saturating_sub(1);
         row.batch_size =
@@ -653,13 +660,15 @@ impl<'s> Worker<'s> {
         row.startup_s = self.startup();
         if eval_due {
             self.evaluate(&mut row)?;
+            // Rank 0 saved a best model alone: the ranks start their next intervals together.
+            self.control(|w| w.sync.barrier())?;
+            self.since_log = Interval::new(self.sync.comm_stats());
         } else {
-            self.console.progress(&row, self.since_log.steps);
+            self.console.progress(&row, steps);
         }
         if let Some(m) = self.metrics.as_mut() {
             m.write(&row)?;
         }
-        self.since_log = Interval::new(self.sync.comm_stats());
         Ok(met.vote)
     }
 

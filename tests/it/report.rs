@@ -136,17 +136,20 @@ fn compare_and_plot_read_real_runs() {
             .iter()
             .map(|r| r.ms_per_step * (r.step - std::mem::replace(&mut prev, r.step)) as f64)
             .sum();
-        // The slowest rank's compute: some, and no more than the row's interval (its rank started the
-        // interval within the same collective as rank 0).
+        // The slowest rank's compute: some, and no more than the row's interval. Each rank's interval
+        // starts as it leaves the previous row's collective, so a rank woken later than the others (4
+        // workers on 2 busy cores) starts later: a row may exceed its interval by that delay (up to a
+        // few scheduler slices), the typical row, which `predict --measured` takes, not at all.
         let mut prev = 0;
+        let mut ratios = Vec::new();
         for r in &rows {
             let interval = r.ms_per_step * (r.step - std::mem::replace(&mut prev, r.step)) as f64;
             let c = r.compute_ms.expect("every row logs compute_ms");
-            assert!(
-                c > 0.0 && c <= 1.02 * interval + 2.0,
-                "{c} of {interval} ms"
-            );
+            assert!(c > 0.0 && c <= interval + 15.0, "{c} of {interval} ms");
+            ratios.push(c / interval);
         }
+        ratios.sort_by(f64::total_cmp);
+        assert!(ratios[ratios.len() / 2] <= 1.02, "{ratios:?}");
         let near = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1.0);
         assert!(near(
             all[i]["comm_ms_per_step"].as_f64().unwrap(),
