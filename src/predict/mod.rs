@@ -210,6 +210,7 @@ impl Predictor {
                 e.ms += k * secs * 1e3;
             }
         }
+        let control = self.control_seconds(sum.total() / n);
         let mut collectives: Vec<CollectiveRow> = kinds.into_values().collect();
         for c in &mut collectives {
             // Mean time of one, from the sum over its occurrences.
@@ -221,8 +222,8 @@ impl Predictor {
             codec_ms: sum.serial / n * 1e3 - self.update * 1e3,
             comm_ms: sum.comm / n * 1e3,
             exposed_comm_ms: sum.exposed / n * 1e3,
-            control_ms: self.control_seconds(sum.total() / n) * 1e3,
-            ms_per_step: (sum.total() / n + self.control_seconds(sum.total() / n)) * 1e3,
+            control_ms: control * 1e3,
+            ms_per_step: (sum.total() / n + control) * 1e3,
             collectives,
         }
     }
