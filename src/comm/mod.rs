@@ -159,9 +159,9 @@ pub(crate) type Exchange<'a> =
 
 /// Sum over the ranks of `group` (in group order), in place, for engines built on point-to-point
 /// messages (MPI, NCCL groups): a reduce-scatter in which the member at position i owns chunk i and adds
-/// the members' copies of it in group order, then an all-gather of the reduced chunks. Each member sends
-/// 2 (g - 1) / g of the buffer, as a ring all-reduce; returns the bytes this rank sent. The sums equal
-/// the local engine's bit for bit.
+/// the members' copies of it in group order, then an all-gather of the reduced chunks; a pair exchanges
+/// whole buffers at once (`pair_sum`). Each member sends 2 (g - 1) / g of the buffer, as a ring
+/// all-reduce; returns the bytes this rank sent. The sums equal the local engine's bit for bit.
 #[cfg(any(feature = "mpi", feature = "cuda"))]
 pub(crate) fn group_sum(
     rank: usize,
@@ -176,6 +176,9 @@ pub(crate) fn group_sum(
     };
     if g == 1 {
         return Ok(0);
+    }
+    if g == 2 {
+        return pair_sum(buf, group[1 - me], scratch, exchange);
     }
     let mine = chunk(len, g, me);
     // Reduce-scatter: receive every member's copy of my chunk.
@@ -217,6 +220,24 @@ pub(crate) fn group_sum(
         .map(|i| (group[i], &reduced[..]))
         .collect();
     bytes += exchange(&sends, &mut rest)?;
+    Ok(bytes)
+}
+
+/// A pair's sum in one exchange: each member sends its whole buffer (the bytes of a reduce-scatter and
+/// an all-gather, in one round trip instead of two) and adds the other's. Addition commutes, so both
+/// members hold x0 + x1, the sum in group order.
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+fn pair_sum(
+    buf: &mut [f32],
+    peer: usize,
+    scratch: &mut Vec<f32>,
+    exchange: &mut Exchange<'_>,
+) -> Result<u64> {
+    scratch.resize(buf.len(), 0.0);
+    let bytes = exchange(&[(peer, &buf[..])], &mut [(peer, &mut scratch[..])])?;
+    buf.iter_mut()
+        .zip(scratch.iter())
+        .for_each(|(b, s)| *b += s);
     Ok(bytes)
 }
 
@@ -459,6 +480,33 @@ mod tests {
             1_763_900_000,
         ] {
             assert_eq!(unpack_u64(pack_u64(x)), x);
+        }
+    }
+
+    /// A pair sums in one exchange of whole buffers, sending the ring volume, and both members hold
+    /// x0 + x1 bit for bit (values whose sum rounds).
+    #[cfg(any(feature = "mpi", feature = "cuda"))]
+    #[test]
+    fn a_pair_sums_in_one_exchange_to_the_group_ordered_sum() {
+        let len = 1001;
+        let x: [Vec<f32>; 2] =
+            [0, 1].map(|r| (0..len).map(|i| 0.1 + (i * 7 + r) as f32 * 1e-7).collect());
+        let want: Vec<u32> = (0..len).map(|i| (x[0][i] + x[1][i]).to_bits()).collect();
+        let group = [4, 9];
+        for me in 0..2 {
+            let (mut buf, mut scratch, mut calls) = (x[me].clone(), Vec::new(), 0);
+            let bytes = group_sum(group[me], &mut buf, &group, &mut scratch, &mut |s, r| {
+                calls += 1;
+                assert_eq!(
+                    (s.len(), r.len(), s[0].0, r[0].0),
+                    (1, 1, group[1 - me], group[1 - me])
+                );
+                r[0].1.copy_from_slice(&x[1 - me]);
+                Ok(s[0].1.len() as u64 * 4)
+            })
+            .unwrap();
+            assert_eq!((calls, bytes), (1, all_reduce_bytes(len, 2, me)));
+            assert_eq!(buf.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
         }
     }
 
