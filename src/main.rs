@@ -967,6 +967,11 @@ fn main() -> ExitCode {
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
+    // Read by Open MPI at MPI_Init; set before any thread starts (and inherited by the `mpirun` that
+    // `netlab run` starts).
+    for (key, value) in nanodist::comm::open_mpi_defaults(|k| std::env::var_os(k).is_some()) {
+        std::env::set_var(key, value);
+    }
     nanodist::logging::init();
     let cli = Cli::parse();
     match run(cli) {

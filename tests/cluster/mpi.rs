@@ -552,3 +552,43 @@ fn a_killed_rank_ends_the_job_instead_of_hanging() {
     );
     assert!(took < Duration::from_secs(60), "took {took:?}");
 }
+
+/// `btl_tcp_flags` as `ompi_info` reports it: (value, source), with `OMPI_MCA_btl_tcp_flags` set to
+/// `env` or unset.
+fn ompi_tcp_flags(env: Option<&str>) -> (String, String) {
+    let mut c = Command::new("ompi_info");
+    c.args(["--param", "btl", "tcp", "--level", "5", "--parsable"]);
+    match env {
+        Some(v) => c.env("OMPI_MCA_btl_tcp_flags", v),
+        None => c.env_remove("OMPI_MCA_btl_tcp_flags"),
+    };
+    let out = c
+        .output()
+        .expect("ompi_info on PATH (apt-get install openmpi-bin)");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = |name: &str| {
+        let key = format!("mca:btl:tcp:param:btl_tcp_flags:{name}:");
+        let line = text.lines().find_map(|l| l.strip_prefix(key.as_str()));
+        line.unwrap_or_else(|| panic!("no {key} in ompi_info's output:\n{text}"))
+            .to_string()
+    };
+    (field("value"), field("source"))
+}
+
+/// The Open MPI settings nanodist runs with change only what they mean to, and Open MPI takes them:
+/// `btl_tcp_flags` is the installed default without `put`, and `ompi_info` given nanodist's value in
+/// the environment reports it, read from there.
+#[test]
+fn open_mpi_takes_the_tcp_flags_without_put() {
+    let (default, source) = ompi_tcp_flags(None);
+    assert_eq!(source, "default");
+    let [(key, ours)] = nanodist::comm::OPEN_MPI_DEFAULTS;
+    assert_eq!(key, "OMPI_MCA_btl_tcp_flags");
+    let without_put: Vec<&str> = default.split(',').filter(|f| *f != "put").collect();
+    assert!(default.split(',').any(|f| f == "put"), "default {default}");
+    assert_eq!(ours, without_put.join(","));
+    assert_eq!(
+        ompi_tcp_flags(Some(ours)),
+        (ours.to_string(), "environment".to_string())
+    );
+}
