@@ -32,14 +32,26 @@ fn sizes() -> Vec<usize> {
 const SWEEP_MIN_TOP: usize = 4 << 20;
 const SWEEP_SECONDS: f64 = 0.25;
 
-/// Idle time before each timed repeat, as a training step computes between its collectives: on a link
-/// with a deep queue (a shaper's, a switch's), back-to-back transfers keep the queue full and TCP's
-/// round trips long, and large messages measured up to 1.4x slower than they cross between steps.
+/// From this size up, `time` keeps the mean of repeats that follow each other without a barrier.
+const STREAM_BYTES: usize = 64 << 10;
+
+/// Idle time before each such repeat, as a training step computes between its collectives.
 const GAP: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Median seconds of `f` over repeats (more for small messages), each started together after a barrier
-/// and `GAP` of idle, as a training step's collectives are (back-to-back repeats would overlap one rank's
-/// tail with the next repeat's head).
+/// Such repeats go on for about this long (5 to 200 of them).
+const STREAM_SECONDS: f32 = 1.5;
+
+/// Seconds of one call of `f`, every rank calling it. Small messages (their latency): the median of
+/// repeats, each started together after a barrier. Large ones: the mean of repeats as training steps
+/// run them, each after `GAP` of idle but none after a barrier, for about `STREAM_SECONDS`.
+///
+/// On a shaped link the forms differ, each measured against training on the netlab: repeats from a
+/// barrier start from drained queues, and priced the quick-start model's all-reduce on 4 hosts at 50
+/// Mbit/s at 1.05 s a step where it took 1.33; repeats with no idle between keep the queues full, and
+/// priced its 2-host all-reduce at 500 Mbit/s at 126-146 ms where it took 99 (with `GAP`: 1.35 s and
+/// 102-107 ms). The mean, because a slow round (a TCP loss recovered late) costs training its full
+/// time; and a window of time, because 5 repeats of 50 ms gave 103 ms in one calibration and 144 in the
+/// next.
 fn time(
     comm: &mut dyn Communicator,
     bytes: usize,
@@ -47,17 +59,40 @@ fn time(
 ) -> Result<f64> {
     let reps = (2_000_000 / bytes.max(1)).clamp(5, 200);
     f(comm)?;
+    if bytes >= STREAM_BYTES {
+        return time_streamed(comm, f);
+    }
     let mut t: Vec<f64> = Vec::with_capacity(reps);
     for _ in 0..reps {
         comm.barrier()?;
-        if bytes >= 64 << 10 {
-            std::thread::sleep(GAP);
-        }
         let s = Instant::now();
         f(comm)?;
         t.push(s.elapsed().as_secs_f64());
     }
     Ok(median(t))
+}
+
+/// `time` of a large message: the mean over repeats after `GAP` each, as many as fill `STREAM_SECONDS`
+/// at the ranks' mean time of a first repeat (every rank runs the same number).
+fn time_streamed(
+    comm: &mut dyn Communicator,
+    mut f: impl FnMut(&mut dyn Communicator) -> Result<()>,
+) -> Result<f64> {
+    comm.barrier()?;
+    let first = Instant::now();
+    f(comm)?;
+    let mut mean = [first.elapsed().as_secs_f32()];
+    comm.all_reduce_sum(&mut mean)?;
+    let each = (mean[0] / comm.world_size() as f32).max(1e-6);
+    let reps = ((STREAM_SECONDS / each) as usize).clamp(5, 200);
+    let mut total = 0.0;
+    for _ in 0..reps {
+        std::thread::sleep(GAP);
+        let s = Instant::now();
+        f(comm)?;
+        total += s.elapsed().as_secs_f64();
+    }
+    Ok(total / reps as f64)
 }
 
 /// (size, all-reduce seconds, ping-pong seconds) over the sweep; every rank calls it.
