@@ -35,9 +35,9 @@ pub fn unpack_u64([hi, lo]: [f32; 2]) -> u64 {
 /// `btl_tcp_flags` without `put`: past 192 kB, Open MPI's TCP transport moves a message by emulated RDMA
 /// writes that the receiver requests piece by piece, on the connection that carries its own data. In a
 /// pair's exchange (a 2-rank all-reduce, a gossip pair) each side's requests then queue behind its
-/// outgoing data: between two hosts at 50 Mbit/s, the quick-start model's 3.25 MB exchange took 0.59 s
+/// outgoing data: between two hosts at 50 Mbit/s, the quick-start model's 3.25 MB exchange took 0.55 s
 /// in some steps and up to 1.1 s in others, by chance. Without `put` the sender streams after one
-/// handshake, and every step took 0.59-0.63 s.
+/// handshake, and every step took 0.59-0.66 s.
 pub const OPEN_MPI_DEFAULTS: [(&str, &str); 1] = [(
     "OMPI_MCA_btl_tcp_flags",
     "send,inplace,need-ack,need-csum,hetero-rdma",
@@ -488,6 +488,8 @@ impl Communicator for Shape {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn open_mpi_defaults_fill_in_only_what_the_environment_lacks() {
         let all = open_mpi_defaults(|_| false);
@@ -495,8 +497,6 @@ mod tests {
         assert!(all.iter().all(|(k, _)| k.starts_with("OMPI_MCA_")));
         assert!(open_mpi_defaults(|k| k == "OMPI_MCA_btl_tcp_flags").is_empty());
     }
-
-    use super::*;
 
     #[test]
     fn u64_survives_packing_into_f32_bit_patterns() {
