@@ -57,11 +57,11 @@ fn time(
     bytes: usize,
     mut f: impl FnMut(&mut dyn Communicator) -> Result<()>,
 ) -> Result<f64> {
-    let reps = (2_000_000 / bytes.max(1)).clamp(5, 200);
     f(comm)?;
     if bytes >= STREAM_BYTES {
         return time_streamed(comm, f);
     }
+    let reps = (2_000_000 / bytes.max(1)).clamp(5, 200);
     let mut t: Vec<f64> = Vec::with_capacity(reps);
     for _ in 0..reps {
         comm.barrier()?;
