@@ -1,7 +1,8 @@
 //! Out-of-place transpose of a strided matrix: tiles of 16 x 16 through AVX-512's shuffles where the
-//! processor has them (64 shuffles a tile: 32-bit, 64-bit and two 128-bit interleaves), tiles of 8 x 8
-//! through arrays elsewhere and at the edges. A transpose moves values and computes nothing, so the
-//! two paths agree bit for bit.
+//! processor has them (64 shuffles a tile: 32-bit, 64-bit and two 128-bit interleaves), else tiles of
+//! 8 x 8 through AVX's shuffles (24 a tile: 32-bit and 64-bit interleaves, then 128-bit halves), and
+//! tiles of 8 x 8 through arrays where neither is there and at the edges. A transpose moves values and
+//! computes nothing, so the paths agree bit for bit.
 
 /// dst (c x r, row stride `ds`) = src^T (src: r x c, row stride `ss`).
 ///
@@ -18,12 +19,7 @@ pub fn transpose(src: &[f32], ss: usize, dst: &mut [f32], ds: usize, r: usize, c
         (r - 1) * ss + c <= src.len() && (c - 1) * ds + r <= dst.len(),
         "transpose: the matrix runs past its slice"
     );
-    let whole = (r / 16 * 16, c / 16 * 16);
-    let done = match whole {
-        (0, _) | (_, 0) => false,
-        _ => x86::tiles16(src, ss, dst, ds, whole.0, whole.1),
-    };
-    let (r0, c0) = if done { whole } else { (0, 0) };
+    let (r0, c0) = x86::tiles(src, ss, dst, ds, r, c);
     // The bands the 16 x 16 tiles left: the last rows (all columns), then the last columns.
     if r0 < r {
         tiles8(&src[r0 * ss..], ss, &mut dst[r0..], ds, r - r0, c);
@@ -63,28 +59,64 @@ fn tiles8(src: &[f32], ss: usize, dst: &mut [f32], ds: usize, r: usize, c: usize
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// The 16 x 16 tiles of an r x c matrix (multiples of 16) when the processor has AVX-512F; false
-    /// (nothing written) when it has not.
-    pub fn tiles16(src: &[f32], ss: usize, dst: &mut [f32], ds: usize, r: usize, c: usize) -> bool {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            return false;
+    /// The whole tiles of an r x c matrix transposed through the widest shuffles the processor has
+    /// (16 x 16 with AVX-512F, else 8 x 8 with AVX): the rows and columns done, multiples of the
+    /// tile's side; (0, 0) (nothing written) with neither or when no whole tile fits.
+    pub fn tiles(
+        src: &[f32],
+        ss: usize,
+        dst: &mut [f32],
+        ds: usize,
+        r: usize,
+        c: usize,
+    ) -> (usize, usize) {
+        match tiles_of(16, src, ss, dst, ds, r, c) {
+            (0, 0) => tiles_of(8, src, ss, dst, ds, r, c),
+            done => done,
         }
-        assert!(r.is_multiple_of(16) && c.is_multiple_of(16) && c <= ss && r <= ds);
-        assert!((r - 1) * ss + c <= src.len() && (c - 1) * ds + r <= dst.len());
-        // SAFETY: the processor has AVX-512F (checked above), and every row of 16 floats that
-        // `tiles` reads (row i < r, columns < c) or writes (row t < c, columns < r) lies in its
-        // slice (asserted above); dst is borrowed mutably, so it does not overlap src.
-        unsafe { tiles(src.as_ptr(), ss, dst.as_mut_ptr(), ds, r, c) };
-        true
     }
 
-    /// `tiles16` by pointers, which keeps the tile loop free of bounds checks.
+    /// `tiles` with tiles of `side` (16 or 8) alone: (0, 0) where the processor lacks its feature.
+    pub fn tiles_of(
+        side: usize,
+        src: &[f32],
+        ss: usize,
+        dst: &mut [f32],
+        ds: usize,
+        r: usize,
+        c: usize,
+    ) -> (usize, usize) {
+        let has = match side {
+            16 => std::arch::is_x86_feature_detected!("avx512f"),
+            8 => std::arch::is_x86_feature_detected!("avx"),
+            _ => false,
+        };
+        let (r, c) = (r / side.max(1) * side, c / side.max(1) * side);
+        if !has || r == 0 || c == 0 {
+            return (0, 0);
+        }
+        assert!(c <= ss && r <= ds);
+        assert!((r - 1) * ss + c <= src.len() && (c - 1) * ds + r <= dst.len());
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        // SAFETY: the processor has the feature of the side (checked above), and every row of `side`
+        // floats that the tile loops read (row i < r, columns < c) or write (row t < c, columns < r)
+        // lies in its slice (asserted above); dst is borrowed mutably, so it does not overlap src.
+        unsafe {
+            match side {
+                16 => tiles16(s, ss, d, ds, r, c),
+                _ => tiles8(s, ss, d, ds, r, c),
+            }
+        }
+        (r, c)
+    }
+
+    /// The 16 x 16 tiles by pointers, which keeps the tile loop free of bounds checks.
     ///
     /// # Safety
     /// The processor has AVX-512F; src holds r rows of c floats (c and r multiples of 16) at stride
     /// ss, dst c rows of r at stride ds, and the two do not overlap.
     #[target_feature(enable = "avx512f")]
-    unsafe fn tiles(src: *const f32, ss: usize, dst: *mut f32, ds: usize, r: usize, c: usize) {
+    unsafe fn tiles16(src: *const f32, ss: usize, dst: *mut f32, ds: usize, r: usize, c: usize) {
         for i0 in (0..r).step_by(16) {
             for t0 in (0..c).step_by(16) {
                 let mut x = [_mm512_setzero_ps(); 16];
@@ -130,12 +162,79 @@ mod x86 {
         }
         x
     }
+
+    /// The 8 x 8 tiles by pointers.
+    ///
+    /// # Safety
+    /// The processor has AVX; src holds r rows of c floats (c and r multiples of 8) at stride ss, dst
+    /// c rows of r at stride ds, and the two do not overlap.
+    #[target_feature(enable = "avx")]
+    unsafe fn tiles8(src: *const f32, ss: usize, dst: *mut f32, ds: usize, r: usize, c: usize) {
+        for i0 in (0..r).step_by(8) {
+            for t0 in (0..c).step_by(8) {
+                let mut x = [_mm256_setzero_ps(); 8];
+                for (i, x) in x.iter_mut().enumerate() {
+                    // SAFETY: row i0 + i < r, columns t0..t0 + 8 <= c (the caller's contract).
+                    *x = unsafe { _mm256_loadu_ps(src.add((i0 + i) * ss + t0)) };
+                }
+                for (t, v) in tile8(x).iter().enumerate() {
+                    // SAFETY: row t0 + t < c, columns i0..i0 + 8 <= r (the caller's contract).
+                    unsafe { _mm256_storeu_ps(dst.add((t0 + t) * ds + i0), *v) };
+                }
+            }
+        }
+    }
+
+    /// The columns of 8 rows of 8: rows 2i and 2i + 1 interleaved by floats, then pairs of those by
+    /// doubles, then the 128-bit halves of rows j and j + 4.
+    #[target_feature(enable = "avx")]
+    #[inline]
+    fn tile8(mut x: [__m256; 8]) -> [__m256; 8] {
+        let (pd, ps) = (_mm256_castps_pd, _mm256_castpd_ps);
+        let mut y = [_mm256_setzero_ps(); 8];
+        for i in 0..4 {
+            y[2 * i] = _mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+            y[2 * i + 1] = _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+        }
+        for q in [0, 4] {
+            for j in 0..2 {
+                let (u, v) = (pd(y[q + j]), pd(y[q + 2 + j]));
+                x[q + 2 * j] = ps(_mm256_unpacklo_pd(u, v));
+                x[q + 2 * j + 1] = ps(_mm256_unpackhi_pd(u, v));
+            }
+        }
+        for j in 0..4 {
+            y[j] = _mm256_permute2f128_ps::<0x20>(x[j], x[j + 4]);
+            y[j + 4] = _mm256_permute2f128_ps::<0x31>(x[j], x[j + 4]);
+        }
+        y
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
-    pub fn tiles16(_: &[f32], _: usize, _: &mut [f32], _: usize, _: usize, _: usize) -> bool {
-        false
+    pub fn tiles(
+        _: &[f32],
+        _: usize,
+        _: &mut [f32],
+        _: usize,
+        _: usize,
+        _: usize,
+    ) -> (usize, usize) {
+        (0, 0)
+    }
+
+    #[cfg(test)]
+    pub fn tiles_of(
+        _: usize,
+        _: &[f32],
+        _: usize,
+        _: &mut [f32],
+        _: usize,
+        _: usize,
+        _: usize,
+    ) -> (usize, usize) {
+        (0, 0)
     }
 }
 
@@ -143,14 +242,16 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// Both paths against the definition, over sizes with and without whole 16 x 16 tiles and strides
-    /// wider than the rows.
+    /// Every path against the definition, over sizes with and without whole 16 x 16 and 8 x 8 tiles and
+    /// strides wider than the rows.
     #[test]
     fn transposes_are_the_definition() {
         for (r, c) in [
             (1, 1),
             (3, 5),
             (8, 8),
+            (8, 24),
+            (40, 16),
             (16, 16),
             (17, 33),
             (64, 64),
@@ -172,6 +273,25 @@ mod tests {
             let mut plain = vec![-1.0; c * ds];
             tiles8(&src, ss, &mut plain, ds, r, c);
             assert_eq!(plain, want, "{r} x {c}, tiles of 8");
+            // Each vector path alone, where this processor has it: its whole tiles, nothing else.
+            for side in [16, 8] {
+                let mut got = vec![-1.0; c * ds];
+                let (r0, c0) = x86::tiles_of(side, &src, ss, &mut got, ds, r, c);
+                for t in 0..c {
+                    for i in 0..r {
+                        let w = if t < c0 && i < r0 {
+                            want[t * ds + i]
+                        } else {
+                            -1.0
+                        };
+                        assert_eq!(
+                            got[t * ds + i],
+                            w,
+                            "{r} x {c}, SIMD tiles of {side}: ({t}, {i})"
+                        );
+                    }
+                }
+            }
         }
     }
 }
