@@ -20,7 +20,7 @@ pub fn transpose(src: &[f32], ss: usize, dst: &mut [f32], ds: usize, r: usize, c
         "transpose: the matrix runs past its slice"
     );
     let (r0, c0) = x86::tiles(src, ss, dst, ds, r, c);
-    // The bands the 16 x 16 tiles left: the last rows (all columns), then the last columns.
+    // The bands the vector tiles left: the last rows (all columns), then the last columns.
     if r0 < r {
         tiles8(&src[r0 * ss..], ss, &mut dst[r0..], ds, r - r0, c);
     }
@@ -91,8 +91,11 @@ mod x86 {
             8 => std::arch::is_x86_feature_detected!("avx"),
             _ => false,
         };
-        let (r, c) = (r / side.max(1) * side, c / side.max(1) * side);
-        if !has || r == 0 || c == 0 {
+        if !has {
+            return (0, 0);
+        }
+        let (r, c) = (r / side * side, c / side * side);
+        if r == 0 || c == 0 {
             return (0, 0);
         }
         assert!(c <= ss && r <= ds);
