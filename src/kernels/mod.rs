@@ -5,6 +5,7 @@
 //! (`scripts/gpu/selftest.py`) compares every kernel with its twin on a GPU. The host-side steps between kernel launches (the digit search
 //! of the radix select, the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
 
+mod compact;
 pub mod gemm;
 pub mod optim;
 mod segment;
@@ -15,6 +16,7 @@ pub use segment::Segment;
 pub use transpose::transpose;
 
 use anyhow::{ensure, Result};
+use compact::candidates;
 use rayon::prelude::*;
 
 /// Threads per block; also the 256 buckets of an 8-bit radix digit (`BLOCK` in reducers.cu).
@@ -346,27 +348,6 @@ fn top_k_of_candidates(
         ties += u32::from(key == t.key);
     }
     true
-}
-
-/// The entries of `span` (at `start` in its tensor) whose key is at least `floor`, with their indices:
-/// each group of 16 gives a bit mask of its candidates in one vectorized pass, and only the set bits
-/// are visited.
-#[multiversion::multiversion(targets = "simd")]
-fn candidates(span: &[f32], start: usize, floor: u32) -> (Vec<u32>, Vec<f32>) {
-    let (mut idx, mut val) = (Vec::new(), Vec::new());
-    for (g, group) in span.chunks(16).enumerate() {
-        let mut mask = 0u32;
-        for (b, &v) in group.iter().enumerate() {
-            mask |= u32::from(abs_key(v) >= floor) << b;
-        }
-        while mask != 0 {
-            let b = mask.trailing_zeros() as usize;
-            idx.push((start + 16 * g + b) as u32);
-            val.push(group[b]);
-            mask &= mask - 1;
-        }
-    }
-    (idx, val)
 }
 
 /// Twin of `gather`: out[j] = x[idx[j]].
