@@ -72,9 +72,20 @@ pub(crate) fn gelu_erf(x: f32) -> f32 {
     0.5 * x * (1.0 + erf(x * INV_SQRT_2))
 }
 
-#[inline(always)]
-pub(crate) fn gelu_erf_grad(x: f32) -> f32 {
+/// erf-GELU's derivative alone: the reference `gelu_erf_and_grad` is held to.
+#[cfg(test)]
+fn gelu_erf_grad(x: f32) -> f32 {
     0.5 * (1.0 + erf(x * INV_SQRT_2)) + x * INV_SQRT_2PI * exp(-0.5 * x * x)
+}
+
+/// (`gelu_erf(x)`, `gelu_erf_grad(x)`) from one erf, the same floats.
+#[inline(always)]
+pub(crate) fn gelu_erf_and_grad(x: f32) -> (f32, f32) {
+    let e = erf(x * INV_SQRT_2);
+    (
+        0.5 * x * (1.0 + e),
+        0.5 * (1.0 + e) + x * INV_SQRT_2PI * exp(-0.5 * x * x),
+    )
 }
 
 /// Rows per parallel task of the row-wise ops (a fixed split, so sums do not depend on the thread count).
@@ -213,6 +224,31 @@ mod tests {
         let p = p * r + 5e-1;
         let y = p * r * r + r + 1.0;
         y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    }
+
+    /// The fused value and derivative are the separate functions' floats, bit for bit, and the
+    /// derivative is the value's slope.
+    #[test]
+    fn gelu_erf_and_grad_is_the_value_and_the_derivative() {
+        let special = [0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, f32::MAX, f32::MIN];
+        let range = (-1_000_000..1_000_000).map(|i| i as f32 * 1e-5);
+        for x in range.chain(special) {
+            let (v, d) = gelu_erf_and_grad(x);
+            assert_eq!(v.to_bits(), gelu_erf(x).to_bits(), "gelu_erf({x})");
+            assert_eq!(
+                d.to_bits(),
+                gelu_erf_grad(x).to_bits(),
+                "gelu_erf_grad({x})"
+            );
+        }
+        for x in [-3.0f32, -1.0, -0.25, 0.5, 2.0] {
+            let h = 1e-3;
+            let slope = (gelu_erf(x + h) as f64 - gelu_erf(x - h) as f64) / (2.0 * h as f64);
+            assert!(
+                (gelu_erf_and_grad(x).1 as f64 - slope).abs() < 1e-3,
+                "slope at {x}"
+            );
+        }
     }
 
     #[test]

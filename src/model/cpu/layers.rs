@@ -400,10 +400,23 @@ pub(super) fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
         .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
 }
 
-/// g *= f(x), in parallel chunks.
+/// (out, x) = f(x): a function's value into `out` and its derivative over `x`, in parallel chunks.
 #[multiversion(targets = "simd")]
-pub(super) fn map_mul(g: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+pub(super) fn map_with_grad(out: &mut [f32], x: &mut [f32], f: impl Fn(f32) -> (f32, f32) + Sync) {
+    out.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks_mut(CHUNK))
+        .for_each(|(o, x)| {
+            o.iter_mut().zip(x).for_each(|(o, x)| {
+                let (v, d) = f(*x);
+                (*o, *x) = (v, d);
+            })
+        });
+}
+
+/// g *= d, in parallel chunks.
+#[multiversion(targets = "simd")]
+pub(super) fn scale_by(g: &mut [f32], d: &[f32]) {
     g.par_chunks_mut(CHUNK)
-        .zip(x.par_chunks(CHUNK))
-        .for_each(|(g, x)| g.iter_mut().zip(x).for_each(|(g, &x)| *g *= f(x)));
+        .zip(d.par_chunks(CHUNK))
+        .for_each(|(g, d)| g.iter_mut().zip(d).for_each(|(g, &d)| *g *= d));
 }

@@ -14,7 +14,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use super::matmul::{Bf16Buffers, Bf16Path, Precision, Products, M};
-use super::ops::{gelu_erf, gelu_erf_grad, gelu_tanh, gelu_tanh_grad};
+use super::ops::{gelu_erf, gelu_erf_and_grad, gelu_tanh, gelu_tanh_grad};
 use super::{Gpt, ParamSet};
 use crate::config::Activation;
 use std::cell::RefCell;
@@ -174,6 +174,14 @@ pub fn scratch_bytes(
     (4 * f32s.iter().sum::<usize>() + 8 * stats.iter().sum::<usize>()) as u64
 }
 
+/// Runs `f` on a thread of the current rayon pool (in place when the caller is one of its threads).
+/// Called from outside any pool (a single worker computes on its own thread), each of a pass's parallel
+/// ops would hand its work to the global pool and sleep until it ends: a futex wake and sleep per op,
+/// about 5% of a small model's step. Entering the pool once per pass keeps the ops inside it.
+fn in_pool<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    rayon::scope(|_| f())
+}
+
 /// The CPU engine of one model: its parameter layout (the values come with each call).
 pub struct CpuGpt {
     n_layers: usize,
@@ -312,8 +320,10 @@ impl CpuGpt {
         b: usize,
         t: usize,
     ) -> Result<f32> {
-        let p = self.params(weights, &scratch.bf16)?;
-        self.forward(&mut scratch.acts, &p, x, y, b, t, None)
+        in_pool(move || {
+            let p = self.params(weights, &scratch.bf16)?;
+            self.forward(&mut scratch.acts, &p, x, y, b, t, None, false)
+        })
     }
 
     /// The loss of one micro-batch, and `scale` times its gradient added into `grads` (flat order).
@@ -337,10 +347,12 @@ impl CpuGpt {
             grads.len(),
             self.numel
         );
-        let p = self.params(weights, &scratch.bf16)?;
-        let loss = self.forward(&mut scratch.acts, &p, x, y, b, t, dropout)?;
-        self.backward(&mut scratch.acts, &p, x, y, scale, grads);
-        Ok(loss)
+        in_pool(move || {
+            let p = self.params(weights, &scratch.bf16)?;
+            let loss = self.forward(&mut scratch.acts, &p, x, y, b, t, dropout, true)?;
+            self.backward(&mut scratch.acts, &p, x, y, scale, grads);
+            Ok(loss)
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -353,6 +365,7 @@ impl CpuGpt {
         b: usize,
         t: usize,
         dropout: Option<&mut ChaCha8Rng>,
+        backward: bool,
     ) -> Result<f32> {
         ensure!(
             y.len() == x.len(),
@@ -361,7 +374,7 @@ impl CpuGpt {
             x.len()
         );
         self.check_tokens(y)?;
-        self.hidden(a, p, x, b, t, dropout)?;
+        self.hidden(a, p, x, b, t, dropout, backward)?;
         let (c, v, n) = (self.c, self.vocab, b * t);
         let wte = M::new(p.get(self.wte), v, c);
         p.mm.mm(&mut a.logits, v, M::new(&a.xf, n, c), wte.t(), false);
@@ -378,17 +391,19 @@ impl CpuGpt {
         b: usize,
         t: usize,
     ) -> Result<Vec<f32>> {
-        let p = self.params(weights, &scratch.bf16)?;
-        let a = &mut scratch.acts;
-        self.hidden(a, &p, x, b, t, None)?;
-        let (c, v) = (self.c, self.vocab);
-        let wte = M::new(p.get(self.wte), v, c);
-        let mut out = vec![0.0f32; b * v];
-        for (s, o) in out.chunks_mut(v).enumerate() {
-            let last = &a.xf[(s * t + t - 1) * c..][..c];
-            p.mm.mm(o, v, M::new(last, 1, c), wte.t(), false);
-        }
-        Ok(out)
+        in_pool(move || {
+            let p = self.params(weights, &scratch.bf16)?;
+            let a = &mut scratch.acts;
+            self.hidden(a, &p, x, b, t, None, false)?;
+            let (c, v) = (self.c, self.vocab);
+            let wte = M::new(p.get(self.wte), v, c);
+            let mut out = vec![0.0f32; b * v];
+            for (s, o) in out.chunks_mut(v).enumerate() {
+                let last = &a.xf[(s * t + t - 1) * c..][..c];
+                p.mm.mm(o, v, M::new(last, 1, c), wte.t(), false);
+            }
+            Ok(out)
+        })
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
@@ -398,7 +413,9 @@ impl CpuGpt {
         Ok(())
     }
 
-    /// The forward pass up to the final LayerNorm (`a.xf`), keeping what the backward needs.
+    /// The forward pass up to the final LayerNorm (`a.xf`), keeping what the backward needs (with
+    /// `backward`, the GELUs' derivatives in place of their inputs).
+    #[allow(clippy::too_many_arguments)]
     fn hidden(
         &self,
         a: &mut Acts,
@@ -407,6 +424,7 @@ impl CpuGpt {
         b: usize,
         t: usize,
         dropout: Option<&mut ChaCha8Rng>,
+        backward: bool,
     ) -> Result<()> {
         ensure!(
             x.len() == b * t,
@@ -441,7 +459,7 @@ impl CpuGpt {
         }
         drop.apply(&mut a.res[..nc], &mut a.masks);
         for (l, layer) in self.layers.iter().enumerate() {
-            self.block_forward(a, p, l, layer, &mut drop);
+            self.block_forward(a, p, (l, layer), &mut drop, backward);
         }
         let res_f = &a.res[l_n * nc..][..nc];
         layer_norm(res_f, p, self.lnf, c, &mut a.xf, &mut a.statsf);
@@ -449,8 +467,17 @@ impl CpuGpt {
     }
 
     /// Block `l`: res2 = res_l + dropout(attention(ln1(res_l)) Wproj^T), res_{l+1} = res2 +
-    /// dropout(gelu(ln2(res2) Wfc^T) Wmproj^T), keeping every activation the backward reads.
-    fn block_forward(&self, a: &mut Acts, p: &Params, l: usize, layer: &Layer, drop: &mut Dropout) {
+    /// dropout(gelu(ln2(res2) Wfc^T) Wmproj^T), keeping every activation the backward reads. With
+    /// `backward`, `a.fc` keeps the GELU's derivative at its inputs instead of the inputs (the backward
+    /// reads nothing else of them): erf-GELU's value and derivative share their erf.
+    fn block_forward(
+        &self,
+        a: &mut Acts,
+        p: &Params,
+        (l, layer): (usize, &Layer),
+        drop: &mut Dropout,
+        backward: bool,
+    ) {
         let (c, h, b, t) = (self.c, self.heads, a.b, a.t);
         let n = b * t;
         let nc = n * c;
@@ -471,9 +498,13 @@ impl CpuGpt {
         let fc = &mut a.fc[l * 4 * nc..][..4 * nc];
         linear(p, layer.fc, xn2, n, fc);
         let g = &mut a.gelu[l * 4 * nc..][..4 * nc];
-        match self.activation {
-            Activation::Gelu => map(g, fc, gelu_erf),
-            Activation::GeluTanh => map(g, fc, gelu_tanh),
+        match (self.activation, backward) {
+            (Activation::Gelu, false) => map(g, fc, gelu_erf),
+            (Activation::GeluTanh, false) => map(g, fc, gelu_tanh),
+            (Activation::Gelu, true) => map_with_grad(g, fc, gelu_erf_and_grad),
+            (Activation::GeluTanh, true) => {
+                map_with_grad(g, fc, |x| (gelu_tanh(x), gelu_tanh_grad(x)))
+            }
         }
         linear(p, layer.mproj, g, n, &mut a.dc[..nc]);
         drop.apply(&mut a.dc[..nc], &mut a.masks);
@@ -583,11 +614,8 @@ impl CpuGpt {
         };
         let gelu = &a.gelu[l * 4 * nc..][..4 * nc];
         linear_backward(p, grads, layer.mproj, dm, gelu, n, &mut a.d4c);
-        let fc = &a.fc[l * 4 * nc..][..4 * nc];
-        match self.activation {
-            Activation::Gelu => map_mul(&mut a.d4c, fc, gelu_erf_grad),
-            Activation::GeluTanh => map_mul(&mut a.d4c, fc, gelu_tanh_grad),
-        }
+        // The GELU's derivative at its inputs, which the forward kept in `fc`.
+        scale_by(&mut a.d4c, &a.fc[l * 4 * nc..][..4 * nc]);
         let xn2 = &a.xn2[l * nc..][..nc];
         linear_backward(p, grads, layer.fc, &a.d4c, xn2, n, &mut a.dc2);
         let (res2, stats2) = (&a.res2[l * nc..][..nc], &a.stats2[l * n..][..n]);

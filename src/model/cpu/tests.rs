@@ -427,3 +427,21 @@ fn bad_tokens_and_shapes_are_errors() {
         .to_string();
     assert!(e.contains("longer than the model's context of 16"), "{e}");
 }
+
+/// A pass called from a thread outside any pool runs on a thread of the global pool (its parallel ops
+/// then stay inside the pool), and one called from a pool's thread stays on that thread.
+#[test]
+fn passes_run_inside_the_pool() {
+    let outside = std::thread::spawn(|| in_pool(rayon::current_thread_index))
+        .join()
+        .unwrap();
+    assert!(outside.is_some(), "ran outside the pool");
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        let here = std::thread::current().id();
+        assert_eq!(in_pool(|| std::thread::current().id()), here);
+    });
+}
