@@ -16,7 +16,9 @@ what nanoGPT runs on CPU (its train.py autocasts on CUDA only), so the ratio col
 The same run measures the machine's f32 GEMM peak with T threads (the best of numpy's BLAS and torch.mm over
 square sizes 512-2048) and its bf16 GEMM peak (torch.mm on bf16, oneDNN's kernels), and prints each row's
 achieved FLOP/s (tokens/s x nanodist's FLOPs per token, the 6N + 12 L T C estimate nanoGPT's MFU uses) as a
-fraction of the peak of its precision ("f32" or "bf16").
+fraction of the peak of the precision it ran in ("f32" or "bf16"; nanodist's amp rows train in f32 where the
+plan says so, on CPUs whose bf16 products do not pay; on a CPU without bf16 units torch emulates bf16 and its
+amp row has no fraction).
 
     python3 scripts/bench/train.py [--runs 3] [--threads 2] [--configs cpu,medium,gpt2]
 
@@ -91,6 +93,16 @@ def run_measured(cmd, **kw):
     return out, usage
 
 
+def bf16_units():
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): elsewhere torch emulates bf16
+    products, and a fraction of that rate says nothing, so the bf16 rows print none."""
+    try:
+        flags = open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def nanodist_sets(c, act, workers, total_threads, vocab, data_dir, log):
     return [f"model.n_layers={c['n_layers']}", f"model.n_heads={c['n_heads']}",
             f"model.n_embd={c['n_embd']}", f"model.vocab_size={vocab}", f"model.activation={act}",
@@ -122,7 +134,11 @@ def run_nanodist(exe, c, act, workers, total_threads, vocab, data_dir, env, amp=
         rows = [json.loads(l) for l in open(os.path.join(log, "bench/metrics.jsonl"))]
         # After the warm-up interval (the evaluation at step 0 and the first logged row are not timed).
         timed = [r["tokens_per_s"] for r in rows if r["step"] > c["warmup"]]
-        return statistics.mean(timed), usage.ru_maxrss / 1024
+        # The plan names the CPU precision when the linear layers ran in bf16 (train.amp on a CPU whose
+        # bf16 products pay); otherwise the run trained in f32.
+        plan = open(os.path.join(log, "bench/plan.txt")).read()
+        prec = "bf16" if "CPU precision" in plan else "f32"
+        return statistics.mean(timed), usage.ru_maxrss / 1024, prec
 
 
 def main():
@@ -145,8 +161,10 @@ def main():
     peaks = json.loads(subprocess.run([py, "-c", GEMM_PEAK, str(args.threads)], env=env, check=True,
                                       capture_output=True, text=True).stdout)
     peak, peak16 = peaks["flops"], peaks["bf16"]
+    units = bf16_units()
     print(f"threads {args.threads}; GEMM peak of this machine with {args.threads} threads: f32 {peak / 1e9:.0f} GFLOP/s "
-          f"(numpy/torch BLAS), bf16 {peak16 / 1e9:.0f} GFLOP/s (torch.mm), 512-2048 square; median of {args.runs} "
+          f"(numpy/torch BLAS), bf16 {peak16 / 1e9:.0f} GFLOP/s (torch.mm{'' if units else ', emulated: no bf16 units'}), "
+          f"512-2048 square; median of {args.runs} "
           f"alternating runs; tokens/s after the warm-up steps; peak RSS in MB; char data (vocabulary {vocab}; "
           f"gpt2: 50304); ratios against f32 torch SDPA (nanoGPT as it runs on CPU)", flush=True)
     print(f"{'config':<7} {'impl':<30} {'tokens/s':>9} {'vs torch SDPA':>14} {'of GEMM peak':>13} {'RSS MB':>7}")
@@ -173,14 +191,18 @@ def main():
                     cfg = dict(c, activation=act, threads=args.threads, vocab=v, attention=how, amp=amp,
                                data=os.path.join(data_dir, "train.bin"))
                     out, usage = run_measured([py, os.path.join(ROOT, "scripts", "nanogpt_step.py"), json.dumps(cfg)], env=env)
-                    r = (json.loads(out)["tokens_per_s"], usage.ru_maxrss / 1024)
+                    r = (json.loads(out)["tokens_per_s"], usage.ru_maxrss / 1024, "bf16" if amp else "f32")
                 res.setdefault((label, act), []).append(r)
-        med = {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v)) for k, v in res.items()}
+        med = {k: (statistics.median(t for t, _, _ in v), statistics.median(m for _, m, _ in v), v[-1][2])
+               for k, v in res.items()}
         for label, (_, _, amp), act in rows:
-            tps, rss = med[(label, act)]
+            tps, rss, prec = med[(label, act)]
             base = med[("torch SDPA", act)][0]
             text = f"{label} {'erf' if act == 'gelu' else 'tanh'}-GELU"
-            frac = f"{tps * fpt / (peak16 if amp else peak):.1%} {'bf16' if amp else 'f32'}"
+            if prec == "bf16" and not units:
+                frac = "- (no bf16)"
+            else:
+                frac = f"{tps * fpt / (peak16 if prec == 'bf16' else peak):.1%} {prec}"
             print(f"{name:<7} {text:<30} {tps:>9.0f} {tps / base:>13.2f}x {frac:>13} {rss:>7.0f}", flush=True)
 
 
