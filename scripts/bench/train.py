@@ -16,9 +16,9 @@ what nanoGPT runs on CPU (its train.py autocasts on CUDA only), so the ratio col
 The same run measures the machine's f32 GEMM peak with T threads (the best of numpy's BLAS and torch.mm over
 square sizes 512-2048) and its bf16 GEMM peak (torch.mm on bf16, oneDNN's kernels), and prints each row's
 achieved FLOP/s (tokens/s x nanodist's FLOPs per token, the 6N + 12 L T C estimate nanoGPT's MFU uses) as a
-fraction of the peak of the precision it ran in ("f32" or "bf16"; nanodist's amp rows train in f32 where the
-plan says so, on CPUs whose bf16 products do not pay; on a CPU without bf16 units torch emulates bf16, about 1% of
-its f32 rate, and its amp row is left out).
+fraction of the peak of the precision it ran in ("f32" or "bf16"; nanodist's amp rows train in f32 where
+the plan says so, on CPUs whose bf16 products do not pay; on a CPU without bf16 units torch emulates bf16,
+about 1% of its f32 rate, and its amp row is left out).
 
     python3 scripts/bench/train.py [--runs 3] [--threads 2] [--configs cpu,medium,gpt2]
 
@@ -163,7 +163,8 @@ def main():
     peak, peak16 = peaks["flops"], peaks["bf16"]
     units = bf16_units()
     print(f"threads {args.threads}; GEMM peak of this machine with {args.threads} threads: f32 {peak / 1e9:.0f} GFLOP/s "
-          f"(numpy/torch BLAS), bf16 {peak16 / 1e9:.0f} GFLOP/s (torch.mm{'' if units else ', emulated: no bf16 units'}), "
+          f"(numpy/torch BLAS), bf16 {peak16 / 1e9:.0f} GFLOP/s "
+          f"(torch.mm{'' if units else ', emulated: no bf16 units'}), "
           f"512-2048 square; median of {args.runs} "
           f"alternating runs; tokens/s after the warm-up steps; peak RSS in MB; char data (vocabulary {vocab}; "
           f"gpt2: 50304); ratios against f32 torch SDPA (nanoGPT as it runs on CPU)", flush=True)
