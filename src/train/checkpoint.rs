@@ -11,7 +11,7 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use safetensors::tensor::Dtype as StDtype;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -225,6 +225,24 @@ fn sha256_file(path: &Path) -> Result<(String, u64)> {
     Ok((hex(&h.finalize()), n))
 }
 
+/// A writer that hashes what it passes on: a file's SHA-256 as it is written, without reading it back.
+struct Hashing<W> {
+    inner: W,
+    hash: Sha256,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 fn bytes_f32(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -304,7 +322,8 @@ fn hf_tensors<'a>(model: &Gpt, flat: &'a [f32]) -> Vec<(String, Values<'a>, Vec<
 }
 
 /// Writes `tensors` (name, values, shape) as safetensors to `path` and fsyncs it, streaming from the
-/// buffers (a tensor that has to be made, transposed or zero, is made alone). The header is written here
+/// buffers (a tensor that has to be made, transposed or zero, is made alone); returns the file's SHA-256,
+/// hashed as it is written. The header is written here
 /// rather than by the safetensors crate, whose metadata map is a `HashMap` serialized in random order:
 /// identical states must give identical files (checksums compare). Tensors are laid out in name order
 /// (all f32, so this is the order the crate itself would use), and `meta` and the header's keys are
@@ -313,7 +332,7 @@ fn write_safetensors(
     path: &Path,
     tensors: &[(String, Values, Vec<usize>)],
     meta: BTreeMap<String, String>,
-) -> Result<()> {
+) -> Result<String> {
     let mut order: Vec<&(String, Values, Vec<usize>)> = tensors.iter().collect();
     order.sort_by(|a, b| a.0.cmp(&b.0));
     let mut header = serde_json::Map::new();
@@ -331,8 +350,11 @@ fn write_safetensors(
     let mut text = serde_json::to_vec(&serde_json::Value::Object(header))?;
     // The data starts 8-byte aligned: pad the header with spaces, as the format allows.
     text.resize(text.len().div_ceil(8) * 8, b' ');
-    let write = || -> std::io::Result<()> {
-        let mut f = std::io::BufWriter::new(File::create(path)?);
+    let write = || -> std::io::Result<String> {
+        let mut f = std::io::BufWriter::new(Hashing {
+            inner: File::create(path)?,
+            hash: Sha256::new(),
+        });
         f.write_all(&(text.len() as u64).to_le_bytes())?;
         f.write_all(&text)?;
         let mut buf = Vec::new();
@@ -346,13 +368,16 @@ fn write_safetensors(
                 }
             }
         }
-        f.into_inner().map_err(|e| e.into_error())?.sync_all()
+        let Hashing { inner, hash } = f.into_inner().map_err(|e| e.into_error())?;
+        inner.sync_all()?;
+        Ok(hex(&hash.finalize()))
     };
     write().with_context(|| format!("writing {}", path.display()))
 }
 
-/// The model's weights in HF layout, written to `path` (not atomically; see `save_weights`).
-fn write_hf_weights(path: &Path, model: &Gpt, flat: &[f32], step: u64) -> Result<()> {
+/// The model's weights in HF layout, written to `path` (not atomically; see `save_weights`); returns the
+/// file's SHA-256.
+fn write_hf_weights(path: &Path, model: &Gpt, flat: &[f32], step: u64) -> Result<String> {
     let meta = BTreeMap::from([
         ("format".to_string(), "pt".to_string()),
         ("step".to_string(), step.to_string()),
@@ -382,8 +407,8 @@ fn hf_config(model: &Gpt) -> serde_json::Value {
     })
 }
 
-/// Writes one rank's state file of a checkpoint.
-pub fn write_rank(path: &Path, state: &RankView) -> Result<()> {
+/// Writes one rank's state file of a checkpoint; returns its SHA-256.
+pub fn write_rank(path: &Path, state: &RankView) -> Result<String> {
     // Host buffers are written in place; GPU buffers through a host copy.
     let params = state.params.to_host()?;
     let optim = state
@@ -423,15 +448,15 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Saves a checkpoint into `ckpt_dir/step_NNNNNNNN`, keeping only the newest `keep`. Every rank calls it
 /// at the same step: each writes its own `rank_R.safetensors` (`write_rank` with the backend and the
-/// file's path; see `write_rank`), so that a rank's copy of its state exists only while it writes
-/// it; rank 0 then writes the model (`avg`: the
-/// replicas' average, in HF layout), hashes every file, writes the manifest and renames the directory
-/// into place. Returns the directory.
+/// file's path, returning the file's SHA-256; see `write_rank`), so that a rank's copy of its state exists
+/// only while it writes it, and leaves the checksum beside it; rank 0 then writes the model (`avg`: the
+/// replicas' average, in HF layout), writes the manifest with every file's checksum and renames the
+/// directory into place. Returns the directory.
 pub fn save(
     sync: &mut dyn crate::sync::SyncBackend,
     ckpt_dir: &Path,
     model: &Gpt,
-    write_rank: impl FnOnce(&dyn crate::sync::SyncBackend, &Path) -> Result<()>,
+    write_rank: impl FnOnce(&dyn crate::sync::SyncBackend, &Path) -> Result<String>,
     avg: &[f32],
     mut manifest: Manifest,
     keep: usize,
@@ -450,24 +475,24 @@ pub fn save(
         std::fs::create_dir_all(&tmp)?;
     }
     sync.barrier()?;
-    write_rank(&*sync, &tmp.join(format!("rank_{rank}.safetensors")))?;
+    let sum = write_rank(&*sync, &tmp.join(format!("rank_{rank}.safetensors")))?;
+    // The checksum travels to rank 0 beside the file (hashed as it was written: rank 0 reads no rank's
+    // file back, which on a shared filesystem would move every rank's state through one node).
+    let side = tmp.join(format!("rank_{rank}.sha256"));
+    std::fs::write(&side, sum).with_context(|| format!("writing {}", side.display()))?;
     sync.barrier()?;
     if root {
-        write_hf_weights(&tmp.join("model.safetensors"), model, avg, manifest.step)?;
-        write_synced(
-            &tmp.join("config.json"),
-            &serde_json::to_vec_pretty(&hf_config(model))?,
-        )?;
-        let mut files: Vec<String> = vec!["model.safetensors".into(), "config.json".into()];
-        files.extend(
-            sync.comm()
-                .ids()
-                .iter()
-                .map(|r| format!("rank_{r}.safetensors")),
-        );
-        for file in files {
-            let (sum, _) = sha256_file(&tmp.join(&file))?;
-            manifest.files.insert(file, sum);
+        let sum = write_hf_weights(&tmp.join("model.safetensors"), model, avg, manifest.step)?;
+        manifest.files.insert("model.safetensors".into(), sum);
+        let config = serde_json::to_vec_pretty(&hf_config(model))?;
+        write_synced(&tmp.join("config.json"), &config)?;
+        manifest
+            .files
+            .insert("config.json".into(), hex(&Sha256::digest(&config)));
+        for r in sync.comm().ids() {
+            manifest
+                .files
+                .insert(format!("rank_{r}.safetensors"), take_checksum(&tmp, r)?);
         }
         write_synced(
             &tmp.join("manifest.json"),
@@ -486,6 +511,20 @@ pub fn save(
     }
     sync.barrier()?;
     Ok(dest)
+}
+
+/// Rank `r`'s checksum, left beside its file in the checkpoint being written (`save`), read and removed.
+fn take_checksum(tmp: &Path, r: usize) -> Result<String> {
+    let side = tmp.join(format!("rank_{r}.sha256"));
+    let sum =
+        std::fs::read_to_string(&side).with_context(|| format!("reading {}", side.display()))?;
+    ensure!(
+        sum.len() == 64 && sum.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{}: not a SHA-256 checksum",
+        side.display()
+    );
+    std::fs::remove_file(&side).with_context(|| format!("removing {}", side.display()))?;
+    Ok(sum)
 }
 
 /// Checkpoint directories under `ckpt_dir`, newest first.
@@ -761,7 +800,12 @@ mod tests {
             dir.path().join("2.safetensors"),
         ];
         for p in &paths {
-            write_safetensors(p, &tensors, meta.clone()).unwrap();
+            let sum = write_safetensors(p, &tensors, meta.clone()).unwrap();
+            assert_eq!(
+                sum,
+                sha256_file(p).unwrap().0,
+                "the checksum of the bytes written"
+            );
         }
         let bytes = std::fs::read(&paths[0]).unwrap();
         assert_eq!(bytes, std::fs::read(&paths[1]).unwrap());

@@ -1,6 +1,7 @@
 //! Training runs on tiny generated data: resume is bit-exact, damaged checkpoints fall back to the
 //! previous one, signals save before exiting, and the trained model evaluates and samples.
 
+use sha2::Digest;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -95,6 +96,27 @@ fn stopped_and_resumed_run_equals_uninterrupted_run_bit_for_bit() {
                 == std::fs::read(last.run_dir.join(file)).unwrap(),
             "{file} differs between the uninterrupted and the resumed run"
         );
+    }
+    // The manifest names every other file of the checkpoint with its SHA-256 (the writers hash what they
+    // write; the checksums they pass on are not left behind).
+    let step_dir = last.run_dir.join("checkpoints/step_00000020");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(step_dir.join("manifest.json")).unwrap()).unwrap();
+    let files = manifest["files"].as_object().unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(&step_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "manifest.json")
+        .collect();
+    names.sort();
+    assert_eq!(names, files.keys().cloned().collect::<Vec<_>>());
+    for (name, sum) in files {
+        let bytes = std::fs::read(step_dir.join(name)).unwrap();
+        let got: String = sha2::Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(sum.as_str().unwrap(), got, "{name}'s checksum");
     }
     assert!(
         rows_a.last().unwrap().val_loss.unwrap() < rows_a[0].train_loss,
