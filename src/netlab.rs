@@ -542,6 +542,19 @@ mod tests {
         assert!(Lab::new("a-lab").is_ok() && Lab::new("much-too-long").is_err());
         assert_eq!(Lab::ip(0), format!("{SUBNET}.1"));
     }
+
+    #[test]
+    fn only_train_and_calibrate_run_across_the_hosts() {
+        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        for ok in [&["train", "c.toml"][..], &["calibrate", "--engine", "mpi"]] {
+            assert!(job_command(&args(ok)).is_ok(), "{ok:?}");
+        }
+        for bad in [&["frobnicate"][..], &["predict", "run"], &[], &["--help"]] {
+            let e = job_command(&args(bad)).unwrap_err();
+            assert_eq!(crate::error::exit_code(&e), 2, "{bad:?}");
+            assert!(e.to_string().contains("train, calibrate"), "{e}");
+        }
+    }
 }
 
 /// `nanodist netlab ...`.
@@ -710,6 +723,7 @@ fn print_status(lab: &Lab, json: bool) -> Result<()> {
 
 /// `netlab run`: the job under mpirun across the lab, then each host's bytes on the wire during it.
 fn run_job(lab: &Lab, ranks_per_host: usize, args: &[String]) -> Result<i32> {
+    job_command(args)?;
     let exe = std::env::current_exe().context("locating the nanodist binary")?;
     let mut c = lab.mpirun(ranks_per_host, &exe, args)?;
     lab.drain(Duration::from_secs(30))?;
@@ -744,6 +758,22 @@ fn run_job(lab: &Lab, ranks_per_host: usize, args: &[String]) -> Result<i32> {
         );
     }
     Ok(code)
+}
+
+/// The commands `netlab run` runs across the hosts: MPI jobs of nanodist.
+const JOBS: [&str; 2] = ["train", "calibrate"];
+
+/// Refuses (bad input) a job that is not one of `JOBS`, before any host starts it.
+fn job_command(args: &[String]) -> Result<()> {
+    match args.first() {
+        Some(cmd) if JOBS.contains(&cmd.as_str()) => Ok(()),
+        other => Err(bad_input!(
+            "netlab run: `{}` is not a job to run across the hosts; expected one of {} (e.g. \
+             `nanodist netlab run -- train config/quickstart-char.toml --set train.engine=\"mpi\"`)",
+            other.map_or("", String::as_str),
+            JOBS.join(", ")
+        )),
+    }
 }
 
 /// How long mpirun may outlive the last of the job's ranks before `netlab run` ends it.

@@ -255,7 +255,7 @@ fn two_hosts_at_20_mbit() {
     drop(lab);
     assert!(Lab::new(&name).unwrap().hosts().unwrap().is_empty());
     // A lab that is down says so, with exit 2, and `down` again does nothing.
-    let out = netlab(&["run", "--name", &name, "--", "check", "t.toml"]);
+    let out = netlab(&["run", "--name", &name, "--", "train", "t.toml"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("the lab is down"));
     let out = netlab(&["down", "--name", &name]);
