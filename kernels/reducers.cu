@@ -473,7 +473,8 @@ extern "C" __global__ void qsgd_encode(const float* u, unsigned len, unsigned bu
     for (unsigned i = start + threadIdx.x; i < end; i += BLOCK) {
         float v = u[i];
         float lf = usable ? s * fabsf(v) / norm : 0.0f;
-        float lo = floorf(lf);
+        // The floor of lf at most `levels`: an infinite lf (s |v| overflows) converts to no integer.
+        float lo = floorf(fminf(lf, s));
         float r = (float)(chacha8_word(key, stream, i) >> 8) * (1.0f / 16777216.0f);
         unsigned level = min((unsigned)lo + (r < lf - lo ? 1u : 0u), levels);
         unsigned code = level | ((v < 0.0f ? 1u : 0u) << (bits - 1));

@@ -21,9 +21,6 @@ const FATBINS: [&[u8]; 2] = [
     include_bytes!(concat!(env!("OUT_DIR"), "/optim.fatbin")),
 ];
 
-/// Grid-stride kernels stop growing the grid here (enough blocks to fill an H100 several times).
-const MAX_BLOCKS: usize = 4096;
-
 fn grid(blocks: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks.clamp(1, u32::MAX as usize) as u32, 1, 1),
@@ -33,7 +30,7 @@ fn grid(blocks: usize) -> LaunchConfig {
 }
 
 fn per_element(n: usize) -> LaunchConfig {
-    grid(n.div_ceil(BLOCK).min(MAX_BLOCKS))
+    grid(kernels::per_element_blocks(n))
 }
 
 /// A message of `len` entries at `off` lies inside a channel's public copy and memory.

@@ -4,10 +4,11 @@
 use anyhow::{ensure, Result};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use super::{grid, u32_of, Kernels, MAX_BLOCKS};
+use super::{grid, u32_of, Kernels};
 use crate::kernels::optim::{self as twin, AccumStep, AdamWStep, SgdStep};
 use crate::kernels::Segment;
 use crate::kernels::BLOCK;
+use crate::kernels::MAX_BLOCKS;
 
 /// A flat buffer's segment table on the device (see optim.cu), with the grid that covers it.
 pub struct DeviceSegments {

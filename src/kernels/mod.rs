@@ -6,6 +6,8 @@
 //! of the radix select, the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
 
 mod compact;
+#[cfg(test)]
+pub(crate) mod emulate;
 pub mod gemm;
 pub mod optim;
 mod segment;
@@ -23,6 +25,14 @@ use rayon::prelude::*;
 pub const BLOCK: usize = 256;
 /// Elements per block of the selection kernels (`TILE` in reducers.cu).
 pub const TILE: usize = 4096;
+/// Grid-stride kernels stop growing the grid here (enough blocks to fill an H100 several times).
+pub const MAX_BLOCKS: usize = 4096;
+
+/// Blocks of a grid-stride kernel over `n` elements: one thread each, up to `MAX_BLOCKS` blocks.
+pub fn per_element_blocks(n: usize) -> usize {
+    n.div_ceil(BLOCK).clamp(1, MAX_BLOCKS)
+}
+
 /// u32 words per chunk in the table of DeMo's kernels (`struct Chunk` in reducers.cu).
 pub const CHUNK_FIELDS: usize = 11;
 

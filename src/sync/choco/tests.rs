@@ -494,3 +494,175 @@ fn dense_messages_match_the_reference(tensors: &[Segment]) {
         assert_eq!(bits(&each), bits(&want), "{c:?}");
     }
 }
+
+/// The QSGD and sign kernels (kernels/reducers.cu, run on the host by `kernels::emulate` with the grids
+/// `crate::cuda` launches) write the host codec's message bit for bit, u formed as the GPU path forms it
+/// (`scaled_copy` of hat by -1, then `ef_accumulate` of x); and their absorb kernels leave a channel's
+/// public copy and memory as the host's `Channels::absorb` does, for the sender itself and for another
+/// member.
+#[test]
+fn the_dense_codecs_kernels_give_the_hosts_messages_and_channels() {
+    use crate::kernels::emulate::{per_element, Arg, Emulator, Source};
+    let Some(e) = Emulator::get(Source::Reducers) else {
+        return;
+    };
+    let tensors = Segment::from_shapes(&[(40, 25, true), (7, 1, false), (1100, 1, false)]);
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    let mut v = random_vectors(4, n, 21);
+    // Zero differences, a zero bucket, one entry large enough that s |u| overflows.
+    for i in [2, 3, 40].into_iter().chain(1007..1023) {
+        (v[0][i], v[1][i]) = (if i == 40 { 3e38 } else { 0.0 }, 0.0);
+    }
+    let (x, hat) = (&v[0], &v[1]);
+    let mut u = Arg::F32s(vec![0.0; n]);
+    let mut args = [
+        u,
+        Arg::F32s(hat.clone()),
+        Arg::U32(n as u32),
+        Arg::F32(-1.0),
+    ];
+    e.launch("scaled_copy", per_element(n), &mut args);
+    [u, ..] = args;
+    let mut args = [u, Arg::F32s(x.clone()), Arg::U32(n as u32)];
+    e.launch("ef_accumulate", per_element(n), &mut args);
+    let u = args[0].f32s().to_vec();
+    let qsgd = |levels, biased, bucket| Compressor::Qsgd {
+        levels,
+        biased,
+        bucket,
+    };
+    let compressors = [
+        qsgd(15, true, 512),
+        qsgd(3, false, 16),
+        qsgd(16, true, 0),
+        qsgd(255, true, 100),
+        Compressor::Sign,
+    ];
+    let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+    for c in compressors {
+        let codec = Codec::new(c, &tensors, 5);
+        let mut msg = Vec::new();
+        codec.encode(x, hat, 7, 1, &mut msg);
+        let dev = encode_emulated(e, &codec, &u, 7, 1);
+        assert_eq!(bits(&dev), bits(&msg), "{c:?}: the message");
+        for (w, own) in [(0.625f32, true), (0.1875, false)] {
+            let (mut h, mut m) = (v[2].clone(), v[3].clone());
+            codec.decode_spans(&msg, 7, 1, |at, q| {
+                for (i, &q) in (at..).zip(q) {
+                    if own {
+                        h[i] += q;
+                    }
+                    m[i] += w * q;
+                }
+            });
+            let (dh, dm) = absorb_emulated(e, &codec, &msg, (&v[2], &v[3]), (w, own));
+            assert_eq!(
+                (bits(&dh), bits(&dm)),
+                (bits(&h), bits(&m)),
+                "{c:?}, own {own}"
+            );
+        }
+    }
+}
+
+/// The message of `u` (x - hat) by the emulated `qsgd_encode` or `sign_encode`, tensor by tensor, as
+/// the GPU path (`Choco::encode_device`) launches them.
+fn encode_emulated(
+    e: &crate::kernels::emulate::Emulator,
+    codec: &Codec,
+    u: &[f32],
+    step: u64,
+    rank: usize,
+) -> Vec<f32> {
+    use crate::kernels::emulate::Arg;
+    let mut msg = vec![0.0f32; codec.words()];
+    for (t, &(off, len)) in codec.tensors.iter().enumerate() {
+        let part = &mut msg[codec.parts[t]..codec.parts[t + 1]];
+        let ut = Arg::F32s(u[off..off + len].to_vec());
+        match codec.compressor {
+            Compressor::Qsgd { levels, bucket, .. } => {
+                let nb = buckets(len, bucket).len();
+                let mut args = [
+                    ut,
+                    Arg::U32(len as u32),
+                    Arg::U32(bucket_len(len, bucket) as u32),
+                    Arg::U32s(codec.qsgd_key(step, rank).to_vec()),
+                    Arg::U64(t as u64),
+                    Arg::U32(levels),
+                    Arg::U32(qsgd_bits(levels)),
+                    Arg::F32s(vec![0.0; nb]),
+                    Arg::F32s(vec![0.0; part.len() - nb]),
+                ];
+                e.launch("qsgd_encode", (nb as u32, 1), &mut args);
+                part[..nb].copy_from_slice(args[7].f32s());
+                part[nb..].copy_from_slice(args[8].f32s());
+            }
+            _ => {
+                let mut args = [ut, Arg::U32(len as u32), Arg::F32s(vec![0.0; part.len()])];
+                e.launch("sign_encode", (1, 1), &mut args);
+                part.copy_from_slice(args[2].f32s());
+            }
+        }
+    }
+    msg
+}
+
+/// The channel (hat, memory) after the emulated `qsgd_absorb` or `sign_absorb` of `msg` from a member
+/// of weight `w` (`own`: this rank's message), tensor by tensor, as `absorb_device` launches them.
+fn absorb_emulated(
+    e: &crate::kernels::emulate::Emulator,
+    codec: &Codec,
+    msg: &[f32],
+    (hat, memory): (&[f32], &[f32]),
+    (w, own): (f32, bool),
+) -> (Vec<f32>, Vec<f32>) {
+    use crate::kernels::emulate::{per_element, Arg};
+    let (mut h, mut m) = (Arg::F32s(hat.to_vec()), Arg::F32s(memory.to_vec()));
+    for (t, &(off, len)) in codec.tensors.iter().enumerate() {
+        let part = &msg[codec.parts[t]..codec.parts[t + 1]];
+        let mut args = match codec.compressor {
+            Compressor::Qsgd {
+                levels,
+                biased,
+                bucket,
+            } => {
+                let ranges = buckets(len, bucket);
+                let b = bucket_len(len, bucket);
+                let last = ranges.last().map_or(0, |r| r.len());
+                let (norms, codes) = part.split_at(ranges.len());
+                vec![
+                    h,
+                    m,
+                    Arg::U32(off as u32),
+                    Arg::U32(len as u32),
+                    Arg::U32(b as u32),
+                    Arg::F32s(norms.to_vec()),
+                    Arg::F32s(codes.to_vec()),
+                    Arg::U32(levels),
+                    Arg::U32(qsgd_bits(levels)),
+                    Arg::F32(qsgd_tau(levels, b.min(len), biased)),
+                    Arg::F32(qsgd_tau(levels, last, biased)),
+                    Arg::F32(w),
+                    Arg::U32(own.into()),
+                ]
+            }
+            _ => vec![
+                h,
+                m,
+                Arg::U32(off as u32),
+                Arg::U32(len as u32),
+                Arg::F32s(part.to_vec()),
+                Arg::F32(w),
+                Arg::U32(own.into()),
+            ],
+        };
+        let name = match codec.compressor {
+            Compressor::Qsgd { .. } => "qsgd_absorb",
+            _ => "sign_absorb",
+        };
+        e.launch(name, per_element(len), &mut args);
+        let mut rest = args.into_iter();
+        (h, m) = (rest.next().unwrap(), rest.next().unwrap());
+    }
+    (h.f32s().to_vec(), m.f32s().to_vec())
+}

@@ -1,0 +1,460 @@
+//! The CUDA kernels run on the host (`kernels/emulate.hpp`: a block as `BLOCK` threads of this machine,
+//! `__syncthreads` a barrier among them), so that the tests check each kernel against its CPU twin bit
+//! for bit without a GPU: the kernel's own source, launched with the grid its launcher in `crate::cuda`
+//! uses. Built once per test binary by the C++ compiler with contraction off (nvcc's `-fmad=false`).
+//! Skipped without a C++ compiler unless `NANODIST_REQUIRE_CXX` is set (scripts/test.sh sets it).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// A kernel file of kernels/.
+#[derive(Debug, Clone, Copy)]
+pub enum Source {
+    Reducers,
+    Optim,
+}
+
+impl Source {
+    fn text(self) -> &'static str {
+        match self {
+            Source::Reducers => include_str!("../../kernels/reducers.cu"),
+            Source::Optim => include_str!("../../kernels/optim.cu"),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Source::Reducers => "reducers",
+            Source::Optim => "optim",
+        }
+    }
+}
+
+/// One argument of a launch, in the kernel's order: a buffer (updated in place by `launch`) or a scalar.
+#[derive(Debug, Clone)]
+pub enum Arg {
+    F32s(Vec<f32>),
+    U32s(Vec<u32>),
+    F64s(Vec<f64>),
+    U32(u32),
+    U64(u64),
+    F32(f32),
+}
+
+impl Arg {
+    fn bytes(&self) -> Option<Vec<u8>> {
+        match self {
+            Arg::F32s(v) => Some(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Arg::U32s(v) => Some(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Arg::F64s(v) => Some(v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            _ => None,
+        }
+    }
+
+    fn scalar(&self) -> u64 {
+        match *self {
+            Arg::U32(v) => v as u64,
+            Arg::U64(v) => v,
+            Arg::F32(v) => v.to_bits() as u64,
+            _ => unreachable!("a buffer"),
+        }
+    }
+
+    /// The buffer's new contents from `bytes` (as many as it had).
+    fn read_back(&mut self, bytes: &[u8]) {
+        match self {
+            Arg::F32s(v) => v.iter_mut().zip(bytes.chunks_exact(4)).for_each(|(x, b)| {
+                *x = f32::from_le_bytes(b.try_into().unwrap());
+            }),
+            Arg::U32s(v) => v.iter_mut().zip(bytes.chunks_exact(4)).for_each(|(x, b)| {
+                *x = u32::from_le_bytes(b.try_into().unwrap());
+            }),
+            Arg::F64s(v) => v.iter_mut().zip(bytes.chunks_exact(8)).for_each(|(x, b)| {
+                *x = f64::from_le_bytes(b.try_into().unwrap());
+            }),
+            _ => {}
+        }
+    }
+
+    pub fn f32s(&self) -> &[f32] {
+        match self {
+            Arg::F32s(v) => v,
+            other => panic!("not an f32 buffer: {other:?}"),
+        }
+    }
+
+    pub fn u32s(&self) -> &[u32] {
+        match self {
+            Arg::U32s(v) => v,
+            other => panic!("not a u32 buffer: {other:?}"),
+        }
+    }
+
+    pub fn f64s(&self) -> &[f64] {
+        match self {
+            Arg::F64s(v) => v,
+            other => panic!("not an f64 buffer: {other:?}"),
+        }
+    }
+}
+
+/// The grid of a grid-stride kernel over `n` elements, as `crate::cuda` launches it.
+pub fn per_element(n: usize) -> (u32, u32) {
+    (super::per_element_blocks(n) as u32, 1)
+}
+
+/// The host build of one kernel file.
+pub struct Emulator {
+    exe: PathBuf,
+    dir: PathBuf,
+}
+
+/// How long one launch may take before the test calls it hung.
+const LIMIT: Duration = Duration::from_secs(120);
+
+impl Emulator {
+    /// The host build of `source`, made once per test binary; None (the test skipped) when no C++
+    /// compiler is found and none is required.
+    pub fn get(source: Source) -> Option<&'static Emulator> {
+        static BUILT: [OnceLock<Option<Emulator>>; 2] = [OnceLock::new(), OnceLock::new()];
+        BUILT[source as usize]
+            .get_or_init(|| build(source))
+            .as_ref()
+    }
+
+    /// Runs `kernel` over a grid of `grid` blocks with `args` (its parameters in order); each buffer
+    /// argument then holds what the kernel left in it.
+    pub fn launch(&self, kernel: &str, grid: (u32, u32), args: &mut [Arg]) {
+        let tag = format!("{kernel}-{}", std::process::id());
+        let (input, output) = (
+            self.dir.join(format!("{tag}.in")),
+            self.dir.join(format!("{tag}.out")),
+        );
+        let mut bytes = Vec::new();
+        let head = [kernel.len() as u32, grid.0, grid.1, args.len() as u32];
+        head.iter().for_each(|h| bytes.extend(h.to_le_bytes()));
+        bytes.extend(kernel.as_bytes());
+        for a in args.iter() {
+            match a.bytes() {
+                Some(b) => {
+                    bytes.push(b'b');
+                    bytes.extend((b.len() as u64).to_le_bytes());
+                    bytes.extend(b);
+                }
+                None => {
+                    bytes.push(b's');
+                    bytes.extend(a.scalar().to_le_bytes());
+                }
+            }
+        }
+        std::fs::File::create(&input)
+            .and_then(|mut f| f.write_all(&bytes))
+            .unwrap();
+        let mut child = Command::new(&self.exe)
+            .args([&input, &output])
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if start.elapsed() > LIMIT {
+                let _ = child.kill();
+                panic!(
+                    "kernel {kernel} hung (a __syncthreads not every thread of a block reaches?)"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(
+            status.success(),
+            "the host build of {kernel} failed ({status})"
+        );
+        let out = std::fs::read(&output).unwrap();
+        let mut at = 0;
+        for a in args.iter_mut() {
+            if let Some(b) = a.bytes() {
+                a.read_back(&out[at..at + b.len()]);
+                at += b.len();
+            }
+        }
+        assert_eq!(
+            at,
+            out.len(),
+            "{kernel}: the buffers came back in another size"
+        );
+        let _ = (std::fs::remove_file(input), std::fs::remove_file(output));
+    }
+}
+
+/// Compiles the emulation of `source` (its kernels, `KERNEL(name)` each, in the launcher).
+fn build(source: Source) -> Option<Emulator> {
+    let dir = std::env::temp_dir().join(format!(
+        "nanodist-emulate-{}-{}",
+        source.name(),
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = source.text();
+    let kernels: Vec<&str> = text
+        .split("extern \"C\" __global__ void ")
+        .skip(1)
+        .map(|s| &s[..s.find('(').expect("a kernel's parameters")])
+        .collect();
+    let harness = include_str!("../../kernels/emulate.hpp");
+    let list: String = kernels.iter().map(|k| format!("KERNEL({k}) ")).collect();
+    let cpp = format!(
+        "{harness}\n{text}\n#define EMULATE_MAIN\n#define EMULATE_KERNELS {list}\n{harness}\n"
+    );
+    let (src, exe) = (dir.join("emulate.cpp"), dir.join("emulate"));
+    std::fs::write(&src, cpp).unwrap();
+    for cxx in [
+        std::env::var("CXX").unwrap_or_default(),
+        "c++".into(),
+        "clang++".into(),
+    ] {
+        let args = ["-O1", "-ffp-contract=off", "-std=c++20", "-pthread", "-o"];
+        match Command::new(&cxx).args(args).arg(&exe).arg(&src).status() {
+            Ok(s) if s.success() => return Some(Emulator { exe, dir }),
+            Ok(s) => panic!(
+                "{cxx} could not build the kernels of {} ({s})",
+                source.name()
+            ),
+            Err(_) => {} // no such compiler: the next one
+        }
+    }
+    let required = std::env::var_os("NANODIST_REQUIRE_CXX").is_some_and(|v| v != "0");
+    assert!(
+        !required,
+        "no C++ compiler (c++, clang++ or $CXX), and NANODIST_REQUIRE_CXX is set"
+    );
+    eprintln!("skipped: no C++ compiler (c++, clang++ or $CXX) to run the kernels on the host");
+    None
+}
+
+mod tests {
+    use super::*;
+    use crate::kernels;
+    use rand::{Rng, SeedableRng};
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Values with ties, zeros of both signs and a few large ones: what a selection must order exactly.
+    fn awkward(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        (0..n)
+            .map(|i| match i % 7 {
+                0 => 0.25 * (rng.random_range(0..8) as f32) - 1.0,
+                1 => {
+                    if rng.random() {
+                        0.0
+                    } else {
+                        -0.0
+                    }
+                }
+                2 => rng.random_range(-1e3f32..1e3),
+                _ => rng.random_range(-1.0f32..1.0),
+            })
+            .collect()
+    }
+
+    /// `crate::cuda`'s top_k: the radix select of the threshold with the `radix_histogram` kernel, the
+    /// tiles' counts (`select_count`) scanned on the host, then `select_write`.
+    fn top_k_emulated(e: &Emulator, x: &[f32], k: usize, base: u32) -> (Vec<u32>, Vec<f32>) {
+        let n = x.len();
+        let t = kernels::radix_threshold(k, |prefix, mask, shift| {
+            let mut args = [
+                Arg::F32s(x.to_vec()),
+                Arg::U32(n as u32),
+                Arg::U32(prefix),
+                Arg::U32(mask),
+                Arg::U32(shift),
+                Arg::U32s(vec![0; kernels::BLOCK]),
+            ];
+            e.launch("radix_histogram", per_element(n), &mut args);
+            Ok(args[5].u32s().try_into().unwrap())
+        })
+        .unwrap();
+        let tiles = n.div_ceil(kernels::TILE);
+        let mut args = [
+            Arg::F32s(x.to_vec()),
+            Arg::U32(n as u32),
+            Arg::U32(t.key),
+            Arg::U32s(vec![0; tiles]),
+            Arg::U32s(vec![0; tiles]),
+        ];
+        e.launch("select_count", (tiles as u32, 1), &mut args);
+        let (above, equal) = (args[3].u32s(), args[4].u32s());
+        let mut args = [
+            Arg::F32s(x.to_vec()),
+            Arg::U32(n as u32),
+            Arg::U32(t.key),
+            Arg::U32(t.ties),
+            Arg::U32s(kernels::exclusive_scan(above)),
+            Arg::U32s(kernels::exclusive_scan(equal)),
+            Arg::U32(base),
+            Arg::U32s(vec![0; k]),
+            Arg::F32s(vec![0.0; k]),
+        ];
+        e.launch("select_write", (tiles as u32, 1), &mut args);
+        (args[7].u32s().to_vec(), args[8].f32s().to_vec())
+    }
+
+    /// The selection kernels pick the twin's entries in the twin's order: ties towards lower indices,
+    /// across tiles, with every key equal, and k the whole input.
+    #[test]
+    fn the_selection_kernels_are_top_k() {
+        let Some(e) = Emulator::get(Source::Reducers) else {
+            return;
+        };
+        let long = awkward(2 * kernels::TILE + 333, 1);
+        let cases: [(Vec<f32>, &[usize]); 3] = [
+            (long, &[1, 100, 3000, 2 * kernels::TILE + 333]),
+            (vec![0.5; 5000], &[1, 4097]),
+            (awkward(77, 2), &[7, 77]),
+        ];
+        for (x, ks) in cases {
+            for &k in ks {
+                let (mut idx, mut val) = (Vec::new(), Vec::new());
+                kernels::top_k(&x, k, 10, &mut idx, &mut val);
+                let (di, dv) = top_k_emulated(e, &x, k, 10);
+                assert_eq!((di, bits(&dv)), (idx, bits(&val)), "n {}, k {k}", x.len());
+            }
+        }
+    }
+
+    /// Gram-Schmidt per matrix (one block each) is the twin's, bit for bit, with a zero column, more
+    /// rows than a block has threads, and several matrices side by side.
+    #[test]
+    fn gram_schmidt_is_its_twin() {
+        let Some(e) = Emulator::get(Source::Reducers) else {
+            return;
+        };
+        for (rows, cols, matrices) in [(600, 4, 2), (5, 3, 3), (64, 1, 1)] {
+            let mut p = awkward(rows * cols * matrices, 3);
+            (0..rows).for_each(|r| p[r * cols] = 0.0);
+            let mut args = [
+                Arg::F32s(p.clone()),
+                Arg::U32(rows as u32),
+                Arg::U32(cols as u32),
+                Arg::F32(1e-8),
+            ];
+            e.launch("gram_schmidt", (matrices as u32, 1), &mut args);
+            kernels::gram_schmidt(&mut p, rows, cols, 1e-8);
+            assert_eq!(
+                bits(args[0].f32s()),
+                bits(&p),
+                "{rows} x {cols} x {matrices}"
+            );
+        }
+    }
+
+    /// The elementwise and index-list kernels against their twins, on one input each.
+    #[test]
+    fn the_elementwise_kernels_are_their_twins() {
+        let Some(e) = Emulator::get(Source::Reducers) else {
+            return;
+        };
+        let n = 3000;
+        let (x, y) = (awkward(n, 4), awkward(n, 5));
+        let idx: Vec<u32> = (0..n as u32).filter(|i| i % 3 == 1).collect();
+        let vals = awkward(idx.len(), 6);
+        let k = idx.len() as u32;
+        let grid = per_element(n);
+        // The index-list kernels are not grid-stride: a thread per index (`per_index!`).
+        let one_per_index = (idx.len().div_ceil(kernels::BLOCK) as u32, 1);
+        let mut want = x.clone();
+        let dense = |v: &[f32]| Arg::F32s(v.to_vec());
+        let mut args = [dense(&x), dense(&y), Arg::U32(n as u32), Arg::F32(0.375)];
+        e.launch("mix", grid, &mut args);
+        kernels::mix(&mut want, &y, 0.375);
+        assert_eq!(bits(args[0].f32s()), bits(&want), "mix");
+        let mut args = [dense(&x), Arg::U32(n as u32), Arg::F32(-0.3)];
+        e.launch("scale", grid, &mut args);
+        want.copy_from_slice(&x);
+        kernels::scale(&mut want, -0.3);
+        assert_eq!(bits(args[0].f32s()), bits(&want), "scale");
+        let hat: Vec<f32> = y.iter().rev().copied().collect();
+        let mut args = [
+            dense(&x),
+            dense(&y),
+            dense(&hat),
+            Arg::U32(n as u32),
+            Arg::F32(0.9),
+        ];
+        e.launch("choco_step", grid, &mut args);
+        want.copy_from_slice(&x);
+        kernels::choco_step(&mut want, &y, &hat, 0.9);
+        assert_eq!(bits(args[0].f32s()), bits(&want), "choco_step");
+        let list = |name: &str, dense_in: &[f32]| {
+            let mut args = [
+                dense(dense_in),
+                Arg::U32s(idx.clone()),
+                dense(&vals),
+                Arg::U32(k),
+            ];
+            e.launch(name, one_per_index, &mut args);
+            (args[0].f32s().to_vec(), args[2].f32s().to_vec())
+        };
+        let (mut acc, mut out) = (x.clone(), vals.clone());
+        kernels::gather_clear(&mut acc, &idx, &mut out);
+        let (dacc, dout) = list("gather_clear", &x);
+        assert_eq!(
+            (bits(&dacc), bits(&dout)),
+            (bits(&acc), bits(&out)),
+            "gather_clear"
+        );
+        kernels::gather(&x, &idx, &mut out);
+        assert_eq!(bits(&list("gather", &x).1), bits(&out), "gather");
+        let mut d = x.clone();
+        kernels::scatter_add(&mut d, &idx, &vals);
+        assert_eq!(bits(&list("scatter_add", &x).0), bits(&d), "scatter_add");
+        d.copy_from_slice(&x);
+        kernels::scatter(&mut d, &idx, &vals);
+        assert_eq!(bits(&list("scatter", &x).0), bits(&d), "scatter");
+        for own in [true, false] {
+            let (mut h, mut m) = (x.clone(), y.clone());
+            kernels::choco_absorb(own.then_some(&mut h[..]), &mut m, &idx, &vals, 1, 0.25);
+            let mut args = [
+                dense(&x),
+                dense(&y),
+                Arg::U32s(idx.clone()),
+                dense(&vals),
+                Arg::U32(k),
+                Arg::U32(1),
+                Arg::F32(0.25),
+                Arg::U32(own.into()),
+            ];
+            e.launch("choco_absorb", one_per_index, &mut args);
+            let got = (bits(args[0].f32s()), bits(args[1].f32s()));
+            assert_eq!(got, (bits(&h), bits(&m)), "choco_absorb, own {own}");
+        }
+    }
+
+    /// The emulation itself: a grid-stride kernel touches every element once, a block's tree sum sees
+    /// every thread's part (barriers hold), and the f64 tile sums of squares are the twin's.
+    #[test]
+    fn kernels_run_on_the_host() {
+        let Some(e) = Emulator::get(Source::Optim) else {
+            return;
+        };
+        let n = 3 * super::super::TILE + 17;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 37) % 101) as f32 - 50.0).collect();
+        let tiles = n.div_ceil(super::super::TILE);
+        let mut args = [
+            Arg::F32s(x.clone()),
+            Arg::U32(n as u32),
+            Arg::F64s(vec![0.0; tiles]),
+        ];
+        e.launch("sum_squares", (tiles as u32, 1), &mut args);
+        let want: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let got: f64 = args[2].f64s().iter().sum();
+        assert_eq!(got, want);
+    }
+}
