@@ -2,10 +2,11 @@
 // AccumAdamW, SGD with decoupled weight decay, torch's SGD with momentum / Nesterov (also DiLoCo's outer
 // step), and the sum of squares behind every global norm.
 //
-// Every kernel has a CPU twin in src/kernels/optim.rs with the same operations in the same order, which
-// the CPU optimizers run; scripts/gpu-selftest.sh compares each kernel with its twin on a GPU. Compile
-// with -fmad=false (no contracted multiply-adds); sqrtf and '/' are IEEE-rounded under nvcc's defaults
-// (-prec-sqrt=true, -prec-div=true, -ftz=false), as Rust's f32 operations are.
+// Every kernel has a CPU twin in src/kernels/optim.rs with the same operations in the same order, which the
+// CPU optimizers run; the tests run each kernel on the host against its twin (emulate.hpp), and
+// scripts/gpu/selftest.py compares each kernel with its twin on a GPU. Compile with -fmad=false (no
+// contracted multiply-adds); sqrtf and '/' are IEEE-rounded under nvcc's defaults (-prec-sqrt=true,
+// -prec-div=true, -ftz=false), as Rust's f32 operations are.
 //
 // The update kernels run over a segment table: segs[3 s .. 3 s + 3] = (offset, length, decays) of
 // parameter s in the flat buffer. Block row blockIdx.y is segment s; weight decay applies where `decays`

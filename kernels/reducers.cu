@@ -2,10 +2,11 @@
 // the threshold, then an index-ordered compaction), gather / scatter over index lists, the error-feedback
 // update, PowerSGD's Gram-Schmidt orthogonalization, and gossip's scaled copy and mix.
 //
-// Every kernel has a CPU twin in src/kernels/mod.rs that implements the same algorithm with the same
-// blocking and summation order; the CPU tests exercise the twins and scripts/gpu-selftest.sh compares each
-// kernel with its twin on a GPU. Compile with -fmad=false: no multiply-add may be contracted behind the
-// twins' back, so that results agree bit for bit. The constants below are checked against the twins'.
+// Every kernel has a CPU twin in src/kernels/mod.rs that implements the same algorithm with the same blocking
+// and summation order; the CPU tests exercise the twins, run each kernel on the host against its twin
+// (emulate.hpp), and scripts/gpu/selftest.py compares each kernel with its twin on a GPU. Compile with
+// -fmad=false: no multiply-add may be contracted behind the twins' back, so that results agree bit for bit.
+// The constants below are checked against the twins'.
 
 #define BLOCK 256         // threads per block (also the 256 buckets of one 8-bit radix digit)
 #define TILE 4096         // elements per block in the selection kernels

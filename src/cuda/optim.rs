@@ -7,8 +7,6 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelA
 use super::{grid, u32_of, Kernels};
 use crate::kernels::optim::{self as twin, AccumStep, AdamWStep, SgdStep};
 use crate::kernels::Segment;
-use crate::kernels::BLOCK;
-use crate::kernels::MAX_BLOCKS;
 
 /// A flat buffer's segment table on the device (see optim.cu), with the grid that covers it.
 pub struct DeviceSegments {
@@ -39,9 +37,9 @@ impl Kernels {
             "{} parameters: the optimizer kernels take at most 65535 (one grid row each)",
             segments.len()
         );
-        let longest = segments.iter().map(|s| s.len).max().unwrap_or(0);
-        let mut cfg = grid(longest.div_ceil(BLOCK).min(MAX_BLOCKS / 4));
-        cfg.grid_dim.1 = segments.len().max(1) as u32;
+        let (blocks, rows) = twin::segment_grid(segments);
+        let mut cfg = grid(blocks);
+        cfg.grid_dim.1 = rows as u32;
         let table = if segments.is_empty() {
             // One empty segment: the grid's single row does nothing.
             self.stream.clone_htod(&[0u32, 0, 0])?

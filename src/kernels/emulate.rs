@@ -437,8 +437,8 @@ mod tests {
         }
     }
 
-    /// The emulation itself: a grid-stride kernel touches every element once, a block's tree sum sees
-    /// every thread's part (barriers hold), and the f64 tile sums of squares are the twin's.
+    /// The emulation itself on `sum_squares`: a block's tree sum sees every thread's part (the barriers
+    /// hold), and the tiles' f64 sums, added in order as the launcher adds them, are the twin's bits.
     #[test]
     fn kernels_run_on_the_host() {
         let Some(e) = Emulator::get(Source::Optim) else {
@@ -453,8 +453,17 @@ mod tests {
             Arg::F64s(vec![0.0; tiles]),
         ];
         e.launch("sum_squares", (tiles as u32, 1), &mut args);
-        let want: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-        let got: f64 = args[2].f64s().iter().sum();
-        assert_eq!(got, want);
+        let exact: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let got = args[2].f64s().iter().fold(0.0, |a, b| a + b);
+        assert_eq!(got, exact, "small integers' squares add exactly");
+        let x: Vec<f32> = awkward(n, 9);
+        let mut args = [
+            Arg::F32s(x.clone()),
+            Arg::U32(n as u32),
+            Arg::F64s(vec![0.0; tiles]),
+        ];
+        e.launch("sum_squares", (tiles as u32, 1), &mut args);
+        let got = args[2].f64s().iter().fold(0.0, |a, b| a + b);
+        assert_eq!(got.to_bits(), kernels::optim::sum_squares(&x).to_bits());
     }
 }

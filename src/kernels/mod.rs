@@ -1,9 +1,10 @@
 //! CPU twins of the CUDA kernels in `kernels/reducers.cu`. Each function here implements its kernel's
-//! algorithm with the same blocking and the same order of floating-point operations, so a kernel and its
-//! twin agree bit for bit (the kernels are compiled with `-fmad=false`). The compressed reducers run on
-//! these twins on CPU; the property tests below pin their behaviour; the GPU self-test
-//! (`scripts/gpu/selftest.py`) compares every kernel with its twin on a GPU. The host-side steps between kernel launches (the digit search
-//! of the radix select, the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
+//! algorithm with the same blocking and the same order of floating-point operations, so a kernel and its twin
+//! agree bit for bit (the kernels are compiled with `-fmad=false`). The compressed reducers run on these
+//! twins on CPU; the property tests below pin their behaviour; the tests run each kernel's own source on the
+//! host against its twin (`emulate`); the GPU self-test (`scripts/gpu/selftest.py`) compares every kernel
+//! with its twin on a GPU. The host-side steps between kernel launches (the digit search of the radix select,
+//! the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
 
 mod compact;
 #[cfg(test)]

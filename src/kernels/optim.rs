@@ -27,6 +27,16 @@ pub fn segment_table(segments: &[Segment]) -> anyhow::Result<Vec<u32>> {
     Ok(t)
 }
 
+/// The grid of the update kernels over `segments`: one block row per segment (blockIdx.y), its
+/// grid-stride loop over up to a quarter of `MAX_BLOCKS` blocks of the longest.
+pub fn segment_grid(segments: &[Segment]) -> (usize, usize) {
+    let longest = segments.iter().map(|s| s.len).max().unwrap_or(0);
+    (
+        longest.div_ceil(BLOCK).clamp(1, super::MAX_BLOCKS / 4),
+        segments.len().max(1),
+    )
+}
+
 /// The weight decay factor 1 - lr wd of a decaying segment, in f32 as the kernels take it.
 pub fn decay_factor(lr: f64, wd: f64) -> f32 {
     (1.0 - lr * wd) as f32
@@ -280,6 +290,163 @@ pub fn add_in_order(tiles: impl IndexedParallelIterator<Item = f64>) -> f64 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Buffers over segments that decay and that do not, longer and shorter than a block, and the
+    /// update kernels of optim.cu run on the host (`kernels::emulate`) with `segment_grid`'s grid.
+    struct Updates {
+        segs: Vec<Segment>,
+        /// p, g, m (or a momentum buffer), v, an accumulator.
+        x: [Vec<f32>; 5],
+        e: &'static crate::kernels::emulate::Emulator,
+    }
+
+    impl Updates {
+        fn new() -> Option<Self> {
+            use crate::kernels::emulate::{Emulator, Source};
+            let shapes = [
+                (30, 20, true),
+                (7, 1, false),
+                (1500, 1, false),
+                (3, 9, true),
+            ];
+            let segs = Segment::from_shapes(&shapes);
+            let n: usize = segs.iter().map(|s| s.len).sum();
+            let ranges = [
+                (-2.0, 2.0),
+                (-1.0, 1.0),
+                (-0.1, 0.1),
+                (0.0, 0.01),
+                (-0.1, 0.1),
+            ];
+            let mut seed = 0;
+            let x = ranges.map(|(lo, hi)| {
+                seed += 1;
+                vals(n, seed, lo, hi)
+            });
+            Some(Self {
+                segs,
+                x,
+                e: Emulator::get(Source::Optim)?,
+            })
+        }
+
+        /// The kernel's buffers after it ran on `args` (the segment table goes in at `table`), as bits.
+        fn run(&self, name: &str, mut args: Vec<Arg>, table: usize) -> Vec<Vec<u32>> {
+            args.insert(table, Arg::U32s(segment_table(&self.segs).unwrap()));
+            let (x, y) = segment_grid(&self.segs);
+            self.e.launch(name, (x as u32, y as u32), &mut args);
+            let floats = args.into_iter().filter(|a| matches!(a, Arg::F32s(_)));
+            floats.map(|a| bits(a.f32s())).collect()
+        }
+    }
+
+    use crate::kernels::emulate::Arg;
+
+    fn f(x: &[f32]) -> Arg {
+        Arg::F32s(x.to_vec())
+    }
+
+    /// `adamw` and `accum_adamw` (committing and not) give their twins' parameters and moments bit for
+    /// bit, with a clipping factor.
+    #[test]
+    fn the_adam_kernels_are_their_twins() {
+        let Some(u) = Updates::new() else {
+            return;
+        };
+        let [p, g, m, v, acc] = &u.x;
+        let mut c = AdamWStep::new([0.9, 0.95], 1e-8, 0.1, 6e-4, 3);
+        c.grad_scale = 0.7;
+        let (mut pw, mut mw, mut vw) = (p.clone(), m.clone(), v.clone());
+        adamw(&mut pw, g, &mut mw, &mut vw, &u.segs, &c);
+        let k = [
+            c.decay,
+            c.one_minus_b1,
+            c.b2,
+            c.one_minus_b2,
+            c.bc2_sqrt,
+            c.eps,
+        ];
+        let args = [
+            vec![f(p), f(g), f(m), f(v)],
+            floats(&k),
+            floats(&[c.step_size, 0.7]),
+        ];
+        let want = [&pw, g, &mw, &vw].map(|x| bits(x)).to_vec();
+        assert_eq!(u.run("adamw", args.concat(), 4), want, "adamw");
+        for t in [4, 6] {
+            let mut c = AccumStep::new([0.9, 0.95], 1e-8, 0.1, 3, 6e-4, t);
+            c.grad_scale = 0.7;
+            let (mut pw, mut mw, mut vw, mut aw) = (p.clone(), m.clone(), v.clone(), acc.clone());
+            accum_adamw(&mut pw, g, &mut mw, &mut vw, &mut aw, &u.segs, &c);
+            let k = [c.decay, c.one_minus_b1, c.one_minus_b2, c.b1, c.b2, c.inv_k];
+            let k2 = [c.bc2_sqrt, c.eps, c.step_size];
+            let tail = vec![Arg::U32(c.commit.into()), Arg::F32(0.7)];
+            let args = [
+                vec![f(p), f(g), f(m), f(v), f(acc)],
+                floats(&k),
+                floats(&k2),
+                tail,
+            ];
+            let want = [&pw, g, &mw, &vw, &aw].map(|x| bits(x)).to_vec();
+            assert_eq!(u.run("accum_adamw", args.concat(), 5), want, "step {t}");
+        }
+    }
+
+    /// `sgd` and `momentum_sgd` (first step, later, Nesterov, and without a buffer) give their twins'
+    /// parameters and buffers bit for bit, with a clipping factor.
+    #[test]
+    fn the_sgd_kernels_are_their_twins() {
+        let Some(u) = Updates::new() else {
+            return;
+        };
+        let [p, g, m, ..] = &u.x;
+        let mut pw = p.clone();
+        sgd(&mut pw, g, &u.segs, 0.1, 6e-4, 0.7);
+        let args = [
+            vec![f(p), f(g)],
+            floats(&[decay_factor(6e-4, 0.1), 6e-4, 0.7]),
+        ];
+        assert_eq!(u.run("sgd", args.concat(), 2), [bits(&pw), bits(g)], "sgd");
+        let flag = |b: bool| Arg::U32(b.into());
+        for (first, nesterov, has_buf) in [
+            (true, false, true),
+            (false, true, true),
+            (false, false, false),
+        ] {
+            let c = SgdStep {
+                wd: 0.01,
+                momentum: 0.9,
+                lr: 0.7,
+                nesterov,
+                first,
+                grad_scale: 0.5,
+            };
+            let (mut pw, mut bw) = (p.clone(), if has_buf { m.clone() } else { Vec::new() });
+            momentum_sgd(&mut pw, g, &mut bw, &u.segs, &c);
+            let buf = if has_buf { bw.clone() } else { vec![0.0] };
+            let args = [
+                vec![f(p), f(g), f(if has_buf { m } else { &buf }), flag(has_buf)],
+                floats(&[c.wd, c.momentum, c.lr]),
+                vec![flag(first), flag(nesterov), Arg::F32(0.5)],
+            ];
+            let want = vec![bits(&pw), bits(g), bits(&buf)];
+            assert_eq!(
+                u.run("momentum_sgd", args.concat(), 4),
+                want,
+                "{c:?}, buffer {has_buf}"
+            );
+        }
+    }
+
+    fn floats(k: &[f32]) -> Vec<crate::kernels::emulate::Arg> {
+        k.iter()
+            .map(|&x| crate::kernels::emulate::Arg::F32(x))
+            .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
 
     /// `difference` is x - g (as -g + x, the two steps it replaces) and `sum_squares` of it and of x,
     /// bit for bit, with zeros of both signs, infinities and NaNs among the values.

@@ -298,6 +298,20 @@ fn encode_rows(q: Quantize, buf: &[f32], rows: &[Range<usize>], out: &mut Vec<f3
     }
 }
 
+/// The quantize kernels' table of `rows`: per row its start in the buffer, its length and its first
+/// wire word (the rows' encodings concatenated in order, as `encode_rows` writes them); and the words of
+/// them all.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn row_table(q: Quantize, rows: &[Range<usize>]) -> (Vec<u32>, usize) {
+    let mut table = Vec::with_capacity(3 * rows.len());
+    let mut word = 0;
+    for r in rows {
+        table.extend([r.start, r.len(), word].map(|x| x as u32));
+        word += row_words(q, r.len());
+    }
+    (table, word)
+}
+
 /// Decodes the concatenated encoding of `rows` into `buf`.
 fn decode_rows(q: Quantize, words: &[f32], rows: &[Range<usize>], buf: &mut [f32]) {
     let mut at = 0;
@@ -455,13 +469,7 @@ pub fn all_reduce_mean_device(
     let (k, s) = (d.kernels.clone(), d.kernels.stream().clone());
     // Every row's wire words, in row order: chunk c's rows (rank c owns them) are words[at[c]..at[c + 1]].
     let owned: Vec<Range<usize>> = (0..n).map(|c| chunk(rows.len(), n, c)).collect();
-    let mut table = Vec::with_capacity(3 * rows.len());
-    let mut word = 0;
-    for r in rows {
-        table.extend([r.start, r.len(), word].map(|x| x as u32));
-        word += row_words(q, r.len());
-    }
-    let total = word;
+    let (table, total) = row_table(q, rows);
     let at: Vec<usize> = owned
         .iter()
         .map(|o| table.get(3 * o.start + 2).map_or(total, |&w| w as usize))
@@ -536,6 +544,64 @@ fn owner_mean(
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// The row kernels (`quantize_rows`, `dequantize_rows`, run on the host by `kernels::emulate`, one
+    /// block per row as `crate::cuda` launches them) write and read the host codec's words bit for bit,
+    /// in each mode: rows longer than a block, short and empty ones, a constant row, zeros of both
+    /// signs, values past fp8's range and a NaN.
+    #[test]
+    fn the_row_kernels_are_the_codec() {
+        use crate::kernels::emulate::{Arg, Emulator, Source};
+        let Some(e) = Emulator::get(Source::Reducers) else {
+            return;
+        };
+        let lens = [1000, 1, 3, 0, 257, 64, 5];
+        let mut buf: Vec<f32> = lens
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &n)| row(i as u64, n, [1.0, 1e-3, 600.0][i % 3]))
+            .collect();
+        buf[10] = -0.0;
+        buf[11] = 0.0;
+        buf[12] = 1e6;
+        buf[1001] = f32::NAN;
+        let (mut rows, mut at) = (Vec::new(), 0);
+        for n in lens {
+            rows.push(at..at + n);
+            at += n;
+        }
+        // A constant row (uint8's min = max).
+        buf[rows[5].clone()].fill(0.5);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (q, mode) in [
+            (Quantize::Bf16, 1),
+            (Quantize::Fp8, 2),
+            (Quantize::Uint8, 3),
+        ] {
+            let (table, total) = row_table(q, &rows);
+            let mut want = Vec::new();
+            encode_rows(q, &buf, &rows, &mut want);
+            let grid = (rows.len() as u32, 1);
+            let mut args = [
+                Arg::F32s(buf.clone()),
+                Arg::U32s(table.clone()),
+                Arg::U32(mode),
+                Arg::F32s(vec![0.0; total]),
+            ];
+            e.launch("quantize_rows", grid, &mut args);
+            assert_eq!(bits(args[3].f32s()), bits(&want), "{q:?}: the words");
+            let mut back = vec![f32::NAN; buf.len()];
+            decode_rows(q, &want, &rows, &mut back);
+            let mut args = [
+                Arg::F32s(want),
+                Arg::U32s(table),
+                Arg::U32(mode),
+                Arg::F32s(vec![f32::NAN; buf.len()]),
+            ];
+            e.launch("dequantize_rows", grid, &mut args);
+            assert_eq!(bits(args[3].f32s()), bits(&back), "{q:?}: decoded");
+        }
+    }
 
     fn row(seed: u64, len: usize, spread: f32) -> Vec<f32> {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);

@@ -624,6 +624,74 @@ mod tests {
     use super::dct::transformed;
     use super::*;
 
+    /// The kernels `demo_encode` and `demo_decode` (run on the host by `kernels::emulate`, one block per
+    /// chunk of the table, as `crate::cuda` launches them) give the host path's message, left-over
+    /// momentum and signs bit for bit: chunks of 64 x 64, odd and thin shapes, a vector, two ranks'
+    /// messages whose kept coefficients overlap in part.
+    #[test]
+    fn the_kernels_encode_and_decode_as_the_host() {
+        use crate::kernels::emulate::{Arg, Emulator, Source};
+        use rand::{Rng, SeedableRng};
+        let Some(e) = Emulator::get(Source::Reducers) else {
+            return;
+        };
+        let tensors = Segment::from_shapes(&[
+            (128, 64, true),
+            (29, 70, true),
+            (200, 1, false),
+            (3, 5, true),
+        ]);
+        let n: usize = tensors.iter().map(|t| t.len).sum();
+        let demo = Demo::new(
+            Box::new(crate::comm::Solo),
+            DemoConfig::default(),
+            0.0,
+            &tensors,
+        );
+        let (table, dct, words) = demo.table();
+        let chunks = (table.len() / kernels::CHUNK_FIELDS) as u32;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        let mut all = Vec::new();
+        for rank in 0..2 {
+            let mut delta: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            if rank == 1 {
+                delta.iter_mut().step_by(3).for_each(|d| *d *= 0.5);
+            }
+            let mut args = [
+                Arg::F32s(delta.clone()),
+                Arg::U32s(table.clone()),
+                Arg::F32s(dct.clone()),
+                Arg::F32s(vec![0.0; 2 * n]),
+                Arg::U32(n as u32),
+                Arg::F32s(vec![0.0; words]),
+            ];
+            e.launch("demo_encode", (chunks, 1), &mut args);
+            let msg = demo.encode(&mut delta).unwrap();
+            assert_eq!(bits(args[5].f32s()), bits(&msg), "rank {rank}: the message");
+            assert_eq!(
+                bits(args[0].f32s()),
+                bits(&delta),
+                "rank {rank}: what delta keeps"
+            );
+            all.extend(msg);
+        }
+        let mut grads = vec![f32::NAN; n];
+        demo.decode(&mut grads, &all, 2, None).unwrap();
+        let mut args = [
+            Arg::F32s(all),
+            Arg::U32(words as u32),
+            Arg::U32(2),
+            Arg::U32s(table),
+            Arg::F32s(dct),
+            Arg::F32s(vec![0.0; 2 * n]),
+            Arg::U32(n as u32),
+            Arg::F32s(vec![f32::NAN; n]),
+        ];
+        e.launch("demo_decode", (chunks, 1), &mut args);
+        assert_eq!(bits(args[7].f32s()), bits(&grads), "the signs");
+    }
+
     /// With every coefficient kept and one worker nothing is dropped: the direction is the momentum
     /// itself, so the update is sign-SGD on delta = decay delta + lr g, and delta is spent each step.
     #[test]
