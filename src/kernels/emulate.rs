@@ -18,10 +18,13 @@ pub enum Source {
 }
 
 impl Source {
-    fn text(self) -> &'static str {
+    /// The file's kernels, and the test kernels of its device functions.
+    fn text(self) -> String {
         match self {
-            Source::Reducers => include_str!("../../kernels/reducers.cu"),
-            Source::Optim => include_str!("../../kernels/optim.cu"),
+            Source::Reducers => {
+                [include_str!("../../kernels/reducers.cu"), DEVICE_FUNCTIONS].concat()
+            }
+            Source::Optim => include_str!("../../kernels/optim.cu").into(),
         }
     }
 
@@ -32,6 +35,19 @@ impl Source {
         }
     }
 }
+
+/// Kernels for the tests only, after reducers.cu: its device functions that the tests call alone.
+const DEVICE_FUNCTIONS: &str = r#"
+extern "C" __global__ void test_dct2(float* p, float* q, unsigned r, unsigned c, const float* da,
+                                     const float* db, unsigned inverse) {
+    dct2(p, q, r, c, da, db, inverse != 0);
+}
+extern "C" __global__ void test_kept_inverse(float* p, float* q, unsigned r, unsigned c, const float* da,
+                                             const float* db, const float* idx, const float* val,
+                                             unsigned k) {
+    kept_inverse(p, q, r, c, da, db, idx, val, k);
+}
+"#;
 
 /// One argument of a launch, in the kernel's order: a buffer (updated in place by `launch`) or a scalar.
 #[derive(Debug, Clone)]

@@ -984,137 +984,70 @@ mod tests {
         }
     }
 
-    /// The kernels' `lee`, `dct2` and `kept_inverse` (kernels/reducers.cu), compiled for the host by the
-    /// C++ compiler with contraction off (as nvcc's -fmad=false), give the host transforms' bits, both
-    /// ways and for kept coefficients, on the chunk shapes DeMo makes: the GPU twin checked without a
-    /// GPU. Skipped without a C++ compiler unless NANODIST_REQUIRE_CXX is set (scripts/test.sh sets it).
+    /// The kernels' `dct2` and `kept_inverse` (kernels/reducers.cu, run on the host by
+    /// `kernels::emulate` as one block of 256 threads, through its test kernels) give the host
+    /// transforms' bits, both ways and for kept coefficients, on the chunk shapes DeMo makes: the GPU
+    /// twin checked without a GPU.
     #[test]
-    fn the_kernels_transform_compiled_for_the_host_gives_the_same_bits() {
-        let dir = tempfile::tempdir().unwrap();
-        let Some(exe) = kernels_on_the_host(dir.path()) else {
+    fn the_kernels_transform_gives_the_same_bits() {
+        use crate::kernels::emulate::{Arg, Emulator, Source};
+        let Some(e) = Emulator::get(Source::Reducers) else {
             return;
         };
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        let (input, output) = (dir.path().join("in"), dir.path().join("out"));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for (r, c) in [(64, 64), (29, 64), (48, 16), (1, 64), (6, 12), (7, 13)] {
             let (a, b) = (Dct::new(r), Dct::new(c));
             // Modes: 0 forward, 1 inverse, 2 the inverse of the kept (nonzero) coefficients.
             let modes = [(r * c, 0), (r * c, 1), (5, 1), (5, 2), (r * c / 3, 2)];
             for (kept, mode) in modes {
                 let x = block(&mut rng, r * c, kept);
-                let head = [r, c, mode, a.words().len(), b.words().len()];
-                let mut bytes: Vec<u8> = head
-                    .iter()
-                    .flat_map(|&v| (v as u32).to_le_bytes())
-                    .collect();
-                for v in [a.words(), b.words(), x.clone()].concat() {
-                    bytes.extend(v.to_le_bytes());
-                }
-                std::fs::write(&input, bytes).unwrap();
-                let run = std::process::Command::new(&exe)
-                    .args([&input, &output])
-                    .status();
-                assert!(
-                    run.unwrap().success(),
-                    "the host build of the kernels failed"
+                let (head, tail) = (
+                    [Arg::U32(r as u32), Arg::U32(c as u32)],
+                    [a.words(), b.words()],
                 );
-                let got: Vec<u32> = std::fs::read(&output)
-                    .unwrap()
-                    .chunks_exact(4)
-                    .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
-                    .collect();
-                let want = match mode {
-                    2 => kept_inverted(&x, &a, &b),
-                    _ => transformed(&x, &a, &b, 1, mode == 1),
+                let (want, got) = match mode {
+                    2 => {
+                        let (m, k) = message(&x);
+                        let (idx, val) = m.split_at(k);
+                        let mut args = [
+                            vec![
+                                Arg::F32s(vec![f32::NAN; r * c]),
+                                Arg::F32s(vec![0.0; r * c]),
+                            ],
+                            head.to_vec(),
+                            tail.map(Arg::F32s).to_vec(),
+                            vec![
+                                Arg::F32s(idx.to_vec()),
+                                Arg::F32s(val.to_vec()),
+                                Arg::U32(k as u32),
+                            ],
+                        ]
+                        .concat();
+                        e.launch("test_kept_inverse", (1, 1), &mut args);
+                        (kept_inverted(&x, &a, &b), args[0].f32s().to_vec())
+                    }
+                    _ => {
+                        let mut args = [
+                            vec![Arg::F32s(x.clone()), Arg::F32s(vec![0.0; r * c])],
+                            head.to_vec(),
+                            tail.map(Arg::F32s).to_vec(),
+                            vec![Arg::U32(mode)],
+                        ]
+                        .concat();
+                        e.launch("test_dct2", (1, 1), &mut args);
+                        (
+                            transformed(&x, &a, &b, 1, mode == 1),
+                            args[0].f32s().to_vec(),
+                        )
+                    }
                 };
-                let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
-                let first = (0..want.len()).find(|&i| got.get(i) != Some(&want[i]));
-                assert!(
-                    first.is_none() && got.len() == want.len(),
-                    "{r} x {c}, mode {mode}: entry {first:?} differs"
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{r} x {c}, mode {mode}, {kept} kept"
                 );
             }
         }
-    }
-
-    /// The kernels' transforms with a main that reads (r, c, the mode: forward, inverse or the kept
-    /// coefficients' inverse, the two sizes' words, the chunk) from one file and writes the result to
-    /// another, built in `dir`; None (the test skipped) when no C++ compiler is found and none is
-    /// required.
-    fn kernels_on_the_host(dir: &std::path::Path) -> Option<std::path::PathBuf> {
-        let cu = include_str!("../../../kernels/reducers.cu");
-        let (from, to) = ("// Lee's C v", "// The k entries of largest |x|");
-        let body =
-            &cu[cu.find(from).expect("lee in reducers.cu")..cu.find(to).expect("block_top_k")];
-        let main = r#"
-#include <cstdio>
-#include <vector>
-int main(int argc, char** argv) {
-    FILE* f = fopen(argv[1], "rb");
-    unsigned h[5];
-    if (!f || fread(h, 4, 5, f) != 5) return 1;
-    std::vector<float> da(h[3]), db(h[4]), p(h[0] * h[1]), q(h[0] * h[1]);
-    if (fread(da.data(), 4, h[3], f) != h[3] || fread(db.data(), 4, h[4], f) != h[4]) return 1;
-    if (fread(p.data(), 4, p.size(), f) != p.size()) return 1;
-    if (h[2] == 2) {
-        std::vector<float> idx, val;
-        for (unsigned i = 0; i < p.size(); i++) {
-            if (p[i] != 0.0f) {
-                float f;
-                std::memcpy(&f, &i, 4);
-                idx.push_back(f);
-                val.push_back(p[i]);
-            }
-        }
-        kept_inverse(p.data(), q.data(), h[0], h[1], da.data(), db.data(), idx.data(), val.data(),
-                     idx.size());
-    } else {
-        dct2(p.data(), q.data(), h[0], h[1], da.data(), db.data(), h[2] != 0);
-    }
-    FILE* o = fopen(argv[2], "wb");
-    return o && fwrite(p.data(), 4, p.size(), o) == p.size() && fclose(o) == 0 ? 0 : 1;
-}
-"#;
-        // What CUDA gives a kernel, for one thread that runs every loop of a block alone.
-        let prelude = r#"
-#include <cstddef>
-#include <cstring>
-#define __device__
-#define BLOCK 1u
-static struct { unsigned x = 0; } threadIdx;
-static void __syncthreads() {}
-static int __ffs(unsigned v) { return __builtin_ffs(v); }
-static unsigned __float_as_uint(float f) {
-    unsigned u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
-"#;
-        let (src, exe) = (dir.join("lee.cpp"), dir.join("lee"));
-        std::fs::write(&src, format!("{prelude}{body}{main}")).unwrap();
-        for cxx in [
-            std::env::var("CXX").unwrap_or_default(),
-            "c++".into(),
-            "clang++".into(),
-        ] {
-            let args = ["-O1", "-ffp-contract=off", "-std=c++17", "-o"];
-            match std::process::Command::new(&cxx)
-                .args(args)
-                .arg(&exe)
-                .arg(&src)
-                .status()
-            {
-                Ok(s) if s.success() => return Some(exe),
-                Ok(s) => panic!("{cxx} could not build the kernels' transform for the host ({s})"),
-                Err(_) => {} // no such compiler: the next one
-            }
-        }
-        let required = std::env::var_os("NANODIST_REQUIRE_CXX").is_some_and(|v| v != "0");
-        assert!(
-            !required,
-            "no C++ compiler (c++, clang++ or $CXX), and NANODIST_REQUIRE_CXX is set"
-        );
-        eprintln!("skipped: no C++ compiler (c++, clang++ or $CXX) for the kernels' host build");
-        None
     }
 }
