@@ -5,7 +5,9 @@
 // them, a warp's vote is taken through shared storage between two barriers, atomics are the compiler's.
 // Built with contraction off (-ffp-contract=off, as nvcc's -fmad=false): on x86-64 each float operation
 // rounds as the GPU's IEEE one does. A kernel that calls __syncthreads where not every thread of its
-// block reaches it hangs here as it would on a GPU; the test's time limit reports it.
+// block reaches it hangs here as it would on a GPU; the test's time limit reports it. Built with the
+// address and undefined-behaviour sanitizers where the compiler has them: an access past a buffer, or
+// a float converted to an integer that cannot hold it, ends the run with the sanitizer's report.
 #ifndef EMULATE_MAIN
 #include <algorithm>
 #include <barrier>
@@ -75,10 +77,11 @@ using std::signbit;
 
 #else  // EMULATE_MAIN: the launcher.
 
-// One argument of a launch: a buffer (its bytes, 8-aligned) or a scalar (its bytes, little-endian).
+// One argument of a launch: a buffer (exactly its bytes, so that a sanitizer sees any access past it)
+// or a scalar (its bytes, little-endian).
 struct Arg {
     bool buffer = false;
-    std::vector<uint64_t> words;
+    std::vector<unsigned char> data;
     uint64_t bytes = 0, scalar = 0;
 };
 
@@ -89,7 +92,7 @@ static P take(Arg& a) {
             std::fprintf(stderr, "a scalar where the kernel takes a pointer\n");
             std::exit(3);
         }
-        return reinterpret_cast<P>(a.words.data());
+        return reinterpret_cast<P>(a.data.data());
     } else {
         if (a.buffer) {
             std::fprintf(stderr, "a buffer where the kernel takes a scalar\n");
@@ -101,7 +104,9 @@ static P take(Arg& a) {
     }
 }
 
-// The kernel over a grid of gx x gy blocks of BLOCK threads, one block at a time.
+// The kernel over a grid of gx x gy blocks of BLOCK threads, one block at a time: BLOCK threads of
+// this machine run every block, all of them finishing one block before any starts the next (its
+// __shared__ storage is the next block's).
 template <class... P>
 static void launch(void (*kernel)(P...), std::vector<Arg>& args, unsigned gx, unsigned gy) {
     if (args.size() != sizeof...(P)) {
@@ -112,21 +117,22 @@ static void launch(void (*kernel)(P...), std::vector<Arg>& args, unsigned gx, un
     std::tuple<P...> params{take<P>(args[i++])...};
     gridDim = {gx, gy, 1};
     blockDim = {BLOCK, 1, 1};
-    for (unsigned y = 0; y < gy; y++) {
-        for (unsigned x = 0; x < gx; x++) {
-            std::barrier<> bar(BLOCK);
-            block_barrier = &bar;
-            std::vector<std::thread> threads;
-            for (unsigned t = 0; t < BLOCK; t++) {
-                threads.emplace_back([&, t] {
-                    threadIdx = {t, 0, 0};
+    std::barrier<> bar(BLOCK);
+    block_barrier = &bar;
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < BLOCK; t++) {
+        threads.emplace_back([&, t] {
+            threadIdx = {t, 0, 0};
+            for (unsigned y = 0; y < gy; y++) {
+                for (unsigned x = 0; x < gx; x++) {
                     blockIdx = {x, y, 0};
                     std::apply(kernel, params);
-                });
+                    bar.arrive_and_wait();
+                }
             }
-            for (auto& t : threads) t.join();
-        }
+        });
     }
+    for (auto& t : threads) t.join();
 }
 
 static void read_exact(FILE* f, void* p, size_t n) {
@@ -152,8 +158,8 @@ int main(int argc, char** argv) {
         a.buffer = tag == 'b';
         if (a.buffer) {
             read_exact(f, &a.bytes, 8);
-            a.words.assign((a.bytes + 7) / 8, 0);
-            read_exact(f, a.words.data(), a.bytes);
+            a.data.assign(a.bytes, 0);
+            read_exact(f, a.data.data(), a.bytes);
         } else {
             read_exact(f, &a.scalar, 8);
         }
@@ -173,7 +179,7 @@ int main(int argc, char** argv) {
     FILE* o = std::fopen(argv[2], "wb");
     if (!o) return 3;
     for (auto& a : args) {
-        if (a.buffer && a.bytes && std::fwrite(a.words.data(), 1, a.bytes, o) != a.bytes) return 3;
+        if (a.buffer && a.bytes && std::fwrite(a.data.data(), 1, a.bytes, o) != a.bytes) return 3;
     }
     return std::fclose(o) == 0 ? 0 : 3;
 }

@@ -228,19 +228,39 @@ fn build(source: Source) -> Option<Emulator> {
     );
     let (src, exe) = (dir.join("emulate.cpp"), dir.join("emulate"));
     std::fs::write(&src, cpp).unwrap();
+    // With the sanitizers first (an access past a buffer, an integer conversion of a float out of
+    // range); without them where the compiler lacks their runtime.
+    let sanitize = [
+        "-fsanitize=address,undefined,float-cast-overflow",
+        "-fno-sanitize-recover=all",
+    ];
+    let base = ["-O1", "-g", "-ffp-contract=off", "-std=c++20", "-pthread"];
     for cxx in [
         std::env::var("CXX").unwrap_or_default(),
         "c++".into(),
         "clang++".into(),
     ] {
-        let args = ["-O1", "-ffp-contract=off", "-std=c++20", "-pthread", "-o"];
-        match Command::new(&cxx).args(args).arg(&exe).arg(&src).status() {
-            Ok(s) if s.success() => return Some(Emulator { exe, dir }),
-            Ok(s) => panic!(
-                "{cxx} could not build the kernels of {} ({s})",
-                source.name()
-            ),
-            Err(_) => {} // no such compiler: the next one
+        for flags in [&sanitize[..], &[]] {
+            let out = Command::new(&cxx)
+                .args(base)
+                .args(flags)
+                .arg("-o")
+                .arg(&exe)
+                .arg(&src)
+                .output();
+            match out {
+                Ok(o) if o.status.success() => return Some(Emulator { exe, dir }),
+                Ok(_) if !flags.is_empty() => {
+                    eprintln!("{cxx}: no sanitizers; the kernels run on the host without them");
+                }
+                Ok(o) => panic!(
+                    "{cxx} could not build the kernels of {} ({}):\n{}",
+                    source.name(),
+                    o.status,
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+                Err(_) => break, // no such compiler: the next one
+            }
         }
     }
     let required = std::env::var_os("NANODIST_REQUIRE_CXX").is_some_and(|v| v != "0");
