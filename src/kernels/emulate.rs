@@ -207,6 +207,54 @@ impl Emulator {
     }
 }
 
+/// Builds `src` into `exe` with `cxx`: with the sanitizers first (an access past a buffer, an integer
+/// conversion of a float out of range), without them where the compiler lacks their runtime or the
+/// sanitized build does not start here. False when there is no such compiler.
+fn compile(cxx: &str, src: &std::path::Path, exe: &std::path::Path, source: Source) -> bool {
+    let sanitize = [
+        "-fsanitize=address,undefined,float-cast-overflow",
+        "-fno-sanitize-recover=all",
+    ];
+    let base = ["-O1", "-g", "-ffp-contract=off", "-std=c++20", "-pthread"];
+    for flags in [&sanitize[..], &[]] {
+        let out = Command::new(cxx)
+            .args(base)
+            .args(flags)
+            .arg("-o")
+            .arg(exe)
+            .arg(src)
+            .output();
+        match out {
+            Err(_) => return false, // no such compiler
+            Ok(o) if o.status.success() && starts(exe) => return true,
+            Ok(o) if !flags.is_empty() => {
+                let why = if o.status.success() {
+                    "does not start here"
+                } else {
+                    "does not build"
+                };
+                eprintln!(
+                    "{cxx}: the sanitized build {why}; the kernels run on the host without them"
+                );
+            }
+            Ok(o) => panic!(
+                "{cxx} could not build the kernels of {} into a launcher that starts ({}):\n{}",
+                source.name(),
+                o.status,
+                String::from_utf8_lossy(&o.stderr)
+            ),
+        }
+    }
+    unreachable!("the build without sanitizers returns or panics")
+}
+
+/// Whether the built launcher starts here (a sanitizer's runtime may not, in some sandboxes): without
+/// arguments it says so and exits with 3.
+fn starts(exe: &std::path::Path) -> bool {
+    let out = Command::new(exe).output();
+    out.is_ok_and(|o| o.status.code() == Some(3))
+}
+
 /// Compiles the emulation of `source` (its kernels, `KERNEL(name)` each, in the launcher).
 fn build(source: Source) -> Option<Emulator> {
     let dir = std::env::temp_dir().join(format!(
@@ -228,39 +276,13 @@ fn build(source: Source) -> Option<Emulator> {
     );
     let (src, exe) = (dir.join("emulate.cpp"), dir.join("emulate"));
     std::fs::write(&src, cpp).unwrap();
-    // With the sanitizers first (an access past a buffer, an integer conversion of a float out of
-    // range); without them where the compiler lacks their runtime.
-    let sanitize = [
-        "-fsanitize=address,undefined,float-cast-overflow",
-        "-fno-sanitize-recover=all",
-    ];
-    let base = ["-O1", "-g", "-ffp-contract=off", "-std=c++20", "-pthread"];
     for cxx in [
         std::env::var("CXX").unwrap_or_default(),
         "c++".into(),
         "clang++".into(),
     ] {
-        for flags in [&sanitize[..], &[]] {
-            let out = Command::new(&cxx)
-                .args(base)
-                .args(flags)
-                .arg("-o")
-                .arg(&exe)
-                .arg(&src)
-                .output();
-            match out {
-                Ok(o) if o.status.success() => return Some(Emulator { exe, dir }),
-                Ok(_) if !flags.is_empty() => {
-                    eprintln!("{cxx}: no sanitizers; the kernels run on the host without them");
-                }
-                Ok(o) => panic!(
-                    "{cxx} could not build the kernels of {} ({}):\n{}",
-                    source.name(),
-                    o.status,
-                    String::from_utf8_lossy(&o.stderr)
-                ),
-                Err(_) => break, // no such compiler: the next one
-            }
+        if compile(&cxx, &src, &exe, source) {
+            return Some(Emulator { exe, dir });
         }
     }
     let required = std::env::var_os("NANODIST_REQUIRE_CXX").is_some_and(|v| v != "0");
