@@ -495,6 +495,81 @@ mod tests {
         }
     }
 
+    /// The kernels a file defines: (name, number of parameters).
+    fn signatures(cu: &str) -> Vec<(String, usize)> {
+        cu.split("extern \"C\" __global__ void ")
+            .skip(1)
+            .map(|s| {
+                let (name, rest) = s.split_once('(').unwrap();
+                (
+                    name.to_string(),
+                    rest[..rest.find(')').unwrap()].split(',').count(),
+                )
+            })
+            .collect()
+    }
+
+    /// The arguments of a macro call's body (the text after its opening parenthesis), split at its
+    /// top-level commas.
+    fn call_args(body: &str) -> Vec<String> {
+        let (mut depth, mut args, mut cur) = (0, Vec::new(), String::new());
+        for ch in body.chars() {
+            match ch {
+                '(' | '[' | '{' => depth += 1,
+                ')' | ']' | '}' if depth == 0 => break,
+                ')' | ']' | '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    args.push(std::mem::take(&mut cur).trim().to_string());
+                    continue;
+                }
+                _ => {}
+            }
+            cur.push(ch);
+        }
+        args.push(cur.trim().to_string());
+        args.retain(|a| !a.is_empty());
+        args
+    }
+
+    /// Every launch in `crate::cuda` names a kernel of the .cu files and passes as many arguments as
+    /// it takes (a missing or extra one would shift every later argument on the GPU, where nothing
+    /// checks them), and every kernel is launched.
+    #[test]
+    fn every_launch_passes_its_kernels_parameters() {
+        let kernels: std::collections::HashMap<String, usize> = [Source::Reducers, Source::Optim]
+            .iter()
+            .flat_map(|s| signatures(&s.text()))
+            .collect();
+        let launchers = [
+            include_str!("../cuda/mod.rs"),
+            include_str!("../cuda/optim.rs"),
+        ]
+        .concat();
+        let mut launched = std::collections::HashSet::new();
+        for (call, fixed) in [("launch!(", 3), ("per_index!(", 2)] {
+            for body in launchers.split(call).skip(1) {
+                let args = call_args(body);
+                let Some(name) = args.get(1).and_then(|a| a.strip_prefix('"')) else {
+                    continue; // the macros' own definitions
+                };
+                let name = name.trim_end_matches('"');
+                let params = kernels
+                    .get(name)
+                    .unwrap_or_else(|| panic!("no kernel {name}"));
+                // per_index! passes the dense buffer, the indices, the values and their count.
+                let passed = args.len() - fixed + usize::from(call == "per_index!(");
+                assert_eq!(passed, *params, "{name}: {args:?}");
+                launched.insert(name.to_string());
+            }
+        }
+        let unused: Vec<_> = kernels.keys().filter(|k| !launched.contains(*k)).collect();
+        let tests_only = |k: &&String| k.starts_with("test_");
+        assert!(
+            unused.iter().all(tests_only),
+            "kernels never launched: {unused:?}"
+        );
+    }
+
     /// The emulation itself on `sum_squares`: a block's tree sum sees every thread's part (the barriers
     /// hold), and the tiles' f64 sums, added in order as the launcher adds them, are the twin's bits.
     #[test]
