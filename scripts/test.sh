@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 export NANODIST_CORPUS="$PWD/data/corpus/shakespeare"
 export NANODIST_REQUIRE_SLURM="${NANODIST_REQUIRE_SLURM:-1}"
 export NANODIST_REQUIRE_PYTHON="${NANODIST_REQUIRE_PYTHON:-1}"
-# The CUDA kernels' DCT is also compiled for the host with the C++ compiler setup.sh installs (clang).
+# Every CUDA kernel is also compiled for the host and run against its twin, with the C++ compiler there
+# (g++, or the clang that setup.sh installs).
 export NANODIST_REQUIRE_CXX="${NANODIST_REQUIRE_CXX:-1}"
 if [ "$(id -u)" = 0 ]; then
     export NANODIST_REQUIRE_NETLAB="${NANODIST_REQUIRE_NETLAB:-1}"
