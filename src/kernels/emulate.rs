@@ -365,13 +365,15 @@ mod tests {
     }
 
     /// The selection kernels pick the twin's entries in the twin's order: ties towards lower indices,
-    /// across tiles, with every key equal, and k the whole input.
+    /// across tiles, with a NaN and infinities, with every key equal, and k the whole input.
     #[test]
     fn the_selection_kernels_are_top_k() {
         let Some(e) = Emulator::get(Source::Reducers) else {
             return;
         };
-        let long = awkward(2 * kernels::TILE + 333, 1);
+        let mut long = awkward(2 * kernels::TILE + 333, 1);
+        // A NaN's key is above infinity's, as on the GPU.
+        (long[5], long[4100], long[7000]) = (f32::NAN, f32::INFINITY, f32::NEG_INFINITY);
         let cases: [(Vec<f32>, &[usize]); 3] = [
             (long, &[1, 100, 3000, 2 * kernels::TILE + 333]),
             (vec![0.5; 5000], &[1, 4097]),

@@ -536,6 +536,7 @@ fn the_dense_codecs_kernels_give_the_hosts_messages_and_channels() {
         qsgd(3, false, 16),
         qsgd(16, true, 0),
         qsgd(255, true, 100),
+        qsgd(65535, false, 512),
         Compressor::Sign,
     ];
     let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
