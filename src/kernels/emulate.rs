@@ -255,13 +255,32 @@ fn starts(exe: &std::path::Path) -> bool {
     out.is_ok_and(|o| o.status.code() == Some(3))
 }
 
+/// The build folders' names in the temporary folder: this prefix, the file's name and the test
+/// process's id.
+const PREFIX: &str = "nanodist-emulate-";
+
+/// Removes the build folders of test processes that have ended (a test binary exits without dropping
+/// its statics, so each leaves its folder behind).
+fn remove_stale() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let pid = name
+            .strip_prefix(PREFIX)
+            .and_then(|r| r.rsplit('-').next()?.parse::<u32>().ok());
+        if pid.is_some_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists()) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// Compiles the emulation of `source` (its kernels, `KERNEL(name)` each, in the launcher).
 fn build(source: Source) -> Option<Emulator> {
-    let dir = std::env::temp_dir().join(format!(
-        "nanodist-emulate-{}-{}",
-        source.name(),
-        std::process::id()
-    ));
+    remove_stale();
+    let dir =
+        std::env::temp_dir().join(format!("{PREFIX}{}-{}", source.name(), std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let text = source.text();
     let kernels: Vec<&str> = text
