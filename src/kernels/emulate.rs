@@ -70,6 +70,16 @@ impl Arg {
         }
     }
 
+    /// The buffer's length in bytes (None: a scalar).
+    fn byte_len(&self) -> Option<usize> {
+        match self {
+            Arg::F32s(v) => Some(4 * v.len()),
+            Arg::U32s(v) => Some(4 * v.len()),
+            Arg::F64s(v) => Some(8 * v.len()),
+            _ => None,
+        }
+    }
+
     fn scalar(&self) -> u64 {
         match *self {
             Arg::U32(v) => v as u64,
@@ -117,6 +127,22 @@ impl Arg {
     }
 }
 
+/// The kernels a file's text defines: each one's name and number of parameters.
+fn kernels_of(text: &str) -> Vec<(&str, usize)> {
+    text.split("extern \"C\" __global__ void ")
+        .skip(1)
+        .map(|s| {
+            let (name, rest) = s.split_once('(').expect("a kernel's parameters");
+            (
+                name,
+                rest[..rest.find(')').expect("their end")]
+                    .split(',')
+                    .count(),
+            )
+        })
+        .collect()
+}
+
 /// The grid of a grid-stride kernel over `n` elements, as `crate::cuda` launches it.
 pub fn per_element(n: usize) -> (u32, u32) {
     (super::per_element_blocks(n) as u32, 1)
@@ -144,7 +170,12 @@ impl Emulator {
     /// Runs `kernel` over a grid of `grid` blocks with `args` (its parameters in order); each buffer
     /// argument then holds what the kernel left in it.
     pub fn launch(&self, kernel: &str, grid: (u32, u32), args: &mut [Arg]) {
-        let tag = format!("{kernel}-{}", std::process::id());
+        // Tests launch at once from several threads: each launch has files of its own.
+        static LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let tag = format!(
+            "{kernel}-{}",
+            LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
         let (input, output) = (
             self.dir.join(format!("{tag}.in")),
             self.dir.join(format!("{tag}.out")),
@@ -193,9 +224,9 @@ impl Emulator {
         let out = std::fs::read(&output).unwrap();
         let mut at = 0;
         for a in args.iter_mut() {
-            if let Some(b) = a.bytes() {
-                a.read_back(&out[at..at + b.len()]);
-                at += b.len();
+            if let Some(len) = a.byte_len() {
+                a.read_back(&out[at..at + len]);
+                at += len;
             }
         }
         assert_eq!(
@@ -283,13 +314,11 @@ fn build(source: Source) -> Option<Emulator> {
         std::env::temp_dir().join(format!("{PREFIX}{}-{}", source.name(), std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let text = source.text();
-    let kernels: Vec<&str> = text
-        .split("extern \"C\" __global__ void ")
-        .skip(1)
-        .map(|s| &s[..s.find('(').expect("a kernel's parameters")])
-        .collect();
     let harness = include_str!("../../kernels/emulate.hpp");
-    let list: String = kernels.iter().map(|k| format!("KERNEL({k}) ")).collect();
+    let list: String = kernels_of(&text)
+        .iter()
+        .map(|(k, _)| format!("KERNEL({k}) "))
+        .collect();
     let cpp = format!(
         "{harness}\n{text}\n#define EMULATE_MAIN\n#define EMULATE_KERNELS {list}\n{harness}\n"
     );
@@ -516,20 +545,6 @@ mod tests {
         }
     }
 
-    /// The kernels a file defines: (name, number of parameters).
-    fn signatures(cu: &str) -> Vec<(String, usize)> {
-        cu.split("extern \"C\" __global__ void ")
-            .skip(1)
-            .map(|s| {
-                let (name, rest) = s.split_once('(').unwrap();
-                (
-                    name.to_string(),
-                    rest[..rest.find(')').unwrap()].split(',').count(),
-                )
-            })
-            .collect()
-    }
-
     /// The arguments of a macro call's body (the text after its opening parenthesis), split at its
     /// top-level commas.
     fn call_args(body: &str) -> Vec<String> {
@@ -557,10 +572,9 @@ mod tests {
     /// checks them), and every kernel is launched.
     #[test]
     fn every_launch_passes_its_kernels_parameters() {
-        let kernels: std::collections::HashMap<String, usize> = [Source::Reducers, Source::Optim]
-            .iter()
-            .flat_map(|s| signatures(&s.text()))
-            .collect();
+        let texts = [Source::Reducers.text(), Source::Optim.text()];
+        let kernels: std::collections::HashMap<&str, usize> =
+            texts.iter().flat_map(|t| kernels_of(t)).collect();
         let launchers = [
             include_str!("../cuda/mod.rs"),
             include_str!("../cuda/optim.rs"),
@@ -583,8 +597,8 @@ mod tests {
                 launched.insert(name.to_string());
             }
         }
-        let unused: Vec<_> = kernels.keys().filter(|k| !launched.contains(*k)).collect();
-        let tests_only = |k: &&String| k.starts_with("test_");
+        let unused: Vec<_> = kernels.keys().filter(|k| !launched.contains(**k)).collect();
+        let tests_only = |k: &&&str| k.starts_with("test_");
         assert!(
             unused.iter().all(tests_only),
             "kernels never launched: {unused:?}"
