@@ -9,6 +9,11 @@
 
 use std::time::Instant;
 
+/// The allocator nanodist itself runs on (src/main.rs): a codec's temporary buffers are reused between
+/// steps there, where the system allocator would map and fault them in afresh at every call.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use nanodist::kernels::Segment;
 use nanodist::predict::codec::{self, CodecName};
 use rand::{Rng, SeedableRng};

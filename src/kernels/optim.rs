@@ -280,6 +280,30 @@ pub fn difference(out: &mut [f32], x: &[f32], g: &[f32], measure: bool) -> Optio
     })
 }
 
+/// `difference` in place: x = x - g and, with `measure`, the sums of squares of the new x and of the old,
+/// bit for bit those `difference` gives for out = x - g (the same tiles, added in the same order): one pass
+/// over two buffers instead of three (a tile is summed before and after its subtraction while it is in L1).
+pub fn subtract(x: &mut [f32], g: &[f32], measure: bool) -> Option<(f64, f64)> {
+    assert!(x.len() == g.len(), "difference of unequal buffers");
+    let sums: Vec<(f64, f64)> = x
+        .par_chunks_mut(TILE)
+        .zip(g.par_chunks(TILE))
+        .with_min_len(16)
+        .map(|(x, g)| {
+            let before = if measure { tile_sum_squares(x) } else { 0.0 };
+            x.iter_mut().zip(g).for_each(|(x, &g)| *x -= g);
+            match measure {
+                true => (tile_sum_squares(x), before),
+                false => (0.0, 0.0),
+            }
+        })
+        .collect();
+    measure.then(|| {
+        sums.into_iter()
+            .fold((0.0, 0.0), |(a, b), (c, d)| (a + c, b + d))
+    })
+}
+
 /// Tiles' sums, computed in parallel, added in the tiles' order (the host step of every sum of squares).
 pub fn add_in_order(tiles: impl IndexedParallelIterator<Item = f64>) -> f64 {
     let sums: Vec<f64> = tiles.collect();
@@ -449,7 +473,8 @@ mod tests {
     }
 
     /// `difference` is x - g (as -g + x, the two steps it replaces) and `sum_squares` of it and of x,
-    /// bit for bit, with zeros of both signs, infinities and NaNs among the values.
+    /// bit for bit, with zeros of both signs, infinities and NaNs among the values; `subtract`, in place,
+    /// gives the same bits and sums.
     #[test]
     fn difference_is_the_negated_copy_plus_x_and_its_sums_of_squares() {
         for n in [0, 1, TILE - 1, TILE, 16 * TILE + 5, 300_001] {
@@ -479,6 +504,16 @@ mod tests {
             assert_eq!(sums.1.to_bits(), want_sums.1.to_bits(), "{n}");
             assert_eq!(difference(&mut got, &x, &g, false), None);
             assert_eq!(bits(&got), bits(&want));
+            let mut inplace = x.clone();
+            let again = subtract(&mut inplace, &g, true).unwrap();
+            assert_eq!(bits(&inplace), bits(&want), "{n}");
+            assert_eq!(
+                (again.0.to_bits(), again.1.to_bits()),
+                (sums.0.to_bits(), sums.1.to_bits())
+            );
+            let mut inplace = x.clone();
+            assert_eq!(subtract(&mut inplace, &g, false), None);
+            assert_eq!(bits(&inplace), bits(&want));
         }
     }
 

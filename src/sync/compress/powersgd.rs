@@ -44,8 +44,9 @@ pub struct PowerSgd {
     q: Flat,
     /// The error-feedback buffer (empty without error feedback, or before the first compressed step).
     error: Flat,
-    /// The step's input (for the error feedback and the error measure) and, without error feedback,
-    /// the measure's difference: kept between steps, so that a step does not fault in fresh pages.
+    /// Without error feedback, the step's input and the measure's difference (with it, the error buffer
+    /// holds the input, and on the GPU the scratch holds -grads): kept between steps, so that a step does
+    /// not fault in fresh pages.
     input: Flat,
     scratch: Flat,
     /// Compressed steps taken (the side of `single_allreduce`; 0: not started, Q to initialise).
@@ -340,35 +341,41 @@ impl PowerSgd {
         let numel = grads.as_ref().len();
         self.p.move_to(&place)?;
         self.q.move_to(&place)?;
-        if self.cfg.error_feedback {
-            self.error = reuse(&mut self.error, &place, numel)?;
-            grads.add(self.error.as_ref())?;
-        }
-        // The metrics rows carry rank 0's compression error: the other ranks keep their input only for
-        // the error feedback.
+        // The step's input: with error feedback the error buffer itself, plus the gradient (one pass, and
+        // the gradient stays as it came); else a copy when the error is measured (rank 0's metrics rows)
+        // or none (the gradient is read in place).
         let measure = comm.rank() == 0;
-        let input = match self.cfg.error_feedback || measure {
-            true => {
+        let input = match (self.cfg.error_feedback, measure) {
+            (true, _) => {
+                let mut error = reuse(&mut self.error, &place, numel)?;
+                error.as_mut().add(grads.as_ref())?;
+                Some(error)
+            }
+            (false, true) => {
                 let mut input = reuse(&mut self.input, &place, numel)?;
                 input.as_mut().copy_from(0, grads.as_ref(), 0..numel)?;
                 Some(input)
             }
-            false => None,
+            (false, false) => None,
+        };
+        let source = match &input {
+            Some(input) => input.as_ref(),
+            None => grads.as_ref(),
         };
         let dense_idx = self.uncompressed();
         let dense_len = dense_idx.iter().map(|&i| self.tensors[i].len).sum();
         let mut dense = place.zeros(dense_len)?;
-        self.pack(grads.as_ref(), &dense_idx, dense.as_mut())?;
+        self.pack(source, &dense_idx, dense.as_mut())?;
         if self.compressed_steps == 0 || !self.cfg.warm_start {
             self.randomize_q(step)?;
         }
         if !self.cfg.single_allreduce {
             all_reduce_mean_flat(comm, dense.as_mut())?;
             self.orthogonalize_all(false)?;
-            self.project(grads.as_ref(), true)?;
+            self.project(source, true)?;
             all_reduce_sum_flat(comm, self.p.as_mut())?;
             self.orthogonalize_all(true)?;
-            self.project(grads.as_ref(), false)?;
+            self.project(source, false)?;
             all_reduce_mean_flat(comm, self.q.as_mut())?;
         } else {
             let left = self.compressed_steps.is_multiple_of(2);
@@ -376,7 +383,7 @@ impl PowerSgd {
                 self.orthogonalize_all(false)?;
             }
             // The fixed side is orthonormal from the previous step; send the other one with the vectors.
-            self.project(grads.as_ref(), left)?;
+            self.project(source, left)?;
             let factor = if left { &mut self.p } else { &mut self.q };
             let k = factor.len();
             let mut buf = place.zeros(k + dense_len)?;
@@ -398,8 +405,9 @@ impl PowerSgd {
         self.new_error(grads.as_ref(), input, measure)
     }
 
-    /// After a step that applied `grads`: the new error feedback (`input` - `grads`) and, when `measure`,
-    /// the compression error ||input - grads|| / ||input||.
+    /// After a step that applied `grads`: the new error feedback (`input` - `grads`, in place: with error
+    /// feedback `input` is the error buffer) and, when `measure`, the compression error
+    /// ||input - grads|| / ||input||.
     fn new_error(
         &mut self,
         grads: FlatRef<'_>,
@@ -410,25 +418,16 @@ impl PowerSgd {
             compressed_fraction: Some(self.compressed_fraction()),
             ..Report::default()
         };
-        let Some(input) = input else {
+        let Some(mut input) = input else {
             return Ok(report);
         };
-        let mut diff = match self.cfg.error_feedback {
-            true => std::mem::replace(&mut self.error, Flat::Host(Vec::new())),
-            false => reuse(&mut self.scratch, &input.place(), input.len())?,
-        };
-        let sums = match (diff.as_mut(), grads, input.as_ref()) {
-            (FlatMut::Host(d), FlatRef::Host(g), FlatRef::Host(x)) => {
-                crate::kernels::optim::difference(d, x, g, measure)
-            }
-            #[cfg(feature = "cuda")]
-            (mut d, g, x) => {
-                d.assign_scaled(g, -1.0)?;
-                d.add(x)?;
-                match measure {
-                    true => Some((d.as_ref().sum_squares()?, x.sum_squares()?)),
-                    false => None,
-                }
+        let sums = match self.cfg.error_feedback {
+            true => self.subtract(input.as_mut(), grads, measure)?,
+            false => {
+                let mut diff = reuse(&mut self.scratch, &input.place(), input.len())?;
+                let sums = difference(diff.as_mut(), input.as_ref(), grads, measure)?;
+                self.scratch = diff;
+                sums
             }
         };
         let error = sums.map(|(lost, total)| match total > 0.0 {
@@ -436,12 +435,60 @@ impl PowerSgd {
             false => 0.0,
         });
         match self.cfg.error_feedback {
-            true => self.error = diff,
-            false => self.scratch = diff,
+            true => self.error = input,
+            false => self.input = input,
         }
-        self.input = input;
         Ok(Report { error, ..report })
     }
+
+    /// x -= g and, when `measure`, the sums of squares of x after and before (`kernels::optim::subtract`;
+    /// on the GPU, -g through the scratch buffer, added).
+    fn subtract(
+        &mut self,
+        x: FlatMut<'_>,
+        g: FlatRef<'_>,
+        measure: bool,
+    ) -> Result<Option<(f64, f64)>> {
+        match (x, g) {
+            (FlatMut::Host(x), FlatRef::Host(g)) => {
+                Ok(crate::kernels::optim::subtract(x, g, measure))
+            }
+            #[cfg(feature = "cuda")]
+            (mut x, g) => {
+                let before = measure.then(|| x.as_ref().sum_squares()).transpose()?;
+                let mut neg = reuse(&mut self.scratch, &g.place(), g.len())?;
+                neg.as_mut().assign_scaled(g, -1.0)?;
+                x.add(neg.as_ref())?;
+                self.scratch = neg;
+                let after = before.map(|_| x.as_ref().sum_squares()).transpose()?;
+                Ok(after.zip(before))
+            }
+        }
+    }
+}
+
+/// out = x - g and, when `measure`, the sums of squares of out and of x (`kernels::optim::difference`; on
+/// the GPU, -g then x added).
+fn difference(
+    out: FlatMut<'_>,
+    x: FlatRef<'_>,
+    g: FlatRef<'_>,
+    measure: bool,
+) -> Result<Option<(f64, f64)>> {
+    Ok(match (out, g, x) {
+        (FlatMut::Host(d), FlatRef::Host(g), FlatRef::Host(x)) => {
+            crate::kernels::optim::difference(d, x, g, measure)
+        }
+        #[cfg(feature = "cuda")]
+        (mut d, g, x) => {
+            d.assign_scaled(g, -1.0)?;
+            d.add(x)?;
+            match measure {
+                true => Some((d.as_ref().sum_squares()?, x.sum_squares()?)),
+                false => None,
+            }
+        }
+    })
 }
 
 impl Reducer for PowerSgd {
