@@ -751,11 +751,12 @@ fn reducer_footprint(r: &crate::sync::plan::ReducerPlan, numel: u64, world: u64)
                 during_step: mask + numel / 8,
             }
         }
-        // The error and the factors P, Q (rank x (rows + cols) per matrix, below 2 rank sqrt-ish: bounded
-        // by the parameters); per step the input copy and the factors' all-reduce buffers.
+        // The error, which holds the step's input, and the factors P, Q (rank x (rows + cols) per matrix,
+        // below 2 rank sqrt-ish: bounded by the parameters); per step the factors' all-reduce buffers and,
+        // without error feedback, rank 0's copy of the input and its difference for the measure.
         ReducerPlan::PowerSgd { cfg, .. } => Footprint {
             kept: if cfg.error_feedback { numel } else { 0 } + part(0.25).min(numel),
-            during_step: numel + part(0.25).min(numel),
+            during_step: if cfg.error_feedback { 0 } else { 2 * numel } + part(0.25).min(numel),
         },
         // The residual; per sync the selection (indices, values) and every rank's message (at most two
         // words an entry) with this rank's.
