@@ -181,6 +181,72 @@ fn error_feedback_conserves_mass() {
     }
 }
 
+/// PowerSGD's error feedback is the reducer without it, run on the gradient plus the error kept outside
+/// (e = what it was given - what it applied): the same outputs, logged errors and error buffer, bit for
+/// bit, with and without the single all-reduce, at a thin rank and at one the GEMM computes.
+#[test]
+fn powersgd_error_feedback_is_the_plain_reducer_on_the_accumulated_input() {
+    let (n, steps) = (3, 6u64);
+    for (single, rank) in [(false, 2), (true, 2), (false, 9), (true, 9)] {
+        let cfg = |ef: bool| {
+            powersgd(|c| {
+                (c.single_allreduce, c.rank, c.error_feedback) = (single, rank, ef);
+                c.min_compression_rate = 0.0;
+            })
+        };
+        let (with, without) = (cfg(true), cfg(false));
+        let runs = on_ranks(n, |mut comm: Box<dyn Communicator>| {
+            let me = comm.rank();
+            let (mut fed, mut plain) = (
+                PowerSgd::new(tensors(), with.clone(), 3),
+                PowerSgd::new(tensors(), without.clone(), 3),
+            );
+            let mut error = vec![0.0f32; numel()];
+            let mut rows = Vec::new();
+            for s in 0..steps {
+                let mut g = gradient(me, s);
+                let a = fed.reduce(comm.as_mut(), &mut g, s).unwrap().error;
+                let mut input: Vec<f32> = gradient(me, s)
+                    .iter()
+                    .zip(&error)
+                    .map(|(g, e)| g + e)
+                    .collect();
+                let kept = input.clone();
+                let b = plain.reduce(comm.as_mut(), &mut input, s).unwrap().error;
+                if s >= 2 {
+                    error = kept.iter().zip(&input).map(|(x, y)| x - y).collect();
+                }
+                rows.push((
+                    bits(&g),
+                    bits(&input),
+                    a.map(f64::to_bits),
+                    b.map(f64::to_bits),
+                ));
+            }
+            let state = fed.state().unwrap();
+            let (_, kept) = state.iter().find(|(k, _)| k == "error").expect("error");
+            (rows, bits(kept), bits(&error))
+        });
+        for (rank_of, (rows, kept, error)) in runs.into_iter().enumerate() {
+            for (s, (fed, plain, a, b)) in rows.into_iter().enumerate() {
+                assert_eq!(
+                    fed, plain,
+                    "single {single} rank {rank}: rank {rank_of}'s step {s}"
+                );
+                assert_eq!(a, b, "the logged error, rank {rank_of}'s step {s}");
+            }
+            assert_eq!(
+                kept, error,
+                "single {single} rank {rank}: rank {rank_of}'s error buffer"
+            );
+        }
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 #[test]
 fn powersgd_is_exact_on_rank_r_input() {
     // Every rank's matrix is U V_r^T with a shared U (rows x 2): the average has rank 2.
