@@ -1,25 +1,83 @@
 //! The entries of a span whose key (|v|'s bits) reaches a floor, with their indices, in index order:
-//! the candidates the top-k selections choose from. With AVX2, 8 entries at a time are compared in one
-//! vector, and the ones that pass are packed to the front of the vector by a permutation looked up from
-//! their 8-bit mask and stored at the output's end (then the end moves by their count); elsewhere, and
-//! for the last entries, a mask of each group of 16 is made in one vectorized pass and its set bits are
-//! visited. Both keep exactly the entries whose key is at least the floor, in order.
+//! the candidates the top-k selections choose from, and the selection among them at a threshold. With
+//! AVX-512, 16 entries at a time are compared in one vector and the ones that pass are compressed to the
+//! front of the vector (`vpcompressd`), which is stored at the output's end (then the end moves by their
+//! count); with AVX2, 8 at a time, packed by a permutation looked up from their 8-bit mask; elsewhere,
+//! and for the last entries, a mask of each group of 16 is made in one vectorized pass and its set bits
+//! are visited. All keep exactly the entries whose key is at least the floor, in order. The values can
+//! also be a difference x - hat, formed as the entries are read (CHOCO's message of x - x_hat), so that
+//! the difference is never written out whole.
 
 use super::abs_key;
 
 /// The entries of `span` (at `start` in its tensor) whose key is at least `floor`, with their indices.
 pub(super) fn candidates(span: &[f32], start: usize, floor: u32) -> (Vec<u32>, Vec<f32>) {
+    gather::<false>(span, span, start, floor)
+}
+
+/// `candidates` of the difference x - hat, entry by entry (the same f32 subtraction as a scalar
+/// `x[i] - hat[i]`). `hat` is as long as `x`.
+pub(super) fn difference_candidates(
+    x: &[f32],
+    hat: &[f32],
+    start: usize,
+    floor: u32,
+) -> (Vec<u32>, Vec<f32>) {
+    assert_eq!(x.len(), hat.len(), "x - hat of unequal lengths");
+    gather::<true>(x, hat, start, floor)
+}
+
+/// The candidates of `x` (DIFF: of x - hat) through the widest vectors the processor has, then the
+/// rest by masks.
+fn gather<const DIFF: bool>(
+    x: &[f32],
+    hat: &[f32],
+    start: usize,
+    floor: u32,
+) -> (Vec<u32>, Vec<f32>) {
+    gather_in::<DIFF>(x86::lanes(), x, hat, start, floor)
+}
+
+/// `gather` with vectors of at most `width` lanes (0: by masks only).
+fn gather_in<const DIFF: bool>(
+    width: usize,
+    x: &[f32],
+    hat: &[f32],
+    start: usize,
+    floor: u32,
+) -> (Vec<u32>, Vec<f32>) {
     let (mut idx, mut val) = (Vec::new(), Vec::new());
-    let done = x86::packed(span, start, floor, &mut idx, &mut val);
-    by_masks(&span[done..], start + done, floor, &mut idx, &mut val);
+    let done = x86::packed_in::<DIFF>(width, x, hat, start, floor, &mut idx, &mut val);
+    by_masks::<DIFF>(
+        &x[done..],
+        &hat[done..],
+        start + done,
+        floor,
+        &mut idx,
+        &mut val,
+    );
     (idx, val)
 }
 
-/// `candidates` of `span` appended to idx and val: each group of 16 gives a bit mask of its candidates
-/// in one vectorized pass, and only the set bits are visited.
+/// `candidates` of `x` (DIFF: of x - hat) appended to idx and val: each group of 16 gives a bit mask
+/// of its candidates in one vectorized pass, and only the set bits are visited.
 #[multiversion::multiversion(targets = "simd")]
-fn by_masks(span: &[f32], start: usize, floor: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
-    for (g, group) in span.chunks(16).enumerate() {
+fn by_masks<const DIFF: bool>(
+    x: &[f32],
+    hat: &[f32],
+    start: usize,
+    floor: u32,
+    idx: &mut Vec<u32>,
+    val: &mut Vec<f32>,
+) {
+    let mut group = [0.0f32; 16];
+    for (g, xs) in x.chunks(16).enumerate() {
+        let group = &mut group[..xs.len()];
+        group.copy_from_slice(xs);
+        if DIFF {
+            let hs = &hat[16 * g..16 * g + xs.len()];
+            group.iter_mut().zip(hs).for_each(|(v, &h)| *v -= h);
+        }
         let mut mask = 0u32;
         for (b, &v) in group.iter().enumerate() {
             mask |= u32::from(abs_key(v) >= floor) << b;
@@ -31,6 +89,59 @@ fn by_masks(span: &[f32], start: usize, floor: u32, idx: &mut Vec<u32>, val: &mu
             mask &= mask - 1;
         }
     }
+}
+
+/// Appends to idx (each plus `base`) and val the candidates whose key is above `t`, and the first `ties`
+/// of those whose key equals it, in order: the selection at a threshold. The entries whose key reaches
+/// `t` are taken in one vectorized pass; those equal to it past the first `ties`, rare, are then
+/// dropped.
+pub(super) fn take(
+    cand_i: &[u32],
+    cand_v: &[f32],
+    t: u32,
+    ties: usize,
+    base: u32,
+    idx: &mut Vec<u32>,
+    val: &mut Vec<f32>,
+) {
+    take_in(x86::lanes(), (cand_i, cand_v), (t, ties), base, idx, val);
+}
+
+/// `take` with vectors of at most `width` lanes (0: one entry at a time).
+fn take_in(
+    width: usize,
+    (cand_i, cand_v): (&[u32], &[f32]),
+    (t, ties): (u32, usize),
+    base: u32,
+    idx: &mut Vec<u32>,
+    val: &mut Vec<f32>,
+) {
+    let start = idx.len();
+    let done = x86::taken_in(width, cand_i, cand_v, t, base, idx, val);
+    for (&i, &v) in cand_i[done..].iter().zip(&cand_v[done..]) {
+        if abs_key(v) >= t {
+            idx.push(base + i);
+            val.push(v);
+        }
+    }
+    let equal: Vec<usize> = (start..val.len())
+        .filter(|&p| abs_key(val[p]) == t)
+        .skip(ties)
+        .collect();
+    let Some(&first) = equal.first() else {
+        return;
+    };
+    let (mut write, mut dropped) = (first, 0);
+    for read in first..val.len() {
+        if dropped < equal.len() && equal[dropped] == read {
+            dropped += 1;
+            continue;
+        }
+        (idx[write], val[write]) = (idx[read], val[read]);
+        write += 1;
+    }
+    idx.truncate(write);
+    val.truncate(write);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -56,70 +167,294 @@ mod x86 {
         t
     };
 
-    /// `candidates` of span's whole groups of 8 appended to idx and val when the processor has AVX2:
-    /// the entries done (0 without AVX2).
-    pub fn packed(
-        span: &[f32],
+    /// The widest vectors this processor compresses in: 16 lanes (AVX-512), 8 (AVX2) or none.
+    pub fn lanes() -> usize {
+        if is_x86_feature_detected!("avx512f") {
+            16
+        } else if is_x86_feature_detected!("avx2") {
+            8
+        } else {
+            0
+        }
+    }
+
+    /// A signed comparison with this is key >= `floor`: keys are below 2^31 and any key is >= 0.
+    fn below(floor: u32) -> i32 {
+        (floor as i64 - 1).clamp(-1, i32::MAX as i64) as i32
+    }
+
+    /// `candidates` of x's whole groups of `width` entries (DIFF: of x - hat, as long as x) appended to
+    /// idx and val, in vectors of that many lanes (16 or 8; at most what `lanes` found): the entries done.
+    pub fn packed_in<const DIFF: bool>(
+        width: usize,
+        x: &[f32],
+        hat: &[f32],
         start: usize,
         floor: u32,
         idx: &mut Vec<u32>,
         val: &mut Vec<f32>,
     ) -> usize {
-        if !std::arch::is_x86_feature_detected!("avx2") {
-            return 0;
+        let width = width.min(lanes());
+        let whole = x
+            .len()
+            .checked_div(width)
+            .map_or(0, |groups| groups * width);
+        let (x, hat) = (&x[..whole], &hat[..whole]);
+        match width {
+            // SAFETY: a width of 16 is at most what `lanes` found, so the processor has AVX-512F; the
+            // kernel reads x and hat, whole groups of 16.
+            16 => unsafe { pack16::<DIFF>(x, hat, start, floor, idx, val) },
+            // SAFETY: as above, with AVX2 and groups of 8.
+            8 => unsafe { pack8::<DIFF>(x, hat, start, floor, idx, val) },
+            _ => return 0,
         }
-        let whole = span.len() / 8 * 8;
-        // SAFETY: the processor has AVX2 (checked above); `pack` reads span[..whole] only.
-        unsafe { pack(&span[..whole], start, floor, idx, val) };
         whole
     }
 
-    /// `packed` of a span of whole groups of 8.
+    /// `take`'s entries whose key reaches `t` among the candidates' whole groups of `width`, appended, in
+    /// vectors of that many lanes (16 or 8; at most what `lanes` found): the candidates done.
+    pub fn taken_in(
+        width: usize,
+        cand_i: &[u32],
+        cand_v: &[f32],
+        t: u32,
+        base: u32,
+        idx: &mut Vec<u32>,
+        val: &mut Vec<f32>,
+    ) -> usize {
+        let width = width.min(lanes());
+        let whole = cand_v
+            .len()
+            .checked_div(width)
+            .map_or(0, |groups| groups * width);
+        let (cand_i, cand_v) = (&cand_i[..whole], &cand_v[..whole]);
+        match width {
+            // SAFETY: a width of 16 is at most what `lanes` found, so the processor has AVX-512F; the
+            // kernel reads cand_i and cand_v, whole groups of 16.
+            16 => unsafe { take16(cand_i, cand_v, t, base, idx, val) },
+            // SAFETY: as above, with AVX2 and groups of 8.
+            8 => unsafe { take8(cand_i, cand_v, t, base, idx, val) },
+            _ => return 0,
+        }
+        whole
+    }
+
+    /// Appends the lanes of `ids` and `v` whose bit of `mask` is set, in order.
+    ///
+    /// # Safety
+    /// The processor has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn push16(
+        mask: __mmask16,
+        ids: __m512i,
+        v: __m512,
+        idx: &mut Vec<u32>,
+        val: &mut Vec<f32>,
+    ) {
+        let (n, len) = (mask.count_ones() as usize, idx.len());
+        idx.reserve(16);
+        val.reserve(16);
+        // SAFETY: both vectors have room for 16 more entries past `len` (reserved above), so the
+        // unaligned stores of 16 lanes there write inside their allocations; the first n lanes are the
+        // compressed entries, in order, and only those become part of the vectors (set_len to len + n,
+        // every entry below it written).
+        unsafe {
+            _mm512_storeu_si512(
+                idx.as_mut_ptr().add(len).cast(),
+                _mm512_maskz_compress_epi32(mask, ids),
+            );
+            _mm512_storeu_ps(val.as_mut_ptr().add(len), _mm512_maskz_compress_ps(mask, v));
+            idx.set_len(len + n);
+            val.set_len(len + n);
+        }
+    }
+
+    /// `packed` with AVX-512, of whole groups of 16.
+    ///
+    /// # Safety
+    /// The processor has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pack16<const DIFF: bool>(
+        x: &[f32],
+        hat: &[f32],
+        start: usize,
+        floor: u32,
+        idx: &mut Vec<u32>,
+        val: &mut Vec<f32>,
+    ) {
+        let below = _mm512_set1_epi32(below(floor));
+        let abs = _mm512_set1_epi32(0x7fff_ffff);
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (g, (xs, hs)) in x.chunks_exact(16).zip(hat.chunks_exact(16)).enumerate() {
+            // SAFETY: unaligned loads of the 16 floats of `xs` and of `hs`.
+            let mut v = unsafe { _mm512_loadu_ps(xs.as_ptr()) };
+            if DIFF {
+                // SAFETY: as above.
+                v = _mm512_sub_ps(v, unsafe { _mm512_loadu_ps(hs.as_ptr()) });
+            }
+            let key = _mm512_and_si512(_mm512_castps_si512(v), abs);
+            let mask = _mm512_cmpgt_epi32_mask(key, below);
+            if mask != 0 {
+                let ids = _mm512_add_epi32(_mm512_set1_epi32((start + 16 * g) as i32), lanes);
+                // SAFETY: this processor has AVX-512F (this function's contract).
+                unsafe { push16(mask, ids, v, idx, val) };
+            }
+        }
+    }
+
+    /// `taken` with AVX-512, of whole groups of 16.
+    ///
+    /// # Safety
+    /// The processor has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn take16(
+        cand_i: &[u32],
+        cand_v: &[f32],
+        t: u32,
+        base: u32,
+        idx: &mut Vec<u32>,
+        val: &mut Vec<f32>,
+    ) {
+        let below = _mm512_set1_epi32(below(t));
+        let (abs, base) = (
+            _mm512_set1_epi32(0x7fff_ffff),
+            _mm512_set1_epi32(base as i32),
+        );
+        for (is, vs) in cand_i.chunks_exact(16).zip(cand_v.chunks_exact(16)) {
+            // SAFETY: unaligned loads of the 16 entries of `vs` and `is`.
+            let (v, i) = unsafe {
+                (
+                    _mm512_loadu_ps(vs.as_ptr()),
+                    _mm512_loadu_si512(is.as_ptr().cast()),
+                )
+            };
+            let key = _mm512_and_si512(_mm512_castps_si512(v), abs);
+            let mask = _mm512_cmpgt_epi32_mask(key, below);
+            // SAFETY: this processor has AVX-512F (this function's contract).
+            unsafe { push16(mask, _mm512_add_epi32(i, base), v, idx, val) };
+        }
+    }
+
+    /// Appends the lanes of `ids` and `v` whose bit of `mask` is set, in order.
     ///
     /// # Safety
     /// The processor has AVX2.
     #[target_feature(enable = "avx2")]
-    unsafe fn pack(span: &[f32], start: usize, floor: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
-        // Keys are below 2^31, so a signed comparison with floor - 1 is key >= floor (any key is >= 0).
-        let below = _mm256_set1_epi32((floor as i64 - 1).clamp(-1, i32::MAX as i64) as i32);
+    unsafe fn push8(mask: usize, ids: __m256i, v: __m256, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
+        // SAFETY: an unaligned load of PACK's row of 8 u32.
+        let perm = unsafe { _mm256_loadu_si256(PACK[mask].as_ptr().cast()) };
+        let (n, len) = (mask.count_ones() as usize, idx.len());
+        idx.reserve(8);
+        val.reserve(8);
+        // SAFETY: both vectors have room for 8 more entries past `len` (reserved above), so the
+        // unaligned stores of 8 lanes there write inside their allocations; the first n lanes are the
+        // packed entries, in order, and only those become part of the vectors (set_len to len + n,
+        // every entry below it written).
+        unsafe {
+            _mm256_storeu_si256(
+                idx.as_mut_ptr().add(len).cast(),
+                _mm256_permutevar8x32_epi32(ids, perm),
+            );
+            _mm256_storeu_ps(val.as_mut_ptr().add(len), _mm256_permutevar8x32_ps(v, perm));
+            idx.set_len(len + n);
+            val.set_len(len + n);
+        }
+    }
+
+    /// `packed` with AVX2, of whole groups of 8.
+    ///
+    /// # Safety
+    /// The processor has AVX2.
+    #[target_feature(enable = "avx2")]
+    unsafe fn pack8<const DIFF: bool>(
+        x: &[f32],
+        hat: &[f32],
+        start: usize,
+        floor: u32,
+        idx: &mut Vec<u32>,
+        val: &mut Vec<f32>,
+    ) {
+        let below = _mm256_set1_epi32(below(floor));
         let abs = _mm256_set1_epi32(0x7fff_ffff);
         let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        for (g, group) in span.chunks_exact(8).enumerate() {
-            let group: &[f32; 8] = group.try_into().expect("a group of 8");
-            // SAFETY: an unaligned load of the 8 floats of `group`.
-            let v = unsafe { _mm256_loadu_ps(group.as_ptr()) };
+        for (g, (xs, hs)) in x.chunks_exact(8).zip(hat.chunks_exact(8)).enumerate() {
+            // SAFETY: unaligned loads of the 8 floats of `xs` and of `hs`.
+            let mut v = unsafe { _mm256_loadu_ps(xs.as_ptr()) };
+            if DIFF {
+                // SAFETY: as above.
+                v = _mm256_sub_ps(v, unsafe { _mm256_loadu_ps(hs.as_ptr()) });
+            }
             let key = _mm256_and_si256(_mm256_castps_si256(v), abs);
-            let mask =
-                _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below))) as usize;
-            if mask == 0 {
-                continue;
+            let mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below)));
+            if mask != 0 {
+                let ids = _mm256_add_epi32(_mm256_set1_epi32((start + 8 * g) as i32), lanes);
+                // SAFETY: this processor has AVX2 (this function's contract).
+                unsafe { push8(mask as usize, ids, v, idx, val) };
             }
-            // SAFETY: an unaligned load of PACK's row of 8 u32.
-            let perm = unsafe { _mm256_loadu_si256(PACK[mask].as_ptr().cast()) };
-            let at = _mm256_add_epi32(_mm256_set1_epi32((start + 8 * g) as i32), lanes);
-            let (n, len) = (mask.count_ones() as usize, idx.len());
-            idx.reserve(8);
-            val.reserve(8);
-            // SAFETY: both vectors have room for 8 more entries past `len` (reserved above), so the
-            // unaligned stores of 8 lanes there write inside their allocations; the first n lanes are
-            // the candidates, in order, and only those become part of the vectors (set_len to len + n,
-            // every entry below it written).
-            unsafe {
-                _mm256_storeu_si256(
-                    idx.as_mut_ptr().add(len).cast(),
-                    _mm256_permutevar8x32_epi32(at, perm),
-                );
-                _mm256_storeu_ps(val.as_mut_ptr().add(len), _mm256_permutevar8x32_ps(v, perm));
-                idx.set_len(len + n);
-                val.set_len(len + n);
-            }
+        }
+    }
+
+    /// `taken` with AVX2, of whole groups of 8.
+    ///
+    /// # Safety
+    /// The processor has AVX2.
+    #[target_feature(enable = "avx2")]
+    unsafe fn take8(
+        cand_i: &[u32],
+        cand_v: &[f32],
+        t: u32,
+        base: u32,
+        idx: &mut Vec<u32>,
+        val: &mut Vec<f32>,
+    ) {
+        let below = _mm256_set1_epi32(below(t));
+        let (abs, base) = (
+            _mm256_set1_epi32(0x7fff_ffff),
+            _mm256_set1_epi32(base as i32),
+        );
+        for (is, vs) in cand_i.chunks_exact(8).zip(cand_v.chunks_exact(8)) {
+            // SAFETY: unaligned loads of the 8 entries of `vs` and `is`.
+            let (v, i) = unsafe {
+                (
+                    _mm256_loadu_ps(vs.as_ptr()),
+                    _mm256_loadu_si256(is.as_ptr().cast()),
+                )
+            };
+            let key = _mm256_and_si256(_mm256_castps_si256(v), abs);
+            let mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below)));
+            // SAFETY: this processor has AVX2 (this function's contract).
+            unsafe { push8(mask as usize, _mm256_add_epi32(i, base), v, idx, val) };
         }
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 mod x86 {
-    pub fn packed(_: &[f32], _: usize, _: u32, _: &mut Vec<u32>, _: &mut Vec<f32>) -> usize {
+    pub fn lanes() -> usize {
+        0
+    }
+
+    pub fn packed_in<const DIFF: bool>(
+        _: usize,
+        _: &[f32],
+        _: &[f32],
+        _: usize,
+        _: u32,
+        _: &mut Vec<u32>,
+        _: &mut Vec<f32>,
+    ) -> usize {
+        0
+    }
+
+    pub fn taken_in(
+        _: usize,
+        _: &[u32],
+        _: &[f32],
+        _: u32,
+        _: u32,
+        _: &mut Vec<u32>,
+        _: &mut Vec<f32>,
+    ) -> usize {
         0
     }
 }
@@ -128,6 +463,9 @@ mod x86 {
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// The vector widths to test: each path this processor has, and none (by masks only).
+    const WIDTHS: [usize; 3] = [0, 8, 16];
 
     /// The definition: every entry whose key reaches the floor, with its index, in order.
     fn reference(span: &[f32], start: usize, floor: u32) -> (Vec<u32>, Vec<f32>) {
@@ -138,17 +476,34 @@ mod tests {
             .unzip()
     }
 
-    /// Both paths against the definition, bit for bit: lengths with and without whole groups, floors
-    /// from 0 (every entry) to above every key, both signs of zero, infinities and NaNs.
+    fn bits((i, v): (Vec<u32>, Vec<f32>)) -> (Vec<u32>, Vec<u32>) {
+        (i, v.iter().map(|v| v.to_bits()).collect())
+    }
+
+    /// Values with both signs of zero, infinities and NaNs among uniform ones.
+    fn awkward(rng: &mut impl Rng, n: usize) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        for (i, v) in [
+            (3, -0.0),
+            (17, f32::INFINITY),
+            (40, f32::NAN),
+            (41, -f32::NAN),
+        ] {
+            x[i] = v;
+        }
+        x[99] = f32::NEG_INFINITY;
+        x
+    }
+
+    /// Every path against the definition, bit for bit, of x and of x - hat: lengths with and without
+    /// whole groups, floors from 0 (every entry) to above every key, both signs of zero, infinities and
+    /// NaNs (in x and in hat).
     #[test]
     fn candidates_are_the_entries_that_reach_the_floor() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        let mut x: Vec<f32> = (0..1000).map(|_| rng.random_range(-2.0f32..2.0)).collect();
-        x[3] = -0.0;
-        x[17] = f32::INFINITY;
-        x[40] = f32::NAN;
-        x[41] = -f32::NAN;
-        x[99] = f32::NEG_INFINITY;
+        let x = awkward(&mut rng, 1000);
+        let mut hat = awkward(&mut rng, 1000);
+        hat[5] = x[5];
         let floors = [
             0,
             1,
@@ -158,20 +513,67 @@ mod tests {
             0x7fff_ffff,
             u32::MAX,
         ];
-        for len in [0, 1, 7, 8, 9, 16, 63, 1000] {
+        for len in [0, 1, 7, 8, 9, 16, 17, 63, 1000] {
+            let (x, hat) = (&x[..len], &hat[..len]);
+            let diff: Vec<f32> = x.iter().zip(hat).map(|(a, b)| a - b).collect();
             for &floor in &floors {
-                let want = reference(&x[..len], 5, floor);
-                let bits =
-                    |(i, v): (Vec<u32>, Vec<f32>)| (i, v.iter().map(|v| v.to_bits()).collect());
-                let got: (Vec<u32>, Vec<u32>) = bits(candidates(&x[..len], 5, floor));
-                assert_eq!(got, bits(want.clone()), "length {len}, floor {floor:#x}");
-                let mut masks = (Vec::new(), Vec::new());
-                by_masks(&x[..len], 5, floor, &mut masks.0, &mut masks.1);
-                assert_eq!(
-                    bits(masks),
-                    bits(want),
-                    "by masks: length {len}, floor {floor:#x}"
-                );
+                let want = bits(reference(x, 5, floor));
+                let want_diff = bits(reference(&diff, 5, floor));
+                for width in WIDTHS {
+                    let at = format!("length {len}, floor {floor:#x}, width {width}");
+                    assert_eq!(
+                        bits(gather_in::<false>(width, x, x, 5, floor)),
+                        want,
+                        "{at}"
+                    );
+                    let got = bits(gather_in::<true>(width, x, hat, 5, floor));
+                    assert_eq!(got, want_diff, "x - hat: {at}");
+                }
+                assert_eq!(bits(candidates(x, 5, floor)), want);
+                assert_eq!(bits(difference_candidates(x, hat, 5, floor)), want_diff);
+            }
+        }
+    }
+
+    /// `take` against its definition (one entry at a time: above the threshold, or equal to it while
+    /// ties remain), bit for bit: few distinct keys so that many tie, every tie count, appended after
+    /// entries already there.
+    #[test]
+    fn take_keeps_the_keys_above_and_the_first_ties() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for len in [0, 1, 8, 15, 16, 33, 200] {
+            let cand_v: Vec<f32> = (0..len)
+                .map(|_| rng.random_range(-4i32..=4) as f32 * 0.5)
+                .collect();
+            let cand_i: Vec<u32> = (0..len as u32).map(|i| 3 * i + 1).collect();
+            for t in [0.0f32, 0.5, 1.0, 2.0, 3.0] {
+                let t = abs_key(t);
+                let equal = cand_v.iter().filter(|&&v| abs_key(v) == t).count();
+                for ties in 0..=equal {
+                    let mut want = (vec![9], vec![9.0]);
+                    let mut left = ties;
+                    for (&i, &v) in cand_i.iter().zip(&cand_v) {
+                        let key = abs_key(v);
+                        if key > t || (key == t && left > 0) {
+                            left -= usize::from(key == t);
+                            want.0.push(100 + i);
+                            want.1.push(v);
+                        }
+                    }
+                    for width in WIDTHS {
+                        let mut got = (vec![9], vec![9.0]);
+                        take_in(
+                            width,
+                            (&cand_i, &cand_v),
+                            (t, ties),
+                            100,
+                            &mut got.0,
+                            &mut got.1,
+                        );
+                        let at = format!("length {len}, key {t:#x}, ties {ties}, width {width}");
+                        assert_eq!(bits(got), bits(want.clone()), "{at}");
+                    }
+                }
             }
         }
     }

@@ -19,7 +19,7 @@ pub use segment::Segment;
 pub use transpose::transpose;
 
 use anyhow::{ensure, Result};
-use compact::candidates;
+use compact::{candidates, difference_candidates, take};
 use rayon::prelude::*;
 
 /// Threads per block; also the 256 buckets of an 8-bit radix digit (`BLOCK` in reducers.cu).
@@ -206,15 +206,15 @@ const FLOORS: u32 = 8;
 /// sample of `x`, `sampled_floor`; where the sample's floor lets fewer than k through, or `x` is too short
 /// to sample, the largest power of two that at least k keys reach, `power_floor`, else
 /// `top_k_by_select`), the entries reaching it (`candidates`, in index order), the threshold among them
-/// by `select_nth_unstable`, and the selection. `top_k` itself for short inputs; CHOCO's encoding,
-/// which runs on every worker at once and selects a tenth of a tensor, for all.
+/// by `select_nth_unstable`, and the selection (`take`). `top_k` itself for short inputs, and DeMo's
+/// chunks.
 #[multiversion::multiversion(targets = "simd")]
 pub fn top_k_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
     let k = k.min(x.len());
     if k == 0 {
         return;
     }
-    let sampled = sampled_floor(x, k)
+    let sampled = sampled_floor(x.len(), k, |i| x[i])
         .map(|floor| candidates(x, 0, floor))
         .filter(|(i, _)| i.len() >= k);
     let (cand_i, cand_v) = match sampled {
@@ -224,25 +224,60 @@ pub fn top_k_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut
             None => return top_k_by_select(x, k, base, idx, val),
         },
     };
-    let mut keys: Vec<u32> = cand_v.iter().map(|&v| abs_key(v)).collect();
-    let c = keys.len();
-    let (_, &mut t, above) = keys.select_nth_unstable(c - k);
-    let mut ties = k - above.iter().filter(|&&a| a > t).count();
-    for (&i, &v) in cand_i.iter().zip(&cand_v) {
-        let key = abs_key(v);
-        if key > t || (key == t && ties > 0) {
-            ties -= usize::from(key == t);
-            idx.push(base + i);
-            val.push(v);
+    take_top_k(&cand_i, &cand_v, k, base, idx, val);
+}
+
+/// `top_k_short` of the difference x - hat (entry by entry, the f32 subtraction `x[i] - hat[i]`), the
+/// same entries, without writing the difference out: the sample and the candidates form it as they read
+/// x and hat (`difference_candidates`). CHOCO's encoding of x - x_hat, which runs on every worker at once
+/// and selects a tenth of each tensor. Where the sample's floor does not serve, the difference is formed
+/// whole and goes to `top_k_short`.
+pub fn top_k_of_difference(
+    x: &[f32],
+    hat: &[f32],
+    k: usize,
+    base: u32,
+    idx: &mut Vec<u32>,
+    val: &mut Vec<f32>,
+) {
+    assert_eq!(x.len(), hat.len(), "x - hat of unequal lengths");
+    let k = k.min(x.len());
+    if k == 0 {
+        return;
+    }
+    let sampled = sampled_floor(x.len(), k, |i| x[i] - hat[i])
+        .map(|floor| difference_candidates(x, hat, 0, floor))
+        .filter(|(i, _)| i.len() >= k);
+    match sampled {
+        Some((cand_i, cand_v)) => take_top_k(&cand_i, &cand_v, k, base, idx, val),
+        None => {
+            let diff: Vec<f32> = x.iter().zip(hat).map(|(a, b)| a - b).collect();
+            top_k_short(&diff, k, base, idx, val);
         }
     }
 }
 
-/// A key that about k + 3 standard deviations of the sample's count of `x`'s keys reach, from
-/// `sampled_key` over up to `SAMPLES` keys. None for an `x` under 4096 entries, or a k too close to its
-/// length.
-fn sampled_floor(x: &[f32], k: usize) -> Option<u32> {
-    let n = x.len();
+/// The k largest of at least k candidates that hold an input's k largest (in index order), appended:
+/// the threshold by `select_nth_unstable` of their keys, then `take`.
+fn take_top_k(
+    cand_i: &[u32],
+    cand_v: &[f32],
+    k: usize,
+    base: u32,
+    idx: &mut Vec<u32>,
+    val: &mut Vec<f32>,
+) {
+    let mut keys: Vec<u32> = cand_v.iter().map(|&v| abs_key(v)).collect();
+    let c = keys.len();
+    let (_, &mut t, above) = keys.select_nth_unstable(c - k);
+    let ties = k - above.iter().filter(|&&a| a > t).count();
+    take(cand_i, cand_v, t, ties, base, idx, val);
+}
+
+/// A key that about k + 3 standard deviations of the sample's count of the `n` entries' keys reach
+/// (`value(i)`: entry i), from `sampled_key` over up to `SAMPLES` keys. None for fewer than 4096
+/// entries, or a k too close to their number.
+fn sampled_floor(n: usize, k: usize, value: impl Fn(usize) -> f32) -> Option<u32> {
     if n < 4096 {
         return None;
     }
@@ -252,16 +287,16 @@ fn sampled_floor(x: &[f32], k: usize) -> Option<u32> {
     if at >= samples {
         return None;
     }
-    Some(sampled_key(x, samples, at))
+    Some(sampled_key(n, samples, at, value))
 }
 
-/// The key with `at` keys above it among `samples` keys of `x`, one from each of `samples` equal spans
-/// at a pseudo-random place in it (an evenly strided sample aliases with a matrix's rows or any other
-/// period of the data). `at < samples <= x.len()`.
-fn sampled_key(x: &[f32], samples: usize, at: usize) -> u32 {
-    let stride = x.len() / samples;
+/// The key with `at` keys above it among `samples` keys of the `n` entries (`value(i)`: entry i), one
+/// from each of `samples` equal spans at a pseudo-random place in it (an evenly strided sample aliases
+/// with a matrix's rows or any other period of the data). `at < samples <= n`.
+fn sampled_key(n: usize, samples: usize, at: usize, value: impl Fn(usize) -> f32) -> u32 {
+    let stride = n / samples;
     let mut sample: Vec<u32> = (0..samples)
-        .map(|i| abs_key(x[sample_at(i, stride)]))
+        .map(|i| abs_key(value(sample_at(i, stride))))
         .collect();
     *sample.select_nth_unstable(samples - 1 - at).1
 }
@@ -329,7 +364,7 @@ fn top_k_of_candidates(
         return false;
     }
     let at = (k * SAMPLES / x.len() * 3 / 2 + 16).min(SAMPLES - 1);
-    let floor = sampled_key(x, SAMPLES, at);
+    let floor = sampled_key(x.len(), SAMPLES, at, |i| x[i]);
     // Past 4 k + SAMPLES candidates (ties at the sample's key, or a sample far off) the full selection
     // runs instead: it is then the cheaper one.
     let cap = 4 * k + SAMPLES;
@@ -349,15 +384,7 @@ fn top_k_of_candidates(
     }
     let t = radix_threshold(k, |p, m, s| Ok(radix_histogram(&cand_v, p, m, s)))
         .expect("the histograms of a slice count every key");
-    let mut ties = 0;
-    for (&i, &v) in cand_i.iter().zip(&cand_v) {
-        let key = abs_key(v);
-        if key > t.key || (key == t.key && ties < t.ties) {
-            idx.push(base + i);
-            val.push(v);
-        }
-        ties += u32::from(key == t.key);
-    }
+    take(&cand_i, &cand_v, t.key, t.ties as usize, base, idx, val);
     true
 }
 
@@ -600,9 +627,10 @@ mod tests {
         }
     }
 
-    /// `top_k_short` where its sample misleads: the sampled places hold the largest keys, so the
-    /// sample's floor lets fewer than k through, and where it lets nearly everything through (zeros at
-    /// the sampled places); both give the exact top k, as do the fallbacks of a sample-less length.
+    /// `top_k_short` (and `top_k_of_difference`) where its sample misleads: the sampled places hold the
+    /// largest keys, so the sample's floor lets fewer than k through, and where it lets nearly everything
+    /// through (zeros at the sampled places); both give the exact top k, as do the fallbacks of a
+    /// sample-less length.
     #[test]
     fn top_k_short_is_exact_when_its_sample_misleads() {
         let n = 1 << 16;
@@ -614,10 +642,12 @@ mod tests {
             let mut x: Vec<f32> = (0..n).map(|i| elsewhere + (i % 97) as f32 * 1e-3).collect();
             places.iter().for_each(|&p| x[p] = at_places);
             for k in [1, 100, samples + 1, 6000, n / 2] {
-                let (mut idx, mut val) = (Vec::new(), Vec::new());
-                super::top_k_short(&x, k, 3, &mut idx, &mut val);
                 let want: Vec<u32> = naive_top_k(&x, k).iter().map(|i| 3 + i).collect();
-                assert_eq!(idx, want, "k {k}, sampled places {at_places}");
+                for select in [super::top_k_short, of_difference] {
+                    let (mut idx, mut val) = (Vec::new(), Vec::new());
+                    select(&x, k, 3, &mut idx, &mut val);
+                    assert_eq!(idx, want, "k {k}, sampled places {at_places}");
+                }
             }
         }
     }
@@ -711,6 +741,23 @@ mod tests {
         top
     }
 
+    /// `top_k_of_difference` of an x and a hat whose difference is `d`, bit for bit: hat a pattern of
+    /// values where d + hat - hat gives d back, else zero (and x = d).
+    fn of_difference(d: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
+        let (x, hat): (Vec<f32>, Vec<f32>) = d
+            .iter()
+            .enumerate()
+            .map(|(i, &d)| {
+                let h = (i % 17) as f32 * 0.5 - 4.0;
+                match ((d + h) - h).to_bits() == d.to_bits() {
+                    true => (d + h, h),
+                    false => (d, 0.0),
+                }
+            })
+            .unzip();
+        top_k_of_difference(&x, &hat, k, base, idx, val);
+    }
+
     /// Values with many ties (a few levels, both signs, zeros of both signs) or spread out.
     fn values() -> impl Strategy<Value = Vec<f32>> {
         prop_oneof![
@@ -732,7 +779,7 @@ mod tests {
         ) {
             let k = (frac * x.len() as f64) as usize;
             let want: Vec<u32> = naive_top_k(&x, k).iter().map(|i| base + i).collect();
-            for select in [top_k, top_k_by_select, top_k_short] {
+            for select in [top_k, top_k_by_select, top_k_short, of_difference] {
                 let (mut idx, mut val) = (vec![7], vec![7.0]);
                 select(&x, k, base, &mut idx, &mut val);
                 prop_assert_eq!(&idx[1..], &want[..]);
@@ -757,8 +804,8 @@ mod tests {
                 .collect();
             let k = (frac * len as f64) as usize;
             let want: Vec<u32> = naive_top_k(&x, k).iter().map(|i| 5 + i).collect();
-            // top_k_short: CHOCO's selection, on tensors of any length.
-            for select in [top_k, top_k_short] {
+            // top_k_short and top_k_of_difference: CHOCO's selections, on tensors of any length.
+            for select in [top_k, top_k_short, of_difference] {
                 let (mut idx, mut val) = (Vec::new(), Vec::new());
                 select(&x, k, 5, &mut idx, &mut val);
                 prop_assert_eq!(&idx, &want);

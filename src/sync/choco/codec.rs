@@ -187,12 +187,11 @@ impl Codec {
         rank: usize,
         out: &mut [f32],
     ) {
-        let diff = || -> Vec<f32> { x.iter().zip(hat).map(|(a, b)| a - b).collect() };
         match self.compressor {
             Compressor::TopK { .. } => {
                 let k = self.ks[t];
                 let (mut idx, mut vals) = (Vec::with_capacity(k), Vec::with_capacity(k));
-                kernels::top_k_short(&diff(), k, 0, &mut idx, &mut vals);
+                kernels::top_k_of_difference(x, hat, k, 0, &mut idx, &mut vals);
                 out[..k].copy_from_slice(&vals);
                 for (o, &i) in out[k..].iter_mut().zip(&idx) {
                     *o = f32::from_bits(i);
