@@ -631,6 +631,12 @@ impl SyncBackend for Compressed {
     fn clipped_grad_norm(&self) -> Option<f64> {
         self.clipped_norm
     }
+    /// The reducer may decode this rank's part of the gradient alone (`Reducer::decode_part`).
+    fn share_replica(&mut self, parts: Parts) {
+        if self.comm.world_size() > 1 {
+            self.reducer.decode_part(parts.of(self.comm.rank()));
+        }
+    }
 }
 
 /// The planned backend over `comm`.

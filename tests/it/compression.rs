@@ -110,6 +110,35 @@ fn full_rank_powersgd_is_dense_allreduce() {
     }
 }
 
+/// Top-k on a shared replica decodes only the rank's part (`Reducer::decode_part`): on that part the
+/// reduced gradient of the full decoding, bit for bit, over steps with error feedback (the rest is left
+/// unread), with parts that cut tensors in the middle, start at zero, end at the end, and one that is
+/// empty.
+#[test]
+fn topk_decoding_a_part_gives_that_part_of_the_full_decoding() {
+    let (n, steps, len) = (3, 4, numel());
+    let full = run(n, steps, || Box::new(TopK::new(tensors(), 0.2, true)));
+    for part in [0..50, 50..len, 13..200, 100..100] {
+        let parts = on_ranks(n, |mut comm: Box<dyn Communicator>| {
+            let mut r = TopK::new(tensors(), 0.2, true);
+            r.decode_part(part.clone());
+            (0..steps)
+                .map(|s| {
+                    let mut g = gradient(comm.rank(), s);
+                    r.reduce(comm.as_mut(), &mut g, s).unwrap();
+                    g
+                })
+                .collect::<Vec<_>>()
+        });
+        for (rank, (outs, (want, _))) in parts.iter().zip(&full).enumerate() {
+            for (s, (got, want)) in outs.iter().zip(want).enumerate() {
+                let at = format!("part {part:?}, rank {rank}, step {s}");
+                assert_eq!(bits(&got[part.clone()]), bits(&want[part.clone()]), "{at}");
+            }
+        }
+    }
+}
+
 #[test]
 fn error_feedback_conserves_mass() {
     // n * sum_t output_t + sum_r residual_r = sum_{r,t} g_{r,t}: nothing is lost, only delayed.

@@ -152,6 +152,10 @@ pub trait Reducer {
     fn has_device_path(&self) -> bool {
         false
     }
+    /// On a shared replica a rank reads only `part` of the reduced gradient (its grad norm's tiles and
+    /// its update's range): a reducer may then decode that part alone and leave the rest of `grads` as
+    /// it was. The others decode it all.
+    fn decode_part(&mut self, _part: std::ops::Range<usize>) {}
     /// `reduce` on a gradient on the GPU, with the engine's device collectives.
     #[cfg(feature = "cuda")]
     fn reduce_device(

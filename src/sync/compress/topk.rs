@@ -4,6 +4,8 @@
 //! On the GPU (an engine with device collectives) the same steps run as the CUDA kernels whose twins
 //! the host path runs, on device buffers, the residual included.
 
+use std::ops::Range;
+
 use anyhow::Result;
 use rayon::prelude::*;
 
@@ -21,6 +23,8 @@ pub struct TopK {
     /// Entries kept per tensor (0 for vectors, which are all-reduced whole).
     k: Vec<usize>,
     residual: StateBuf,
+    /// The flat range this rank decodes (`Reducer::decode_part`; None: all of it).
+    part: Option<Range<usize>>,
 }
 
 impl TopK {
@@ -34,6 +38,7 @@ impl TopK {
             error_feedback,
             k,
             residual: StateBuf::default(),
+            part: None,
         }
     }
 
@@ -43,7 +48,9 @@ impl TopK {
 
     /// Decompresses `all`, every rank's [values | indices] (each as `selected` holds this rank's counts),
     /// into `grads`, tensor by tensor so that its scattered additions land in cache: the rank-ordered sum
-    /// of every rank's values, then the mean; vectors from the all-reduced `dense` part.
+    /// of every rank's values, then the mean; vectors from the all-reduced `dense` part. Only the entries
+    /// in `self.part` where it is set (each tensor's indices ascend, so a rank's entries there are one run
+    /// of its part of the message).
     fn decode_mean(
         &self,
         grads: &mut [f32],
@@ -56,8 +63,16 @@ impl TopK {
         let (mut pos, mut at, inv) = (0, 0, 1.0 / n as f32);
         let tensors = self.tensors.iter().zip(per_tensor(grads, &self.tensors));
         for ((t, g), (idx, _)) in tensors.zip(selected) {
+            let own = match &self.part {
+                Some(p) => {
+                    p.start.clamp(t.offset, t.offset + t.len)
+                        ..p.end.clamp(t.offset, t.offset + t.len)
+                }
+                None => t.range(),
+            };
+            let g = &mut g[own.start - t.offset..own.end - t.offset];
             if !t.matrix {
-                g.copy_from_slice(&dense[pos..pos + t.len]);
+                g.copy_from_slice(&dense[pos + own.start - t.offset..][..g.len()]);
                 pos += t.len;
                 continue;
             }
@@ -65,8 +80,10 @@ impl TopK {
             for part in all.chunks(2 * kk.max(1)).take(n) {
                 let (vals, ids) = part.split_at(kk);
                 let (vals, ids) = (&vals[at..at + idx.len()], &ids[at..at + idx.len()]);
-                for (v, i) in vals.iter().zip(ids) {
-                    g[i.to_bits() as usize - t.offset] += v;
+                let first = ids.partition_point(|i| (i.to_bits() as usize) < own.start);
+                let end = ids.partition_point(|i| (i.to_bits() as usize) < own.end);
+                for (v, i) in vals[first..end].iter().zip(&ids[first..end]) {
+                    g[i.to_bits() as usize - own.start] += v;
                 }
             }
             kernels::scale(g, inv);
@@ -140,6 +157,9 @@ impl Reducer for TopK {
     #[cfg(feature = "cuda")]
     fn has_device_path(&self) -> bool {
         true
+    }
+    fn decode_part(&mut self, part: Range<usize>) {
+        self.part = Some(part);
     }
     /// `reduce` on the GPU: the same steps in the same order as the host path, each a kernel (its twin
     /// is what the host path runs), the vectors' all-reduce and the (values, indices) all-gather on the
