@@ -166,14 +166,16 @@ impl Reducer for Radius {
             let mut vals = vec![0.0f32; self.mask.len()];
             kernels::gather_clear(&mut residual, &self.mask, &mut vals);
             all_reduce_mean(comm, &mut vals)?;
-            let lost = global_norm(&residual);
+            // The compression error (a pass over the residual) for the metrics rows, which rank 0
+            // writes.
+            let lost = (comm.rank() == 0).then(|| global_norm(&residual));
             if !self.cfg.error_feedback {
                 residual.iter_mut().for_each(|r| *r = 0.0);
             }
             grads.iter_mut().for_each(|g| *g = 0.0);
             kernels::scatter_add(grads, &self.mask, &vals);
             Report {
-                error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
+                error: lost.map(|lost| if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
                 ..Report::default()
             }
         };

@@ -143,13 +143,14 @@ impl Reducer for TopK {
         let mut all = vec![0.0f32; send.len() * n];
         comm.all_gather(&send, &mut all)?;
 
-        let lost = global_norm(&residual);
+        // The compression error (a pass over the residual) for the metrics rows, which rank 0 writes.
+        let lost = (comm.rank() == 0).then(|| global_norm(&residual));
         self.decode_mean(grads, &all, &selected, &dense, n);
         if self.error_feedback {
             self.residual.keep_host(residual);
         }
         Ok(Report {
-            error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
+            error: lost.map(|lost| if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
             ..Report::default()
         })
     }
