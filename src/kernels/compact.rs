@@ -91,27 +91,27 @@ fn by_masks<const DIFF: bool>(
     }
 }
 
-/// Appends to idx (each plus `base`) and val the candidates whose key is above `t`, and the first `ties`
-/// of those whose key equals it, in order: the selection at a threshold. The entries whose key reaches
-/// `t` are taken in one vectorized pass; those equal to it past the first `ties`, rare, are then
-/// dropped.
+/// Appends to idx (each plus `base`) and val the `k` candidates selected at the threshold key `t`:
+/// those whose key is above it, then, to make up k, the first of those whose key equals it, in order.
+/// The entries whose key reaches `t` are taken in one vectorized pass; past k (ties at `t`, rare), the
+/// last of those equal to it are dropped.
 pub(super) fn take(
     cand_i: &[u32],
     cand_v: &[f32],
     t: u32,
-    ties: usize,
+    k: usize,
     base: u32,
     idx: &mut Vec<u32>,
     val: &mut Vec<f32>,
 ) {
-    take_in(x86::lanes(), (cand_i, cand_v), (t, ties), base, idx, val);
+    take_in(x86::lanes(), (cand_i, cand_v), (t, k), base, idx, val);
 }
 
 /// `take` with vectors of at most `width` lanes (0: one entry at a time).
 fn take_in(
     width: usize,
     (cand_i, cand_v): (&[u32], &[f32]),
-    (t, ties): (u32, usize),
+    (t, k): (u32, usize),
     base: u32,
     idx: &mut Vec<u32>,
     val: &mut Vec<f32>,
@@ -124,16 +124,23 @@ fn take_in(
             val.push(v);
         }
     }
-    let equal: Vec<usize> = (start..val.len())
+    let taken = val.len() - start;
+    assert!(
+        taken >= k,
+        "{taken} candidates reach the threshold, fewer than k = {k}"
+    );
+    let mut extra: Vec<usize> = (start..val.len())
+        .rev()
         .filter(|&p| abs_key(val[p]) == t)
-        .skip(ties)
+        .take(taken - k)
         .collect();
-    let Some(&first) = equal.first() else {
+    extra.reverse();
+    let Some(&first) = extra.first() else {
         return;
     };
     let (mut write, mut dropped) = (first, 0);
     for read in first..val.len() {
-        if dropped < equal.len() && equal[dropped] == read {
+        if dropped < extra.len() && extra[dropped] == read {
             dropped += 1;
             continue;
         }
@@ -536,8 +543,8 @@ mod tests {
     }
 
     /// `take` against its definition (one entry at a time: above the threshold, or equal to it while
-    /// ties remain), bit for bit: few distinct keys so that many tie, every tie count, appended after
-    /// entries already there.
+    /// ties remain, k of them), bit for bit: few distinct keys so that many tie, every tie count,
+    /// appended after entries already there.
     #[test]
     fn take_keeps_the_keys_above_and_the_first_ties() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
@@ -560,12 +567,13 @@ mod tests {
                             want.1.push(v);
                         }
                     }
+                    let k = want.0.len() - 1;
                     for width in WIDTHS {
                         let mut got = (vec![9], vec![9.0]);
                         take_in(
                             width,
                             (&cand_i, &cand_v),
-                            (t, ties),
+                            (t, k),
                             100,
                             &mut got.0,
                             &mut got.1,

@@ -269,9 +269,8 @@ fn take_top_k(
 ) {
     let mut keys: Vec<u32> = cand_v.iter().map(|&v| abs_key(v)).collect();
     let c = keys.len();
-    let (_, &mut t, above) = keys.select_nth_unstable(c - k);
-    let ties = k - above.iter().filter(|&&a| a > t).count();
-    take(cand_i, cand_v, t, ties, base, idx, val);
+    let (_, &mut t, _) = keys.select_nth_unstable(c - k);
+    take(cand_i, cand_v, t, k, base, idx, val);
 }
 
 /// A key that about k + 3 standard deviations of the sample's count of the `n` entries' keys reach
@@ -384,7 +383,7 @@ fn top_k_of_candidates(
     }
     let t = radix_threshold(k, |p, m, s| Ok(radix_histogram(&cand_v, p, m, s)))
         .expect("the histograms of a slice count every key");
-    take(&cand_i, &cand_v, t.key, t.ties as usize, base, idx, val);
+    take(&cand_i, &cand_v, t.key, k, base, idx, val);
     true
 }
 
