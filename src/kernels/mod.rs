@@ -6,6 +6,7 @@
 //! with its twin on a GPU. The host-side steps between kernel launches (the digit search of the radix select,
 //! the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
 
+mod chacha;
 mod compact;
 #[cfg(test)]
 pub(crate) mod emulate;
@@ -15,6 +16,7 @@ mod segment;
 pub mod thin;
 mod transpose;
 
+pub use chacha::{chacha8_word, ChaCha8};
 pub use segment::Segment;
 pub use transpose::transpose;
 
@@ -491,48 +493,6 @@ pub fn choco_step(x: &mut [f32], s: &[f32], hat: &[f32], gamma: f32) {
         .for_each(|(x, (s, h))| *x += gamma * (s - h));
 }
 
-/// Twin of `chacha8_word`: the e-th u32 that rand_chacha's ChaCha8Rng with seed `key` (its `get_seed()`,
-/// as eight little-endian words) yields after `set_stream(stream)`: word e % 16 of block e / 16.
-pub fn chacha8_word(key: &[u32; 8], stream: u64, e: u64) -> u32 {
-    let ctr = e / 16;
-    let mut s = [0u32; 16];
-    s[..4].copy_from_slice(&[0x6170_7865, 0x3320_646e, 0x7962_2d32, 0x6b20_6574]);
-    s[4..12].copy_from_slice(key);
-    s[12..].copy_from_slice(&[
-        ctr as u32,
-        (ctr >> 32) as u32,
-        stream as u32,
-        (stream >> 32) as u32,
-    ]);
-    let mut x = s;
-    let qr = |x: &mut [u32; 16], a: usize, b: usize, c: usize, d: usize| {
-        x[a] = x[a].wrapping_add(x[b]);
-        x[d] = (x[d] ^ x[a]).rotate_left(16);
-        x[c] = x[c].wrapping_add(x[d]);
-        x[b] = (x[b] ^ x[c]).rotate_left(12);
-        x[a] = x[a].wrapping_add(x[b]);
-        x[d] = (x[d] ^ x[a]).rotate_left(8);
-        x[c] = x[c].wrapping_add(x[d]);
-        x[b] = (x[b] ^ x[c]).rotate_left(7);
-    };
-    for _ in 0..4 {
-        for (a, b, c, d) in [
-            (0, 4, 8, 12),
-            (1, 5, 9, 13),
-            (2, 6, 10, 14),
-            (3, 7, 11, 15),
-            (0, 5, 10, 15),
-            (1, 6, 11, 12),
-            (2, 7, 8, 13),
-            (3, 4, 9, 14),
-        ] {
-            qr(&mut x, a, b, c, d);
-        }
-    }
-    let w = (e % 16) as usize;
-    x[w].wrapping_add(s[w])
-}
-
 /// Twin of an f64 sum over one block with reducers.cu's `block_sum`: thread t's terms `term(x[i])` for
 /// i = t, t + BLOCK, ... in order, then the tree over the BLOCK partial sums.
 pub fn block_strided_sum(x: &[f32], term: impl Fn(f32) -> f64) -> f64 {
@@ -603,28 +563,6 @@ pub fn gram_schmidt(p: &mut [f32], rows: usize, cols: usize, eps: f32) {
 
 #[cfg(test)]
 mod tests {
-
-    /// The ChaCha8 twin (what the QSGD kernel draws) is rand_chacha's ChaCha8Rng, word for word, on
-    /// several streams and across block and buffer boundaries.
-    #[test]
-    fn chacha8_word_is_rand_chachas_stream() {
-        use rand::{RngCore, SeedableRng};
-        for (seed, stream) in [(1u64, 0u64), (0x9e37_79b9, 5), (u64::MAX, 1 << 40)] {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            rng.set_stream(stream);
-            let bytes = rng.get_seed();
-            let key: [u32; 8] = std::array::from_fn(|i| {
-                u32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap())
-            });
-            for e in 0..300u64 {
-                assert_eq!(
-                    chacha8_word(&key, stream, e),
-                    rng.next_u32(),
-                    "seed {seed}, word {e}"
-                );
-            }
-        }
-    }
 
     /// `top_k_short` (and `top_k_of_difference`) where its sample misleads: the sampled places hold the
     /// largest keys, so the sample's floor lets fewer than k through, and where it lets nearly everything

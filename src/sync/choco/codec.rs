@@ -2,7 +2,7 @@
 //! their bit packing, and the seeds the receivers share.
 
 use multiversion::multiversion;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::Compressor;
@@ -146,7 +146,6 @@ impl Codec {
 
     /// The key of QSGD's ChaCha8 streams for `rank` at `step` (the stream is the tensor's index), as the
     /// `qsgd_encode` kernel takes it.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) fn qsgd_key(&self, step: u64, rank: usize) -> [u32; 8] {
         let seed = self.rng(QSGD_KEY, step, rank, 0).get_seed();
         std::array::from_fn(|i| u32::from_le_bytes([0, 1, 2, 3].map(|j| seed[4 * i + j])))
@@ -204,8 +203,8 @@ impl Codec {
                 }
             }
             Compressor::Qsgd { levels, bucket, .. } => {
-                let mut rng = self.rng(QSGD_KEY, step, rank, t);
-                qsgd_encode(x, hat, (levels, bucket), &mut rng, out);
+                let mut words = kernels::ChaCha8::new(self.qsgd_key(step, rank), t as u64);
+                qsgd_encode(x, hat, (levels, bucket), &mut words, out);
             }
             Compressor::Sign => sign_encode(x, hat, out),
         }
@@ -320,13 +319,14 @@ const QSGD_CHUNK: usize = 16 * kernels::BLOCK;
 
 /// QSGD's part of a message for u = x - hat: each bucket's l2 norm (the f64 sum in the order of the
 /// `qsgd_encode` kernel's block), then every entry's sign and stochastically rounded level, packed. Entry
-/// i's rounding reads word i of the tensor's ChaCha8 stream, as the kernel does. u is formed a chunk at
-/// a time (twice for a bucket longer than a chunk: once for its norm, once for its codes).
+/// i's rounding reads word i of the tensor's ChaCha8 stream (`stream`, at word 0), as the kernel does. u
+/// is formed a chunk at a time (twice for a bucket longer than a chunk: once for its norm, once for its
+/// codes).
 fn qsgd_encode(
     x: &[f32],
     hat: &[f32],
     (levels, bucket): (u32, usize),
-    rng: &mut ChaCha8Rng,
+    stream: &mut kernels::ChaCha8,
     out: &mut [f32],
 ) {
     let ranges = buckets(x.len(), bucket);
@@ -350,7 +350,7 @@ fn qsgd_encode(
             if !whole {
                 sub(x, hat, &mut u[..n]);
             }
-            rng.fill(&mut words[..n]);
+            stream.fill(&mut words[..n]);
             qsgd_codes(&u[..n], &words[..n], norm, (levels, bits), &mut c[..n]);
             w.put_all(&c[..n], bits);
         }
