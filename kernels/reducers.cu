@@ -469,12 +469,12 @@ extern "C" __global__ void qsgd_encode(const float* u, unsigned len, unsigned bu
     float norm = (float)sqrt(block_sum(acc, sh));
     if (threadIdx.x == 0) norms[blockIdx.x] = norm;
     bool usable = norm > 0.0f && isfinite(norm);
-    float s = (float)levels;
+    float s = (float)levels, per_unit = s / norm;
     unsigned* words = reinterpret_cast<unsigned*>(codes);
     for (unsigned i = start + threadIdx.x; i < end; i += BLOCK) {
         float v = u[i];
-        float lf = usable ? s * fabsf(v) / norm : 0.0f;
-        // The floor of lf at most `levels`: an infinite lf (s |v| overflows) converts to no integer.
+        float lf = usable ? fabsf(v) * per_unit : 0.0f;
+        // The floor of lf at most `levels`: an infinite lf (|v| s / norm overflows) converts to no integer.
         float lo = floorf(fminf(lf, s));
         float r = (float)(chacha8_word(key, stream, i) >> 8) * (1.0f / 16777216.0f);
         unsigned level = min((unsigned)lo + (r < lf - lo ? 1u : 0u), levels);

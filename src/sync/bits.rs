@@ -108,6 +108,8 @@ impl<'a> BitReader<'a> {
     /// at a time from `bits` words, realigned past the bits already read and unpacked with shifts fixed
     /// at compile time (`unpack`), while whole words remain; the rest one at a time.
     pub fn get_all(&mut self, bits: u32, out: &mut [u32]) {
+        #[cfg(target_arch = "x86_64")]
+        let out = self.get_blocks(bits, out);
         let (mut acc, mut have, mut word) = (self.acc, self.have, self.word);
         let mask = (1u64 << bits) - 1;
         let b = bits as usize;
@@ -138,6 +140,81 @@ impl<'a> BitReader<'a> {
             have -= bits;
         }
         (self.acc, self.have, self.word) = (acc, have, word);
+    }
+
+    /// With AVX-512, the first codes of `out` in blocks of 32 (`wide::unpack`) straight from the words,
+    /// while 32 words lie at and past the next code's word; the rest of `out`.
+    #[cfg(target_arch = "x86_64")]
+    fn get_blocks<'o>(&mut self, bits: u32, out: &'o mut [u32]) -> &'o mut [u32] {
+        if bits > wide::MAX_BITS || !is_x86_feature_detected!("avx512f") {
+            return out;
+        }
+        // The next code's bit: `acc` holds the `have` bits before word `word`.
+        let mut at = self.word * 32 - self.have as usize;
+        let mut rest = out;
+        while rest.len() >= 32 && at / 32 + 32 <= self.words.len() {
+            let (block, tail) = std::mem::take(&mut rest).split_at_mut(32);
+            let block: &mut [u32; 32] = block.try_into().expect("32 codes");
+            // SAFETY: this processor has AVX-512F (checked above), and bits is at most MAX_BITS.
+            unsafe { wide::unpack(self.words, at, bits, block) };
+            at += 32 * bits as usize;
+            rest = tail;
+        }
+        let (word, off) = (at / 32, (at % 32) as u32);
+        (self.word, self.have, self.acc) = match off {
+            0 => (word, 0, 0),
+            _ => (
+                word + 1,
+                32 - off,
+                (self.words[word].to_bits() >> off) as u64,
+            ),
+        };
+        rest
+    }
+}
+
+/// Unpacking with AVX-512: each lane takes its code from the two words it straddles.
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use std::arch::x86_64::*;
+
+    /// The widest codes `unpack` reads: 32 of them from a first bit anywhere in a word end inside the
+    /// 32 words it loads (31 + 32 x 24 bits < 25 words).
+    pub const MAX_BITS: u32 = 24;
+
+    /// The 32 codes of `bits` bits at bit `at` of `words` on (lowest bits first). Only where the
+    /// processor has AVX-512F, with bits at most `MAX_BITS`; panics unless 32 words lie at and past
+    /// the first code's word.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn unpack(words: &[f32], at: usize, bits: u32, out: &mut [u32; 32]) {
+        let w = &words[at / 32..at / 32 + 32];
+        // SAFETY: unaligned loads of the 16 + 16 words of w.
+        let (lo, hi) = unsafe {
+            let p = w.as_ptr().cast::<__m512i>();
+            (_mm512_loadu_si512(p), _mm512_loadu_si512(p.add(1)))
+        };
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let mask = _mm512_set1_epi32(((1u64 << bits) - 1) as i32);
+        for (half, codes) in out.chunks_exact_mut(16).enumerate() {
+            // Lane i's first bit within w, its word and its shift there.
+            let first = (at % 32) as i32 + 16 * half as i32 * bits as i32;
+            let bit = _mm512_add_epi32(
+                _mm512_set1_epi32(first),
+                _mm512_mullo_epi32(lanes, _mm512_set1_epi32(bits as i32)),
+            );
+            let (j, s) = (
+                _mm512_srli_epi32::<5>(bit),
+                _mm512_and_si512(bit, _mm512_set1_epi32(31)),
+            );
+            let low = _mm512_permutex2var_epi32(lo, j, hi);
+            let next = _mm512_add_epi32(j, _mm512_set1_epi32(1));
+            let high = _mm512_permutex2var_epi32(lo, next, hi);
+            // A shift by 32 (s = 0) gives 0: the code lies in its first word.
+            let up = _mm512_sllv_epi32(high, _mm512_sub_epi32(_mm512_set1_epi32(32), s));
+            let code = _mm512_and_si512(_mm512_or_si512(_mm512_srlv_epi32(low, s), up), mask);
+            // SAFETY: an unaligned store of 16 u32 into a chunk of 16.
+            unsafe { _mm512_storeu_si512(codes.as_mut_ptr().cast(), code) };
+        }
     }
 }
 
@@ -198,7 +275,7 @@ mod tests {
     fn runs_of_codes_pack_and_unpack_as_one_code_at_a_time() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
         for bits in (1..=25u32).flat_map(|b| [b; 3]) {
-            let n = rng.random_range(2..300usize);
+            let n = rng.random_range(2..3000usize);
             let codes: Vec<u32> = (0..n).map(|_| rng.random::<u32>() >> (32 - bits)).collect();
             let words = (n * bits as usize).div_ceil(32);
             let (mut one, mut runs) = (vec![0.0f32; words], vec![0.0f32; words]);

@@ -384,9 +384,11 @@ fn qsgd_codes(u: &[f32], words: &[u32], norm: f32, (levels, bits): (u32, u32), o
     );
     let s = levels as f32;
     let usable = norm > 0.0 && norm.is_finite();
+    // One division per bucket: lf = |v| (s / norm).
+    let per_unit = s / norm;
     for ((o, &v), &word) in out.iter_mut().zip(u).zip(words) {
-        let lf = if usable { s * v.abs() / norm } else { 0.0 };
-        // lf >= 0 (infinite when s * |v| overflows) and s < 2^23, so m = min(lf, s) rounds to a whole
+        let lf = if usable { v.abs() * per_unit } else { 0.0 };
+        // lf >= 0 (infinite when |v| s / norm overflows) and s < 2^23, so m = min(lf, s) rounds to a whole
         // number by adding and taking away 2^23, and its floor is that or one less. A whole level in
         // [0, 2^23) plus 2^23 has the level in its low bits. Float operations only: the loop
         // vectorizes, where conversions to integers (saturating, in Rust) do not.

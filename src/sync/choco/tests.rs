@@ -380,7 +380,7 @@ fn qsgd_by_reference(codec: &Codec, x: &[f32], hat: &[f32], step: u64, rank: usi
             *norm_out = norm;
             for &v in &u[r] {
                 let lf = if norm > 0.0 && norm.is_finite() {
-                    s * v.abs() / norm
+                    v.abs() * (s / norm)
                 } else {
                     0.0
                 };
