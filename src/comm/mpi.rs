@@ -97,21 +97,27 @@ impl MpiComm {
 
     /// Sends each `sends[i].1` to rank `sends[i].0` and receives from rank `recvs[j].0` into `recvs[j].1`,
     /// all at once (the shape of NCCL's grouped send/recv). Returns the bytes sent.
+    ///
+    /// The sends are posted first. A large message goes by rendezvous: the receiver's go-ahead travels
+    /// on the same TCP connection as the receiver's own data. Where the peer arrived first and a
+    /// receive went first here, its go-ahead for this rank's message queued behind the peer's data,
+    /// and the two directions ran one after the other: CHOCO top-10% on a ring with one 10 Mbit/s host
+    /// ran at 790 ms/step against 642-656 with the sends first.
     fn exchange_raw(&self, sends: &[(usize, &[f32])], recvs: &mut [(usize, &mut [f32])]) -> u64 {
         let world = &self.world;
         let watch = &self.watch;
         scope(|sc| {
             let mut pending: Vec<(usize, Request<'_, [f32], _>)> =
                 Vec::with_capacity(sends.len() + recvs.len());
+            for (dst, buf) in sends {
+                let req = world.process_at_rank(*dst as i32).immediate_send(sc, *buf);
+                pending.push((*dst, req));
+            }
             for (src, buf) in recvs.iter_mut() {
                 let req = world
                     .process_at_rank(*src as i32)
                     .immediate_receive_into(sc, &mut **buf);
                 pending.push((*src, req));
-            }
-            for (dst, buf) in sends {
-                let req = world.process_at_rank(*dst as i32).immediate_send(sc, *buf);
-                pending.push((*dst, req));
             }
             for (peer, req) in pending {
                 watch.peer.store(peer as i64, Ordering::Relaxed);
