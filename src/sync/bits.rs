@@ -151,8 +151,12 @@ impl<'a> BitReader<'a> {
         }
         // The next code's bit: `acc` holds the `have` bits before word `word`.
         let mut at = self.word * 32 - self.have as usize;
+        let room = |at: usize| at / 32 + 32 <= self.words.len();
+        if out.len() < 32 || !room(at) {
+            return out;
+        }
         let mut rest = out;
-        while rest.len() >= 32 && at / 32 + 32 <= self.words.len() {
+        while rest.len() >= 32 && room(at) {
             let (block, tail) = std::mem::take(&mut rest).split_at_mut(32);
             let block: &mut [u32; 32] = block.try_into().expect("32 codes");
             // SAFETY: this processor has AVX-512F (checked above), and bits is at most MAX_BITS.
@@ -160,6 +164,7 @@ impl<'a> BitReader<'a> {
             at += 32 * bits as usize;
             rest = tail;
         }
+        // At least one block was read: word `at / 32` lies inside the words.
         let (word, off) = (at / 32, (at % 32) as u32);
         (self.word, self.have, self.acc) = match off {
             0 => (word, 0, 0),
@@ -267,6 +272,18 @@ fn block(bits: u32) -> Option<Block> {
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// Codes read past the end of the words are zeros, one at a time or in runs.
+    #[test]
+    fn codes_past_the_end_read_as_zeros() {
+        let words = [f32::from_bits(u32::MAX); 2];
+        let mut r = BitReader::new(&words);
+        let first: Vec<u32> = (0..3).map(|_| r.get(24)).collect();
+        assert_eq!(first, [0xff_ffff, 0xff_ffff, 0xffff]);
+        let mut rest = [1u32; 40];
+        r.get_all(24, &mut rest);
+        assert_eq!(rest, [0; 40]);
+    }
 
     /// `put_all` and `get_all`, called on runs of any length and mixed with single calls, give the
     /// words and codes that one `put` and one `get` per code give: runs of whole blocks of 32 and not,
