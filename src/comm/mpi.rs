@@ -102,7 +102,7 @@ impl MpiComm {
     /// on the same TCP connection as the receiver's own data. Where the peer arrived first and a
     /// receive went first here, its go-ahead for this rank's message queued behind the peer's data,
     /// and the two directions ran one after the other: CHOCO top-10% on a ring with one 10 Mbit/s host
-    /// ran at 790 ms/step against 642-656 with the sends first.
+    /// ran at 747-807 ms/step against 642-680 with the sends first.
     fn exchange_raw(&self, sends: &[(usize, &[f32])], recvs: &mut [(usize, &mut [f32])]) -> u64 {
         let world = &self.world;
         let watch = &self.watch;
