@@ -975,10 +975,27 @@ fn main() -> ExitCode {
     nanodist::logging::init();
     let cli = Cli::parse();
     match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            #[cfg(feature = "mpi")]
+            nanodist::comm::mpi::finalize();
+            ExitCode::SUCCESS
+        }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // One rank of many names itself, and exits without finalising MPI (see `comm::mpi`).
+            match mpi_rank() {
+                Some(rank) => eprintln!("error: rank {rank}: {e:#}"),
+                None => eprintln!("error: {e:#}"),
+            }
             ExitCode::from(nanodist::error::exit_code(&e) as u8)
         }
     }
+}
+
+/// This process's rank, when it is one of several in an MPI job.
+fn mpi_rank() -> Option<usize> {
+    #[cfg(feature = "mpi")]
+    if let Some((rank, n)) = nanodist::comm::mpi::joined() {
+        return (n > 1).then_some(rank);
+    }
+    None
 }

@@ -9,9 +9,15 @@
 //! Blocking MPI calls cannot time out, so a watchdog thread does: before each wait the rank records
 //! whom it waits for, and if the wait outlives `train.comm_timeout_secs` the watchdog prints which rank
 //! is missing and exits the process with status 1, after which the launcher tears the job down.
+//!
+//! MPI's environment outlives the communicators: dropping one does not call `MPI_Finalize`, whose
+//! fence waits for every rank. A rank whose run failed returns its error while the others still wait in
+//! a collective on it; finalising there would hang it until their watchdogs fired, its own error
+//! unprinted. It exits without finalising instead, and the launcher ends the job at once. Only a
+//! command that succeeded calls `finalize`.
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -20,6 +26,26 @@ use mpi::topology::{Communicator as _, SimpleCommunicator};
 use mpi::traits::{Destination, Source};
 
 use super::{check_gather, pieces, CommStats, Communicator};
+
+/// This process's MPI environment, from the first `MpiComm::init` to `finalize`.
+static UNIVERSE: Mutex<Option<mpi::environment::Universe>> = Mutex::new(None);
+
+/// Ends this process's MPI environment (`MPI_Finalize`), if it started one: after a command that
+/// succeeded, on the thread that started it.
+pub fn finalize() {
+    let universe = UNIVERSE
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    drop(universe);
+}
+
+/// This process's rank and the world's size, if it has joined an MPI job.
+pub fn joined() -> Option<(usize, usize)> {
+    let held = UNIVERSE.lock().unwrap_or_else(PoisonError::into_inner);
+    let world = held.as_ref()?.world();
+    Some((world.rank() as usize, world.size() as usize))
+}
 
 /// What the rank is waiting for, read by the watchdog.
 struct Watch {
@@ -43,8 +69,6 @@ const OPS: [&str; 6] = [
 
 pub struct MpiComm {
     world: SimpleCommunicator,
-    // Dropped last: finalises MPI.
-    _universe: mpi::environment::Universe,
     rank: usize,
     n: usize,
     timeout: Duration,
@@ -54,10 +78,18 @@ pub struct MpiComm {
 }
 
 impl MpiComm {
-    /// Initialises MPI (once per process) and starts the watchdog.
+    /// Initialises MPI (the first time in a process; see `finalize`) and starts the watchdog.
     pub fn init(timeout: Duration) -> Result<Self> {
-        let universe = mpi::initialize().context("MPI was already initialised in this process")?;
-        let world = universe.world();
+        let world = {
+            let mut held = UNIVERSE.lock().unwrap_or_else(PoisonError::into_inner);
+            let universe = match held.take() {
+                Some(u) => u,
+                None => mpi::initialize().context("MPI was finalised in this process")?,
+            };
+            let world = universe.world();
+            *held = Some(universe);
+            world
+        };
         let (rank, n) = (world.rank() as usize, world.size() as usize);
         let watch = Arc::new(Watch {
             start: Instant::now(),
@@ -72,7 +104,6 @@ impl MpiComm {
             .context("starting the MPI watchdog thread")?;
         Ok(Self {
             world,
-            _universe: universe,
             rank,
             n,
             timeout,

@@ -1,9 +1,10 @@
 //! Fault injection for tests of failure handling: `NANODIST_FAULT=RANK:STEP:KIND` makes rank RANK fail
 //! at step STEP. KIND is `panic` (the worker dies), `hang` (it stops answering), `exit` (the whole process
-//! exits with code 137, as if killed), all at the start of the step, or `nan` (the rank's loss and
-//! gradient of that step become NaN, as a diverged step's). Off unless the variable is set.
+//! exits with code 137, as if killed), `error` (the step returns an error, as a failed write would), all
+//! at the start of the step, or `nan` (the rank's loss and gradient of that step become NaN, as a
+//! diverged step's). Off unless the variable is set.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use crate::bad_input;
 
@@ -12,6 +13,7 @@ pub enum Kind {
     Panic,
     Hang,
     Exit,
+    Error,
     Nan,
 }
 
@@ -34,7 +36,7 @@ impl Fault {
     pub fn parse(spec: &str) -> Result<Self> {
         let bad = || {
             bad_input!(
-                "NANODIST_FAULT={spec:?}: expected RANK:STEP:KIND with KIND panic, hang, exit or nan (e.g. 1:5:panic)"
+                "NANODIST_FAULT={spec:?}: expected RANK:STEP:KIND with KIND panic, hang, exit, error or nan (e.g. 1:5:panic)"
             )
         };
         let parts: Vec<&str> = spec.split(':').collect();
@@ -48,6 +50,7 @@ impl Fault {
                 "panic" => Kind::Panic,
                 "hang" => Kind::Hang,
                 "exit" => Kind::Exit,
+                "error" => Kind::Error,
                 "nan" => Kind::Nan,
                 _ => return Err(bad()),
             },
@@ -55,9 +58,9 @@ impl Fault {
     }
 
     /// Strikes when `rank` reaches `step`; true when the step's loss and gradient are to be poisoned.
-    pub fn check(&self, rank: usize, step: u64) -> bool {
+    pub fn check(&self, rank: usize, step: u64) -> Result<bool> {
         if rank != self.rank || step != self.step {
-            return false;
+            return Ok(false);
         }
         eprintln!(
             "NANODIST_FAULT: injecting {:?} on rank {rank} at step {step}",
@@ -69,7 +72,8 @@ impl Fault {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
             },
             Kind::Exit => std::process::exit(137),
-            Kind::Nan => true,
+            Kind::Error => bail!("injected error on rank {rank} at step {step}"),
+            Kind::Nan => Ok(true),
         }
     }
 }

@@ -428,11 +428,10 @@ impl<'s> Worker<'s> {
     /// update between the backend's hooks. Returns (lr, this rank's loss, the gradient norm).
     fn step(&mut self) -> Result<(f64, f64, f64)> {
         let t = &self.setup.cfg.train;
-        let poison = self
-            .setup
-            .fault
-            .as_ref()
-            .is_some_and(|f| f.check(self.sync.rank(), self.progress.step));
+        let poison = match &self.setup.fault {
+            Some(f) => f.check(self.sync.rank(), self.progress.step)?,
+            None => false,
+        };
         let lr = optim::lr_at(&t.lr_schedule, self.progress.step, t.n_steps);
         if t.dense_until() == Some(self.progress.step) {
             self.console.note(&format!(

@@ -553,6 +553,36 @@ fn a_killed_rank_ends_the_job_instead_of_hanging() {
     assert!(took < Duration::from_secs(60), "took {took:?}");
 }
 
+/// A rank whose run fails (an error, or a panic) while the others wait on it in a collective: its own
+/// message names it and the job ends at once, long before the others' `comm_timeout_secs`.
+#[test]
+fn a_rank_that_fails_is_named_and_ends_the_job_at_once() {
+    let _turn = crate::turn();
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    for (kind, says) in [
+        ("error", "error: rank 1: injected error on rank 1 at step 3"),
+        ("panic", "injected fault on rank 1 at step 3"),
+    ] {
+        let cfg = write_config(d.path(), kind);
+        let set = ["train.n_steps=50", "train.comm_timeout_secs=600"];
+        let child = mpirun(2, &train_args(&cfg, &set))
+            .env("NANODIST_FAULT", format!("1:3:{kind}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mpirun on PATH");
+        let start = Instant::now();
+        let out = wait_with_deadline(child, Duration::from_secs(300));
+        let took = start.elapsed();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{kind}: {err}");
+        assert!(err.contains(says), "{kind}: {err}");
+        assert!(!err.contains("timed out"), "{kind}: {err}");
+        assert!(took < Duration::from_secs(120), "{kind}: took {took:?}");
+    }
+}
+
 /// `btl_tcp_flags` as `ompi_info` reports it: (value, source), with `OMPI_MCA_btl_tcp_flags` set to
 /// `env` or unset.
 fn ompi_tcp_flags(env: Option<&str>) -> (String, String) {
