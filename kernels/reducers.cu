@@ -431,7 +431,7 @@ extern "C" __global__ void choco_step(float* x, const float* s, const float* hat
 
 // ChaCha8 as rand_chacha's ChaCha8Rng: the e-th u32 of stream `stream` under the 256-bit `key` (its
 // get_seed()), which is word e % 16 of block e / 16 (the block counter in state words 12-13, the stream
-// in 14-15). CHOCO's QSGD draws entry e's rounding from word e of its tensor's stream.
+// in 14-15). CHOCO's QSGD draws an entry's rounding from half a word of its tensor's stream.
 __device__ __forceinline__ unsigned rotl32(unsigned x, int n) { return (x << n) | (x >> (32 - n)); }
 #define QR(a, b, c, d)                                                                             \
     a += b; d ^= a; d = rotl32(d, 16); c += d; b ^= c; b = rotl32(b, 12);                         \
@@ -454,8 +454,9 @@ __device__ unsigned chacha8_word(const unsigned* key, unsigned long long stream,
 
 // CHOCO's QSGD message of one tensor u[0..len), one block per bucket of `bucket` entries: the bucket's
 // 2-norm into norms[b], and per entry a sign bit and a level in 0..=levels (rounded up with the
-// probability of its fraction, from the ChaCha8 stream) packed lowest bits first, `bits` each, into the
-// zeroed `codes` words.
+// probability of its fraction, to 2^-16, from the ChaCha8 stream) packed lowest bits first, `bits` each,
+// into the zeroed `codes` words. Bucket b takes words b ceil(bucket / 2) onwards of the stream; its entry
+// j reads the low half of its word j / 2 where j is even, the high half where j is odd.
 extern "C" __global__ void qsgd_encode(const float* u, unsigned len, unsigned bucket, const unsigned* key,
                                        unsigned long long stream, unsigned levels, unsigned bits,
                                        float* norms, float* codes) {
@@ -471,12 +472,15 @@ extern "C" __global__ void qsgd_encode(const float* u, unsigned len, unsigned bu
     bool usable = norm > 0.0f && isfinite(norm);
     float s = (float)levels, per_unit = s / norm;
     unsigned* words = reinterpret_cast<unsigned*>(codes);
+    unsigned long long first = (unsigned long long)blockIdx.x * ((bucket + 1ull) / 2);
     for (unsigned i = start + threadIdx.x; i < end; i += BLOCK) {
         float v = u[i];
+        unsigned j = i - start;
         float lf = usable ? fabsf(v) * per_unit : 0.0f;
         // The floor of lf at most `levels`: an infinite lf (|v| s / norm overflows) converts to no integer.
         float lo = floorf(fminf(lf, s));
-        float r = (float)(chacha8_word(key, stream, i) >> 8) * (1.0f / 16777216.0f);
+        unsigned half = (chacha8_word(key, stream, first + j / 2) >> (16 * (j & 1))) & 0xffffu;
+        float r = (float)half * (1.0f / 65536.0f);
         unsigned level = min((unsigned)lo + (r < lf - lo ? 1u : 0u), levels);
         unsigned code = level | ((v < 0.0f ? 1u : 0u) << (bits - 1));
         unsigned long long pos = (unsigned long long)i * bits;

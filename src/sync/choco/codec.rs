@@ -317,11 +317,15 @@ fn qsgd_values(codes: &[u32], unit: f32, bits: u32, out: &mut [f32]) {
 /// Entries of x - hat formed at a time by the QSGD encoding: whole rows of the kernel's block.
 const QSGD_CHUNK: usize = 16 * kernels::BLOCK;
 
+// A word's halves are read as u16s in memory order, low half first.
+const _: () = assert!(cfg!(target_endian = "little"));
+
 /// QSGD's part of a message for u = x - hat: each bucket's l2 norm (the f64 sum in the order of the
-/// `qsgd_encode` kernel's block), then every entry's sign and stochastically rounded level, packed. Entry
-/// i's rounding reads word i of the tensor's ChaCha8 stream (`stream`, at word 0), as the kernel does. u
-/// is formed a chunk at a time (twice for a bucket longer than a chunk: once for its norm, once for its
-/// codes).
+/// `qsgd_encode` kernel's block), then every entry's sign and stochastically rounded level, packed. The
+/// rounding draws 16 bits an entry: a bucket takes the next `len.div_ceil(2)` words of the tensor's
+/// ChaCha8 stream (`stream`, at word 0), and its entry j reads word j / 2's low half where j is even,
+/// its high half where j is odd, as the kernel does. u is formed a chunk at a time (twice for a bucket
+/// longer than a chunk: once for its norm, once for its codes).
 fn qsgd_encode(
     x: &[f32],
     hat: &[f32],
@@ -334,7 +338,7 @@ fn qsgd_encode(
     let bits = qsgd_bits(levels);
     let mut w = BitWriter::new(codes);
     let n = x.len().min(QSGD_CHUNK);
-    let (mut u, mut words, mut c) = (vec![0.0f32; n], vec![0u32; n], vec![0u32; n]);
+    let (mut u, mut words, mut c) = (vec![0.0f32; n], vec![0u32; n.div_ceil(2)], vec![0u32; n]);
     for (norm_out, range) in norms.iter_mut().zip(ranges) {
         let (x, hat) = (&x[range.clone()], &hat[range]);
         let mut lanes = [0.0f64; kernels::BLOCK];
@@ -350,8 +354,11 @@ fn qsgd_encode(
             if !whole {
                 sub(x, hat, &mut u[..n]);
             }
-            stream.fill(&mut words[..n]);
-            qsgd_codes(&u[..n], &words[..n], norm, (levels, bits), &mut c[..n]);
+            // Chunks other than a bucket's last are of even length: the halves stay paired.
+            let words = &mut words[..n.div_ceil(2)];
+            stream.fill(words);
+            let halves: &[u16] = bytemuck::cast_slice(words);
+            qsgd_codes(&u[..n], &halves[..n], norm, (levels, bits), &mut c[..n]);
             w.put_all(&c[..n], bits);
         }
     }
@@ -374,10 +381,11 @@ fn add_squares(lanes: &mut [f64; kernels::BLOCK], u: &[f32]) {
 /// 2^23, the f32 whose unit in the last place is 1.
 const TWO_23: f32 = 8_388_608.0;
 
-/// Each entry's QSGD code: its level, rounded up where the uniform from its stream word (its top 24
-/// bits, as `rand` makes an f32) is below the level's fraction, and its sign bit above.
+/// Each entry's QSGD code: its level, rounded up where the uniform from its 16 bits (a multiple of
+/// 2^-16; rounding up is then biased by less than 2^-16 of a level) is below the level's fraction, and
+/// its sign bit above.
 #[multiversion(targets = "simd")]
-fn qsgd_codes(u: &[f32], words: &[u32], norm: f32, (levels, bits): (u32, u32), out: &mut [u32]) {
+fn qsgd_codes(u: &[f32], halves: &[u16], norm: f32, (levels, bits): (u32, u32), out: &mut [u32]) {
     assert!(
         levels < 1 << 23,
         "QSGD levels {levels} (the config allows at most 65535)"
@@ -386,7 +394,7 @@ fn qsgd_codes(u: &[f32], words: &[u32], norm: f32, (levels, bits): (u32, u32), o
     let usable = norm > 0.0 && norm.is_finite();
     // One division per bucket: lf = |v| (s / norm).
     let per_unit = s / norm;
-    for ((o, &v), &word) in out.iter_mut().zip(u).zip(words) {
+    for ((o, &v), &half) in out.iter_mut().zip(u).zip(halves) {
         let lf = if usable { v.abs() * per_unit } else { 0.0 };
         // lf >= 0 (infinite when |v| s / norm overflows) and s < 2^23, so m = min(lf, s) rounds to a whole
         // number by adding and taking away 2^23, and its floor is that or one less. A whole level in
@@ -395,7 +403,7 @@ fn qsgd_codes(u: &[f32], words: &[u32], norm: f32, (levels, bits): (u32, u32), o
         let m = lf.min(s);
         let near = (m + TWO_23) - TWO_23;
         let lo = if near > m { near - 1.0 } else { near };
-        let r = (word >> 8) as f32 * (1.0 / 16_777_216.0);
+        let r = half as f32 * (1.0 / 65_536.0);
         let level = (lo + if r < lf - lo { 1.0 } else { 0.0 }).min(s);
         let level = (level + TWO_23).to_bits() - TWO_23.to_bits();
         *o = level | u32::from(v < 0.0) << (bits - 1);

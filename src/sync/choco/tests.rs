@@ -358,10 +358,10 @@ fn sign_by_reference(codec: &Codec, x: &[f32], hat: &[f32]) -> Vec<f32> {
 }
 
 /// QSGD's message as written before it was formed a chunk at a time: u = x - hat whole, each bucket's
-/// norm by `block_strided_sum`, and one `rng.random::<f32>()` per entry for its rounding, packed a code
-/// at a time.
+/// norm by `block_strided_sum`, and for its rounding half a `rng.next_u32()` per entry (a bucket's
+/// entries 2j and 2j + 1 the low and high halves of its word j), packed a code at a time.
 fn qsgd_by_reference(codec: &Codec, x: &[f32], hat: &[f32], step: u64, rank: usize) -> Vec<f32> {
-    use rand::Rng;
+    use rand::RngCore;
     let Compressor::Qsgd { levels, bucket, .. } = codec.compressor else {
         unreachable!()
     };
@@ -378,14 +378,19 @@ fn qsgd_by_reference(codec: &Codec, x: &[f32], hat: &[f32], step: u64, rank: usi
             let norm = kernels::block_strided_sum(&u[r.clone()], |v| (v as f64) * (v as f64));
             let norm = norm.sqrt() as f32;
             *norm_out = norm;
-            for &v in &u[r] {
+            let mut word = 0;
+            for (j, &v) in u[r].iter().enumerate() {
+                if j % 2 == 0 {
+                    word = rng.next_u32();
+                }
+                let uniform = (word >> (16 * (j % 2)) & 0xffff) as f32 / 65536.0;
                 let lf = if norm > 0.0 && norm.is_finite() {
                     v.abs() * (s / norm)
                 } else {
                     0.0
                 };
                 let lo = lf.min(s).floor() as u32;
-                let up = rng.random::<f32>() < lf - lo as f32;
+                let up = uniform < lf - lo as f32;
                 let level = (lo + u32::from(up)).min(levels);
                 w.put(level | u32::from(v < 0.0) << (bits - 1), bits);
             }
@@ -467,6 +472,7 @@ fn dense_messages_match_the_reference(tensors: &[Segment]) {
         qsgd(512),
         qsgd(0),
         qsgd(100),
+        qsgd(37),
         levels(1, false),
         levels(65535, true),
     ];
@@ -536,6 +542,7 @@ fn the_dense_codecs_kernels_give_the_hosts_messages_and_channels() {
         qsgd(3, false, 16),
         qsgd(16, true, 0),
         qsgd(255, true, 100),
+        qsgd(7, true, 37),
         qsgd(65535, false, 512),
         Compressor::Sign,
     ];

@@ -145,7 +145,7 @@ pub fn random_vectors(world: usize, dim: usize, seed: u64) -> Vec<Vec<f32>> {
 
 /// The tuning's version, for caches of its answers (`plan::gamma`): raised whenever a change can move
 /// them (the simulation's arithmetic, the grid, the score).
-pub const TUNING_VERSION: u32 = 2;
+pub const TUNING_VERSION: u32 = 3;
 
 /// Iterations of the tuning simulation (the reference's `num_iters`).
 pub const TUNE_ITERS: u64 = 1000;
