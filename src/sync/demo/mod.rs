@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use anyhow::Result;
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 use super::compress::{self, take, State};
@@ -30,6 +31,23 @@ use crate::kernels::Segment;
 mod dct;
 
 use dct::{kept_inverse, transform, Dct};
+
+/// How a step's gradient enters the momentum: delta = decay delta + lr (g clip), with clip the factor
+/// of torch's clip_grad_norm_ (1 when the norm is within the limit: g clip is then g).
+#[derive(Debug, Clone, Copy)]
+struct Mix {
+    decay: f32,
+    lr: f32,
+    clip: f32,
+}
+
+/// delta = decay delta + lr (g clip), entry by entry.
+#[multiversion(targets = "simd")]
+fn mix(m: Mix, delta: &mut [f32], g: &[f32]) {
+    for (d, &g) in delta.iter_mut().zip(g) {
+        *d = m.decay * *d + m.lr * (g * m.clip);
+    }
+}
 
 /// The fewest floats the transform's row passes work on side by side (`Layout::group`).
 const LANES: usize = 64;
@@ -274,9 +292,10 @@ impl Demo {
 
     /// Each chunk's message (its top-k DCT coefficients: indices as f32 bits, then values), in chunk
     /// order; what is not sent stays in `delta`.
-    fn encode(&self, delta: &mut [f32]) -> Result<Vec<f32>> {
+    fn encode(&self, delta: &mut [f32], grads: &mut [f32], mix: Mix) -> Result<Vec<f32>> {
         let mut send = vec![0.0f32; self.message_words()];
         let bands = self.bands(delta)?;
+        let grads = self.bands(grads)?;
         let mut rest = &mut send[..];
         let mut msgs = Vec::with_capacity(bands.len());
         for b in &bands {
@@ -287,8 +306,9 @@ impl Demo {
         let (dct, topk) = (&self.dct, self.cfg.topk);
         bands
             .into_par_iter()
+            .zip(grads)
             .zip(msgs)
-            .for_each(|(b, msg)| encode_band(&b.l, b.buf, msg, dct, topk));
+            .for_each(|((b, g), msg)| encode_band(&b.l, (b.buf, g.buf), mix, msg, dct, topk));
         Ok(send)
     }
 
@@ -466,11 +486,14 @@ fn decode_band(
     }
 }
 
-/// One band's chunks, `Layout::group` at a time: each chunk's top-k DCT coefficients into its part of
-/// `msg` ([indices as f32 bits | values]); what is not sent stays in the band.
+/// One band's chunks, `Layout::group` at a time: the momentum `band` updated with the gradient's band
+/// (`Mix`; in one pass over the contiguous band, which then stays in the core's cache for the chunks'
+/// strided reads), then each chunk's top-k DCT coefficients into its part of `msg` ([indices as f32
+/// bits | values]); what is not sent stays in the band.
 fn encode_band(
     l: &Layout,
-    band: &mut [f32],
+    (band, grad): (&mut [f32], &[f32]),
+    mix: Mix,
     msg: &mut [f32],
     dct: &HashMap<usize, Dct>,
     topk: usize,
@@ -482,6 +505,7 @@ fn encode_band(
     let size = l.cr * g * l.cc;
     let (mut coef, mut sent, mut spare) = (vec![0.0f32; size], vec![0.0; size], vec![0.0; size]);
     let mut one = vec![0.0f32; l.cr * l.cc];
+    self::mix(mix, band, grad);
     for j0 in (0..per).step_by(g) {
         let gn = g.min(per - j0);
         let len = l.cr * gn * l.cc;
@@ -554,16 +578,18 @@ impl SyncBackend for Demo {
             Flat::Host(d) if d.len() == grads.len() => d,
             _ => vec![0.0; grads.len()],
         };
-        // The local gradient is clipped as torch's clip_grad_norm_ before the optimizer step would; the
-        // sign direction that leaves this function is not.
-        self.grad_norm = Some(crate::optim::clip_grad_norm(grads, self.clip));
-        let (decay, lr) = (self.cfg.decay as f32, lr as f32);
-        delta
-            .iter_mut()
-            .zip(grads.iter())
-            .for_each(|(d, g)| *d = decay * *d + lr * g);
-        // Compress each chunk: its kept coefficients, and the delta left behind.
-        let send = self.encode(&mut delta)?;
+        // The local gradient is clipped as torch's clip_grad_norm_ before the optimizer step would (by
+        // its factor as it enters delta; `grads` is left as it is); the sign direction that leaves this
+        // function is not.
+        let norm = crate::optim::global_norm(grads);
+        self.grad_norm = Some(norm);
+        let mix = Mix {
+            decay: self.cfg.decay as f32,
+            lr: lr as f32,
+            clip: crate::optim::clip_factor(norm, self.clip),
+        };
+        // delta = decay delta + lr g, then each chunk's kept coefficients, and the delta left behind.
+        let send = self.encode(&mut delta, grads, mix)?;
         self.delta = Flat::Host(delta);
         // Every rank's coefficients, then each chunk's mean over the ranks that sent a coefficient.
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
@@ -667,7 +693,7 @@ mod tests {
                 Arg::F32s(vec![0.0; words]),
             ];
             e.launch("demo_encode", (chunks, 1), &mut args);
-            let msg = demo.encode(&mut delta).unwrap();
+            let msg = demo.encode_as_is(&mut delta);
             assert_eq!(bits(args[5].f32s()), bits(&msg), "rank {rank}: the message");
             assert_eq!(
                 bits(args[0].f32s()),
@@ -690,6 +716,64 @@ mod tests {
         ];
         e.launch("demo_decode", (chunks, 1), &mut args);
         assert_eq!(bits(args[7].f32s()), bits(&grads), "the signs");
+    }
+
+    impl Demo {
+        /// `encode` of a momentum as it is (a zero gradient mixed in at lr 0 adds +0).
+        fn encode_as_is(&self, delta: &mut [f32]) -> Vec<f32> {
+            let mut zero = vec![0.0; delta.len()];
+            let mix = Mix {
+                decay: 1.0,
+                lr: 0.0,
+                clip: 1.0,
+            };
+            self.encode(delta, &mut zero, mix).unwrap()
+        }
+    }
+
+    /// The gradient enters the momentum as torch's clip_grad_norm_ leaves it: `reduce_grads` with a
+    /// clip that bites, over two steps, gives the message, the momentum left and the signs of the clip
+    /// in place followed by delta = decay delta + lr g, bit for bit.
+    #[test]
+    fn the_momentum_takes_the_gradient_as_clip_grad_norm_leaves_it() {
+        use rand::{Rng, SeedableRng};
+        let tensors = Segment::from_shapes(&[(64, 96, true), (70, 1, false)]);
+        let n = 64 * 96 + 70;
+        let mut demo = Demo::new(
+            Box::new(crate::comm::Solo),
+            DemoConfig::default(),
+            0.5,
+            &tensors,
+        );
+        let reference = Demo::new(
+            Box::new(crate::comm::Solo),
+            DemoConfig::default(),
+            0.0,
+            &tensors,
+        );
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+        let (decay, lr) = (DemoConfig::default().decay as f32, 0.01f32);
+        let mut delta = vec![0.0f32; n];
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for step in 0..2 {
+            let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let mut out = g.clone();
+            demo.reduce_grads(&mut out, step, lr as f64).unwrap();
+            let mut clipped = g.clone();
+            let norm = crate::optim::clip_grad_norm(&mut clipped, 0.5);
+            assert!(norm > 1.0, "the clip bites");
+            assert_eq!(demo.clipped_grad_norm(), Some(norm));
+            delta
+                .iter_mut()
+                .zip(&clipped)
+                .for_each(|(d, g)| *d = decay * *d + lr * g);
+            let msg = reference.encode_as_is(&mut delta);
+            let mut dir = vec![f32::NAN; n];
+            reference.decode(&mut dir, &msg, 1, None).unwrap();
+            assert_eq!(bits(&out), bits(&dir), "step {step}: the signs");
+            let left = demo.delta.to_host().unwrap().into_owned();
+            assert_eq!(bits(&left), bits(&delta), "step {step}: the momentum left");
+        }
     }
 
     /// With every coefficient kept and one worker nothing is dropped: the direction is the momentum
@@ -826,7 +910,7 @@ mod tests {
             let (want_msgs, want_dir) = reference(&demo, &mut deltas);
             let mut all = Vec::new();
             for (delta, want) in fast_deltas.iter_mut().zip(&want_msgs) {
-                let msg = demo.encode(delta).unwrap();
+                let msg = demo.encode_as_is(delta);
                 assert_eq!(
                     bits(&msg),
                     bits(want),
