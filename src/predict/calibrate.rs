@@ -648,6 +648,15 @@ impl Measured {
                     }
                 );
                 let _ = writeln!(s, "measured = [{}]", points(&base));
+                // Of two ranks, the all-reduce's messages are their swap (with its sum) already.
+                if slow.is_empty() && self.ranks > 2 {
+                    let _ = writeln!(
+                        s,
+                        "# Two ranks swapping S bytes each way, the other ranks' pairs beside them (the \
+                         sweep's exchange): gossip pairs take their time from these."
+                    );
+                    let _ = writeln!(s, "pairs = [{}]", points(&self.swaps()));
+                }
             }
             let _ = writeln!(s);
         }
@@ -666,6 +675,14 @@ impl Measured {
 
     /// `[bytes, us]` of one message of the all-reduce sweep: the all-reduce of S over n ranks is 2 (n - 1)
     /// exchanges of S / n.
+    /// The sweep's exchanges between pairs of ranks: `[bytes, us]` of a swap of `bytes` each way.
+    fn swaps(&self) -> Vec<[f64; 2]> {
+        self.sweep
+            .iter()
+            .map(|&(bytes, _, pp)| [bytes as f64, pp * 1e6])
+            .collect()
+    }
+
     fn messages(&self) -> Vec<[f64; 2]> {
         let n = self.ranks.max(2) as f64;
         self.sweep
@@ -784,8 +801,8 @@ mod tests {
 
     /// Ranks one to a node: nodes of one rank whose link prices a message of the all-reduce sweep's
     /// pieces (S / n) at its share of the all-reduce's time (1 / (2 (n - 1))), so that the model's
-    /// all-reduce of a swept size takes what it took; no sharing efficiency where none was measured.
-    /// On one node: the cores, the fitted line only.
+    /// all-reduce of a swept size takes what it took, and a pair's swap what the sweep's exchange took;
+    /// no sharing efficiency where none was measured. On one node: the cores, the fitted line only.
     #[test]
     fn ranks_across_nodes_give_one_rank_nodes_priced_by_the_measured_messages() {
         let sweep = vec![
@@ -808,9 +825,12 @@ mod tests {
             link: &p.inter,
             share: 1,
         };
-        for (bytes, secs, _) in sweep {
+        for &(bytes, secs, swap) in &sweep {
             let t = super::super::model::ring_all_reduce(4, bytes as f64, wire);
             assert!((t / secs - 1.0).abs() < 1e-3, "{bytes}: {t} {secs}");
+            // A pair swapping a swept size takes what the sweep's exchange took.
+            let t = p.inter.swap_seconds(bytes as f64, 1);
+            assert!((t / swap - 1.0).abs() < 1e-3, "{bytes}: {t} {swap}");
         }
         let one = super::super::profile::parse(
             "l.toml",

@@ -141,7 +141,8 @@ fn group_seconds(
             hierarchical_all_reduce(m, per_node.len(), bytes, p, inter)
         }
         // A flat ring across nodes: its slowest hop is inter-node. In a ring over ranks placed in order
-        // one rank per node sends off-node; gossip groups of a round all send at once.
+        // one rank per node sends off-node; gossip groups of a round all send at once. Two ranks swap
+        // their buffers.
         Op::AllReduce { .. } => {
             let share = if p.nic_shared && c.groups.len() > 1 {
                 g.iter()
@@ -151,7 +152,10 @@ fn group_seconds(
             } else {
                 1
             };
-            ring_all_reduce(n, bytes, shared(inter, share))
+            match n {
+                2 => slowest(p, per_node.keys().copied(), bytes / 2.0).swap_seconds(bytes, share),
+                _ => ring_all_reduce(n, bytes, shared(inter, share)),
+            }
         }
         Op::AllGather { .. } | Op::ReduceScatter { .. } => {
             ring_all_gather(n, bytes, shared(inter, 1))
@@ -263,12 +267,14 @@ mod tests {
                 latency_us: 1.0,
                 efficiency: 1.0,
                 measured: vec![],
+                pairs: vec![],
             },
             inter: Link {
                 bandwidth_gbps: 0.8,
                 latency_us: 10.0,
                 efficiency: 1.0,
                 measured: vec![],
+                pairs: vec![],
             },
             nic_shared,
             overlap_backward: true,
@@ -416,6 +422,36 @@ mod tests {
             collective_seconds(&mixed, &layout, &profile(true)),
             2.0 * (1e-5 + 1e6 / 1e8),
         );
+    }
+
+    /// A link with measured swaps prices a pair across nodes from them (their own time at their
+    /// sizes, interpolated between, the bytes times the senders that share a NIC), and every other
+    /// collective from its messages as before.
+    #[test]
+    fn pairs_across_nodes_take_the_measured_swaps() {
+        let one = Layout {
+            world: 4,
+            ranks_per_node: 1,
+        };
+        let mut p = profile(false);
+        p.inter.pairs = vec![[1e6, 5_000.0], [4e6, 11_000.0]];
+        let pairs = all_reduce(2_000_000, vec![vec![0, 1], vec![2, 3]], Overlap::None);
+        close(collective_seconds(&pairs, &one, &p), 7_000e-6);
+        let exact = all_reduce(4_000_000, vec![vec![0, 2], vec![1, 3]], Overlap::None);
+        close(collective_seconds(&exact, &one, &p), 11_000e-6);
+        let four = all_reduce(4_000_000, vec![(0..4).collect()], Overlap::None);
+        close(
+            collective_seconds(&four, &one, &p),
+            6.0 * (1e-5 + 4e6 / (4.0 * 1e8)),
+        );
+        // Two ranks of each node cross at once over a shared NIC: as one swap of twice the bytes.
+        let two = Layout {
+            world: 4,
+            ranks_per_node: 2,
+        };
+        p.nic_shared = true;
+        let crossing = all_reduce(2_000_000, vec![vec![0, 2], vec![1, 3]], Overlap::None);
+        close(collective_seconds(&crossing, &two, &p), 11_000e-6);
     }
 
     const BOTH: Overlaps = Overlaps {

@@ -204,6 +204,12 @@ pub struct Link {
     /// efficiency then only describe the link.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub measured: Vec<[f64; 2]>,
+    /// Measured `[bytes, microseconds]` of two ranks swapping `bytes` each way, alone on their links,
+    /// by ascending size (`nanodist calibrate` across nodes writes them). A swap between two nodes (a
+    /// gossip pair) is interpolated from them: a pair's one stream each way runs closer to the line
+    /// than the all-reduce's messages in `measured`, which share each link with the other ranks'.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pairs: Vec<[f64; 2]>,
 }
 
 impl Link {
@@ -228,26 +234,40 @@ impl Link {
         }
     }
 
+    /// Seconds of two ranks swapping `bytes` each way while `share` senders split the link: from
+    /// `pairs` where measured, else two messages of half the bytes (the all-reduce of two ranks).
+    pub fn swap_seconds(&self, bytes: f64, share: usize) -> f64 {
+        match self.pairs.as_slice() {
+            [] => 2.0 * self.message_seconds(bytes / 2.0, share),
+            [[_, us]] => us * 1e-6,
+            points => interpolate(points, bytes * share.max(1) as f64) * 1e-6,
+        }
+    }
+
     /// The link `k` times slower (ranks that share cores also share their copies).
     pub fn slowed(&self, k: f64) -> Link {
+        let slow = |c: &[[f64; 2]]| c.iter().map(|&[b, us]| [b, us * k]).collect();
         Link {
             bandwidth_gbps: self.bandwidth_gbps / k,
             latency_us: self.latency_us * k,
             efficiency: self.efficiency,
-            measured: self.measured.iter().map(|&[b, us]| [b, us * k]).collect(),
+            measured: slow(&self.measured),
+            pairs: slow(&self.pairs),
         }
     }
 
     /// The link without its per-message latency (the smallest message's time, where measured).
     pub fn latency_free(&self) -> Link {
-        let floor = self.measured.first().map_or(0.0, |p| p[1]);
+        let free = |c: &[[f64; 2]]| {
+            let floor = c.first().map_or(0.0, |p| p[1]);
+            c.iter()
+                .map(|&[b, us]| [b, (us - floor).max(0.0)])
+                .collect()
+        };
         Link {
             latency_us: 0.0,
-            measured: self
-                .measured
-                .iter()
-                .map(|&[b, us]| [b, (us - floor).max(0.0)])
-                .collect(),
+            measured: free(&self.measured),
+            pairs: free(&self.pairs),
             ..self.clone()
         }
     }
@@ -357,14 +377,19 @@ pub fn parse(source: &str, text: &str) -> Result<ClusterProfile, ConfigError> {
     }
     let mut problems: Vec<Problem> = links
         .into_iter()
-        .filter(|(_, l)| {
-            l.measured.windows(2).any(|w| w[1][0] <= w[0][0])
-                || l.measured.iter().any(|&[b, us]| b < 0.0 || us < 0.0)
+        .flat_map(|(name, l)| {
+            [("measured", &l.measured), ("pairs", &l.pairs)]
+                .into_iter()
+                .filter(|(_, c)| {
+                    c.windows(2).any(|w| w[1][0] <= w[0][0])
+                        || c.iter().any(|&[b, us]| b < 0.0 || us < 0.0)
+                })
+                .map(move |(key, _)| format!("{name}.{key}"))
         })
-        .map(|(name, _)| {
+        .map(|at| {
             crate::config::validate::problem_at(
                 &doc,
-                &format!("{name}.measured"),
+                &at,
                 "measured points are [bytes, microseconds] pairs, neither negative, by strictly ascending \
                  bytes; sort them by size and drop repeated sizes"
                     .into(),
@@ -428,6 +453,7 @@ mod tests {
             latency_us: 10.0,
             efficiency: 0.5,
             measured,
+            pairs: vec![],
         }
     }
 
