@@ -353,7 +353,18 @@ pub struct Prediction {
     /// From a run directory: rows whose logged `comm_bytes` equal the described step's bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes_check: Option<BytesCheck>,
+    /// What the prediction cannot see (`OVERLAPPED_ON_SHARED_CORES`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub caveat: Option<&'static str>,
 }
+
+/// The caveat of a run that ran collectives beside its compute on CPU ranks whose cores also move the
+/// bytes, priced with its own compute (`--measured`).
+pub const OVERLAPPED_ON_SHARED_CORES: &str = "this run overlapped collectives with its compute on cores \
+    that also move the bytes (its machine's profile: overlap_compute = false), so its compute_ms is only \
+    the part of the step outside them and both sides ran slower together: the prediction can be short \
+    (17-31% for overlapped gossip and CHOCO at 500 Mbit/s in docs/benchmarks.md, Real links); the run \
+    without overlap (train.overlap = false) measures its compute alone";
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalTime {
@@ -451,6 +462,7 @@ pub fn prediction(
         row_clock: Vec::new(),
         bytes_check: None,
         stragglers: None,
+        caveat: None,
         codec_rate: p.codec_rate.clone(),
     }
 }
@@ -508,7 +520,11 @@ pub fn predict_run(
     let mut average = p.average_of(&all);
     let codec_ms = sync_s / sync_steps.max(1) as f64 * 1e3;
     (average.codec_ms, average.ms_per_step) = (codec_ms, average.ms_per_step + codec_ms);
+    let overlapped = all.keys().flatten().any(|c| c.overlap == Overlap::Compute);
     let mut out = prediction(loaded, cluster, &p, average);
+    if overlapped && compute.is_some() && !ran_on.overlap_compute {
+        out.caveat = Some(OVERLAPPED_ON_SHARED_CORES);
+    }
     out.steps = prev;
     out.evals = evals;
     out.row_clock = clocks;
@@ -633,6 +649,9 @@ impl std::fmt::Display for Prediction {
         )?;
         if let Some(s) = &self.stragglers {
             writeln!(f, "stragglers       {s}")?;
+        }
+        if let Some(c) = self.caveat {
+            writeln!(f, "caveat           {c}")?;
         }
         if let Some(c) = &self.bytes_check {
             writeln!(

@@ -14,10 +14,22 @@ fn train_run(dir: &Path, name: &str, workers: usize, set: &[&str]) -> std::path:
     common::train_tiny(dir, name, workers, set).run_dir
 }
 
+/// The runs of `common::EVERY_BACKEND` whose collectives run beside the next step's compute: gossip and
+/// CHOCO (overlap is their default), streaming DiLoCo's delayed fragments.
+const OVERLAPPED: [&str; 6] = [
+    "ring",
+    "exp-overlap",
+    "alt",
+    "choco-exp-overlap",
+    "choco-alt-qsgd",
+    "streaming",
+];
+
 /// Each backend's description of its steps, priced from the run directory, sums to the `comm_bytes` of
 /// every metrics row the run logged (Radius: on its dense steps; from a config its masks are priced at
 /// their expected size, which the data makes larger or smaller). The training loop of debug builds also
-/// checks every step against the description as it runs.
+/// checks every step against the description as it runs. Priced with their own compute, the overlapped
+/// runs carry the caveat of `predict::OVERLAPPED_ON_SHARED_CORES`.
 #[test]
 fn every_backends_step_description_sums_to_the_bytes_its_run_logs() {
     let d = tempfile::tempdir().unwrap();
@@ -36,6 +48,15 @@ fn every_backends_step_description_sums_to_the_bytes_its_run_logs() {
         .unwrap();
         let local = predict::profile::load("local").unwrap().profile;
         let p = predict::predict_run(&loaded, &rows, (&cluster, &local), layout, None).unwrap();
+        // Priced with its own compute, a run that ran collectives beside its compute on cores that also
+        // moved the bytes (`local`) says that its compute leaves out what ran beside them; on GPUs
+        // (a100-ib100 has free overlap) it does not.
+        let own =
+            |ran_on| predict::predict_run(&loaded, &rows, (&cluster, ran_on), layout, Some(1e-3));
+        let overlapped = OVERLAPPED.contains(name);
+        assert_eq!(own(&local).unwrap().caveat.is_some(), overlapped, "{name}");
+        assert!(own(&cluster.profile).unwrap().caveat.is_none(), "{name}");
+        assert!(p.caveat.is_none(), "{name}");
         let check = p.bytes_check.unwrap();
         assert_eq!(check.rows, 20, "{name}");
         if *name == "radius" {
