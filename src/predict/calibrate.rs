@@ -21,9 +21,22 @@ use super::codec::CodecName;
 use crate::comm::Communicator;
 use crate::config::ModelConfig;
 
-/// Message sizes of the sweep, bytes: 4 B .. 64 MB in steps of x4.
+/// Message sizes of the sweep, bytes: 4 B .. 64 MB in steps of x4, but from 4 kB to 4 MB every power of
+/// two and 15/16 of each: points just under the sizes where MPI switches protocols, for the all-reduce's
+/// messages (S / n) and the swaps (S) alike. Open MPI's TCP transport sends a message of up to 64 kB at
+/// once and a larger one after a handshake: on a 4-host netlab at 50 Mbit/s a ring all-reduce's 64 kB
+/// messages took 16.5 ms and its 16 kB ones 2.9 ms, and a curve with nothing between priced DeMo's 55 kB
+/// all-gather pieces as handshaken ones (its step 16.5% over the measured one).
 fn sizes() -> Vec<usize> {
-    (0..=12).map(|i| 4usize << (2 * i)).collect()
+    let mid = 4 << 10..=SWEEP_MIN_TOP;
+    (2..=26)
+        .map(|k| 1usize << k)
+        .filter(|s| mid.contains(s) || s.trailing_zeros() % 2 == 0)
+        .flat_map(|s| {
+            let below = mid.contains(&s).then_some(s - s / 16);
+            below.into_iter().chain([s])
+        })
+        .collect()
 }
 
 /// The sweep always reaches this size (the bandwidth is fitted from 1 MB and up); past it, a size is
@@ -126,7 +139,16 @@ pub fn sweep(comm: &mut dyn Communicator) -> Result<Vec<(usize, f64, f64)>> {
 }
 
 /// Sizes of the pairwise probe across nodes, bytes.
-const PAIR_SIZES: [usize; 6] = [1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20];
+const PAIR_SIZES: [usize; 8] = [
+    1 << 10,
+    4 << 10,
+    16 << 10,
+    60 << 10,
+    64 << 10,
+    240 << 10,
+    256 << 10,
+    1 << 20,
+];
 
 /// Rounds of disjoint pairs of `n` ranks that meet every pair once (the circle method; with an odd `n`
 /// one rank sits each round out).
@@ -673,8 +695,6 @@ impl Measured {
         }
     }
 
-    /// `[bytes, us]` of one message of the all-reduce sweep: the all-reduce of S over n ranks is 2 (n - 1)
-    /// exchanges of S / n.
     /// The sweep's exchanges between pairs of ranks: `[bytes, us]` of a swap of `bytes` each way.
     fn swaps(&self) -> Vec<[f64; 2]> {
         self.sweep
@@ -683,6 +703,8 @@ impl Measured {
             .collect()
     }
 
+    /// `[bytes, us]` of one message of the all-reduce sweep: the all-reduce of S over n ranks is 2 (n - 1)
+    /// exchanges of S / n.
     fn messages(&self) -> Vec<[f64; 2]> {
         let n = self.ranks.max(2) as f64;
         self.sweep
@@ -778,6 +800,25 @@ mod tests {
             (a - alpha).abs() < 1e-9 && (bw / b - 1.0).abs() < 1e-6,
             "{a} {bw}"
         );
+    }
+
+    /// The sweep brackets each power of two from 4 kB to 4 MB from just below, for the swaps (S) and for
+    /// the all-reduce's messages (S / n) on 2 and 4 ranks: 64 kB, where Open MPI's TCP transport starts
+    /// its handshake, and 60 kB under it.
+    #[test]
+    fn the_sweep_brackets_each_protocol_limit_from_below() {
+        let s = sizes();
+        assert!(s.windows(2).all(|w| w[0] < w[1]), "{s:?}");
+        assert_eq!((s[0], *s.last().unwrap()), (4, 64 << 20));
+        for k in 12..=22 {
+            let p = 1usize << k;
+            assert!(s.contains(&p) && s.contains(&(p / 16 * 15)), "{p}");
+        }
+        for n in [1, 2, 4] {
+            let messages: Vec<usize> = s.iter().map(|b| b / n).collect();
+            assert!(messages.contains(&(60 << 10)) && messages.contains(&(64 << 10)));
+        }
+        assert!(PAIR_SIZES.contains(&(60 << 10)) && PAIR_SIZES.contains(&(64 << 10)));
     }
 
     fn measured(ranks: usize, per_node: usize, sweep: Vec<(usize, f64, f64)>) -> Measured {
