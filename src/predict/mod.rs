@@ -363,8 +363,8 @@ pub struct Prediction {
 pub const OVERLAPPED_ON_SHARED_CORES: &str = "this run overlapped collectives with its compute on cores \
     that also move the bytes (its machine's profile: overlap_compute = false), so its compute_ms is only \
     the part of the step outside them and both sides ran slower together: the prediction can be short \
-    (17-31% for overlapped gossip and CHOCO at 500 Mbit/s in docs/benchmarks.md, Real links); the run \
-    without overlap (train.overlap = false) measures its compute alone";
+    (8-31% for overlapped gossip and CHOCO at 500 Mbit/s in two runs of docs/benchmarks.md, Real links); \
+    the run without overlap (train.overlap = false) measures its compute alone";
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalTime {
