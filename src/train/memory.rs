@@ -9,8 +9,10 @@
 //! during a step, the backend's per-step buffers. Per compute slot (see `train::compute`): the
 //! activations of one forward/backward and its GEMM packing buffers, or the copy of a backend's state
 //! while a checkpoint writes it (parameters and optimizer are written in place). Then the process itself,
-//! with rank 0's copy of one tensor in HF layout. `tests/memory.rs` holds the estimate to the allocations of real runs, and
-//! `scripts/bench/workers.sh` to the peak RSS of 8 to 512 workers.
+//! with rank 0's copy of one tensor in HF layout, and the initial weights the local engine's workers share
+//! until each has started its first step (the first step's buffers meet them). `tests/memory.rs` holds
+//! the estimate to the allocations of real runs, and `scripts/bench/workers.sh` to the peak RSS of 8 to
+//! 512 workers.
 
 use crate::config::{Config, Engine};
 use crate::model::matmul::Precision;
@@ -53,6 +55,9 @@ pub struct Estimate {
     pub fixed: u64,
     /// Rank 0's copy of a tensor of the model in HF layout, while it writes one.
     pub model_copy: u64,
+    /// nanoGPT's initial weights, drawn once for the local engine's workers and held until every worker
+    /// has started its first step (`replica::Initial`): the first step's buffers meet them.
+    pub initial: u64,
 }
 
 impl Estimate {
@@ -68,6 +73,7 @@ impl Estimate {
             + self.replica
             + self.slots * (self.scratch + self.gemm_pack)
             + self.model_copy
+            + self.initial
     }
 
     /// Per worker at the peak, overhead included.
@@ -77,7 +83,11 @@ impl Estimate {
 
     /// Everything but the workers: the shared replica, the slots and the process.
     pub fn shared(&self) -> u64 {
-        self.replica + self.slots * (self.scratch + self.gemm_pack) + self.model_copy + self.fixed
+        self.replica
+            + self.slots * (self.scratch + self.gemm_pack)
+            + self.model_copy
+            + self.initial
+            + self.fixed
     }
 }
 
@@ -152,6 +162,11 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
         fixed: PROCESS_BYTES,
         // The largest tensor transposed into HF layout (the MLP's c_fc / c_proj: 4 C x C).
         model_copy: 4 * 4 * (m.n_embd as u64).pow(2),
+        initial: if local && plan.world_size > 1 {
+            4 * numel
+        } else {
+            0
+        },
     }
 }
 
@@ -193,7 +208,7 @@ impl std::fmt::Display for Estimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} peak: {} worker(s) x {} ({} state + {} at evaluations and steps){} + {} compute slot(s) x {} + {} process",
+            "{} peak: {} worker(s) x {} ({} state + {} at evaluations and steps){}{} + {} compute slot(s) x {} + {} process",
             bytes(self.peak() as f64),
             self.workers,
             bytes(self.per_worker() as f64),
@@ -201,6 +216,11 @@ impl std::fmt::Display for Estimate {
             bytes(self.transient as f64),
             if self.replica > 0 {
                 format!(" + {} shared replica", bytes(self.replica as f64))
+            } else {
+                String::new()
+            },
+            if self.initial > 0 {
+                format!(" + {} initial weights", bytes(self.initial as f64))
             } else {
                 String::new()
             },
