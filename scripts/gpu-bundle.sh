@@ -15,18 +15,29 @@
 # ISA 9.0 and loads on any CUDA 13 driver.
 #
 #   scripts/gpu-bundle.sh [DIR]      # default .gpu-bundle; then, on the GPU machine: python3 DIR/selftest.py
+#
+# The binaries are built in the release profile, in $NANODIST_CUDA_TARGET_DIR (default outside the clone, kept
+# between builds). NANODIST_BUNDLE_PROFILE=dev builds them in the test build's profile instead (optimized, with
+# nanodist's debug assertions): CI does so in the test build's target directory, where every dependency that
+# the CUDA path does not change is already compiled. The manifest records the profile; a bundle for a GPU run
+# is a release one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-.gpu-bundle}
 root=$PWD
+profile=${NANODIST_BUNDLE_PROFILE:-release}
+case "$profile" in
+    release | dev) ;;
+    *) echo "error: NANODIST_BUNDLE_PROFILE=$profile: allowed are release (the default) and dev" >&2; exit 2 ;;
+esac
 source scripts/cuda/env.sh
 export CARGO_TARGET_DIR="${NANODIST_CUDA_TARGET_DIR:-$HOME/.cache/nanodist/cuda-target}"
 stubs="$CARGO_TARGET_DIR/cuda-stubs"
 python3 scripts/cuda/stubs.py "$stubs" --cudart "$CUDA_HOME/lib/libcudart.so.13"
 export LIBRARY_PATH="$stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
 
-# The release binary and the GPU test binary; cargo's JSON messages name the test executable.
-cargo build --locked --release --features cuda --bin nanodist --test gpu --message-format=json-render-diagnostics \
+# The binary and the GPU test binary; cargo's JSON messages name the test executable.
+cargo build --locked --profile "$profile" --features cuda --bin nanodist --test gpu --message-format=json-render-diagnostics \
     >"$CARGO_TARGET_DIR/bundle-build.json"
 artifact() { # what: the executable of target `bin` or `test`, or the out_dir of nanodist's build script
     python3 - "$CARGO_TARGET_DIR/bundle-build.json" "$1" "$root" <<'PY'
@@ -67,9 +78,9 @@ cp scripts/gpu/selftest.py "$out/selftest.py"
 LD_LIBRARY_PATH="$stubs" "$unpacked/nanodist" prepare --input data/corpus/shakespeare \
     --output "$out/data/shakespeare_char" --tokenizer char --val-fraction 0.1 >/dev/null
 
-python3 - "$out" "$root" "$unpacked" <<'PY'
+python3 - "$out" "$root" "$unpacked" "$profile" <<'PY'
 import json, os, subprocess, sys, time
-out, root, unpacked = sys.argv[1:]
+out, root, unpacked, profile = sys.argv[1:]
 def sh(*cmd):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=root).stdout.strip()
 needed = set()
@@ -80,7 +91,7 @@ for b in ("nanodist", "gpu-tests"):
 dirty = "-dirty" if sh("git", "status", "--porcelain", "--untracked-files=no") else ""
 files = {os.path.relpath(os.path.join(d, f), out): os.path.getsize(os.path.join(d, f))
          for d, _, fs in os.walk(out) for f in fs}
-manifest = dict(commit=sh("git", "rev-parse", "--short", "HEAD") + dirty,
+manifest = dict(commit=sh("git", "rev-parse", "--short", "HEAD") + dirty, profile=profile,
                 built=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 nvcc=sh("nvcc", "--version").splitlines()[-2], needed=sorted(needed), files=files)
 json.dump(manifest, open(os.path.join(out, "manifest.json"), "w"), indent=1)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The CUDA path's lints on a machine without a GPU (CI, after scripts/gpu-bundle.sh): clippy over every
-# target with `--features cuda,mpi`, warnings as errors. It uses the bundle's release target directory
-# (outside the clone, reused between runs where the machine keeps it: $NANODIST_CUDA_TARGET_DIR), so
-# candle's CUDA kernels, which nvcc compiled for the bundle, are not compiled again.
+# target with `--features cuda,mpi`, warnings as errors. It uses the bundle's target directory and profile
+# ($NANODIST_CUDA_TARGET_DIR, default outside the clone and reused between runs where the machine keeps it;
+# $NANODIST_BUNDLE_PROFILE, default release), so candle's CUDA kernels, which nvcc compiled for the bundle,
+# are not compiled again.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/cuda/env.sh
 nvcc --version | tail -1
 export CARGO_TARGET_DIR="${NANODIST_CUDA_TARGET_DIR:-$HOME/.cache/nanodist/cuda-target}"
-cargo clippy --release --locked --all-targets --features cuda,mpi -- -D warnings
+cargo clippy --profile "${NANODIST_BUNDLE_PROFILE:-release}" --locked --all-targets --features cuda,mpi -- -D warnings

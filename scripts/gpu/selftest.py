@@ -475,7 +475,8 @@ STEPS = [("probe", 20, None), ("libraries", 40, None), ("kernels", 150, kernels)
 
 
 def table(r):
-    lines = [f"nanodist GPU self-test, bundle {r.manifest.get('commit', '?')} built {r.manifest.get('built', '?')}",
+    lines = [f"nanodist GPU self-test, bundle {r.manifest.get('commit', '?')} built {r.manifest.get('built', '?')} "
+             f"({r.manifest.get('profile', 'release')} profile)",
              "", "| check | result | detail | s |", "|---|---|---|---|"]
     for x in r.rows:
         s = "" if x["seconds"] is None else f"{x['seconds']:.1f}"
