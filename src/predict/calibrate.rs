@@ -51,7 +51,7 @@ const STREAM_BYTES: usize = 64 << 10;
 /// Idle time before each such repeat, as a training step computes between its collectives.
 const GAP: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Such repeats go on for about this long (5 to 200 of them).
+/// Such repeats, each with its `GAP`, go on for about this long (5 to 200 of them).
 const STREAM_SECONDS: f32 = 1.5;
 
 /// Seconds of one call of `f`, every rank calling it. Small messages (their latency): the median of
@@ -86,7 +86,7 @@ fn time(
 }
 
 /// `time` of a large message: the mean over repeats after `GAP` each, as many as fill `STREAM_SECONDS`
-/// at the ranks' mean time of a first repeat (every rank runs the same number).
+/// at the ranks' mean time of a first repeat plus the gap (every rank runs the same number).
 fn time_streamed(
     comm: &mut dyn Communicator,
     mut f: impl FnMut(&mut dyn Communicator) -> Result<()>,
@@ -97,7 +97,8 @@ fn time_streamed(
     let mut mean = [first.elapsed().as_secs_f32()];
     comm.all_reduce_sum(&mut mean)?;
     let each = (mean[0] / comm.world_size() as f32).max(1e-6);
-    let reps = ((STREAM_SECONDS / each) as usize).clamp(5, 200);
+    let reps = (STREAM_SECONDS / (each + GAP.as_secs_f32())) as usize;
+    let reps = reps.clamp(5, 200);
     let mut total = 0.0;
     for _ in 0..reps {
         std::thread::sleep(GAP);
