@@ -20,4 +20,7 @@ export PATH="$CUDA_HOME/bin:$PATH"
 # candle-kernels compiles its PTX for this compute capability (A100 = 80; the driver compiles PTX of 8.0
 # for H100 = 90 too).
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}"
+# candle-kernels compiles its 27 kernel files on half the cores by default (cudaforge), one at a time on
+# a 2-core machine, while the rest of the build waits for them: on every core.
+export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
 unset _nd_root _nd_venv _nd_ver
