@@ -97,8 +97,7 @@ fn time_streamed(
     let mut mean = [first.elapsed().as_secs_f32()];
     comm.all_reduce_sum(&mut mean)?;
     let each = (mean[0] / comm.world_size() as f32).max(1e-6);
-    let reps = (STREAM_SECONDS / (each + GAP.as_secs_f32())) as usize;
-    let reps = reps.clamp(5, 200);
+    let reps = stream_reps(each);
     let mut total = 0.0;
     for _ in 0..reps {
         std::thread::sleep(GAP);
@@ -107,6 +106,11 @@ fn time_streamed(
         total += s.elapsed().as_secs_f64();
     }
     Ok(total / reps as f64)
+}
+
+/// How many repeats of `each` seconds, each after `GAP`, fill `STREAM_SECONDS` (5 to 200).
+fn stream_reps(each: f32) -> usize {
+    ((STREAM_SECONDS / (each + GAP.as_secs_f32())) as usize).clamp(5, 200)
 }
 
 /// (size, all-reduce seconds, ping-pong seconds) over the sweep; every rank calls it.
@@ -820,6 +824,25 @@ mod tests {
             assert!(messages.contains(&(60 << 10)) && messages.contains(&(64 << 10)));
         }
         assert!(PAIR_SIZES.contains(&(60 << 10)) && PAIR_SIZES.contains(&(64 << 10)));
+    }
+
+    /// A streamed size's repeats, their gaps counted, take about `STREAM_SECONDS` (within one repeat)
+    /// unless 5 take longer or 200 take less: a fast link's messages are not repeated for 4 s.
+    #[test]
+    fn streamed_repeats_fill_their_window_with_the_gaps_counted() {
+        let gap = GAP.as_secs_f32();
+        for each in [1e-6, 1e-4, 1e-3, 5e-3, 0.03, 0.1, 0.25, 0.3, 1.0, 30.0] {
+            let reps = stream_reps(each);
+            let wall = reps as f32 * (each + gap);
+            assert!((5..=200).contains(&reps), "{each}: {reps}");
+            let fills = wall <= STREAM_SECONDS && wall + each + gap > STREAM_SECONDS;
+            assert!(
+                fills || reps == 5 || reps == 200,
+                "{each} s: {reps} repeats, {wall} s"
+            );
+        }
+        assert_eq!(stream_reps(1e-6), 74);
+        assert_eq!(stream_reps(1.0), 5);
     }
 
     fn measured(ranks: usize, per_node: usize, sweep: Vec<(usize, f64, f64)>) -> Measured {
