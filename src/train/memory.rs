@@ -69,11 +69,7 @@ impl Estimate {
     /// The allocations of the peak: workers' state and transients, the slots' scratch and GEMM buffers,
     /// rank 0's model copy.
     pub fn buffers(&self) -> u64 {
-        self.workers * (self.state + self.transient)
-            + self.replica
-            + self.slots * (self.scratch + self.gemm_pack)
-            + self.model_copy
-            + self.initial
+        self.workers * (self.state + self.transient) + self.shared_buffers()
     }
 
     /// Per worker at the peak, overhead included.
@@ -83,11 +79,13 @@ impl Estimate {
 
     /// Everything but the workers: the shared replica, the slots and the process.
     pub fn shared(&self) -> u64 {
-        self.replica
-            + self.slots * (self.scratch + self.gemm_pack)
-            + self.model_copy
-            + self.initial
-            + self.fixed
+        self.shared_buffers() + self.fixed
+    }
+
+    /// The allocations that are no worker's: the shared replica, the slots, rank 0's model copy and the
+    /// shared initial weights.
+    fn shared_buffers(&self) -> u64 {
+        self.replica + self.slots * (self.scratch + self.gemm_pack) + self.model_copy + self.initial
     }
 }
 
