@@ -1,9 +1,10 @@
-//! Benchmark: the CPU engine's bf16 GEMM (`train.amp`, AVX512-BF16's vdpbf16ps) against the f32 gemm it
-//! replaces, on the products of a training step: each linear layer's forward, input gradient and weight
-//! gradient, for the 6x384x256 config (8 sequences) and GPT-2 small (1 sequence of 1024, its lm head).
-//! GFLOP/s of each, the ratio, and the fraction of the bf16 instruction peak of this many threads (the
-//! vdpbf16ps rate of one core, measured in the same run, times the threads). The twin row (operands
-//! rounded to bf16, f32 gemm) is what CPUs without AVX512-BF16 would compute.
+//! Benchmark: the CPU engine's bf16 GEMMs (`train.amp`: AVX512-BF16's vdpbf16ps, and AMX tiles where the
+//! CPU has them) against the f32 gemm they replace, on the products of a training step: each linear
+//! layer's forward, input gradient and weight gradient, for the 6x384x256 config (8 sequences) and GPT-2
+//! small (1 sequence of 1024, its lm head). GFLOP/s of each, the fastest path's ratio to f32, and its
+//! fraction of the bf16 instruction peak of this many threads (the rate of one core's fastest bf16
+//! instruction, measured in the same run, times the threads). The twin row (operands rounded to bf16,
+//! f32 gemm) is what CPUs without AVX512-BF16 would compute.
 //!
 //!     cargo run --release --example bench_bf16_gemm [-- --threads 2]
 
@@ -49,21 +50,28 @@ fn main() {
         eprintln!("this CPU has no AVX512-BF16: nothing to measure");
         std::process::exit(2);
     };
-    // rate::peaks measured vdpbf16ps, so detection finds it.
-    let avx512 = Bf16Path::detect();
+    // rate::peaks measured the fastest path, so there is one.
+    let hw: Vec<Bf16Path> = Bf16Path::available()
+        .into_iter()
+        .filter(|p| p.is_hardware())
+        .collect();
     let peak = bf16_core * threads as f64;
     println!(
-        "{threads} threads; one core: vdpbf16ps {:.0} GFLOP/s, f32 FMA {:.0} GFLOP/s ({:.2}x); bf16 \
+        "{threads} threads; one core: {} {:.0} GFLOP/s, f32 FMA {:.0} GFLOP/s ({:.2}x); bf16 \
          instruction peak of {threads} threads {:.0} GFLOP/s",
+        Bf16Path::detect(),
         bf16_core / 1e9,
         fma_core / 1e9,
         bf16_core / fma_core,
         peak / 1e9
     );
-    println!(
-        "{:<24} {:>16} {:>9} {:>9} {:>7} {:>10} {:>9}",
-        "product", "m x n x k", "f32", "bf16", "ratio", "bf16 peak", "twin"
-    );
+    let names: Vec<&str> = hw
+        .iter()
+        .map(|p| if p.is_amx() { "amx" } else { "vdpbf16ps" })
+        .collect();
+    print!("{:<24} {:>16} {:>9}", "product", "m x n x k", "f32");
+    names.iter().for_each(|n| print!(" {n:>9}"));
+    println!(" {:>7} {:>10} {:>9}", "ratio", "bf16 peak", "twin");
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -93,13 +101,17 @@ fn main() {
                     _ => M::new(&bd, k, cols),
                 };
                 let mut o = vec![0.0f32; m * cols];
-                let (mut b1, mut b2) = (Bf16Buffers::default(), Bf16Buffers::default());
+                let mut bufs = Bf16Buffers::default();
                 let (t32, t16, twin) = pool.install(|| {
+                    let t16: Vec<f64> = hw
+                        .iter()
+                        .map(|&p| time(&mut || mm_bf16(p, &mut bufs, &mut o, cols, a, b, false)))
+                        .collect();
                     (
                         time(&mut || mm(&mut o, cols, a, b, false, 1.0, par())),
-                        time(&mut || mm_bf16(avx512, &mut b1, &mut o, cols, a, b, false)),
+                        t16,
                         time(&mut || {
-                            mm_bf16(Bf16Path::EMULATED, &mut b2, &mut o, cols, a, b, false)
+                            mm_bf16(Bf16Path::EMULATED, &mut bufs, &mut o, cols, a, b, false)
                         }),
                     )
                 });
@@ -109,14 +121,19 @@ fn main() {
                     Kind::InputGrad => "dx",
                     Kind::WeightGrad => "dW",
                 };
-                println!(
-                    "{:<24} {:>16} {:>9.1} {:>9.1} {:>6.2}x {:>9.1}% {:>9.1}",
+                print!(
+                    "{:<24} {:>16} {:>9.1}",
                     format!("{name} {layer} {label}"),
                     format!("{m}x{cols}x{k}"),
                     flops / t32 / 1e9,
-                    flops / t16 / 1e9,
-                    t32 / t16,
-                    100.0 * flops / t16 / peak,
+                );
+                t16.iter().for_each(|t| print!(" {:>9.1}", flops / t / 1e9));
+                // The fastest path's (the last: `available` lists them slowest first).
+                let best = t16[t16.len() - 1];
+                println!(
+                    " {:>6.2}x {:>9.1}% {:>9.1}",
+                    t32 / best,
+                    100.0 * flops / best / peak,
                     flops / twin / 1e9,
                 );
             }

@@ -6,6 +6,7 @@
 //! with its twin on a GPU. The host-side steps between kernel launches (the digit search of the radix select,
 //! the scan of the tile counts) are shared with the CUDA launchers in `crate::cuda`.
 
+pub mod amx;
 mod chacha;
 mod compact;
 #[cfg(test)]

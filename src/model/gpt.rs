@@ -218,7 +218,8 @@ impl Gpt {
 
     /// Mixed precision: candle's graph casts every matmul to bf16 (`on`); the CPU engine runs its linear
     /// layers and lm head in `cpu` (the plan's decision: bf16 only where that is faster than f32; attention
-    /// stays f32), by vdpbf16ps where this CPU has it, else by bf16-rounded operands in the f32 gemm.
+    /// stays f32), by AMX tiles or vdpbf16ps where this CPU has them, else by bf16-rounded operands in the
+    /// f32 gemm.
     pub fn with_amp(mut self, on: bool, cpu: Precision) -> Self {
         self.matmul_dtype = if on { DType::BF16 } else { DType::F32 };
         if let Some(engine) = &mut self.cpu {
@@ -862,8 +863,8 @@ mod tests {
 
     /// The mixed-precision oracle on the CPU engine (bf16 linear layers and lm head): its loss
     /// curve follows the f32 engine's within the 2% of the graph's amp test, and is not the f32 curve.
-    /// Where the CPU has AVX512-BF16, its vdpbf16ps products and the emulated ones (operands rounded, f32
-    /// gemm) give the same curve but for the order of the sums.
+    /// Where the CPU has AVX512-BF16 (and AMX), its vdpbf16ps (and AMX) products and the emulated ones
+    /// (operands rounded, f32 gemm) give the same curve but for the order of the sums.
     #[test]
     fn bf16_matmuls_on_the_cpu_engine_follow_the_f32_loss_curve() {
         let cfg = small(Activation::GeluTanh);
@@ -875,14 +876,17 @@ mod tests {
                 m
             }
         };
-        let amp = adamw_losses(&cfg, 40, path(Bf16Path::detect()));
-        follows_within_2_percent(&amp, &f32_run);
-        if Bf16Path::detect().is_avx512() {
-            let emulated = adamw_losses(&cfg, 40, path(Bf16Path::EMULATED));
+        let emulated = adamw_losses(&cfg, 40, path(Bf16Path::EMULATED));
+        follows_within_2_percent(&emulated, &f32_run);
+        for hw in Bf16Path::available()
+            .into_iter()
+            .filter(|p| p.is_hardware())
+        {
+            let amp = adamw_losses(&cfg, 40, path(hw));
             for (i, (a, b)) in amp.iter().zip(&emulated).enumerate() {
                 assert!(
                     (a - b).abs() <= 1e-3 * b.abs(),
-                    "step {i}: vdpbf16ps {a} vs emulated {b}"
+                    "step {i}: {hw} {a} vs emulated {b}"
                 );
             }
         }

@@ -19,7 +19,7 @@ pub struct LaunchEnv {
     pub data_vocab: Option<(String, usize)>,
     /// This machine's cores (the local engine's threads and compute slots follow from them).
     pub cores: usize,
-    /// The rate of this CPU's bf16 products (vdpbf16ps) over its f32 FMA, which decides `train.amp` on
+    /// The rate of this CPU's bf16 products (AMX or vdpbf16ps) over its f32 FMA, which decides `train.amp` on
     /// the CPU engine; None: no AVX512-BF16.
     pub cpu_bf16_rate: Option<f64>,
 }
@@ -140,5 +140,12 @@ fn cpu_model() -> String {
             })
         })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    format!("{name} (nanodist {})", env!("CARGO_PKG_VERSION"))
+    format!(
+        "{name} (nanodist {}, probe {PROBE_REVISION})",
+        env!("CARGO_PKG_VERSION")
+    )
 }
+
+/// What `rate::peaks` measures, in the recorded probe's key: a rate an older probe recorded is not
+/// reused (2: AMX's tdpbf16ps where the CPU has AMX; 1: vdpbf16ps).
+const PROBE_REVISION: u32 = 2;

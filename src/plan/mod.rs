@@ -60,7 +60,7 @@ pub struct Decisions {
     /// `train.amp` on the CPU engine: its linear layers and lm head in bf16 (only where this CPU's bf16
     /// products outrun its f32 ones), else f32.
     pub cpu_bf16: bool,
-    /// The rate of the CPU's bf16 products (vdpbf16ps) over its f32 FMA that decided it; None: no
+    /// The rate of the CPU's bf16 products (AMX or vdpbf16ps) over its f32 FMA that decided it; None: no
     /// AVX512-BF16.
     pub cpu_bf16_rate: Option<f64>,
 }

@@ -35,7 +35,7 @@ const A100_BF16_PEAK_FLOPS: f64 = 312e12;
 /// A100's bf16 peak. On CPU, the `local` cluster profile's single-thread f32 GEMM peak (what `nanodist
 /// calibrate` measured; a `config/clusters/local.toml` of this machine's takes precedence over the
 /// built-in one) times the cores of the job's nodes (`job_cores`): the machine's peak, whatever threads
-/// the ranks start on it; with bf16 products (`train.amp`), times the rate of this CPU's vdpbf16ps over
+/// the ranks start on it; with bf16 products (`train.amp`), times the rate of this CPU's AMX or vdpbf16ps over
 /// its f32 FMA.
 fn mfu_peak(cuda: bool, n: usize, decisions: &crate::plan::Decisions) -> Option<(f64, String)> {
     if cuda {
@@ -53,7 +53,7 @@ fn mfu_peak(cuda: bool, n: usize, decisions: &crate::plan::Decisions) -> Option<
             Some(ratio) => (
                 per_thread * n as f64 * ratio,
                 format!(
-                    "{label} x {ratio:.2} (bf16 products: this CPU's vdpbf16ps over f32 FMA rate)"
+                    "{label} x {ratio:.2} (bf16 products: this CPU's AMX or vdpbf16ps rate over its f32 FMA's)"
                 ),
             ),
             _ => (per_thread * n as f64, label),

@@ -7,6 +7,7 @@
 //! CPU rounds the operands to bf16 in f32 buffers and multiplies them with the f32 gemm: the same
 //! products (a bf16 x bf16 product is exact in f32), summed in another order.
 
+use crate::kernels::amx::Amx;
 use crate::kernels::gemm::dims;
 pub use crate::kernels::gemm::{mm, par, M};
 use multiversion::multiversion;
@@ -21,66 +22,98 @@ pub enum Precision {
     Bf16,
 }
 
-/// How this CPU runs bf16 products: AVX512-BF16's vdpbf16ps, or emulated (operands rounded to bf16 in
-/// f32, multiplied by the f32 gemm). The AVX-512 path is a private field that only `detect` sets, after
-/// the CPU says it has the instructions: safe code cannot run them on a CPU without them.
+/// How this CPU runs bf16 products: AMX tiles (`tdpbf16ps`, 16 x 16 x 32 products an instruction),
+/// AVX512-BF16's vdpbf16ps, or emulated (operands rounded to bf16 in f32, multiplied by the f32 gemm).
+/// The hardware paths are a private field that only `detect` and `available` set, after the CPU (and for
+/// AMX the kernel) says they can run: safe code cannot run them on a CPU without them.
 ///
 /// ```compile_fail
-/// // The AVX-512 path cannot be made by hand.
-/// let path = nanodist::model::matmul::Bf16Path { avx512: true };
+/// // A hardware path cannot be made by hand.
+/// let path = nanodist::model::matmul::Bf16Path { unit: Default::default() };
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bf16Path {
-    avx512: bool,
+    unit: Unit,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unit {
+    Emulated,
+    Avx512,
+    Amx(Amx),
 }
 
 impl Bf16Path {
     /// Operands rounded to bf16 in f32, multiplied by the f32 gemm (any CPU).
-    pub const EMULATED: Self = Self { avx512: false };
+    pub const EMULATED: Self = Self {
+        unit: Unit::Emulated,
+    };
 
-    /// The fastest path this CPU has.
+    /// The fastest path this CPU has: AMX, else vdpbf16ps, else emulated.
     pub fn detect() -> Self {
+        *Self::available().last().unwrap_or(&Self::EMULATED)
+    }
+
+    /// Every path this CPU runs, slowest first (emulated, then vdpbf16ps and AMX where it has them).
+    pub fn available() -> Vec<Self> {
+        let mut paths = vec![Self::EMULATED];
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bf16")
         {
-            return Self { avx512: true };
+            paths.push(Self { unit: Unit::Avx512 });
+            // The AMX GEMM packs its operands with the AVX-512 conversions.
+            if let Some(amx) = Amx::get() {
+                paths.push(Self {
+                    unit: Unit::Amx(amx),
+                });
+            }
         }
-        Self::EMULATED
+        paths
     }
 
-    /// Whether products run on vdpbf16ps.
-    pub fn is_avx512(self) -> bool {
-        self.avx512
+    /// Whether products run on bf16 hardware (AMX or vdpbf16ps), packing their operands.
+    pub fn is_hardware(self) -> bool {
+        self.unit != Unit::Emulated
+    }
+
+    /// Whether products run on AMX tiles.
+    pub fn is_amx(self) -> bool {
+        matches!(self.unit, Unit::Amx(_))
     }
 }
 
 impl std::fmt::Display for Bf16Path {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self.avx512 {
-            true => "AVX512-BF16 (vdpbf16ps)",
-            false => "emulated: operands rounded to bf16, f32 gemm",
+        f.write_str(match self.unit {
+            Unit::Amx(_) => "AMX tiles (tdpbf16ps)",
+            Unit::Avx512 => "AVX512-BF16 (vdpbf16ps)",
+            Unit::Emulated => "emulated: operands rounded to bf16, f32 gemm",
         })
     }
 }
 
-/// What `train.amp` does on a CPU. bf16 products pay only where vdpbf16ps outruns the f32 FMA: on
-/// AMD Zen 4 it does twice the FLOP/s of one (one 512-bit FMA per cycle), on the Intel Xeons of the CI
-/// class half (two FMA ports, one for vdpbf16ps). The rate is measured by `rate::peaks` (through the
+/// What `train.amp` does on a CPU. bf16 products pay only where the CPU's bf16 instruction outruns the
+/// f32 FMA: on AMD Zen 4 vdpbf16ps does twice the FLOP/s of one (one 512-bit FMA per cycle), on the Intel
+/// Xeons of the CI class half (two FMA ports, one for vdpbf16ps), but there AMX's tdpbf16ps does many
+/// times more (the fastest path, `Bf16Path::detect`, is the one measured). The rate is measured by `rate::peaks` (through the
 /// launch environment, `plan::LaunchEnv::detect`) and decided here.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum CpuAmp {
-    /// bf16 linear layers and lm head: vdpbf16ps at `ratio` x the f32 FMA's FLOP/s.
+    /// bf16 linear layers and lm head: bf16 products at `ratio` x the f32 FMA's FLOP/s.
     Bf16 { ratio: f64 },
-    /// f32: vdpbf16ps at `ratio` x the f32 FMA's FLOP/s, so bf16 products would be slower.
+    /// f32: bf16 products at `ratio` x the f32 FMA's FLOP/s, so they would be slower.
     Slower { ratio: f64 },
     /// f32: the CPU has no AVX512-BF16.
     Unsupported,
 }
 
-/// The least rate of vdpbf16ps over the f32 FMA at which bf16 products run (a bf16 GEMM also packs its
+/// The least rate of bf16 products over the f32 FMA at which bf16 products run (a bf16 GEMM also packs its
 /// operands, so it needs a margin over parity).
 const BF16_MIN_RATIO: f64 = 1.3;
+
+/// The instructions `rate::peaks` measures.
+const BF16_UNITS: &str = "AMX's tdpbf16ps where it has AMX, else vdpbf16ps";
 
 impl CpuAmp {
     /// The decision for a CPU whose bf16 products run at `rate` times its f32 FMA's FLOP/s (None: it has
@@ -108,13 +141,13 @@ impl std::fmt::Display for CpuAmp {
             CpuAmp::Bf16 { ratio } => write!(
                 f,
                 "the linear layers and lm head multiply in bf16 with f32 sums (attention, norms, master \
-                 weights and optimizer in f32): this CPU's vdpbf16ps runs at {ratio:.2}x the FLOP/s of \
-                 its f32 FMA"
+                 weights and optimizer in f32): this CPU's bf16 products ({BF16_UNITS}) run at \
+                 {ratio:.2}x the FLOP/s of its f32 FMA"
             ),
             CpuAmp::Slower { ratio } => write!(
                 f,
-                "ignored, training in f32: this CPU's vdpbf16ps runs at {ratio:.2}x the FLOP/s of its f32 \
-                 FMA (bf16 products pay from {BF16_MIN_RATIO}x)"
+                "ignored, training in f32: this CPU's bf16 products ({BF16_UNITS}) run at {ratio:.2}x \
+                 the FLOP/s of its f32 FMA (they pay from {BF16_MIN_RATIO}x)"
             ),
             CpuAmp::Unsupported => {
                 f.write_str("ignored, training in f32: this CPU has no AVX512-BF16")
@@ -124,15 +157,16 @@ impl std::fmt::Display for CpuAmp {
 }
 
 pub mod rate {
-    //! The peak rate of AVX512-BF16's dot product (vdpbf16ps: 32 bf16 products summed into 16 f32
-    //! lanes) against the f32 FMA (16 products), one core, 24 independent accumulators each (enough to
-    //! hide either instruction's latency), in FLOP/s (a product and its sum count 2).
+    //! The peak rate of the CPU's fastest bf16 product against the f32 FMA (16 products), one core, in
+    //! FLOP/s (a product and its sum count 2): AMX's tdpbf16ps (`kernels::amx::Amx::peak`) where the CPU
+    //! has AMX, else AVX512-BF16's dot product (vdpbf16ps: 32 bf16 products summed into 16 f32 lanes), 24
+    //! independent accumulators for each vector instruction (enough to hide its latency).
 
-    /// The FLOP/s of vdpbf16ps and of the f32 FMA on one core, the best of 3 interleaved runs of about
-    /// a millisecond each; None without AVX512-BF16.
+    /// The FLOP/s of the fastest bf16 path (`Bf16Path::detect`) and of the f32 FMA on one core, the
+    /// best of 3 runs of about a millisecond each; None without AVX512-BF16.
     pub fn peaks() -> Option<(f64, f64)> {
         #[cfg(target_arch = "x86_64")]
-        if super::Bf16Path::detect().is_avx512() {
+        if super::Bf16Path::detect().is_hardware() {
             let time = |f: &dyn Fn() -> f32| {
                 let t = std::time::Instant::now();
                 std::hint::black_box(f());
@@ -140,14 +174,18 @@ pub mod rate {
             };
             let (mut bf, mut fma) = (f64::MAX, f64::MAX);
             for _ in 0..3 {
-                // SAFETY: the CPU has AVX512F and AVX512-BF16 (detected above).
+                // SAFETY: the CPU has AVX512F and AVX512-BF16 (a hardware path is detected above).
                 bf = bf.min(time(&|| unsafe { x86::bf16_dot(std::hint::black_box(N)) }));
                 // SAFETY: as above.
                 fma = fma.min(time(&|| unsafe { x86::f32_fma(std::hint::black_box(N)) }));
             }
             // 64 FLOPs per vdpbf16ps, 32 per FMA.
             let flops = (N * x86::ACC) as f64 * 32.0;
-            return Some((2.0 * flops / bf, flops / fma));
+            let bf16 = match super::Bf16Path::detect().unit {
+                super::Unit::Amx(amx) => amx.peak(),
+                _ => 2.0 * flops / bf,
+            };
+            return Some((bf16, flops / fma));
         }
         None
     }
@@ -220,6 +258,8 @@ pub(crate) fn round_bf16(x: f32) -> f32 {
 pub struct Bf16Buffers {
     packed: (Vec<u32>, Vec<u32>),
     rounded: (Vec<f32>, Vec<f32>),
+    /// The AMX GEMM's pairs of a transposed A before their transpose.
+    scratch: Vec<u32>,
 }
 
 impl Bf16Buffers {
@@ -228,7 +268,8 @@ impl Bf16Buffers {
         4 * (self.packed.0.capacity()
             + self.packed.1.capacity()
             + self.rounded.0.capacity()
-            + self.rounded.1.capacity())
+            + self.rounded.1.capacity()
+            + self.scratch.capacity())
     }
 }
 
@@ -237,18 +278,26 @@ impl Bf16Buffers {
 /// (n, out, in), the weight's gradient (out, in, n) and the input's (n, in, out).
 pub fn bf16_bytes(path: Bf16Path, n: usize, c: usize, vocab: usize) -> u64 {
     let layers = [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c), (c, vocab)];
-    let (a, b) = layers
+    let (a, b, s) = layers
         .iter()
         .flat_map(|&(i, o)| [(n, o, i), (o, i, n), (n, i, o)])
-        .map(|(m, n, k)| match path.is_avx512() {
-            true => {
+        .map(|(m, n, k)| match path.unit {
+            #[cfg(target_arch = "x86_64")]
+            Unit::Amx(_) => amx::words(m, n, k),
+            Unit::Avx512 => {
                 let kp = k.div_ceil(2);
-                (m.div_ceil(MR) * MR * a_stride(kp), n.div_ceil(NR) * NR * kp)
+                (
+                    m.div_ceil(MR) * MR * a_stride(kp),
+                    n.div_ceil(NR) * NR * kp,
+                    0,
+                )
             }
-            false => (m * k, k * n),
+            _ => (m * k, k * n, 0),
         })
-        .fold((0, 0), |(a, b), (pa, pb)| (a.max(pa), b.max(pb)));
-    4 * (a + b) as u64
+        .fold((0, 0, 0), |(a, b, s), (pa, pb, ps)| {
+            (a.max(pa), b.max(pb), s.max(ps))
+        });
+    4 * (a + b + s) as u64
 }
 
 /// Rows of a micro-tile of the packed GEMM.
@@ -305,9 +354,19 @@ pub fn mm_bf16(
         }
         return;
     }
-    match path.is_avx512() {
+    match path.unit {
         #[cfg(target_arch = "x86_64")]
-        true => {
+        Unit::Amx(amx) => {
+            let (pa, pb) = &mut bufs.packed;
+            let packed = amx::Packed {
+                a: pa,
+                b: pb,
+                scratch: &mut bufs.scratch,
+            };
+            amx::gemm(amx, out, out_rs, &a, &b, acc, packed);
+        }
+        #[cfg(target_arch = "x86_64")]
+        Unit::Avx512 => {
             let (pa, pb) = &mut bufs.packed;
             avx512::gemm(out, out_rs, &a, &b, acc, pa, pb);
         }
@@ -385,301 +444,9 @@ fn fit<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    //! The vdpbf16ps GEMM, laid out as BLIS does: B packed into strips of NR columns, A into bf16
-    //! pairs along k, an MR x NR micro-kernel keeping its tile of C in registers over KC pairs of k.
-
-    use super::{a_stride, fit, pair_along, pair_rows, M, MR, NR};
-    use rayon::prelude::*;
-    use std::arch::x86_64::*;
-
-    const _: () = assert!(MC.is_multiple_of(MR) && NC.is_multiple_of(NR));
-    /// Pairs of k per block: a B micro-strip of KC x NR pairs (16 KB) stays in L1.
-    const KC: usize = 128;
-    /// Rows and columns per parallel task.
-    const MC: usize = 128;
-    const NC: usize = 256;
-
-    /// Where a micro-tile reads its A pairs: pair p of row i at i * is + p * ps.
-    #[derive(Clone, Copy)]
-    struct APack {
-        is: usize,
-        ps: usize,
-    }
-
-    pub fn gemm(
-        out: &mut [f32],
-        out_rs: usize,
-        a: &M,
-        b: &M,
-        acc: bool,
-        pa: &mut Vec<u32>,
-        pb: &mut Vec<u32>,
-    ) {
-        let (m, n, k) = (a.rows, b.cols, a.cols);
-        let kp = k.div_ceil(2);
-        let strips = n.div_ceil(NR);
-        pack_b(pb, b, kp, strips);
-        let ap = pack_a(pa, a, kp);
-        let out_len = out.len();
-        let c = SendPtr(out.as_mut_ptr());
-        let (mb, nb) = (m.div_ceil(MC), n.div_ceil(NC));
-        let (pa, pb) = (&pa[..], &pb[..]);
-        (0..mb * nb).into_par_iter().for_each(|task| {
-            let (ib, jb) = (task / nb, task % nb);
-            for p0 in (0..kp).step_by(KC) {
-                let kc = KC.min(kp - p0);
-                let add = acc || p0 > 0;
-                for s in (jb * NC / NR)..((jb + 1) * NC / NR).min(strips) {
-                    let bs = &pb[(s * kp + p0) * NR..][..kc * NR];
-                    let cols = NR.min(n - s * NR);
-                    for i0 in (ib * MC..((ib + 1) * MC).min(m)).step_by(MR) {
-                        let rows = MR.min(m - i0);
-                        let a0 = i0 * ap.is + p0 * ap.ps;
-                        // Rows past m read the zeroed padding of the packed A.
-                        assert!(a0 + (MR - 1) * ap.is + (kc - 1) * ap.ps < pa.len());
-                        let c0 = i0 * out_rs + s * NR;
-                        assert!(c0 + (rows - 1) * out_rs + cols <= out_len);
-                        // SAFETY: the asserts above bound every read of pa and write of out; tasks
-                        // write disjoint tiles of out; pb's strip holds kc x NR pairs; the CPU has
-                        // AVX512-BF16 (only `Bf16Path::detect` makes the path that calls this).
-                        unsafe {
-                            kernel(
-                                kc,
-                                pa.as_ptr().add(a0),
-                                ap,
-                                bs.as_ptr(),
-                                c.at(c0),
-                                out_rs,
-                                rows,
-                                cols,
-                                add,
-                            )
-                        };
-                    }
-                }
-            }
-        });
-    }
-
-    #[derive(Clone, Copy)]
-    struct SendPtr(*mut f32);
-
-    impl SendPtr {
-        /// # Safety
-        /// `off` is inside the slice the pointer came from.
-        unsafe fn at(self, off: usize) -> *mut f32 {
-            // SAFETY: the caller keeps `off` inside the slice.
-            unsafe { self.0.add(off) }
-        }
-    }
-    // SAFETY: the tasks sharing it write disjoint tiles.
-    unsafe impl Send for SendPtr {}
-    // SAFETY: as for Send.
-    unsafe impl Sync for SendPtr {}
-
-    /// B (k x n) as strips of NR columns, each kp pairs x NR (columns past n zero).
-    fn pack_b(pb: &mut Vec<u32>, b: &M, kp: usize, strips: usize) {
-        let (k, n) = (b.rows, b.cols);
-        fit(pb, strips * kp * NR);
-        pb.par_chunks_mut(kp * NR)
-            .enumerate()
-            .for_each(|(s, strip)| {
-                let j0 = s * NR;
-                let cols = NR.min(n - j0);
-                if b.cs == 1 {
-                    // Rows of B are contiguous: pair row 2p with row 2p + 1.
-                    for (p, out) in strip.chunks_exact_mut(NR).enumerate() {
-                        let r0 = &b.d[2 * p * b.rs + j0..][..cols];
-                        let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs + j0..][..cols]);
-                        // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
-                        unsafe { pair_rows_bf16(&mut out[..cols], r0, r1) };
-                        out[cols..].fill(0);
-                    }
-                } else {
-                    // Columns of B are contiguous (B = W^T): pair along each column, then scatter.
-                    let mut col = vec![0u32; kp];
-                    for jj in 0..NR {
-                        if jj < cols {
-                            // SAFETY: as above.
-                            unsafe { pair_along_bf16(&mut col, b.d, (j0 + jj) * b.cs, b.rs, k) };
-                        } else {
-                            col.fill(0);
-                        }
-                        for (p, &v) in col.iter().enumerate() {
-                            strip[p * NR + jj] = v;
-                        }
-                    }
-                }
-            });
-    }
-
-    /// A (m x k) as bf16 pairs along k, rows padded to a multiple of MR with zeros.
-    fn pack_a(pa: &mut Vec<u32>, a: &M, kp: usize) -> APack {
-        let (m, k) = (a.rows, a.cols);
-        let mp = m.div_ceil(MR) * MR;
-        if a.cs == 1 || a.rs != 1 {
-            // Row i's pairs contiguous (the kernel reads none past kp).
-            let is = a_stride(kp);
-            fit(pa, mp * is);
-            pa.par_chunks_mut(is * MR)
-                .enumerate()
-                .for_each(|(blk, rows)| {
-                    for (r, out) in rows.chunks_mut(is).enumerate() {
-                        let i = blk * MR + r;
-                        if i < m {
-                            // SAFETY: the CPU has AVX512-BF16.
-                            unsafe { pair_along_bf16(&mut out[..kp], a.d, i * a.rs, a.cs, k) };
-                        } else {
-                            out[..kp].fill(0);
-                        }
-                    }
-                });
-            APack { is, ps: 1 }
-        } else {
-            // Columns of A contiguous (A = X^T): pair p holds rows 2p and 2p + 1 of X, for every i.
-            fit(pa, kp * mp);
-            pa.par_chunks_mut(mp).enumerate().for_each(|(p, out)| {
-                let r0 = &a.d[2 * p * a.cs..][..m];
-                let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
-                // SAFETY: the CPU has AVX512-BF16.
-                unsafe { pair_rows_bf16(&mut out[..m], r0, r1) };
-                out[m..].fill(0);
-            });
-            APack { is: 1, ps: mp }
-        }
-    }
-
-    /// `pair_rows` 16 pairs per conversion (vcvtneps2bf16 rounds to nearest even as `bf16` does, and
-    /// reads f32 subnormals as zero, as vdpbf16ps reads bf16 ones). Panics unless `r0` and `r1` hold
-    /// `out.len()` elements or more (the vector loads read 16 of them at a time).
-    ///
-    /// # Safety
-    /// The CPU has AVX512F and AVX512-BF16.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn pair_rows_bf16(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
-        let n = out.len();
-        assert!(
-            r0.len() >= n && r1.is_none_or(|r| r.len() >= n),
-            "rows shorter than out"
-        );
-        let full = n / 16 * 16;
-        let widen = |x: &[f32], j: usize| {
-            // SAFETY: j + 16 <= full <= n <= x.len() (asserted above), so the load stays inside x; the
-            // transmute reinterprets 16 bf16 (256 bits) as the integer vector of the same width.
-            let h: __m256i = unsafe {
-                std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(x[j..].as_ptr())))
-            };
-            _mm512_cvtepu16_epi32(h)
-        };
-        for j in (0..full).step_by(16) {
-            let mut v = widen(r0, j);
-            if let Some(r1) = r1 {
-                v = _mm512_or_si512(v, _mm512_slli_epi32::<16>(widen(r1, j)));
-            }
-            // SAFETY: j + 16 <= full <= out.len(): the 16 lanes stored stay inside out.
-            unsafe { _mm512_storeu_si512(out[j..].as_mut_ptr() as *mut _, v) };
-        }
-        pair_rows(&mut out[full..], &r0[full..], r1.map(|r| &r[full..]));
-    }
-
-    /// `pair_along`, 16 pairs per conversion where the elements are contiguous (see `pair_rows_bf16`).
-    /// Panics unless `d` holds `len` elements from `start` and `out` holds `len / 2` pairs or more.
-    ///
-    /// # Safety
-    /// The CPU has AVX512F and AVX512-BF16.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn pair_along_bf16(out: &mut [u32], d: &[f32], start: usize, stride: usize, len: usize) {
-        if stride != 1 {
-            return pair_along(out, d, start, stride, len);
-        }
-        let x = &d[start..][..len];
-        assert!(
-            out.len() >= len / 2,
-            "{} pairs for {len} elements",
-            out.len()
-        );
-        let full = len / 32 * 32;
-        for c in (0..full).step_by(32) {
-            // SAFETY: c + 32 <= full <= len = x.len(): both 16-element loads stay inside x, and the
-            // 16 u32 stored at c / 2 end at (c + 32) / 2 <= len / 2 <= out.len() (asserted above); the
-            // transmute reinterprets 32 bf16 (512 bits) as the integer vector of the same width.
-            unsafe {
-                let lo = _mm512_loadu_ps(x[c..].as_ptr());
-                let hi = _mm512_loadu_ps(x[c + 16..].as_ptr());
-                let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-                _mm512_storeu_si512(out[c / 2..].as_mut_ptr() as *mut _, v);
-            }
-        }
-        pair_along(&mut out[full / 2..], x, full, 1, len - full);
-    }
-
-    /// C[rows x cols] (row stride c_rs) = (or += when `add`) the MR x NR tile of A B over kc pairs.
-    ///
-    /// # Safety
-    /// The CPU has AVX512F and AVX512-BF16; `a` has MR rows of kc pairs at `ap`'s strides, `b` kc x NR
-    /// pairs, `c` rows x cols at stride c_rs, rows <= MR, cols <= NR.
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn kernel(
-        kc: usize,
-        a: *const u32,
-        ap: APack,
-        b: *const u32,
-        c: *mut f32,
-        c_rs: usize,
-        rows: usize,
-        cols: usize,
-        add: bool,
-    ) {
-        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-        for p in 0..kc {
-            // SAFETY: b holds kc x NR pairs, so pair row p's 2 x 16 u32 are inside it; a holds MR rows of
-            // kc pairs at ap's strides, so pair p of each row i < MR is inside it (the caller's contract);
-            // the transmutes reinterpret 32 x 16-bit lanes as the 32 bf16 of the same 512 bits.
-            unsafe {
-                let bp = b.add(p * NR);
-                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp as *const _));
-                let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(16) as *const _));
-                let ar = a.add(p * ap.ps);
-                for (i, acc) in acc.iter_mut().enumerate() {
-                    let av: __m512bh =
-                        std::mem::transmute(_mm512_set1_epi32(*ar.add(i * ap.is) as i32));
-                    acc[0] = _mm512_dpbf16_ps(acc[0], b0, av);
-                    acc[1] = _mm512_dpbf16_ps(acc[1], b1, av);
-                }
-            }
-        }
-        let masks = [mask(cols.min(16)), mask(cols.saturating_sub(16))];
-        for (i, acc) in acc.iter().enumerate().take(rows) {
-            for v in 0..2 {
-                let k = masks[v];
-                if k == 0 {
-                    continue;
-                }
-                // SAFETY: row i < rows and the masked lanes 16 v .. 16 v + (cols - 16 v) < cols are inside
-                // c's rows x cols at stride c_rs (the caller's contract); masked-off lanes are not touched.
-                unsafe {
-                    let dst = c.add(i * c_rs + 16 * v);
-                    let val = if add {
-                        _mm512_add_ps(_mm512_maskz_loadu_ps(k, dst), acc[v])
-                    } else {
-                        acc[v]
-                    };
-                    _mm512_mask_storeu_ps(dst, k, val);
-                }
-            }
-        }
-    }
-
-    fn mask(n: usize) -> __mmask16 {
-        if n >= 16 {
-            0xffff
-        } else {
-            ((1u32 << n) - 1) as __mmask16
-        }
-    }
-}
+mod amx;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 #[cfg(test)]
 mod tests {
@@ -698,11 +465,7 @@ mod tests {
     }
 
     fn paths() -> Vec<Bf16Path> {
-        let mut p = vec![Bf16Path::EMULATED];
-        if Bf16Path::detect().is_avx512() {
-            p.push(Bf16Path::detect());
-        }
-        p
+        Bf16Path::available()
     }
 
     /// half's conversion (round to nearest even, quiet NaNs) is the oracle of `bf16`.
@@ -813,13 +576,17 @@ mod tests {
     }
 
     /// The rate probe times real instructions (an optimized-away loop once made it read 2.00 anywhere):
-    /// one core's FLOP/s are within what a core can do.
+    /// one core's FLOP/s are within what a core can do: at most 64 a cycle for the f32 FMA and vdpbf16ps
+    /// (two 512-bit units), 1024 for AMX's tdpbf16ps, at up to 6 GHz.
     #[test]
     fn the_rate_probe_measures_instructions() {
         if let Some((bf16, fma)) = rate::peaks() {
-            for f in [bf16, fma] {
-                assert!((1e9..2e12).contains(&f), "{bf16} and {fma} FLOP/s");
-            }
+            let bf16_max = match Bf16Path::detect().is_amx() {
+                true => 1024.0 * 6e9,
+                false => 128.0 * 6e9,
+            };
+            assert!((1e9..bf16_max).contains(&bf16), "bf16 {bf16} FLOP/s");
+            assert!((1e9..64.0 * 6e9).contains(&fma), "f32 FMA {fma} FLOP/s");
         }
     }
 

@@ -1,0 +1,311 @@
+//! The vdpbf16ps GEMM, laid out as BLIS does: B packed into strips of NR columns, A into bf16
+//! pairs along k, an MR x NR micro-kernel keeping its tile of C in registers over KC pairs of k.
+
+use super::{a_stride, fit, pair_along, pair_rows, M, MR, NR};
+use rayon::prelude::*;
+use std::arch::x86_64::*;
+
+const _: () = assert!(MC.is_multiple_of(MR) && NC.is_multiple_of(NR));
+/// Pairs of k per block: a B micro-strip of KC x NR pairs (16 KB) stays in L1.
+const KC: usize = 128;
+/// Rows and columns per parallel task.
+const MC: usize = 128;
+const NC: usize = 256;
+
+/// Where a micro-tile reads its A pairs: pair p of row i at i * is + p * ps.
+#[derive(Clone, Copy)]
+struct APack {
+    is: usize,
+    ps: usize,
+}
+
+pub fn gemm(
+    out: &mut [f32],
+    out_rs: usize,
+    a: &M,
+    b: &M,
+    acc: bool,
+    pa: &mut Vec<u32>,
+    pb: &mut Vec<u32>,
+) {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let kp = k.div_ceil(2);
+    let strips = n.div_ceil(NR);
+    pack_b(pb, b, kp, kp, strips);
+    let ap = pack_a(pa, a, kp);
+    let out_len = out.len();
+    let c = SendPtr(out.as_mut_ptr());
+    let (mb, nb) = (m.div_ceil(MC), n.div_ceil(NC));
+    let (pa, pb) = (&pa[..], &pb[..]);
+    (0..mb * nb).into_par_iter().for_each(|task| {
+        let (ib, jb) = (task / nb, task % nb);
+        for p0 in (0..kp).step_by(KC) {
+            let kc = KC.min(kp - p0);
+            let add = acc || p0 > 0;
+            for s in (jb * NC / NR)..((jb + 1) * NC / NR).min(strips) {
+                let bs = &pb[(s * kp + p0) * NR..][..kc * NR];
+                let cols = NR.min(n - s * NR);
+                for i0 in (ib * MC..((ib + 1) * MC).min(m)).step_by(MR) {
+                    let rows = MR.min(m - i0);
+                    let a0 = i0 * ap.is + p0 * ap.ps;
+                    // Rows past m read the zeroed padding of the packed A.
+                    assert!(a0 + (MR - 1) * ap.is + (kc - 1) * ap.ps < pa.len());
+                    let c0 = i0 * out_rs + s * NR;
+                    assert!(c0 + (rows - 1) * out_rs + cols <= out_len);
+                    // SAFETY: the asserts above bound every read of pa and write of out; tasks
+                    // write disjoint tiles of out; pb's strip holds kc x NR pairs; the CPU has
+                    // AVX512-BF16 (only `Bf16Path::detect` makes the path that calls this).
+                    unsafe {
+                        kernel(
+                            kc,
+                            pa.as_ptr().add(a0),
+                            ap,
+                            bs.as_ptr(),
+                            c.at(c0),
+                            out_rs,
+                            rows,
+                            cols,
+                            add,
+                        )
+                    };
+                }
+            }
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+
+impl SendPtr {
+    /// # Safety
+    /// `off` is inside the slice the pointer came from.
+    unsafe fn at(self, off: usize) -> *mut f32 {
+        // SAFETY: the caller keeps `off` inside the slice.
+        unsafe { self.0.add(off) }
+    }
+}
+// SAFETY: the tasks sharing it write disjoint tiles.
+unsafe impl Send for SendPtr {}
+// SAFETY: as for Send.
+unsafe impl Sync for SendPtr {}
+
+/// B (k x n) as strips of NR columns, each kq pairs x NR (columns past n and pairs past kp zero).
+pub(super) fn pack_b(pb: &mut Vec<u32>, b: &M, kp: usize, kq: usize, strips: usize) {
+    let (k, n) = (b.rows, b.cols);
+    fit(pb, strips * kq * NR);
+    pb.par_chunks_mut(kq * NR)
+        .enumerate()
+        .for_each(|(s, strip)| {
+            let j0 = s * NR;
+            let cols = NR.min(n - j0);
+            let (strip, pad) = strip.split_at_mut(kp * NR);
+            pad.fill(0);
+            if b.cs == 1 {
+                // Rows of B are contiguous: pair row 2p with row 2p + 1.
+                for (p, out) in strip.chunks_exact_mut(NR).enumerate() {
+                    let r0 = &b.d[2 * p * b.rs + j0..][..cols];
+                    let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs + j0..][..cols]);
+                    // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+                    unsafe { pair_rows_bf16(&mut out[..cols], r0, r1) };
+                    out[cols..].fill(0);
+                }
+            } else {
+                // Columns of B are contiguous (B = W^T): pair along each column, then transpose.
+                let mut by_col = vec![0u32; NR * kp];
+                for (jj, col) in by_col.chunks_exact_mut(kp).enumerate() {
+                    if jj < cols {
+                        // SAFETY: as above.
+                        unsafe { pair_along_bf16(col, b.d, (j0 + jj) * b.cs, b.rs, k) };
+                    }
+                }
+                transpose_bits(&by_col, kp, strip, NR, NR, kp);
+            }
+        });
+}
+
+/// `kernels::transpose` of 32-bit words (dst, c x r at row stride ds, = src^T, src r x c at ss): a
+/// transpose only moves bits.
+pub(super) fn transpose_bits(
+    src: &[u32],
+    ss: usize,
+    dst: &mut [u32],
+    ds: usize,
+    r: usize,
+    c: usize,
+) {
+    let (src, dst): (&[f32], &mut [f32]) =
+        (bytemuck::cast_slice(src), bytemuck::cast_slice_mut(dst));
+    crate::kernels::transpose(src, ss, dst, ds, r, c);
+}
+
+/// A (m x k) as bf16 pairs along k, rows padded to a multiple of MR with zeros.
+fn pack_a(pa: &mut Vec<u32>, a: &M, kp: usize) -> APack {
+    let (m, k) = (a.rows, a.cols);
+    let mp = m.div_ceil(MR) * MR;
+    if a.cs == 1 || a.rs != 1 {
+        // Row i's pairs contiguous (the kernel reads none past kp).
+        let is = a_stride(kp);
+        fit(pa, mp * is);
+        pa.par_chunks_mut(is * MR)
+            .enumerate()
+            .for_each(|(blk, rows)| {
+                for (r, out) in rows.chunks_mut(is).enumerate() {
+                    let i = blk * MR + r;
+                    if i < m {
+                        // SAFETY: the CPU has AVX512-BF16.
+                        unsafe { pair_along_bf16(&mut out[..kp], a.d, i * a.rs, a.cs, k) };
+                    } else {
+                        out[..kp].fill(0);
+                    }
+                }
+            });
+        APack { is, ps: 1 }
+    } else {
+        // Columns of A contiguous (A = X^T): pair p holds rows 2p and 2p + 1 of X, for every i.
+        fit(pa, kp * mp);
+        pa.par_chunks_mut(mp).enumerate().for_each(|(p, out)| {
+            let r0 = &a.d[2 * p * a.cs..][..m];
+            let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
+            // SAFETY: the CPU has AVX512-BF16.
+            unsafe { pair_rows_bf16(&mut out[..m], r0, r1) };
+            out[m..].fill(0);
+        });
+        APack { is: 1, ps: mp }
+    }
+}
+
+/// `pair_rows` 16 pairs per conversion (vcvtneps2bf16 rounds to nearest even as `bf16` does, and
+/// reads f32 subnormals as zero, as vdpbf16ps reads bf16 ones). Panics unless `r0` and `r1` hold
+/// `out.len()` elements or more (the vector loads read 16 of them at a time).
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(super) unsafe fn pair_rows_bf16(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
+    let n = out.len();
+    assert!(
+        r0.len() >= n && r1.is_none_or(|r| r.len() >= n),
+        "rows shorter than out"
+    );
+    let full = n / 16 * 16;
+    let widen = |x: &[f32], j: usize| {
+        // SAFETY: j + 16 <= full <= n <= x.len() (asserted above), so the load stays inside x; the
+        // transmute reinterprets 16 bf16 (256 bits) as the integer vector of the same width.
+        let h: __m256i =
+            unsafe { std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(x[j..].as_ptr()))) };
+        _mm512_cvtepu16_epi32(h)
+    };
+    for j in (0..full).step_by(16) {
+        let mut v = widen(r0, j);
+        if let Some(r1) = r1 {
+            v = _mm512_or_si512(v, _mm512_slli_epi32::<16>(widen(r1, j)));
+        }
+        // SAFETY: j + 16 <= full <= out.len(): the 16 lanes stored stay inside out.
+        unsafe { _mm512_storeu_si512(out[j..].as_mut_ptr() as *mut _, v) };
+    }
+    pair_rows(&mut out[full..], &r0[full..], r1.map(|r| &r[full..]));
+}
+
+/// `pair_along`, 16 pairs per conversion where the elements are contiguous (see `pair_rows_bf16`).
+/// Panics unless `d` holds `len` elements from `start` and `out` holds `len / 2` pairs or more.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(super) unsafe fn pair_along_bf16(
+    out: &mut [u32],
+    d: &[f32],
+    start: usize,
+    stride: usize,
+    len: usize,
+) {
+    if stride != 1 {
+        return pair_along(out, d, start, stride, len);
+    }
+    let x = &d[start..][..len];
+    assert!(
+        out.len() >= len / 2,
+        "{} pairs for {len} elements",
+        out.len()
+    );
+    let full = len / 32 * 32;
+    for c in (0..full).step_by(32) {
+        // SAFETY: c + 32 <= full <= len = x.len(): both 16-element loads stay inside x, and the
+        // 16 u32 stored at c / 2 end at (c + 32) / 2 <= len / 2 <= out.len() (asserted above); the
+        // transmute reinterprets 32 bf16 (512 bits) as the integer vector of the same width.
+        unsafe {
+            let lo = _mm512_loadu_ps(x[c..].as_ptr());
+            let hi = _mm512_loadu_ps(x[c + 16..].as_ptr());
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(out[c / 2..].as_mut_ptr() as *mut _, v);
+        }
+    }
+    pair_along(&mut out[full / 2..], x, full, 1, len - full);
+}
+
+/// C[rows x cols] (row stride c_rs) = (or += when `add`) the MR x NR tile of A B over kc pairs.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16; `a` has MR rows of kc pairs at `ap`'s strides, `b` kc x NR
+/// pairs, `c` rows x cols at stride c_rs, rows <= MR, cols <= NR.
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kernel(
+    kc: usize,
+    a: *const u32,
+    ap: APack,
+    b: *const u32,
+    c: *mut f32,
+    c_rs: usize,
+    rows: usize,
+    cols: usize,
+    add: bool,
+) {
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for p in 0..kc {
+        // SAFETY: b holds kc x NR pairs, so pair row p's 2 x 16 u32 are inside it; a holds MR rows of
+        // kc pairs at ap's strides, so pair p of each row i < MR is inside it (the caller's contract);
+        // the transmutes reinterpret 32 x 16-bit lanes as the 32 bf16 of the same 512 bits.
+        unsafe {
+            let bp = b.add(p * NR);
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp as *const _));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(16) as *const _));
+            let ar = a.add(p * ap.ps);
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let av: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(*ar.add(i * ap.is) as i32));
+                acc[0] = _mm512_dpbf16_ps(acc[0], b0, av);
+                acc[1] = _mm512_dpbf16_ps(acc[1], b1, av);
+            }
+        }
+    }
+    let masks = [mask(cols.min(16)), mask(cols.saturating_sub(16))];
+    for (i, acc) in acc.iter().enumerate().take(rows) {
+        for v in 0..2 {
+            let k = masks[v];
+            if k == 0 {
+                continue;
+            }
+            // SAFETY: row i < rows and the masked lanes 16 v .. 16 v + (cols - 16 v) < cols are inside
+            // c's rows x cols at stride c_rs (the caller's contract); masked-off lanes are not touched.
+            unsafe {
+                let dst = c.add(i * c_rs + 16 * v);
+                let val = if add {
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(k, dst), acc[v])
+                } else {
+                    acc[v]
+                };
+                _mm512_mask_storeu_ps(dst, k, val);
+            }
+        }
+    }
+}
+
+fn mask(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xffff
+    } else {
+        ((1u32 << n) - 1) as __mmask16
+    }
+}
