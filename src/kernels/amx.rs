@@ -43,34 +43,32 @@ impl Amx {
         GRANTED.get_or_init(request).then_some(Amx(()))
     }
 
-    /// C = A B for `blocks` row blocks of 32 against one strip of 32 columns, over `steps` x 16 pairs of k.
-    /// `a` holds the row blocks' 32 x `blocks` rows, row i at `i * a_stride` u32, each row's pairs
-    /// contiguous; `b` holds the strip's pair rows, row p at `p * b_stride` u32, its 32 columns contiguous
-    /// (each a bf16 pair: element 2p of the column in the low half, 2p + 1 in the high); `c` gets the
-    /// blocks' 32 x `blocks` rows of 32 f32, row-major (its earlier values are overwritten).
+    /// C = A B (or C += A B with `add`) for `blocks` row blocks of 32 against one strip of 32 columns,
+    /// over `steps` x 16 pairs of k. `a` holds the row blocks' 32 x `blocks` rows, row i at `i * a_stride`
+    /// u32, each row's pairs contiguous; `b` holds the strip's pair rows, row p at `p * b_stride` u32, its
+    /// 32 columns contiguous (each a bf16 pair: element 2p of the column in the low half, 2p + 1 in the
+    /// high); `c` holds the blocks' 32 x `blocks` rows of 32 f32, row i at `i * c_stride`.
     ///
     /// Panics if a slice is shorter than that, or a stride shorter than a row.
-    #[allow(clippy::too_many_arguments)]
     pub fn product(
         self,
         blocks: usize,
         steps: usize,
-        a: &[u32],
-        a_stride: usize,
-        b: &[u32],
-        b_stride: usize,
-        c: &mut [f32],
+        (a, a_stride): (&[u32], usize),
+        (b, b_stride): (&[u32], usize),
+        (c, c_stride): (&mut [f32], usize),
+        add: bool,
     ) {
         if blocks == 0 {
             return;
         }
-        let k = steps * PAIRS;
+        let (k, rows) = (steps * PAIRS, blocks * BLOCK);
         assert!(
-            a_stride >= k && b_stride >= BLOCK,
+            a_stride >= k && b_stride >= BLOCK && c_stride >= BLOCK,
             "AMX product: a stride shorter than a row"
         );
         assert!(
-            k == 0 || (blocks * BLOCK - 1) * a_stride + k <= a.len(),
+            k == 0 || (rows - 1) * a_stride + k <= a.len(),
             "AMX product: A shorter than its rows"
         );
         assert!(
@@ -78,17 +76,26 @@ impl Amx {
             "AMX product: B shorter than its pair rows"
         );
         assert!(
-            c.len() >= blocks * BLOCK * BLOCK,
-            "AMX product: C too short"
+            (rows - 1) * c_stride + BLOCK <= c.len(),
+            "AMX product: C shorter than its rows"
         );
         for blk in 0..blocks {
             let a = &a[blk * BLOCK * a_stride..];
-            let c = &mut c[blk * BLOCK * BLOCK..][..BLOCK * BLOCK];
+            let c = &mut c[blk * BLOCK * c_stride..];
             // SAFETY: `self` proves the CPU has AMX-TILE and AMX-BF16 and the process holds the tile
-            // data. The asserts above bound every tile read: A's two tiles read rows 0..32 (this block's,
-            // at a_stride) x 64 bytes from pair 16 s for s < steps, that is up to (31 a_stride + k) u32;
-            // B's read pair rows 0..k x 32 u32 at b_stride; C's stores write 32 rows of 32 f32.
-            unsafe { x86::block(steps, a.as_ptr(), a_stride, b.as_ptr(), b_stride, c) };
+            // data. The asserts above bound every tile access: A's two tiles read rows 0..32 (this
+            // block's, at a_stride) x 64 bytes from pair 16 s for s < steps, that is up to
+            // (31 a_stride + k) u32; B's read pair rows 0..k x 32 u32 at b_stride; C's loads and stores
+            // touch 32 rows of 32 f32 at c_stride, up to (31 c_stride + 32) f32.
+            unsafe {
+                x86::block(
+                    steps,
+                    (a.as_ptr(), a_stride),
+                    (b.as_ptr(), b_stride),
+                    (c, c_stride),
+                    add,
+                )
+            };
         }
     }
 
@@ -139,33 +146,42 @@ fn request() -> bool {
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod x86 {
-    use super::{Config, BLOCK, CONFIG};
+    use super::{Config, CONFIG};
     use std::arch::asm;
 
-    /// C (32 x 32 f32) = A B over `steps` x 16 pairs: tiles 0-3 hold C's quarters, 4-5 A's two row
-    /// halves, 6-7 B's two column halves.
+    /// C (32 x 32 f32) = A B, or C += A B with `add`, over `steps` x 16 pairs: tiles 0-3 hold C's
+    /// quarters, 4-5 A's two row halves, 6-7 B's two column halves.
     ///
     /// # Safety
     /// The CPU has AMX-TILE and AMX-BF16 and the process holds the tile data; `a` has 32 rows at
-    /// `a_stride` u32 of 16 `steps` pairs, `b` 16 `steps` pair rows at `b_stride` u32 of 32 columns.
+    /// `a_stride` u32 of 16 `steps` pairs, `b` 16 `steps` pair rows at `b_stride` u32 of 32 columns, `c`
+    /// 32 rows at `c_stride` f32 of 32.
     pub unsafe fn block(
         steps: usize,
-        a: *const u32,
-        a_stride: usize,
-        b: *const u32,
-        b_stride: usize,
-        c: &mut [f32],
+        (a, a_stride): (*const u32, usize),
+        (b, b_stride): (*const u32, usize),
+        (c, c_stride): (&mut [f32], usize),
+        add: bool,
     ) {
         let cfg: &Config = &CONFIG;
-        let (sa, sb) = (4 * a_stride, 4 * b_stride);
-        // SAFETY: the caller's contract bounds the loads; the stores write c's 32 rows of 128 bytes.
+        let (sa, sb, sc) = (4 * a_stride, 4 * b_stride, 4 * c_stride);
+        // SAFETY: the caller's contract bounds the loads and the stores.
         unsafe {
             asm!(
                 "ldtilecfg [{cfg}]",
+                "test {add}, {add}",
+                "jz 4f",
+                "tileloadd tmm0, [{c} + {sc}*1]",
+                "tileloadd tmm1, [{c} + {sc}*1 + 64]",
+                "tileloadd tmm2, [{c2} + {sc}*1]",
+                "tileloadd tmm3, [{c2} + {sc}*1 + 64]",
+                "jmp 5f",
+                "4:",
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
                 "tilezero tmm3",
+                "5:",
                 "test {n}, {n}",
                 "jz 3f",
                 "2:",
@@ -189,6 +205,7 @@ mod x86 {
                 "tilestored [{c2} + {sc}*1 + 64], tmm3",
                 "tilerelease",
                 cfg = in(reg) cfg.0.as_ptr(),
+                add = in(reg) add as usize,
                 n = inout(reg) steps => _,
                 a = inout(reg) a => _,
                 a2 = inout(reg) a.add(16 * a_stride) => _,
@@ -197,8 +214,8 @@ mod x86 {
                 sb = in(reg) sb,
                 bstep = in(reg) 16 * sb,
                 c = in(reg) c.as_mut_ptr(),
-                c2 = in(reg) c.as_mut_ptr().add(16 * BLOCK),
-                sc = in(reg) 4 * BLOCK,
+                c2 = in(reg) c.as_mut_ptr().add(16 * c_stride),
+                sc = in(reg) sc,
                 out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
                 out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
                 options(nostack),
@@ -245,7 +262,13 @@ mod x86 {
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
 mod x86 {
     /// Never called: no `Amx` exists off x86-64 Linux.
-    pub unsafe fn block(_: usize, _: *const u32, _: usize, _: *const u32, _: usize, _: &mut [f32]) {
+    pub unsafe fn block(
+        _: usize,
+        _: (*const u32, usize),
+        _: (*const u32, usize),
+        _: (&mut [f32], usize),
+        _: bool,
+    ) {
         unreachable!("no AMX here")
     }
     /// Never called, as `block`.
@@ -267,9 +290,9 @@ mod tests {
         ((i * 7919) % 13) as f32 * 0.5 - 3.0
     }
 
-    /// Each tile of C is the sum over k of A's and B's pairs, at strides wider than the rows, for
-    /// several row blocks and with earlier values in C overwritten; sums of exact products are exact, so
-    /// the oracle is equality.
+    /// Each tile of C is the sum over k of A's and B's pairs (added to C's values with `add`, in their
+    /// place without), at strides wider than the rows, for several row blocks, and C's entries past its
+    /// 32 columns stay; sums of exact products are exact, so the oracle is equality.
     #[test]
     fn tiles_sum_the_products_of_the_pairs() {
         let Some(amx) = Amx::get() else {
@@ -283,18 +306,33 @@ mod tests {
         let b: Vec<u32> = (0..k * b_stride)
             .map(|i| pair(value(3 * i + 1), value(5 * i + 2)))
             .collect();
-        let mut c = vec![f32::NAN; blocks * BLOCK * BLOCK];
-        amx.product(blocks, steps, &a, a_stride, &b, b_stride, &mut c);
+        let c_stride = BLOCK + 3;
+        let init: Vec<f32> = (0..blocks * BLOCK * c_stride).map(value).collect();
         let half = |w: u32, h: u32| f32::from_bits((w >> (16 * h)) << 16);
-        for i in 0..blocks * BLOCK {
-            for j in 0..BLOCK {
-                let want: f32 = (0..k)
-                    .map(|p| {
-                        let (x, y) = (a[i * a_stride + p], b[p * b_stride + j]);
-                        half(x, 0) * half(y, 0) + half(x, 1) * half(y, 1)
-                    })
-                    .sum();
-                assert_eq!(c[i * BLOCK + j], want, "[{i}, {j}]");
+        for add in [false, true] {
+            let mut c = init.clone();
+            let ab = ((&a[..], a_stride), (&b[..], b_stride));
+            amx.product(blocks, steps, ab.0, ab.1, (&mut c, c_stride), add);
+            for i in 0..blocks * BLOCK {
+                for j in 0..c_stride {
+                    let at = i * c_stride + j;
+                    if j >= BLOCK {
+                        assert_eq!(
+                            c[at].to_bits(),
+                            init[at].to_bits(),
+                            "[{i}, {j}] past the tile"
+                        );
+                        continue;
+                    }
+                    let want: f32 = (0..k)
+                        .map(|p| {
+                            let (x, y) = (a[i * a_stride + p], b[p * b_stride + j]);
+                            half(x, 0) * half(y, 0) + half(x, 1) * half(y, 1)
+                        })
+                        .sum();
+                    let want = if add { init[at] + want } else { want };
+                    assert_eq!(c[at], want, "[{i}, {j}] add {add}");
+                }
             }
         }
     }
@@ -314,7 +352,7 @@ mod tests {
         ] {
             let c = &mut c[..c_len];
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                amx.product(1, 1, a, PAIRS, b, BLOCK, c)
+                amx.product(1, 1, (a, PAIRS), (b, BLOCK), (c, BLOCK), false)
             }));
             assert!(r.is_err());
         }

@@ -1,10 +1,11 @@
 //! The AMX GEMM: A packed as bf16 pairs along k, row-major, its rows padded to a multiple of 32 and its
 //! pairs to a multiple of 16 (zeros); B in the vdpbf16ps GEMM's strips of NR = 32 columns (pairs padded
-//! the same way). Each thread takes a band of rows and, strip after strip, sums each 32 x 32 tile of C
-//! over all of k in the tile registers (`kernels::amx`), then writes it out: one order of sums per
-//! element, whatever the thread count.
+//! the same way). Each thread takes a band of rows and, strip after strip, sums each 32 x 32 block of C
+//! over all of k in the tile registers (`kernels::amx`), from zero or from out's values when
+//! accumulating, and stores it into out (blocks past out's edges through a buffer): one order of sums
+//! per element, whatever the thread count.
 
-use super::avx512::{pack_b, pair_along_bf16, pair_rows_bf16, transpose_bits};
+use super::avx512::{pack_b, pack_cols, pack_rows, transpose_bits};
 use super::{a_stride, fit, M, NR};
 use crate::kernels::amx::{Amx, BLOCK, PAIRS};
 use rayon::prelude::*;
@@ -55,17 +56,24 @@ pub(super) fn gemm(amx: Amx, out: &mut [f32], out_rs: usize, a: &M, b: &M, acc: 
         .for_each(|(t, rows_out)| {
             let i0 = t * band;
             let rows = band.min(m - i0);
-            let blocks = rows.div_ceil(BLOCK);
-            let mut c = vec![0.0f32; blocks * BLOCK * BLOCK];
+            let a = &pa[i0 * is..];
+            let mut edge = vec![0.0f32; BLOCK * BLOCK];
             for s in 0..strips {
-                let strip = &pb[s * kq * NR..][..kq * NR];
-                amx.product(blocks, kq / PAIRS, &pa[i0 * is..], is, strip, NR, &mut c);
+                let b = (&pb[s * kq * NR..][..kq * NR], NR);
                 let (j0, cols) = (s * NR, NR.min(n - s * NR));
-                for (r, tile_row) in c.chunks_exact(BLOCK).take(rows).enumerate() {
-                    let o = &mut rows_out[r * out_rs + j0..][..cols];
-                    match acc {
-                        true => o.iter_mut().zip(tile_row).for_each(|(o, v)| *o += v),
-                        false => o.copy_from_slice(&tile_row[..cols]),
+                // The whole blocks of a whole strip straight into out; the rest through `edge`.
+                let whole = if cols == NR { rows / BLOCK } else { 0 };
+                let c = (&mut rows_out[j0..], out_rs);
+                amx.product(whole, kq / PAIRS, (a, is), b, c, acc);
+                for i in (whole * BLOCK..rows).step_by(BLOCK) {
+                    let a = (&a[i * is..], is);
+                    amx.product(1, kq / PAIRS, a, b, (&mut edge, BLOCK), false);
+                    for (r, tile_row) in edge.chunks_exact(BLOCK).take(rows - i).enumerate() {
+                        let o = &mut rows_out[(i + r) * out_rs + j0..][..cols];
+                        match acc {
+                            true => o.iter_mut().zip(tile_row).for_each(|(o, v)| *o += v),
+                            false => o.copy_from_slice(&tile_row[..cols]),
+                        }
                     }
                 }
             }
@@ -80,44 +88,23 @@ fn out_len(m: usize, n: usize, out_rs: usize) -> usize {
 /// A (m x k) as bf16 pairs along k, row i at i x the returned stride, its pairs past kp and the rows past
 /// m zero up to kq pairs and a multiple of 32 rows.
 fn pack_a(pa: &mut Vec<u32>, scratch: &mut Vec<u32>, a: &M, kp: usize, kq: usize) -> usize {
-    let (m, k) = (a.rows, a.cols);
-    let mp = m.div_ceil(BLOCK) * BLOCK;
+    let mp = a.rows.div_ceil(BLOCK) * BLOCK;
     let is = a_stride(kq);
     fit(pa, mp * is);
     if a.cs != 1 && a.rs == 1 {
-        // Columns of A contiguous (A = X^T): pair p holds rows 2p and 2p + 1 of X for every i (kp x mp),
-        // transposed into A's rows, a band of rows per task.
+        // Columns of A contiguous (A = X^T): its column pairs (kp x mp), transposed into A's rows, a
+        // block of rows per task.
         fit(scratch, kp * mp);
-        scratch.par_chunks_mut(mp).enumerate().for_each(|(p, out)| {
-            let r0 = &a.d[2 * p * a.cs..][..m];
-            let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
-            // SAFETY: the CPU has AVX512-BF16 (an `Amx` is made only where it does: `Bf16Path`).
-            unsafe { pair_rows_bf16(&mut out[..m], r0, r1) };
-            out[m..].fill(0);
-        });
+        pack_cols(scratch, a, kp, mp);
         let scratch = &scratch[..];
         pa.par_chunks_mut(is * BLOCK)
             .enumerate()
             .for_each(|(blk, rows)| {
-                let src = &scratch[blk * BLOCK..];
-                transpose_bits(src, mp, rows, is, kp, BLOCK);
+                transpose_bits(&scratch[blk * BLOCK..], mp, rows, is, kp, BLOCK);
                 rows.chunks_exact_mut(is).for_each(|r| r[kp..].fill(0));
             });
     } else {
-        pa.par_chunks_mut(is * BLOCK)
-            .enumerate()
-            .for_each(|(blk, rows)| {
-                for (r, out) in rows.chunks_exact_mut(is).enumerate() {
-                    let i = blk * BLOCK + r;
-                    if i < m {
-                        // SAFETY: as above.
-                        unsafe { pair_along_bf16(&mut out[..kp], a.d, i * a.rs, a.cs, k) };
-                        out[kp..].fill(0);
-                    } else {
-                        out.fill(0);
-                    }
-                }
-            });
+        pack_rows(pa, a, kp, is, BLOCK, is);
     }
     is
 }

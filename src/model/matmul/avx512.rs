@@ -141,38 +141,54 @@ pub(super) fn transpose_bits(
 
 /// A (m x k) as bf16 pairs along k, rows padded to a multiple of MR with zeros.
 fn pack_a(pa: &mut Vec<u32>, a: &M, kp: usize) -> APack {
-    let (m, k) = (a.rows, a.cols);
-    let mp = m.div_ceil(MR) * MR;
+    let mp = a.rows.div_ceil(MR) * MR;
     if a.cs == 1 || a.rs != 1 {
         // Row i's pairs contiguous (the kernel reads none past kp).
         let is = a_stride(kp);
         fit(pa, mp * is);
-        pa.par_chunks_mut(is * MR)
-            .enumerate()
-            .for_each(|(blk, rows)| {
-                for (r, out) in rows.chunks_mut(is).enumerate() {
-                    let i = blk * MR + r;
-                    if i < m {
-                        // SAFETY: the CPU has AVX512-BF16.
-                        unsafe { pair_along_bf16(&mut out[..kp], a.d, i * a.rs, a.cs, k) };
-                    } else {
-                        out[..kp].fill(0);
-                    }
-                }
-            });
+        pack_rows(pa, a, kp, is, MR, kp);
         APack { is, ps: 1 }
     } else {
-        // Columns of A contiguous (A = X^T): pair p holds rows 2p and 2p + 1 of X, for every i.
         fit(pa, kp * mp);
-        pa.par_chunks_mut(mp).enumerate().for_each(|(p, out)| {
+        pack_cols(pa, a, kp, mp);
+        APack { is: 1, ps: mp }
+    }
+}
+
+/// A's rows as bf16 pairs along k in `pa`, row i at i `is`, `group` rows a task: its kp pairs, then
+/// zeros up to word `zero_to` of the row; rows past m zero up to there.
+pub(super) fn pack_rows(pa: &mut [u32], a: &M, kp: usize, is: usize, group: usize, zero_to: usize) {
+    let (m, k) = (a.rows, a.cols);
+    pa.par_chunks_mut(is * group)
+        .enumerate()
+        .for_each(|(blk, rows)| {
+            for (r, out) in rows.chunks_mut(is).enumerate() {
+                if blk * group + r < m {
+                    let at = (blk * group + r) * a.rs;
+                    // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+                    unsafe { pair_along_bf16(&mut out[..kp], a.d, at, a.cs, k) };
+                    out[kp..zero_to].fill(0);
+                } else {
+                    out[..zero_to].fill(0);
+                }
+            }
+        });
+}
+
+/// A with contiguous columns (A = X^T) as its column pairs in `buf` (kp x mp): pair p holds rows 2p and
+/// 2p + 1 of X for every i, zero past m.
+pub(super) fn pack_cols(buf: &mut [u32], a: &M, kp: usize, mp: usize) {
+    let (m, k) = (a.rows, a.cols);
+    buf[..kp * mp]
+        .par_chunks_mut(mp)
+        .enumerate()
+        .for_each(|(p, out)| {
             let r0 = &a.d[2 * p * a.cs..][..m];
             let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
             // SAFETY: the CPU has AVX512-BF16.
             unsafe { pair_rows_bf16(&mut out[..m], r0, r1) };
             out[m..].fill(0);
         });
-        APack { is: 1, ps: mp }
-    }
 }
 
 /// `pair_rows` 16 pairs per conversion (vcvtneps2bf16 rounds to nearest even as `bf16` does, and
@@ -182,7 +198,7 @@ fn pack_a(pa: &mut Vec<u32>, a: &M, kp: usize) -> APack {
 /// # Safety
 /// The CPU has AVX512F and AVX512-BF16.
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub(super) unsafe fn pair_rows_bf16(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
+unsafe fn pair_rows_bf16(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
     let n = out.len();
     assert!(
         r0.len() >= n && r1.is_none_or(|r| r.len() >= n),
@@ -213,13 +229,7 @@ pub(super) unsafe fn pair_rows_bf16(out: &mut [u32], r0: &[f32], r1: Option<&[f3
 /// # Safety
 /// The CPU has AVX512F and AVX512-BF16.
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub(super) unsafe fn pair_along_bf16(
-    out: &mut [u32],
-    d: &[f32],
-    start: usize,
-    stride: usize,
-    len: usize,
-) {
+unsafe fn pair_along_bf16(out: &mut [u32], d: &[f32], start: usize, stride: usize, len: usize) {
     if stride != 1 {
         return pair_along(out, d, start, stride, len);
     }
