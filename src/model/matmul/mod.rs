@@ -2,10 +2,11 @@
 //! uses), and bf16 for mixed precision (`train.amp`): operands rounded to bf16 (round to nearest even),
 //! products summed in f32, written to an f32 output.
 //!
-//! The bf16 product runs on AVX512-BF16's `vdpbf16ps` (two bf16 products summed into each f32 lane,
-//! twice the multiply-adds per instruction of an f32 FMA) where the CPU has it. Its twin for every other
-//! CPU rounds the operands to bf16 in f32 buffers and multiplies them with the f32 gemm: the same
-//! products (a bf16 x bf16 product is exact in f32), summed in another order.
+//! The bf16 product runs on AMX tiles (`amx`: `tdpbf16ps`, 16 x 16 x 32 products an instruction) where
+//! the CPU has them, else on AVX512-BF16's `vdpbf16ps` (`avx512`: two bf16 products summed into each f32
+//! lane, twice the multiply-adds per instruction of an f32 FMA). Its twin for every other CPU rounds the
+//! operands to bf16 in f32 buffers and multiplies them with the f32 gemm: the same products (a bf16 x
+//! bf16 product is exact in f32), summed in another order.
 
 use crate::kernels::amx::Amx;
 use crate::kernels::gemm::dims;
@@ -96,8 +97,8 @@ impl std::fmt::Display for Bf16Path {
 /// What `train.amp` does on a CPU. bf16 products pay only where the CPU's bf16 instruction outruns the
 /// f32 FMA: on AMD Zen 4 vdpbf16ps does twice the FLOP/s of one (one 512-bit FMA per cycle), on the Intel
 /// Xeons of the CI class half (two FMA ports, one for vdpbf16ps), but there AMX's tdpbf16ps does many
-/// times more (the fastest path, `Bf16Path::detect`, is the one measured). The rate is measured by `rate::peaks` (through the
-/// launch environment, `plan::LaunchEnv::detect`) and decided here.
+/// times more. The rate of the fastest path (`Bf16Path::detect`) is measured by `rate::peaks` (through
+/// the launch environment, `plan::LaunchEnv::detect`) and decided here.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum CpuAmp {
     /// bf16 linear layers and lm head: bf16 products at `ratio` x the f32 FMA's FLOP/s.
@@ -172,19 +173,22 @@ pub mod rate {
                 std::hint::black_box(f());
                 t.elapsed().as_secs_f64()
             };
+            let amx = match super::Bf16Path::detect().unit {
+                super::Unit::Amx(amx) => Some(amx),
+                _ => None,
+            };
             let (mut bf, mut fma) = (f64::MAX, f64::MAX);
             for _ in 0..3 {
-                // SAFETY: the CPU has AVX512F and AVX512-BF16 (a hardware path is detected above).
-                bf = bf.min(time(&|| unsafe { x86::bf16_dot(std::hint::black_box(N)) }));
+                if amx.is_none() {
+                    // SAFETY: the CPU has AVX512F and AVX512-BF16 (a hardware path is detected above).
+                    bf = bf.min(time(&|| unsafe { x86::bf16_dot(std::hint::black_box(N)) }));
+                }
                 // SAFETY: as above.
                 fma = fma.min(time(&|| unsafe { x86::f32_fma(std::hint::black_box(N)) }));
             }
             // 64 FLOPs per vdpbf16ps, 32 per FMA.
             let flops = (N * x86::ACC) as f64 * 32.0;
-            let bf16 = match super::Bf16Path::detect().unit {
-                super::Unit::Amx(amx) => amx.peak(),
-                _ => 2.0 * flops / bf,
-            };
+            let bf16 = amx.map_or(2.0 * flops / bf, |amx| amx.peak());
             return Some((bf16, flops / fma));
         }
         None
