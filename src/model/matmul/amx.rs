@@ -6,7 +6,7 @@
 //! per element, whatever the thread count.
 
 use super::avx512::{pack_b, pack_cols, pack_rows, transpose_bits};
-use super::{a_stride, fit, M, NR};
+use super::{a_stride, fit, Bf16Buffers, M, NR};
 use crate::kernels::amx::{Amx, BLOCK, PAIRS};
 use rayon::prelude::*;
 
@@ -29,27 +29,29 @@ pub(super) fn words(m: usize, n: usize, k: usize) -> (usize, usize, usize) {
     (mp * a_stride(kq), n.div_ceil(NR) * NR * kq, kp * mp)
 }
 
-/// The packed operands' buffers.
-pub(super) struct Packed<'a> {
-    pub a: &'a mut Vec<u32>,
-    pub b: &'a mut Vec<u32>,
-    pub scratch: &'a mut Vec<u32>,
-}
-
 /// out (a.rows x b.cols, row stride `out_rs`) = a b, or += when `acc`, with a and b rounded to bf16.
-pub(super) fn gemm(amx: Amx, out: &mut [f32], out_rs: usize, a: &M, b: &M, acc: bool, p: Packed) {
+pub(super) fn gemm(
+    amx: Amx,
+    out: &mut [f32],
+    out_rs: usize,
+    a: &M,
+    b: &M,
+    acc: bool,
+    bufs: &mut Bf16Buffers,
+) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let (kp, kq) = pairs(k);
     let strips = n.div_ceil(NR);
-    pack_b(p.b, b, kp, kq, strips);
-    let is = pack_a(p.a, p.scratch, a, kp, kq);
+    let (pa, pb) = &mut bufs.packed;
+    pack_b(pb, b, kp, kq, strips);
+    let is = pack_a(pa, &mut bufs.scratch, a, kp, kq);
     let threads = rayon::current_num_threads().max(1);
     let band = m
         .div_ceil(threads)
         .div_ceil(BLOCK)
         .clamp(1, MAX_BAND / BLOCK)
         * BLOCK;
-    let (pa, pb) = (&p.a[..], &p.b[..]);
+    let (pa, pb) = (&pa[..], &pb[..]);
     out[..out_len(m, n, out_rs)]
         .par_chunks_mut(band * out_rs)
         .enumerate()

@@ -360,15 +360,7 @@ pub fn mm_bf16(
     }
     match path.unit {
         #[cfg(target_arch = "x86_64")]
-        Unit::Amx(amx) => {
-            let (pa, pb) = &mut bufs.packed;
-            let packed = amx::Packed {
-                a: pa,
-                b: pb,
-                scratch: &mut bufs.scratch,
-            };
-            amx::gemm(amx, out, out_rs, &a, &b, acc, packed);
-        }
+        Unit::Amx(amx) => amx::gemm(amx, out, out_rs, &a, &b, acc, bufs),
         #[cfg(target_arch = "x86_64")]
         Unit::Avx512 => {
             let (pa, pb) = &mut bufs.packed;
