@@ -1,7 +1,7 @@
 //! Benchmark: the CPU engine's bf16 GEMMs (`train.amp`: AVX512-BF16's vdpbf16ps, and AMX tiles where the
 //! CPU has them) against the f32 gemm they replace, on the products of a training step: each linear
-//! layer's forward, input gradient and weight gradient, for the 6x384x256 config (8 sequences) and GPT-2
-//! small (1 sequence of 1024, its lm head). GFLOP/s of each, the fastest path's ratio to f32, and its
+//! layer's forward, input gradient and weight gradient, for nanoGPT's CPU config (4x128x64, 12
+//! sequences), the 6x384x256 config (8 sequences) and GPT-2 small (1 sequence of 1024, its lm head). GFLOP/s of each, the fastest path's ratio to f32, and its
 //! fraction of the bf16 instruction peak of this many threads (the rate of one core's fastest bf16
 //! instruction, measured in the same run, times the threads). The twin row (operands rounded to bf16,
 //! f32 gemm) is what CPUs without AVX512-BF16 would compute.
@@ -77,7 +77,12 @@ fn main() {
         .build()
         .expect("thread pool");
     // (config, tokens, width, vocab)
-    for (name, n, c, v) in [("medium", 8 * 256, 384, 85), ("gpt2", 1024, 768, 50304)] {
+    let configs = [
+        ("cpu", 12 * 64, 128, 65),
+        ("medium", 8 * 256, 384, 85),
+        ("gpt2", 1024, 768, 50304),
+    ];
+    for (name, n, c, v) in configs {
         let layers = [
             ("qkv", c, 3 * c),
             ("fc", c, 4 * c),
