@@ -439,6 +439,51 @@ pub fn ef_accumulate_keep(acc: &mut [f32], kept: &mut [f32], feedback: bool) -> 
     )
 }
 
+/// `ef_accumulate_keep` that moves the sum instead of copying it: `kept = acc + kept` (`kept = acc`
+/// without `feedback`) and `acc = 0`; returns the sum of squares of the new `kept` (the same tiles and
+/// order as `ef_accumulate_keep`, so the same value).
+pub fn ef_accumulate_move(acc: &mut [f32], kept: &mut [f32], feedback: bool) -> f64 {
+    let tiles = acc.par_chunks_mut(TILE).zip(kept.par_chunks_mut(TILE));
+    optim::add_in_order(
+        tiles
+            .with_min_len(16)
+            .map(|(a, k)| ef_move_tile(a, k, feedback)),
+    )
+}
+
+/// `kept = decay kept + acc` and `acc = 0`; returns the sum of squares of the new `kept` as
+/// `optim::sum_squares` gives it (the same tiles and order): one pass where the update, the norm and the
+/// zeroing took three.
+pub fn decay_move(acc: &mut [f32], kept: &mut [f32], decay: f32) -> f64 {
+    let tiles = acc.par_chunks_mut(TILE).zip(kept.par_chunks_mut(TILE));
+    optim::add_in_order(
+        tiles
+            .with_min_len(16)
+            .map(|(a, k)| decay_move_tile(a, k, decay)),
+    )
+}
+
+/// One tile of `decay_move`.
+#[multiversion::multiversion(targets = "simd")]
+fn decay_move_tile(a: &mut [f32], k: &mut [f32], decay: f32) -> f64 {
+    k.iter_mut()
+        .zip(a.iter())
+        .for_each(|(k, &a)| *k = decay * *k + a);
+    a.fill(0.0);
+    optim::tile_sum_squares(k)
+}
+
+/// One tile of `ef_accumulate_move`.
+#[multiversion::multiversion(targets = "simd")]
+fn ef_move_tile(a: &mut [f32], k: &mut [f32], feedback: bool) -> f64 {
+    match feedback {
+        true => k.iter_mut().zip(a.iter()).for_each(|(k, &a)| *k = a + *k),
+        false => k.copy_from_slice(a),
+    }
+    a.fill(0.0);
+    optim::tile_sum_squares(k)
+}
+
 /// One tile of `ef_accumulate_keep`.
 #[multiversion::multiversion(targets = "simd")]
 fn ef_keep_tile(a: &mut [f32], k: &mut [f32], feedback: bool) -> f64 {
@@ -590,7 +635,8 @@ mod tests {
         }
     }
 
-    /// The fused pass is error feedback, a copy and the sum of squares, bit for bit.
+    /// The fused passes are error feedback (or its decay), a copy (or a move) and the sum of squares, bit
+    /// for bit.
     #[test]
     fn ef_accumulate_keep_is_ef_accumulate_a_copy_and_the_sum_of_squares() {
         use rand::{Rng, SeedableRng};
@@ -608,6 +654,24 @@ mod tests {
                 assert_eq!(sum.to_bits(), super::optim::sum_squares(&want).to_bits());
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!((bits(&got), bits(&kept)), (bits(&want), bits(&want)));
+                // The move: the same sum into `kept`, the same sum of squares, zeros left behind.
+                let (mut moved, mut into) = (g.clone(), r.clone());
+                let sum = super::ef_accumulate_move(&mut moved, &mut into, feedback);
+                assert_eq!(sum.to_bits(), super::optim::sum_squares(&want).to_bits());
+                assert_eq!(
+                    (bits(&moved), bits(&into)),
+                    (bits(&vec![0.0; n]), bits(&want))
+                );
+                // The decaying move: kept = decay kept + acc, as the loop wrote it.
+                let decay = if feedback { 0.95 } else { 0.0 };
+                let want: Vec<f32> = r.iter().zip(&g).map(|(&k, &a)| decay * k + a).collect();
+                let (mut moved, mut into) = (g.clone(), r.clone());
+                let sum = super::decay_move(&mut moved, &mut into, decay);
+                assert_eq!(sum.to_bits(), super::optim::sum_squares(&want).to_bits());
+                assert_eq!(
+                    (bits(&moved), bits(&into)),
+                    (bits(&vec![0.0; n]), bits(&want))
+                );
             }
         }
     }

@@ -153,8 +153,8 @@ pub trait Reducer {
         false
     }
     /// On a shared replica a rank reads only `part` of the reduced gradient (its grad norm's tiles and
-    /// its update's range): a reducer may then decode that part alone and leave the rest of `grads` as
-    /// it was. The others decode it all.
+    /// its update's range): a reducer may then decode that part alone and leave any values in the rest
+    /// of `grads`. The others decode it all.
     fn decode_part(&mut self, _part: std::ops::Range<usize>) {}
     /// `reduce` on a gradient on the GPU, with the engine's device collectives.
     #[cfg(feature = "cuda")]

@@ -211,8 +211,8 @@ impl SparseLoco {
         }
     }
 
-    /// The mean of every rank's message (`all`, `words` each) into `out`: tensor by tensor, its entries
-    /// zeroed, each rank's values added in rank order, then times 1 / N, so that the tensor is in the
+    /// The mean of every rank's message (`all`, `words` each) into `out` (zeros): tensor by tensor, each
+    /// rank's values added in rank order, then times 1 / N, so that the tensor is in the
     /// core's caches for its scattered additions.
     fn decode_mean(&self, all: &[f32], words: usize, out: &mut [f32]) -> Result<()> {
         let n = all.len() / words.max(1);
@@ -227,7 +227,6 @@ impl SparseLoco {
             .zip(per_tensor(out, &self.tensors))
             .enumerate()
         {
-            out.fill(0.0);
             for (head, r) in &mut msgs {
                 let h = &head[i * self.table_words()..(i + 1) * self.table_words()];
                 self.decode_tensor(t, h, r, out)?;
@@ -278,11 +277,8 @@ impl Reducer for SparseLoco {
         let n = comm.world_size();
         let mut e = self.residual.take_host(grads.len());
         let beta = self.cfg.error_decay as f32;
-        e.par_iter_mut()
-            .zip(grads.par_iter())
-            .with_min_len(1 << 14)
-            .for_each(|(e, &d)| *e = beta * *e + d);
-        let acc_norm = global_norm(&e);
+        // e = beta e + d, and grads as zeros, into which the decoding adds what the ranks sent.
+        let acc_norm = kernels::decay_move(grads, &mut e, beta).sqrt();
         let words = self.words();
         let mut send = vec![0.0f32; words];
         self.encode(&mut e, &mut send);

@@ -47,8 +47,9 @@ impl TopK {
     }
 
     /// Decompresses `all`, every rank's [values | indices] (each as `selected` holds this rank's counts),
-    /// into `grads`, tensor by tensor so that its scattered additions land in cache: the rank-ordered sum
-    /// of every rank's values, then the mean; vectors from the all-reduced `dense` part. Only the entries
+    /// into `grads` (zeros: the accumulation moved the gradient into the residual), tensor by tensor so
+    /// that its scattered additions land in cache: the rank-ordered sum of every rank's values, then the
+    /// mean; vectors from the all-reduced `dense` part. Only the entries
     /// in `self.part` where it is set (each tensor's indices ascend, so a rank's entries there are one run
     /// of its part of the message).
     fn decode_mean(
@@ -76,7 +77,6 @@ impl TopK {
                 pos += t.len;
                 continue;
             }
-            g.par_chunks_mut(1 << 16).for_each(|g| g.fill(0.0));
             for part in all.chunks(2 * kk.max(1)).take(n) {
                 let (vals, ids) = part.split_at(kk);
                 let (vals, ids) = (&vals[at..at + idx.len()], &ids[at..at + idx.len()]);
@@ -101,20 +101,20 @@ impl Reducer for TopK {
     ) -> Result<Report> {
         let n = comm.world_size();
         let mut residual = self.residual.take_host(grads.len());
-        // grads += residual (error feedback); the new residual starts as the whole accumulated gradient.
+        // The new residual starts as the whole accumulated gradient (gradient + residual, with error
+        // feedback), and the gradient as zeros, into which the decoding adds what the ranks sent.
         let acc_norm =
-            kernels::ef_accumulate_keep(grads, &mut residual, self.error_feedback).sqrt();
+            kernels::ef_accumulate_move(grads, &mut residual, self.error_feedback).sqrt();
         // Dense part: the vectors, in one all-reduce.
         let mut dense: Vec<f32> = self
             .tensors
             .iter()
             .filter(|t| !t.matrix)
-            .flat_map(|t| grads[t.range()].iter().copied())
+            .flat_map(|t| residual[t.range()].iter().copied())
             .collect();
         all_reduce_mean(comm, &mut dense)?;
         // Sparse part: per-tensor selections (in parallel), packed as [values | indices]. What is sent
-        // leaves the new residual (the whole accumulated gradient so far) while the tensor is in cache;
-        // vectors are exact and leave none.
+        // leaves the new residual while the tensor is in cache; vectors are exact and leave none.
         let selected: Vec<(Vec<u32>, Vec<f32>)> = self
             .tensors
             .par_iter()
@@ -124,7 +124,7 @@ impl Reducer for TopK {
                 let (mut idx, mut vals) = (Vec::with_capacity(k), Vec::with_capacity(k));
                 match t.matrix {
                     true => {
-                        kernels::top_k(&grads[t.range()], k, t.offset as u32, &mut idx, &mut vals);
+                        kernels::top_k(residual, k, t.offset as u32, &mut idx, &mut vals);
                         idx.iter()
                             .for_each(|&i| residual[i as usize - t.offset] = 0.0);
                     }
