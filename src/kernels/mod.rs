@@ -431,36 +431,32 @@ pub fn ef_accumulate(acc: &mut [f32], g: &[f32]) {
 /// `ef_accumulate` (with `feedback`), then `kept = acc`; returns `sum_squares(acc)` (the same tiles and
 /// order): one pass over the data instead of three.
 pub fn ef_accumulate_keep(acc: &mut [f32], kept: &mut [f32], feedback: bool) -> f64 {
-    let tiles = acc.par_chunks_mut(TILE).zip(kept.par_chunks_mut(TILE));
-    optim::add_in_order(
-        tiles
-            .with_min_len(16)
-            .map(|(a, k)| ef_keep_tile(a, k, feedback)),
-    )
+    by_tiles(acc, kept, |a, k| ef_keep_tile(a, k, feedback))
 }
 
 /// `ef_accumulate_keep` that moves the sum instead of copying it: `kept = acc + kept` (`kept = acc`
 /// without `feedback`) and `acc = 0`; returns the sum of squares of the new `kept` (the same tiles and
 /// order as `ef_accumulate_keep`, so the same value).
 pub fn ef_accumulate_move(acc: &mut [f32], kept: &mut [f32], feedback: bool) -> f64 {
-    let tiles = acc.par_chunks_mut(TILE).zip(kept.par_chunks_mut(TILE));
-    optim::add_in_order(
-        tiles
-            .with_min_len(16)
-            .map(|(a, k)| ef_move_tile(a, k, feedback)),
-    )
+    by_tiles(acc, kept, |a, k| ef_move_tile(a, k, feedback))
 }
 
 /// `kept = decay kept + acc` and `acc = 0`; returns the sum of squares of the new `kept` as
 /// `optim::sum_squares` gives it (the same tiles and order): one pass where the update, the norm and the
 /// zeroing took three.
 pub fn decay_move(acc: &mut [f32], kept: &mut [f32], decay: f32) -> f64 {
+    by_tiles(acc, kept, |a, k| decay_move_tile(a, k, decay))
+}
+
+/// `tile` over the `TILE`-long tiles of `acc` and `kept` side by side, in parallel; its sums of squares
+/// added in order (`optim::sum_squares`'s tiles and order).
+fn by_tiles(
+    acc: &mut [f32],
+    kept: &mut [f32],
+    tile: impl Fn(&mut [f32], &mut [f32]) -> f64 + Sync + Send,
+) -> f64 {
     let tiles = acc.par_chunks_mut(TILE).zip(kept.par_chunks_mut(TILE));
-    optim::add_in_order(
-        tiles
-            .with_min_len(16)
-            .map(|(a, k)| decay_move_tile(a, k, decay)),
-    )
+    optim::add_in_order(tiles.with_min_len(16).map(|(a, k)| tile(a, k)))
 }
 
 /// One tile of `decay_move`.
@@ -477,7 +473,7 @@ fn decay_move_tile(a: &mut [f32], k: &mut [f32], decay: f32) -> f64 {
 #[multiversion::multiversion(targets = "simd")]
 fn ef_move_tile(a: &mut [f32], k: &mut [f32], feedback: bool) -> f64 {
     match feedback {
-        true => k.iter_mut().zip(a.iter()).for_each(|(k, &a)| *k = a + *k),
+        true => k.iter_mut().zip(a.iter()).for_each(|(k, &a)| *k += a),
         false => k.copy_from_slice(a),
     }
     a.fill(0.0);
@@ -654,24 +650,19 @@ mod tests {
                 assert_eq!(sum.to_bits(), super::optim::sum_squares(&want).to_bits());
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!((bits(&got), bits(&kept)), (bits(&want), bits(&want)));
-                // The move: the same sum into `kept`, the same sum of squares, zeros left behind.
-                let (mut moved, mut into) = (g.clone(), r.clone());
-                let sum = super::ef_accumulate_move(&mut moved, &mut into, feedback);
-                assert_eq!(sum.to_bits(), super::optim::sum_squares(&want).to_bits());
-                assert_eq!(
-                    (bits(&moved), bits(&into)),
-                    (bits(&vec![0.0; n]), bits(&want))
-                );
+                // A move: `want` into `kept`, its sum of squares returned, zeros left behind.
+                let moves = |want: &[f32], step: &dyn Fn(&mut [f32], &mut [f32]) -> f64| {
+                    let (mut moved, mut into) = (g.clone(), r.clone());
+                    let sum = step(&mut moved, &mut into);
+                    assert_eq!(sum.to_bits(), super::optim::sum_squares(want).to_bits());
+                    assert_eq!(bits(&moved), bits(&vec![0.0; n]));
+                    assert_eq!(bits(&into), bits(want));
+                };
+                moves(&want, &|a, k| super::ef_accumulate_move(a, k, feedback));
                 // The decaying move: kept = decay kept + acc, as the loop wrote it.
                 let decay = if feedback { 0.95 } else { 0.0 };
                 let want: Vec<f32> = r.iter().zip(&g).map(|(&k, &a)| decay * k + a).collect();
-                let (mut moved, mut into) = (g.clone(), r.clone());
-                let sum = super::decay_move(&mut moved, &mut into, decay);
-                assert_eq!(sum.to_bits(), super::optim::sum_squares(&want).to_bits());
-                assert_eq!(
-                    (bits(&moved), bits(&into)),
-                    (bits(&vec![0.0; n]), bits(&want))
-                );
+                moves(&want, &|a, k| super::decay_move(a, k, decay));
             }
         }
     }
