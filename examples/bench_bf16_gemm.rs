@@ -1,10 +1,11 @@
 //! Benchmark: the CPU engine's bf16 GEMMs (`train.amp`: AVX512-BF16's vdpbf16ps, and AMX tiles where the
 //! CPU has them) against the f32 gemm they replace, on the products of a training step: each linear
 //! layer's forward, input gradient and weight gradient, for nanoGPT's CPU config (4x128x64, 12
-//! sequences), the 6x384x256 config (8 sequences) and GPT-2 small (1 sequence of 1024, its lm head). GFLOP/s of each, the fastest path's ratio to f32, and its
-//! fraction of the bf16 instruction peak of this many threads (the rate of one core's fastest bf16
-//! instruction, measured in the same run, times the threads). The twin row (operands rounded to bf16,
-//! f32 gemm) is what CPUs without AVX512-BF16 would compute.
+//! sequences), the 6x384x256 config (8 sequences) and GPT-2 small (1 sequence of 1024, its lm head).
+//! GFLOP/s of each, the fastest path's ratio to f32, and its fraction of the bf16 instruction peak of
+//! this many threads (the rate of one core's fastest bf16 instruction, measured in the same run, times
+//! the threads). The twin row (operands rounded to bf16, f32 gemm) is what CPUs without AVX512-BF16
+//! would compute.
 //!
 //!     cargo run --release --example bench_bf16_gemm [-- --threads 2]
 

@@ -212,8 +212,8 @@ impl SparseLoco {
     }
 
     /// The mean of every rank's message (`all`, `words` each) into `out` (zeros): tensor by tensor, each
-    /// rank's values added in rank order, then times 1 / N, so that the tensor is in the
-    /// core's caches for its scattered additions.
+    /// rank's values added in rank order, then times 1 / N, so that the tensor is in the core's caches
+    /// for its scattered additions.
     fn decode_mean(&self, all: &[f32], words: usize, out: &mut [f32]) -> Result<()> {
         let n = all.len() / words.max(1);
         let heads = self.tensors.len() * self.table_words();

@@ -49,9 +49,8 @@ impl TopK {
     /// Decompresses `all`, every rank's [values | indices] (each as `selected` holds this rank's counts),
     /// into `grads` (zeros: the accumulation moved the gradient into the residual), tensor by tensor so
     /// that its scattered additions land in cache: the rank-ordered sum of every rank's values, then the
-    /// mean; vectors from the all-reduced `dense` part. Only the entries
-    /// in `self.part` where it is set (each tensor's indices ascend, so a rank's entries there are one run
-    /// of its part of the message).
+    /// mean; vectors from the all-reduced `dense` part. Only the entries in `self.part` where it is set
+    /// (each tensor's indices ascend, so a rank's entries there are one run of its part of the message).
     fn decode_mean(
         &self,
         grads: &mut [f32],
