@@ -40,6 +40,11 @@ pub struct Row {
     /// waiting for the loader that samples them ahead (`prefetch`).
     #[serde(default)]
     pub data_ms: f64,
+    /// Milliseconds over the interval that rank 0's forward and backward passes ran beside collectives
+    /// (overlapped gossip and CHOCO, streaming DiLoCo's delayed fragments): their wall time in those
+    /// steps. Absent where no step overlapped.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub overlap_compute_ms: Option<f64>,
     /// Milliseconds over the interval that the slowest rank spent outside every collective (the
     /// algorithm's and the bookkeeping's) and outside the sync backend's own compute: its forward,
     /// backward, update and batches. A rank that leaves a collective early and waits in the next one

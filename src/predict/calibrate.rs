@@ -143,6 +143,56 @@ pub fn sweep(comm: &mut dyn Communicator) -> Result<Vec<(usize, f64, f64)>> {
     Ok(out)
 }
 
+/// Bytes each rank swaps with each ring neighbour in `beside_compute`.
+const BESIDE_BYTES: usize = 1 << 20;
+
+/// How many times its idle time an exchange takes beside training steps on the same ranks, as overlapped
+/// gossip's and streaming DiLoCo's collectives run beside the next step where a rank's core also moves
+/// the bytes: every rank swaps `BESIDE_BYTES` with both ring neighbours (`time`'s streamed form), first
+/// idle, then while a thread of its own runs the quick-start model's forward and backward pass in a
+/// loop (training's `overlapped` keeps the collective on the rank's thread and moves the compute to a
+/// scoped one); the mean over the ranks of busy over idle. None with one rank. Every rank calls it.
+pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<f64>> {
+    let (n, me) = (comm.world_size(), comm.rank());
+    if n < 2 {
+        return Ok(None);
+    }
+    let mut peers = vec![(me + 1) % n, (me + n - 1) % n];
+    peers.dedup();
+    let send = vec![1.0f32; BESIDE_BYTES / 4];
+    let mut recv = vec![vec![0.0f32; BESIDE_BYTES / 4]; peers.len()];
+    let mut swap = |c: &mut dyn Communicator| {
+        let sends: Vec<(usize, &[f32])> = peers.iter().map(|&p| (p, &send[..])).collect();
+        let mut recvs: Vec<(usize, &mut [f32])> = peers
+            .iter()
+            .zip(recv.iter_mut())
+            .map(|(&p, r)| (p, &mut r[..]))
+            .collect();
+        c.exchange(&sends, &mut recvs)
+    };
+    swap(comm)?;
+    let idle = time_streamed(comm, &mut swap)?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let busy = std::thread::scope(|s| {
+        let job = s.spawn(|| -> Result<()> {
+            let mut p = Probe::new(128, 6)?;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                p.step()?;
+            }
+            Ok(())
+        });
+        let busy = time_streamed(comm, &mut swap);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let computed = job
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the compute beside the exchange panicked")));
+        computed.and(busy)
+    })?;
+    let mut ratio = [(busy / idle) as f32];
+    comm.all_reduce_sum(&mut ratio)?;
+    Ok(Some(f64::from(ratio[0]) / n as f64))
+}
+
 /// Sizes of the pairwise probe across nodes, bytes.
 const PAIR_SIZES: [usize; 8] = [
     1 << 10,
@@ -426,6 +476,8 @@ pub struct Measured {
     pub memory: f64,
     /// Throughput kept when two ranks share each core (None: not measured).
     pub sharing: Option<f64>,
+    /// An exchange's time beside training steps over its time idle (`beside_compute`).
+    pub beside: Option<f64>,
     /// (bytes, all-reduce seconds, ping-pong seconds).
     pub sweep: Vec<(usize, f64, f64)>,
     /// With one rank on each of 3 or more nodes: each node's own link (`node_messages`); else empty.
@@ -477,6 +529,7 @@ pub fn measure(
         reps.push(compute()?);
     }
     let sweep = sweep(comm)?;
+    let beside = beside_compute(comm)?;
     let codecs = codecs(comm)?;
     let nodes = match per_node == 1 && world >= 3 {
         true => node_messages(comm)?,
@@ -508,6 +561,7 @@ pub fn measure(
         achieved,
         memory,
         sharing,
+        beside,
         sweep,
         nodes,
         codecs,
@@ -582,7 +636,17 @@ impl Measured {
             s,
             "# A rank's core also moves its messages: communication beside compute is not free."
         );
-        let _ = writeln!(s, "overlap_compute = false\n");
+        let _ = writeln!(s, "overlap_compute = false");
+        if let Some(b) = self.beside {
+            let _ = writeln!(
+                s,
+                "# A ring exchange of {} with each neighbour while every rank also trained, over the same \
+                 exchange idle.",
+                crate::units::bytes(BESIDE_BYTES as f64)
+            );
+            let _ = writeln!(s, "comm_beside_compute = {b:.4}");
+        }
+        let _ = writeln!(s);
         self.device_toml(&mut s);
         self.links_toml(&mut s, spread);
         s.trim_end().to_string() + "\n"
@@ -858,6 +922,7 @@ mod tests {
             achieved: 5e10,
             memory: 1e10,
             sharing: None,
+            beside: None,
             sweep,
             nodes: vec![],
             codecs: vec![(CodecName::TopK, 1.5), (CodecName::Demo, 0.25)],
@@ -875,11 +940,12 @@ mod tests {
             (1 << 20, 1.2, 0.5),
             (4 << 20, 6.0, 2.0),
         ];
-        let p =
-            super::super::profile::parse("lab.toml", &measured(4, 1, sweep.clone()).profile_toml())
-                .unwrap();
+        let mut m = measured(4, 1, sweep.clone());
+        m.beside = Some(1.3456);
+        let p = super::super::profile::parse("lab.toml", &m.profile_toml()).unwrap();
         assert_eq!(p.devices_per_node, 1);
         assert_eq!(p.device.sharing_efficiency, None);
+        assert_eq!(p.comm_beside_compute, Some(1.3456));
         // The codecs' rates, as measured; the others are not in the profile.
         let rates = &p.device.codec_gbps;
         assert_eq!(
@@ -903,7 +969,32 @@ mod tests {
         )
         .unwrap();
         assert_eq!(one.devices_per_node, 2);
+        assert_eq!(one.comm_beside_compute, None);
         assert!(one.inter.measured.is_empty() && one.intra.measured.is_empty());
+    }
+
+    /// Every rank of a group gets the same ratio, finite and positive, with two ranks (one neighbour)
+    /// and three (two); one rank has no exchange to time.
+    #[test]
+    fn beside_compute_gives_every_rank_one_ratio() {
+        for n in [1, 2, 3] {
+            let comms = crate::comm::local::group(n, std::time::Duration::from_secs(60));
+            let got: Vec<Option<f64>> = std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .into_iter()
+                    .map(|mut c| s.spawn(move || beside_compute(&mut c).unwrap()))
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            match n {
+                1 => assert_eq!(got, vec![None]),
+                _ => {
+                    let r = got[0].unwrap();
+                    assert!(r.is_finite() && r > 0.0, "{n}: {got:?}");
+                    assert!(got.iter().all(|g| *g == got[0]), "{n}: {got:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -23,6 +23,28 @@ use crate::sync::SyncBackend;
 use model::{Layout, StepTime};
 use profile::{Cluster, ClusterProfile};
 
+/// How a step's collectives slow beside its compute where the cores that compute also move the bytes:
+/// they progress at 1 / `rate` of their idle speed while the forward and backward pass runs beside them
+/// (`compute` seconds a step, as the run measured it: `overlap_compute_ms`), and at their idle speed
+/// after it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Beside {
+    /// The profile's `comm_beside_compute`.
+    pub rate: f64,
+    pub compute: f64,
+}
+
+impl Beside {
+    /// Seconds of collectives that take `idle` seconds alone: `rate` x `idle` where they end within the
+    /// compute, else the compute plus what is left of them after it.
+    pub fn seconds(&self, idle: f64) -> f64 {
+        match self.compute >= self.rate * idle {
+            true => self.rate * idle,
+            false => idle + self.compute * (1.0 - 1.0 / self.rate),
+        }
+    }
+}
+
 /// Bytes per parameter that a step moves outside the forward and backward pass: AdamW reads parameter,
 /// gradient and both moments and writes three of them (28 B), the gradient is zeroed and its norm read
 /// for clipping (8 B), and the new parameters are copied into the model (8 B). Memory-bound.
@@ -43,6 +65,9 @@ pub struct Predictor {
     pub codec_rate: Option<CodecRate>,
     /// Whether more ranks than devices share a node's devices (a CPU's cores).
     pub cores_shared: bool,
+    /// Where collectives beside the compute are not free, for a compute that a run measured outside
+    /// them: how they slow beside it (`Beside`).
+    pub beside: Option<Beside>,
     /// Tokens of the mean step (with a ramp-up, the early steps are smaller).
     pub tokens_per_step: f64,
     /// The loop's own collectives: steps between log steps, and seconds between stop votes.
@@ -107,6 +132,7 @@ impl Predictor {
             codec,
             codec_rate,
             cores_shared: per_device > 1.0,
+            beside: None,
             tokens_per_step,
             log_interval: cfg.log.log_interval.max(1),
             stop_check_secs: cfg.log.stop_check_secs,
@@ -145,22 +171,50 @@ impl Predictor {
 
     /// `price` with a compute of `compute` seconds.
     fn price_with(&self, described: &[Collective], compute: f64) -> (Vec<f64>, StepTime) {
-        let secs: Vec<f64> = described
+        let overlaps = self.overlaps();
+        let mut secs: Vec<f64> = described
             .iter()
             .map(|c| model::collective_seconds(c, &self.layout, &self.profile))
             .collect();
+        let beside = |c: &Collective| c.overlap == Overlap::Compute && !overlaps.compute;
+        if let Some(b) = self.beside {
+            let idle: f64 = described
+                .iter()
+                .zip(&secs)
+                .filter(|(c, _)| beside(c))
+                .map(|(_, t)| t)
+                .sum();
+            let scale = b.seconds(idle) / idle.max(f64::MIN_POSITIVE);
+            for (c, t) in described.iter().zip(&mut secs) {
+                if beside(c) {
+                    *t *= scale;
+                }
+            }
+        }
         let codec = if described.is_empty() {
             0.0
         } else {
             self.codec
         };
         let refs: Vec<(&Collective, f64)> = described.iter().zip(secs.iter().copied()).collect();
-        let overlaps = model::Overlaps {
-            backward: self.profile.overlap_backward,
-            compute: !self.cores_shared && self.profile.overlap_compute,
-        };
         let time = model::step_time(compute, codec + self.update, &refs, overlaps);
         (secs, time)
+    }
+
+    /// What runs beside the compute for free on this cluster.
+    fn overlaps(&self) -> model::Overlaps {
+        model::Overlaps {
+            backward: self.profile.overlap_backward,
+            compute: !self.cores_shared && self.profile.overlap_compute,
+        }
+    }
+
+    /// The profile's `comm_beside_compute`, where collectives beside the compute are not free here.
+    pub fn beside_rate(&self) -> Option<f64> {
+        match self.overlaps().compute {
+            true => None,
+            false => self.profile.comm_beside_compute,
+        }
     }
 
     /// Seconds per step of the training loop's own collectives on a run whose step takes `step` seconds:
@@ -359,12 +413,14 @@ pub struct Prediction {
 }
 
 /// The caveat of a run that ran collectives beside its compute on CPU ranks whose cores also move the
-/// bytes, priced with its own compute (`--measured`).
+/// bytes, priced with its own compute (`--measured`) where the cluster does not say how much slower
+/// they run there (`comm_beside_compute`).
 pub const OVERLAPPED_ON_SHARED_CORES: &str = "this run overlapped collectives with its compute on cores \
     that also move the bytes (its machine's profile: overlap_compute = false), so its compute_ms is only \
-    the part of the step outside them and both sides ran slower together: the prediction can be short \
-    (8-31% for overlapped gossip and CHOCO at 500 Mbit/s in two runs of docs/benchmarks.md, Real links); \
-    the run without overlap (train.overlap = false) measures its compute alone";
+    the part of the step outside them, and the cluster's profile does not say how much slower they run \
+    beside the compute (comm_beside_compute, which `nanodist calibrate` measures): the prediction can be \
+    short (8-31% for overlapped gossip and CHOCO at 500 Mbit/s in two runs of docs/benchmarks.md, Real \
+    links); the run without overlap (train.overlap = false) measures its compute alone";
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalTime {
@@ -479,6 +535,11 @@ pub fn predict_run(
     compute: Option<f64>,
 ) -> Result<Prediction> {
     let mut p = Predictor::new(loaded, &cluster.profile, layout, compute)?;
+    // A compute measured on cores that also moved the overlapped collectives' bytes.
+    let mut beside = (compute.is_some() && !ran_on.overlap_compute).then(|| BesideRows {
+        rate: p.beside_rate(),
+        ..BesideRows::default()
+    });
     let device_scale = sync_scale(&loaded.plan.sync, ran_on, &cluster.profile);
     let (mut clock, mut prev, mut matching, mut logged, mut described) = (0.0, 0u64, 0, 0u64, 0u64);
     let (mut sync_s, mut sync_steps) = (0.0, 0u64);
@@ -497,6 +558,8 @@ pub fn predict_run(
         let codec = row.sync_ms / 1e3 * device_scale;
         (sync_s, sync_steps) = (sync_s + codec, sync_steps + (row.step - prev));
         let start = clock;
+        let over = overlapped_steps(&interval);
+        p.beside = beside.as_mut().and_then(|b| b.row(row, over));
         for (c, k) in interval {
             let t = p.price(&c).1;
             clock += k as f64 * (t.compute + p.update + t.exposed * scale);
@@ -517,12 +580,13 @@ pub fn predict_run(
     }
     // The average step: the run's own sync compute, on every step.
     p.codec = 0.0;
+    p.beside = beside.as_ref().and_then(BesideRows::mean);
     let mut average = p.average_of(&all);
     let codec_ms = sync_s / sync_steps.max(1) as f64 * 1e3;
     (average.codec_ms, average.ms_per_step) = (codec_ms, average.ms_per_step + codec_ms);
     let overlapped = all.keys().flatten().any(|c| c.overlap == Overlap::Compute);
     let mut out = prediction(loaded, cluster, &p, average);
-    if overlapped && compute.is_some() && !ran_on.overlap_compute {
+    if overlapped && beside.is_some_and(|b| !b.priced()) {
         out.caveat = Some(OVERLAPPED_ON_SHARED_CORES);
     }
     out.steps = prev;
@@ -538,6 +602,58 @@ pub fn predict_run(
         },
     });
     Ok(out)
+}
+
+/// Steps of `interval` with collectives beside the compute.
+fn overlapped_steps(interval: &HashMap<Vec<Collective>, u64>) -> u64 {
+    interval
+        .iter()
+        .filter(|(c, _)| c.iter().any(|c| c.overlap == Overlap::Compute))
+        .map(|(_, k)| k)
+        .sum()
+}
+
+/// A run's compute beside its overlapped collectives, row by row (`overlap_compute_ms`), with the
+/// cluster's `comm_beside_compute` (`rate`).
+#[derive(Debug, Clone, Copy, Default)]
+struct BesideRows {
+    rate: Option<f64>,
+    seconds: f64,
+    steps: u64,
+    /// A row with overlapped steps but no `overlap_compute_ms` (a run from before it was logged).
+    missing: bool,
+}
+
+impl BesideRows {
+    /// The `Beside` of a row whose interval had `steps` overlapped steps.
+    fn row(&mut self, row: &crate::metrics::Row, steps: u64) -> Option<Beside> {
+        if steps == 0 {
+            return None;
+        }
+        let Some(ms) = row.overlap_compute_ms else {
+            self.missing = true;
+            return None;
+        };
+        (self.seconds, self.steps) = (self.seconds + ms / 1e3, self.steps + steps);
+        self.rate.map(|rate| Beside {
+            rate,
+            compute: ms / 1e3 / steps as f64,
+        })
+    }
+
+    /// Over every row so far.
+    fn mean(&self) -> Option<Beside> {
+        let rate = self.rate.filter(|_| self.steps > 0)?;
+        Some(Beside {
+            rate,
+            compute: self.seconds / self.steps as f64,
+        })
+    }
+
+    /// Whether every overlapped step was priced beside its compute.
+    fn priced(&self) -> bool {
+        self.rate.is_some() && !self.missing
+    }
 }
 
 /// Seconds of compute per step on `cluster` from the run's own rows: the median over its rows of the
@@ -685,6 +801,26 @@ pub fn human_secs(s: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Beside::seconds` against the process it describes, stepped in time: collectives of `idle`
+    /// seconds progress at 1 / rate of their speed while the compute runs, at full speed after it.
+    #[test]
+    fn beside_is_a_slower_exchange_while_the_compute_runs() {
+        let dt = 1e-6;
+        for rate in [0.8, 1.0, 1.5, 3.0] {
+            for compute in [0.0, 0.01, 0.05, 0.2] {
+                for idle in [0.001, 0.02, 0.1] {
+                    let (mut done, mut t) = (0.0, 0.0);
+                    while done < idle {
+                        done += dt * if t < compute { 1.0 / rate } else { 1.0 };
+                        t += dt;
+                    }
+                    let got = Beside { rate, compute }.seconds(idle);
+                    assert!((got - t).abs() < 1e-5, "{rate} {compute} {idle}: {got} {t}");
+                }
+            }
+        }
+    }
 
     fn loaded(set: &[&str]) -> Loaded {
         let src = "[train]\nglobal_batch_size = 12\nn_steps = 100\n[train.lr_schedule]\nwarmup_steps = 1\n\

@@ -279,6 +279,7 @@ mod tests {
             nic_shared,
             overlap_backward: true,
             overlap_compute: true,
+            comm_beside_compute: None,
             node_links: vec![],
         }
     }

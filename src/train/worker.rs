@@ -535,7 +535,8 @@ impl<'s> Worker<'s> {
             let mut ready = |g: FlatMut<'_>, r| sync.grads_ready(g, r);
             micro_steps(&mut Scratch::default(), Some(&mut ready))?
         } else {
-            overlapped(self.sync.as_mut(), || {
+            let beside = &mut self.since_log.beside_seconds;
+            overlapped(self.sync.as_mut(), beside, || {
                 compute.run(|scratch| micro_steps(scratch, None))
             })?
         };
@@ -1070,22 +1071,28 @@ fn eval_local(
 
 /// Runs `compute` and, when the backend has communication pending, that communication at the same time:
 /// the collective stays on this thread (an MPI communicator belongs to the thread that made it) and the
-/// computation moves to a scoped thread.
+/// computation moves to a scoped thread, whose wall time is added to `beside`.
 fn overlapped<T: Send>(
     sync: &mut dyn SyncBackend,
+    beside: &mut Option<f64>,
     compute: impl FnOnce() -> Result<T> + Send,
 ) -> Result<T> {
     if !sync.has_pending() {
         return compute();
     }
     std::thread::scope(|s| {
-        let job = s.spawn(compute);
+        let job = s.spawn(|| {
+            let start = Instant::now();
+            compute().map(|out| (out, start.elapsed().as_secs_f64()))
+        });
         let comm = sync.communicate();
-        let out = job
+        let joined = job
             .join()
             .unwrap_or_else(|_| Err(anyhow::anyhow!("the gradient computation panicked")));
         comm?;
-        out
+        let (out, secs) = joined?;
+        *beside = Some(beside.unwrap_or(0.0) + secs);
+        Ok(out)
     })
 }
 

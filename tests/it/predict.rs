@@ -57,6 +57,7 @@ fn every_backends_step_description_sums_to_the_bytes_its_run_logs() {
         assert_eq!(own(&local).unwrap().caveat.is_some(), overlapped, "{name}");
         assert!(own(&cluster.profile).unwrap().caveat.is_none(), "{name}");
         assert!(p.caveat.is_none(), "{name}");
+        beside_compute_prices_only_the_overlapped(name, &rows, &loaded, layout, &local);
         let check = p.bytes_check.unwrap();
         assert_eq!(check.rows, 20, "{name}");
         if *name == "radius" {
@@ -74,6 +75,67 @@ fn every_backends_step_description_sums_to_the_bytes_its_run_logs() {
             .evals
             .windows(2)
             .all(|w| w[0].predicted_s < w[1].predicted_s));
+    }
+}
+
+/// On a cluster whose cores also move the bytes, with `comm_beside_compute` measured, a run priced with
+/// its own compute has no caveat, and only its overlapped collectives slow beside its compute: at a rate
+/// of 1 not at all, with a rate ever larger by at most the compute that ran beside them, and at a huge
+/// rate by exactly that compute, which the rows log (`overlap_compute_ms`, absent without overlap).
+/// Unmeasured, they are priced at their idle time, with the caveat.
+fn beside_compute_prices_only_the_overlapped(
+    name: &str,
+    rows: &[nanodist::metrics::Row],
+    loaded: &nanodist::plan::Loaded,
+    layout: predict::model::Layout,
+    local: &predict::profile::ClusterProfile,
+) {
+    let at = |f: Option<f64>| {
+        let mut c = predict::profile::Cluster {
+            name: "lab".into(),
+            source: "test".into(),
+            profile: local.clone(),
+        };
+        c.profile.comm_beside_compute = f;
+        predict::predict_run(loaded, rows, (&c, &c.profile), layout, Some(1e-3)).unwrap()
+    };
+    let [none, one, two, huge] = [None, Some(1.0), Some(2.0), Some(1e12)].map(at);
+    let overlapped = OVERLAPPED.contains(&name);
+    // Rows whose steps had nothing pending (a start) have none; every overlapped step was priced with
+    // its row's compute beside it, or `one` would carry the caveat.
+    let logged: Vec<Option<f64>> = rows.iter().map(|r| r.overlap_compute_ms).collect();
+    assert_eq!(
+        logged.iter().any(Option::is_some),
+        overlapped,
+        "{name}: {logged:?}"
+    );
+    assert!(
+        logged.iter().flatten().all(|&ms| ms > 0.0),
+        "{name}: {logged:?}"
+    );
+    assert_eq!(none.caveat.is_some(), overlapped, "{name}");
+    assert!(one.caveat.is_none() && huge.caveat.is_none(), "{name}");
+    let comm = |p: &predict::Prediction| p.average.comm_ms;
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * (1.0 + b.abs());
+    assert!(close(comm(&none), comm(&one)), "{name}");
+    let beside_ms = logged.iter().flatten().sum::<f64>() / rows.last().unwrap().step as f64;
+    match overlapped {
+        true => {
+            assert!(
+                comm(&one) < comm(&two) && comm(&two) < comm(&huge),
+                "{name}"
+            );
+            assert!(
+                close(comm(&huge) - comm(&one), beside_ms),
+                "{name}: {} {beside_ms}",
+                comm(&huge) - comm(&one)
+            );
+        }
+        // (Equal but for the order of sums over the run's patterns.)
+        false => assert!(
+            close(comm(&one), comm(&two)) && close(comm(&one), comm(&huge)),
+            "{name}"
+        ),
     }
 }
 
