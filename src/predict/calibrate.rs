@@ -146,12 +146,15 @@ pub fn sweep(comm: &mut dyn Communicator) -> Result<Vec<(usize, f64, f64)>> {
 /// Bytes each rank swaps with each ring neighbour in `beside_compute`.
 const BESIDE_BYTES: usize = 1 << 20;
 
-/// How many times its idle time an exchange takes beside training steps on the same ranks, as overlapped
-/// gossip's and streaming DiLoCo's collectives run beside the next step where a rank's core also moves
-/// the bytes: every rank swaps `BESIDE_BYTES` with both ring neighbours (`time`'s streamed form), first
-/// idle, then while a thread of its own runs the quick-start model's forward and backward pass in a
-/// loop (training's `overlapped` keeps the collective on the rank's thread and moves the compute to a
-/// scoped one); the mean over the ranks of busy over idle. None with one rank. Every rank calls it.
+/// How much slower an exchange runs beside training steps on the same ranks, as overlapped gossip's and
+/// streaming DiLoCo's collectives run beside the next step where a rank's core also moves the bytes:
+/// every rank swaps `BESIDE_BYTES` with both ring neighbours, first idle (`time`'s streamed form, E),
+/// then as training's overlapped step runs it: the exchange on this thread and, started with it, one
+/// forward and backward pass of the quick-start model on a scoped thread, step after step for about
+/// `STREAM_SECONDS` (the exchange's mean E', the compute's C). The rate is the model's that `predict`
+/// prices with (`predict::Beside`): the exchange progresses at 1 / r of its idle speed while the compute
+/// runs, so E' = r E if it ends first, else E + C (1 - 1 / r). The mean over the ranks; None with one
+/// rank. Every rank calls it.
 pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<f64>> {
     let (n, me) = (comm.world_size(), comm.rank());
     if n < 2 {
@@ -172,25 +175,46 @@ pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<f64>> {
     };
     swap(comm)?;
     let idle = time_streamed(comm, &mut swap)?;
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let busy = std::thread::scope(|s| {
-        let job = s.spawn(|| -> Result<()> {
-            let mut p = Probe::new(128, 6)?;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                p.step()?;
-            }
-            Ok(())
-        });
-        let busy = time_streamed(comm, &mut swap);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let computed = job
-            .join()
-            .unwrap_or_else(|_| Err(anyhow::anyhow!("the compute beside the exchange panicked")));
-        computed.and(busy)
-    })?;
-    let mut ratio = [(busy / idle) as f32];
-    comm.all_reduce_sum(&mut ratio)?;
-    Ok(Some(f64::from(ratio[0]) / n as f64))
+    let mut probe = Probe::new(128, 6)?;
+    probe.step()?;
+    // Every rank runs as many steps (their exchanges meet).
+    let mut each = [idle as f32];
+    comm.all_reduce_sum(&mut each)?;
+    let reps = stream_reps(each[0] / n as f32);
+    let (mut exchange, mut compute) = (0.0, 0.0);
+    comm.barrier()?;
+    for _ in 0..reps {
+        let (e, c) = std::thread::scope(|s| {
+            let job = s.spawn(|| probe.step());
+            let start = Instant::now();
+            let swapped = swap(comm);
+            let e = start.elapsed().as_secs_f64();
+            let c = job.join().unwrap_or_else(|_| {
+                Err(anyhow::anyhow!("the compute beside the exchange panicked"))
+            });
+            swapped.and(c.map(|c| (e, c)))
+        })?;
+        (exchange, compute) = (exchange + e, compute + c);
+    }
+    let r = beside_rate(idle, exchange / reps as f64, compute / reps as f64);
+    let mut mean = [r as f32];
+    comm.all_reduce_sum(&mut mean)?;
+    Ok(Some(f64::from(mean[0]) / n as f64))
+}
+
+/// The rate r of `beside_compute`'s model from an exchange of `idle` seconds alone that took `busy`
+/// beside `compute` seconds of compute: busy / idle where the compute outlasted it, else from busy =
+/// idle + compute (1 - 1 / r); busy / idle where that has no solution (the exchange lost more than the
+/// compute's time). At least 1: an exchange beside the compute that took less than alone is the link's
+/// noise (on a 4-host lab at 50 Mbit/s, 30 ms of compute beside a 330 ms exchange that ran 50 ms faster
+/// gave r = 0.36, which priced overlapped steps 13-19% short).
+fn beside_rate(idle: f64, busy: f64, compute: f64) -> f64 {
+    let lost = busy - idle;
+    let r = match compute >= busy || lost >= compute {
+        true => busy / idle,
+        false => compute / (compute - lost),
+    };
+    r.max(1.0)
 }
 
 /// Sizes of the pairwise probe across nodes, bytes.
@@ -640,8 +664,8 @@ impl Measured {
         if let Some(b) = self.beside {
             let _ = writeln!(
                 s,
-                "# A ring exchange of {} with each neighbour while every rank also trained, over the same \
-                 exchange idle.",
+                "# A ring exchange of {} with each neighbour runs at 1 / this of its idle speed while a \
+                 training step runs beside it (measured on every rank, as overlapped steps run it).",
                 crate::units::bytes(BESIDE_BYTES as f64)
             );
             let _ = writeln!(s, "comm_beside_compute = {b:.4}");
@@ -971,6 +995,26 @@ mod tests {
         assert_eq!(one.devices_per_node, 2);
         assert_eq!(one.comm_beside_compute, None);
         assert!(one.inter.measured.is_empty() && one.intra.measured.is_empty());
+    }
+
+    /// `beside_rate` inverts `predict::Beside::seconds`: the exchange the model gives for a rate of at
+    /// least 1 and a compute gives that rate back.
+    #[test]
+    fn beside_rate_inverts_the_model_predict_prices_with() {
+        for rate in [1.0, 1.3, 2.5] {
+            for compute in [0.005, 0.03, 0.2] {
+                for idle in [0.01, 0.05] {
+                    let busy = crate::predict::Beside { rate, compute }.seconds(idle);
+                    let got = beside_rate(idle, busy, compute);
+                    assert!((got - rate).abs() < 1e-9, "{rate} {compute} {idle}: {got}");
+                }
+            }
+        }
+        // More lost than the compute's time: busy over idle.
+        assert_eq!(beside_rate(0.01, 0.05, 0.02), 5.0);
+        // Faster beside the compute than alone: 1.
+        assert_eq!(beside_rate(0.33, 0.28, 0.03), 1.0);
+        assert_eq!(beside_rate(0.05, 0.02, 0.03), 1.0);
     }
 
     /// Every rank of a group gets the same ratio, finite and positive, with two ranks (one neighbour)

@@ -39,12 +39,11 @@ pub struct ClusterProfile {
     /// on this machine's netlab, overlapped gossip steps took as long as synchronous ones.
     #[serde(default = "yes")]
     pub overlap_compute: bool,
-    /// Where `overlap_compute` is false: how many times its idle time a collective takes while the rank
-    /// computes beside it (`nanodist calibrate`: a ring exchange of 1 MB with each neighbour while a
-    /// thread of every rank runs training steps, over the same exchange idle). `predict RUN_DIR
-    /// --measured` prices a run's overlapped collectives at this slower pace while its forward and
-    /// backward pass ran beside them (`overlap_compute_ms`), at their idle pace after. Absent: not
-    /// measured.
+    /// Where `overlap_compute` is false: a collective progresses at 1 / this of its idle speed while the
+    /// rank computes beside it (`nanodist calibrate`: a ring exchange of 1 MB with each neighbour, idle
+    /// and then beside training steps as overlapped steps run it). `predict RUN_DIR --measured` prices a
+    /// run's overlapped collectives at this slower pace while its forward and backward pass ran beside
+    /// them (`overlap_compute_ms`), at their idle pace after. Absent: not measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("exclusiveMinimum" = 0))]
     pub comm_beside_compute: Option<f64>,
