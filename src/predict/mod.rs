@@ -67,7 +67,7 @@ pub struct Predictor {
     pub cores_shared: bool,
     /// Where collectives beside the compute are not free, for a compute that a run measured outside
     /// them: how they slow beside it (`Beside`).
-    pub beside: Option<Beside>,
+    beside: Option<Beside>,
     /// Tokens of the mean step (with a ramp-up, the early steps are smaller).
     pub tokens_per_step: f64,
     /// The loop's own collectives: steps between log steps, and seconds between stop votes.
