@@ -152,7 +152,7 @@ const BESIDE_BYTES: usize = 1 << 20;
 /// then as training's overlapped step runs it: the exchange on this thread and, started with it, one
 /// forward and backward pass of the quick-start model on a scoped thread, step after step for about
 /// `STREAM_SECONDS` (the exchange's mean E', the compute's C). The rate is the model's that `predict`
-/// prices with (`predict::Beside`): the exchange progresses at 1 / r of its idle speed while the compute
+/// prices with (`predict::model::Beside`): the exchange progresses at 1 / r of its idle speed while the compute
 /// runs, so E' = r E if it ends first, else E + C (1 - 1 / r). The mean over the ranks; None with one
 /// rank. Every rank calls it.
 pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<f64>> {
@@ -997,14 +997,14 @@ mod tests {
         assert!(one.inter.measured.is_empty() && one.intra.measured.is_empty());
     }
 
-    /// `beside_rate` inverts `predict::Beside::seconds`: the exchange the model gives for a rate of at
+    /// `beside_rate` inverts `model::Beside::seconds`: the exchange the model gives for a rate of at
     /// least 1 and a compute gives that rate back.
     #[test]
     fn beside_rate_inverts_the_model_predict_prices_with() {
         for rate in [1.0, 1.3, 2.5] {
             for compute in [0.005, 0.03, 0.2] {
                 for idle in [0.01, 0.05] {
-                    let busy = crate::predict::Beside { rate, compute }.seconds(idle);
+                    let busy = crate::predict::model::Beside { rate, compute }.seconds(idle);
                     let got = beside_rate(idle, busy, compute);
                     assert!((got - rate).abs() < 1e-9, "{rate} {compute} {idle}: {got}");
                 }

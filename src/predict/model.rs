@@ -191,6 +191,28 @@ pub struct Overlaps {
     pub compute: bool,
 }
 
+/// How a step's collectives slow beside its compute where the cores that compute also move the bytes:
+/// they progress at 1 / `rate` of their idle speed while the forward and backward pass runs beside them
+/// (`compute` seconds a step, as the run measured it: `overlap_compute_ms`), and at their idle speed
+/// after it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Beside {
+    /// The profile's `comm_beside_compute`.
+    pub rate: f64,
+    pub compute: f64,
+}
+
+impl Beside {
+    /// Seconds of collectives that take `idle` seconds alone: `rate` x `idle` where they end within the
+    /// compute, else the compute plus what is left of them after it.
+    pub fn seconds(&self, idle: f64) -> f64 {
+        match self.compute >= self.rate * idle {
+            true => self.rate * idle,
+            false => idle + self.compute * (1.0 - 1.0 / self.rate),
+        }
+    }
+}
+
 /// The step's time given its compute (forward + backward; the backward is 2/3 of it), its serial work
 /// and its collectives, each with its time on the cluster.
 ///
@@ -247,6 +269,26 @@ pub fn step_time(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Beside::seconds` against the process it describes, stepped in time: collectives of `idle`
+    /// seconds progress at 1 / rate of their speed while the compute runs, at full speed after it.
+    #[test]
+    fn beside_is_a_slower_exchange_while_the_compute_runs() {
+        let dt = 1e-6;
+        for rate in [0.8, 1.0, 1.5, 3.0] {
+            for compute in [0.0, 0.01, 0.05, 0.2] {
+                for idle in [0.001, 0.02, 0.1] {
+                    let (mut done, mut t) = (0.0, 0.0);
+                    while done < idle {
+                        done += dt * if t < compute { 1.0 / rate } else { 1.0 };
+                        t += dt;
+                    }
+                    let got = Beside { rate, compute }.seconds(idle);
+                    assert!((got - t).abs() < 1e-5, "{rate} {compute} {idle}: {got} {t}");
+                }
+            }
+        }
+    }
     use crate::predict::profile::{parse, DeviceSpec, BUILTIN};
 
     fn profile(nic_shared: bool) -> ClusterProfile {

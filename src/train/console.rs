@@ -38,7 +38,7 @@ pub(super) struct Interval {
     /// Seconds the worker waited for its training batches.
     pub data_seconds: f64,
     /// Seconds its forward and backward passes ran beside collectives (None: none did).
-    pub beside_seconds: Option<f64>,
+    pub overlap_compute_seconds: Option<f64>,
 }
 
 impl Interval {
@@ -53,7 +53,7 @@ impl Interval {
             control: CommStats::default(),
             sync_seconds: 0.0,
             data_seconds: 0.0,
-            beside_seconds: None,
+            overlap_compute_seconds: None,
         }
     }
 
@@ -117,7 +117,7 @@ impl Interval {
             comm_frac: comm_s / secs,
             sync_ms: self.sync_seconds * 1e3,
             data_ms: self.data_seconds * 1e3,
-            overlap_compute_ms: self.beside_seconds.map(|s| s * 1e3),
+            overlap_compute_ms: self.overlap_compute_seconds.map(|s| s * 1e3),
             ..Row::default()
         }
     }

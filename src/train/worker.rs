@@ -535,7 +535,7 @@ impl<'s> Worker<'s> {
             let mut ready = |g: FlatMut<'_>, r| sync.grads_ready(g, r);
             micro_steps(&mut Scratch::default(), Some(&mut ready))?
         } else {
-            let beside = &mut self.since_log.beside_seconds;
+            let beside = &mut self.since_log.overlap_compute_seconds;
             overlapped(self.sync.as_mut(), beside, || {
                 compute.run(|scratch| micro_steps(scratch, None))
             })?
