@@ -289,12 +289,11 @@ pub fn subtract(x: &mut [f32], g: &[f32], measure: bool) -> Option<(f64, f64)> {
         .par_chunks_mut(TILE)
         .zip(g.par_chunks(TILE))
         .with_min_len(16)
-        .map(|(x, g)| {
-            let before = if measure { tile_sum_squares(x) } else { 0.0 };
-            x.iter_mut().zip(g).for_each(|(x, &g)| *x -= g);
-            match measure {
-                true => (tile_sum_squares(x), before),
-                false => (0.0, 0.0),
+        .map(|(x, g)| match measure {
+            true => subtract_tile(x, g),
+            false => {
+                x.iter_mut().zip(g).for_each(|(x, &g)| *x -= g);
+                (0.0, 0.0)
             }
         })
         .collect();
@@ -302,6 +301,24 @@ pub fn subtract(x: &mut [f32], g: &[f32], measure: bool) -> Option<(f64, f64)> {
         sums.into_iter()
             .fold((0.0, 0.0), |(a, b), (c, d)| (a + c, b + d))
     })
+}
+
+/// One tile of `subtract` with `measure`: x -= g, and the sums of squares of the new x and of the old, each
+/// lane's terms in `tile_sum_squares`'s order, formed in the same pass as the subtraction.
+#[multiversion::multiversion(targets = "simd")]
+fn subtract_tile(x: &mut [f32], g: &[f32]) -> (f64, f64) {
+    let (mut after, mut before) = ([0.0f64; BLOCK], [0.0f64; BLOCK]);
+    for (row, g) in x.chunks_mut(BLOCK).zip(g.chunks(BLOCK)) {
+        let lanes = after.iter_mut().zip(before.iter_mut());
+        for ((x, &g), (a, b)) in row.iter_mut().zip(g).zip(lanes) {
+            let old = *x as f64;
+            *b += old * old;
+            *x -= g;
+            let new = *x as f64;
+            *a += new * new;
+        }
+    }
+    (super::block_sum(&mut after), super::block_sum(&mut before))
 }
 
 /// Tiles' sums, computed in parallel, added in the tiles' order (the host step of every sum of squares).

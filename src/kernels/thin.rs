@@ -14,8 +14,6 @@ use rayon::prelude::*;
 pub const THIN: usize = 8;
 /// The lanes of `p_of`'s sums.
 const LANES: usize = 16;
-/// Rows whose products are added before the accumulators are stored again (`q_of`).
-const ROWS: usize = 4;
 
 /// The products run on the current pool's threads from this many multiply-adds on.
 fn threaded(flops: usize) -> bool {
@@ -129,8 +127,9 @@ pub fn q_of(q: &mut [f32], m: &[f32], p: &[f32], (rows, cols, r): (usize, usize,
     }
 }
 
-/// acc (R x w, row-major) += the columns c0..c0 + w of m^T p, a row of m after the other: the terms of
-/// `ROWS` rows are added in order, in registers, between a load and a store of acc.
+/// acc (R x w, row-major) += the columns c0..c0 + w of m^T p, a row of m after the other. The rows are
+/// read in memory order, one at a time: the accumulators stay in the core's first cache, and the reads
+/// of m are one stream (several rows at a time, with their terms in registers, ran at half the speed).
 #[multiversion(targets = "simd")]
 fn q_band<const R: usize>(
     acc: &mut [f32],
@@ -138,33 +137,21 @@ fn q_band<const R: usize>(
     p: &[f32],
     (cols, c0, w): (usize, usize, usize),
 ) {
-    let rows = m.len() / cols;
     let full = w - w % LANES;
-    for i0 in (0..rows).step_by(ROWS) {
-        let n = ROWS.min(rows - i0);
+    for (row, pi) in m.chunks_exact(cols).zip(p.chunks_exact(R)) {
+        let (x, pi): (&[f32], &[f32; R]) = (&row[c0..c0 + w], pi.try_into().unwrap());
         for c in (0..full).step_by(LANES) {
-            let mut a = [[0.0f32; LANES]; R];
-            for (j, a) in a.iter_mut().enumerate() {
-                *a = acc[j * w + c..j * w + c + LANES].try_into().unwrap();
-            }
-            for i in i0..i0 + n {
-                let x: &[f32; LANES] = m[i * cols + c0 + c..][..LANES].try_into().unwrap();
-                for (j, a) in a.iter_mut().enumerate() {
-                    let pij = p[i * R + j];
-                    for l in 0..LANES {
-                        a[l] += pij * x[l];
-                    }
+            let x: &[f32; LANES] = x[c..c + LANES].try_into().unwrap();
+            for (j, &pij) in pi.iter().enumerate() {
+                let a: &mut [f32; LANES] = (&mut acc[j * w + c..][..LANES]).try_into().unwrap();
+                for l in 0..LANES {
+                    a[l] += pij * x[l];
                 }
-            }
-            for (j, a) in a.iter().enumerate() {
-                acc[j * w + c..j * w + c + LANES].copy_from_slice(a);
             }
         }
         for c in full..w {
-            for j in 0..R {
-                for i in i0..i0 + n {
-                    acc[j * w + c] += p[i * R + j] * m[i * cols + c0 + c];
-                }
+            for (j, &pij) in pi.iter().enumerate() {
+                acc[j * w + c] += pij * x[c];
             }
         }
     }
