@@ -441,11 +441,15 @@ pub fn ef_accumulate_move(acc: &mut [f32], kept: &mut [f32], feedback: bool) -> 
     by_tiles(acc, kept, |a, k| ef_move_tile(a, k, feedback))
 }
 
-/// `kept = decay kept + acc` and `acc = 0`; returns the sum of squares of the new `kept` as
-/// `optim::sum_squares` gives it (the same tiles and order): one pass where the update, the norm and the
-/// zeroing took three.
-pub fn decay_move(acc: &mut [f32], kept: &mut [f32], decay: f32) -> f64 {
-    by_tiles(acc, kept, |a, k| decay_move_tile(a, k, decay))
+/// `kept = decay kept + acc`; returns the sum of squares of the new `kept` as `optim::sum_squares` gives
+/// it (the same tiles and order): one pass where the update and the norm took two.
+pub fn decay_add(acc: &[f32], kept: &mut [f32], decay: f32) -> f64 {
+    let tiles = acc.par_chunks(TILE).zip(kept.par_chunks_mut(TILE));
+    optim::add_in_order(
+        tiles
+            .with_min_len(16)
+            .map(|(a, k)| decay_add_tile(a, k, decay)),
+    )
 }
 
 /// `tile` over the `TILE`-long tiles of `acc` and `kept` side by side, in parallel; its sums of squares
@@ -459,13 +463,12 @@ fn by_tiles(
     optim::add_in_order(tiles.with_min_len(16).map(|(a, k)| tile(a, k)))
 }
 
-/// One tile of `decay_move`.
+/// One tile of `decay_add`.
 #[multiversion::multiversion(targets = "simd")]
-fn decay_move_tile(a: &mut [f32], k: &mut [f32], decay: f32) -> f64 {
+fn decay_add_tile(a: &[f32], k: &mut [f32], decay: f32) -> f64 {
     k.iter_mut()
         .zip(a.iter())
         .for_each(|(k, &a)| *k = decay * *k + a);
-    a.fill(0.0);
     optim::tile_sum_squares(k)
 }
 
@@ -659,10 +662,13 @@ mod tests {
                     assert_eq!(bits(&into), bits(want));
                 };
                 moves(&want, &|a, k| super::ef_accumulate_move(a, k, feedback));
-                // The decaying move: kept = decay kept + acc, as the loop wrote it.
+                // The decay: kept = decay kept + acc, as the loop wrote it, acc left as it was.
                 let decay = if feedback { 0.95 } else { 0.0 };
                 let want: Vec<f32> = r.iter().zip(&g).map(|(&k, &a)| decay * k + a).collect();
-                moves(&want, &|a, k| super::decay_move(a, k, decay));
+                let mut into = r.clone();
+                let sum = super::decay_add(&g, &mut into, decay);
+                assert_eq!(sum.to_bits(), super::optim::sum_squares(&want).to_bits());
+                assert_eq!(bits(&into), bits(&want));
             }
         }
     }

@@ -211,9 +211,9 @@ impl SparseLoco {
         }
     }
 
-    /// The mean of every rank's message (`all`, `words` each) into `out` (zeros): tensor by tensor, each
-    /// rank's values added in rank order, then times 1 / N, so that the tensor is in the core's caches
-    /// for its scattered additions.
+    /// The mean of every rank's message (`all`, `words` each) into `out`, whatever it held: chunk by
+    /// chunk, each zeroed, then each rank's values added in rank order, then times 1 / N, so that the
+    /// chunk is in the core's first cache for its scattered additions.
     fn decode_mean(&self, all: &[f32], words: usize, out: &mut [f32]) -> Result<()> {
         let n = all.len() / words.max(1);
         let heads = self.tensors.len() * self.table_words();
@@ -227,41 +227,44 @@ impl SparseLoco {
             .zip(per_tensor(out, &self.tensors))
             .enumerate()
         {
-            for (head, r) in &mut msgs {
-                let h = &head[i * self.table_words()..(i + 1) * self.table_words()];
-                self.decode_tensor(t, h, r, out)?;
-            }
-            if n > 1 {
-                kernels::scale(out, 1.0 / n as f32);
+            let bits = index_bits(self.cfg.chunk.min(t.len));
+            let head = i * self.table_words()..(i + 1) * self.table_words();
+            for c in self.chunks(t) {
+                let out = &mut out[c.start - t.offset..][..c.len];
+                out.fill(0.0);
+                for (h, r) in &mut msgs {
+                    self.decode_chunk(&c, (&h[head.clone()], bits), r, out)?;
+                }
+                if n > 1 {
+                    let s = 1.0 / n as f32;
+                    out.iter_mut().for_each(|v| *v *= s);
+                }
             }
         }
         Ok(())
     }
 
-    /// Adds tensor `t`'s values of one rank's message (its shift and table `h`, its entries next in `r`)
-    /// to `out`, the tensor's entries.
-    fn decode_tensor(
+    /// Adds chunk `c`'s values of one rank's message (its tensor's shift and table `h`, indices of
+    /// `bits`, its entries next in `r`) to `out`, the chunk's entries.
+    fn decode_chunk(
         &self,
-        t: &Segment,
-        h: &[f32],
+        c: &Chunk,
+        (h, bits): (&[f32], u32),
         r: &mut BitReader,
         out: &mut [f32],
     ) -> Result<()> {
-        let bits = index_bits(self.cfg.chunk.min(t.len));
-        for c in self.chunks(t) {
-            for _ in 0..c.k {
-                let (at, code) = (r.get(bits) as usize, r.get(self.cfg.bits));
-                if at >= c.len || (!h.is_empty() && code as usize >= h.len() - 1) {
-                    bail!(
-                        "internal error: a SparseLoCo message names entry {at} of a chunk of {}",
-                        c.len
-                    );
-                }
-                out[c.start - t.offset + at] += match h {
-                    [] => f32::from_bits(code),
-                    [shift, table @ ..] => table[code as usize] + shift,
-                };
+        for _ in 0..c.k {
+            let (at, code) = (r.get(bits) as usize, r.get(self.cfg.bits));
+            if at >= c.len || (!h.is_empty() && code as usize >= h.len() - 1) {
+                bail!(
+                    "internal error: a SparseLoCo message names entry {at} of a chunk of {}",
+                    c.len
+                );
             }
+            out[at] += match h {
+                [] => f32::from_bits(code),
+                [shift, table @ ..] => table[code as usize] + shift,
+            };
         }
         Ok(())
     }
@@ -277,8 +280,8 @@ impl Reducer for SparseLoco {
         let n = comm.world_size();
         let mut e = self.residual.take_host(grads.len());
         let beta = self.cfg.error_decay as f32;
-        // e = beta e + d, and grads as zeros, into which the decoding adds what the ranks sent.
-        let acc_norm = kernels::decay_move(grads, &mut e, beta).sqrt();
+        // e = beta e + d; the decoding then overwrites grads with the mean of what the ranks sent.
+        let acc_norm = kernels::decay_add(grads, &mut e, beta).sqrt();
         let words = self.words();
         let mut send = vec![0.0f32; words];
         self.encode(&mut e, &mut send);
