@@ -28,7 +28,6 @@ use super::{k_of, per_tensor, Reducer, Report, Segment, State, StateBuf};
 use crate::comm::Communicator;
 use crate::config::backend::SparseLocoConfig;
 use crate::kernels;
-use crate::optim::global_norm;
 use crate::sync::bits::{BitReader, BitWriter};
 use crate::sync::trace::{Collective, Op, Overlap};
 
@@ -146,13 +145,18 @@ impl SparseLoco {
     }
 
     /// Tensor `t`'s top entries of `e` (the tensor's own entries), chunk by chunk, and their codes; what
-    /// they stand for leaves `e` (while the tensor is still in the core's caches).
-    fn pick(&self, t: &Segment, e: &mut [f32]) -> Picked {
+    /// they stand for leaves `e` (while the tensor is still in the core's caches). Also what that took
+    /// from the sum of squares of `e`: the f64 sum over the picked entries of old² - new².
+    fn pick(&self, t: &Segment, e: &mut [f32]) -> (Picked, f64) {
         let picked = self.select(t, e);
+        let mut removed = 0.0f64;
         for (&i, &v) in picked.idx.iter().zip(&picked.values) {
-            e[i as usize - t.offset] -= v;
+            let e = &mut e[i as usize - t.offset];
+            let old = *e as f64;
+            *e -= v;
+            removed += old * old - (*e as f64) * (*e as f64);
         }
-        picked
+        (picked, removed)
     }
 
     /// `pick`'s selection and quantization.
@@ -183,14 +187,15 @@ impl SparseLoco {
         }
     }
 
-    /// This rank's message from the accumulated `e`, which keeps what it did not send.
-    fn encode(&self, e: &mut [f32], out: &mut [f32]) {
-        let picked: Vec<Picked> = self
+    /// This rank's message from the accumulated `e`, which keeps what it did not send; returns what the
+    /// sending took from the sum of squares of `e` (`pick`'s, added in tensor order).
+    fn encode(&self, e: &mut [f32], out: &mut [f32]) -> f64 {
+        let (picked, removed): (Vec<Picked>, Vec<f64>) = self
             .tensors
             .par_iter()
             .zip(per_tensor(e, &self.tensors))
             .map(|(t, e)| self.pick(t, e))
-            .collect();
+            .unzip();
         let (head, stream) = out.split_at_mut(self.tensors.len() * self.table_words());
         let mut w = BitWriter::new(stream);
         for (i, (t, p)) in self.tensors.iter().zip(&picked).enumerate() {
@@ -209,6 +214,7 @@ impl SparseLoco {
                 at += c.k;
             }
         }
+        removed.into_iter().sum()
     }
 
     /// The mean of every rank's message (`all`, `words` each) into `out`, whatever it held: chunk by
@@ -281,11 +287,15 @@ impl Reducer for SparseLoco {
         let mut e = self.residual.take_host(grads.len());
         let beta = self.cfg.error_decay as f32;
         // e = beta e + d; the decoding then overwrites grads with the mean of what the ranks sent.
-        let acc_norm = kernels::decay_add(grads, &mut e, beta).sqrt();
+        let acc_squares = kernels::decay_add(grads, &mut e, beta);
         let words = self.words();
         let mut send = vec![0.0f32; words];
-        self.encode(&mut e, &mut send);
-        let lost = global_norm(&e);
+        // What stays in e: its sum of squares less the part the sent entries took (within rounding of
+        // summing e again, a pass over the whole buffer this saves).
+        let lost = (acc_squares - self.encode(&mut e, &mut send))
+            .max(0.0)
+            .sqrt();
+        let acc_norm = acc_squares.sqrt();
         let mut all = vec![0.0f32; words * n];
         comm.all_gather(&send, &mut all)?;
         // The rank-ordered sum of the decoded messages, then times 1 / N (all_reduce_mean's order).
@@ -320,6 +330,7 @@ impl Reducer for SparseLoco {
 mod tests {
     use super::*;
     use crate::comm::Solo;
+    use crate::optim::global_norm;
 
     fn cfg(density: f64, chunk: usize, bits: u32, error_decay: f64) -> SparseLocoConfig {
         SparseLocoConfig {
@@ -383,8 +394,15 @@ mod tests {
             let mut comm = Solo;
             let first = grad(numel, 1);
             let mut g = first.clone();
-            r.reduce(&mut comm, &mut g, 0).unwrap();
+            let report = r.reduce(&mut comm, &mut g, 0).unwrap();
             let kept = r.residual.host().to_vec();
+            // The error is ||kept|| / ||accumulated||, summed afresh here.
+            let want = global_norm(&kept) / global_norm(&first);
+            let got = report.error.unwrap();
+            assert!(
+                (got - want).abs() <= 1e-9 * want,
+                "{bits}: error {got} for {want}"
+            );
             for i in 0..numel {
                 assert!(
                     (g[i] + kept[i] - first[i]).abs() < 1e-7,
