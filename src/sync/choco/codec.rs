@@ -343,8 +343,7 @@ fn qsgd_encode(
         let (x, hat) = (&x[range.clone()], &hat[range]);
         let mut lanes = [0.0f64; kernels::BLOCK];
         for (x, hat) in x.chunks(QSGD_CHUNK).zip(hat.chunks(QSGD_CHUNK)) {
-            sub(x, hat, &mut u[..x.len()]);
-            add_squares(&mut lanes, &u[..x.len()]);
+            sub_squares(&mut lanes, x, hat, &mut u[..x.len()]);
         }
         let norm = kernels::block_sum(&mut lanes).sqrt() as f32;
         *norm_out = norm;
@@ -372,10 +371,17 @@ fn sub(x: &[f32], hat: &[f32], u: &mut [f32]) {
     }
 }
 
-/// The lanes' part of the f64 sum of squares of u (`kernels::block_strided_add`), in this core's vectors.
+/// u = x - hat, and the lanes' part of the f64 sum of squares of u (`kernels::block_strided_add`'s
+/// order) in the same pass, in this core's vectors.
 #[multiversion(targets = "simd")]
-fn add_squares(lanes: &mut [f64; kernels::BLOCK], u: &[f32]) {
-    kernels::block_strided_add(lanes, u, |v| (v as f64) * (v as f64));
+fn sub_squares(lanes: &mut [f64; kernels::BLOCK], x: &[f32], hat: &[f32], u: &mut [f32]) {
+    let rows = u.chunks_mut(kernels::BLOCK).zip(x.chunks(kernels::BLOCK));
+    for ((u, x), hat) in rows.zip(hat.chunks(kernels::BLOCK)) {
+        for (((u, &a), &b), s) in u.iter_mut().zip(x).zip(hat).zip(lanes.iter_mut()) {
+            *u = a - b;
+            *s += (*u as f64) * (*u as f64);
+        }
+    }
 }
 
 /// 2^23, the f32 whose unit in the last place is 1.
