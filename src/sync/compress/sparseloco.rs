@@ -145,8 +145,8 @@ impl SparseLoco {
     }
 
     /// Tensor `t`'s top entries of `e` (the tensor's own entries), chunk by chunk, and their codes; what
-    /// they stand for leaves `e` (while the tensor is still in the core's caches). Also what that took
-    /// from the sum of squares of `e`: the f64 sum over the picked entries of old² - new².
+    /// they stand for leaves `e`. Also what that took from the sum of squares of `e`: the f64 sum over
+    /// the picked entries of old² - new².
     fn pick(&self, t: &Segment, e: &mut [f32]) -> (Picked, f64) {
         let picked = self.select(t, e);
         let mut removed = 0.0f64;
