@@ -58,6 +58,10 @@ struct Picked {
     table: Vec<f32>,
 }
 
+/// Picked entries ahead of the one being subtracted whose places in the error buffer `pick` asks the
+/// core to fetch: the entries are scattered over the tensor, a cache miss each.
+const AHEAD: usize = 16;
+
 /// Bits that hold every index below `len`.
 fn index_bits(len: usize) -> u32 {
     usize::BITS - len.saturating_sub(1).leading_zeros()
@@ -150,7 +154,10 @@ impl SparseLoco {
     fn pick(&self, t: &Segment, e: &mut [f32]) -> (Picked, f64) {
         let picked = self.select(t, e);
         let mut removed = 0.0f64;
-        for (&i, &v) in picked.idx.iter().zip(&picked.values) {
+        for (j, (&i, &v)) in picked.idx.iter().zip(&picked.values).enumerate() {
+            if let Some(&ahead) = picked.idx.get(j + AHEAD) {
+                kernels::prefetch(e, ahead as usize - t.offset);
+            }
             let e = &mut e[i as usize - t.offset];
             let old = *e as f64;
             *e -= v;
