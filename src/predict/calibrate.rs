@@ -152,9 +152,9 @@ const BESIDE_BYTES: usize = 1 << 20;
 /// then as training's overlapped step runs it: the exchange on this thread and, started with it, one
 /// forward and backward pass of the quick-start model on a scoped thread, step after step for about
 /// `STREAM_SECONDS` (the exchange's mean E', the compute's C). The rate is the model's that `predict`
-/// prices with (`predict::model::Beside`): the exchange progresses at 1 / r of its idle speed while the compute
-/// runs, so E' = r E if it ends first, else E + C (1 - 1 / r). The mean over the ranks; None with one
-/// rank. Every rank calls it.
+/// prices with (`predict::model::Beside`): the exchange progresses at 1 / r of its idle speed while
+/// the compute runs, so E' = r E if it ends first, else E + C (1 - 1 / r). The mean over the ranks;
+/// None with one rank. Every rank calls it.
 pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<f64>> {
     let (n, me) = (comm.world_size(), comm.rank());
     if n < 2 {

@@ -269,6 +269,7 @@ pub fn step_time(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::predict::profile::{parse, DeviceSpec, BUILTIN};
 
     /// `Beside::seconds` against the process it describes, stepped in time: collectives of `idle`
     /// seconds progress at 1 / rate of their speed while the compute runs, at full speed after it.
@@ -289,7 +290,6 @@ mod tests {
             }
         }
     }
-    use crate::predict::profile::{parse, DeviceSpec, BUILTIN};
 
     fn profile(nic_shared: bool) -> ClusterProfile {
         // Intra: alpha 1 us, 1e9 B/s; inter: alpha 10 us, 1e8 B/s (efficiency 1).
