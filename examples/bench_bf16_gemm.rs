@@ -8,6 +8,11 @@
 //! would compute.
 //!
 //!     cargo run --release --example bench_bf16_gemm [-- --threads 2]
+//!
+//! `--squares` prints instead, as one JSON line, the GFLOP/s of the f32 gemm and of the fastest bf16
+//! path on square products of 512, 1024 and 2048 (the best of 5 runs of each; `bf16` is null on a CPU
+//! without AVX512-BF16): `scripts/bench/train.py` counts them in the machine's GEMM peaks beside
+//! numpy's and PyTorch's, so that no row is measured against a peak slower than nanodist's own GEMM.
 
 use std::time::Instant;
 
@@ -47,15 +52,17 @@ fn main() {
         .position(|a| a == "--threads")
         .and_then(|i| args.get(i + 1))
         .map_or(2, |t| t.parse().expect("--threads N"));
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("thread pool");
+    if args.iter().any(|a| a == "--squares") {
+        return pool.install(squares);
+    }
     let Some((bf16_core, fma_core)) = rate::peaks() else {
         eprintln!("this CPU has no AVX512-BF16: nothing to measure");
         std::process::exit(2);
     };
-    // rate::peaks measured the fastest path, so there is one.
-    let hw: Vec<Bf16Path> = Bf16Path::available()
-        .into_iter()
-        .filter(|p| p.is_hardware())
-        .collect();
     let peak = bf16_core * threads as f64;
     println!(
         "{threads} threads; one core: {} {:.0} GFLOP/s, f32 FMA {:.0} GFLOP/s ({:.2}x); bf16 \
@@ -66,6 +73,42 @@ fn main() {
         bf16_core / fma_core,
         peak / 1e9
     );
+    products(&pool, peak);
+}
+
+/// The best GFLOP/s of the f32 gemm and of the fastest bf16 path (None without bf16 hardware) on
+/// square products, as one JSON line.
+fn squares() {
+    let path = Bf16Path::detect();
+    let (mut f32_best, mut bf16_best) = (0.0f64, 0.0f64);
+    for n in [512, 1024, 2048] {
+        let (ad, bd) = (values(n * n, 1), values(n * n, 2));
+        let (a, b) = (M::new(&ad, n, n), M::new(&bd, n, n));
+        let mut o = vec![0.0f32; n * n];
+        let flops = 2.0 * (n * n * n) as f64;
+        f32_best = f32_best.max(flops / time(&mut || mm(&mut o, n, a, b, false, 1.0, par())));
+        if path.is_hardware() {
+            let mut bufs = Bf16Buffers::default();
+            let t = time(&mut || mm_bf16(path, &mut bufs, &mut o, n, a, b, false));
+            bf16_best = bf16_best.max(flops / t);
+        }
+    }
+    let bf16 = if path.is_hardware() {
+        format!("{:.1}", bf16_best / 1e9)
+    } else {
+        "null".into()
+    };
+    println!("{{\"f32\": {:.1}, \"bf16\": {bf16}}}", f32_best / 1e9);
+}
+
+/// Each product of a training step of the three configs: GFLOP/s of f32, of every bf16 hardware
+/// path and of the twin, and the fastest path's ratio to f32 and fraction of `peak`.
+fn products(pool: &rayon::ThreadPool, peak: f64) {
+    // rate::peaks measured the fastest path, so there is one.
+    let hw: Vec<Bf16Path> = Bf16Path::available()
+        .into_iter()
+        .filter(|p| p.is_hardware())
+        .collect();
     let names: Vec<&str> = hw
         .iter()
         .map(|p| if p.is_amx() { "amx" } else { "vdpbf16ps" })
@@ -73,10 +116,6 @@ fn main() {
     print!("{:<24} {:>16} {:>9}", "product", "m x n x k", "f32");
     names.iter().for_each(|n| print!(" {n:>9}"));
     println!(" {:>7} {:>10} {:>9}", "ratio", "bf16 peak", "twin");
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("thread pool");
     // (config, tokens, width, vocab)
     let configs = [
         ("cpu", 12 * 64, 128, 65),
@@ -97,52 +136,51 @@ fn main() {
                     Kind::InputGrad => (n, inp, out),
                     Kind::WeightGrad => (out, inp, n),
                 };
-                let (ad, bd) = (values(m * k, 1), values(k * cols, 2));
-                let a = match kind {
-                    Kind::WeightGrad => M::new(&ad, k, m).t(),
-                    _ => M::new(&ad, m, k),
-                };
-                let b = match kind {
-                    Kind::Forward => M::new(&bd, cols, k).t(),
-                    _ => M::new(&bd, k, cols),
-                };
-                let mut o = vec![0.0f32; m * cols];
-                let mut bufs = Bf16Buffers::default();
-                let (t32, t16, twin) = pool.install(|| {
-                    let t16: Vec<f64> = hw
-                        .iter()
-                        .map(|&p| time(&mut || mm_bf16(p, &mut bufs, &mut o, cols, a, b, false)))
-                        .collect();
-                    (
-                        time(&mut || mm(&mut o, cols, a, b, false, 1.0, par())),
-                        t16,
-                        time(&mut || {
-                            mm_bf16(Bf16Path::EMULATED, &mut bufs, &mut o, cols, a, b, false)
-                        }),
-                    )
-                });
-                let flops = 2.0 * (m * cols * k) as f64;
                 let label = match kind {
                     Kind::Forward => "forward",
                     Kind::InputGrad => "dx",
                     Kind::WeightGrad => "dW",
                 };
                 print!(
-                    "{:<24} {:>16} {:>9.1}",
+                    "{:<24} {:>16}",
                     format!("{name} {layer} {label}"),
-                    format!("{m}x{cols}x{k}"),
-                    flops / t32 / 1e9,
+                    format!("{m}x{cols}x{k}")
                 );
-                t16.iter().for_each(|t| print!(" {:>9.1}", flops / t / 1e9));
-                // The fastest path's (the last: `available` lists them slowest first).
-                let best = t16[t16.len() - 1];
-                println!(
-                    " {:>6.2}x {:>9.1}% {:>9.1}",
-                    t32 / best,
-                    100.0 * flops / best / peak,
-                    flops / twin / 1e9,
-                );
+                pool.install(|| row(&hw, kind, (m, cols, k), peak));
             }
         }
     }
+}
+
+/// The rest of one product's row: f32, each bf16 hardware path, the fastest's ratio to f32 and
+/// fraction of `peak`, and the twin.
+fn row(hw: &[Bf16Path], kind: Kind, (m, cols, k): (usize, usize, usize), peak: f64) {
+    let (ad, bd) = (values(m * k, 1), values(k * cols, 2));
+    let a = match kind {
+        Kind::WeightGrad => M::new(&ad, k, m).t(),
+        _ => M::new(&ad, m, k),
+    };
+    let b = match kind {
+        Kind::Forward => M::new(&bd, cols, k).t(),
+        _ => M::new(&bd, k, cols),
+    };
+    let mut o = vec![0.0f32; m * cols];
+    let mut bufs = Bf16Buffers::default();
+    let t16: Vec<f64> = hw
+        .iter()
+        .map(|&p| time(&mut || mm_bf16(p, &mut bufs, &mut o, cols, a, b, false)))
+        .collect();
+    let t32 = time(&mut || mm(&mut o, cols, a, b, false, 1.0, par()));
+    let twin = time(&mut || mm_bf16(Bf16Path::EMULATED, &mut bufs, &mut o, cols, a, b, false));
+    let flops = 2.0 * (m * cols * k) as f64;
+    print!(" {:>9.1}", flops / t32 / 1e9);
+    t16.iter().for_each(|t| print!(" {:>9.1}", flops / t / 1e9));
+    // The fastest path's (the last: `available` lists them slowest first).
+    let best = t16[t16.len() - 1];
+    println!(
+        " {:>6.2}x {:>9.1}% {:>9.1}",
+        t32 / best,
+        100.0 * flops / best / peak,
+        flops / twin / 1e9,
+    );
 }
