@@ -76,7 +76,7 @@ fn main() {
     products(&pool, peak);
 }
 
-/// The best GFLOP/s of the f32 gemm and of the fastest bf16 path (None without bf16 hardware) on
+/// The best GFLOP/s of the f32 gemm and of the fastest bf16 path (null without bf16 hardware) on
 /// square products, as one JSON line.
 fn squares() {
     let path = Bf16Path::detect();
