@@ -173,15 +173,13 @@ def main():
                                       capture_output=True, text=True).stdout)
     ours = nanodist_gemm_peaks(args.threads, env)
     peak, f32_by = max((peaks["flops"], "numpy/torch BLAS"), (ours["f32"] * 1e9, "nanodist's gemm"))
-    peak16, bf16_by = peaks["bf16"], "torch.mm"
-    if ours["bf16"] is not None and ours["bf16"] * 1e9 > peak16:
-        peak16, bf16_by = ours["bf16"] * 1e9, "nanodist's bf16 GEMM"
+    ours16 = [] if ours["bf16"] is None else [(ours["bf16"] * 1e9, "nanodist's bf16 GEMM")]
+    peak16, bf16_by = max([(peaks["bf16"], "torch.mm")] + ours16)
     units = bf16_units()
-    ours16 = "none" if ours["bf16"] is None else f"{ours['bf16']:.0f}"
     print(f"threads {args.threads}; GEMM peak of this machine with {args.threads} threads: f32 {peak / 1e9:.0f} GFLOP/s "
           f"({f32_by}; numpy/torch {peaks['flops'] / 1e9:.0f}, nanodist {ours['f32']:.0f}), "
           f"bf16 {peak16 / 1e9:.0f} GFLOP/s ({bf16_by}{'' if units else ', emulated: no bf16 units'}; torch.mm "
-          f"{peaks['bf16'] / 1e9:.0f}, nanodist {ours16}), "
+          f"{peaks['bf16'] / 1e9:.0f}, nanodist {'none' if ours['bf16'] is None else round(ours['bf16'])}), "
           f"512-2048 square; median of {args.runs} "
           f"alternating runs; tokens/s after the warm-up steps; peak RSS in MB; char data (vocabulary {vocab}; "
           f"gpt2: 50304); ratios against f32 torch SDPA (nanoGPT as it runs on CPU)", flush=True)
