@@ -209,7 +209,7 @@ const FLOORS: u32 = 8;
 /// sample of `x`, `sampled_floor`; where the sample's floor lets fewer than k through, or `x` is too short
 /// to sample, the largest power of two that at least k keys reach, `power_floor`, else
 /// `top_k_by_select`), the entries reaching it (`candidates`, in index order), the threshold among them
-/// by `select_nth_unstable`, and the selection (`take`). `top_k` itself for short inputs, and DeMo's
+/// (`threshold`), and the selection (`take`). `top_k` itself for short inputs, and DeMo's
 /// chunks.
 #[multiversion::multiversion(targets = "simd")]
 pub fn top_k_short(x: &[f32], k: usize, base: u32, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
@@ -261,7 +261,7 @@ pub fn top_k_of_difference(
 }
 
 /// The k largest of at least k candidates that hold an input's k largest (in index order), appended:
-/// the threshold by `select_nth_unstable` of their keys, then `take`.
+/// the `threshold` of their keys, then `take`.
 fn take_top_k(
     cand_i: &[u32],
     cand_v: &[f32],
@@ -271,9 +271,46 @@ fn take_top_k(
     val: &mut Vec<f32>,
 ) {
     let mut keys: Vec<u32> = cand_v.iter().map(|&v| abs_key(v)).collect();
-    let c = keys.len();
-    let (_, &mut t, _) = keys.select_nth_unstable(c - k);
+    let t = threshold(&mut keys, k);
     take(cand_i, cand_v, t, k, base, idx, val);
+}
+
+/// Up to this many keys (256 KB, a core's L2), `threshold` counts bit by bit; past it the counting
+/// passes cost more than `select_nth_unstable`'s partitions.
+const BITWISE_KEYS: usize = 1 << 16;
+
+/// A key that the k largest of `keys` reach and no other key does, where ties at the k-th largest
+/// allow one; else the k-th largest itself (1 <= k <= keys.len(); `keys` may be reordered). Either way
+/// the keys above it, then the first of those equal to it, are the k largest, which is all `take` and
+/// a sample's floor ask of it. Up to `BITWISE_KEYS` keys it is built from the top bit down: t keeps each
+/// bit with which at least k keys still reach it, and stops where exactly k do (a DeMo chunk's sample of
+/// 256 keys and its few hundred candidates: half the time of `select_nth_unstable` there); past that,
+/// the k-th largest by `select_nth_unstable`.
+fn threshold(keys: &mut [u32], k: usize) -> u32 {
+    let n = keys.len();
+    assert!(1 <= k && k <= n, "the {k} largest of {n} keys");
+    if n > BITWISE_KEYS {
+        return *keys.select_nth_unstable(n - k).1;
+    }
+    threshold_bitwise(keys, k)
+}
+
+/// `threshold` bit by bit. The count of keys reaching t only falls as t grows, so without an exact k
+/// on the way t ends at the largest value that k keys reach: the k-th largest key.
+#[multiversion::multiversion(targets = "simd")]
+fn threshold_bitwise(keys: &[u32], k: usize) -> u32 {
+    let mut t = 0u32;
+    for bit in (0..32).rev() {
+        let c = t | 1 << bit;
+        let reach = keys.iter().map(|&x| u32::from(x >= c)).sum::<u32>() as usize;
+        if reach >= k {
+            t = c;
+            if reach == k {
+                break;
+            }
+        }
+    }
+    t
 }
 
 /// A key that about k + 3 standard deviations of the sample's count of the `n` entries' keys reach
@@ -300,7 +337,7 @@ fn sampled_key(n: usize, samples: usize, at: usize, value: impl Fn(usize) -> f32
     let mut sample: Vec<u32> = (0..samples)
         .map(|i| abs_key(value(sample_at(i, stride))))
         .collect();
-    *sample.select_nth_unstable(samples - 1 - at).1
+    threshold(&mut sample, at + 1)
 }
 
 /// The largest power of two that at least k of `x`'s keys reach, counted from the largest key's
@@ -642,6 +679,38 @@ mod tests {
                     let (mut idx, mut val) = (Vec::new(), Vec::new());
                     select(&x, k, 3, &mut idx, &mut val);
                     assert_eq!(idx, want, "k {k}, sampled places {at_places}");
+                }
+            }
+        }
+    }
+
+    /// `threshold` lets the k largest keys through and no other where ties allow, else it is the k-th
+    /// largest key, as sorting them says: bit by bit (short inputs) and by partition (long ones), on
+    /// keys with many ties, spread ones, 0, u32::MAX, every k of short inputs.
+    #[test]
+    fn threshold_lets_exactly_the_k_largest_keys_through() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for n in [1, 2, 17, 256, 1000, super::BITWISE_KEYS + 5] {
+            for spread in [3u32, 1 << 20, u32::MAX] {
+                let keys: Vec<u32> = (0..n).map(|_| rng.random_range(0..=spread)).collect();
+                let mut sorted = keys.clone();
+                sorted.sort_unstable_by(|a, b| b.cmp(a));
+                let ks: Vec<usize> = match n {
+                    n if n <= 256 => (1..=n).collect(),
+                    n => vec![1, 2, 33, n / 2, n - 1, n],
+                };
+                for k in ks {
+                    let t = super::threshold(&mut keys.clone(), k);
+                    let reach = keys.iter().filter(|&&x| x >= t).count();
+                    let kth = sorted[k - 1];
+                    let tied = k < n && sorted[k] == kth;
+                    let case = format!("n {n}, keys up to {spread}, k {k}: t {t}, k-th {kth}");
+                    assert!(t <= kth, "{case}");
+                    match tied {
+                        true => assert_eq!(t, kth, "{case}"),
+                        false => assert_eq!(reach, k, "{case}"),
+                    }
                 }
             }
         }

@@ -68,6 +68,7 @@ impl Layout {
     }
 
     /// Chunks `j..j + g` of a band (`cr` rows of the tensor) into `block`: `cr` rows of `g cc`.
+    #[inline(always)]
     fn gather(&self, band: &[f32], j: usize, g: usize, block: &mut [f32]) {
         let rows = block.chunks_exact_mut(g * self.cc);
         for (row, b) in band.chunks_exact(self.cols).zip(rows) {
@@ -76,6 +77,7 @@ impl Layout {
     }
 
     /// Writes the signs of `block` to chunks `j..j + g` of a band (as `gather` reads them).
+    #[inline(always)]
     fn scatter_signs(&self, band: &mut [f32], j: usize, g: usize, block: &[f32]) {
         let rows = band.chunks_exact_mut(self.cols);
         for (row, b) in rows.zip(block.chunks_exact(g * self.cc)) {
@@ -85,6 +87,7 @@ impl Layout {
     }
 
     /// Chunks `j..j + g` of a band minus `block` (as `gather` reads it), in place.
+    #[inline(always)]
     fn subtract(&self, band: &mut [f32], j: usize, g: usize, block: &[f32]) {
         let rows = band.chunks_exact_mut(self.cols);
         for (row, b) in rows.zip(block.chunks_exact(g * self.cc)) {
@@ -94,11 +97,13 @@ impl Layout {
     }
 
     /// Where entry `i` of chunk `jc` (row by row) is in a block of `g` chunks side by side.
+    #[inline(always)]
     fn at(&self, i: usize, jc: usize, g: usize) -> usize {
         (i / self.cc) * g * self.cc + jc * self.cc + i % self.cc
     }
 
     /// Chunk `jc` of a block of `g` chunks side by side into `out`, row by row.
+    #[inline(always)]
     fn chunk(&self, block: &[f32], jc: usize, g: usize, out: &mut [f32]) {
         let rows = block.chunks_exact(g * self.cc);
         for (r, o) in rows.zip(out.chunks_exact_mut(self.cc)) {
@@ -440,6 +445,7 @@ impl Demo {
 
 /// One band's directions from the `n` messages in `all` (`words` each), `Layout::group` chunks at a
 /// time: each coefficient's mean over the ranks that sent it, transformed back, its sign to the band.
+#[multiversion(targets = "simd")]
 fn decode_band(
     b: Band,
     all: &[f32],
@@ -490,6 +496,7 @@ fn decode_band(
 /// (`Mix`; in one pass over the contiguous band, which then stays in the core's cache for the chunks'
 /// strided reads), then each chunk's top-k DCT coefficients into its part of `msg` ([indices as f32
 /// bits | values]); what is not sent stays in the band.
+#[multiversion(targets = "simd")]
 fn encode_band(
     l: &Layout,
     (band, grad): (&mut [f32], &[f32]),
@@ -536,13 +543,10 @@ fn encode_band(
     }
 }
 
-/// torch.sign: 0 stays 0.
+/// torch.sign: 0 stays 0 (and NaN gives 0). Without branches, so that a row of them vectorizes.
+#[inline(always)]
 fn sign(d: f32) -> f32 {
-    match d {
-        d if d > 0.0 => 1.0,
-        d if d < 0.0 => -1.0,
-        _ => 0.0,
-    }
+    f32::from(u8::from(d > 0.0)) - f32::from(u8::from(d < 0.0))
 }
 
 /// Coefficients kept per chunk of layout `l`.
@@ -809,6 +813,24 @@ mod tests {
                 .iter()
                 .fold(0.0f32, |m, x| m.max(x.abs()));
             assert!(left < 1e-7, "step {step}: delta not spent ({left})");
+        }
+    }
+
+    /// The branchless sign is torch.sign's: +1, -1, and +0 for either zero (NaN too).
+    #[test]
+    fn sign_is_torch_sign() {
+        let cases = [
+            (2.5f32, 1.0f32),
+            (-1e-30, -1.0),
+            (f32::MIN_POSITIVE / 4.0, 1.0),
+            (f32::INFINITY, 1.0),
+            (f32::NEG_INFINITY, -1.0),
+            (0.0, 0.0),
+            (-0.0, 0.0),
+            (f32::NAN, 0.0),
+        ];
+        for (x, want) in cases {
+            assert_eq!(super::sign(x).to_bits(), want.to_bits(), "sign({x})");
         }
     }
 
