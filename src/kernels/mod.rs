@@ -284,7 +284,7 @@ const BITWISE_KEYS: usize = 1 << 16;
 /// the keys above it, then the first of those equal to it, are the k largest, which is all `take` and
 /// a sample's floor ask of it. Up to `BITWISE_KEYS` keys it is built from the top bit down: t keeps each
 /// bit with which at least k keys still reach it, and stops where exactly k do (a DeMo chunk's sample of
-/// 256 keys and its few hundred candidates: half the time of `select_nth_unstable` there); past that,
+/// 256 keys and its few hundred candidates: under half the time of `select_nth_unstable`); past that,
 /// the k-th largest by `select_nth_unstable`.
 fn threshold(keys: &mut [u32], k: usize) -> u32 {
     let n = keys.len();

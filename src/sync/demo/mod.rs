@@ -543,7 +543,8 @@ fn encode_band(
     }
 }
 
-/// torch.sign: 0 stays 0 (and NaN gives 0). Without branches, so that a row of them vectorizes.
+/// torch.sign: 0 stays 0 (NaN gives +0 here, where torch gives NaN). Without branches, so that a row
+/// of them vectorizes.
 #[inline(always)]
 fn sign(d: f32) -> f32 {
     f32::from(u8::from(d > 0.0)) - f32::from(u8::from(d < 0.0))
@@ -816,7 +817,8 @@ mod tests {
         }
     }
 
-    /// The branchless sign is torch.sign's: +1, -1, and +0 for either zero (NaN too).
+    /// The branchless sign: +1, -1, and +0 for either zero, as torch.sign; +0 for NaN, as the sign with
+    /// branches gave.
     #[test]
     fn sign_is_torch_sign() {
         let cases = [
