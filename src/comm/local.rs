@@ -5,16 +5,17 @@
 //! from their owners (all-gather), with a barrier between the phases: O(len) work and no extra memory per
 //! rank at any world size. Elements are added in the group's rank order on every rank, so all ranks get
 //! bit-identical results and runs are reproducible. The other collectives deposit this rank's buffer in
-//! its slot, wait at a barrier, read the slots, and wait again before the slots are reused. Barriers time out and name the ranks that
-//! never arrived; a worker that fails marks the group failed so the others stop at once instead of
-//! waiting for the timeout.
+//! its slot, wait at a barrier, read the slots, and wait again before the slots are reused;
+//! `all_gather_shared` posts a shared copy of the message and waits once, and the ranks read the posts in
+//! place. Barriers time out and name the ranks that never arrived; a worker that fails marks the group
+//! failed so the others stop at once instead of waiting for the timeout.
 
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
-use super::{all_reduce_bytes, check_gather, chunk, CommStats, Communicator, Regroup};
+use super::{all_reduce_bytes, check_gather, chunk, CommStats, Communicator, Gathered, Regroup};
 
 struct Barrier {
     generation: u64,
@@ -106,6 +107,11 @@ struct Shared {
     cv: Condvar,
     views: Vec<Mutex<View>>,
     slots: Vec<RwLock<Vec<f32>>>,
+    /// Each rank's messages of `all_gather_shared`, by the parity of the barrier generation they were
+    /// posted in, tagged with it: a rank posts its next one in the next generation at the earliest, into
+    /// the other place, and the one after that only once every member has passed the barrier after
+    /// which it read this one.
+    posted: Vec<[Mutex<Posted>; 2]>,
     /// Point-to-point mailboxes, index src * n + dst.
     mail: Vec<Mutex<Vec<f32>>>,
 }
@@ -185,6 +191,9 @@ impl Shared {
     }
 }
 
+/// A message of `all_gather_shared` and the barrier generation it was posted in.
+type Posted = (u64, Arc<[f32]>);
+
 /// One rank's handle on a local group. Its rank is its position among the members that take part now
 /// (all ranks, unless a membership schedule sent some away), its id its place in the whole group.
 pub struct LocalComm {
@@ -221,6 +230,9 @@ pub fn group(n: usize, timeout: Duration) -> Vec<LocalComm> {
             })
             .collect(),
         slots: (0..n).map(|_| RwLock::new(Vec::new())).collect(),
+        posted: (0..n)
+            .map(|_| [(); 2].map(|_| Mutex::new((u64::MAX, Arc::from(Vec::new())))))
+            .collect(),
         mail: (0..n * n).map(|_| Mutex::new(Vec::new())).collect(),
     });
     (0..n)
@@ -510,6 +522,43 @@ impl Communicator for LocalComm {
         Ok(())
     }
 
+    /// Posts `send` for the barrier this rank waits at next, then takes the members' posts of it: one
+    /// barrier, and no copy beyond the post.
+    fn all_gather_shared(&mut self, send: &[f32]) -> Result<Gathered> {
+        let (start, me) = (Instant::now(), self.id);
+        // The generation the next barrier completes: it cannot complete before this rank arrives.
+        let generation = self.shared.lock().generation;
+        let place = (generation % 2) as usize;
+        *self.shared.posted[me][place]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = (generation, Arc::from(send));
+        self.shared.wait(me)?;
+        let mut msgs = Vec::with_capacity(self.members.len());
+        for (q, &r) in self.members.iter().enumerate() {
+            let (posted_in, msg) = self.shared.posted[r][place]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            if posted_in != generation {
+                bail!(
+                    "rank {}: all-gather, where rank {q} reached the barrier by another collective",
+                    self.pos
+                );
+            }
+            if msg.len() != send.len() {
+                bail!(
+                    "rank {}: all-gather of {} values, rank {q} sent {} (ranks must gather the same length)",
+                    self.pos,
+                    send.len(),
+                    msg.len()
+                );
+            }
+            msgs.push(msg);
+        }
+        self.account((msgs.len() as u64 - 1) * send.len() as u64 * 4, start);
+        Ok(Gathered::shared(msgs))
+    }
+
     fn exchange(
         &mut self,
         sends: &[(usize, &[f32])],
@@ -589,6 +638,80 @@ mod tests {
             assert_eq!(r[2], 4.0);
             assert_eq!(r[3], if rank < 2 { 1.0 } else { 5.0 });
         }
+    }
+
+    /// Rank q's message of round r: its length is the round's, its words name q and r.
+    fn message(q: usize, r: usize) -> Vec<f32> {
+        (0..1 + r % 3)
+            .map(|i| (1000 * q + 10 * r + i) as f32)
+            .collect()
+    }
+
+    /// Back-to-back shared all-gathers, ranks running ahead of each other and holding the last round's
+    /// messages into the next: every rank reads every member's message of the round it asked for, the
+    /// same as `all_gather` writes, and counts the same bytes.
+    #[test]
+    fn shared_all_gathers_give_each_round_its_own_messages_while_ranks_run_ahead() {
+        let n = 5;
+        let comms = group(n, Duration::from_secs(30));
+        std::thread::scope(|s| {
+            for mut c in comms {
+                s.spawn(move || {
+                    let me = c.rank();
+                    let mut last: Option<(usize, Gathered)> = None;
+                    for r in 0..300 {
+                        if (r + me) % 7 == 0 {
+                            std::thread::sleep(Duration::from_micros(200));
+                        }
+                        let now = (r, c.all_gather_shared(&message(me, r)).unwrap());
+                        for (rr, g) in last.iter().chain([&now]) {
+                            assert_eq!(g.members(), n);
+                            for q in 0..n {
+                                assert_eq!(
+                                    g.msg(q),
+                                    message(q, *rr),
+                                    "rank {me}, round {r}: {q}'s"
+                                );
+                            }
+                        }
+                        last = Some(now);
+                    }
+                    let sent = c.stats().bytes_sent;
+                    let mut out = vec![0.0; 3 * n];
+                    c.all_gather(&message(me, 2), &mut out).unwrap();
+                    let packed = Gathered::packed(out, n);
+                    let shared = c.all_gather_shared(&message(me, 2)).unwrap();
+                    assert!(packed.iter().eq(shared.iter()), "rank {me}");
+                    let (once, twice) = (c.stats().bytes_sent - sent, 2 * (n as u64 - 1) * 12);
+                    assert_eq!(
+                        once, twice,
+                        "rank {me}: bytes of one all_gather and one shared"
+                    );
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn a_shared_all_gather_of_unequal_lengths_fails_on_every_rank() {
+        let comms = group(3, Duration::from_secs(10));
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|mut c| {
+                    s.spawn(move || {
+                        let send = vec![1.0; if c.rank() == 1 { 2 } else { 3 }];
+                        format!("{:#}", c.all_gather_shared(&send).err().unwrap())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(
+            errs.iter()
+                .all(|e| e.contains("rank 1 sent 2") || e.contains("all-gather of 2 values")),
+            "{errs:?}"
+        );
     }
 
     #[test]

@@ -147,6 +147,58 @@ pub fn all_reduce_mean_device(
     Ok(())
 }
 
+/// Every member's message of an all-gather, in rank order (`Communicator::all_gather_shared`): one
+/// buffer of this rank's, or the members' own messages where the engine shares them.
+pub struct Gathered(Messages);
+
+enum Messages {
+    /// `n` messages end to end.
+    Packed { all: Vec<f32>, n: usize },
+    /// Each member's message as it posted it (the local engine).
+    Shared(Vec<std::sync::Arc<[f32]>>),
+}
+
+impl Gathered {
+    /// `n` messages of equal length end to end in `all`.
+    pub fn packed(all: Vec<f32>, n: usize) -> Self {
+        assert!(
+            n > 0 && all.len().is_multiple_of(n),
+            "{} values are not {n} equal messages",
+            all.len()
+        );
+        Self(Messages::Packed { all, n })
+    }
+
+    /// The members' messages (of equal length), shared.
+    pub fn shared(msgs: Vec<std::sync::Arc<[f32]>>) -> Self {
+        Self(Messages::Shared(msgs))
+    }
+
+    /// How many members sent a message.
+    pub fn members(&self) -> usize {
+        match &self.0 {
+            Messages::Packed { n, .. } => *n,
+            Messages::Shared(m) => m.len(),
+        }
+    }
+
+    /// Member `q`'s message.
+    pub fn msg(&self, q: usize) -> &[f32] {
+        match &self.0 {
+            Messages::Packed { all, n } => {
+                let len = all.len() / n;
+                &all[q * len..][..len]
+            }
+            Messages::Shared(m) => &m[q],
+        }
+    }
+
+    /// The messages in rank order.
+    pub fn iter(&self) -> impl Iterator<Item = &[f32]> + '_ {
+        (0..self.members()).map(|q| self.msg(q))
+    }
+}
+
 /// The output of an all-gather holds world size x the input.
 fn check_gather(send: &[f32], out: &[f32], n: usize) -> Result<()> {
     if out.len() != n * send.len() {
@@ -322,6 +374,16 @@ pub trait Communicator {
     fn group_all_reduce_sum(&mut self, buf: &mut [f32], group: &[usize]) -> Result<()>;
     /// Concatenation of every rank's `send` (all the same length), in rank order, into `out`.
     fn all_gather(&mut self, send: &[f32], out: &mut [f32]) -> Result<()>;
+    /// Every rank's `send` (all the same length), in rank order, where the engine may share the messages
+    /// instead of copying them into a buffer of this rank's: the local engine's N ranks then hold N
+    /// messages, not N^2 (each rank decodes what it needs from them). The same bytes on the wire as
+    /// `all_gather`.
+    fn all_gather_shared(&mut self, send: &[f32]) -> Result<Gathered> {
+        let n = self.world_size();
+        let mut all = vec![0.0f32; send.len() * n];
+        self.all_gather(send, &mut all)?;
+        Ok(Gathered::packed(all, n))
+    }
     /// Grouped point-to-point: sends `sends[i].1` to rank `sends[i].0` and receives from rank `recvs[j].0`
     /// into `recvs[j].1`, all in one call (the shape of NCCL's group start/end). Every rank calls it in
     /// the same round, with or without peers; the sizes of matching sends and receives agree.

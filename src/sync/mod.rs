@@ -678,7 +678,8 @@ pub fn build(
 
 /// What one worker's backend holds, in f32 values, for a model of `numel` parameters on `world` workers:
 /// `kept` for the whole run (residuals, send buffers, DiLoCo's global model), `during_step` at most
-/// beside it while a step runs (gathered messages, copies that live for one reduction). Bounds, not
+/// beside it while a step runs (gathered messages, copies that live for one reduction). With `shared`
+/// (the local engine) the workers' all-gathers share their messages (`Communicator::all_gather_shared`). Bounds, not
 /// exact counts where the size depends on the data (top-k's and Radius's selections count every tensor
 /// as a matrix); `tests/memory.rs` holds them to what the backends allocate.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -687,7 +688,12 @@ pub struct Footprint {
     pub during_step: u64,
 }
 
-pub fn footprint(plan: &SyncPlan, tensors: &[crate::kernels::Segment], world: u64) -> Footprint {
+pub fn footprint(
+    plan: &SyncPlan,
+    tensors: &[crate::kernels::Segment],
+    world: u64,
+    shared: bool,
+) -> Footprint {
     let numel = tensors.iter().map(|t| t.len as u64).sum::<u64>();
     let part = |f: f64| (f * numel as f64).ceil() as u64;
     match plan {
@@ -703,11 +709,11 @@ pub fn footprint(plan: &SyncPlan, tensors: &[crate::kernels::Segment], world: u6
             choco: Some(c),
             ..
         } => choco::footprint(c, *topology, world as usize, *ranks_per_node, tensors),
-        SyncPlan::Compressed(r) => reducer_footprint(r, numel, world),
+        SyncPlan::Compressed(r) => reducer_footprint(r, numel, world, shared),
         SyncPlan::Diloco { cfg, reducer } => {
-            let r = reducer
-                .as_ref()
-                .map_or_else(Footprint::default, |r| reducer_footprint(r, numel, world));
+            let r = reducer.as_ref().map_or_else(Footprint::default, |r| {
+                reducer_footprint(r, numel, world, shared)
+            });
             let momentum = if cfg.outer_momentum > 0.0 { numel } else { 0 };
             // The global model and momentum; a sync's pseudo-gradient, its local copy, and the delayed
             // fragment in flight.
@@ -721,30 +727,49 @@ pub fn footprint(plan: &SyncPlan, tensors: &[crate::kernels::Segment], world: u6
             kept: 2 * part(*p),
             during_step: 2 * part(*p),
         },
-        // The momentum and the last message (kept by the local engine's all-gather); per step the
-        // chunks' residuals and transforms, and every rank's coefficients.
+        // The momentum; per step the chunks' residuals and transforms; the coefficients all-gathered.
         SyncPlan::Demo { cfg, .. } => {
             let chunk = (cfg.chunk * cfg.chunk) as u64;
-            let sent = 2 * numel.div_ceil(chunk) * cfg.topk as u64;
+            let g = gathered(2 * numel.div_ceil(chunk) * cfg.topk as u64, world, shared);
             Footprint {
-                kept: numel + sent,
-                during_step: 4 * numel + sent * (world + 1),
+                kept: numel + g.kept,
+                during_step: 4 * numel + g.during_step,
             }
         }
     }
 }
 
-fn reducer_footprint(r: &crate::sync::plan::ReducerPlan, numel: u64, world: u64) -> Footprint {
+/// An all-gather of `words` per rank: the local engine's posts of a worker's last two messages, kept
+/// (each rank reads the others' in place), else during the step every rank's copy; and the send buffer.
+fn gathered(words: u64, world: u64, shared: bool) -> Footprint {
+    match shared {
+        true => Footprint {
+            kept: 2 * words,
+            during_step: words,
+        },
+        false => Footprint {
+            kept: 0,
+            during_step: words * (world + 1),
+        },
+    }
+}
+
+fn reducer_footprint(
+    r: &crate::sync::plan::ReducerPlan,
+    numel: u64,
+    world: u64,
+    shared: bool,
+) -> Footprint {
     use crate::sync::plan::ReducerPlan;
     let part = |f: f64| (f * numel as f64).ceil() as u64;
     match r {
-        // The residual and the last message (the local engine's all-gather keeps it); per step the
-        // selection (indices, values), its packed message and every rank's.
+        // The residual; per step the selection (indices, values); its message all-gathered.
         ReducerPlan::TopK(c) => {
             let k = part(c.density);
+            let g = gathered(2 * k, world, shared);
             Footprint {
-                kept: if c.error_feedback_on() { numel } else { 0 } + 2 * k,
-                during_step: 2 * k + 2 * k * (world + 1) + numel / 8,
+                kept: if c.error_feedback_on() { numel } else { 0 } + g.kept,
+                during_step: 2 * k + g.during_step + numel / 8,
             }
         }
         // The residual, the mask and the kept core (u32 each), Adam's moments with correction; per step
@@ -764,13 +789,14 @@ fn reducer_footprint(r: &crate::sync::plan::ReducerPlan, numel: u64, world: u64)
             kept: if cfg.error_feedback { numel } else { 0 } + part(0.25).min(numel),
             during_step: if cfg.error_feedback { 0 } else { 2 * numel } + part(0.25).min(numel),
         },
-        // The residual; per sync the selection (indices, values) and every rank's message (at most two
-        // words an entry) with this rank's.
+        // The residual; per sync the selection (indices, values); its message (at most two words an
+        // entry) all-gathered.
         ReducerPlan::SparseLoco(c) => {
             let k = part(c.density);
+            let g = gathered(2 * k, world, shared);
             Footprint {
-                kept: numel,
-                during_step: 2 * k + 2 * k * (world + 1),
+                kept: numel + g.kept,
+                during_step: 2 * k + g.during_step,
             }
         }
     }

@@ -100,10 +100,10 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
         .into_iter()
         .map(|(name, shape, _)| (name, shape));
     let tensors = crate::kernels::Segment::of_shapes(named);
-    let sync = crate::sync::footprint(&plan.sync, &tensors, plan.world_size as u64);
+    let sync = crate::sync::footprint(&plan.sync, &tensors, plan.world_size as u64, local);
     let optimizer = crate::optim::state_buffers(&t.optim, plan.sync.plain_sgd_in_loop());
     // Parameters and gradient (the local engine's reductions copy nothing; its all-gathers keep their
-    // last message, counted by the backends that gather).
+    // last two messages, counted by the backends that gather).
     let cuda = t.device == crate::config::train::Device::Cuda;
     let shared = super::replica::shared_by(plan, &t.optim, cuda);
     // A shared replica holds the parameters, the optimizer's buffers and the replicas' average.

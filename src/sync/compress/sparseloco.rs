@@ -25,7 +25,7 @@ use anyhow::{bail, Result};
 use rayon::prelude::*;
 
 use super::{k_of, per_tensor, Reducer, Report, Segment, State, StateBuf};
-use crate::comm::Communicator;
+use crate::comm::{Communicator, Gathered};
 use crate::config::backend::SparseLocoConfig;
 use crate::kernels;
 use crate::sync::bits::{BitReader, BitWriter};
@@ -227,11 +227,11 @@ impl SparseLoco {
     /// The mean of every rank's message (`all`, `words` each) into `out`, whatever it held: chunk by
     /// chunk, each zeroed, then each rank's values added in rank order, then times 1 / N, so that the
     /// chunk is in the core's first cache for its scattered additions.
-    fn decode_mean(&self, all: &[f32], words: usize, out: &mut [f32]) -> Result<()> {
-        let n = all.len() / words.max(1);
+    fn decode_mean(&self, all: &Gathered, out: &mut [f32]) -> Result<()> {
+        let n = all.members();
         let heads = self.tensors.len() * self.table_words();
         let mut msgs: Vec<_> = all
-            .chunks_exact(words)
+            .iter()
             .map(|m| (&m[..heads], BitReader::new(&m[heads..])))
             .collect();
         for (i, (t, out)) in self
@@ -290,7 +290,6 @@ impl Reducer for SparseLoco {
         grads: &mut [f32],
         _step: u64,
     ) -> Result<Report> {
-        let n = comm.world_size();
         let mut e = self.residual.take_host(grads.len());
         let beta = self.cfg.error_decay as f32;
         // e = beta e + d; the decoding then overwrites grads with the mean of what the ranks sent.
@@ -303,10 +302,9 @@ impl Reducer for SparseLoco {
             .max(0.0)
             .sqrt();
         let acc_norm = acc_squares.sqrt();
-        let mut all = vec![0.0f32; words * n];
-        comm.all_gather(&send, &mut all)?;
+        let all = comm.all_gather_shared(&send)?;
         // The rank-ordered sum of the decoded messages, then times 1 / N (all_reduce_mean's order).
-        self.decode_mean(&all, words, grads)?;
+        self.decode_mean(&all, grads)?;
         self.residual.keep_host(e);
         Ok(Report {
             error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),

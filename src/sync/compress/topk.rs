@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use super::{
     all_reduce, indices_to_f32, k_of, per_tensor, Reducer, Report, Segment, State, StateBuf,
 };
-use crate::comm::{all_reduce_mean, Communicator};
+use crate::comm::{all_reduce_mean, Communicator, Gathered};
 use crate::kernels;
 use crate::optim::global_norm;
 use crate::sync::trace::{Collective, Op, Overlap};
@@ -54,13 +54,12 @@ impl TopK {
     fn decode_mean(
         &self,
         grads: &mut [f32],
-        all: &[f32],
+        all: &Gathered,
         selected: &[(Vec<u32>, Vec<f32>)],
         dense: &[f32],
-        n: usize,
     ) {
         let kk: usize = selected.iter().map(|(i, _)| i.len()).sum();
-        let (mut pos, mut at, inv) = (0, 0, 1.0 / n as f32);
+        let (mut pos, mut at, inv) = (0, 0, 1.0 / all.members() as f32);
         let tensors = self.tensors.iter().zip(per_tensor(grads, &self.tensors));
         for ((t, g), (idx, _)) in tensors.zip(selected) {
             let own = match &self.part {
@@ -76,7 +75,7 @@ impl TopK {
                 pos += t.len;
                 continue;
             }
-            for part in all.chunks(2 * kk.max(1)).take(n) {
+            for part in all.iter() {
                 let (vals, ids) = part.split_at(kk);
                 let (vals, ids) = (&vals[at..at + idx.len()], &ids[at..at + idx.len()]);
                 let first = ids.partition_point(|i| (i.to_bits() as usize) < own.start);
@@ -98,7 +97,6 @@ impl Reducer for TopK {
         grads: &mut [f32],
         _step: u64,
     ) -> Result<Report> {
-        let n = comm.world_size();
         let mut residual = self.residual.take_host(grads.len());
         // The new residual starts as the whole accumulated gradient (gradient + residual, with error
         // feedback), and the gradient as zeros, into which the decoding adds what the ranks sent.
@@ -139,12 +137,11 @@ impl Reducer for TopK {
         selected
             .iter()
             .for_each(|(i, _)| send.extend(indices_to_f32(i)));
-        let mut all = vec![0.0f32; send.len() * n];
-        comm.all_gather(&send, &mut all)?;
+        let all = comm.all_gather_shared(&send)?;
 
         // The compression error (a pass over the residual) for the metrics rows, which rank 0 writes.
         let lost = (comm.rank() == 0).then(|| global_norm(&residual));
-        self.decode_mean(grads, &all, &selected, &dense, n);
+        self.decode_mean(grads, &all, &selected, &dense);
         if self.error_feedback {
             self.residual.keep_host(residual);
         }

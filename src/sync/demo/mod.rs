@@ -22,7 +22,7 @@ use rayon::prelude::*;
 use super::compress::{self, take, State};
 use super::trace::{Collective, Op, Overlap};
 use super::{Metrics, SyncBackend};
-use crate::comm::{Communicator, Parts};
+use crate::comm::{Communicator, Gathered, Parts};
 use crate::config::backend::DemoConfig;
 use crate::flat::{Flat, Place};
 use crate::kernels;
@@ -317,18 +317,12 @@ impl Demo {
         Ok(send)
     }
 
-    /// Each chunk's direction from every rank's message in `all` (n of them): the mean of each
+    /// Each chunk's direction from every rank's message in `all`: the mean of each
     /// coefficient over the ranks that sent it, transformed back; its sign goes to `grads` (torch.sign:
     /// 0 stays 0). Only the bands that meet `only` where it is given (a shared replica's part: the rest
     /// is left as it is).
-    fn decode(
-        &self,
-        grads: &mut [f32],
-        all: &[f32],
-        n: usize,
-        only: Option<Range<usize>>,
-    ) -> Result<()> {
-        let (dct, topk, words) = (&self.dct, self.cfg.topk, self.message_words());
+    fn decode(&self, grads: &mut [f32], all: &Gathered, only: Option<Range<usize>>) -> Result<()> {
+        let (dct, topk) = (&self.dct, self.cfg.topk);
         let meets = |b: &Band| {
             only.as_ref()
                 .is_none_or(|r| b.start < r.end && r.start < b.start + b.buf.len())
@@ -337,7 +331,7 @@ impl Demo {
         bands.retain(meets);
         bands
             .into_par_iter()
-            .for_each(|b| decode_band(b, all, n, words, dct, topk));
+            .for_each(|b| decode_band(b, all, dct, topk));
         Ok(())
     }
 
@@ -443,17 +437,10 @@ impl Demo {
     }
 }
 
-/// One band's directions from the `n` messages in `all` (`words` each), `Layout::group` chunks at a
+/// One band's directions from the messages in `all`, `Layout::group` chunks at a
 /// time: each coefficient's mean over the ranks that sent it, transformed back, its sign to the band.
 #[multiversion(targets = "simd")]
-fn decode_band(
-    b: Band,
-    all: &[f32],
-    n: usize,
-    words: usize,
-    dct: &HashMap<usize, Dct>,
-    topk: usize,
-) {
+fn decode_band(b: Band, all: &Gathered, dct: &HashMap<usize, Dct>, topk: usize) {
     let (l, k) = (b.l, kept(topk, &b.l));
     let (per, g) = (l.cols / l.cc, l.group());
     let size = l.cr * g * l.cc;
@@ -466,7 +453,7 @@ fn decode_band(
         sum.fill(0.0);
         let messages = |jc: usize| {
             let at = b.at + 2 * k * (j0 + jc);
-            (0..n).map(move |r| &all[r * words + at..][..2 * k])
+            all.iter().map(move |m| &m[at..][..2 * k])
         };
         for jc in 0..gn {
             for m in messages(jc) {
@@ -599,11 +586,10 @@ impl SyncBackend for Demo {
         // Every rank's coefficients, then each chunk's mean over the ranks that sent a coefficient.
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
         let before = self.comm.stats();
-        let mut all = vec![0.0f32; send.len() * n];
-        self.comm.all_gather(&send, &mut all)?;
+        let all = self.comm.all_gather_shared(&send)?;
         let after = self.comm.stats();
         let only = self.shared.filter(|_| n > 1).map(|p| p.of(rank));
-        self.decode(grads, &all, n, only)?;
+        self.decode(grads, &all, only)?;
         let report = compress::Report::default();
         self.tally
             .add(self.numel, n, rank, &before, &after, &report);
@@ -708,7 +694,8 @@ mod tests {
             all.extend(msg);
         }
         let mut grads = vec![f32::NAN; n];
-        demo.decode(&mut grads, &all, 2, None).unwrap();
+        demo.decode(&mut grads, &Gathered::packed(all.clone(), 2), None)
+            .unwrap();
         let mut args = [
             Arg::F32s(all),
             Arg::U32(words as u32),
@@ -774,7 +761,8 @@ mod tests {
                 .for_each(|(d, g)| *d = decay * *d + lr * g);
             let msg = reference.encode_as_is(&mut delta);
             let mut dir = vec![f32::NAN; n];
-            reference.decode(&mut dir, &msg, 1, None).unwrap();
+            let msg = Gathered::packed(msg, 1);
+            reference.decode(&mut dir, &msg, None).unwrap();
             assert_eq!(bits(&out), bits(&dir), "step {step}: the signs");
             let left = demo.delta.to_host().unwrap().into_owned();
             assert_eq!(bits(&left), bits(&delta), "step {step}: the momentum left");
@@ -950,7 +938,8 @@ mod tests {
                 );
             }
             let mut dir = vec![f32::NAN; demo.numel];
-            demo.decode(&mut dir, &all, 3, None).unwrap();
+            let all = Gathered::packed(all, 3);
+            demo.decode(&mut dir, &all, None).unwrap();
             assert_eq!(
                 bits(&dir),
                 bits(&want_dir),
@@ -962,7 +951,7 @@ mod tests {
 
     /// On a shared replica each of three ranks decodes the bands that meet its part: there, the
     /// direction of the whole decoding bit for bit; the bands that do not are left as they were.
-    fn shared_decoding_matches(demo: &Demo, all: &[f32], want: &[f32]) {
+    fn shared_decoding_matches(demo: &Demo, all: &Gathered, want: &[f32]) {
         let parts = Parts {
             len: demo.numel,
             n: 3,
@@ -971,7 +960,7 @@ mod tests {
         for rank in 0..3 {
             let r = parts.of(rank);
             let mut dir = vec![f32::NAN; demo.numel];
-            demo.decode(&mut dir, all, 3, Some(r.clone())).unwrap();
+            demo.decode(&mut dir, all, Some(r.clone())).unwrap();
             assert_eq!(bits(&dir[r.clone()]), bits(&want[r.clone()]), "rank {rank}");
             let left = dir.iter().filter(|d| d.is_nan()).count();
             assert!(
