@@ -3,8 +3,11 @@
 sequence each), the seconds from the command to the start of the first step, as the run logs it
 (`startup_s`: config, plan, the workers' state, every worker built; the evaluation at start is off), and
 the first step's own time (the workers' buffers are first touched there). Each run is stopped once its
-first row is written (512 workers' checkpoints would take gigabytes). The last column is the wall time from the launch to that row (the
-command, the first step, and the row), comparable with builds that do not log `startup_s`.
+first row is written (512 workers' checkpoints would take gigabytes). Then the wall time from the launch
+to that row (the command, the first step, and the row), comparable with builds that do not log
+`startup_s`, and the process's peak resident memory at that row (VmHWM: what the start and the first step
+had to map). Above the table, the rate at which this machine maps fresh memory, measured first (on a VM
+that returns freed memory to its host, the first touch costs more than the kernel's zeroing).
 
 Compressed gossip with `consensus_step = "auto"` tunes its gamma in the plan, before any worker exists (and
 512 CHOCO workers keep 2 model-sized buffers per group they meet: 41 GB on exp, more than this machine
@@ -16,12 +19,15 @@ has), so its rows time `nanodist check` at the same world, twice in a cache dire
 Needs a release build (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 """
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +56,32 @@ TUNED = [
 ]
 
 
+def fresh_memory_rate(gb=4.0, threads=2):
+    """GB/s at which this process maps and writes `gb` of fresh memory from `threads` threads (memset
+    through ctypes, which runs without the GIL): the floor under any start that must map its buffers."""
+    size = int(gb * 1e9) // mmap.PAGESIZE * mmap.PAGESIZE
+    m = mmap.mmap(-1, size)
+    view = ctypes.c_char.from_buffer(m)
+    base, part = ctypes.addressof(view), size // threads
+    workers = [threading.Thread(target=ctypes.memset, args=(base + i * part, 1, part)) for i in range(threads)]
+    began = time.monotonic()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.monotonic() - began
+    del view
+    m.close()
+    return size / 1e9 / seconds
+
+
+def peak_gb(pid):
+    """The process's peak resident memory so far (VmHWM), in GB."""
+    with open(f"/proc/{pid}/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kb * 1024 / 1e9
+
+
 def first_row(exe, out, name, workers, sets, env, timeout):
     """The run's first metrics row (None: refused by the memory check, more workers than fit here)."""
     run_name = name.replace(" ", "-").replace("%", "pct").replace("=", "")
@@ -70,7 +102,7 @@ def first_row(exe, out, name, workers, sets, env, timeout):
                 with open(metrics) as f:
                     lines = [json.loads(line) for line in f if line.strip()]
                 if lines:
-                    return dict(lines[0], wall_s=time.monotonic() - began)
+                    return dict(lines[0], wall_s=time.monotonic() - began, peak_gb=peak_gb(proc.pid))
             if proc.poll() is not None:
                 err = proc.stderr.read()
                 if "of memory" in err and "available" in err:
@@ -114,16 +146,18 @@ def main():
     cache = tempfile.mkdtemp(prefix="nanodist-cache-")
     env = dict(os.environ, NANODIST_CACHE_DIR=cache)
     try:
-        print("| backend | workers | command to first step (s) | first step (ms) | first row written (s) |")
-        print("|---|---|---|---|---|")
+        print(f"Fresh memory, mapped and written by 2 threads: {fresh_memory_rate():.2f} GB/s (4 GB)\n")
+        print("| backend | workers | command to first step (s) | first step (ms) | first row written (s) "
+              "| peak memory at the first row (GB) |")
+        print("|---|---|---|---|---|---|")
         for name, sets in [r for r in runs if r in RUNS]:
             row = first_row(a.nanodist, out, name, a.workers, sets, env, a.timeout)
             if row is None:
-                print(f"| {name} | {a.workers} | does not fit in this machine's memory | |", flush=True)
+                print(f"| {name} | {a.workers} | does not fit in this machine's memory | | | |", flush=True)
                 continue
             startup = f"{row['startup_s']:.2f}" if "startup_s" in row else "not logged"
-            print(f"| {name} | {a.workers} | {startup} | {row['ms_per_step']:.0f} | {row['wall_s']:.1f} |",
-                  flush=True)
+            print(f"| {name} | {a.workers} | {startup} | {row['ms_per_step']:.0f} | {row['wall_s']:.1f} "
+                  f"| {row['peak_gb']:.2f} |", flush=True)
         tuned = [r for r in runs if r in TUNED]
         if tuned:
             print()
