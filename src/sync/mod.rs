@@ -388,16 +388,28 @@ impl Gossip {
     /// This rank's group in `round` and the two mixing weights: (members, own, other), where
     /// x_i <- own * x_i + sum_{j in group} other * x_j.
     fn weights(&self, round: usize) -> Result<(&[usize], f32, f32)> {
+        let group = self.group(round)?;
+        let (own, other) = group.mix_weights();
+        Ok((&group.ranks, own, other))
+    }
+
+    /// This rank's group in `round`.
+    fn group(&self, round: usize) -> Result<&topology::Group> {
         let rank = self.comm.rank();
         let Some(group) = self.rounds[round].iter().find(|g| g.ranks.contains(&rank)) else {
             anyhow::bail!("rank {rank} is in no group of round {round}");
         };
-        let r = group.ranks.len();
-        if r == 1 {
-            return Ok((&group.ranks, 1.0, 0.0));
-        }
-        let other = ((1.0 - group.weight) / (r - 1) as f64) as f32;
-        Ok((&group.ranks, group.weight as f32 - other, other))
+        Ok(group)
+    }
+
+    /// The synchronous mix of a group whose mix is the sum alone (`Group::sums_in_place`): the
+    /// parameters scaled by `other` and summed over the group in place, without the send buffer. The
+    /// same bits as `prepare`, `send` and `apply`, whose 0 * x + s is s.
+    fn mix_in_place(&mut self, x: &mut [f32], round: usize) -> Result<()> {
+        let (group, _, other) = self.weights(round)?;
+        let group = group.to_vec();
+        crate::kernels::scale(x, other);
+        self.comm.group_all_reduce_sum(x, &group)
     }
 
     /// Fills the send buffer with other * x for `round` (where x is; the `scaled_copy` kernel or its twin).
@@ -489,6 +501,11 @@ impl SyncBackend for Gossip {
     /// sums x_j (1 - w) / (|R| - 1) over all members, and the local copy is scaled by w - (1 - w) / (|R| - 1).
     fn after_step_flat(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
         let round = (step % self.rounds.len() as u64) as usize;
+        let in_place = !self.overlap && self.group(round)?.sums_in_place();
+        let params = match params {
+            FlatMut::Host(x) if in_place => return self.mix_in_place(x, round),
+            params => params,
+        };
         self.prepare(params.as_ref(), round)?;
         if self.overlap && step > 0 {
             self.pending = Some((round, false));
@@ -698,11 +715,21 @@ pub fn footprint(
     let part = |f: f64| (f * numel as f64).ceil() as u64;
     match plan {
         SyncPlan::AllReduce { .. } => Footprint::default(),
-        // The send buffer of the mix (overlap keeps it between steps).
-        SyncPlan::Gossip { choco: None, .. } => Footprint {
-            kept: numel,
-            during_step: 0,
-        },
+        // The send buffer of the mix (overlap keeps it between steps), which a synchronous mix whose
+        // groups sum in place does without.
+        SyncPlan::Gossip {
+            topology,
+            overlap,
+            ranks_per_node,
+            choco: None,
+        } => {
+            let in_place = topology::rounds(*topology, world as usize, *ranks_per_node)
+                .is_ok_and(|r| r.iter().flatten().all(topology::Group::sums_in_place));
+            Footprint {
+                kept: if *overlap || !in_place { numel } else { 0 },
+                during_step: 0,
+            }
+        }
         SyncPlan::Gossip {
             topology,
             ranks_per_node,

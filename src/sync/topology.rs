@@ -13,6 +13,25 @@ pub struct Group {
     pub weight: f64,
 }
 
+impl Group {
+    /// A member's two mixing weights (own, other), where x_i <- own * x_i + sum_{j in group} other * x_j
+    /// (the group sums other * x_j over all its members, as Decent-DP does).
+    pub fn mix_weights(&self) -> (f32, f32) {
+        let r = self.ranks.len();
+        if r == 1 {
+            return (1.0, 0.0);
+        }
+        let other = ((1.0 - self.weight) / (r - 1) as f64) as f32;
+        (self.weight as f32 - other, other)
+    }
+
+    /// Whether its members' mix is the sum alone (own = 0: uniform weights), which a group of several
+    /// can run in place on the parameters.
+    pub fn sums_in_place(&self) -> bool {
+        self.ranks.len() > 1 && self.mix_weights().0 == 0.0
+    }
+}
+
 pub type Round = Vec<Group>;
 
 /// Whether `topo` can mix `world` ranks laid out `per_node` to a node (the reference's constraints).

@@ -333,6 +333,59 @@ fn complete_gossip_is_the_global_average() {
     }
 }
 
+/// Synchronous gossip's mix, x_i <- own x_i + sum over the group of other x_j (summed in the group's
+/// order), bit for bit on every rank and round: a group of several (uniform weights, own = 0) sums the
+/// parameters in place; the lone rank of a ring over 5 (after a change of members) goes through the
+/// send buffer, as overlapped gossip does.
+#[test]
+fn synchronous_gossip_mixes_by_the_decent_dp_formula_in_place_or_through_its_buffer() {
+    for (topo, n) in [
+        (Topology::Ring, 6),
+        (Topology::Ring, 5),
+        (Topology::Exp, 8),
+        (Topology::Complete, 4),
+        (Topology::Complete, 6),
+    ] {
+        let rounds = topology::rounds_over(topo, n, n).unwrap();
+        let steps = 2 * rounds.len() as u64;
+        let out = on_ranks(n, |c| {
+            let rank = c.rank();
+            let mut g = Gossip::new(c, rounds.clone(), false, 50);
+            let mut p = replica(rank);
+            let mut seen = vec![p.clone()];
+            for step in 0..steps {
+                g.after_step(&mut p, step).unwrap();
+                seen.push(p.clone());
+            }
+            seen
+        });
+        for step in 0..steps as usize {
+            let round = &rounds[step % rounds.len()];
+            for (rank, got) in out.iter().enumerate() {
+                let group = round.iter().find(|g| g.ranks.contains(&rank)).unwrap();
+                let (own, other) = group.mix_weights();
+                let want: Vec<f32> = (0..50)
+                    .map(|i| {
+                        let mut terms = group.ranks.iter().map(|&j| other * out[j][step][i]);
+                        let first = terms.next().unwrap();
+                        let sum = terms.fold(first, |s, t| s + t);
+                        match group.ranks.len() {
+                            1 => out[rank][step][i],
+                            _ => own * out[rank][step][i] + sum,
+                        }
+                    })
+                    .collect();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got[step + 1]),
+                    bits(&want),
+                    "{topo:?} of {n}, rank {rank}, step {step}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn ring_gossip_shrinks_consensus_distance_and_keeps_the_mean() {
     let n = 6;
