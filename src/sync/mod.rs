@@ -696,9 +696,9 @@ pub fn build(
 /// What one worker's backend holds, in f32 values, for a model of `numel` parameters on `world` workers:
 /// `kept` for the whole run (residuals, send buffers, DiLoCo's global model), `during_step` at most
 /// beside it while a step runs (gathered messages, copies that live for one reduction). With `shared`
-/// (the local engine) the workers' all-gathers share their messages (`Communicator::all_gather_shared`). Bounds, not
-/// exact counts where the size depends on the data (top-k's and Radius's selections count every tensor
-/// as a matrix); `tests/memory.rs` holds them to what the backends allocate.
+/// (the local engine) the workers' all-gathers share their messages (`Communicator::all_gather_shared`).
+/// Bounds, not exact counts where the size depends on the data (top-k's and Radius's selections count
+/// every tensor as a matrix); `tests/memory.rs` holds them to what the backends allocate.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Footprint {
     pub kept: u64,
