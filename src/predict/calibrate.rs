@@ -143,40 +143,45 @@ pub fn sweep(comm: &mut dyn Communicator) -> Result<Vec<(usize, f64, f64)>> {
     Ok(out)
 }
 
-/// Bytes each rank swaps with each ring neighbour in `beside_compute`.
+/// Bytes each rank first swaps with each ring neighbour in `beside_compute`, to size the exchange.
 const BESIDE_BYTES: usize = 1 << 20;
+
+/// What `beside_compute` measured: the rate, and the bytes of the exchange it timed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BesideRate {
+    pub rate: f64,
+    pub bytes: usize,
+}
 
 /// How much slower an exchange runs beside training steps on the same ranks, as overlapped gossip's and
 /// streaming DiLoCo's collectives run beside the next step where a rank's core also moves the bytes:
-/// every rank swaps `BESIDE_BYTES` with both ring neighbours, first idle (`time`'s streamed form, E),
-/// then as training's overlapped step runs it: the exchange on this thread and, started with it, one
-/// forward and backward pass of the quick-start model on a scoped thread, step after step for about
+/// every rank swaps a message with both ring neighbours, first idle (`time`'s streamed form, E), then as
+/// training's overlapped step runs it: the exchange on this thread and, started with it, one forward
+/// and backward pass of the quick-start model on a scoped thread, step after step for about
 /// `STREAM_SECONDS` (the exchange's mean E', the compute's C). The rate is the model's that `predict`
 /// prices with (`predict::model::Beside`): the exchange progresses at 1 / r of its idle speed while
-/// the compute runs, so E' = r E if it ends first, else E + C (1 - 1 / r). The mean over the ranks;
-/// None with one rank. Every rank calls it.
-pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<f64>> {
+/// the compute runs, so E' = r E if it ends first, else E + C (1 - 1 / r). The message is sized so that
+/// its idle exchange takes about as long as one pass (`beside_bytes`): against a much longer exchange,
+/// the compute's effect is smaller than the link's own variation, and r is noise. The mean over the
+/// ranks; None with one rank. Every rank calls it.
+pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<BesideRate>> {
     let (n, me) = (comm.world_size(), comm.rank());
     if n < 2 {
         return Ok(None);
     }
     let mut peers = vec![(me + 1) % n, (me + n - 1) % n];
     peers.dedup();
-    let send = vec![1.0f32; BESIDE_BYTES / 4];
-    let mut recv = vec![vec![0.0f32; BESIDE_BYTES / 4]; peers.len()];
-    let mut swap = |c: &mut dyn Communicator| {
-        let sends: Vec<(usize, &[f32])> = peers.iter().map(|&p| (p, &send[..])).collect();
-        let mut recvs: Vec<(usize, &mut [f32])> = peers
-            .iter()
-            .zip(recv.iter_mut())
-            .map(|(&p, r)| (p, &mut r[..]))
-            .collect();
-        c.exchange(&sends, &mut recvs)
-    };
-    swap(comm)?;
-    let idle = time_streamed(comm, &mut swap)?;
     let mut probe = Probe::new(128, 6)?;
     probe.step()?;
+    let pass = median((0..3).map(|_| probe.step()).collect::<Result<_>>()?);
+    let mut first = Swap::new(&peers, BESIDE_BYTES);
+    first.run(comm)?;
+    let mut ratio = [(pass / time_streamed(comm, |c| first.run(c))?) as f32];
+    comm.all_reduce_sum(&mut ratio)?;
+    let bytes = beside_bytes(ratio[0] / n as f32);
+    let mut swap = Swap::new(&peers, bytes);
+    swap.run(comm)?;
+    let idle = time_streamed(comm, |c| swap.run(c))?;
     // Every rank runs as many steps (their exchanges meet).
     let mut each = [idle as f32];
     comm.all_reduce_sum(&mut each)?;
@@ -187,7 +192,7 @@ pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<f64>> {
         let (e, c) = std::thread::scope(|s| {
             let job = s.spawn(|| probe.step());
             let start = Instant::now();
-            let swapped = swap(comm);
+            let swapped = swap.run(comm);
             let e = start.elapsed().as_secs_f64();
             let c = job.join().unwrap_or_else(|_| {
                 Err(anyhow::anyhow!("the compute beside the exchange panicked"))
@@ -199,7 +204,49 @@ pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<f64>> {
     let r = beside_rate(idle, exchange / reps as f64, compute / reps as f64);
     let mut mean = [r as f32];
     comm.all_reduce_sum(&mut mean)?;
-    Ok(Some(f64::from(mean[0]) / n as f64))
+    Ok(Some(BesideRate {
+        rate: f64::from(mean[0]) / n as f64,
+        bytes,
+    }))
+}
+
+/// The message of `beside_compute` whose exchange takes about as long as the compute, from the
+/// compute's time over that of a `BESIDE_BYTES` exchange (the ranks' mean): `BESIDE_BYTES` scaled by
+/// it, as whole 4 KiB pages, 16 KiB to 4 MiB.
+fn beside_bytes(compute_over_exchange: f32) -> usize {
+    let scaled = BESIDE_BYTES as f32 * compute_over_exchange;
+    // max and min, unlike clamp, take a NaN to the bound.
+    let bytes = scaled.max((16 << 10) as f32).min((4 << 20) as f32) as usize;
+    bytes.next_multiple_of(4 << 10).min(4 << 20)
+}
+
+/// Messages to and from each ring neighbour, swapped at once (`Communicator::exchange`).
+struct Swap<'a> {
+    peers: &'a [usize],
+    send: Vec<f32>,
+    recv: Vec<Vec<f32>>,
+}
+
+impl<'a> Swap<'a> {
+    fn new(peers: &'a [usize], bytes: usize) -> Self {
+        let words = bytes / 4;
+        Self {
+            peers,
+            send: vec![1.0; words],
+            recv: vec![vec![0.0; words]; peers.len()],
+        }
+    }
+
+    fn run(&mut self, c: &mut dyn Communicator) -> Result<()> {
+        let sends: Vec<(usize, &[f32])> = self.peers.iter().map(|&p| (p, &self.send[..])).collect();
+        let mut recvs: Vec<(usize, &mut [f32])> = self
+            .peers
+            .iter()
+            .zip(self.recv.iter_mut())
+            .map(|(&p, r)| (p, &mut r[..]))
+            .collect();
+        c.exchange(&sends, &mut recvs)
+    }
 }
 
 /// The rate r of `beside_compute`'s model from an exchange of `idle` seconds alone that took `busy`
@@ -500,8 +547,8 @@ pub struct Measured {
     pub memory: f64,
     /// Throughput kept when two ranks share each core (None: not measured).
     pub sharing: Option<f64>,
-    /// The rate at which an exchange runs beside training steps (`beside_compute`).
-    pub beside: Option<f64>,
+    /// The rate at which an exchange runs beside training steps, and its size (`beside_compute`).
+    pub beside: Option<BesideRate>,
     /// (bytes, all-reduce seconds, ping-pong seconds).
     pub sweep: Vec<(usize, f64, f64)>,
     /// With one rank on each of 3 or more nodes: each node's own link (`node_messages`); else empty.
@@ -666,9 +713,9 @@ impl Measured {
                 s,
                 "# A ring exchange of {} with each neighbour runs at 1 / this of its idle speed while a \
                  training step runs beside it (measured on every rank, as overlapped steps run it).",
-                crate::units::bytes(BESIDE_BYTES as f64)
+                crate::units::bytes(b.bytes as f64)
             );
-            let _ = writeln!(s, "comm_beside_compute = {b:.4}");
+            let _ = writeln!(s, "comm_beside_compute = {:.4}", b.rate);
         }
         let _ = writeln!(s);
         self.device_toml(&mut s);
@@ -965,8 +1012,13 @@ mod tests {
             (4 << 20, 6.0, 2.0),
         ];
         let mut m = measured(4, 1, sweep.clone());
-        m.beside = Some(1.3456);
-        let p = super::super::profile::parse("lab.toml", &m.profile_toml()).unwrap();
+        m.beside = Some(BesideRate {
+            rate: 1.3456,
+            bytes: 96 << 10,
+        });
+        let text = m.profile_toml();
+        assert!(text.contains("A ring exchange of 98.3 kB"), "{text}");
+        let p = super::super::profile::parse("lab.toml", &text).unwrap();
         assert_eq!(p.devices_per_node, 1);
         assert_eq!(p.device.sharing_efficiency, None);
         assert_eq!(p.comm_beside_compute, Some(1.3456));
@@ -1017,13 +1069,27 @@ mod tests {
         assert_eq!(beside_rate(0.05, 0.02, 0.03), 1.0);
     }
 
-    /// Every rank of a group gets the same rate, finite and at least 1, with two ranks (one neighbour)
-    /// and three (two); one rank has no exchange to time.
+    /// The exchange is scaled to the compute's time, in whole pages within its bounds.
+    #[test]
+    fn beside_bytes_scale_the_first_exchange_to_the_compute() {
+        assert_eq!(beside_bytes(1.0), 1 << 20);
+        assert_eq!(beside_bytes(0.25), 256 << 10);
+        assert_eq!(beside_bytes(0.1), 104 << 10);
+        assert_eq!(beside_bytes(1e-4), 16 << 10);
+        assert_eq!(beside_bytes(3.0), 3 << 20);
+        assert_eq!(beside_bytes(100.0), 4 << 20);
+        assert_eq!(beside_bytes(f32::INFINITY), 4 << 20);
+        assert_eq!(beside_bytes(0.0), 16 << 10);
+        assert_eq!(beside_bytes(f32::NAN), 16 << 10);
+    }
+
+    /// Every rank of a group gets the same rate, finite and at least 1, and the same message size, with
+    /// two ranks (one neighbour) and three (two); one rank has no exchange to time.
     #[test]
     fn beside_compute_gives_every_rank_one_ratio() {
         for n in [1, 2, 3] {
             let comms = crate::comm::local::group(n, std::time::Duration::from_secs(60));
-            let got: Vec<Option<f64>> = std::thread::scope(|s| {
+            let got: Vec<Option<BesideRate>> = std::thread::scope(|s| {
                 let hs: Vec<_> = comms
                     .into_iter()
                     .map(|mut c| s.spawn(move || beside_compute(&mut c).unwrap()))
@@ -1034,7 +1100,8 @@ mod tests {
                 1 => assert_eq!(got, vec![None]),
                 _ => {
                     let r = got[0].unwrap();
-                    assert!(r.is_finite() && r >= 1.0, "{n}: {got:?}");
+                    assert!(r.rate.is_finite() && r.rate >= 1.0, "{n}: {got:?}");
+                    assert!((16 << 10..=4 << 20).contains(&r.bytes), "{n}: {got:?}");
                     assert!(got.iter().all(|g| *g == got[0]), "{n}: {got:?}");
                 }
             }

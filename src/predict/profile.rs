@@ -40,10 +40,11 @@ pub struct ClusterProfile {
     #[serde(default = "yes")]
     pub overlap_compute: bool,
     /// Where `overlap_compute` is false: a collective progresses at 1 / this of its idle speed while the
-    /// rank computes beside it (`nanodist calibrate`: a ring exchange of 1 MB with each neighbour, idle
-    /// and then beside training steps as overlapped steps run it). `predict RUN_DIR --measured` prices a
-    /// run's overlapped collectives at this slower pace while its forward and backward pass ran beside
-    /// them (`overlap_compute_ms`), at their idle pace after. Absent: not measured.
+    /// rank computes beside it (`nanodist calibrate`: a ring exchange with each neighbour, sized to take
+    /// about as long as a training step's compute, idle and then beside training steps as overlapped
+    /// steps run it). `predict RUN_DIR --measured` prices a run's overlapped collectives at this slower
+    /// pace while its forward and backward pass ran beside them (`overlap_compute_ms`), at their idle pace
+    /// after. Absent: not measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("exclusiveMinimum" = 0))]
     pub comm_beside_compute: Option<f64>,
