@@ -215,9 +215,9 @@ pub fn beside_compute(comm: &mut dyn Communicator) -> Result<Option<BesideRate>>
 /// it, as whole 4 KiB pages, 16 KiB to 4 MiB.
 fn beside_bytes(compute_over_exchange: f32) -> usize {
     let scaled = BESIDE_BYTES as f32 * compute_over_exchange;
-    // max and min, unlike clamp, take a NaN to the bound.
+    // max and min, unlike clamp, take a NaN to the bound; 4 MiB is itself a whole number of pages.
     let bytes = scaled.max((16 << 10) as f32).min((4 << 20) as f32) as usize;
-    bytes.next_multiple_of(4 << 10).min(4 << 20)
+    bytes.next_multiple_of(4 << 10)
 }
 
 /// Messages to and from each ring neighbour, swapped at once (`Communicator::exchange`).
