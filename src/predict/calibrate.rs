@@ -720,7 +720,27 @@ impl Measured {
         let _ = writeln!(s);
         self.device_toml(&mut s);
         self.links_toml(&mut s, spread);
+        if spread {
+            self.all_reduce_toml(&mut s);
+        }
         s.trim_end().to_string() + "\n"
+    }
+
+    /// `[all_reduce]`: the sweep's all-reduce over every node, one rank on each.
+    fn all_reduce_toml(&self, s: &mut String) {
+        let curve: Vec<[f64; 2]> = self
+            .sweep
+            .iter()
+            .map(|&(bytes, ar, _)| [bytes as f64, ar * 1e6])
+            .collect();
+        let _ = writeln!(
+            s,
+            "# The sweep's all-reduce over these {} nodes, [bytes, us]: an all-reduce over as many nodes, \
+             one rank on each, takes these times (MPI's algorithm for each size, a slow node's pace).",
+            self.ranks
+        );
+        let _ = writeln!(s, "[all_reduce]\nnodes = {}", self.ranks);
+        let _ = writeln!(s, "measured = [{}]", points(&curve));
     }
 
     fn device_toml(&self, s: &mut String) {
@@ -1039,6 +1059,32 @@ mod tests {
             let t = p.inter.swap_seconds(bytes as f64, 1);
             assert!((t / swap - 1.0).abs() < 1e-3, "{bytes}: {t} {swap}");
         }
+        // The all-reduce over the 4 nodes is the sweep's, at its sizes and between them as the ring over
+        // its messages gives it: predictions of links alike do not change.
+        let world = crate::sync::trace::Collective {
+            op: crate::sync::trace::Op::AllReduce { words: 0 },
+            groups: vec![(0..4).collect()],
+            overlap: crate::sync::trace::Overlap::None,
+        };
+        let layout = super::super::model::Layout {
+            world: 4,
+            ranks_per_node: 1,
+        };
+        let mut ring = p.clone();
+        ring.all_reduce = None;
+        for bytes in [4096u64, 1 << 19, 1 << 20, 3 << 20, 4 << 20, 9 << 20] {
+            let c = crate::sync::trace::Collective {
+                op: crate::sync::trace::Op::AllReduce { words: bytes / 4 },
+                ..world.clone()
+            };
+            let t = super::super::model::collective_seconds(&c, &layout, &p);
+            let r = super::super::model::collective_seconds(&c, &layout, &ring);
+            assert!((t / r - 1.0).abs() < 1e-3, "{bytes}: {t} {r}");
+            if let Some(&(_, secs, _)) = sweep.iter().find(|s| s.0 as u64 == bytes) {
+                assert!((t / secs - 1.0).abs() < 1e-3, "{bytes}: {t} {secs}");
+            }
+        }
+        assert_eq!(p.all_reduce.as_ref().map(|a| a.nodes), Some(4));
         let one = super::super::profile::parse(
             "l.toml",
             &measured(2, 2, vec![(4, 1e-5, 1e-5)]).profile_toml(),
@@ -1047,6 +1093,7 @@ mod tests {
         assert_eq!(one.devices_per_node, 2);
         assert_eq!(one.comm_beside_compute, None);
         assert!(one.inter.measured.is_empty() && one.intra.measured.is_empty());
+        assert_eq!(one.all_reduce, None);
     }
 
     /// `beside_rate` inverts `model::Beside::seconds`: the exchange the model gives for a rate of at

@@ -6,6 +6,8 @@
 //! - A group spanning nodes with m > 1 of its members on each node: hierarchical all-reduce (intra-node
 //!   reduce-scatter, all-reduce of each rank's 1/m shard across the nodes, intra-node all-gather).
 //!   Otherwise a group spanning nodes is a flat ring whose slowest hop is the inter-node link.
+//! - An all-reduce over every node, one rank on each, where the profile measured one over that many
+//!   nodes (`[all_reduce]`): its measured time.
 //! - NIC sharing (`nic_shared`): the ranks of a node that send off-node at the same time split its
 //!   bandwidth (all m ranks in the hierarchical all-reduce's middle phase; in a round of gossip, every
 //!   rank of the node whose group crosses nodes).
@@ -135,6 +137,14 @@ fn group_seconds(
         .for_each(|&r| *per_node.entry(layout.node(r)).or_default() += 1);
     let m = per_node.values().copied().max().unwrap_or(1);
     let regular = per_node.values().all(|&k| k == m);
+    // An all-reduce over every node, one rank on each, as it was measured.
+    let measured = match (&c.op, &p.all_reduce) {
+        (Op::AllReduce { .. }, Some(a)) if m == 1 && n == layout.nodes() => a.seconds(n, bytes),
+        _ => None,
+    };
+    if let Some(t) = measured {
+        return t;
+    }
     let inter = slowest(p, per_node.keys().copied(), bytes / n as f64);
     match c.op {
         Op::AllReduce { .. } if m > 1 && regular => {
@@ -323,6 +333,7 @@ mod tests {
             overlap_compute: true,
             comm_beside_compute: None,
             node_links: vec![],
+            all_reduce: None,
         }
     }
 
@@ -392,6 +403,68 @@ mod tests {
         close(
             collective_seconds(&c, &two, &p),
             6.0 * (1e-6 + 1e-3) + 2.0 * (1e-4 + 1e6 / (2.0 * 1e7)),
+        );
+    }
+
+    /// A measured all-reduce over every node, one rank on each, prices that all-reduce alone: a slow
+    /// node's ring would be slower here, but other groups, layouts, node counts and all-gathers keep the
+    /// model's own pricing.
+    #[test]
+    fn a_measured_all_reduce_prices_only_the_all_reduce_it_measured() {
+        let mut p = profile(false);
+        p.node_links.push(crate::predict::profile::NodeLink {
+            node: 1,
+            link: p.inter.slowed(10.0),
+        });
+        let before = p.clone();
+        p.all_reduce = Some(crate::predict::profile::MeasuredAllReduce {
+            nodes: 4,
+            measured: vec![[4e5, 20_000.0], [4e6, 200_000.0]],
+        });
+        let one = |world| Layout {
+            world,
+            ranks_per_node: 1,
+        };
+        let world = all_reduce(4_000_000, vec![(0..4).collect()], Overlap::None);
+        close(collective_seconds(&world, &one(4), &p), 0.2);
+        let half = all_reduce(2_200_000, vec![(0..4).collect()], Overlap::None);
+        close(collective_seconds(&half, &one(4), &p), 0.11);
+        let two = Layout {
+            world: 8,
+            ranks_per_node: 2,
+        };
+        let gather = Collective {
+            op: Op::AllGather {
+                pieces: vec![250_000],
+            },
+            groups: vec![(0..4).collect()],
+            overlap: Overlap::None,
+        };
+        let others = [
+            (
+                all_reduce(4_000_000, vec![vec![0, 1, 2]], Overlap::None),
+                one(4),
+            ),
+            (
+                all_reduce(4_000_000, vec![(0..5).collect()], Overlap::None),
+                one(5),
+            ),
+            (
+                all_reduce(4_000_000, vec![(0..8).collect()], Overlap::None),
+                two,
+            ),
+            (gather, one(4)),
+        ];
+        for (c, layout) in &others {
+            let (got, want) = (
+                collective_seconds(c, layout, &p),
+                collective_seconds(c, layout, &before),
+            );
+            close(got, want);
+        }
+        close(
+            collective_seconds(&world, &one(4), &before),
+            6.0 * (1e-4 + 1e6 / 1e7),
         );
     }
 

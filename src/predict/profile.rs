@@ -52,6 +52,33 @@ pub struct ClusterProfile {
     /// across nodes runs at its slowest member's link.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub node_links: Vec<NodeLink>,
+    /// An all-reduce over every node, one rank on each, as it was measured (`nanodist calibrate` across
+    /// nodes writes it). Such an all-reduce is interpolated from it: MPI picks its algorithm by size
+    /// (recursive doubling, rings, ...), which a ring over the slowest member's link does not price.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all_reduce: Option<MeasuredAllReduce>,
+}
+
+/// `[all_reduce]`: an all-reduce over `nodes` nodes, one rank on each, as measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MeasuredAllReduce {
+    /// The nodes it spanned: an all-reduce over this many nodes, one rank on each, takes its times.
+    #[schemars(extend("minimum" = 2))]
+    pub nodes: usize,
+    /// `[bytes, microseconds]` of the all-reduce of `bytes`, by ascending size (past the largest, at the
+    /// rate of the last two).
+    #[schemars(extend("minItems" = 2))]
+    pub measured: Vec<[f64; 2]>,
+}
+
+impl MeasuredAllReduce {
+    /// Seconds of the all-reduce of `bytes` over `nodes` nodes, one rank on each; None for other
+    /// counts, or where fewer than two points were given.
+    pub fn seconds(&self, nodes: usize, bytes: f64) -> Option<f64> {
+        (nodes == self.nodes && self.measured.len() >= 2)
+            .then(|| interpolate(&self.measured, bytes) * 1e-6)
+    }
 }
 
 fn yes() -> bool {
@@ -76,6 +103,9 @@ impl ClusterProfile {
         p.inter = p.inter.latency_free();
         for n in &mut p.node_links {
             n.link = n.link.latency_free();
+        }
+        if let Some(a) = &mut p.all_reduce {
+            a.measured = without_floor(&a.measured);
         }
         p
     }
@@ -267,19 +297,21 @@ impl Link {
 
     /// The link without its per-message latency (the smallest message's time, where measured).
     pub fn latency_free(&self) -> Link {
-        let free = |c: &[[f64; 2]]| {
-            let floor = c.first().map_or(0.0, |p| p[1]);
-            c.iter()
-                .map(|&[b, us]| [b, (us - floor).max(0.0)])
-                .collect()
-        };
         Link {
             latency_us: 0.0,
-            measured: free(&self.measured),
-            pairs: free(&self.pairs),
+            measured: without_floor(&self.measured),
+            pairs: without_floor(&self.pairs),
             ..self.clone()
         }
     }
+}
+
+/// A measured curve less its smallest message's time (its per-message latency).
+fn without_floor(c: &[[f64; 2]]) -> Vec<[f64; 2]> {
+    let floor = c.first().map_or(0.0, |p| p[1]);
+    c.iter()
+        .map(|&[b, us]| [b, (us - floor).max(0.0)])
+        .collect()
 }
 
 /// Microseconds at `bytes` on the piecewise-linear curve through `points` (at least two, ascending):
@@ -370,13 +402,8 @@ pub fn load(name: &str) -> anyhow::Result<Cluster> {
     })
 }
 
-/// Parses and checks a profile's text (`source` names it in messages).
-pub fn parse(source: &str, text: &str) -> Result<ClusterProfile, ConfigError> {
-    let fail = |problems: Vec<Problem>| ConfigError {
-        file: source.to_string(),
-        problems,
-    };
-    let (p, doc) = crate::config::parse_as::<ClusterProfile>(text, &[], &schema()).map_err(fail)?;
+/// Every measured curve of a profile, by its key path.
+fn curves(p: &ClusterProfile) -> Vec<(String, &[[f64; 2]])> {
     let mut links = vec![
         ("intra".to_string(), &p.intra),
         ("inter".to_string(), &p.inter),
@@ -384,18 +411,34 @@ pub fn parse(source: &str, text: &str) -> Result<ClusterProfile, ConfigError> {
     for (i, n) in p.node_links.iter().enumerate() {
         links.push((format!("node_links[{i}].link"), &n.link));
     }
-    let mut problems: Vec<Problem> = links
+    let mut out: Vec<(String, &[[f64; 2]])> = links
         .into_iter()
         .flat_map(|(name, l)| {
-            [("measured", &l.measured), ("pairs", &l.pairs)]
-                .into_iter()
-                .filter(|(_, c)| {
-                    c.windows(2).any(|w| w[1][0] <= w[0][0])
-                        || c.iter().any(|&[b, us]| b < 0.0 || us < 0.0)
-                })
-                .map(move |(key, _)| format!("{name}.{key}"))
+            [
+                (format!("{name}.measured"), l.measured.as_slice()),
+                (format!("{name}.pairs"), l.pairs.as_slice()),
+            ]
         })
-        .map(|at| {
+        .collect();
+    if let Some(a) = &p.all_reduce {
+        out.push(("all_reduce.measured".to_string(), a.measured.as_slice()));
+    }
+    out
+}
+
+/// Parses and checks a profile's text (`source` names it in messages).
+pub fn parse(source: &str, text: &str) -> Result<ClusterProfile, ConfigError> {
+    let fail = |problems: Vec<Problem>| ConfigError {
+        file: source.to_string(),
+        problems,
+    };
+    let (p, doc) = crate::config::parse_as::<ClusterProfile>(text, &[], &schema()).map_err(fail)?;
+    let mut problems: Vec<Problem> = curves(&p)
+        .into_iter()
+        .filter(|(_, c)| {
+            c.windows(2).any(|w| w[1][0] <= w[0][0]) || c.iter().any(|&[b, us]| b < 0.0 || us < 0.0)
+        })
+        .map(|(at, _)| {
             crate::config::validate::problem_at(
                 &doc,
                 &at,
@@ -454,6 +497,29 @@ mod tests {
             err.contains("inter.measured") && err.contains("ascending"),
             "{err}"
         );
+        let curve = |m: &str| {
+            format!(
+                "{}\n[all_reduce]\nnodes = 4\nmeasured = {m}\n",
+                BUILTIN[0].1
+            )
+        };
+        let err = parse("x.toml", &curve("[[10, 5.0], [8, 6.0]]")).unwrap_err();
+        let err = err.to_string();
+        assert!(
+            err.contains("all_reduce.measured") && err.contains("ascending"),
+            "{err}"
+        );
+        let err = parse("x.toml", &curve("[[10, 5.0]]"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("all_reduce.measured"), "{err}");
+        let p = parse("x.toml", &curve("[[10, 5.0], [20, 6.0]]")).unwrap();
+        let a = p.all_reduce.as_ref().unwrap();
+        assert_eq!(a.seconds(4, 15.0), Some(5.5e-6));
+        assert_eq!(a.seconds(3, 15.0), None);
+        // Latency-free: the smallest all-reduce's time comes off.
+        let free = p.latency_free().all_reduce.unwrap();
+        assert!((free.seconds(4, 30.0).unwrap() - 2e-6).abs() < 1e-15);
     }
 
     fn link(measured: Vec<[f64; 2]>) -> Link {
