@@ -263,6 +263,36 @@ impl Failer {
 }
 
 impl LocalComm {
+    /// Posts `send` for the barrier this rank waits at next, then takes the members' posts of it, in
+    /// member order (`what` names the collective in errors).
+    fn post_and_take(&mut self, send: &[f32], what: &str) -> Result<Vec<Arc<[f32]>>> {
+        let me = self.id;
+        // The generation the next barrier completes: it cannot complete before this rank arrives.
+        let generation = self.shared.lock().generation;
+        let place = (generation % 2) as usize;
+        *self.shared.posted[me][place]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = (generation, Arc::from(send));
+        self.shared.wait(me)?;
+        let take = |q: usize, r: usize| {
+            let (posted_in, msg) = self.shared.posted[r][place]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            match posted_in == generation {
+                true => Ok(msg),
+                false => Err(anyhow::anyhow!(
+                    "rank {}: {what}, where rank {q} reached the barrier by another collective",
+                    self.pos
+                )),
+            }
+        };
+        self.members
+            .iter()
+            .enumerate()
+            .map(|(q, &r)| take(q, r))
+            .collect()
+    }
     pub fn failer(&self) -> Failer {
         Failer {
             rank: self.id,
@@ -525,38 +555,28 @@ impl Communicator for LocalComm {
     /// Posts `send` for the barrier this rank waits at next, then takes the members' posts of it: one
     /// barrier, and no copy beyond the post.
     fn all_gather_shared(&mut self, send: &[f32]) -> Result<Gathered> {
-        let (start, me) = (Instant::now(), self.id);
-        // The generation the next barrier completes: it cannot complete before this rank arrives.
-        let generation = self.shared.lock().generation;
-        let place = (generation % 2) as usize;
-        *self.shared.posted[me][place]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = (generation, Arc::from(send));
-        self.shared.wait(me)?;
-        let mut msgs = Vec::with_capacity(self.members.len());
-        for (q, &r) in self.members.iter().enumerate() {
-            let (posted_in, msg) = self.shared.posted[r][place]
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone();
-            if posted_in != generation {
-                bail!(
-                    "rank {}: all-gather, where rank {q} reached the barrier by another collective",
-                    self.pos
-                );
-            }
-            if msg.len() != send.len() {
-                bail!(
-                    "rank {}: all-gather of {} values, rank {q} sent {} (ranks must gather the same length)",
-                    self.pos,
-                    send.len(),
-                    msg.len()
-                );
-            }
-            msgs.push(msg);
+        let start = Instant::now();
+        let msgs = self.post_and_take(send, "all-gather")?;
+        if let Some((q, msg)) = msgs.iter().enumerate().find(|(_, m)| m.len() != send.len()) {
+            bail!(
+                "rank {}: all-gather of {} values, rank {q} sent {} (ranks must gather the same length)",
+                self.pos,
+                send.len(),
+                msg.len()
+            );
         }
         self.account((msgs.len() as u64 - 1) * send.len() as u64 * 4, start);
         Ok(Gathered::shared(msgs))
+    }
+
+    fn shares_memory(&self) -> bool {
+        true
+    }
+
+    fn share_parts(&mut self, part: &[f32]) -> Result<Gathered> {
+        Ok(Gathered::shared(
+            self.post_and_take(part, "sharing of parts")?,
+        ))
     }
 
     fn exchange(
@@ -687,6 +707,36 @@ mod tests {
                         once, twice,
                         "rank {me}: bytes of one all_gather and one shared"
                     );
+                });
+            }
+        });
+    }
+
+    /// Shared parts of lengths that differ by rank and round, between shared all-gathers, ranks running
+    /// ahead: every rank reads every member's part of the round it asked for, and the parts count no
+    /// bytes.
+    #[test]
+    fn shared_parts_of_any_length_interleave_with_all_gathers_and_count_nothing() {
+        let n = 4;
+        let part = |q: usize, r: usize| vec![(q * 1000 + r) as f32; (q + r) % 3];
+        std::thread::scope(|s| {
+            for mut c in group(n, Duration::from_secs(30)) {
+                s.spawn(move || {
+                    let me = c.rank();
+                    assert!(c.shares_memory());
+                    for r in 0..200 {
+                        if (r + me) % 5 == 0 {
+                            std::thread::sleep(Duration::from_micros(200));
+                        }
+                        let sent = c.stats().bytes_sent;
+                        let parts = c.share_parts(&part(me, r)).unwrap();
+                        assert_eq!(c.stats().bytes_sent, sent, "rank {me}, round {r}");
+                        let gathered = c.all_gather_shared(&message(me, r)).unwrap();
+                        for q in 0..n {
+                            assert_eq!(parts.msg(q), part(q, r), "rank {me}, round {r}: {q}'s");
+                            assert_eq!(gathered.msg(q), message(q, r), "rank {me}, round {r}");
+                        }
+                    }
                 });
             }
         });

@@ -169,7 +169,7 @@ impl Gathered {
         Self(Messages::Packed { all, n })
     }
 
-    /// The members' messages (of equal length), shared.
+    /// The members' messages as they posted them (of equal length for an all-gather), shared.
     pub fn shared(msgs: Vec<std::sync::Arc<[f32]>>) -> Self {
         Self(Messages::Shared(msgs))
     }
@@ -383,6 +383,17 @@ pub trait Communicator {
         let mut all = vec![0.0f32; send.len() * n];
         self.all_gather(send, &mut all)?;
         Ok(Gathered::packed(all, n))
+    }
+    /// Whether the ranks share one address space (the local engine's threads): `share_parts` then hands
+    /// each rank the others' parts in place.
+    fn shares_memory(&self) -> bool {
+        false
+    }
+    /// Where `shares_memory`: every member's `part` (of any length) in rank order, read in place, at one
+    /// barrier. Nothing is counted as sent: nothing crosses a wire. Ranks split work whose result each of
+    /// them needs (each computes a part, then all read every part).
+    fn share_parts(&mut self, _part: &[f32]) -> Result<Gathered> {
+        anyhow::bail!("internal error: share_parts on an engine whose ranks do not share memory")
     }
     /// Grouped point-to-point: sends `sends[i].1` to rank `sends[i].0` and receives from rank `recvs[j].0`
     /// into `recvs[j].1`, all in one call (the shape of NCCL's group start/end). Every rank calls it in

@@ -91,6 +91,19 @@ impl<'a> BitReader<'a> {
         }
     }
 
+    /// A reader from bit `bit` of `words` on (bit 0 is the lowest of word 0, as `BitWriter` fills them).
+    pub fn at(words: &'a [f32], bit: u64) -> Self {
+        let mut r = Self::new(words);
+        r.word = (bit / 32) as usize;
+        match (bit % 32) as u32 {
+            0 => {}
+            skip => {
+                r.get(skip);
+            }
+        }
+        r
+    }
+
     pub fn get(&mut self, bits: u32) -> u32 {
         if self.have < bits {
             let w = self.words.get(self.word).map_or(0, |w| w.to_bits());
@@ -283,6 +296,27 @@ mod tests {
         let mut rest = [1u32; 40];
         r.get_all(24, &mut rest);
         assert_eq!(rest, [0; 40]);
+    }
+
+    /// A reader started at any bit reads the codes from there on as a reader from bit 0 does after
+    /// skipping that many.
+    #[test]
+    fn a_reader_at_a_bit_reads_what_follows_it() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let words: Vec<f32> = (0..40).map(|_| f32::from_bits(rng.random())).collect();
+        for bit in 0..=(40 * 32 - 7) as u64 {
+            let mut from = BitReader::new(&words);
+            let mut left = bit;
+            while left > 0 {
+                let b = left.min(31) as u32;
+                from.get(b);
+                left -= b as u64;
+            }
+            let mut at = BitReader::at(&words, bit);
+            for b in [7, 1, 13] {
+                assert_eq!(at.get(b), from.get(b), "bit {bit}");
+            }
+        }
     }
 
     /// `put_all` and `get_all`, called on runs of any length and mixed with single calls, give the

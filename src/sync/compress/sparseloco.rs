@@ -224,34 +224,81 @@ impl SparseLoco {
         removed.into_iter().sum()
     }
 
-    /// The mean of every rank's message (`all`, `words` each) into `out`, whatever it held: chunk by
-    /// chunk, each zeroed, then each rank's values added in rank order, then times 1 / N, so that the
-    /// chunk is in the core's first cache for its scattered additions.
-    fn decode_mean(&self, all: &Gathered, out: &mut [f32]) -> Result<()> {
-        let n = all.members();
-        let heads = self.tensors.len() * self.table_words();
-        let mut msgs: Vec<_> = all
-            .iter()
-            .map(|m| (&m[..heads], BitReader::new(&m[heads..])))
-            .collect();
-        for (i, (t, out)) in self
-            .tensors
-            .iter()
-            .zip(per_tensor(out, &self.tensors))
-            .enumerate()
-        {
-            let bits = index_bits(self.cfg.chunk.min(t.len));
-            let head = i * self.table_words()..(i + 1) * self.table_words();
+    /// Every tensor's chunks in order, each with its tensor and the first bit of its entries in a
+    /// message's bit stream.
+    fn stream_chunks(&self) -> Vec<(usize, Chunk, u64)> {
+        let mut bit = 0u64;
+        let mut out = Vec::new();
+        for (i, t) in self.tensors.iter().enumerate() {
+            let entry = (index_bits(self.cfg.chunk.min(t.len)) + self.cfg.bits) as u64;
             for c in self.chunks(t) {
-                let out = &mut out[c.start - t.offset..][..c.len];
-                out.fill(0.0);
-                for (h, r) in &mut msgs {
-                    self.decode_chunk(&c, (&h[head.clone()], bits), r, out)?;
-                }
-                if n > 1 {
-                    let s = 1.0 / n as f32;
-                    out.iter_mut().for_each(|v| *v *= s);
-                }
+                out.push((i, c, bit));
+                bit += c.k as u64 * entry;
+            }
+        }
+        out
+    }
+
+    /// The mean of every rank's message into `grads`, whatever it held. Where the ranks share memory,
+    /// each decodes the chunks that start in its 1/N of the buffer and reads the others' parts in place
+    /// (N messages decoded in all, not N^2); elsewhere every rank decodes every chunk.
+    fn decode_into(
+        &self,
+        comm: &mut dyn Communicator,
+        all: &Gathered,
+        grads: &mut [f32],
+    ) -> Result<()> {
+        let (chunks, n, len) = (self.stream_chunks(), comm.world_size(), grads.len());
+        if n < 2 || !comm.shares_memory() {
+            return self.decode_mean(all, &chunks, grads, 0);
+        }
+        let me = comm.rank();
+        let mine: Vec<_> = chunks
+            .into_iter()
+            .filter(|(_, c, _)| c.start * n / len == me)
+            .collect();
+        let base = mine.first().map_or(0, |(_, c, _)| c.start);
+        let end = mine.last().map_or(base, |(_, c, _)| c.start + c.len);
+        let mut part = vec![0.0f32; end - base];
+        self.decode_mean(all, &mine, &mut part, base)?;
+        let mut at = 0;
+        for p in comm.share_parts(&part)?.iter() {
+            let Some(to) = grads.get_mut(at..at + p.len()) else {
+                bail!("internal error: SparseLoCo's decoded parts overrun its {len} entries");
+            };
+            to.copy_from_slice(p);
+            at += p.len();
+        }
+        if at != len {
+            bail!("internal error: SparseLoCo's decoded parts cover {at} of its {len} entries");
+        }
+        Ok(())
+    }
+
+    /// The mean of every rank's message (`all`) over `chunks` (`stream_chunks`' entries) into `out`, the
+    /// flat entries from `base` on, whatever it held: chunk by chunk, each zeroed, then each rank's values
+    /// added in rank order, then times 1 / N, so that the chunk is in the core's first cache for its
+    /// scattered additions.
+    fn decode_mean(
+        &self,
+        all: &Gathered,
+        chunks: &[(usize, Chunk, u64)],
+        out: &mut [f32],
+        base: usize,
+    ) -> Result<()> {
+        let (n, tw) = (all.members(), self.table_words());
+        let heads = self.tensors.len() * tw;
+        for &(i, c, bit) in chunks {
+            let bits = index_bits(self.cfg.chunk.min(self.tensors[i].len));
+            let out = &mut out[c.start - base..][..c.len];
+            out.fill(0.0);
+            for m in all.iter() {
+                let mut r = BitReader::at(&m[heads..], bit);
+                self.decode_chunk(&c, (&m[i * tw..(i + 1) * tw], bits), &mut r, out)?;
+            }
+            if n > 1 {
+                let s = 1.0 / n as f32;
+                out.iter_mut().for_each(|v| *v *= s);
             }
         }
         Ok(())
@@ -304,7 +351,7 @@ impl Reducer for SparseLoco {
         let acc_norm = acc_squares.sqrt();
         let all = comm.all_gather_shared(&send)?;
         // The rank-ordered sum of the decoded messages, then times 1 / N (all_reduce_mean's order).
-        self.decode_mean(&all, grads)?;
+        self.decode_into(comm, &all, grads)?;
         self.residual.keep_host(e);
         Ok(Report {
             error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),
@@ -444,5 +491,56 @@ mod tests {
         r.reduce(&mut Solo, &mut g, 0).unwrap();
         assert_eq!(g, first);
         assert!(r.residual.host().iter().all(|&x| x == 0.0));
+    }
+
+    /// On the local engine each rank decodes its part and reads the others': every rank gets, bit for
+    /// bit, the mean that one rank decoding every message gets, with more ranks than some tensors have
+    /// chunks, an odd chunk at each tensor's end and chunks that cross no part's edge; the bytes counted
+    /// are the all-gather's alone.
+    #[test]
+    fn ranks_that_share_memory_decode_a_part_each_to_the_same_bits() {
+        let tensors = Segment::from_shapes(&[(37, 1, false), (40, 30, true), (9, 70, true)]);
+        let numel: usize = tensors.iter().map(|t| t.len).sum();
+        for (n, bits) in [(2, 2), (5, 4), (7, 32), (40, 8)] {
+            let c = cfg(0.05, 64, bits, 0.95);
+            let grads: Vec<Vec<f32>> = (0..n).map(|r| grad(numel, 10 + r as u32)).collect();
+            let messages: Vec<f32> = grads
+                .iter()
+                .flat_map(|g| {
+                    let r = SparseLoco::new(tensors.clone(), &c);
+                    let mut send = vec![0.0f32; r.words()];
+                    r.encode(&mut g.clone(), &mut send);
+                    send
+                })
+                .collect();
+            let r = SparseLoco::new(tensors.clone(), &c);
+            let mut want = vec![f32::NAN; numel];
+            let all = Gathered::packed(messages, n);
+            r.decode_mean(&all, &r.stream_chunks(), &mut want, 0)
+                .unwrap();
+            let comms = crate::comm::local::group(n, std::time::Duration::from_secs(60));
+            let got: Vec<(Vec<f32>, u64)> = std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .into_iter()
+                    .zip(&grads)
+                    .map(|(mut comm, g)| {
+                        let (tensors, c) = (tensors.clone(), c.clone());
+                        s.spawn(move || {
+                            let mut r = SparseLoco::new(tensors, &c);
+                            let mut g = g.clone();
+                            r.reduce(&mut comm, &mut g, 0).unwrap();
+                            (g, comm.stats().bytes_sent)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let sent = (n as u64 - 1) * r.words() as u64 * 4;
+            for (q, (g, bytes)) in got.iter().enumerate() {
+                let same = g.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{n} ranks, {bits} bits: rank {q}");
+                assert_eq!(*bytes, sent, "{n} ranks: rank {q}");
+            }
+        }
     }
 }
