@@ -293,6 +293,7 @@ impl LocalComm {
             .map(|(q, &r)| take(q, r))
             .collect()
     }
+
     pub fn failer(&self) -> Failer {
         Failer {
             rank: self.id,

@@ -135,6 +135,11 @@ impl SparseLoco {
         }
     }
 
+    /// Bits of one entry of tensor `t` in the stream: its index in the chunk, then its code.
+    fn entry_bits(&self, t: &Segment) -> u64 {
+        (index_bits(self.cfg.chunk.min(t.len)) + self.cfg.bits) as u64
+    }
+
     /// f32 words of one rank's message (the same on every rank).
     fn words(&self) -> usize {
         let stream: u64 = self
@@ -142,7 +147,7 @@ impl SparseLoco {
             .iter()
             .map(|t| {
                 let sent: usize = self.chunks(t).iter().map(|c| c.k).sum();
-                sent as u64 * (index_bits(self.cfg.chunk.min(t.len)) + self.cfg.bits) as u64
+                sent as u64 * self.entry_bits(t)
             })
             .sum();
         self.tensors.len() * self.table_words() + stream.div_ceil(32) as usize
@@ -230,7 +235,7 @@ impl SparseLoco {
         let mut bit = 0u64;
         let mut out = Vec::new();
         for (i, t) in self.tensors.iter().enumerate() {
-            let entry = (index_bits(self.cfg.chunk.min(t.len)) + self.cfg.bits) as u64;
+            let entry = self.entry_bits(t);
             for c in self.chunks(t) {
                 out.push((i, c, bit));
                 bit += c.k as u64 * entry;
