@@ -154,22 +154,38 @@ fn group_seconds(
         // one rank per node sends off-node; gossip groups of a round all send at once. Two ranks swap
         // their buffers.
         Op::AllReduce { .. } => {
-            let share = if p.nic_shared && c.groups.len() > 1 {
-                g.iter()
-                    .map(|&r| off_node[layout.node(r)])
-                    .max()
-                    .unwrap_or(1)
-            } else {
-                1
-            };
+            let share = pair_share(c, g, layout, p, off_node);
             match n {
                 2 => inter.swap_seconds(bytes, share),
                 _ => ring_all_reduce(n, bytes, shared(inter, share)),
             }
         }
+        // Two ranks swap their pieces (CHOCO's pairs): the measured swaps, where `calibrate` wrote them.
+        Op::AllGather { .. } | Op::ReduceScatter { .. } if n == 2 && !inter.pairs.is_empty() => {
+            inter.swap_seconds(bytes, pair_share(c, g, layout, p, off_node))
+        }
         Op::AllGather { .. } | Op::ReduceScatter { .. } => {
             ring_all_gather(n, bytes, shared(inter, 1))
         }
+    }
+}
+
+/// Senders that split each link of group `g` of `c`: its nodes' ranks that send off-node at once, with
+/// `nic_shared` and other groups beside it; else 1.
+fn pair_share(
+    c: &Collective,
+    g: &[usize],
+    layout: &Layout,
+    p: &ClusterProfile,
+    off_node: &[usize],
+) -> usize {
+    match p.nic_shared && c.groups.len() > 1 {
+        true => g
+            .iter()
+            .map(|&r| off_node[layout.node(r)])
+            .max()
+            .unwrap_or(1),
+        false => 1,
     }
 }
 
@@ -568,6 +584,25 @@ mod tests {
         p.nic_shared = true;
         let crossing = all_reduce(2_000_000, vec![vec![0, 2], vec![1, 3]], Overlap::None);
         close(collective_seconds(&crossing, &two, &p), 11_000e-6);
+        // CHOCO's pairs swap their pieces: the measured swaps too; three ranks gather on the ring.
+        p.nic_shared = false;
+        let gather = |bytes: u64, groups| Collective {
+            op: Op::AllGather {
+                pieces: vec![bytes / 4],
+            },
+            groups,
+            overlap: Overlap::None,
+        };
+        let swap = gather(2_000_000, vec![vec![0, 1], vec![2, 3]]);
+        close(collective_seconds(&swap, &one, &p), 7_000e-6);
+        let three = gather(1_000_000, vec![vec![0, 1, 2]]);
+        close(
+            collective_seconds(&three, &one, &p),
+            2.0 * (1e-5 + 1e6 / 1e8),
+        );
+        // Without measured swaps, a pair's pieces take one message each way, as before.
+        p.inter.pairs.clear();
+        close(collective_seconds(&swap, &one, &p), 1e-5 + 2e6 / 1e8);
     }
 
     const BOTH: Overlaps = Overlaps {
