@@ -854,8 +854,8 @@ impl Measured {
                     let _ = writeln!(
                         s,
                         "# Two ranks swapping S bytes each way, the other ranks' pairs beside them, \
-                         partners changing each time as ring gossip's do (the sweep's exchange): gossip \
-                         pairs take their time from these."
+                         partners changing each time as ring gossip's do (the sweep's exchange): gossip's \
+                         and CHOCO's pairs take their time from these."
                     );
                     let _ = writeln!(s, "pairs = [{}]", points(&self.swaps()));
                 }

@@ -154,7 +154,7 @@ fn group_seconds(
         // one rank per node sends off-node; gossip groups of a round all send at once. Two ranks swap
         // their buffers.
         Op::AllReduce { .. } => {
-            let share = pair_share(c, g, layout, p, off_node);
+            let share = link_share(c, g, layout, p, off_node);
             match n {
                 2 => inter.swap_seconds(bytes, share),
                 _ => ring_all_reduce(n, bytes, shared(inter, share)),
@@ -162,7 +162,7 @@ fn group_seconds(
         }
         // Two ranks swap their pieces (CHOCO's pairs): the measured swaps, where `calibrate` wrote them.
         Op::AllGather { .. } | Op::ReduceScatter { .. } if n == 2 && !inter.pairs.is_empty() => {
-            inter.swap_seconds(bytes, pair_share(c, g, layout, p, off_node))
+            inter.swap_seconds(bytes, link_share(c, g, layout, p, off_node))
         }
         Op::AllGather { .. } | Op::ReduceScatter { .. } => {
             ring_all_gather(n, bytes, shared(inter, 1))
@@ -172,7 +172,7 @@ fn group_seconds(
 
 /// Senders that split each link of group `g` of `c`: its nodes' ranks that send off-node at once, with
 /// `nic_shared` and other groups beside it; else 1.
-fn pair_share(
+fn link_share(
     c: &Collective,
     g: &[usize],
     layout: &Layout,
