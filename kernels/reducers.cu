@@ -322,6 +322,35 @@ __device__ void kept_inverse(float* p, float* q, unsigned r, unsigned c, const f
     __syncthreads();
 }
 
+// D_r^T K D_c of the r x c chunk K at p into q (p is left as scratch), for a sparse K: each row's K D_c
+// as a sparse sum from +0 over the row's nonzero entries in index order, each value times its basis row
+// of D_c, then D_r^T on the column. A thread per column, as `sparse_inverse` in src/sync/demo/dct.rs does
+// lane by lane (skipping zeros there, which changes no bit).
+__device__ void sparse_inverse(float* p, float* q, unsigned r, unsigned c, const float* da, const float* db) {
+    const unsigned m = c >> (__ffs(c) - 1);
+    const float* basis = db + c + (c - m) + m * m;
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) {
+        for (unsigned i = 0; i < r; i++) {
+            float acc = 0.0f;
+            for (unsigned f = 0; f < c; f++) {
+                const float v = p[i * c + f];
+                if (v != 0.0f) acc = acc + v * basis[f * c + j];
+            }
+            q[i * c + j] = acc;
+        }
+    }
+    __syncthreads();
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) {
+        for (unsigned i = 0; i < r; i++) q[i * c + j] *= da[i];
+        lee(q + j, p + j, c, r, da, true);
+    }
+    __syncthreads();
+}
+
+// Whether demo_decode inverts a chunk as sparse rows: `sparse_decode` in src/sync/demo/mod.rs (at most
+// DEMO_SPARSE_ROWS coefficients a row on average from the ranks' messages).
+#define DEMO_SPARSE_ROWS 4u
+
 // The k entries of largest |x| of x[0..n) (ties towards lower indices) in index order, as
 // kernels::top_k: the radix select of the threshold in the block, then `compact`. The indices go out as
 // the bits of f32 words (`indices_to_f32`).
@@ -400,10 +429,17 @@ extern "C" __global__ void demo_decode(const float* all, unsigned per_rank, unsi
     }
     for (unsigned o = threadIdx.x; o < n; o += BLOCK) sum[o] = count[o] > 0 ? sum[o] / (float)count[o] : 0.0f;
     __syncthreads();
-    // The counts are spent: their region is the transform's scratch.
-    dct2(sum, scratch + numel + ch.scratch, r, c, dct + ch.da, dct + ch.db, true);
+    // The counts are spent: their region is the transform's scratch (or, inverted as sparse rows, its
+    // output).
+    float* out = sum;
+    if (ranks * ch.k <= DEMO_SPARSE_ROWS * r) {
+        out = scratch + numel + ch.scratch;
+        sparse_inverse(sum, out, r, c, dct + ch.da, dct + ch.db);
+    } else {
+        dct2(sum, scratch + numel + ch.scratch, r, c, dct + ch.da, dct + ch.db, true);
+    }
     for (unsigned o = threadIdx.x; o < n; o += BLOCK) {
-        float d = sum[o];
+        float d = out[o];
         grads[ch.base + (size_t)(ch.row0 + o / c) * ch.cols + ch.col0 + o % c] =
             d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f);
     }

@@ -47,6 +47,10 @@ extern "C" __global__ void test_kept_inverse(float* p, float* q, unsigned r, uns
                                              unsigned k) {
     kept_inverse(p, q, r, c, da, db, idx, val, k);
 }
+extern "C" __global__ void test_sparse_inverse(float* p, float* q, unsigned r, unsigned c, const float* da,
+                                               const float* db) {
+    sparse_inverse(p, q, r, c, da, db);
+}
 "#;
 
 /// One argument of a launch, in the kernel's order: a buffer (updated in place by `launch`) or a scalar.

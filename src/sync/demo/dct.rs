@@ -13,7 +13,8 @@
 //! product was n^2 per vector; the sums are not the product's, so the two agree to rounding (the
 //! tests state how close). The encoding's inverse of a chunk's few kept coefficients skips the rows'
 //! transform: a row that holds kept coefficients gets their basis rows of D_c as a sparse sum, the
-//! others stay zero, and only the columns' transform runs (`kept_inverse`).
+//! others stay zero, and only the columns' transform runs (`kept_inverse`). So does the decoding's
+//! inverse of the ranks' mean coefficients while they are few (`sparse_inverse`).
 //!
 //! On the host every pass works on whole rows of the block (a column transform adds and scales rows;
 //! a row transform runs on the transposed block), so it vectorizes across the lanes of independent
@@ -117,6 +118,52 @@ pub(super) fn kept_inverse(
     stage(a, p, q, w, true);
 }
 
+/// D_r^T K D_c of each of `g` chunks side by side in p (as `transform` with `inverse`) into q, for a
+/// sparse K (the decoding's few sent coefficients): each row's K D_c as a sparse sum over the row's
+/// marked entries (from +0, in index order, each value times its basis row of D_c, as `kept_inverse`),
+/// then the column stage; p is left as scratch. `marks` (`mark`) holds a bit for each entry that may
+/// be nonzero; marking a zero changes no bit of the result: a sum that starts at +0 never becomes -0,
+/// and adding a zero product leaves it as it is.
+#[multiversion::multiversion(targets = "simd")]
+pub(super) fn sparse_inverse(
+    p: &mut [f32],
+    q: &mut [f32],
+    a: &Dct,
+    b: &Dct,
+    g: usize,
+    marks: &[u64],
+) {
+    let (c, w) = (b.n, g * b.n);
+    q.fill(0.0);
+    let rows = p.chunks_exact(w).zip(q.chunks_exact_mut(w));
+    for ((krow, orow), m) in rows.zip(marks.chunks_exact(w.div_ceil(64))) {
+        for (word, &bits) in m.iter().enumerate() {
+            let mut bits = bits;
+            while bits != 0 {
+                let at = word * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let (v, row) = (krow[at], &mut orow[at / c * c..][..c]);
+                let basis = &b.basis[at % c * c..][..c];
+                row.iter_mut().zip(basis).for_each(|(o, &d)| *o += v * d);
+            }
+        }
+    }
+    stage(a, q, p, w, true);
+}
+
+/// Words of `sparse_inverse`'s marks for a block of rows of w.
+pub(super) fn mark_words(rows: usize, w: usize) -> usize {
+    rows * w.div_ceil(64)
+}
+
+/// Marks entry `at` of a block of rows of w: bit t % 64 of word i ceil(w / 64) + t / 64 for row i,
+/// column t.
+#[inline(always)]
+pub(super) fn mark(marks: &mut [u64], at: usize, w: usize) {
+    let (i, t) = (at / w, at % w);
+    marks[i * w.div_ceil(64) + t / 64] |= 1 << (t % 64);
+}
+
 /// D x of each column of x (d.n rows of w): C, then S; with `inverse` D^T x: S, then C^T.
 #[inline(always)]
 fn stage(d: &Dct, x: &mut [f32], scratch: &mut [f32], w: usize, inverse: bool) {
@@ -137,6 +184,24 @@ fn stage(d: &Dct, x: &mut [f32], scratch: &mut [f32], w: usize, inverse: bool) {
 pub(super) fn transformed(x: &[f32], a: &Dct, b: &Dct, g: usize, inverse: bool) -> Vec<f32> {
     let (mut p, mut q) = (x.to_vec(), vec![0.0; x.len()]);
     transform(&mut p, &mut q, a, b, g, inverse);
+    p
+}
+
+/// A chunk's message of its nonzero entries: their indices as f32 bits, then their values.
+#[cfg(test)]
+pub(super) fn message(x: &[f32]) -> (Vec<f32>, usize) {
+    let at: Vec<usize> = (0..x.len()).filter(|&i| x[i] != 0.0).collect();
+    let mut m: Vec<f32> = at.iter().map(|&i| f32::from_bits(i as u32)).collect();
+    m.extend(at.iter().map(|&i| x[i]));
+    (m, at.len())
+}
+
+/// `kept_inverse` of the message of x's nonzero entries into a fresh block.
+#[cfg(test)]
+pub(super) fn kept_inverted(x: &[f32], a: &Dct, b: &Dct) -> Vec<f32> {
+    let (m, k) = message(x);
+    let (mut p, mut q) = (vec![f32::NAN; x.len()], vec![0.0; x.len()]);
+    kept_inverse(&mut p, &mut q, a, b, 1, &m, k);
     p
 }
 
@@ -866,26 +931,26 @@ mod tests {
         x
     }
 
-    /// A chunk's message of its nonzero entries: their indices as f32 bits, then their values.
-    fn message(x: &[f32]) -> (Vec<f32>, usize) {
-        let at: Vec<usize> = (0..x.len()).filter(|&i| x[i] != 0.0).collect();
-        let mut m: Vec<f32> = at.iter().map(|&i| f32::from_bits(i as u32)).collect();
-        m.extend(at.iter().map(|&i| x[i]));
-        (m, at.len())
-    }
-
-    /// `kept_inverse` of the message of x's nonzero entries into a fresh block.
-    fn kept_inverted(x: &[f32], a: &Dct, b: &Dct) -> Vec<f32> {
-        let (m, k) = message(x);
-        let (mut p, mut q) = (vec![f32::NAN; x.len()], vec![0.0; x.len()]);
-        kept_inverse(&mut p, &mut q, a, b, 1, &m, k);
-        p
+    /// `sparse_inverse` of x (g chunks side by side) into a fresh block, its nonzero entries marked or,
+    /// with `every`, all of them.
+    fn sparse_inverted(x: &[f32], a: &Dct, b: &Dct, g: usize, every: bool) -> Vec<f32> {
+        let w = g * b.n;
+        let mut marks = vec![0; mark_words(a.n, w)];
+        for (at, v) in x.iter().enumerate() {
+            if every || *v != 0.0 {
+                mark(&mut marks, at, w);
+            }
+        }
+        let (mut p, mut q) = (x.to_vec(), vec![f32::NAN; x.len()]);
+        sparse_inverse(&mut p, &mut q, a, b, g, &marks);
+        q
     }
 
     /// The fast transform is the orthonormal DCT: within 2e-6 of the exact f64 product relative to the
     /// block's norm (f32 rounding through the log2(n) levels; the dense f32 product it replaces was
     /// within 1e-6), both ways, on dense and sparse blocks; and the inverse undoes the forward. So is
-    /// the inverse of a few kept coefficients (`kept_inverse`).
+    /// the inverse of a few kept coefficients (`kept_inverse`), and the inverse as sparse rows
+    /// (`sparse_inverse`) is that one bit for bit, its nonzeros marked or every entry.
     #[test]
     fn the_fast_transform_is_the_orthonormal_dct_within_rounding() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
@@ -918,6 +983,15 @@ mod tests {
                     .map(|(&f, &w)| (f as f64 - w).abs())
                     .fold(0.0, f64::max);
                 assert!(err <= 2e-6 * norm, "{r} x {c}, {kept}: kept inverse {err}");
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                for every in [false, true] {
+                    let got = sparse_inverted(&x, &a, &b, 1, every);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&sparse),
+                        "{r} x {c}, {kept}: sparse, {every}"
+                    );
+                }
                 let back = transformed(&transformed(&x, &a, &b, 1, false), &a, &b, 1, true);
                 let err = x
                     .iter()
@@ -932,7 +1006,8 @@ mod tests {
     /// The row-wise transform of g chunks side by side (vectorized across the block's columns, then
     /// across the lanes of the transposed block) adds and scales the same floats in the same order as
     /// the kernels' thread per vector does for each chunk alone: bit for bit, both ways, on every chunk
-    /// shape DeMo makes, one to five chunks at a time, dense and sparse, zeros of either sign.
+    /// shape DeMo makes, one to five chunks at a time, dense and sparse, zeros of either sign. The
+    /// inverse as sparse rows of g chunks is each chunk's `kept_inverse` of its nonzeros, bit for bit.
     #[test]
     fn the_row_wise_transform_equals_the_vector_at_a_time_one_bit_for_bit() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
@@ -957,6 +1032,14 @@ mod tests {
                             .flat_map(move |ch| ch[i * c..(i + 1) * c].to_vec())
                     })
                     .collect();
+                let q = sparse_inverted(&x, &a, &b, g, false);
+                for (j, ch) in chunks.iter().enumerate() {
+                    let got: Vec<f32> = (0..r)
+                        .flat_map(|i| q[(i * g + j) * c..(i * g + j + 1) * c].to_vec())
+                        .collect();
+                    let want = kept_inverted(ch, &a, &b);
+                    assert_eq!(bits(&got), bits(&want), "{r} x {c}, {g}: {j}, sparse");
+                }
                 for inverse in [false, true] {
                     let fast = transformed(&x, &a, &b, g, inverse);
                     for (j, ch) in chunks.iter().enumerate() {
@@ -986,7 +1069,8 @@ mod tests {
 
     /// The kernels' `dct2` and `kept_inverse` (kernels/reducers.cu, run on the host by
     /// `kernels::emulate` as one block of 256 threads, through its test kernels) give the host
-    /// transforms' bits, both ways and for kept coefficients, on the chunk shapes DeMo makes: the GPU
+    /// transforms' bits, both ways, for kept coefficients and as sparse rows (`sparse_inverse`), on the
+    /// chunk shapes DeMo makes: the GPU
     /// twin checked without a GPU.
     #[test]
     fn the_kernels_transform_gives_the_same_bits() {
@@ -999,7 +1083,16 @@ mod tests {
         for (r, c) in [(64, 64), (29, 64), (48, 16), (1, 64), (6, 12), (7, 13)] {
             let (a, b) = (Dct::new(r), Dct::new(c));
             // Modes: 0 forward, 1 inverse, 2 the inverse of the kept (nonzero) coefficients.
-            let modes = [(r * c, 0), (r * c, 1), (5, 1), (5, 2), (r * c / 3, 2)];
+            // 3: the inverse as sparse rows.
+            let modes = [
+                (r * c, 0),
+                (r * c, 1),
+                (5, 1),
+                (5, 2),
+                (r * c / 3, 2),
+                (40, 3),
+                (r * c / 2, 3),
+            ];
             for (kept, mode) in modes {
                 let x = block(&mut rng, r * c, kept);
                 let (head, tail) = (
@@ -1026,6 +1119,16 @@ mod tests {
                         .concat();
                         e.launch("test_kept_inverse", (1, 1), &mut args);
                         (kept_inverted(&x, &a, &b), args[0].f32s().to_vec())
+                    }
+                    3 => {
+                        let mut args = [
+                            vec![Arg::F32s(x.clone()), Arg::F32s(vec![f32::NAN; r * c])],
+                            head.to_vec(),
+                            tail.map(Arg::F32s).to_vec(),
+                        ]
+                        .concat();
+                        e.launch("test_sparse_inverse", (1, 1), &mut args);
+                        (kept_inverted(&x, &a, &b), args[1].f32s().to_vec())
                     }
                     _ => {
                         let mut args = [

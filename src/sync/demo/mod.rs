@@ -30,7 +30,7 @@ use crate::kernels::Segment;
 
 mod dct;
 
-use dct::{kept_inverse, transform, Dct};
+use dct::{kept_inverse, mark, mark_words, sparse_inverse, transform, Dct};
 
 /// How a step's gradient enters the momentum: delta = decay delta + lr (g clip), with clip the factor
 /// of torch's clip_grad_norm_ (1 when the norm is within the limit: g clip is then g).
@@ -438,7 +438,8 @@ impl Demo {
 }
 
 /// One band's directions from the messages in `all`, `Layout::group` chunks at a
-/// time: each coefficient's mean over the ranks that sent it, transformed back, its sign to the band.
+/// time: each coefficient's mean over the ranks that sent it, transformed back (the sent entries
+/// marked, as sparse rows where `sparse_decode` takes them), its sign to the band.
 #[multiversion(targets = "simd")]
 fn decode_band(b: Band, all: &Gathered, dct: &HashMap<usize, Dct>, topk: usize) {
     let (l, k) = (b.l, kept(topk, &b.l));
@@ -446,11 +447,14 @@ fn decode_band(b: Band, all: &Gathered, dct: &HashMap<usize, Dct>, topk: usize) 
     let size = l.cr * g * l.cc;
     // count is back to zeros after each group: the mean resets the entries it divides.
     let (mut sum, mut count, mut spare) = (vec![0.0f32; size], vec![0u32; size], vec![0.0; size]);
+    let mut marks = vec![0u64; mark_words(l.cr, g * l.cc)];
     for j0 in (0..per).step_by(g) {
         let gn = g.min(per - j0);
         let len = l.cr * gn * l.cc;
         let (sum, spare) = (&mut sum[..len], &mut spare[..len]);
+        let marks = &mut marks[..mark_words(l.cr, gn * l.cc)];
         sum.fill(0.0);
+        marks.fill(0);
         let messages = |jc: usize| {
             let at = b.at + 2 * k * (j0 + jc);
             all.iter().map(move |m| &m[at..][..2 * k])
@@ -460,6 +464,7 @@ fn decode_band(b: Band, all: &Gathered, dct: &HashMap<usize, Dct>, topk: usize) 
                 for (i, &v) in m[..k].iter().zip(&m[k..]) {
                     let o = l.at(i.to_bits() as usize, jc, gn);
                     (sum[o], count[o]) = (sum[o] + v, count[o] + 1);
+                    mark(marks, o, gn * l.cc);
                 }
             }
         }
@@ -474,10 +479,30 @@ fn decode_band(b: Band, all: &Gathered, dct: &HashMap<usize, Dct>, topk: usize) 
                 }
             }
         }
-        transform(sum, spare, &dct[&l.cr], &dct[&l.cc], gn, true);
-        l.scatter_signs(b.buf, j0, gn, sum);
+        let (da, db) = (&dct[&l.cr], &dct[&l.cc]);
+        match sparse_decode(all.members(), k, l.cr) {
+            true => {
+                sparse_inverse(sum, spare, da, db, gn, marks);
+                l.scatter_signs(b.buf, j0, gn, spare);
+            }
+            false => {
+                transform(sum, spare, da, db, gn, true);
+                l.scatter_signs(b.buf, j0, gn, sum);
+            }
+        }
     }
 }
+
+/// Whether the decoding inverts a chunk's mean coefficients as sparse rows (`sparse_inverse`) rather
+/// than through the full transform: when the `ranks` messages of `k` coefficients can fill at most
+/// `SPARSE_ROWS` entries per row of the chunk's `r` on average, where the sparse sum costs less than
+/// the rows' transform and its two transposes. The kernels' `demo_decode` takes the same choice.
+fn sparse_decode(ranks: usize, k: usize, r: usize) -> bool {
+    ranks * k <= SPARSE_ROWS * r
+}
+
+/// The most coefficients per row, on average, that the decoding inverts as a sparse sum.
+const SPARSE_ROWS: usize = 4;
 
 /// One band's chunks, `Layout::group` at a time: the momentum `band` updated with the gradient's band
 /// (`Mix`; in one pass over the contiguous band, which then stays in the core's cache for the chunks'
@@ -708,6 +733,50 @@ mod tests {
         ];
         e.launch("demo_decode", (chunks, 1), &mut args);
         assert_eq!(bits(args[7].f32s()), bits(&grads), "the signs");
+        let all = Gathered::packed(args[0].f32s().to_vec(), 2);
+        for (at, want) in chunk_directions(&demo, &all) {
+            let got = &args[5].f32s()[at..][..want.len()];
+            assert_eq!(
+                bits(got),
+                bits(&want),
+                "the direction at {at} of the scratch"
+            );
+        }
+    }
+
+    /// Each chunk's direction before its sign as the host decodes it from `all` (each coefficient's mean
+    /// over the ranks that sent it, inverted as sparse rows or by the full transform as `sparse_decode`
+    /// chooses), and where `demo_decode` leaves it in its scratch: the sum's region, or the count's for
+    /// sparse rows. The signs alone would hide the kernel taking the other inverse (they differ in
+    /// rounding only).
+    fn chunk_directions(demo: &Demo, all: &Gathered) -> Vec<(usize, Vec<f32>)> {
+        let (table, _, _) = demo.table();
+        let fields = table.chunks_exact(kernels::CHUNK_FIELDS);
+        let mut out = Vec::new();
+        for ((l, _), f) in demo.chunks().into_iter().zip(fields) {
+            let (k, msg, scratch) = (kept(demo.cfg.topk, &l), f[7] as usize, f[10] as usize);
+            let (mut sum, mut count) = (vec![0.0f32; l.cr * l.cc], vec![0u32; l.cr * l.cc]);
+            for m in all.iter() {
+                for (i, &v) in m[msg..][..k].iter().zip(&m[msg + k..][..k]) {
+                    let i = i.to_bits() as usize;
+                    (sum[i], count[i]) = (sum[i] + v, count[i] + 1);
+                }
+            }
+            let mean: Vec<f32> = sum
+                .iter()
+                .zip(&count)
+                .map(|(&s, &c)| if c > 0 { s / c as f32 } else { 0.0 })
+                .collect();
+            let (da, db) = (&demo.dct[&l.cr], &demo.dct[&l.cc]);
+            out.push(match sparse_decode(all.members(), k, l.cr) {
+                true => (
+                    demo.numel + scratch,
+                    super::dct::kept_inverted(&mean, da, db),
+                ),
+                false => (scratch, transformed(&mean, da, db, 1, true)),
+            });
+        }
+        out
     }
 
     impl Demo {
@@ -844,7 +913,8 @@ mod tests {
 
     /// The reference encoding and decoding, chunk by chunk through `Layout::indices`: the transform
     /// (held to the exact DCT and to the kernels' order in `dct`), the top-k by a full sort (ties to
-    /// the lower index, in index order), the mean of each coefficient over the ranks that sent it.
+    /// the lower index, in index order), the mean of each coefficient over the ranks that sent it, its
+    /// inverse through `kept_inverse` of the nonzero means where the decoding takes sparse rows.
     fn reference(demo: &Demo, deltas: &mut [Vec<f32>]) -> (Vec<Vec<f32>>, Vec<f32>) {
         let mut msgs = vec![Vec::new(); deltas.len()];
         let mut dir = vec![0.0f32; demo.numel];
@@ -876,7 +946,10 @@ mod tests {
                 .zip(&count)
                 .map(|(&s, &n)| if n > 0 { s / n as f32 } else { 0.0 })
                 .collect();
-            let d = transformed(&mean, da, db, 1, true);
+            let d = match sparse_decode(deltas.len(), k, l.cr) {
+                true => super::dct::kept_inverted(&mean, da, db),
+                false => transformed(&mean, da, db, 1, true),
+            };
             for (j, &i) in at.iter().enumerate() {
                 dir[i] = if d[j] > 0.0 {
                     1.0
