@@ -482,8 +482,8 @@ fn decode_band(b: Band, all: &Gathered, dct: &HashMap<usize, Dct>, topk: usize) 
         let (da, db) = (&dct[&l.cr], &dct[&l.cc]);
         match sparse_decode(all.members(), k, l.cr) {
             true => {
-                sparse_inverse(sum, spare, da, db, gn, marks);
-                l.scatter_signs(b.buf, j0, gn, spare);
+                let dir = sparse_inverse(sum, spare, da, db, gn, marks);
+                l.scatter_signs(b.buf, j0, gn, dir);
             }
             false => {
                 transform(sum, spare, da, db, gn, true);
@@ -550,7 +550,7 @@ fn encode_band(
             mv.copy_from_slice(&val);
         }
         let group = &msg[2 * k * j0..2 * k * (j0 + gn)];
-        kept_inverse(sent, spare, da, db, gn, group, k);
+        let sent = kept_inverse(sent, spare, da, db, gn, group, k);
         l.subtract(band, j0, gn, sent);
     }
 }
@@ -935,7 +935,7 @@ mod tests {
                 let mut m: Vec<f32> = order.iter().map(|&i| f32::from_bits(i as u32)).collect();
                 m.extend(order.iter().map(|&i| coef[i]));
                 let (mut sent, mut q) = (vec![f32::NAN; at.len()], vec![0.0; at.len()]);
-                kept_inverse(&mut sent, &mut q, da, db, 1, &m, k);
+                let sent = kept_inverse(&mut sent, &mut q, da, db, 1, &m, k);
                 for (j, &i) in at.iter().enumerate() {
                     delta[i] = block[j] - sent[j];
                 }
