@@ -36,6 +36,9 @@ pub(super) struct Dct {
     /// D = S C, row k: frequency k (n x n), for the inverse of a chunk's few kept coefficients
     /// (`kept_inverse`).
     basis: Vec<f32>,
+    /// Whether S is applied in the pass on the whole vector (`merge3` last, `unmerge3` first) rather
+    /// than in a pass of its own: where n = m 8^j past 8.
+    folds: bool,
 }
 
 impl Dct {
@@ -58,6 +61,7 @@ impl Dct {
         let basis = (0..n * n)
             .map(|o| (s(o / n) * cos(o / n, o % n, n)) as f32)
             .collect();
+        let depth = n.trailing_zeros();
         Self {
             n,
             base,
@@ -65,6 +69,7 @@ impl Dct {
             twiddle,
             dense,
             basis,
+            folds: depth >= 3 && depth.is_multiple_of(3) && n != 8,
         }
     }
 
@@ -182,18 +187,18 @@ pub(super) fn mark(marks: &mut [u64], at: usize, w: usize) {
     marks[i * w.div_ceil(64) + t / 64] |= 1 << (t % 64);
 }
 
-/// D x of each column of x (d.n rows of w): C, then S; with `inverse` D^T x: S, then C^T. True where
-/// the result is in `scratch` rather than x (`lee`).
+/// D x of each column of x (d.n rows of w): C, then S; with `inverse` D^T x: S, then C^T (S in a pass
+/// of its own unless `lee` applies it). True where the result is in `scratch` rather than x (`lee`).
 #[inline(always)]
 fn stage(d: &Dct, x: &mut [f32], scratch: &mut [f32], w: usize, inverse: bool) -> bool {
-    if inverse {
+    if inverse && !d.folds {
         scale_rows(x, &d.scale, w);
     }
     let moved = match w {
         64 => lee::<64>(d, x, scratch, w, inverse),
         _ => lee::<0>(d, x, scratch, w, inverse),
     };
-    if !inverse {
+    if !inverse && !d.folds {
         scale_rows(if moved { scratch } else { x }, &d.scale, w);
     }
     moved
@@ -247,7 +252,8 @@ fn transpose(x: &mut [f32], y: &mut [f32], r: usize, c: usize, g: usize, back: b
 
 /// C x (or, with `inverse`, C^T x) of each column of p (d.n rows of w); q is scratch of p's length.
 /// Each pass reads one buffer and writes the other: true where the result ends in q (an odd number of
-/// passes), false where it is in p.
+/// passes), false where it is in p. Where `d.folds`, S x too (S first with `inverse`), in the pass on
+/// the whole vector: the same products as a pass of their own.
 #[inline(always)]
 fn lee<const W: usize>(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse: bool) -> bool {
     let w = if W > 0 { W } else { w };
@@ -258,7 +264,7 @@ fn lee<const W: usize>(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse:
     // Three levels a pass where three are left, else two, else one (`split3`, `split2`, `split`: the
     // same operations, a third or half of the loads and stores). Where n is 8^j, the last three
     // halvings and the first three merges (blocks of 8 rows) are one pass.
-    let fused = m == 1 && n >= 8 && n.trailing_zeros() % 3 == 0;
+    let fused = m == 1 && n >= 8 && n.trailing_zeros().is_multiple_of(3);
     let mut b = n;
     while b > if fused { 8 } else { m } {
         let levels = levels_left(b / m);
@@ -266,7 +272,8 @@ fn lee<const W: usize>(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse:
             (false, 3) => split3(src, dst, b, [t(b), t(b / 2), t(b / 4)], w),
             (false, 2) => split2(src, dst, b, [t(b), t(b / 2)], w),
             (false, _) => split(src, dst, b, t(b), w),
-            (true, 3) => unmerge3(src, dst, b, w),
+            (true, 3) if d.folds && b == n => unmerge3::<true>(src, dst, b, w, &d.scale),
+            (true, 3) => unmerge3::<false>(src, dst, b, w, &[]),
             (true, 2) => unmerge2(src, dst, b, w),
             (true, _) => unmerge(src, dst, b, w),
         }
@@ -286,7 +293,8 @@ fn lee<const W: usize>(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse:
         let levels = levels_left(n / b);
         b <<= levels;
         match (inverse, levels) {
-            (false, 3) => merge3(src, dst, b, w),
+            (false, 3) if d.folds && b == n => merge3::<true>(src, dst, b, w, &d.scale),
+            (false, 3) => merge3::<false>(src, dst, b, w, &[]),
             (false, 2) => merge2(src, dst, b, w),
             (false, _) => merge(src, dst, b, w),
             (true, 3) => unsplit3(src, dst, b, [t(b), t(b / 2), t(b / 4)], w),
@@ -662,14 +670,16 @@ fn part_rows<'a>(parts: &'a mut [&mut [f32]; 8], at: [usize; 8], w: usize) -> [&
 
 /// `merge` at b / 4 on the quarters, at b / 2 on the halves, then at b, in one pass (e = b / 8, E_k
 /// the block's eighths): rows 8j..8j + 8 of the block from row j of each eighth and, but for the last
-/// j, row j + 1 of all but the first.
+/// j, row j + 1 of all but the first. With S each row written is times its s (the block is the
+/// whole vector).
 #[inline(always)]
-fn merge3(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+fn merge3<const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f32]) {
     let e = b / 8;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         for (j, eight) in yb.chunks_exact_mut(8 * w).enumerate() {
             let out = eighths(eight, w);
             let r = |k: usize, next: usize| k * e + j + next;
+            let sj = scales::<S, 8>(s, std::array::from_fn(|k| 8 * j + k));
             match j + 1 < e {
                 true => {
                     let at = [
@@ -695,7 +705,7 @@ fn merge3(x: &[f32], y: &mut [f32], b: usize, w: usize) {
                         let (d1, f1) = (e5 + e5n, e7 + e7n);
                         let (m1, m3) = (e2 + c1, c1 + e2n);
                         let (n1, n3) = (e6 + f1, f1 + e6n);
-                        [e0, e4 + n1, m1, n1 + d1, a1, d1 + n3, m3, n3 + e4n]
+                        times::<S, 8>([e0, e4 + n1, m1, n1 + d1, a1, d1 + n3, m3, n3 + e4n], sj)
                     })
                 }
                 false => {
@@ -709,11 +719,34 @@ fn merge3(x: &[f32], y: &mut [f32], b: usize, w: usize) {
                         r(6, 0),
                         r(7, 0),
                     ];
-                    lanes(out, rows(xb, at, w), merge3_last)
+                    lanes(out, rows(xb, at, w), |v| times::<S, 8>(merge3_last(v), sj))
                 }
             }
         }
     }
+}
+
+/// s at rows `at` where S (the scale folded into a pass), else unused ones.
+#[inline(always)]
+fn scales<const S: bool, const N: usize>(s: &[f32], at: [usize; N]) -> [f32; N] {
+    let mut out = [1.0; N];
+    if S {
+        for (o, i) in out.iter_mut().zip(at) {
+            *o = s[i];
+        }
+    }
+    out
+}
+
+/// v times s entry by entry where S; v as it is otherwise.
+#[inline(always)]
+fn times<const S: bool, const N: usize>(mut v: [f32; N], s: [f32; N]) -> [f32; N] {
+    if S {
+        for (v, s) in v.iter_mut().zip(s) {
+            *v *= s;
+        }
+    }
+    v
 }
 
 /// One lane of `merge3`'s last j: row j of each eighth to the block's rows 8j..8j + 8.
@@ -724,9 +757,10 @@ fn merge3_last([e0, e1, e2, e3, e4, e5, e6, e7]: [f32; 8]) -> [f32; 8] {
 }
 
 /// `unmerge` at b, at b / 2 on the halves, then at b / 4 on the quarters, in one pass (e = b / 8): row
-/// j of each of the block's eighths from rows 8j - 7..8j + 8 (rows 0..8 for j = 0).
+/// j of each of the block's eighths from rows 8j - 7..8j + 8 (rows 0..8 for j = 0). With S each row
+/// read is times its s first (the block is the whole vector).
 #[inline(always)]
-fn unmerge3(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+fn unmerge3<const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f32]) {
     let e = b / 8;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let mut ys = eighths(yb, e * w);
@@ -743,7 +777,9 @@ fn unmerge3(x: &[f32], y: &mut [f32], b: usize, w: usize) {
                     for (o, d) in at[8..].iter_mut().zip(z) {
                         *o -= d;
                     }
+                    let sa = scales::<S, 15>(s, at);
                     lanes(out, rows(xb, at, w), |v: [f32; 15]| {
+                        let v = times::<S, 15>(v, sa);
                         let [x0, x1, x2, x3, x4, x5, x6, x7, p7, p6, p5, p4, p3, p2, p1] = v;
                         let (y31, q13) = (x3 + x1, p1 + p3);
                         [
@@ -758,7 +794,13 @@ fn unmerge3(x: &[f32], y: &mut [f32], b: usize, w: usize) {
                         ]
                     })
                 }
-                false => lanes(out, rows(xb, [0, 1, 2, 3, 4, 5, 6, 7], w), unmerge3_first),
+                false => {
+                    let at = [0, 1, 2, 3, 4, 5, 6, 7];
+                    let s0 = scales::<S, 8>(s, at);
+                    lanes(out, rows(xb, at, w), |v| {
+                        unmerge3_first(times::<S, 8>(v, s0))
+                    })
+                }
             }
         }
     }
