@@ -141,9 +141,9 @@ pub(super) fn kept_inverse<'a>(
 /// D_r^T K D_c of each of `g` chunks side by side in p (as `transform` with `inverse`), for a sparse K
 /// (the decoding's few sent coefficients): each row's K D_c as a sparse sum into q over the row's
 /// marked entries (from +0, in index order, each value times its basis row of D_c, as `kept_inverse`),
-/// then the column stage; returns the result, in q or (where the stage left it there) in p. `marks` (`mark`) holds a bit for each entry that may
-/// be nonzero; marking a zero changes no bit of the result: a sum that starts at +0 never becomes -0,
-/// and adding a zero product leaves it as it is.
+/// then the column stage; returns the result, in q or (where the stage left it there) in p. `marks`
+/// (`mark`) holds a bit for each entry that may be nonzero; marking a zero changes no bit of the
+/// result: a sum that starts at +0 never becomes -0, and adding a zero product leaves it as it is.
 #[multiversion::multiversion(targets = "simd")]
 pub(super) fn sparse_inverse<'a>(
     p: &'a mut [f32],
@@ -628,7 +628,7 @@ fn split3_lane(x: [f32; 8], (t1, t2, t3): ([f32; 4], [f32; 2], f32)) -> [f32; 8]
 }
 
 /// `split3` then `merge3` on each block of 8 rows (the last three halvings, down to single rows, and
-/// the first three merges) in one pass, for sizes 8 2^(3 k): the same operations in the same order,
+/// the first three merges) in one pass, for sizes 8^j: the same operations in the same order,
 /// half the loads and stores. Block b = 8 has e = 1: `split3` reads its rows in the order below and
 /// writes rows 0..8, which `merge3`'s last (only) j reads in order.
 #[inline(always)]
