@@ -127,9 +127,7 @@ pub(super) fn kept_inverse<'a>(
     for (jc, m) in msg.chunks_exact(2 * k).take(g).enumerate() {
         for (i, &v) in m[..k].iter().zip(&m[k..]) {
             let (u, f) = (i.to_bits() as usize / c, i.to_bits() as usize % c);
-            let row = &mut p[u * w + jc * c..][..c];
-            let basis = &b.basis[f * c..][..c];
-            row.iter_mut().zip(basis).for_each(|(o, &d)| *o += v * d);
+            add_scaled(&mut p[u * w + jc * c..][..c], &b.basis[f * c..], v);
         }
     }
     match stage(a, p, q, w, true) {
@@ -162,9 +160,11 @@ pub(super) fn sparse_inverse<'a>(
             while bits != 0 {
                 let at = word * 64 + bits.trailing_zeros() as usize;
                 bits &= bits - 1;
-                let (v, row) = (krow[at], &mut orow[at / c * c..][..c]);
-                let basis = &b.basis[at % c * c..][..c];
-                row.iter_mut().zip(basis).for_each(|(o, &d)| *o += v * d);
+                add_scaled(
+                    &mut orow[at / c * c..][..c],
+                    &b.basis[at % c * c..],
+                    krow[at],
+                );
             }
         }
     }
