@@ -14,6 +14,8 @@ pub(crate) mod emulate;
 pub mod gemm;
 pub mod optim;
 mod segment;
+mod stream;
+pub use stream::{sign, with_sign_stream, SignStream};
 pub mod thin;
 mod transpose;
 

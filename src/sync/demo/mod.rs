@@ -27,6 +27,7 @@ use crate::config::backend::DemoConfig;
 use crate::flat::{Flat, Place};
 use crate::kernels;
 use crate::kernels::Segment;
+use crate::kernels::{with_sign_stream, SignStream};
 
 mod dct;
 
@@ -78,11 +79,17 @@ impl Layout {
 
     /// Writes the signs of `block` to chunks `j..j + g` of a band (as `gather` reads them).
     #[inline(always)]
-    fn scatter_signs(&self, band: &mut [f32], j: usize, g: usize, block: &[f32]) {
+    fn scatter_signs(
+        &self,
+        s: &mut SignStream,
+        band: &mut [f32],
+        j: usize,
+        g: usize,
+        block: &[f32],
+    ) {
         let rows = band.chunks_exact_mut(self.cols);
         for (row, b) in rows.zip(block.chunks_exact(g * self.cc)) {
-            let row = &mut row[j * self.cc..(j + g) * self.cc];
-            row.iter_mut().zip(b).for_each(|(o, &d)| *o = sign(d));
+            s.store(&mut row[j * self.cc..(j + g) * self.cc], b);
         }
     }
 
@@ -323,6 +330,7 @@ impl Demo {
     /// is left as it is).
     fn decode(&self, grads: &mut [f32], all: &Gathered, only: Option<Range<usize>>) -> Result<()> {
         let (dct, topk) = (&self.dct, self.cfg.topk);
+        let past = std::mem::size_of_val(grads) > STREAM_ABOVE;
         let meets = |b: &Band| {
             only.as_ref()
                 .is_none_or(|r| b.start < r.end && r.start < b.start + b.buf.len())
@@ -331,7 +339,7 @@ impl Demo {
         bands.retain(meets);
         bands
             .into_par_iter()
-            .for_each(|b| decode_band(b, all, dct, topk));
+            .for_each(|b| with_sign_stream(past, |s| decode_band(b, s, all, dct, topk)));
         Ok(())
     }
 
@@ -441,7 +449,13 @@ impl Demo {
 /// time: each coefficient's mean over the ranks that sent it, transformed back (the sent entries
 /// marked, as sparse rows where `sparse_decode` takes them), its sign to the band.
 #[multiversion(targets = "simd")]
-fn decode_band(b: Band, all: &Gathered, dct: &HashMap<usize, Dct>, topk: usize) {
+fn decode_band(
+    b: Band,
+    s: &mut SignStream,
+    all: &Gathered,
+    dct: &HashMap<usize, Dct>,
+    topk: usize,
+) {
     let (l, k) = (b.l, kept(topk, &b.l));
     let (per, g) = (l.cols / l.cc, l.group());
     let size = l.cr * g * l.cc;
@@ -483,11 +497,11 @@ fn decode_band(b: Band, all: &Gathered, dct: &HashMap<usize, Dct>, topk: usize) 
         match sparse_decode(all.members(), k, l.cr) {
             true => {
                 let dir = sparse_inverse(sum, spare, da, db, gn, marks);
-                l.scatter_signs(b.buf, j0, gn, dir);
+                l.scatter_signs(s, b.buf, j0, gn, dir);
             }
             false => {
                 transform(sum, spare, da, db, gn, true);
-                l.scatter_signs(b.buf, j0, gn, sum);
+                l.scatter_signs(s, b.buf, j0, gn, sum);
             }
         }
     }
@@ -555,12 +569,9 @@ fn encode_band(
     }
 }
 
-/// torch.sign: 0 stays 0 (NaN gives +0 here, where torch gives NaN). Without branches, so that a row
-/// of them vectorizes.
-#[inline(always)]
-fn sign(d: f32) -> f32 {
-    f32::from(u8::from(d > 0.0)) - f32::from(u8::from(d < 0.0))
-}
+/// The size of a gradient (bytes) above which the decoding writes its signs past the caches: one that
+/// large is out of them by the time the optimizer reads it, and one that fits is read from them.
+const STREAM_ABOVE: usize = 64 << 20;
 
 /// Coefficients kept per chunk of layout `l`.
 fn kept(topk: usize, l: &Layout) -> usize {
@@ -889,7 +900,11 @@ mod tests {
             (f32::NAN, 0.0),
         ];
         for (x, want) in cases {
-            assert_eq!(super::sign(x).to_bits(), want.to_bits(), "sign({x})");
+            assert_eq!(
+                crate::kernels::sign(x).to_bits(),
+                want.to_bits(),
+                "sign({x})"
+            );
         }
     }
 

@@ -1,0 +1,137 @@
+//! Signs written past the caches, for a destination that is not read again soon.
+
+/// Writes signs, with non-temporal stores where asked and the CPU has AVX-512 (`with_sign_stream`).
+pub struct SignStream {
+    #[cfg(target_arch = "x86_64")]
+    avx512: bool,
+}
+
+/// Runs `f` with a `SignStream` that writes past the caches when `past_caches` (for a destination too
+/// large to stay in them until it is read); the stores it made are fenced (`sfence`) before this
+/// returns or unwinds, so that every later access, from any thread, sees them.
+pub fn with_sign_stream<R>(past_caches: bool, f: impl FnOnce(&mut SignStream) -> R) -> R {
+    /// Fences on drop: on return and on unwind alike.
+    struct Fence;
+    impl Drop for Fence {
+        fn drop(&mut self) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: SSE is part of x86_64's baseline.
+            unsafe {
+                std::arch::x86_64::_mm_sfence()
+            };
+        }
+    }
+    let _fence = Fence;
+    f(&mut SignStream {
+        #[cfg(target_arch = "x86_64")]
+        avx512: past_caches && std::arch::is_x86_feature_detected!("avx512f"),
+    })
+}
+
+impl SignStream {
+    /// `dst[i] = sign(src[i])`: +1, -1, or +0 for zeros and NaN. Past the caches with AVX-512, the
+    /// whole 64-byte lines of `dst` are written with non-temporal stores, which skip reading each line
+    /// into the cache before overwriting it (and leave it out of the cache). Inlined, so that the
+    /// plain loop takes the caller's target features (the decoding's `multiversion`).
+    #[inline(always)]
+    pub fn store(&mut self, dst: &mut [f32], src: &[f32]) {
+        assert_eq!(dst.len(), src.len(), "SignStream::store: lengths differ");
+        #[cfg(target_arch = "x86_64")]
+        if self.avx512 {
+            // SAFETY: the CPU has AVX-512F (probed by `with_sign_stream`); the fence that the
+            // non-temporal stores need runs when `with_sign_stream` ends.
+            unsafe { x86::store_signs(dst, src) };
+            return;
+        }
+        dst.iter_mut().zip(src).for_each(|(o, &d)| *o = sign(d));
+    }
+}
+
+/// torch.sign: 0 stays 0 (NaN gives +0 here, where torch gives NaN). Without branches, so that a row
+/// of them vectorizes.
+#[inline(always)]
+pub fn sign(d: f32) -> f32 {
+    f32::from(u8::from(d > 0.0)) - f32::from(u8::from(d < 0.0))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::sign;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU has AVX-512F, and an `_mm_sfence` runs before any other access to `dst`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn store_signs(dst: &mut [f32], src: &[f32]) {
+        let head = dst.as_ptr().align_offset(64).min(dst.len());
+        let lines = (dst.len() - head) / 16;
+        let (a, rest) = dst.split_at_mut(head);
+        let (mid, tail) = rest.split_at_mut(16 * lines);
+        a.iter_mut().zip(src).for_each(|(o, &d)| *o = sign(d));
+        let (one, minus, zero) = (
+            _mm512_set1_ps(1.0),
+            _mm512_set1_ps(-1.0),
+            _mm512_setzero_ps(),
+        );
+        let vs = src[head..head + 16 * lines].chunks_exact(16);
+        for (o, v) in mid.chunks_exact_mut(16).zip(vs) {
+            // SAFETY: `v` holds 16 floats; `o` holds 16 and starts a 64-byte line (`head`).
+            let d = unsafe { _mm512_loadu_ps(v.as_ptr()) };
+            let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(d, zero);
+            let neg = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(d, zero);
+            let s = _mm512_mask_mov_ps(_mm512_maskz_mov_ps(pos, one), neg, minus);
+            // SAFETY: as above; the caller fences these stores before `dst` is read.
+            unsafe { _mm512_stream_ps(o.as_mut_ptr(), s) };
+        }
+        let at = head + 16 * lines;
+        tail.iter_mut()
+            .zip(&src[at..])
+            .for_each(|(o, &d)| *o = sign(d));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streamed_signs_equal_the_scalar_signs_at_every_offset_and_length() {
+        let specials = [
+            0.0,
+            -0.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-45,
+            -1e-45,
+        ];
+        let src: Vec<f32> = (0..300)
+            .map(|i| match i % 11 {
+                k @ 0..=7 => specials[k],
+                8 => i as f32 * 0.37,
+                _ => -(i as f32) * 1.3,
+            })
+            .collect();
+        let mut dst = vec![7.0f32; 300];
+        for at in 0..20 {
+            for len in [0, 1, 15, 16, 17, 33, 64, 100, 280 - at] {
+                for past in [false, true] {
+                    dst.fill(7.0);
+                    let (d, s) = (&mut dst[at..at + len], &src[at..at + len]);
+                    with_sign_stream(past, |stream| stream.store(d, s));
+                    for (i, &o) in dst.iter().enumerate() {
+                        let want = if (at..at + len).contains(&i) {
+                            sign(src[i])
+                        } else {
+                            7.0
+                        };
+                        let what =
+                            format!("entry {i}, offset {at}, length {len}, past caches {past}");
+                        assert_eq!(o.to_bits(), want.to_bits(), "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
