@@ -202,6 +202,9 @@ pub struct Demo {
     /// Clip of the local gradient (<= 0: none), and its norm before clipping at the last step.
     clip: f64,
     grad_norm: Option<f64>,
+    /// The gradient's size (bytes) above which the decoding writes its signs past the caches
+    /// (`STREAM_ABOVE`; the tests set 0 to take that path on small gradients).
+    stream_above: usize,
     /// The chunk table, the transforms' constants (`Dct::words`) and the kernels' scratch, once a GPU
     /// step has run.
     #[cfg(feature = "cuda")]
@@ -258,6 +261,7 @@ impl Demo {
             tally: compress::Tally::default(),
             clip,
             grad_norm: None,
+            stream_above: STREAM_ABOVE,
             #[cfg(feature = "cuda")]
             device: None,
         }
@@ -330,7 +334,7 @@ impl Demo {
     /// is left as it is).
     fn decode(&self, grads: &mut [f32], all: &Gathered, only: Option<Range<usize>>) -> Result<()> {
         let (dct, topk) = (&self.dct, self.cfg.topk);
-        let past = std::mem::size_of_val(grads) > STREAM_ABOVE;
+        let past = std::mem::size_of_val(grads) > self.stream_above;
         let meets = |b: &Band| {
             only.as_ref()
                 .is_none_or(|r| b.start < r.end && r.start < b.start + b.buf.len())
@@ -570,7 +574,7 @@ fn encode_band(
 }
 
 /// The size of a gradient (bytes) above which the decoding writes its signs past the caches: one that
-/// large is out of them by the time the optimizer reads it, and one that fits is read from them.
+/// large is out of them by the time the optimizer reads it, and one that fits is read from them there.
 const STREAM_ABOVE: usize = 64 << 20;
 
 /// Coefficients kept per chunk of layout `l`.
@@ -996,7 +1000,7 @@ mod tests {
                 chunk,
                 ..DemoConfig::default()
             };
-            let demo = Demo::new(Box::new(crate::comm::Solo), cfg, 0.0, &tensors);
+            let mut demo = Demo::new(Box::new(crate::comm::Solo), cfg, 0.0, &tensors);
             let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(topk as u64);
             let mut deltas: Vec<Vec<f32>> = (0..3)
                 .map(|_| {
@@ -1025,15 +1029,20 @@ mod tests {
                     "momentum left, topk {topk}, chunk {chunk}"
                 );
             }
-            let mut dir = vec![f32::NAN; demo.numel];
             let all = Gathered::packed(all, 3);
-            demo.decode(&mut dir, &all, None).unwrap();
-            assert_eq!(
-                bits(&dir),
-                bits(&want_dir),
-                "direction, topk {topk}, chunk {chunk}"
-            );
-            shared_decoding_matches(&demo, &all, &want_dir);
+            // The signs with plain stores, then past the caches (non-temporal where the CPU can).
+            for stream_above in [STREAM_ABOVE, 0] {
+                demo.stream_above = stream_above;
+                let mut dir = vec![f32::NAN; demo.numel];
+                demo.decode(&mut dir, &all, None).unwrap();
+                assert_eq!(
+                    bits(&dir),
+                    bits(&want_dir),
+                    "direction, topk {topk}, chunk {chunk}, streamed {}",
+                    stream_above == 0
+                );
+                shared_decoding_matches(&demo, &all, &want_dir);
+            }
         }
     }
 
