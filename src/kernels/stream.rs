@@ -22,6 +22,8 @@ pub fn with_sign_stream<R>(past_caches: bool, f: impl FnOnce(&mut SignStream) ->
         }
     }
     let _fence = Fence;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = past_caches;
     f(&mut SignStream {
         #[cfg(target_arch = "x86_64")]
         avx512: past_caches && std::arch::is_x86_feature_detected!("avx512f"),
