@@ -50,7 +50,8 @@ pub struct LogConfig {
     /// How many step checkpoints to keep in the run directory (the newest ones).
     #[schemars(range(min = 1))]
     pub keep_checkpoints: u32,
-    /// Name of the run directory under `log_dir`; default: $SLURM_JOB_ID, else a timestamp.
+    /// Name of the run directory under `log_dir` (a relative path that stays under it); default:
+    /// $SLURM_JOB_ID, else a timestamp.
     pub run_name: Option<String>,
     /// Also write TensorBoard event files to log_dir/<run>/tb/.
     pub tensorboard: bool,

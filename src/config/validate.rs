@@ -489,6 +489,9 @@ pub fn check_semantics(cfg: &Config, doc: &Node, world: usize) -> Vec<Problem> {
     placed.extend(t.membership.problems(doc, world, t.n_steps));
     optim_rules(t, &mut add);
     worker_data_rules(cfg, &mut add);
+    if let Some(why) = cfg.log.run_name.as_deref().and_then(run_name_problem) {
+        add("log.run_name", why);
+    }
 
     // Batch arithmetic: every batch (global, and the ramp-up's) = local x world x accumulation.
     let local = t.local_batch(world);
@@ -619,6 +622,28 @@ fn worker_data_rules(cfg: &Config, add: &mut impl FnMut(&str, String)) {
             ),
         );
     }
+}
+
+/// Why `name` cannot name a run directory under `log_dir`, if it cannot: the run directory (and its lock,
+/// checkpoints and W&B run) must stay inside `log_dir`.
+fn run_name_problem(name: &str) -> Option<String> {
+    use std::path::Component;
+    let path = std::path::Path::new(name);
+    let why = if name.trim().is_empty() {
+        "is empty: the run would write into log_dir itself"
+    } else if path.is_absolute() {
+        "is an absolute path, which would replace log_dir"
+    } else if path
+        .components()
+        .any(|c| !matches!(c, Component::Normal(_)))
+    {
+        "has a `..` or `.` part, which would leave the run's directory under log_dir"
+    } else {
+        return None;
+    };
+    Some(format!(
+        "run_name = {name:?} {why}; give a name (or names joined by `/`) under log_dir, e.g. \"my-run\""
+    ))
 }
 
 /// The learning-rate schedule's rules: one way to give the warm-up, keys that belong to other schedules,
