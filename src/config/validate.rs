@@ -637,7 +637,7 @@ fn run_name_problem(name: &str) -> Option<String> {
         .components()
         .any(|c| !matches!(c, Component::Normal(_)))
     {
-        "has a `..` or `.` part, which would leave the run's directory under log_dir"
+        "has a `..` or `.` part, where the run's directory must be a plain path under log_dir"
     } else {
         return None;
     };
