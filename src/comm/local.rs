@@ -555,7 +555,7 @@ impl Communicator for LocalComm {
 
     /// Posts `send` for the barrier this rank waits at next, then takes the members' posts of it: one
     /// barrier, and no copy beyond the post.
-    fn all_gather_shared(&mut self, send: &[f32]) -> Result<Gathered> {
+    fn all_gather_shared(&mut self, send: &[f32], _spare: Vec<f32>) -> Result<Gathered> {
         let start = Instant::now();
         let msgs = self.post_and_take(send, "all-gather")?;
         if let Some((q, msg)) = msgs.iter().enumerate().find(|(_, m)| m.len() != send.len()) {
@@ -684,7 +684,7 @@ mod tests {
                         if (r + me) % 7 == 0 {
                             std::thread::sleep(Duration::from_micros(200));
                         }
-                        let now = (r, c.all_gather_shared(&message(me, r)).unwrap());
+                        let now = (r, c.all_gather_shared(&message(me, r), Vec::new()).unwrap());
                         for (rr, g) in last.iter().chain([&now]) {
                             assert_eq!(g.members(), n);
                             for q in 0..n {
@@ -701,7 +701,7 @@ mod tests {
                     let mut out = vec![0.0; 3 * n];
                     c.all_gather(&message(me, 2), &mut out).unwrap();
                     let packed = Gathered::packed(out, n);
-                    let shared = c.all_gather_shared(&message(me, 2)).unwrap();
+                    let shared = c.all_gather_shared(&message(me, 2), Vec::new()).unwrap();
                     assert!(packed.iter().eq(shared.iter()), "rank {me}");
                     let (once, twice) = (c.stats().bytes_sent - sent, 2 * (n as u64 - 1) * 12);
                     assert_eq!(
@@ -732,7 +732,7 @@ mod tests {
                         let sent = c.stats().bytes_sent;
                         let parts = c.share_parts(&part(me, r)).unwrap();
                         assert_eq!(c.stats().bytes_sent, sent, "rank {me}, round {r}");
-                        let gathered = c.all_gather_shared(&message(me, r)).unwrap();
+                        let gathered = c.all_gather_shared(&message(me, r), Vec::new()).unwrap();
                         for q in 0..n {
                             assert_eq!(parts.msg(q), part(q, r), "rank {me}, round {r}: {q}'s");
                             assert_eq!(gathered.msg(q), message(q, r), "rank {me}, round {r}");
@@ -752,7 +752,10 @@ mod tests {
                 .map(|mut c| {
                     s.spawn(move || {
                         let send = vec![1.0; if c.rank() == 1 { 2 } else { 3 }];
-                        format!("{:#}", c.all_gather_shared(&send).err().unwrap())
+                        format!(
+                            "{:#}",
+                            c.all_gather_shared(&send, Vec::new()).err().unwrap()
+                        )
                     })
                 })
                 .collect();

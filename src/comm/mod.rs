@@ -197,6 +197,15 @@ impl Gathered {
     pub fn iter(&self) -> impl Iterator<Item = &[f32]> + '_ {
         (0..self.members()).map(|q| self.msg(q))
     }
+
+    /// This rank's buffer, for the next all-gather to fill (`Communicator::all_gather_shared`'s
+    /// `spare`); empty where the engine shared the messages.
+    pub fn into_spare(self) -> Vec<f32> {
+        match self.0 {
+            Messages::Packed { all, .. } => all,
+            Messages::Shared(_) => Vec::new(),
+        }
+    }
 }
 
 /// The output of an all-gather holds world size x the input.
@@ -377,10 +386,12 @@ pub trait Communicator {
     /// Every rank's `send` (all the same length), in rank order, where the engine may share the messages
     /// instead of copying them into a buffer of this rank's: the local engine's N ranks then hold N
     /// messages, not N^2 (each rank decodes what it needs from them). The same bytes on the wire as
-    /// `all_gather`.
-    fn all_gather_shared(&mut self, send: &[f32]) -> Result<Gathered> {
+    /// `all_gather`. The messages land in `spare` (the last all-gather's buffer, `Gathered::into_spare`)
+    /// where it is large enough: a fresh buffer each step would be mapped anew each step.
+    fn all_gather_shared(&mut self, send: &[f32], spare: Vec<f32>) -> Result<Gathered> {
         let n = self.world_size();
-        let mut all = vec![0.0f32; send.len() * n];
+        let mut all = spare;
+        all.resize(send.len() * n, 0.0);
         self.all_gather(send, &mut all)?;
         Ok(Gathered::packed(all, n))
     }

@@ -38,6 +38,9 @@ pub struct SparseLoco {
     tensors: Vec<Segment>,
     cfg: SparseLocoConfig,
     residual: StateBuf,
+    /// The last step's message and all-gather buffers, filled again (fresh ones would be mapped anew).
+    send: Vec<f32>,
+    gathered: Vec<f32>,
 }
 
 /// `len` consecutive entries from `start` of the flat buffer, of which `k` are sent.
@@ -106,6 +109,8 @@ impl SparseLoco {
             tensors,
             cfg: cfg.clone(),
             residual: StateBuf::default(),
+            send: Vec::new(),
+            gathered: Vec::new(),
         }
     }
 
@@ -347,16 +352,21 @@ impl Reducer for SparseLoco {
         // e = beta e + d; the decoding then overwrites grads with the mean of what the ranks sent.
         let acc_squares = kernels::decay_add(grads, &mut e, beta);
         let words = self.words();
-        let mut send = vec![0.0f32; words];
+        // The message's bits are set into zeros.
+        let mut send = std::mem::take(&mut self.send);
+        send.clear();
+        send.resize(words, 0.0);
         // What stays in e: its sum of squares less the part the sent entries took (within rounding of
         // summing e again, a pass over the whole buffer this saves).
         let lost = (acc_squares - self.encode(&mut e, &mut send))
             .max(0.0)
             .sqrt();
         let acc_norm = acc_squares.sqrt();
-        let all = comm.all_gather_shared(&send)?;
+        let all = comm.all_gather_shared(&send, std::mem::take(&mut self.gathered))?;
+        self.send = send;
         // The rank-ordered sum of the decoded messages, then times 1 / N (all_reduce_mean's order).
         self.decode_into(comm, &all, grads)?;
+        self.gathered = all.into_spare();
         self.residual.keep_host(e);
         Ok(Report {
             error: Some(if acc_norm > 0.0 { lost / acc_norm } else { 0.0 }),

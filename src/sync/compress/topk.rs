@@ -25,6 +25,9 @@ pub struct TopK {
     residual: StateBuf,
     /// The flat range this rank decodes (`Reducer::decode_part`; None: all of it).
     part: Option<Range<usize>>,
+    /// The last step's message and all-gather buffers, filled again (fresh ones would be mapped anew).
+    send: Vec<f32>,
+    gathered: Vec<f32>,
 }
 
 impl TopK {
@@ -39,6 +42,8 @@ impl TopK {
             k,
             residual: StateBuf::default(),
             part: None,
+            send: Vec::new(),
+            gathered: Vec::new(),
         }
     }
 
@@ -132,16 +137,20 @@ impl Reducer for TopK {
             .collect();
         // [values | indices as f32 bits], tensor after tensor.
         let kk: usize = selected.iter().map(|(i, _)| i.len()).sum();
-        let mut send = Vec::with_capacity(2 * kk);
+        let mut send = std::mem::take(&mut self.send);
+        send.clear();
+        send.reserve(2 * kk);
         selected.iter().for_each(|(_, v)| send.extend_from_slice(v));
         selected
             .iter()
             .for_each(|(i, _)| send.extend(indices_to_f32(i)));
-        let all = comm.all_gather_shared(&send)?;
+        let all = comm.all_gather_shared(&send, std::mem::take(&mut self.gathered))?;
+        self.send = send;
 
         // The compression error (a pass over the residual) for the metrics rows, which rank 0 writes.
         let lost = (comm.rank() == 0).then(|| global_norm(&residual));
         self.decode_mean(grads, &all, &selected, &dense);
+        self.gathered = all.into_spare();
         if self.error_feedback {
             self.residual.keep_host(residual);
         }

@@ -205,6 +205,9 @@ pub struct Demo {
     /// The gradient's size (bytes) above which the decoding writes its signs past the caches
     /// (`STREAM_ABOVE`; the tests set 0 to take that path on small gradients).
     stream_above: usize,
+    /// The last step's message and all-gather buffers, filled again (fresh ones would be mapped anew).
+    send: Vec<f32>,
+    gathered: Vec<f32>,
     /// The chunk table, the transforms' constants (`Dct::words`) and the kernels' scratch, once a GPU
     /// step has run.
     #[cfg(feature = "cuda")]
@@ -262,6 +265,8 @@ impl Demo {
             clip,
             grad_norm: None,
             stream_above: STREAM_ABOVE,
+            send: Vec::new(),
+            gathered: Vec::new(),
             #[cfg(feature = "cuda")]
             device: None,
         }
@@ -308,24 +313,35 @@ impl Demo {
 
     /// Each chunk's message (its top-k DCT coefficients: indices as f32 bits, then values), in chunk
     /// order; what is not sent stays in `delta`.
-    fn encode(&self, delta: &mut [f32], grads: &mut [f32], mix: Mix) -> Result<Vec<f32>> {
-        let mut send = vec![0.0f32; self.message_words()];
+    fn encode(
+        &self,
+        delta: &mut [f32],
+        grads: &mut [f32],
+        mix: Mix,
+        send: &mut [f32],
+    ) -> Result<()> {
         let bands = self.bands(delta)?;
         let grads = self.bands(grads)?;
-        let mut rest = &mut send[..];
+        let mut rest = send;
         let mut msgs = Vec::with_capacity(bands.len());
         for b in &bands {
             let (m, tail) = std::mem::take(&mut rest).split_at_mut(self.band_words(&b.l));
             msgs.push(m);
             rest = tail;
         }
+        // Every word of the message is written below: the bands' parts cover it.
+        anyhow::ensure!(
+            rest.is_empty(),
+            "internal error: DeMo's bands leave {} message words",
+            rest.len()
+        );
         let (dct, topk) = (&self.dct, self.cfg.topk);
         bands
             .into_par_iter()
             .zip(grads)
             .zip(msgs)
             .for_each(|((b, g), msg)| encode_band(&b.l, (b.buf, g.buf), mix, msg, dct, topk));
-        Ok(send)
+        Ok(())
     }
 
     /// Each chunk's direction from every rank's message in `all`: the mean of each
@@ -621,15 +637,21 @@ impl SyncBackend for Demo {
             clip: crate::optim::clip_factor(norm, self.clip),
         };
         // delta = decay delta + lr g, then each chunk's kept coefficients, and the delta left behind.
-        let send = self.encode(&mut delta, grads, mix)?;
+        let mut send = std::mem::take(&mut self.send);
+        send.resize(self.message_words(), 0.0);
+        self.encode(&mut delta, grads, mix, &mut send)?;
         self.delta = Flat::Host(delta);
         // Every rank's coefficients, then each chunk's mean over the ranks that sent a coefficient.
         let (n, rank) = (self.comm.world_size(), self.comm.rank());
         let before = self.comm.stats();
-        let all = self.comm.all_gather_shared(&send)?;
+        let all = self
+            .comm
+            .all_gather_shared(&send, std::mem::take(&mut self.gathered))?;
+        self.send = send;
         let after = self.comm.stats();
         let only = self.shared.filter(|_| n > 1).map(|p| p.of(rank));
         self.decode(grads, &all, only)?;
+        self.gathered = all.into_spare();
         let report = compress::Report::default();
         self.tally
             .add(self.numel, n, rank, &before, &after, &report);
@@ -795,7 +817,8 @@ mod tests {
     }
 
     impl Demo {
-        /// `encode` of a momentum as it is (a zero gradient mixed in at lr 0 adds +0).
+        /// `encode` of a momentum as it is (a zero gradient mixed in at lr 0 adds +0), into a message
+        /// buffer of NaNs: a word it left unwritten would show (steps reuse the last step's buffer).
         fn encode_as_is(&self, delta: &mut [f32]) -> Vec<f32> {
             let mut zero = vec![0.0; delta.len()];
             let mix = Mix {
@@ -803,7 +826,9 @@ mod tests {
                 lr: 0.0,
                 clip: 1.0,
             };
-            self.encode(delta, &mut zero, mix).unwrap()
+            let mut send = vec![f32::NAN; self.message_words()];
+            self.encode(delta, &mut zero, mix, &mut send).unwrap();
+            send
         }
     }
 
