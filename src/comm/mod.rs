@@ -386,8 +386,8 @@ pub trait Communicator {
     /// Every rank's `send` (all the same length), in rank order, where the engine may share the messages
     /// instead of copying them into a buffer of this rank's: the local engine's N ranks then hold N
     /// messages, not N^2 (each rank decodes what it needs from them). The same bytes on the wire as
-    /// `all_gather`. The messages land in `spare` (the last all-gather's buffer, `Gathered::into_spare`)
-    /// where it is large enough: a fresh buffer each step would be mapped anew each step.
+    /// `all_gather`. The messages land in `spare` (the last all-gather's buffer, `Gathered::into_spare`),
+    /// grown where it is too small: a fresh buffer each step would be mapped anew each step.
     fn all_gather_shared(&mut self, send: &[f32], spare: Vec<f32>) -> Result<Gathered> {
         let n = self.world_size();
         let mut all = spare;
