@@ -5,9 +5,10 @@ costs nothing (in-process workers), so what is left is each method's own computi
 reducers compress from step 3); per run the mean ms/step over the steps after the first `--skip`, the share of it the sync backend computed outside
 collectives (`sync_ms`: compression, decompression, mixing), and the ratio to all-reduce's ms/step at the same
 worker count (target: <= 1.25x), all-reduce measured again between every two backends (this ratio is to the mean
-of the all-reduce runs on either side: the machine's speed drifts between minutes).
+of the all-reduce runs on either side: the machine's speed drifts between minutes). With `--rounds N` the whole
+sweep runs N times and each row gives the median over the rounds, with the ratio's range beside it.
 
-    python3 scripts/bench/backends.py [--steps 60] [--skip 10] [--workers 4 8] [--nanodist PATH]
+    python3 scripts/bench/backends.py [--steps 60] [--skip 10] [--workers 4 8] [--rounds 1] [--nanodist PATH]
                                       [--only DeMo "top-k 1%" ...]   (all-reduce always runs: the baseline)
 
 Needs a release build (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
@@ -18,7 +19,9 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import subprocess
+import sys
 import tempfile
 
 SERIAL = itertools.count()  # every run its own directory (all-reduce runs many times)
@@ -60,6 +63,7 @@ def main():
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--skip", type=int, default=10)
     ap.add_argument("--workers", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--rounds", type=int, default=1, help="times to run the whole sweep")
     ap.add_argument("--nanodist", default=os.path.join(ROOT, "target", "release", "nanodist"))
     ap.add_argument("--only", nargs="+", default=None, help="backends to run besides all-reduce")
     a = ap.parse_args()
@@ -72,18 +76,31 @@ def main():
     atexit.register(shutil.rmtree, out, True)
     # This machine's speed drifts between minutes: all-reduce runs again between every two backends, and
     # each backend is compared with the mean of the all-reduce runs just before and just after it.
-    print("| backend | workers | ms/step | sync share | all-reduce beside it | vs all-reduce |")
+    results = {}
+    for r in range(a.rounds):
+        for workers in a.workers:
+            measure = lambda name, sets: mean_ms(run(a.nanodist, out, name, workers, a.steps, sets), a.skip)
+            before = measure(*RUNS[0])
+            for name, sets in runs[1:]:
+                ms, share = measure(name, sets)
+                after = measure(*RUNS[0])
+                base = (before[0] + after[0]) / 2
+                results.setdefault((name, workers), []).append((ms, share, base, ms / base))
+                print(f"round {r + 1}: {name} on {workers} workers: {ms / base:.2f}x", file=sys.stderr, flush=True)
+                before = after
+    print_table(results, a.rounds)
+
+
+def print_table(results, rounds):
+    """One row per backend and worker count: medians over the rounds, and the ratios' range."""
+    spread = " (range over rounds)" if rounds > 1 else ""
+    print(f"| backend | workers | ms/step | sync share | all-reduce beside it | vs all-reduce{spread} |")
     print("|---|---|---|---|---|---|")
-    for workers in a.workers:
-        measure = lambda name, sets: mean_ms(run(a.nanodist, out, name, workers, a.steps, sets), a.skip)
-        before = measure(*RUNS[0])
-        for name, sets in runs[1:]:
-            ms, share = measure(name, sets)
-            after = measure(*RUNS[0])
-            base = (before[0] + after[0]) / 2
-            print(f"| {name} | {workers} | {ms:.1f} | {100 * share:.0f}% | {base:.1f} | {ms / base:.2f}x |",
-                  flush=True)
-            before = after
+    for (name, workers), rows in results.items():
+        ms, share, base, ratio = (statistics.median(col) for col in zip(*rows))
+        ratios = [row[3] for row in rows]
+        span = f" ({min(ratios):.2f}-{max(ratios):.2f})" if rounds > 1 else ""
+        print(f"| {name} | {workers} | {ms:.1f} | {100 * share:.0f}% | {base:.1f} | {ratio:.2f}x{span} |")
 
 
 def mean_ms(rows, skip):
