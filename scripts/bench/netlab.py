@@ -16,11 +16,15 @@ With --target-loss L, every run evaluates every --eval-interval steps and the ta
 evaluation at or below L, the measured training time (the steps' own time, without the evaluations),
 the predicted one, and the run's elapsed wall-clock (evaluations included).
 
-    sudo python3 scripts/bench/netlab.py [--hosts 2 4] [--rates 50mbit 500mbit] [--steps 30] [--only all-reduce DiLoCo]
+    sudo python3 scripts/bench/netlab.py [--hosts 2 4] [--rates 50mbit 500mbit] [--steps 30] [--repeat 1] [--only all-reduce DiLoCo]
 
 Needs root, iproute2, Open MPI, a release build with the mpi feature (cargo build --release --features mpi)
 and data/shakespeare_char (scripts/quickstart.sh). Exits 1 when a prediction is off by more than
 --tolerance (default 0.15).
+
+With --repeat N, each method runs N times in each lab (one calibration): the row is the run whose error is
+the median, with the errors' range beside it (on a machine whose hosts share cores, one run's error moves
+by several points against another's).
 """
 import argparse
 import json
@@ -106,6 +110,7 @@ def main():
     ap.add_argument("--target-loss", type=float)
     ap.add_argument("--eval-interval", type=int, default=50)
     ap.add_argument("--tolerance", type=float, default=0.15)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each method in each lab (the row: the median)")
     ap.add_argument("--lab", default="bench")
     ap.add_argument("--keep", help="keep the runs and profiles in this directory")
     a = ap.parse_args()
@@ -142,24 +147,35 @@ def lab_rows(a, out, methods, hosts, rate):
        env=dict(os.environ, RAYON_NUM_THREADS="1"))
     worst = 0.0
     for name, sets in methods:
-        run = f"{hosts}-{rate}{'-slow' if a.slow_host else ''}-{name}".replace(" ", "_").replace("%", "pct").replace("=", "")
-        rows = train(a, a.lab, out, run, sets)
-        ms, sent = measured(rows)
-        ask = [a.nanodist, "predict", os.path.join(out, run), "--cluster", profile, "--ran-on", profile, "--json"]
-        flops = json.loads(sh(ask))
-        pred = json.loads(sh(ask + ["--measured"]))
-        err = pred["ms_per_step"] / ms - 1
-        worst = max(worst, abs(err))
-        line = (f"| {hosts} | {link} | {name} | {ms:.1f} | {pred['ms_per_step']:.1f} | {100 * err:+.1f}% | "
-                f"{flops['ms_per_step']:.1f} ({100 * (flops['ms_per_step'] / ms - 1):+.0f}%) | {sent / 1e3:.1f} kB |")
+        base = f"{hosts}-{rate}{'-slow' if a.slow_host else ''}-{name}".replace(" ", "_").replace("%", "pct").replace("=", "")
+        runs = [priced(a, out, base if a.repeat == 1 else f"{base}-{i + 1}", sets, profile) for i in range(a.repeat)]
+        # The row is the run of the median error; with repeats, the errors' range beside it.
+        runs.sort(key=lambda r: r["err"])
+        r = runs[len(runs) // 2]
+        worst = max(worst, abs(r["err"]))
+        spread = f" ({100 * runs[0]['err']:+.1f}% to {100 * runs[-1]['err']:+.1f}%)" if a.repeat > 1 else ""
+        line = (f"| {hosts} | {link} | {name} | {r['ms']:.1f} | {r['pred']['ms_per_step']:.1f} | "
+                f"{100 * r['err']:+.1f}%{spread} | "
+                f"{r['flops']:.1f} ({100 * (r['flops'] / r['ms'] - 1):+.0f}%) | {r['sent'] / 1e3:.1f} kB |")
         if a.target_loss:
-            t = reached(rows, a.target_loss)
-            p = next((e["predicted_s"] for e in pred["evals"] if e["val_loss"] <= a.target_loss), None)
+            t = reached(r["rows"], a.target_loss)
+            p = next((e["predicted_s"] for e in r["pred"]["evals"] if e["val_loss"] <= a.target_loss), None)
             line += (f" {'-' if t is None else f'{t[0]:.1f}'} | {'-' if p is None else f'{p:.1f}'} |"
                      f" {'-' if t is None else f'{t[1]:.1f}'} |")
         print(line, flush=True)
     return worst
 
+
+def priced(a, out, run, sets, profile):
+    """One run of a method in the lab, measured, and priced by `predict` on the lab's profile (from the
+    run's own compute with --measured, and from FLOPs)."""
+    rows = train(a, a.lab, out, run, sets)
+    ms, sent = measured(rows)
+    ask = [a.nanodist, "predict", os.path.join(out, run), "--cluster", profile, "--ran-on", profile, "--json"]
+    flops = json.loads(sh(ask))["ms_per_step"]
+    pred = json.loads(sh(ask + ["--measured"]))
+    return {"rows": rows, "ms": ms, "sent": sent, "flops": flops, "pred": pred,
+            "err": pred["ms_per_step"] / ms - 1}
 
 if __name__ == "__main__":
     main()
