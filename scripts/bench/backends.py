@@ -67,6 +67,8 @@ def main():
     ap.add_argument("--nanodist", default=os.path.join(ROOT, "target", "release", "nanodist"))
     ap.add_argument("--only", nargs="+", default=None, help="backends to run besides all-reduce")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     names = [n for n, _ in RUNS]
     unknown = [n for n in a.only or [] if n not in names]
     if unknown:

@@ -114,6 +114,8 @@ def main():
     ap.add_argument("--lab", default="bench")
     ap.add_argument("--keep", help="keep the runs and profiles in this directory")
     a = ap.parse_args()
+    if a.repeat < 1:
+        ap.error("--repeat must be at least 1")
     out = a.keep or tempfile.mkdtemp(prefix="nanodist-netlab-")
     methods = [m for m in METHODS if not a.only or m[0] in a.only]
     head = ("| hosts | link | method | measured ms/step | predicted ms/step | error | predicted from FLOPs | "
