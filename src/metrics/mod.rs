@@ -46,9 +46,10 @@ pub struct Row {
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub overlap_compute_ms: Option<f64>,
     /// Milliseconds over the interval that the slowest rank spent outside every collective (the
-    /// algorithm's and the bookkeeping's) and outside the sync backend's own compute: its forward,
-    /// backward, update and batches. A rank that leaves a collective early and waits in the next one
-    /// counts that wait in neither its nor the slowest rank's compute. Absent with `[train.membership]`.
+    /// algorithm's and the bookkeeping's): its forward, backward, update, batches and the sync backend's
+    /// own compute, less rank 0's `sync_ms`, so that `compute_ms + sync_ms` is the slowest rank's busy
+    /// time. A rank that leaves a collective early and waits in the next one counts that wait in neither
+    /// its nor the slowest rank's compute. Absent with `[train.membership]`.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub compute_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none", default)]

@@ -635,7 +635,7 @@ impl BesideRows {
 }
 
 /// Seconds of compute per step on `cluster` from the run's own rows: the median over its rows of the
-/// slowest rank's step outside every collective and the codec (`compute_ms`: the update stays in),
+/// slowest rank's step outside every collective, less rank 0's codec (`compute_ms`: the update stays in),
 /// scaled by the sustained FLOP/s of `ran_on` (the machine the run ran on) over the cluster's and by
 /// the tokens per rank.
 pub fn measured_compute(

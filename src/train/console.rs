@@ -75,6 +75,11 @@ impl Interval {
         (self.start.elapsed().as_secs_f64() - outside).max(0.0)
     }
 
+    /// Seconds the sync backend's hooks computed outside collectives in the interval so far (`sync_ms`).
+    pub fn sync_seconds(&self) -> f64 {
+        self.sync_seconds
+    }
+
     /// Leaves the traffic between `before` and `after` out of the row.
     pub fn exclude(&mut self, before: &CommStats, after: &CommStats) {
         self.control.bytes_sent += after.bytes_sent - before.bytes_sent;

@@ -674,13 +674,17 @@ impl<'s> Worker<'s> {
 
     /// A log step's one bookkeeping collective: an all-gather of each rank's loss since the last row, the
     /// backend's per-rank values (every rank has the same ones set: they follow the same schedule), its
-    /// compute seconds (`Interval::compute_seconds`) and its ballot. Means are the rank-ordered sum times
-    /// 1 / N (as `all_reduce_mean`), the compute the slowest rank's.
+    /// busy seconds (outside every collective: `Interval::compute_seconds` and the backend's codec) and its
+    /// ballot. Means are the rank-ordered sum times 1 / N (as `all_reduce_mean`). The compute is the
+    /// slowest rank's busy time less this rank's codec: with rank 0's `sync_ms` beside it in the row, the
+    /// two add up to the slowest rank's, whose codec may take longer than rank 0's (where ranks share
+    /// cores, which rank waits longest for one changes from step to step).
     fn meet(&mut self, per_rank: [Option<f64>; 2], stop: Vote) -> Result<Meeting> {
-        let compute = self.since_log.compute_seconds(&self.sync.comm_stats());
+        let codec = self.since_log.sync_seconds();
+        let busy = self.since_log.compute_seconds(&self.sync.comm_stats()) + codec;
         let mut mine: Vec<f32> = std::iter::once(self.since_log.mean_loss())
             .chain(per_rank.iter().flatten().copied())
-            .chain([compute])
+            .chain([busy])
             .map(|x| x as f32)
             .collect();
         let every_secs = self.setup.cfg.log.stop_check_secs;
@@ -707,7 +711,7 @@ impl<'s> Worker<'s> {
         Ok(Meeting {
             loss: mean(0) as f64,
             per_rank,
-            compute: Some(field(at).fold(f32::MIN, f32::max) as f64),
+            compute: Some(slowest_compute(field(at), codec)),
             vote: Some(self.ballot.settle(&ballots, step)?),
         })
     }
@@ -1096,9 +1100,25 @@ fn overlapped<T: Send>(
     })
 }
 
+/// The compute a row logs (`compute_ms`): the slowest rank's busy seconds (outside every collective,
+/// its codec included) less this rank's codec, which the row logs beside it (`sync_ms`).
+fn slowest_compute(busy: impl Iterator<Item = f32>, codec: f64) -> f64 {
+    (busy.fold(f32::MIN, f32::max) as f64 - codec).max(0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// compute_ms + sync_ms is the slowest rank's busy time, whichever rank spent longest in its codec:
+    /// rank 0 (busy 10 s, 2 of them its codec) beside a rank busy 30 s gives 28.
+    #[test]
+    fn the_row_s_compute_and_rank_0_s_codec_add_up_to_the_slowest_rank_s_busy_time() {
+        let busy = [10.0f32, 30.0, 20.0];
+        assert_eq!(slowest_compute(busy.into_iter(), 2.0), 28.0);
+        assert_eq!(slowest_compute(busy.into_iter(), 0.0), 30.0);
+        assert_eq!(slowest_compute([1.0f32].into_iter(), 1.5), 0.0);
+    }
 
     /// MFU's peak counts each node's cores once, however many ranks and threads share them: `mpirun -np 2`
     /// on 2 cores is 2 cores (it once logged MFU 100.18% against 2 ranks x 2 threads), 8 ranks on 2 nodes
