@@ -179,5 +179,6 @@ def priced(a, out, run, sets, profile):
     return {"rows": rows, "ms": ms, "sent": sent, "flops": flops, "pred": pred,
             "err": pred["ms_per_step"] / ms - 1}
 
+
 if __name__ == "__main__":
     main()

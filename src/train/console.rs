@@ -69,10 +69,10 @@ impl Interval {
     }
 
     /// Seconds of the interval so far outside every collective (the algorithm's and the bookkeeping's,
-    /// `comm` being the communicator's totals now) and the sync backend's own compute.
-    pub fn compute_seconds(&self, comm: &CommStats) -> f64 {
-        let outside = comm.seconds - self.comm.seconds + self.sync_seconds;
-        (self.start.elapsed().as_secs_f64() - outside).max(0.0)
+    /// `comm` being the communicator's totals now): the compute, the sync backend's own included.
+    pub fn busy_seconds(&self, comm: &CommStats) -> f64 {
+        let inside = comm.seconds - self.comm.seconds;
+        (self.start.elapsed().as_secs_f64() - inside).max(0.0)
     }
 
     /// Seconds the sync backend's hooks computed outside collectives in the interval so far (`sync_ms`).

@@ -674,14 +674,14 @@ impl<'s> Worker<'s> {
 
     /// A log step's one bookkeeping collective: an all-gather of each rank's loss since the last row, the
     /// backend's per-rank values (every rank has the same ones set: they follow the same schedule), its
-    /// busy seconds (outside every collective: `Interval::compute_seconds` and the backend's codec) and its
-    /// ballot. Means are the rank-ordered sum times 1 / N (as `all_reduce_mean`). The compute is the
+    /// busy seconds (outside every collective, the backend's codec included: `Interval::busy_seconds`) and
+    /// its ballot. Means are the rank-ordered sum times 1 / N (as `all_reduce_mean`). The compute is the
     /// slowest rank's busy time less this rank's codec: with rank 0's `sync_ms` beside it in the row, the
     /// two add up to the slowest rank's, whose codec may take longer than rank 0's (where ranks share
     /// cores, which rank waits longest for one changes from step to step).
     fn meet(&mut self, per_rank: [Option<f64>; 2], stop: Vote) -> Result<Meeting> {
         let codec = self.since_log.sync_seconds();
-        let busy = self.since_log.compute_seconds(&self.sync.comm_stats()) + codec;
+        let busy = self.since_log.busy_seconds(&self.sync.comm_stats());
         let mut mine: Vec<f32> = std::iter::once(self.since_log.mean_loss())
             .chain(per_rank.iter().flatten().copied())
             .chain([busy])
