@@ -11,7 +11,7 @@ use crate::comm::Solo;
 use crate::config::backend::{DemoConfig, PowerSgdConfig, Quantize, RadiusConfig};
 use crate::kernels::Segment;
 use crate::plan::SyncPlan;
-use crate::sync::choco::{Codec, Compressor};
+use crate::sync::choco::{absorb_span, Codec, Compressor};
 use crate::sync::compress::sparseloco::SparseLoco;
 use crate::sync::compress::{powersgd::PowerSgd, radius::Radius, topk::TopK, Reducer};
 use crate::sync::plan::ReducerPlan;
@@ -227,10 +227,7 @@ fn choco(c: Compressor, tensors: &[Segment]) -> Pass {
         codec.decode_spans(&msg, step, 0, |at, q| {
             let span = at..at + q.len();
             let (h, m) = (&mut hat[span.clone()], &mut memory[span]);
-            for ((h, m), &q) in h.iter_mut().zip(m).zip(q) {
-                *h += q;
-                *m += 0.5 * q;
-            }
+            absorb_span(Some(h), m, q, 0.5);
         });
         Ok(())
     })

@@ -31,10 +31,13 @@ impl<'a> BitWriter<'a> {
         }
     }
 
-    /// `put` of each code in turn, with the writer's state in registers for the run: 32 codes at a time
-    /// packed into `bits` whole words with shifts fixed at compile time (`pack`), each word then shifted
-    /// past the bits already pending; the rest one at a time.
+    /// `put` of each code in turn, with the writer's state in registers for the run: with AVX-512 and
+    /// codes of up to 16 bits, 32 codes at a time packed in the vector lanes (`wide::put`); else 32 at
+    /// a time packed into `bits` whole words with shifts fixed at compile time (`pack`), each word then
+    /// shifted past the bits already pending; the rest one at a time.
     pub fn put_all(&mut self, codes: &[u32], bits: u32) {
+        #[cfg(target_arch = "x86_64")]
+        let codes = self.put_blocks(codes, bits);
         let (mut acc, mut used, mut word) = (self.acc, self.used, self.word);
         let b = bits as usize;
         let mut rest = codes;
@@ -63,6 +66,22 @@ impl<'a> BitWriter<'a> {
             }
         }
         (self.acc, self.used, self.word) = (acc, used, word);
+    }
+
+    /// With AVX-512, the first codes in blocks of 32 (`wide::put`), where codes are 1 to
+    /// `wide::MAX_PACKED` bits wide; the codes left over.
+    #[cfg(target_arch = "x86_64")]
+    fn put_blocks<'c>(&mut self, codes: &'c [u32], bits: u32) -> &'c [u32] {
+        let fits = (1..=wide::MAX_PACKED).contains(&bits);
+        if !fits || codes.len() < 32 || !is_x86_feature_detected!("avx512f") {
+            return codes;
+        }
+        let whole = codes.len() / 32 * 32;
+        let state = (self.acc as u32, self.used, self.word);
+        // SAFETY: this processor has AVX-512F (checked above), and bits is 1 to MAX_PACKED.
+        let (acc, used, word) = unsafe { wide::put(&codes[..whole], bits, self.out, state) };
+        (self.acc, self.used, self.word) = (acc as u64, used, word);
+        &codes[whole..]
     }
 }
 
@@ -191,10 +210,115 @@ impl<'a> BitReader<'a> {
     }
 }
 
-/// Unpacking with AVX-512: each lane takes its code from the two words it straddles.
+/// Unpacking with AVX-512: each lane takes its code from the two words it straddles. Packing: codes
+/// joined pairwise, level by level, in the lanes.
 #[cfg(target_arch = "x86_64")]
 mod wide {
     use std::arch::x86_64::*;
+
+    /// The widest codes `put` packs: 32 of them in at most 16 words (one vector).
+    pub const MAX_PACKED: u32 = 16;
+
+    /// Each 64-bit lane of `x` holding two values of `w` bits in its halves: the pair joined into one
+    /// of 2w bits, the low half's value first.
+    #[target_feature(enable = "avx512f")]
+    fn join(x: __m512i, w: u32) -> __m512i {
+        let low = _mm512_and_si512(x, _mm512_set1_epi64(u32::MAX as i64));
+        let high = _mm512_sll_epi64(_mm512_srli_epi64::<32>(x), _mm_cvtsi32_si128(w as i32));
+        _mm512_or_si512(low, high)
+    }
+
+    /// The 32 codes of `bits` bits in `lo` and `hi` joined pairwise into groups, level by level, up
+    /// to groups of `w` bits (a power of two times `bits`, at most 32) in 32-bit lanes; those joined
+    /// once more: the groups of 2w bits in 64-bit lanes, in order.
+    #[target_feature(enable = "avx512f")]
+    fn groups(lo: __m512i, hi: __m512i, bits: u32, w: u32) -> __m512i {
+        // The even 32-bit lanes of two vectors (the joined groups narrowed), in order.
+        let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let mut v = _mm512_permutex2var_epi32(join(lo, bits), evens, join(hi, bits));
+        let mut width = 2 * bits;
+        while width < w {
+            v = _mm512_permutexvar_epi32(evens, join(v, width));
+            width *= 2;
+        }
+        join(v, w)
+    }
+
+    /// The 32-bit words at bits o of 64-bit groups a of `wide` bits (wide > 32) of `groups`, in
+    /// the groups' order: each the group's bits from o on, then the next group's.
+    #[target_feature(enable = "avx512f")]
+    fn words_of(groups: __m512i, wide: u32, a: __m512i, o: __m512i) -> __m256i {
+        let next = _mm512_add_epi64(a, _mm512_set1_epi64(1));
+        let rest = _mm512_sub_epi64(_mm512_set1_epi64(wide as i64), o);
+        let first = _mm512_srlv_epi64(_mm512_permutexvar_epi64(a, groups), o);
+        let second = _mm512_sllv_epi64(_mm512_permutexvar_epi64(next, groups), rest);
+        _mm512_cvtepi64_epi32(_mm512_or_si512(first, second))
+    }
+
+    /// `BitWriter::put` of each of `codes` (whole blocks of 32, of 1 to `MAX_PACKED` bits) from the
+    /// writer's state (pending bits, their count, next word) into `out`; the state after. Each block
+    /// is packed in the lanes: codes joined pairwise while the groups fit in 32 bits, once more into
+    /// 64-bit groups of W > 32 bits, then word j taken from the groups bit 32 j lies in and after;
+    /// the words are then shifted past the pending bits and stored. Only where the processor has
+    /// AVX-512F; panics if `out` runs short.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn put(
+        codes: &[u32],
+        bits: u32,
+        out: &mut [f32],
+        (acc, used, mut word): (u32, u32, usize),
+    ) -> (u32, u32, usize) {
+        let mut w = 2 * bits;
+        while 2 * w <= 32 {
+            w *= 2;
+        }
+        // Word j's group a and its bit o there, in 64-bit lanes j of two vectors.
+        let (mut at, mut off) = ([0u64; 16], [0u64; 16]);
+        for (j, (a, o)) in at.iter_mut().zip(&mut off).enumerate() {
+            (*a, *o) = (
+                32 * j as u64 / (2 * w as u64),
+                32 * j as u64 % (2 * w as u64),
+            );
+        }
+        let table = [at, off];
+        // SAFETY: unaligned loads of 8 values from arrays of 16, at 0 and 8.
+        let [a, o] = table.map(|v| unsafe {
+            let p = v.as_ptr().cast::<__m512i>();
+            [_mm512_loadu_si512(p), _mm512_loadu_si512(p.add(1))]
+        });
+        let (b, mask) = (bits as usize, ((1u32 << bits) - 1) as u16);
+        let up = _mm512_set1_epi32(used as i32);
+        let down = _mm512_set1_epi32(32 - used as i32);
+        // The last word put (its top `used` bits pending), in every lane.
+        let mut last = _mm512_set1_epi32(acc.checked_shl(32 - used).unwrap_or(0) as i32);
+        for block in codes.chunks_exact(32) {
+            // SAFETY: unaligned loads of the 16 + 16 codes of the block.
+            let (lo, hi) = unsafe {
+                let p = block.as_ptr().cast::<__m512i>();
+                (_mm512_loadu_si512(p), _mm512_loadu_si512(p.add(1)))
+            };
+            let groups = groups(lo, hi, bits, w);
+            let words = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(words_of(groups, 2 * w, a[0], o[0])),
+                words_of(groups, 2 * w, a[1], o[1]),
+            );
+            // Word j shifted past the pending bits, with word j - 1's top bits below (for j = 0, the
+            // last word before, whose top bits are the pending ones); a shift by 32 gives 0.
+            let before = _mm512_alignr_epi32::<15>(words, last);
+            let joined = _mm512_or_si512(
+                _mm512_sllv_epi32(words, up),
+                _mm512_srlv_epi32(before, down),
+            );
+            let dst = &mut out[word..word + b];
+            // SAFETY: a masked store of the first b lanes into the b words of dst.
+            unsafe { _mm512_mask_storeu_epi32(dst.as_mut_ptr().cast(), mask, joined) };
+            last = _mm512_permutexvar_epi32(_mm512_set1_epi32(b as i32 - 1), words);
+            word += b;
+        }
+        let last = _mm_cvtsi128_si32(_mm512_castsi512_si128(last)) as u32;
+        let acc = last.checked_shr(32 - used).unwrap_or(0);
+        (acc, used, word)
+    }
 
     /// The widest codes `unpack` reads: 32 of them from a first bit anywhere in a word end inside the
     /// 32 words it loads (31 + 32 x 24 bits < 25 words).

@@ -123,15 +123,11 @@ impl Channels {
                     codec.decode_spans(msg(pos), step, j, |at, q| {
                         let span = at..at + q.len();
                         let (h, m) = (&mut hat[span.clone()], &mut memory[span]);
-                        for ((h, m), &q) in h.iter_mut().zip(m).zip(q) {
-                            *h += q;
-                            *m += w * q;
-                        }
+                        super::absorb_span(Some(h), m, q, w);
                     });
                 } else {
                     codec.decode_spans(msg(pos), step, j, |at, q| {
-                        let m = &mut memory[at..at + q.len()];
-                        m.iter_mut().zip(q).for_each(|(m, &q)| *m += w * q);
+                        super::absorb_span(None, &mut memory[at..at + q.len()], q, w);
                     });
                 }
             }

@@ -34,9 +34,9 @@ mod tests;
 mod tuning;
 
 pub use channels::Channels;
+pub use codec::{absorb_span, qsgd_bits, qsgd_tau, Codec};
 #[cfg(feature = "cuda")]
 use codec::{bucket_len, buckets};
-pub use codec::{qsgd_bits, qsgd_tau, Codec};
 pub use tuning::{mean_of, random_vectors, tune_gamma, Simulation, TUNE_ITERS, TUNING_VERSION};
 
 use super::compress;

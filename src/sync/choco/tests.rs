@@ -674,3 +674,24 @@ fn absorb_emulated(
     }
     (h.f32s().to_vec(), m.f32s().to_vec())
 }
+
+/// `absorb_span`, compiled for the machine's vectors, leaves the public copy and the memory as the
+/// plain loop does, bit for bit, with the public copy (the rank's own message) and without.
+#[test]
+fn absorbing_a_span_adds_as_the_plain_loop_does() {
+    let v = random_vectors(3, 1037, 4);
+    let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+    for (w, own) in [(0.625f32, true), (0.1875, false), (1.0 / 3.0, true)] {
+        let (mut h, mut m) = (v[0].clone(), v[1].clone());
+        absorb_span(own.then_some(&mut h[..]), &mut m, &v[2], w);
+        let (mut want_h, mut want_m) = (v[0].clone(), v[1].clone());
+        for (i, &q) in v[2].iter().enumerate() {
+            if own {
+                want_h[i] += q;
+            }
+            want_m[i] += w * q;
+        }
+        assert_eq!(bits(&h), bits(&want_h), "w {w}, own {own}");
+        assert_eq!(bits(&m), bits(&want_m), "w {w}, own {own}");
+    }
+}
