@@ -431,11 +431,14 @@ fn qsgd_codes(u: &[f32], halves: &[u16], norm: f32, (levels, bits): (u32, u32), 
         // number by adding and taking away 2^23, and its floor is that or one less. A whole level in
         // [0, 2^23) plus 2^23 has the level in its low bits. Float operations only: the loop
         // vectorizes, where conversions to integers (saturating, in Rust) do not.
-        let m = lf.min(s);
+        // The minima are compares (one vector instruction each, where `f32::min` also tests for NaN;
+        // lf is never NaN, since a NaN or infinite entry leaves the norm unusable).
+        let m = if lf < s { lf } else { s };
         let near = (m + TWO_23) - TWO_23;
         let lo = if near > m { near - 1.0 } else { near };
         let r = half as f32 * (1.0 / 65_536.0);
-        let level = (lo + if r < lf - lo { 1.0 } else { 0.0 }).min(s);
+        let up = lo + if r < lf - lo { 1.0 } else { 0.0 };
+        let level = if up < s { up } else { s };
         let level = (level + TWO_23).to_bits() - TWO_23.to_bits();
         *o = level | u32::from(v < 0.0) << (bits - 1);
     }
