@@ -2,7 +2,7 @@
 //! their bit packing, and the seeds the receivers share.
 
 use multiversion::multiversion;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::Compressor;
@@ -112,12 +112,9 @@ impl Codec {
     }
 
     /// Random-k's ascending indices of tensor `t` for `sender` at `step`.
-    pub(super) fn random_indices(&self, step: u64, sender: usize, t: usize) -> Vec<usize> {
+    pub(super) fn random_indices(&self, step: u64, sender: usize, t: usize) -> Vec<u32> {
         let (_, len) = self.tensors[t];
-        let mut rng = self.rng(RANDOMK_KEY, step, sender, t);
-        let mut idx = rand::seq::index::sample(&mut rng, len, self.ks[t]).into_vec();
-        idx.sort_unstable();
-        idx
+        sample_ascending(&mut self.rng(RANDOMK_KEY, step, sender, t), len, self.ks[t])
     }
 
     /// Whether messages are sparse (indices and values: top-k, random-k).
@@ -140,7 +137,7 @@ impl Codec {
         let (part, k) = (&msg[self.parts[t]..self.parts[t + 1]], self.ks[t]);
         match self.compressor {
             Compressor::TopK { .. } => (compress::f32_to_indices(&part[k..]), &part[..k]),
-            _ => (self.random_indices_u32(step, sender, t), part),
+            _ => (self.random_indices(step, sender, t), part),
         }
     }
 
@@ -149,13 +146,6 @@ impl Codec {
     pub(super) fn qsgd_key(&self, step: u64, rank: usize) -> [u32; 8] {
         let seed = self.rng(QSGD_KEY, step, rank, 0).get_seed();
         std::array::from_fn(|i| u32::from_le_bytes([0, 1, 2, 3].map(|j| seed[4 * i + j])))
-    }
-
-    pub(super) fn random_indices_u32(&self, step: u64, sender: usize, t: usize) -> Vec<u32> {
-        self.random_indices(step, sender, t)
-            .into_iter()
-            .map(|i| i as u32)
-            .collect()
     }
 
     /// The message of Q(x - hat) that `rank` sends at `step`.
@@ -199,6 +189,7 @@ impl Codec {
             // Only the sampled entries of x - hat.
             Compressor::RandomK { .. } => {
                 for (o, i) in out.iter_mut().zip(self.random_indices(step, rank, t)) {
+                    let i = i as usize;
                     *o = x[i] - hat[i];
                 }
             }
@@ -242,6 +233,7 @@ impl Codec {
                 }
                 Compressor::RandomK { .. } => {
                     for (v, i) in part.iter().zip(self.random_indices(step, sender, t)) {
+                        let i = i as usize;
                         f(off + i, std::slice::from_ref(v));
                     }
                 }
@@ -279,6 +271,33 @@ pub fn absorb_span(hat: Option<&mut [f32]>, memory: &mut [f32], q: &[f32], w: f3
         }
         None => memory.iter_mut().zip(q).for_each(|(m, &q)| *m += w * q),
     }
+}
+
+/// k distinct indices of 0..len, each set of k equally likely (Floyd's algorithm: for j from len - k
+/// on, a uniform t in 0..=j joins the set, or j where t is in it already), ascending: the set is a
+/// bitmap of len bits, read back in order. k draws and len / 8 bytes, where shuffling a prefix of
+/// 0..len (`rand::seq::index::sample` at random-k's densities) writes 4 len bytes and then sorts.
+pub(super) fn sample_ascending(rng: &mut ChaCha8Rng, len: usize, k: usize) -> Vec<u32> {
+    assert!(k <= len && len <= 1 << 32, "{k} of {len} indices");
+    let mut set = vec![0u64; len.div_ceil(64)];
+    for j in len - k..len {
+        let t = rng.random_range(0..=j);
+        let pick = if set[t / 64] >> (t % 64) & 1 == 1 {
+            j
+        } else {
+            t
+        };
+        set[pick / 64] |= 1 << (pick % 64);
+    }
+    let mut out = Vec::with_capacity(k);
+    for (w, &word) in set.iter().enumerate() {
+        let mut word = word;
+        while word != 0 {
+            out.push((64 * w) as u32 + word.trailing_zeros());
+            word &= word - 1;
+        }
+    }
+    out
 }
 
 /// Entries of a dense format's span in `Codec::decode_spans` (a whole number of sign words).

@@ -296,10 +296,10 @@ impl Choco {
                 let bits = unsafe { idx.transmute::<f32>(kk) }.context("index bits")?;
                 s.memcpy_dtod(&bits, &mut msg.slice_mut(at + kk..at + 2 * kk))?;
             } else if matches!(codec.compressor, Compressor::RandomK { .. }) {
-                let local = codec.random_indices_u32(step, self.comm.rank(), t);
+                let local = codec.random_indices(step, self.comm.rank(), t);
                 let global: Vec<u32> = local.iter().map(|&i| i + off as u32).collect();
                 let mut vals = s.alloc_zeros::<f32>(kk)?;
-                // SAFETY: random_indices_u32 draws indices below len, so off + i is inside u (the codec's
+                // SAFETY: random_indices draws indices below len, so off + i is inside u (the codec's
                 // tensors tile the model, u's length).
                 unsafe { k.gather(&u, &s.clone_htod(&global)?, &mut vals) }?;
                 s.memcpy_dtod(&vals, &mut msg.slice_mut(at..at + kk))?;
@@ -428,11 +428,11 @@ fn absorb_device(
                     unsafe { m.slice(at + kk..at + 2 * kk).transmute::<u32>(kk) }
                         .context("index bits")?
                 } else {
-                    shared = s.clone_htod(&codec.random_indices_u32(step, rank, t))?;
+                    shared = s.clone_htod(&codec.random_indices(step, rank, t))?;
                     shared.slice(..)
                 };
                 // SAFETY: the indices are below len: top_k's of the sender's len entries (the same
-                // codec), or random_indices_u32's; off + len is inside the channel (the codec's tensors
+                // codec), or random_indices's; off + len is inside the channel (the codec's tensors
                 // tile the model, the channel's length).
                 unsafe { k.choco_absorb(hat, memory, &idx, &vals, off, w, mine) }?;
             }
