@@ -210,6 +210,33 @@ impl<'a> BitReader<'a> {
     }
 }
 
+/// The positions of the set bits of the bitmap `set` (bit i of word w: position 64 w + i), ascending.
+/// With AVX-512, a word at a time without a branch per bit (`wide::positions`).
+pub fn positions(set: &[u64]) -> Vec<u32> {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vbmi2")
+    {
+        // SAFETY: this processor has AVX-512F, BW and VBMI2 (checked above).
+        return unsafe { wide::positions(set) };
+    }
+    positions_scalar(set)
+}
+
+/// `positions` a bit at a time.
+fn positions_scalar(set: &[u64]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for (w, &word) in set.iter().enumerate() {
+        let mut word = word;
+        while word != 0 {
+            out.push((64 * w) as u32 + word.trailing_zeros());
+            word &= word - 1;
+        }
+    }
+    out
+}
+
 /// Unpacking with AVX-512: each lane takes its code from the two words it straddles. Packing: codes
 /// joined pairwise, level by level, in the lanes.
 #[cfg(target_arch = "x86_64")]
@@ -323,6 +350,44 @@ mod wide {
     /// The widest codes `unpack` reads: 32 of them from a first bit anywhere in a word end inside the
     /// 32 words it loads (31 + 32 x 24 bits < 25 words).
     pub const MAX_BITS: u32 = 24;
+
+    /// `super::positions`: the bit numbers of a word's set bits compressed to the front of a vector of
+    /// 64 bytes, widened 16 at a time, offset by the word's first position and stored whole at the end
+    /// of the output so far, which then grows by their count. Only where the processor has AVX-512F,
+    /// BW and VBMI2.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2")]
+    pub unsafe fn positions(set: &[u64]) -> Vec<u32> {
+        let count: usize = set.iter().map(|w| w.count_ones() as usize).sum();
+        // Room for a whole vector of 16 past the last position.
+        let mut out = Vec::<u32>::with_capacity(count + 16);
+        let (p, mut n) = (out.as_mut_ptr(), 0);
+        let bit = _mm512_set_epi8(
+            63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42,
+            41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20,
+            19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+        );
+        for (w, &word) in set.iter().enumerate() {
+            let picked = _mm512_maskz_compress_epi8(word, bit);
+            let first = _mm512_set1_epi32((64 * w) as i32);
+            let set_bits = word.count_ones() as usize;
+            for piece in 0..set_bits.div_ceil(16).max(1) {
+                let bytes = match piece {
+                    0 => _mm512_castsi512_si128(picked),
+                    1 => _mm512_extracti32x4_epi32::<1>(picked),
+                    2 => _mm512_extracti32x4_epi32::<2>(picked),
+                    _ => _mm512_extracti32x4_epi32::<3>(picked),
+                };
+                let at = _mm512_add_epi32(_mm512_cvtepu8_epi32(bytes), first);
+                // SAFETY: n + 16 piece is below n + set_bits, at most `count` (the bits so far), so 16
+                // lanes there fit in the capacity of count + 16.
+                unsafe { _mm512_storeu_si512(p.add(n + 16 * piece).cast(), at) };
+            }
+            n += set_bits;
+        }
+        // SAFETY: the first n = count entries were written above.
+        unsafe { out.set_len(n) };
+        out
+    }
 
     /// The 32 codes of `bits` bits at bit `at` of `words` on (lowest bits first). Only where the
     /// processor has AVX-512F, with bits at most `MAX_BITS`; panics unless 32 words lie at and past
@@ -475,6 +540,30 @@ mod tests {
                 }
             }
             assert_eq!(got, codes, "{bits} bits");
+        }
+    }
+
+    /// The positions of a bitmap's set bits with AVX-512 (where the processor has it) are those found a
+    /// bit at a time, at every density, for lengths that end inside a word and across its 16-bit pieces.
+    #[test]
+    fn positions_of_set_bits_are_those_found_a_bit_at_a_time() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for density in [0.0, 0.01, 0.1, 0.5, 0.97, 1.0] {
+            for words in [0, 1, 3, 17, 1000] {
+                let set: Vec<u64> = (0..words)
+                    .map(|_| {
+                        (0..64).fold(0u64, |w, b| {
+                            w | ((rng.random::<f64>() < density) as u64) << b
+                        })
+                    })
+                    .collect();
+                let want = positions_scalar(&set);
+                assert_eq!(
+                    want.len() as u32,
+                    set.iter().map(|w| w.count_ones()).sum::<u32>()
+                );
+                assert_eq!(positions(&set), want, "density {density}, {words} words");
+            }
         }
     }
 }

@@ -2,13 +2,15 @@
 //! their bit packing, and the seeds the receivers share.
 
 use multiversion::multiversion;
-use rand::{Rng, SeedableRng};
+use std::sync::{Arc, Mutex};
+
+use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::Compressor;
 use crate::kernels;
 use crate::kernels::Segment;
-use crate::sync::bits::{BitReader, BitWriter};
+use crate::sync::bits::{self, BitReader, BitWriter};
 use crate::sync::compress::{self, k_of};
 
 pub(super) const RANDOMK_KEY: u64 = 0x0072_616e_646f_6d6b; // "randomk"
@@ -65,6 +67,23 @@ pub struct Codec {
     /// Entries sent per tensor (top-k, random-k).
     pub(super) ks: Vec<usize>,
     pub(super) seed: u64,
+    /// Random-k's index sets of the message encoded last: its sender reads them back when it absorbs
+    /// its own message, instead of drawing them again.
+    drawn: Drawn,
+}
+
+/// Random-k's index sets (one per tensor) that `sender` drew at `step`.
+#[derive(Debug, Default)]
+struct Drawn(Mutex<Option<Sets>>);
+
+/// (step, sender, a set per tensor).
+type Sets = (u64, usize, Vec<Arc<[u32]>>);
+
+/// A copy of a codec draws its own sets.
+impl Clone for Drawn {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
 }
 
 impl Codec {
@@ -97,6 +116,7 @@ impl Codec {
             parts,
             ks,
             seed,
+            drawn: Drawn::default(),
         }
     }
 
@@ -111,10 +131,32 @@ impl Codec {
         rng
     }
 
-    /// Random-k's ascending indices of tensor `t` for `sender` at `step`.
-    pub(super) fn random_indices(&self, step: u64, sender: usize, t: usize) -> Vec<u32> {
+    /// Random-k's ascending indices of tensor `t` for `sender` at `step`: those of the message encoded
+    /// last where it is that one, else drawn.
+    pub(super) fn random_indices(&self, step: u64, sender: usize, t: usize) -> Arc<[u32]> {
+        if let Some((s, r, sets)) = &*self.drawn.0.lock().unwrap_or_else(|e| e.into_inner()) {
+            if (*s, *r) == (step, sender) {
+                return sets[t].clone();
+            }
+        }
+        self.draw_indices(step, sender, t)
+    }
+
+    /// `random_indices`, drawn.
+    fn draw_indices(&self, step: u64, sender: usize, t: usize) -> Arc<[u32]> {
         let (_, len) = self.tensors[t];
-        sample_ascending(&mut self.rng(RANDOMK_KEY, step, sender, t), len, self.ks[t])
+        sample_ascending(&mut self.rng(RANDOMK_KEY, step, sender, t), len, self.ks[t]).into()
+    }
+
+    /// Random-k: draws and keeps the index sets of `rank`'s message at `step` (`random_indices` then
+    /// reads them back).
+    pub(super) fn keep_drawn(&self, step: u64, rank: usize) {
+        if matches!(self.compressor, Compressor::RandomK { .. }) {
+            let sets = (0..self.tensors.len())
+                .map(|t| self.draw_indices(step, rank, t))
+                .collect();
+            *self.drawn.0.lock().unwrap_or_else(|e| e.into_inner()) = Some((step, rank, sets));
+        }
     }
 
     /// Whether messages are sparse (indices and values: top-k, random-k).
@@ -133,10 +175,10 @@ impl Codec {
         step: u64,
         sender: usize,
         t: usize,
-    ) -> (Vec<u32>, &'m [f32]) {
+    ) -> (Arc<[u32]>, &'m [f32]) {
         let (part, k) = (&msg[self.parts[t]..self.parts[t + 1]], self.ks[t]);
         match self.compressor {
-            Compressor::TopK { .. } => (compress::f32_to_indices(&part[k..]), &part[..k]),
+            Compressor::TopK { .. } => (compress::f32_to_indices(&part[k..]).into(), &part[..k]),
             _ => (self.random_indices(step, sender, t), part),
         }
     }
@@ -150,6 +192,7 @@ impl Codec {
 
     /// The message of Q(x - hat) that `rank` sends at `step`.
     pub fn encode(&self, x: &[f32], hat: &[f32], step: u64, rank: usize, msg: &mut Vec<f32>) {
+        self.keep_drawn(step, rank);
         msg.clear();
         msg.resize(self.words(), 0.0);
         let mut outs = Vec::with_capacity(self.tensors.len());
@@ -188,7 +231,7 @@ impl Codec {
             }
             // Only the sampled entries of x - hat.
             Compressor::RandomK { .. } => {
-                for (o, i) in out.iter_mut().zip(self.random_indices(step, rank, t)) {
+                for (o, &i) in out.iter_mut().zip(&*self.random_indices(step, rank, t)) {
                     let i = i as usize;
                     *o = x[i] - hat[i];
                 }
@@ -232,7 +275,7 @@ impl Codec {
                     }
                 }
                 Compressor::RandomK { .. } => {
-                    for (v, i) in part.iter().zip(self.random_indices(step, sender, t)) {
+                    for (v, &i) in part.iter().zip(&*self.random_indices(step, sender, t)) {
                         let i = i as usize;
                         f(off + i, std::slice::from_ref(v));
                     }
@@ -273,31 +316,54 @@ pub fn absorb_span(hat: Option<&mut [f32]>, memory: &mut [f32], q: &[f32], w: f3
     }
 }
 
-/// k distinct indices of 0..len, each set of k equally likely (Floyd's algorithm: for j from len - k
+/// k of the indices 0..len, every set of k equally likely (Floyd's algorithm: for j from len - k
 /// on, a uniform t in 0..=j joins the set, or j where t is in it already), ascending: the set is a
-/// bitmap of len bits, read back in order. k draws and len / 8 bytes, where shuffling a prefix of
-/// 0..len (`rand::seq::index::sample` at random-k's densities) writes 4 len bytes and then sorts.
+/// bitmap of len bits, read back in order (`bits::positions`). The uniform draws take a 32-bit word
+/// each, drawn in blocks (`below`, drawing again for the few it turns down).
 pub(super) fn sample_ascending(rng: &mut ChaCha8Rng, len: usize, k: usize) -> Vec<u32> {
     assert!(k <= len && len <= 1 << 32, "{k} of {len} indices");
+    const BLOCK: usize = 4096;
     let mut set = vec![0u64; len.div_ceil(64)];
-    for j in len - k..len {
-        let t = rng.random_range(0..=j);
-        let pick = if set[t / 64] >> (t % 64) & 1 == 1 {
-            j
-        } else {
-            t
-        };
-        set[pick / 64] |= 1 << (pick % 64);
-    }
-    let mut out = Vec::with_capacity(k);
-    for (w, &word) in set.iter().enumerate() {
-        let mut word = word;
-        while word != 0 {
-            out.push((64 * w) as u32 + word.trailing_zeros());
-            word &= word - 1;
+    let mut words = vec![0u32; k.min(BLOCK)];
+    for first in (len - k..len).step_by(BLOCK) {
+        let words = &mut words[..BLOCK.min(len - first)];
+        rng.fill(words);
+        for (j, &word) in (first..).zip(words.iter()) {
+            let range = j as u64 + 1;
+            let t = below(word, range).unwrap_or_else(|| loop {
+                if let Some(t) = below(rng.next_u32(), range) {
+                    break t;
+                }
+            }) as usize;
+            let pick = if set[t / 64] >> (t % 64) & 1 == 1 {
+                j
+            } else {
+                t
+            };
+            set[pick / 64] |= 1 << (pick % 64);
         }
     }
-    out
+    bits::positions(&set)
+}
+
+/// A uniform integer below `range` (1 to 2^32) from a uniform 32-bit word (Lemire's multiply and
+/// shift): the high half of word * range, or None for the 2^32 mod range words that would make some
+/// values likelier than others (then the caller draws again).
+#[inline]
+fn below(word: u32, range: u64) -> Option<u64> {
+    below_of(word as u64, 32, range)
+}
+
+/// `below` for words of `bits` bits: every value in 0..range comes from floor(2^bits / range) words.
+#[inline]
+pub(super) fn below_of(word: u64, bits: u32, range: u64) -> Option<u64> {
+    let m = word * range;
+    let low = m & ((1 << bits) - 1);
+    // 2^bits mod range, only worked out in the rare case it can matter.
+    if low < range && low < ((1 << bits) - range) % range {
+        return None;
+    }
+    Some(m >> bits)
 }
 
 /// Entries of a dense format's span in `Codec::decode_spans` (a whole number of sign words).

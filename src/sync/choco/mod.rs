@@ -282,6 +282,8 @@ impl Choco {
         ch.hat.keep_device(hat);
         k.ef_accumulate(&mut u, &x.buf)?;
         let mut msg = s.alloc_zeros::<f32>(codec.words())?;
+        // Random-k's index sets, kept for this rank's own absorb.
+        codec.keep_drawn(step, self.comm.rank());
         // QSGD's ChaCha8 key of this rank and step (each tensor is a stream of it), uploaded once.
         let key = match codec.compressor {
             Compressor::Qsgd { .. } => Some(s.clone_htod(&codec.qsgd_key(step, self.comm.rank()))?),
@@ -428,7 +430,7 @@ fn absorb_device(
                     unsafe { m.slice(at + kk..at + 2 * kk).transmute::<u32>(kk) }
                         .context("index bits")?
                 } else {
-                    shared = s.clone_htod(&codec.random_indices(step, rank, t))?;
+                    shared = s.clone_htod(&codec.random_indices(step, rank, t)[..])?;
                     shared.slice(..)
                 };
                 // SAFETY: the indices are below len: top_k's of the sender's len entries (the same

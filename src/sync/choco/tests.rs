@@ -699,6 +699,49 @@ fn absorbing_a_span_adds_as_the_plain_loop_does() {
 /// Random-k's sampler gives k distinct indices below len, ascending, and every set of k equally often:
 /// 60000 draws of 3 of 9 (84 sets, 714 expected each) stay within 5 standard deviations of it, and the
 /// extremes (none, all) come out whole.
+/// Random-k's index sets kept from the last message encoded are those drawn afresh (a clone of the codec
+/// keeps none), for that message's sender and step; every other sender and step draws its own.
+#[test]
+fn kept_index_sets_are_the_drawn_ones() {
+    let tensors = shapes();
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    let x = &random_vectors(1, n, 5)[0];
+    let codec = Codec::new(Compressor::RandomK { density: 0.3 }, &tensors, 11);
+    let fresh = codec.clone();
+    let mut msg = Vec::new();
+    codec.encode(x, &vec![0.0; n], 4, 1, &mut msg);
+    for (step, sender) in [(4, 1), (4, 0), (5, 1), (3, 2)] {
+        for t in 0..tensors.len() {
+            let (kept, drawn) = (
+                codec.random_indices(step, sender, t),
+                fresh.random_indices(step, sender, t),
+            );
+            assert_eq!(kept, drawn, "step {step}, sender {sender}, tensor {t}");
+        }
+    }
+    assert_ne!(fresh.random_indices(4, 1, 2), fresh.random_indices(4, 0, 2));
+}
+
+/// Every value below the range comes from the same number of words, every word counted (12-bit words,
+/// every range up to 2^12).
+#[test]
+fn uniform_words_below_a_range_are_exactly_uniform() {
+    let bits = 12;
+    for range in 1..=1u64 << bits {
+        let mut counts = vec![0u32; range as usize];
+        for word in 0..1u64 << bits {
+            if let Some(v) = below_of(word, bits, range) {
+                counts[v as usize] += 1;
+            }
+        }
+        let each = ((1u64 << bits) / range) as u32;
+        assert!(
+            counts.iter().all(|&c| c == each),
+            "range {range}: {counts:?}"
+        );
+    }
+}
+
 #[test]
 fn random_k_draws_every_set_of_k_equally_often() {
     use rand::SeedableRng;
