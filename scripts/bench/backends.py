@@ -2,11 +2,14 @@
 """The algorithms' own cost: each backend's step on the local engine against all-reduce's, where the network
 costs nothing (in-process workers), so what is left is each method's own computing. The quick-start model
 (config/quickstart-char.toml) with a global batch of 24 sequences on 4 and 8 local workers (the compressed
-reducers compress from step 3); per run the mean ms/step over the steps after the first `--skip`, the share of it the sync backend computed outside
-collectives (`sync_ms`: compression, decompression, mixing), and the ratio to all-reduce's ms/step at the same
-worker count (target: <= 1.25x), all-reduce measured again between every two backends (this ratio is to the mean
-of the all-reduce runs on either side: the machine's speed drifts between minutes). With `--rounds N` the whole
-sweep runs N times and each row gives the median over the rounds, with the ratio's range beside it.
+reducers compress from step 3; CHOCO's consensus step is "auto", tuned in the plan before the first step).
+Per run: the mean ms/step over the steps after the first `--skip`, the share of it the sync backend computed
+outside collectives (`sync_ms`: compression, decompression, mixing), the train loss at the last step beside
+all-reduce's (a run whose loss ends above its first stops the sweep: it diverged, and the time of arithmetic
+on huge values is not the method's), and the ratio to all-reduce's ms/step at the same worker count (target:
+<= 1.25x), all-reduce measured again between every two backends (this ratio is to the mean of the all-reduce
+runs on either side: the machine's speed drifts between minutes). With `--rounds N` the whole sweep runs N
+times and each row gives the median over the rounds, with the ratio's range beside it.
 
     python3 scripts/bench/backends.py [--steps 60] [--skip 10] [--workers 4 8] [--rounds 1] [--nanodist PATH]
                                       [--only DeMo "top-k 1%" ...]   (all-reduce always runs: the baseline)
@@ -32,13 +35,13 @@ RUNS = [
     ("gossip ring", ['train.backend="decentdp"', 'train.topology="ring"']),
     ("gossip exp", ['train.backend="decentdp"', 'train.topology="exp"']),
     ("CHOCO top-10% exp", ['train.backend="decentdp"', 'train.topology="exp"',
-                           'train.compression={ name = "topk", density = 0.1 }']),
+                           'train.compression={ name = "topk", density = 0.1, consensus_step = "auto" }']),
     ("CHOCO random-k 10% exp", ['train.backend="decentdp"', 'train.topology="exp"',
-                                'train.compression={ name = "randomk", density = 0.1 }']),
+                                'train.compression={ name = "randomk", density = 0.1, consensus_step = "auto" }']),
     ("CHOCO QSGD exp", ['train.backend="decentdp"', 'train.topology="exp"',
-                        'train.compression={ name = "qsgd" }']),
+                        'train.compression={ name = "qsgd", consensus_step = "auto" }']),
     ("CHOCO sign exp", ['train.backend="decentdp"', 'train.topology="exp"',
-                        'train.compression={ name = "sign" }']),
+                        'train.compression={ name = "sign", consensus_step = "auto" }']),
     ("top-k 1%", ['train.compression={ name = "topk", density = 0.01 }']),
     ("Radius 1%", ['train.compression={ name = "radius", density = 0.01, threshold = 3 }']),
     ("PowerSGD r4", ['train.compression={ name = "powersgd", rank = 4, start_iter = 2 }']),
@@ -90,10 +93,11 @@ def main():
             measure = lambda name, sets: mean_ms(run(a.nanodist, out, name, workers, a.steps, sets), a.skip)
             before = measure(*RUNS[0])
             for name, sets in runs[1:]:
-                ms, share = measure(name, sets)
+                ms, share, loss = measure(name, sets)
                 after = measure(*RUNS[0])
                 base = (before[0] + after[0]) / 2
-                results.setdefault((name, workers), []).append((ms, share, base, ms / base))
+                row = (ms, share, loss, before[2], base, ms / base)
+                results.setdefault((name, workers), []).append(row)
                 print(f"round {r + 1}: {name} on {workers} workers: {ms / base:.2f}x", file=sys.stderr, flush=True)
                 before = after
     print_table(results, a.rounds)
@@ -102,20 +106,28 @@ def main():
 def print_table(results, rounds):
     """One row per backend and worker count: medians over the rounds, and the ratios' range."""
     spread = " (range over rounds)" if rounds > 1 else ""
-    print(f"| backend | workers | ms/step | sync share | all-reduce beside it | vs all-reduce{spread} |")
-    print("|---|---|---|---|---|---|")
+    print(f"| backend | workers | ms/step | sync share | last loss (all-reduce's) | all-reduce beside it "
+          f"| vs all-reduce{spread} |")
+    print("|---|---|---|---|---|---|---|")
     for (name, workers), rows in results.items():
-        ms, share, base, ratio = (statistics.median(col) for col in zip(*rows))
-        ratios = [row[3] for row in rows]
+        ms, share, loss, base_loss, base, ratio = (statistics.median(col) for col in zip(*rows))
+        ratios = [row[5] for row in rows]
         span = f" ({min(ratios):.2f}-{max(ratios):.2f})" if rounds > 1 else ""
-        print(f"| {name} | {workers} | {ms:.1f} | {100 * share:.0f}% | {base:.1f} | {ratio:.2f}x{span} |")
+        print(f"| {name} | {workers} | {ms:.1f} | {100 * share:.0f}% | {loss:.2f} ({base_loss:.2f}) | {base:.1f} "
+              f"| {ratio:.2f}x{span} |")
 
 
 def mean_ms(rows, skip):
-    """Mean ms/step over the steps after `skip`, and the share of it the backend's sync computed."""
+    """Mean ms/step over the steps after `skip`, the share of it the backend's sync computed, and the
+    train loss of the last step. A run whose loss ends above where it began has diverged: its step time
+    (arithmetic on huge values) says nothing about the method's cost, so the sweep stops."""
+    first, last = rows[0]["train_loss"], rows[-1]["train_loss"]
+    if not last < first:
+        raise SystemExit(f"the run diverged: train loss {first:.4f} at step {rows[0]['step']}, "
+                         f"{last:.4f} at step {rows[-1]['step']}")
     rows = [r for r in rows if r["step"] > skip]
     ms = sum(r["ms_per_step"] for r in rows) / len(rows)
-    return ms, sum(r.get("sync_ms", 0.0) for r in rows) / sum(r["ms_per_step"] for r in rows)
+    return ms, sum(r.get("sync_ms", 0.0) for r in rows) / sum(r["ms_per_step"] for r in rows), last
 
 if __name__ == "__main__":
     main()
