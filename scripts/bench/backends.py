@@ -64,7 +64,11 @@ def run(exe, out, name, workers, steps, sets):
     if done.returncode != 0:
         raise SystemExit(f"{name} on {workers} workers failed:\n{done.stderr}")
     with open(os.path.join(out, run_name, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f]
+    # The run's final checkpoint goes at once: written back to disk during the runs that follow, it would
+    # take their CPU time (a gossip run's replicas and CHOCO's public copies are hundreds of MB).
+    shutil.rmtree(os.path.join(out, run_name))
+    return rows
 
 
 def main():
