@@ -370,6 +370,8 @@ mod wide {
             let picked = _mm512_maskz_compress_epi8(word, bit);
             let first = _mm512_set1_epi32((64 * w) as i32);
             let set_bits = word.count_ones() as usize;
+            // One piece at least: at random-k's densities most words have no bit or one, and a loop
+            // that always runs once there branches as the processor expects.
             for piece in 0..set_bits.div_ceil(16).max(1) {
                 let bytes = match piece {
                     0 => _mm512_castsi512_si128(picked),
@@ -378,7 +380,8 @@ mod wide {
                     _ => _mm512_extracti32x4_epi32::<3>(picked),
                 };
                 let at = _mm512_add_epi32(_mm512_cvtepu8_epi32(bytes), first);
-                // SAFETY: n + 16 piece is below n + set_bits, at most `count` (the bits so far), so 16
+                // SAFETY: n + 16 piece is below n + set_bits where the word has bits (else it is n),
+                // and n + set_bits is at most `count` (n counts the bits before this word), so 16
                 // lanes there fit in the capacity of count + 16.
                 unsafe { _mm512_storeu_si512(p.add(n + 16 * piece).cast(), at) };
             }

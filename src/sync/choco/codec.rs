@@ -1,9 +1,9 @@
 //! CHOCO's messages: each compressor's encoding of a model's tensors (top-k, random-k, QSGD, sign),
 //! their bit packing, and the seeds the receivers share.
 
-use multiversion::multiversion;
 use std::sync::{Arc, Mutex};
 
+use multiversion::multiversion;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

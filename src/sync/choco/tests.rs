@@ -696,9 +696,6 @@ fn absorbing_a_span_adds_as_the_plain_loop_does() {
     }
 }
 
-/// Random-k's sampler gives k distinct indices below len, ascending, and every set of k equally often:
-/// 60000 draws of 3 of 9 (84 sets, 714 expected each) stay within 5 standard deviations of it, and the
-/// extremes (none, all) come out whole.
 /// Random-k's index sets kept from the last message encoded are those drawn afresh (a clone of the codec
 /// keeps none), for that message's sender and step; every other sender and step draws its own.
 #[test]
@@ -720,6 +717,10 @@ fn kept_index_sets_are_the_drawn_ones() {
         }
     }
     assert_ne!(fresh.random_indices(4, 1, 2), fresh.random_indices(4, 0, 2));
+    // Kept: read back, not drawn again.
+    let again =
+        |c: &Codec| std::sync::Arc::ptr_eq(&c.random_indices(4, 1, 0), &c.random_indices(4, 1, 0));
+    assert!(again(&codec) && !again(&fresh));
 }
 
 /// Every value below the range comes from the same number of words, every word counted (12-bit words,
@@ -742,6 +743,9 @@ fn uniform_words_below_a_range_are_exactly_uniform() {
     }
 }
 
+/// Random-k's sampler gives k distinct indices below len, ascending, and every set of k equally often:
+/// 60000 draws of 3 of 9 (84 sets, 714 expected each) stay within 5 standard deviations of it, and the
+/// extremes (none, all) come out whole.
 #[test]
 fn random_k_draws_every_set_of_k_equally_often() {
     use rand::SeedableRng;
