@@ -80,8 +80,37 @@ pub fn gpus() -> Result<usize, String> {
 
 #[cfg(feature = "cuda")]
 fn cuda_device(ordinal: usize) -> Result<Device> {
-    Device::new_cuda(ordinal)
-        .map_err(|e| crate::bad_input!("train.device = \"cuda\": opening GPU {ordinal}: {e}"))
+    open_cuda(ordinal)
+        .map(Device::Cuda)
+        .map_err(|e| crate::bad_input!("train.device = \"cuda\": opening GPU {ordinal}: {e:#}"))
+}
+
+/// Candle's device on GPU `ordinal`, as every rank and test opens it:
+/// - on a stream of its own (`new_with_stream`), not candle's default per-thread stream. Work that any
+///   thread queues on it is ordered, and cudarc's events order each buffer's uses on other streams
+///   (NCCL's) after the work that wrote it; on the per-thread stream neither holds.
+/// - with the device's memory pool keeping what is freed (release threshold: all of it), as PyTorch's
+///   caching allocator does. At the default threshold (0) the pool hands freed memory back to the driver
+///   at every synchronization, so each step maps its activations afresh.
+#[cfg(feature = "cuda")]
+pub fn open_cuda(ordinal: usize) -> Result<candle_core::CudaDevice> {
+    use anyhow::Context;
+    use cudarc::driver::{result, sys};
+    let dev = candle_core::CudaDevice::new_with_stream(ordinal)?;
+    let cu_device = dev.cuda_stream().context().cu_device();
+    let keep = u64::MAX;
+    // SAFETY: the pool is the device's default one, which lives as long as the driver; the attribute is
+    // a u64 (cuMemPoolSetAttribute's documented type for the release threshold), read during the call.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(cu_device)?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &keep as *const u64 as *mut std::ffi::c_void,
+        )
+    }
+    .context("keeping freed GPU memory in the device's memory pool")?;
+    Ok(dev)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -7,16 +7,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::CudaStream;
 use nanodist::comm::Communicator;
 use nanodist::cuda::Kernels;
 use nanodist::kernels as twin;
 use nanodist::kernels::Segment;
 use rand::{Rng, SeedableRng};
 
+/// The kernels on candle's stream of GPU 0, opened as a rank opens its GPU.
 fn kernels() -> Kernels {
-    let ctx = CudaContext::new(0).expect("GPU 0 (these tests need a CUDA GPU)");
-    Kernels::new(ctx.default_stream()).expect("loading the reducer PTX")
+    let dev = nanodist::device::open_cuda(0).expect("GPU 0 (these tests need a CUDA GPU)");
+    Kernels::for_candle(&dev).expect("loading the reducer kernels")
 }
 
 /// Values spread out, or on a few levels (many ties).

@@ -91,6 +91,19 @@ impl NcclComm {
     }
 
     /// Waits for the stream's work, at most the timeout; `op` names the call in the error.
+    /// Orders this engine's stream after the work queued so far on `streams` (the callers' buffers'):
+    /// a collective must not read a buffer before the kernels that write it have run, nor write one that
+    /// the stream-ordered allocator has not handed out yet. cudarc's events do this only for buffers that
+    /// it tracks; the gradient buffer is not tracked (`Place::zeros_for_collectives`).
+    fn after(&self, streams: &[&Arc<CudaStream>]) -> Result<()> {
+        for (i, s) in streams.iter().enumerate() {
+            if !streams[..i].iter().any(|o| Arc::ptr_eq(o, s)) {
+                self.stream.wait(&s.record_event(None)?)?;
+            }
+        }
+        Ok(())
+    }
+
     fn wait(&self, op: &str) -> Result<()> {
         let done = self.stream.record_event(None)?;
         let deadline = Instant::now() + self.timeout;
@@ -298,6 +311,7 @@ impl Communicator for NcclComm {
             bail!("exchange: {r:?} with rank {peer} is outside the buffers or the world");
         }
         let start = Instant::now();
+        self.after(&[send.stream(), recv.stream()])?;
         nccl::group_start().map_err(nccl_err)?;
         for (peer, r) in sends {
             self.comm
@@ -334,6 +348,7 @@ impl Communicator for NcclComm {
             return Ok(());
         }
         let start = Instant::now();
+        self.after(&[buf.stream()])?;
         let mine = chunk(len, g, me);
         let m = mine.len();
         self.staging(0, m * g)?;
@@ -403,6 +418,7 @@ impl Communicator for NcclComm {
             );
         }
         let start = Instant::now();
+        self.after(&[out.stream()])?;
         self.comm.all_gather(send, out).map_err(nccl_err)?;
         self.wait("all_gather")?;
         self.account(4 * (send.len() * (self.n - 1)) as u64, start);

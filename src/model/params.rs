@@ -214,8 +214,8 @@ impl ParamSet {
             stream.memcpy_dtod(&flat.buf.slice(p.offset..p.offset + p.len), &mut part)?;
             var.set(&flat.kernels.tensor(part, p.shape.as_slice())?)?;
         }
-        // Candle's stream is the CUDA per-thread stream of the calling thread, and the gradient may be
-        // computed on another thread (beside overlapped gossip): the weights are in place before it reads.
+        // The weights are in place before the host goes on: work that another stream queues next (an
+        // overlapped gossip's, NCCL's) reads them without an event of its own.
         stream.synchronize()?;
         Ok(())
     }
