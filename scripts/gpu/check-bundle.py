@@ -13,7 +13,8 @@ without a GPU:
 5. the binary runs its CPU paths with the link-time stand-ins as its CUDA libraries (`--stubs`): it trains
    the bundle's data on the CPU, and `train.device = "cuda"` is refused with exit 2 (no GPU);
 6. the self-test's own parts that need no GPU: its arguments, its step list and budget, library discovery and
-   the table, with a fake GPU probe and a fake library tree, one library missing or none.
+   the table, with a fake GPU probe and a fake library tree, one library missing or none; the profile step's
+   reading of ncu's CSV.
 
     python3 scripts/gpu/check-bundle.py .gpu-bundle --stubs DIR
 """
@@ -145,6 +146,39 @@ def selftest(b):
                       f"fake GPU, {missing} missing: exit {p.returncode}, named in the table")
 
 
+def profile_parser(b):
+    """The profile step's reading of ncu's CSV: ncu's own lines before the header, times in mixed units,
+    template arguments kept and parameters dropped from the names, other metrics ignored."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("selftest", os.path.join(b, "selftest.py"))
+    st = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(st)
+    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",' \
+           '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+    def row(i, name, metric, unit, value):
+        return f'"{i}","7","nanodist","127.0.0.1","{name}","1","13","(256, 1, 1)","(4, 1, 1)","0","9.0",' \
+               f'"Command line profiler metrics","{metric}","{unit}","{value}"'
+    lines = ["==PROF== Connected to process 7", "==PROF== Profiling \"ucopy_f32\" - 0: 0%....100% - 1 pass", head,
+             row(0, "ucopy_f32", "gpu__time_duration.sum", "usecond", "1,500.00"),
+             row(1, "void gemm<bf16, 128>(const T *, int)", "gpu__time_duration.sum", "msecond", "2.25"),
+             row(2, "ucopy_f32", "gpu__time_duration.sum", "nsecond", "500"),
+             row(3, "ucopy_f32", "sm__throughput.avg.pct_of_peak_sustained_elapsed", "%", "80")]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ncu.csv")
+        open(path, "w").write("\n".join(lines) + "\n")
+        got = st.kernel_times(path)
+        open(path, "w").write("==PROF== Disconnected\n")
+        try:
+            st.kernel_times(path)
+            empty = "read"
+        except ValueError as e:
+            empty = str(e)
+    want = {"ucopy_f32": [1.5005, 2], "void gemm<bf16, 128>": [2.25, 1]}
+    same = got.keys() == want.keys() and all(abs(got[k][0] - want[k][0]) < 1e-9 and got[k][1] == want[k][1]
+                                             for k in want)
+    check(same and "no ncu CSV" in empty, f"profile: ncu's CSV read as {got}; a log without one: {empty}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle")
@@ -167,6 +201,7 @@ def main():
         needed(bins)
         cpu_paths(b, bins[0], os.path.abspath(a.stubs))
     selftest(b)
+    profile_parser(b)
     if failures:
         print(f"\n{len(failures)} check(s) failed", file=sys.stderr)
         sys.exit(1)
