@@ -294,6 +294,7 @@ pub fn resolve(
             topology.name()
         ));
     }
+    notes.extend(default_step_note(t, &sync, world));
     notes.extend(key_notes(t, doc, launch));
     let local = t.local_batch(world);
     let accum = t.global_batch_size / (local * world);
@@ -477,6 +478,47 @@ fn key_notes(t: &crate::config::TrainConfig, doc: &Node, launch: &LaunchEnv) -> 
     notes
 }
 
+/// A note when CHOCO runs at its default consensus step (none given) and the consensus simulated at that
+/// step (`sync::choco::consensus_growth`, as "auto" tunes) does not contract for this compressor,
+/// topology and world: training at it diverges (random-k 10% on `exp` at 8 ranks does).
+fn default_step_note(
+    t: &crate::config::TrainConfig,
+    sync: &SyncPlan,
+    world: usize,
+) -> Option<String> {
+    let SyncPlan::Gossip {
+        topology,
+        ranks_per_node,
+        choco: Some(c),
+        ..
+    } = sync
+    else {
+        return None;
+    };
+    if c.tuned || t.compression.as_ref()?.consensus_step().is_some() {
+        return None;
+    }
+    let rounds = crate::sync::topology::rounds(*topology, world, *ranks_per_node).ok()?;
+    let growth =
+        crate::sync::choco::consensus_growth(&rounds, c.compressor, c.seed, c.gamma).ok()?;
+    (growth >= 1.0).then(|| {
+        format!(
+            "train.compression.consensus_step is not set: at CHOCO's default {} the consensus of {} on {:?} \
+             with {world} ranks does not contract (simulated as \"auto\" tunes it, its error after {} steps \
+             {}), and training at it can diverge; set consensus_step = \"auto\" to tune it, or a smaller value",
+            c.gamma,
+            c.compressor.describe(),
+            topology.name(),
+            crate::sync::choco::TUNE_ITERS,
+            if growth.is_finite() {
+                format!("is {growth:.2e} times its start")
+            } else {
+                "grew without bound".into()
+            }
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -520,6 +562,47 @@ mod tests {
             );
         }
         assert!(a.to_string().contains("bf16 linear layers and lm head"));
+    }
+
+    /// CHOCO at its default consensus step gets a note where the consensus simulated at that step does not
+    /// contract (random-k 10% on exp at 8 ranks, the run that diverged: its error grows ~1e38-fold; top-k 10%
+    /// on a ring: ~460-fold), and none where it contracts (top-k 10% on exp: ~1e-2) or where the step is
+    /// given.
+    #[test]
+    fn choco_at_a_default_step_that_does_not_contract_is_noted() {
+        let launch = LaunchEnv {
+            workers_flag: Some(8),
+            cores: 2,
+            ..LaunchEnv::default()
+        };
+        let notes = |topology: &str, compression: &str| {
+            let src = format!(
+                "[train]\nbackend = \"decentdp\"\ntopology = \"{topology}\"\nglobal_batch_size = 8\n\
+                 compression = {compression}\n"
+            );
+            let loaded = load_str(Path::new("t.toml"), &src, &[], &launch);
+            let notes = loaded.unwrap_or_else(|e| panic!("{e}")).notes;
+            notes
+                .into_iter()
+                .filter(|n| n.contains("consensus_step is not set"))
+                .collect::<Vec<_>>()
+        };
+        let random_k = notes("exp", r#"{ name = "randomk", density = 0.1 }"#);
+        assert_eq!(random_k.len(), 1, "{random_k:?}");
+        for part in [
+            "default 0.9",
+            "random-k density 0.1",
+            "\"exp\"",
+            "8 ranks",
+            "\"auto\"",
+        ] {
+            assert!(random_k[0].contains(part), "{part} in {}", random_k[0]);
+        }
+        let given = r#"{ name = "randomk", density = 0.1, consensus_step = 0.9 }"#;
+        assert_eq!(notes("exp", given), Vec::<String>::new());
+        let top_k = r#"{ name = "topk", density = 0.1 }"#;
+        assert_eq!(notes("ring", top_k).len(), 1);
+        assert_eq!(notes("exp", top_k), Vec::<String>::new());
     }
 
     /// Under a launcher the world is the launcher's: a `train.workers` that says otherwise is a problem

@@ -37,7 +37,9 @@ pub use channels::Channels;
 pub use codec::{absorb_span, qsgd_bits, qsgd_tau, Codec};
 #[cfg(feature = "cuda")]
 use codec::{bucket_len, buckets};
-pub use tuning::{mean_of, random_vectors, tune_gamma, Simulation, TUNE_ITERS, TUNING_VERSION};
+pub use tuning::{
+    consensus_growth, mean_of, random_vectors, tune_gamma, Simulation, TUNE_ITERS, TUNING_VERSION,
+};
 
 use super::compress;
 use super::topology::Round;

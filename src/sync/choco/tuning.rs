@@ -171,46 +171,17 @@ pub(super) fn tune_with(
     seed: u64,
     step_fn: StepFn,
 ) -> Result<f64> {
-    let world: usize = rounds
-        .first()
-        .map_or(1, |r| r.iter().map(|g| g.ranks.len()).sum());
-    if world < 2 {
+    let Some(setup) = Setup::new(rounds, compressor, seed)? else {
         return Ok(1.0);
-    }
-    // About 64k entries decoded per step: each rank decodes its group's messages.
-    let group = rounds
-        .iter()
-        .flatten()
-        .map(|g| g.ranks.len())
-        .max()
-        .unwrap_or(1);
-    let dim = (64_000 / (world * group)).clamp(16, 1000);
-    let tensors = Segment::from_shapes(&[(1, dim, false)]);
-    let codec = Codec::new(compressor, &tensors, seed);
-    let x0 = random_vectors(world, dim, mix(&[seed, 0x7475_6e65]));
-    let start = Simulation::new(rounds.to_vec(), codec.clone(), 0.0, dim)?.error(&x0);
+    };
     let grid: Vec<f64> = (0..20)
         .map(|i| 10f64.powf(-3.0 + 3.0 * i as f64 / 19.0))
         .collect();
     let scores: Vec<(f64, f64)> = grid
         .par_iter()
-        .map(|&gamma| -> Result<(f64, f64)> {
-            let mut sim = Simulation::new(rounds.to_vec(), codec.clone(), gamma as f32, dim)?;
-            let mut xs = x0.clone();
-            let mut area = 0.0;
-            for step in 0..TUNE_ITERS {
-                step_fn(&mut sim, &mut xs, step);
-                if step % 10 == 9 {
-                    area += sim.error(&xs);
-                    // Diverged: an entry that is infinite or NaN stays so (sums of it never become
-                    // finite), so its final error and area are not finite either.
-                    if !area.is_finite() {
-                        return Ok((f64::INFINITY, f64::INFINITY));
-                    }
-                }
-            }
-            let finite = |e: f64| if e.is_finite() { e } else { f64::INFINITY };
-            Ok((finite(sim.error(&xs)).max(1e-9 * start), finite(area)))
+        .map(|&gamma| {
+            let (last, area) = setup.run(gamma, step_fn)?;
+            Ok((last.max(1e-9 * setup.start), area))
         })
         .collect::<Result<_>>()?;
     let best = (0..grid.len())
@@ -220,4 +191,85 @@ pub(super) fn tune_with(
         })
         .unwrap_or(grid.len() - 1);
     Ok(grid[best])
+}
+
+/// CHOCO's consensus error after `TUNE_ITERS` simulated steps at `gamma`, over the error it starts from,
+/// measured as `tune_gamma` measures it (1.0 for a single rank): below 1 the consensus contracts; above,
+/// it does not, and infinite, it diverged.
+pub fn consensus_growth(
+    rounds: &[Round],
+    compressor: Compressor,
+    seed: u64,
+    gamma: f64,
+) -> Result<f64> {
+    let Some(setup) = Setup::new(rounds, compressor, seed)? else {
+        return Ok(1.0);
+    };
+    Ok(setup.run(gamma, Simulation::step)?.0 / setup.start)
+}
+
+/// What every simulated gamma starts from: the rounds, the codec, the vectors and their error.
+struct Setup {
+    rounds: Vec<Round>,
+    codec: Codec,
+    dim: usize,
+    x0: Vec<Vec<f32>>,
+    start: f64,
+}
+
+impl Setup {
+    /// None for a single rank (nothing to agree on).
+    fn new(rounds: &[Round], compressor: Compressor, seed: u64) -> Result<Option<Self>> {
+        let world: usize = rounds
+            .first()
+            .map_or(1, |r| r.iter().map(|g| g.ranks.len()).sum());
+        if world < 2 {
+            return Ok(None);
+        }
+        // About 64k entries decoded per step: each rank decodes its group's messages.
+        let group = rounds
+            .iter()
+            .flatten()
+            .map(|g| g.ranks.len())
+            .max()
+            .unwrap_or(1);
+        let dim = (64_000 / (world * group)).clamp(16, 1000);
+        let tensors = Segment::from_shapes(&[(1, dim, false)]);
+        let codec = Codec::new(compressor, &tensors, seed);
+        let x0 = random_vectors(world, dim, mix(&[seed, 0x7475_6e65]));
+        let start = Simulation::new(rounds.to_vec(), codec.clone(), 0.0, dim)?.error(&x0);
+        Ok(Some(Self {
+            rounds: rounds.to_vec(),
+            codec,
+            dim,
+            x0,
+            start,
+        }))
+    }
+
+    /// `TUNE_ITERS` steps at `gamma`: the final error and the sum of the errors every 10 steps, both
+    /// infinite once the simulation diverged.
+    fn run(&self, gamma: f64, step_fn: StepFn) -> Result<(f64, f64)> {
+        let mut sim = Simulation::new(
+            self.rounds.clone(),
+            self.codec.clone(),
+            gamma as f32,
+            self.dim,
+        )?;
+        let mut xs = self.x0.clone();
+        let mut area = 0.0;
+        for step in 0..TUNE_ITERS {
+            step_fn(&mut sim, &mut xs, step);
+            if step % 10 == 9 {
+                area += sim.error(&xs);
+                // Diverged: an entry that is infinite or NaN stays so (sums of it never become
+                // finite), so its final error and area are not finite either.
+                if !area.is_finite() {
+                    return Ok((f64::INFINITY, f64::INFINITY));
+                }
+            }
+        }
+        let finite = |e: f64| if e.is_finite() { e } else { f64::INFINITY };
+        Ok((finite(sim.error(&xs)), finite(area)))
+    }
 }
