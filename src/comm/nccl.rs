@@ -90,7 +90,6 @@ impl NcclComm {
         Ok(())
     }
 
-    /// Waits for the stream's work, at most the timeout; `op` names the call in the error.
     /// Orders this engine's stream after the work queued so far on `streams` (the callers' buffers'):
     /// a collective must not read a buffer before the kernels that write it have run, nor write one that
     /// the stream-ordered allocator has not handed out yet. cudarc's events do this only for buffers that
@@ -104,6 +103,7 @@ impl NcclComm {
         Ok(())
     }
 
+    /// Waits for the stream's work, at most the timeout; `op` names the call in the error.
     fn wait(&self, op: &str) -> Result<()> {
         let done = self.stream.record_event(None)?;
         let deadline = Instant::now() + self.timeout;

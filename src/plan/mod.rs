@@ -480,7 +480,7 @@ fn key_notes(t: &crate::config::TrainConfig, doc: &Node, launch: &LaunchEnv) -> 
 
 /// A note when CHOCO runs at its default consensus step (none given) and the consensus simulated at that
 /// step (`sync::choco::consensus_growth`, as "auto" tunes) does not contract for this compressor,
-/// topology and world: training at it diverges (random-k 10% on `exp` at 8 ranks does).
+/// topology and world: training at it can diverge (random-k 10% on `exp` at 8 ranks did).
 fn default_step_note(
     t: &crate::config::TrainConfig,
     sync: &SyncPlan,
