@@ -21,8 +21,8 @@ Steps, each bounded in time (the whole run stays within --budget; a step that no
                checkpoint resumed on its own device (train loss within 1e-3)
   speed        GPT-2 small on one GPU: nanodist's tokens/s and MFU against PyTorch nanoGPT (SDPA, bf16
                autocast; compiled where time allows); each backend's ms/step with 2 ranks on the GPU
-  profile      where nanodist's GPT-2 small step spends the GPU's time: ncu's time of each of the step's
-               kernels, summed by kernel name, the largest first (skipped without ncu)
+  profile      where nanodist's GPT-2 small run spends the GPU's time: ncu's time of each of its first
+               kernels (its start and first step), summed by kernel name, the largest first (skipped without ncu)
 
 The table is printed and written to DIR/selftest.md and DIR/selftest.json (DIR: --out, else $OUT, else
 ./selftest-out), with the logs of every run in DIR/logs.tar.gz. Exit status: 0 when every check passed,
@@ -529,8 +529,8 @@ def ncu_path():
 
 
 def profile(r, limit):
-    """Where one GPT-2 small training step spends the GPU's time: ncu's time of each of its first kernels,
-    summed by kernel name, the largest first."""
+    """Where a GPT-2 small run spends the GPU's time: ncu's time of each of its first kernels (its start and
+    first step), summed by kernel name, the largest first."""
     ncu = ncu_path()
     if not ncu:
         r.row("profile", "SKIP", "no ncu (Nsight Compute) on this machine")
@@ -547,8 +547,8 @@ def profile(r, limit):
         return
     total = sum(t for t, _ in times.values())
     launches = sum(n for _, n in times.values())
-    r.row("profile", "INFO", f"GPT-2 small, batch {r.a.profile_batch} x 1024, bf16 matmuls: the first {launches} "
-          f"kernels of its first step take {total:.1f} ms on the GPU (ncu, gpu__time_duration)", secs)
+    r.row("profile", "INFO", f"GPT-2 small, batch {r.a.profile_batch} x 1024, bf16 matmuls: the run's first {launches} "
+          f"kernels (its start and first step) take {total:.1f} ms on the GPU (ncu, gpu__time_duration)", secs)
     for name, (t, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[:r.a.profile_top]:
         r.row(f"profile: {name[:80]}", "INFO", f"{t:.2f} ms, {t / total:.1%}, {n} launches")
 
