@@ -1,6 +1,7 @@
-//! GPU checks, run by the GPU self-test (scripts/gpu/selftest.py) on a machine with a GPU: every reducer
-//! and optimizer kernel against its CPU twin (bit for bit: same algorithm, same blocking, no contracted
-//! multiply-adds), and the NCCL engine at world size 1. CI builds them into the self-test bundle
+//! GPU checks, run by the GPU self-test (scripts/gpu/selftest.py) on a machine with a GPU: every reducer,
+//! optimizer and attention kernel against its CPU twin (bit for bit: same algorithm, same blocking, no
+//! contracted multiply-adds; to a stated tolerance where the GPU's expf or logf enters), and the NCCL
+//! engine at world size 1. CI builds them into the self-test bundle
 //! (scripts/gpu-bundle.sh); without a GPU they fail at their first line, naming the missing device.
 #![cfg(feature = "cuda")]
 
@@ -249,6 +250,44 @@ fn sum_squares_kernel_equals_its_twin() {
         let got = k.sum_squares(&k.stream().clone_htod(&x).unwrap()).unwrap();
         let want = twin::optim::sum_squares(&x);
         assert_eq!(got.to_bits(), want.to_bits(), "n = {n}: {got} vs {want}");
+    }
+}
+
+/// The attention's causal softmax: its backward gives its twin's bits (no transcendental functions); the
+/// forward is within 1e-6 relative of its twin (the GPU's expf is within 2 ulp of the host's, and each
+/// output divides by a sum of them).
+#[test]
+fn attention_kernels_follow_their_twins() {
+    let k = kernels();
+    let s = k.stream();
+    for (t, heads, scale) in [(1, 1, 1.0), (5, 3, 0.125), (300, 2, 0.3), (1024, 2, 0.125)] {
+        let x: Vec<f32> = values(heads * t * t, t as u64, false)
+            .iter()
+            .map(|v| 6.0 * v)
+            .collect();
+        let g = values(x.len(), t as u64 + 1, false);
+        let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+        twin::softmax::causal_softmax(&x, &mut y, t, scale);
+        twin::softmax::causal_softmax_backward(&y, &g, &mut dx, t, scale);
+        let gy = k
+            .causal_softmax(&s.clone_htod(&x).unwrap().slice(..), t, scale)
+            .unwrap();
+        let gy = s.clone_dtoh(&gy).unwrap();
+        for (i, (a, b)) in gy.iter().zip(&y).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs(),
+                "softmax, t {t}, at {i}: {a} vs {b}"
+            );
+        }
+        let (dy, dg) = (s.clone_htod(&y).unwrap(), s.clone_htod(&g).unwrap());
+        let gdx = k
+            .causal_softmax_backward(&dy.slice(..), &dg.slice(..), t, scale)
+            .unwrap();
+        assert_eq!(
+            bits(&s.clone_dtoh(&gdx).unwrap()),
+            bits(&dx),
+            "backward, t {t}"
+        );
     }
 }
 

@@ -10,8 +10,9 @@ Steps, each bounded in time (the whole run stays within --budget; a step that no
   probe        the GPU (nvidia-smi): name, compute capability, driver, memory
   libraries    each library the binaries need, found on this machine; LD_LIBRARY_PATH for the rest;
                both binaries start (every symbol bound)
-  kernels      tests/gpu.rs: each reducer and optimizer kernel against its CPU twin, bit for bit; the NCCL
-               engine at world size 1; each backend's GPU state against its host path
+  kernels      tests/gpu.rs: each reducer, optimizer and attention kernel against its CPU twin, bit for bit
+               (the attention's softmax within 1e-6: the GPU's expf); the NCCL engine at world size 1; each
+               backend's GPU state against its host path
   nccl         `nanodist train` on the NCCL engine at world 1, 2 and --ranks: N processes on the one GPU,
                NCCL's id over TCP (MASTER_ADDR/MASTER_PORT), each rank its own NCCL host id so that NCCL
                connects ranks of one GPU through its socket transport

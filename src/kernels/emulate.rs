@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 pub enum Source {
     Reducers,
     Optim,
+    Attention,
 }
 
 impl Source {
@@ -25,6 +26,7 @@ impl Source {
                 [include_str!("../../kernels/reducers.cu"), DEVICE_FUNCTIONS].concat()
             }
             Source::Optim => include_str!("../../kernels/optim.cu").into(),
+            Source::Attention => include_str!("../../kernels/attention.cu").into(),
         }
     }
 
@@ -32,6 +34,7 @@ impl Source {
         match self {
             Source::Reducers => "reducers",
             Source::Optim => "optim",
+            Source::Attention => "attention",
         }
     }
 }
@@ -165,7 +168,8 @@ impl Emulator {
     /// The host build of `source`, made once per test binary; None (the test skipped) when no C++
     /// compiler is found and none is required.
     pub fn get(source: Source) -> Option<&'static Emulator> {
-        static BUILT: [OnceLock<Option<Emulator>>; 2] = [OnceLock::new(), OnceLock::new()];
+        static BUILT: [OnceLock<Option<Emulator>>; 3] =
+            [OnceLock::new(), OnceLock::new(), OnceLock::new()];
         BUILT[source as usize]
             .get_or_init(|| build(source))
             .as_ref()
@@ -576,12 +580,17 @@ mod tests {
     /// checks them), and every kernel is launched.
     #[test]
     fn every_launch_passes_its_kernels_parameters() {
-        let texts = [Source::Reducers.text(), Source::Optim.text()];
+        let texts = [
+            Source::Reducers.text(),
+            Source::Optim.text(),
+            Source::Attention.text(),
+        ];
         let kernels: std::collections::HashMap<&str, usize> =
             texts.iter().flat_map(|t| kernels_of(t)).collect();
         let launchers = [
             include_str!("../cuda/mod.rs"),
             include_str!("../cuda/optim.rs"),
+            include_str!("../cuda/attention.rs"),
         ]
         .concat();
         let mut launched = std::collections::HashSet::new();

@@ -14,6 +14,7 @@ pub(crate) mod emulate;
 pub mod gemm;
 pub mod optim;
 mod segment;
+pub mod softmax;
 mod stream;
 pub use stream::{sign, with_sign_stream, SignStream};
 pub mod thin;

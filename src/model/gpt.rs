@@ -3,8 +3,9 @@
 //!
 //! Parameter names and layout follow Hugging Face's GPT2LMHeadModel, except that the four projection
 //! matrices are stored as nn.Linear ([out, in], as nanoGPT); checkpoints transpose them to HF's Conv1D
-//! orientation ([in, out]). Every op used here has a backward in candle: candle's fused layer_norm and
-//! softmax_last_dim do not, and a model built on them trains silently wrong.
+//! orientation ([in, out]). Every op used here has a backward: candle's fused layer_norm and
+//! softmax_last_dim do not, and a model built on them trains silently wrong; the attention's causal
+//! softmax is an op of our own with its backward (`super::attention`), one kernel each on a GPU.
 //!
 //! Training and evaluation on CPU run on the hand-written engine of `cpu` (same function, tested against
 //! this graph); the graph runs on GPUs, and serves generation and the tests as the reference.
@@ -352,14 +353,7 @@ impl Gpt {
         })
     }
 
-    fn attention(
-        &self,
-        x: &Tensor,
-        b: usize,
-        t: usize,
-        prefix: &str,
-        mask: &Tensor,
-    ) -> Result<Tensor> {
+    fn attention(&self, x: &Tensor, b: usize, t: usize, prefix: &str) -> Result<Tensor> {
         let (c, nh) = (self.cfg.n_embd, self.cfg.n_heads);
         let hs = c / nh;
         let qkv = self.linear(x, &format!("{prefix}.c_attn"))?; // (B*T, 3C)
@@ -367,9 +361,9 @@ impl Gpt {
         let q = qkv.i(0)?.contiguous()?;
         let k = qkv.i(1)?.contiguous()?;
         let v = qkv.i(2)?.contiguous()?;
-        let scale = 1.0 / (hs as f64).sqrt();
+        let scale = 1.0 / (hs as f32).sqrt();
         let scores = self.mm(&q, &k.t()?)?; // (B, nh, T, T)
-        let att = candle_nn::ops::softmax(&(scores * scale)?.broadcast_add(mask)?, D::Minus1)?;
+        let att = super::attention::causal_softmax(&scores, scale, &self.place)?;
         let y = self.mm(&att, &v)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b * t, c))?;
         self.linear(&y, &format!("{prefix}.c_proj"))
@@ -389,9 +383,8 @@ impl Gpt {
     pub fn forward(&self, x: &Tensor, mut dropout: Option<&mut ChaCha8Rng>) -> Result<Tensor> {
         let (b, t) = x.dims2()?;
         let mut h = self.embed(x, &mut dropout)?;
-        let mask = causal_mask(t, &self.device)?;
         for i in 0..self.cfg.n_layers {
-            h = self.block(&h, i, b, t, &mask, &mut dropout)?;
+            h = self.block(&h, i, b, t, &mut dropout)?;
         }
         self.head(&h)
     }
@@ -429,7 +422,6 @@ impl Gpt {
         i: usize,
         b: usize,
         t: usize,
-        mask: &Tensor,
         dropout: &mut Option<&mut ChaCha8Rng>,
     ) -> Result<Tensor> {
         let pre = format!("transformer.h.{i}");
@@ -438,7 +430,6 @@ impl Gpt {
             b,
             t,
             &format!("{pre}.attn"),
-            mask,
         )?;
         let h = (h + self.drop(a, dropout)?)?;
         let m = self.mlp(
@@ -484,13 +475,12 @@ impl Gpt {
         );
         let (x, y) = self.batch_tensors(batch)?;
         let (b, t) = x.dims2()?;
-        let mask = causal_mask(t, &self.device)?;
         // Each stage's input is a leaf (a detached copy as a Var), so that each backward stops there.
         let leaf = |h: &Tensor| candle_core::Var::from_tensor(&h.detach());
         let h0 = self.embed(&x, &mut dropout)?;
         let (mut inputs, mut outputs) = (vec![leaf(&h0)?], Vec::new());
         for i in 0..self.cfg.n_layers {
-            let h = self.block(inputs[i].as_tensor(), i, b, t, &mask, &mut dropout)?;
+            let h = self.block(inputs[i].as_tensor(), i, b, t, &mut dropout)?;
             inputs.push(leaf(&h)?);
             outputs.push(h);
         }
@@ -529,14 +519,6 @@ impl Gpt {
         let y = Tensor::from_slice(&batch.y, (batch.b, batch.t), &self.device)?;
         Ok((x, y))
     }
-}
-
-/// 0 on and below the diagonal, -inf above: added to attention scores.
-fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
-    let mask: Vec<f32> = (0..t)
-        .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
-    Ok(Tensor::from_vec(mask, (t, t), device)?)
 }
 
 /// Inverted dropout with a seeded mask (candle's dropout draws from an unseeded RNG).

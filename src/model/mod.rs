@@ -1,5 +1,6 @@
 //! The GPT model and its parameters.
 
+pub mod attention;
 pub mod cpu;
 pub mod gpt;
 pub mod matmul;

@@ -1,0 +1,79 @@
+// CUDA kernels of the model's attention on candle's graph: the causal softmax of the scores and its backward,
+// each one pass over a (.., T, T) tensor where candle's composed ops (scale, mask, max, subtract, exp, sum,
+// divide, and their backward) take a dozen passes and keep each intermediate for the backward.
+//
+// Every kernel has a CPU twin in src/kernels/softmax.rs with the same operations in the same order, which
+// the graph runs on the CPU; the tests run each kernel on the host against its twin (emulate.hpp), and
+// scripts/gpu/selftest.py compares them on a GPU (to a stated tolerance there: the GPU's expf is within 2
+// ulp of the host's). Compile with -fmad=false (no contracted multiply-adds).
+//
+// Block b handles row b of the rows (.., T) of a contiguous (.., T, T) tensor: the query at position
+// i = b mod T, whose keys j <= i are kept and j > i masked out. Thread t takes the entries t, t + BLOCK, ...
+// of the row; a row's sum is each thread's sum in that order, then a tree over the BLOCK partial sums
+// (stride BLOCK / 2, ..., 1).
+
+#define BLOCK 256  // threads per block
+
+// The sum of the block's values v (one a thread) over a tree; every thread gets it.
+__device__ float block_sum(float v, float* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned k = BLOCK / 2; k > 0; k >>= 1) {
+        if (threadIdx.x < k) sh[threadIdx.x] += sh[threadIdx.x + k];
+        __syncthreads();
+    }
+    float total = sh[0];
+    __syncthreads();
+    return total;
+}
+
+// The block's largest value (order does not change a maximum); every thread gets it.
+__device__ float block_max(float v, float* sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned k = BLOCK / 2; k > 0; k >>= 1) {
+        if (threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
+        __syncthreads();
+    }
+    float m = sh[0];
+    __syncthreads();
+    return m;
+}
+
+// y = softmax over each row of (s scale) with the keys after the query masked: z_j = s_j scale for j <= i,
+// e_j = exp(z_j - max z), y_j = e_j / sum e; y_j = 0 for j > i.
+extern "C" __global__ void causal_softmax(const float* s, float* y, unsigned t, float scale) {
+    __shared__ float sh[BLOCK];
+    const size_t row = (size_t)blockIdx.x * t;
+    const unsigned n = blockIdx.x % t + 1;
+    const float* x = s + row;
+    float* o = y + row;
+    float m = -INFINITY;
+    for (unsigned j = threadIdx.x; j < n; j += BLOCK) m = fmaxf(m, x[j] * scale);
+    m = block_max(m, sh);
+    float sum = 0.0f;
+    for (unsigned j = threadIdx.x; j < n; j += BLOCK) {
+        float e = expf(x[j] * scale - m);
+        o[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, sh);
+    for (unsigned j = threadIdx.x; j < n; j += BLOCK) o[j] = o[j] / sum;
+    for (unsigned j = n + threadIdx.x; j < t; j += BLOCK) o[j] = 0.0f;
+}
+
+// The gradient at the scores from y (the forward's output) and g (the gradient at y):
+// d = sum_{j <= i} g_j y_j, dx_j = scale (y_j (g_j - d)) for j <= i, 0 for j > i.
+extern "C" __global__ void causal_softmax_backward(const float* y, const float* g, float* dx, unsigned t,
+                                                   float scale) {
+    __shared__ float sh[BLOCK];
+    const size_t row = (size_t)blockIdx.x * t;
+    const unsigned n = blockIdx.x % t + 1;
+    const float *yr = y + row, *gr = g + row;
+    float* o = dx + row;
+    float d = 0.0f;
+    for (unsigned j = threadIdx.x; j < n; j += BLOCK) d += gr[j] * yr[j];
+    d = block_sum(d, sh);
+    for (unsigned j = threadIdx.x; j < n; j += BLOCK) o[j] = scale * (yr[j] * (gr[j] - d));
+    for (unsigned j = n + threadIdx.x; j < t; j += BLOCK) o[j] = 0.0f;
+}
