@@ -291,6 +291,47 @@ fn attention_kernels_follow_their_twins() {
     }
 }
 
+/// The cross-entropy: each row's loss within 2e-6 (1 + |loss|) of its twin's and each gradient within
+/// 2e-6 |g| (the GPU's expf and logf are within 2 and 1 ulp of the host's); NaN where a target is past
+/// the vocabulary, as the twin.
+#[test]
+fn cross_entropy_kernels_follow_their_twins() {
+    let k = kernels();
+    let s = k.stream();
+    for (rows, v) in [(1, 1), (3, 200), (64, 50_304)] {
+        let x: Vec<f32> = values(rows * v, v as u64, false)
+            .iter()
+            .map(|a| 15.0 * a)
+            .collect();
+        let y: Vec<u32> = (0..rows)
+            .map(|r| if r > 0 && r == rows - 1 { v } else { r * 7919 % v } as u32)
+            .collect();
+        let g = values(rows, 3, false);
+        let (mut loss, mut dx) = (vec![0.0; rows], vec![0.0; x.len()]);
+        twin::softmax::cross_entropy(&x, &y, &mut loss, v);
+        twin::softmax::cross_entropy_backward(&x, &y, &g, &mut dx, v);
+        let (dxs, dys, dgs) = (
+            s.clone_htod(&x).unwrap(),
+            s.clone_htod(&y).unwrap(),
+            s.clone_htod(&g).unwrap(),
+        );
+        let gl = k.cross_entropy(&dxs.slice(..), &dys.slice(..), v).unwrap();
+        for (r, (a, b)) in s.clone_dtoh(&gl).unwrap().iter().zip(&loss).enumerate() {
+            let close = (a - b).abs() <= 2e-6 * (1.0 + b.abs()) || (a.is_nan() && b.is_nan());
+            assert!(close, "loss, v {v}, row {r}: {a} vs {b}");
+        }
+        let gdx = k
+            .cross_entropy_backward(&dxs.slice(..), &dys.slice(..), &dgs.slice(..), v)
+            .unwrap();
+        for (i, (a, b)) in s.clone_dtoh(&gdx).unwrap().iter().zip(&dx).enumerate() {
+            assert!(
+                (a - b).abs() <= 2e-6 * g[i / v].abs(),
+                "gradient, v {v}, at {i}: {a} vs {b}"
+            );
+        }
+    }
+}
+
 #[test]
 fn nccl_engine_at_world_size_one() {
     let mut c = nanodist::comm::nccl::NcclComm::init(0, 1, 0, Duration::from_secs(30), |_| Ok(()))

@@ -1,5 +1,5 @@
 //! Launchers of the CUDA kernels (kernels/*.cu, compiled to fatbins by build.rs): the reducers' here, the
-//! optimizers' in `optim`, the attention's in `attention`. Each one runs its kernel with the grid its CPU
+//! optimizers' in `optim`, the model's in `model`. Each one runs its kernel with the grid its CPU
 //! twin in `crate::kernels` mirrors, and shares the twin's host-side steps (the radix digit search, the
 //! scan of tile counts, the sum over tiles); `tests/gpu.rs` (run by the GPU self-test,
 //! scripts/gpu/selftest.py) compares every launcher with its twin on a GPU.
@@ -17,7 +17,7 @@ use crate::kernels::{self, Threshold, BLOCK, TILE};
 
 /// The fatbin of every kernel file: SASS for sm_80 and sm_90 and PTX for newer GPUs (see build.rs).
 const FATBINS: [&[u8]; 3] = [
-    include_bytes!(concat!(env!("OUT_DIR"), "/attention.fatbin")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/model.fatbin")),
     include_bytes!(concat!(env!("OUT_DIR"), "/reducers.fatbin")),
     include_bytes!(concat!(env!("OUT_DIR"), "/optim.fatbin")),
 ];
@@ -87,7 +87,7 @@ macro_rules! per_index {
     }};
 }
 
-mod attention;
+mod model;
 mod optim;
 pub use optim::DeviceSegments;
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 pub enum Source {
     Reducers,
     Optim,
-    Attention,
+    Model,
 }
 
 impl Source {
@@ -26,7 +26,7 @@ impl Source {
                 [include_str!("../../kernels/reducers.cu"), DEVICE_FUNCTIONS].concat()
             }
             Source::Optim => include_str!("../../kernels/optim.cu").into(),
-            Source::Attention => include_str!("../../kernels/attention.cu").into(),
+            Source::Model => include_str!("../../kernels/model.cu").into(),
         }
     }
 
@@ -34,7 +34,7 @@ impl Source {
         match self {
             Source::Reducers => "reducers",
             Source::Optim => "optim",
-            Source::Attention => "attention",
+            Source::Model => "model",
         }
     }
 }
@@ -583,14 +583,14 @@ mod tests {
         let texts = [
             Source::Reducers.text(),
             Source::Optim.text(),
-            Source::Attention.text(),
+            Source::Model.text(),
         ];
         let kernels: std::collections::HashMap<&str, usize> =
             texts.iter().flat_map(|t| kernels_of(t)).collect();
         let launchers = [
             include_str!("../cuda/mod.rs"),
             include_str!("../cuda/optim.rs"),
-            include_str!("../cuda/attention.rs"),
+            include_str!("../cuda/model.rs"),
         ]
         .concat();
         let mut launched = std::collections::HashSet::new();

@@ -5,7 +5,7 @@
 //! matrices are stored as nn.Linear ([out, in], as nanoGPT); checkpoints transpose them to HF's Conv1D
 //! orientation ([in, out]). Every op used here has a backward: candle's fused layer_norm and
 //! softmax_last_dim do not, and a model built on them trains silently wrong; the attention's causal
-//! softmax is an op of our own with its backward (`super::attention`), one kernel each on a GPU.
+//! softmax is an op of our own with its backward (`super::fused`), one kernel each on a GPU.
 //!
 //! Training and evaluation on CPU run on the hand-written engine of `cpu` (same function, tested against
 //! this graph); the graph runs on GPUs, and serves generation and the tests as the reference.
@@ -363,7 +363,7 @@ impl Gpt {
         let v = qkv.i(2)?.contiguous()?;
         let scale = 1.0 / (hs as f32).sqrt();
         let scores = self.mm(&q, &k.t()?)?; // (B, nh, T, T)
-        let att = super::attention::causal_softmax(&scores, scale, &self.place)?;
+        let att = super::fused::causal_softmax(&scores, scale, &self.place)?;
         let y = self.mm(&att, &v)?; // (B, nh, T, hs)
         let y = y.transpose(1, 2)?.reshape((b * t, c))?;
         self.linear(&y, &format!("{prefix}.c_proj"))
@@ -452,7 +452,8 @@ impl Gpt {
     }
 
     fn cross_entropy(&self, logits: &Tensor, y: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::loss::cross_entropy(logits, &y.flatten_all()?)?)
+        let rows = super::fused::cross_entropy(logits, &y.flatten_all()?, &self.place)?;
+        Ok(rows.mean_all()?)
     }
 
     /// `loss_and_grads` on candle's graph in stages, as DDP's overlap needs: the head, then the blocks

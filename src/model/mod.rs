@@ -1,7 +1,7 @@
 //! The GPT model and its parameters.
 
-pub mod attention;
 pub mod cpu;
+pub mod fused;
 pub mod gpt;
 pub mod matmul;
 pub mod ops;

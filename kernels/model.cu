@@ -1,16 +1,17 @@
-// CUDA kernels of the model's attention on candle's graph: the causal softmax of the scores and its backward,
-// each one pass over a (.., T, T) tensor where candle's composed ops (scale, mask, max, subtract, exp, sum,
-// divide, and their backward) take a dozen passes and keep each intermediate for the backward.
+// CUDA kernels of the model on candle's graph: the attention's causal softmax and the cross-entropy of the
+// logits, each with its backward, one pass a row where candle's composed ops (scale, mask, max, subtract,
+// exp, sum, log, divide, gather, and their backward) take a dozen passes over the (B, heads, T, T) scores
+// and the (B T, vocab) logits and keep each intermediate for the backward.
 //
 // Every kernel has a CPU twin in src/kernels/softmax.rs with the same operations in the same order, which
 // the graph runs on the CPU; the tests run each kernel on the host against its twin (emulate.hpp), and
-// scripts/gpu/selftest.py compares them on a GPU (to a stated tolerance there: the GPU's expf is within 2
-// ulp of the host's). Compile with -fmad=false (no contracted multiply-adds).
+// scripts/gpu/selftest.py compares them on a GPU (to a stated tolerance where expf or logf enters: the
+// GPU's are within 2 and 1 ulp of the host's). Compile with -fmad=false (no contracted multiply-adds).
 //
-// Block b handles row b of the rows (.., T) of a contiguous (.., T, T) tensor: the query at position
-// i = b mod T, whose keys j <= i are kept and j > i masked out. Thread t takes the entries t, t + BLOCK, ...
-// of the row; a row's sum is each thread's sum in that order, then a tree over the BLOCK partial sums
-// (stride BLOCK / 2, ..., 1).
+// Block b handles row b. Thread t takes the entries t, t + BLOCK, ... of the row; a row's sum is each
+// thread's sum in that order, then a tree over the BLOCK partial sums (stride BLOCK / 2, ..., 1). For the
+// softmax, the rows are those of a contiguous (.., T, T) tensor: the query at position i = b mod T, whose
+// keys j <= i are kept and j > i masked out.
 
 #define BLOCK 256  // threads per block
 
@@ -76,4 +77,43 @@ extern "C" __global__ void causal_softmax_backward(const float* y, const float* 
     d = block_sum(d, sh);
     for (unsigned j = threadIdx.x; j < n; j += BLOCK) o[j] = scale * (yr[j] * (gr[j] - d));
     for (unsigned j = n + threadIdx.x; j < t; j += BLOCK) o[j] = 0.0f;
+}
+
+// The row's largest logit m and sum of exp(x_j - m), over the row's v entries; every thread gets both.
+__device__ void logit_stats(const float* x, unsigned v, float* sh, float* m, float* sum) {
+    float mx = -INFINITY;
+    for (unsigned j = threadIdx.x; j < v; j += BLOCK) mx = fmaxf(mx, x[j]);
+    mx = block_max(mx, sh);
+    float s = 0.0f;
+    for (unsigned j = threadIdx.x; j < v; j += BLOCK) s += expf(x[j] - mx);
+    *m = mx;
+    *sum = block_sum(s, sh);
+}
+
+// The cross-entropy of each row of the (rows, v) logits x with its target y: loss = log(sum_j
+// exp(x_j - m)) - (x_y - m), m the row's largest logit; NaN where the target is not below v.
+extern "C" __global__ void cross_entropy(const float* x, const unsigned* y, float* loss, unsigned v) {
+    __shared__ float sh[BLOCK];
+    const float* xr = x + (size_t)blockIdx.x * v;
+    float m, sum;
+    logit_stats(xr, v, sh, &m, &sum);
+    const unsigned target = y[blockIdx.x];
+    if (threadIdx.x == 0) loss[blockIdx.x] = target < v ? logf(sum) - (xr[target] - m) : NAN;
+}
+
+// The gradient at the logits from g (the gradient at each row's loss): dx_j = g (p_j - [j = y]), with
+// p_j = exp(x_j - m) / sum the softmax.
+extern "C" __global__ void cross_entropy_backward(const float* x, const unsigned* y, const float* g,
+                                                  float* dx, unsigned v) {
+    __shared__ float sh[BLOCK];
+    const size_t row = (size_t)blockIdx.x * v;
+    const float* xr = x + row;
+    float m, sum;
+    logit_stats(xr, v, sh, &m, &sum);
+    const unsigned target = y[blockIdx.x];
+    const float gr = g[blockIdx.x];
+    for (unsigned j = threadIdx.x; j < v; j += BLOCK) {
+        float p = expf(xr[j] - m) / sum;
+        dx[row + j] = gr * (j == target ? p - 1.0f : p);
+    }
 }

@@ -1,0 +1,400 @@
+//! The model's fused ops on candle's graph, each with its own backward: the attention's causal softmax
+//! (softmax(s scale) over the keys up to each query) and the cross-entropy of the logits. candle's composed
+//! forms (scale, add the mask, max, subtract, exp, sum, log, divide, gather) run a dozen kernels over the
+//! (B, heads, T, T) scores and the (B T, vocab) logits and keep each intermediate for their backward; each
+//! op here runs one kernel forward and one backward and keeps only its inputs or output. On the CPU they
+//! run the kernels' twins (`crate::kernels::softmax`), on a GPU the kernels of kernels/model.cu.
+
+use anyhow::{ensure, Result};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+
+use crate::flat::Place;
+use crate::kernels::softmax as twin;
+
+/// softmax(scores scale) over the last dim with the keys after each query masked (weight 0), for
+/// `scores` of shape (.., T, T) in f32; differentiable. `place` holds the kernels of the scores' GPU.
+pub fn causal_softmax(scores: &Tensor, scale: f32, place: &Place) -> Result<Tensor> {
+    let dims = scores.dims();
+    ensure!(
+        dims.len() >= 2
+            && dims[dims.len() - 1] == dims[dims.len() - 2]
+            && scores.dtype() == DType::F32,
+        "internal error: causal softmax of {:?} {:?} scores (f32 (.., T, T) expected)",
+        scores.dtype(),
+        dims
+    );
+    let op = CausalSoftmax {
+        t: dims[dims.len() - 1],
+        scale,
+        place: place.clone(),
+    };
+    Ok(scores.contiguous()?.apply_op1(op)?)
+}
+
+/// Each row's cross-entropy, -log softmax(logits)_target, of the (rows, vocab) f32 `logits` with the u32
+/// `targets` (rows); NaN where a target is not below vocab; differentiable in the logits.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, place: &Place) -> Result<Tensor> {
+    let (rows, v) = logits.dims2()?;
+    ensure!(
+        logits.dtype() == DType::F32 && targets.dtype() == DType::U32 && targets.dims() == [rows],
+        "internal error: cross-entropy of {:?} {:?} logits with {:?} {:?} targets ((rows, vocab) f32 and \
+         (rows) u32 expected)",
+        logits.dtype(),
+        logits.dims(),
+        targets.dtype(),
+        targets.dims()
+    );
+    let op = CrossEntropy {
+        v,
+        place: place.clone(),
+    };
+    Ok(logits.contiguous()?.apply_op2(&targets.contiguous()?, op)?)
+}
+
+struct CausalSoftmax {
+    t: usize,
+    scale: f32,
+    place: Place,
+}
+
+/// The backward of `CausalSoftmax`: (y, g) to the gradient at the scores.
+struct Backward {
+    t: usize,
+    scale: f32,
+    /// Read by the GPU path.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    place: Place,
+}
+
+/// The part of `v` a contiguous layout covers.
+fn contiguous<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => candle_core::bail!("internal error: the fused ops take contiguous tensors"),
+    }
+}
+
+/// The f32 values of a contiguous host tensor.
+fn host<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(v) = s else {
+        candle_core::bail!("internal error: the fused ops compute in f32");
+    };
+    contiguous(v, l)
+}
+
+/// The u32 values (targets) of a contiguous host tensor.
+fn host_u32<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [u32]> {
+    let CpuStorage::U32(v) = s else {
+        candle_core::bail!("internal error: the cross-entropy's targets are u32");
+    };
+    contiguous(v, l)
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = host(s, l)?;
+        let mut y = vec![0.0; x.len()];
+        twin::causal_softmax(x, &mut y, self.t, self.scale);
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let x = device::view::<f32>(s, l)?;
+        let y = device::kernels(&self.place)?
+            .causal_softmax(&x, self.t, self.scale)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((device::wrap(y, s), l.shape().clone()))
+    }
+
+    fn bwd(&self, _: &Tensor, y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let op = Backward {
+            t: self.t,
+            scale: self.scale,
+            place: self.place.clone(),
+        };
+        Ok(Some(y.apply_op2_no_bwd(&g.contiguous()?, &op)?))
+    }
+}
+
+impl CustomOp2 for Backward {
+    fn name(&self) -> &'static str {
+        "causal-softmax-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        y: &CpuStorage,
+        ly: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (y, g) = (host(y, ly)?, host(g, lg)?);
+        let mut dx = vec![0.0; y.len()];
+        twin::causal_softmax_backward(y, g, &mut dx, self.t, self.scale);
+        Ok((CpuStorage::F32(dx), ly.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (yv, gv) = (device::view::<f32>(y, ly)?, device::view::<f32>(g, lg)?);
+        let dx = device::kernels(&self.place)?
+            .causal_softmax_backward(&yv, &gv, self.t, self.scale)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((device::wrap(dx, y), ly.shape().clone()))
+    }
+}
+
+/// The cross-entropy of each row (`cross_entropy`); `v` the vocabulary.
+struct CrossEntropy {
+    v: usize,
+    place: Place,
+}
+
+/// The backward of `CrossEntropy`: (logits, targets, g) to the gradient at the logits.
+struct CrossEntropyBackward {
+    v: usize,
+    /// Read by the GPU path.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    place: Place,
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        y: &CpuStorage,
+        ly: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let y = host_u32(y, ly)?;
+        let mut loss = vec![0.0; y.len()];
+        twin::cross_entropy(host(x, lx)?, y, &mut loss, self.v);
+        Ok((CpuStorage::F32(loss), ly.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (xv, yv) = (device::view::<f32>(x, lx)?, device::view::<u32>(y, ly)?);
+        let loss = device::kernels(&self.place)?
+            .cross_entropy(&xv, &yv, self.v)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((device::wrap(loss, x), ly.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        _: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = CrossEntropyBackward {
+            v: self.v,
+            place: self.place.clone(),
+        };
+        Ok((Some(x.apply_op3_no_bwd(y, &g.contiguous()?, &op)?), None))
+    }
+}
+
+impl CustomOp3 for CrossEntropyBackward {
+    fn name(&self) -> &'static str {
+        "cross-entropy-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        y: &CpuStorage,
+        ly: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = host(x, lx)?;
+        let mut dx = vec![0.0; x.len()];
+        twin::cross_entropy_backward(x, host_u32(y, ly)?, host(g, lg)?, &mut dx, self.v);
+        Ok((CpuStorage::F32(dx), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (xv, yv) = (device::view::<f32>(x, lx)?, device::view::<u32>(y, ly)?);
+        let dx = device::kernels(&self.place)?
+            .cross_entropy_backward(&xv, &yv, &device::view::<f32>(g, lg)?, self.v)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((device::wrap(dx, x), lx.shape().clone()))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod device {
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::{CudaStorage, Layout};
+    use cudarc::driver::{CudaSlice, CudaView};
+
+    use crate::cuda::Kernels;
+    use crate::flat::Place;
+
+    /// The kernels of the GPU the op's tensors are on.
+    pub fn kernels(place: &Place) -> candle_core::Result<&Kernels> {
+        match place {
+            Place::Cuda(k) => Ok(k),
+            Place::Host => candle_core::bail!(
+                "internal error: a fused op on the GPU from a model placed on the host"
+            ),
+        }
+    }
+
+    /// The values of a contiguous GPU tensor.
+    pub fn view<'a, T: CudaDType>(
+        s: &'a CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<CudaView<'a, T>> {
+        match l.contiguous_offsets() {
+            Some((a, b)) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
+            None => candle_core::bail!("internal error: the fused ops take contiguous tensors"),
+        }
+    }
+
+    /// `buf` as a tensor's storage on the device of `like`.
+    pub fn wrap(buf: CudaSlice<f32>, like: &CudaStorage) -> CudaStorage {
+        CudaStorage::wrap_cuda_slice(buf, like.device.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    /// candle's composed form: scale, add the causal mask, softmax.
+    fn composed(s: &Tensor, scale: f64) -> Tensor {
+        let t = s.dim(D::Minus1).unwrap();
+        let mask: Vec<f32> = (0..t * t)
+            .map(|k| {
+                if k % t > k / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, t), s.device()).unwrap();
+        candle_nn::ops::softmax(
+            &(s * scale).unwrap().broadcast_add(&mask).unwrap(),
+            D::Minus1,
+        )
+        .unwrap()
+    }
+
+    /// The op and candle's composed softmax agree, forward and in the gradient of a weighted sum of the
+    /// output (to f32 rounding: their sums add in different orders), on a non-contiguous input.
+    #[test]
+    fn the_op_is_candles_composed_masked_softmax_forward_and_backward() {
+        let (b, h, t, scale) = (2, 3, 45, 0.125);
+        let dev = Device::Cpu;
+        let s = Var::from_tensor(&(Tensor::randn(0f32, 3.0, (b, h, t, t), &dev).unwrap())).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (b, h, t, t), &dev).unwrap();
+        let st = s.as_tensor().transpose(2, 3).unwrap();
+        let ours = causal_softmax(&st, scale as f32, &Place::Host).unwrap();
+        let theirs = composed(&st, scale);
+        let diff = |a: &Tensor, b: &Tensor| -> f32 {
+            let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
+            d.max(0).unwrap().to_scalar().unwrap()
+        };
+        assert!(
+            diff(&ours, &theirs) < 1e-6,
+            "forward: {}",
+            diff(&ours, &theirs)
+        );
+        let grad = |y: &Tensor| (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let (go, gt) = (grad(&ours), grad(&theirs));
+        let (go, gt) = (go.get(&s).unwrap(), gt.get(&s).unwrap());
+        assert!(diff(go, gt) < 1e-6, "backward: {}", diff(go, gt));
+        let zero = (go.abs().unwrap().sum_all().unwrap())
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(zero > 0.1, "a gradient flows ({zero})");
+    }
+
+    /// The op's mean and candle's cross-entropy (log-softmax, gather, mean) agree in the loss and its
+    /// gradient (to f32 rounding), on non-contiguous logits.
+    #[test]
+    fn the_op_is_candles_cross_entropy_forward_and_backward() {
+        let (rows, v) = (37, 301);
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 4.0, (v, rows), &dev).unwrap()).unwrap();
+        let y: Vec<u32> = (0..rows as u32).map(|r| r * 131 % v as u32).collect();
+        let y = Tensor::from_vec(y, rows, &dev).unwrap();
+        let xt = x.as_tensor().t().unwrap();
+        let ours = cross_entropy(&xt, &y, &Place::Host)
+            .unwrap()
+            .mean_all()
+            .unwrap();
+        let theirs = candle_nn::loss::cross_entropy(&xt, &y).unwrap();
+        let (a, b) = (
+            ours.to_scalar::<f32>().unwrap(),
+            theirs.to_scalar::<f32>().unwrap(),
+        );
+        assert!((a - b).abs() < 1e-5 * b.abs(), "loss: {a} vs {b}");
+        let (go, gt) = (ours.backward().unwrap(), theirs.backward().unwrap());
+        let (go, gt) = (go.get(&x).unwrap(), gt.get(&x).unwrap());
+        let d = (go - gt).unwrap().abs().unwrap().flatten_all().unwrap();
+        let d: f32 = d.max(0).unwrap().to_scalar().unwrap();
+        assert!(d < 1e-7, "gradient: {d}");
+        let norm: f32 = go.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
+        assert!(norm > 1e-3, "a gradient flows ({norm})");
+    }
+
+    /// Scores that are not (.., T, T) f32, and logits and targets of other shapes or types, are refused
+    /// with an error, not a panic.
+    #[test]
+    fn other_shapes_are_refused() {
+        let dev = Device::Cpu;
+        for s in [
+            Tensor::zeros((2, 3), DType::F32, &dev).unwrap(),
+            Tensor::zeros(4, DType::F32, &dev).unwrap(),
+            Tensor::zeros((3, 3), DType::BF16, &dev).unwrap(),
+        ] {
+            assert!(causal_softmax(&s, 1.0, &Place::Host).is_err());
+        }
+        let y = Tensor::zeros(2, DType::U32, &dev).unwrap();
+        let logits = Tensor::zeros((2, 5), DType::F32, &dev).unwrap();
+        assert!(cross_entropy(&logits, &y, &Place::Host).is_ok());
+        assert!(cross_entropy(&logits, &y.to_dtype(DType::F32).unwrap(), &Place::Host).is_err());
+        assert!(cross_entropy(&logits.t().unwrap(), &y, &Place::Host).is_err());
+    }
+}
