@@ -796,3 +796,251 @@ fn quantized_all_reduce_on_the_gpu_equals_its_host_path() {
         }
     }
 }
+
+/// One piece of a GPT-2 small step timed alone: `f` maps the inputs to an output, whose backward runs
+/// from a fixed upstream gradient; `count` pieces like it a step; `bytes` (memory-bound pieces) or `flops`
+/// (matmuls) of its forward, for the rate printed beside its time.
+struct Piece {
+    name: &'static str,
+    count: usize,
+    inputs: Vec<candle_core::Var>,
+    work: Work,
+    f: PieceFn,
+}
+
+type PieceFn = Box<dyn Fn(&[candle_core::Tensor]) -> candle_core::Tensor>;
+
+enum Work {
+    Bytes(f64),
+    Flops(f64),
+}
+
+/// Mean milliseconds of `f` over `reps` runs after one warm-up, the device synchronized around them.
+fn time_ms(dev: &candle_core::Device, reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    dev.synchronize().unwrap();
+    let t = std::time::Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    dev.synchronize().unwrap();
+    t.elapsed().as_secs_f64() * 1e3 / reps as f64
+}
+
+/// GPT-2 small's shapes: batch, sequence, width, heads, vocabulary (batch 12 x 1024 as nanoGPT's).
+const SHAPES: (usize, usize, usize, usize, usize) = (12, 1024, 768, 12, 50_304);
+
+fn var(dev: &candle_core::Device, shape: &[usize]) -> candle_core::Var {
+    candle_core::Var::randn(0f32, 1.0, shape, dev).unwrap()
+}
+
+/// a b in bf16, returned as f32 (the model's matmul under `train.amp`).
+fn mm_bf16(a: &candle_core::Tensor, w: &candle_core::Tensor) -> candle_core::Tensor {
+    use candle_core::DType;
+    let bf = |x: &candle_core::Tensor| x.to_dtype(DType::BF16).unwrap();
+    bf(a).matmul(&bf(w)).unwrap().to_dtype(DType::F32).unwrap()
+}
+
+/// f32 bytes of `passes` passes over `elems` entries.
+fn f32s(elems: usize, passes: usize) -> Work {
+    Work::Bytes((4 * elems * passes) as f64)
+}
+
+/// The step's matmuls, as the model's `linear` and attention run them.
+fn matmul_pieces(dev: &candle_core::Device) -> Vec<Piece> {
+    let (b, t, c, h, v) = SHAPES;
+    let n = b * t;
+    let linear = |name, count, k: usize, m: usize| Piece {
+        name,
+        count,
+        inputs: vec![var(dev, &[n, k]), var(dev, &[m, k])],
+        work: Work::Flops(2.0 * (n * k * m) as f64),
+        f: Box::new(move |x| mm_bf16(&x[0], &x[1].t().unwrap())),
+    };
+    let qkv = || var(dev, &[b, h, t, c / h]);
+    vec![
+        linear("matmul bf16: attention qkv", 12, c, 3 * c),
+        linear("matmul bf16: attention out", 12, c, c),
+        linear("matmul bf16: mlp up", 12, c, 4 * c),
+        linear("matmul bf16: mlp down", 12, 4 * c, c),
+        linear("matmul bf16: lm head", 1, c, v),
+        Piece {
+            name: "matmul bf16: attention q k^T, att v",
+            count: 12,
+            inputs: vec![qkv(), qkv(), qkv()],
+            work: Work::Flops(4.0 * (b * h * t * t * (c / h)) as f64),
+            f: Box::new(move |x| mm_bf16(&mm_bf16(&x[0], &x[1].t().unwrap()), &x[2])),
+        },
+    ]
+}
+
+/// The fused ops of `model::fused`.
+fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec<Piece> {
+    let (b, t, _, h, v) = SHAPES;
+    let n = b * t;
+    let (p1, p2) = (place.clone(), place.clone());
+    let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
+    let targets = candle_core::Tensor::from_vec(ids, n, dev).unwrap();
+    vec![
+        Piece {
+            name: "causal softmax (fused)",
+            count: 12,
+            inputs: vec![var(dev, &[b, h, t, t])],
+            work: f32s(b * h * t * t, 2),
+            f: Box::new(move |x| {
+                nanodist::model::fused::causal_softmax(&x[0], 0.125, &p1).unwrap()
+            }),
+        },
+        Piece {
+            name: "cross-entropy (fused) and mean",
+            count: 1,
+            inputs: vec![var(dev, &[n, v])],
+            work: f32s(n * v, 1),
+            f: Box::new(move |x| {
+                let rows = nanodist::model::fused::cross_entropy(&x[0], &targets, &p2).unwrap();
+                rows.mean_all().unwrap()
+            }),
+        },
+    ]
+}
+
+/// The step's other ops, candle's, as the model composes them.
+fn composed_pieces(dev: &candle_core::Device) -> Vec<Piece> {
+    use candle_core::{Tensor, D};
+    let (b, t, c, h, v) = SHAPES;
+    let n = b * t;
+    let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
+    let ids = Tensor::from_vec(ids, n, dev).unwrap();
+    let piece = |name, count, shapes: &[&[usize]], work, f: PieceFn| Piece {
+        name,
+        count,
+        inputs: shapes.iter().map(|s| var(dev, s)).collect(),
+        work,
+        f,
+    };
+    vec![
+        piece(
+            "layer norm (composed)",
+            25,
+            &[&[n, c], &[c], &[c]],
+            f32s(n * c, 2),
+            Box::new(|x| {
+                let mean = x[0].mean_keepdim(D::Minus1).unwrap();
+                let xc = x[0].broadcast_sub(&mean).unwrap();
+                let var = xc.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+                let xn = xc
+                    .broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
+                    .unwrap();
+                xn.broadcast_mul(&x[1])
+                    .unwrap()
+                    .broadcast_add(&x[2])
+                    .unwrap()
+            }),
+        ),
+        piece(
+            "bias add (mlp up)",
+            12,
+            &[&[n, 4 * c], &[4 * c]],
+            f32s(n * 4 * c, 2),
+            Box::new(|x| x[0].broadcast_add(&x[1]).unwrap()),
+        ),
+        piece(
+            "gelu (erf)",
+            12,
+            &[&[n, 4 * c]],
+            f32s(n * 4 * c, 2),
+            Box::new(|x| x[0].gelu_erf().unwrap()),
+        ),
+        piece(
+            "qkv split: permute, contiguous",
+            12,
+            &[&[n, 3 * c]],
+            f32s(n * 3 * c, 2),
+            Box::new(move |x| {
+                let qkv = x[0]
+                    .reshape((b, t, 3, h, c / h))
+                    .unwrap()
+                    .permute((2, 0, 3, 1, 4))
+                    .unwrap();
+                let parts: Vec<_> = (0..3)
+                    .map(|i| qkv.get(i).unwrap().contiguous().unwrap())
+                    .collect();
+                Tensor::cat(&parts, 0).unwrap()
+            }),
+        ),
+        piece(
+            "residual add",
+            24,
+            &[&[n, c], &[n, c]],
+            f32s(n * c, 3),
+            Box::new(|x| (&x[0] + &x[1]).unwrap()),
+        ),
+        piece(
+            "token embedding (index_select)",
+            1,
+            &[&[v, c]],
+            f32s(n * c, 2),
+            Box::new(move |x| x[0].index_select(&ids, 0).unwrap()),
+        ),
+    ]
+}
+
+/// Not a check (run with `--ignored --nocapture`): the GPU time of each piece of a GPT-2 small step,
+/// forward and backward, and the whole model's, as lines `op<TAB>name<TAB>count<TAB>forward ms<TAB>backward
+/// ms<TAB>rate` that the self-test's `ops` step reads. The backward includes the upstream gradient's
+/// multiply and sum.
+#[test]
+#[ignore]
+fn op_times() {
+    use candle_core::Tensor;
+    let k = Arc::new(kernels());
+    let dev = candle_core::Device::Cuda(k.candle_device().unwrap().clone());
+    let place = nanodist::flat::Place::Cuda(k.clone());
+    let all = [
+        matmul_pieces(&dev),
+        fused_pieces(&dev, &place),
+        composed_pieces(&dev),
+    ];
+    for p in all.into_iter().flatten() {
+        let x: Vec<Tensor> = p.inputs.iter().map(|v| v.as_tensor().clone()).collect();
+        let g = (p.f)(&x).randn_like(0.0, 1.0).unwrap();
+        let fwd = time_ms(&dev, 5, || drop((p.f)(&x)));
+        let both = time_ms(&dev, 5, || {
+            let y = (p.f)(&x);
+            drop((y * &g).unwrap().sum_all().unwrap().backward().unwrap());
+        });
+        let rate = match p.work {
+            Work::Bytes(b) => format!("{:.0} GB/s", b / fwd / 1e6),
+            Work::Flops(f) => format!("{:.0} TFLOP/s", f / fwd / 1e9),
+        };
+        println!(
+            "op\t{}\t{}\t{fwd:.3}\t{:.3}\t{rate}",
+            p.name,
+            p.count,
+            both - fwd
+        );
+    }
+    let cfg = nanodist::config::ModelConfig {
+        n_layers: 12,
+        n_heads: 12,
+        n_embd: 768,
+        dropout: 0.0,
+        vocab_size: 50_304,
+        bias: true,
+        activation: nanodist::config::Activation::Gelu,
+    };
+    let m = nanodist::model::Gpt::new(&cfg, 1024, 0, &dev)
+        .unwrap()
+        .with_amp(true, nanodist::model::matmul::Precision::Bf16);
+    let ids: Vec<u32> = (0..12 * 1024u32).map(|i| i * 7919 % 50_257).collect();
+    let x = Tensor::from_vec(ids, (12, 1024), &dev).unwrap();
+    let y = x.clone();
+    let fwd = time_ms(&dev, 3, || drop(m.loss(&x, &y, None).unwrap()));
+    let both = time_ms(&dev, 3, || {
+        drop(m.loss(&x, &y, None).unwrap().backward().unwrap())
+    });
+    println!(
+        "op\twhole model: loss and its backward\t1\t{fwd:.3}\t{:.3}\t",
+        both - fwd
+    );
+}

@@ -14,7 +14,7 @@ without a GPU:
    the bundle's data on the CPU, and `train.device = "cuda"` is refused with exit 2 (no GPU);
 6. the self-test's own parts that need no GPU: its arguments, its step list and budget, library discovery and
    the table, with a fake GPU probe and a fake library tree, one library missing or none; the profile step's
-   reading of ncu's CSV.
+   reading of ncu's CSV and the ops step's reading of tests/gpu.rs `op_times`.
 
     python3 scripts/gpu/check-bundle.py .gpu-bundle --stubs DIR
 """
@@ -179,6 +179,29 @@ def profile_parser(b):
     check(same and "no ncu CSV" in empty, f"profile: ncu's CSV read as {got}; a log without one: {empty}")
 
 
+def ops_parser(b):
+    """The ops step's reading of tests/gpu.rs `op_times`: its op lines among the test harness's own, the rate
+    column empty for the whole model; a log without op lines is refused."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("selftest", os.path.join(b, "selftest.py"))
+    st = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(st)
+    lines = ["running 1 test", "op\tmatmul bf16: mlp up\t12\t0.250\t0.500\t512 TFLOP/s",
+             "op\twhole model: loss and its backward\t1\t30.000\t60.000\t", "test op_times ... ok"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ops.log")
+        open(path, "w").write("\n".join(lines) + "\n")
+        got = st.op_times(path)
+        open(path, "w").write("running 1 test\n")
+        try:
+            st.op_times(path)
+            empty = "read"
+        except ValueError as e:
+            empty = str(e)
+    want = [("matmul bf16: mlp up", 12, 0.25, 0.5, "512 TFLOP/s"), ("whole model: loss and its backward", 1, 30.0, 60.0, "")]
+    check(got == want and "no op times" in empty, f"ops: op_times read as {got}; a log without them: {empty}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle")
@@ -202,6 +225,7 @@ def main():
         cpu_paths(b, bins[0], os.path.abspath(a.stubs))
     selftest(b)
     profile_parser(b)
+    ops_parser(b)
     if failures:
         print(f"\n{len(failures)} check(s) failed", file=sys.stderr)
         sys.exit(1)

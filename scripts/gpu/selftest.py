@@ -13,6 +13,9 @@ Steps, each bounded in time (the whole run stays within --budget; a step that no
   kernels      tests/gpu.rs: each reducer, optimizer and attention kernel against its CPU twin, bit for bit
                (the attention's softmax within 1e-6: the GPU's expf); the NCCL engine at world size 1; each
                backend's GPU state against its host path
+  ops          the GPU time of each piece of a GPT-2 small step (batch 12 x 1024, bf16 matmuls) timed alone,
+               forward and backward, times its count a step, the largest first, with its rate (TFLOP/s or
+               GB/s); and the whole model's loss and backward (tests/gpu.rs `op_times`; needs no ncu)
   nccl         `nanodist train` on the NCCL engine at world 1, 2 and --ranks: N processes on the one GPU,
                NCCL's id over TCP (MASTER_ADDR/MASTER_PORT), each rank its own NCCL host id so that NCCL
                connects ranks of one GPU through its socket transport
@@ -267,6 +270,40 @@ def kernels(r, limit):
         r.row("kernel tests (tests/gpu.rs)", "FAIL", why(code, secs, r, name), secs)
     else:
         r.row("kernel tests (tests/gpu.rs)", "PASS", f"{len(results)} tests", secs)
+
+
+def op_times(path):
+    """[(name, count, forward ms, backward ms, rate)] from the `op\t...` lines of tests/gpu.rs `op_times`."""
+    rows = []
+    for line in open(path, errors="replace"):
+        f = line.rstrip("\n").split("\t")
+        if f[0] == "op" and len(f) == 6:
+            rows.append((f[1], int(f[2]), float(f[3]), float(f[4]), f[5]))
+    if not rows:
+        raise ValueError(f"{path} holds no op times")
+    return rows
+
+
+def ops(r, limit):
+    """Where a GPT-2 small step's GPU time goes, piece by piece (tests/gpu.rs `op_times`)."""
+    name = "gpu-ops"
+    cmd = [os.path.join(r.bin, "gpu-tests"), "--ignored", "--exact", "op_times", "--nocapture", "--test-threads=1"]
+    code, secs = r.run(cmd, name, limit)
+    try:
+        rows = op_times(os.path.join(r.logs, f"{name}.log"))
+    except (OSError, ValueError) as e:
+        r.row("ops", "FAIL", f"{e}; " + why(code, secs, r, name), secs)
+        return
+    whole = [x for x in rows if x[0].startswith("whole model")]
+    pieces = sorted((x for x in rows if x not in whole), key=lambda x: -x[1] * (x[2] + x[3]))
+    total = sum(n * (f + b) for _, n, f, b, _ in pieces)
+    detail = f"the pieces of a GPT-2 small step (batch 12 x 1024, bf16 matmuls) sum to {total:.1f} ms"
+    if whole:
+        detail += f"; the whole model's loss {whole[0][2]:.1f} ms and its backward {whole[0][3]:.1f} ms"
+    r.row("ops", "INFO" if code == 0 else "FAIL", detail if code == 0 else why(code, secs, r, name), secs)
+    for op, n, f, b, rate in pieces:
+        r.row(f"ops: {op}", "INFO", f"{n} x (forward {f:.2f} ms, {rate}; backward {b:.2f} ms) = "
+              f"{n * (f + b):.1f} ms, {n * (f + b) / max(total, 1e-9):.0%}")
 
 
 def free_port():
@@ -556,7 +593,7 @@ def profile(r, limit):
 
 # ---------------------------------------------------------------------------------------------- driver
 
-STEPS = [("probe", 20, None), ("libraries", 40, None), ("kernels", 90, kernels), ("nccl", 80, nccl),
+STEPS = [("probe", 20, None), ("libraries", 40, None), ("kernels", 90, kernels), ("ops", 60, ops), ("nccl", 80, nccl),
          ("backends", 200, backends), ("checkpoints", 50, checkpoints), ("speed", 240, speed),
          ("profile", 120, profile)]
 
