@@ -1,9 +1,10 @@
-// CUDA kernels of the model on candle's graph: the attention's causal softmax and the cross-entropy of the
-// logits, each with its backward, one pass a row where candle's composed ops (scale, mask, max, subtract,
-// exp, sum, log, divide, gather, and their backward) take a dozen passes over the (B, heads, T, T) scores
-// and the (B T, vocab) logits and keep each intermediate for the backward.
+// CUDA kernels of the model on candle's graph: the attention's causal softmax, the cross-entropy of the
+// logits and the layer norm, each with its backward, one pass a row where candle's composed ops (scale,
+// mask, max, subtract, exp, sum, log, divide, gather, mean, square root, and their backward) take a dozen
+// passes over the (B, heads, T, T) scores, the (B T, vocab) logits and the (B T, C) activations and keep
+// each intermediate for the backward.
 //
-// Every kernel has a CPU twin in src/kernels/softmax.rs with the same operations in the same order, which
+// Every kernel has a CPU twin in src/kernels/model.rs with the same operations in the same order, which
 // the graph runs on the CPU; the tests run each kernel on the host against its twin (emulate.hpp), and
 // scripts/gpu/selftest.py compares them on a GPU (to a stated tolerance where expf or logf enters: the
 // GPU's are within 2 and 1 ulp of the host's). Compile with -fmad=false (no contracted multiply-adds).
@@ -14,6 +15,7 @@
 // keys j <= i are kept and j > i masked out.
 
 #define BLOCK 256  // threads per block
+#define ROWS 64    // rows per block of layer_norm_columns
 
 // The sum of the block's values v (one a thread) over a tree; every thread gets it.
 __device__ float block_sum(float v, float* sh) {
@@ -116,4 +118,89 @@ extern "C" __global__ void cross_entropy_backward(const float* x, const unsigned
         float p = expf(xr[j] - m) / sum;
         dx[row + j] = gr * (j == target ? p - 1.0f : p);
     }
+}
+
+// The row's mean and standard deviation sqrt(var + eps) (var the mean squared deviation); every thread
+// gets both.
+__device__ void row_stats(const float* x, unsigned c, float eps, float* sh, float* mean, float* sd) {
+    float s = 0.0f;
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) s += x[j];
+    const float m = block_sum(s, sh) / (float)c;
+    float v = 0.0f;
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) {
+        float d = x[j] - m;
+        v += d * d;
+    }
+    *mean = m;
+    *sd = sqrtf(block_sum(v, sh) / (float)c + eps);
+}
+
+// The layer norm of each row of the (rows, c) x: y = (x - mean) / sd w + b.
+extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float* y, unsigned c,
+                                      float eps) {
+    __shared__ float sh[BLOCK];
+    const size_t row = (size_t)blockIdx.x * c;
+    const float* xr = x + row;
+    float mean, sd;
+    row_stats(xr, c, eps, sh, &mean, &sd);
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) y[row + j] = (xr[j] - mean) / sd * w[j] + b[j];
+}
+
+// The gradient at each row of x from g (the gradient at y): with xh = (x - mean) / sd and d = g w,
+// dx = (d - sum(d) / c - xh sum(d xh) / c) / sd. Each row's mean and sd go to stats[2 r], stats[2 r + 1].
+extern "C" __global__ void layer_norm_backward(const float* x, const float* w, const float* g, float* dx,
+                                               float* stats, unsigned c, float eps) {
+    __shared__ float sh[BLOCK];
+    const size_t row = (size_t)blockIdx.x * c;
+    const float *xr = x + row, *gr = g + row;
+    float mean, sd;
+    row_stats(xr, c, eps, sh, &mean, &sd);
+    float s1 = 0.0f, s2 = 0.0f;
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) {
+        float d = gr[j] * w[j];
+        s1 += d;
+        s2 += d * ((xr[j] - mean) / sd);
+    }
+    const float a = block_sum(s1, sh) / (float)c;
+    const float bm = block_sum(s2, sh) / (float)c;
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) {
+        float xh = (xr[j] - mean) / sd;
+        dx[row + j] = (gr[j] * w[j] - a - xh * bm) / sd;
+    }
+    if (threadIdx.x == 0) {
+        stats[2 * blockIdx.x] = mean;
+        stats[2 * blockIdx.x + 1] = sd;
+    }
+}
+
+// Per block of ROWS rows (blockIdx.x) and BLOCK columns (blockIdx.y), each column's sums over those rows
+// in order: dw = sum g xh, db = sum g, into partial[(2 blockIdx.x) c + j] and partial[(2 blockIdx.x + 1)
+// c + j].
+extern "C" __global__ void layer_norm_columns(const float* x, const float* g, const float* stats,
+                                              float* partial, unsigned rows, unsigned c) {
+    const unsigned j = blockIdx.y * BLOCK + threadIdx.x;
+    if (j >= c) return;
+    const unsigned first = blockIdx.x * ROWS, end = min(first + ROWS, rows);
+    float dw = 0.0f, db = 0.0f;
+    for (unsigned r = first; r < end; r++) {
+        const size_t at = (size_t)r * c + j;
+        dw += g[at] * ((x[at] - stats[2 * r]) / stats[2 * r + 1]);
+        db += g[at];
+    }
+    partial[(size_t)(2 * blockIdx.x) * c + j] = dw;
+    partial[(size_t)(2 * blockIdx.x + 1) * c + j] = db;
+}
+
+// The column sums of the blocks' partial sums, in block order: out[j] (dw) and out[c + j] (db).
+extern "C" __global__ void layer_norm_column_sums(const float* partial, float* out, unsigned blocks,
+                                                  unsigned c) {
+    const unsigned j = blockIdx.x * BLOCK + threadIdx.x;
+    if (j >= c) return;
+    float dw = 0.0f, db = 0.0f;
+    for (unsigned k = 0; k < blocks; k++) {
+        dw += partial[(size_t)(2 * k) * c + j];
+        db += partial[(size_t)(2 * k + 1) * c + j];
+    }
+    out[j] = dw;
+    out[c + j] = db;
 }

@@ -267,8 +267,8 @@ fn attention_kernels_follow_their_twins() {
             .collect();
         let g = values(x.len(), t as u64 + 1, false);
         let (mut y, mut dx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
-        twin::softmax::causal_softmax(&x, &mut y, t, scale);
-        twin::softmax::causal_softmax_backward(&y, &g, &mut dx, t, scale);
+        twin::model::causal_softmax(&x, &mut y, t, scale);
+        twin::model::causal_softmax_backward(&y, &g, &mut dx, t, scale);
         let gy = k
             .causal_softmax(&s.clone_htod(&x).unwrap().slice(..), t, scale)
             .unwrap();
@@ -308,8 +308,8 @@ fn cross_entropy_kernels_follow_their_twins() {
             .collect();
         let g = values(rows, 3, false);
         let (mut loss, mut dx) = (vec![0.0; rows], vec![0.0; x.len()]);
-        twin::softmax::cross_entropy(&x, &y, &mut loss, v);
-        twin::softmax::cross_entropy_backward(&x, &y, &g, &mut dx, v);
+        twin::model::cross_entropy(&x, &y, &mut loss, v);
+        twin::model::cross_entropy_backward(&x, &y, &g, &mut dx, v);
         let (dxs, dys, dgs) = (
             s.clone_htod(&x).unwrap(),
             s.clone_htod(&y).unwrap(),
@@ -329,6 +329,46 @@ fn cross_entropy_kernels_follow_their_twins() {
                 "gradient, v {v}, at {i}: {a} vs {b}"
             );
         }
+    }
+}
+
+/// The layer norm's kernels give their twins' bits (square roots and divisions only, IEEE-rounded on
+/// both): the forward, dx, and dw and db over more rows than a block of the column sums.
+#[test]
+fn layer_norm_kernels_equal_their_twins() {
+    let k = kernels();
+    let s = k.stream();
+    for (rows, c) in [(1, 1), (3, 100), (12 * 1024, 768)] {
+        let (x, w, b) = (
+            values(rows * c, 1, false),
+            values(c, 2, false),
+            values(c, 3, false),
+        );
+        let g = values(rows * c, 4, false);
+        let mut y = vec![0.0; x.len()];
+        twin::model::layer_norm(&x, &w, &b, &mut y, c, 1e-5);
+        let (mut dx, mut stats) = (vec![0.0; x.len()], vec![0.0; 2 * rows]);
+        twin::model::layer_norm_backward((&x, &w, &g), &mut dx, &mut stats, c, 1e-5);
+        let (dw, db) = twin::model::layer_norm_columns(&x, &g, &stats, c);
+        let up = |v: &[f32]| s.clone_htod(v).unwrap();
+        let (dxs, dws, dbs, dgs) = (up(&x), up(&w), up(&b), up(&g));
+        let gy = k
+            .layer_norm(&dxs.slice(..), (&dws.slice(..), &dbs.slice(..)), c, 1e-5)
+            .unwrap();
+        assert_eq!(
+            bits(&s.clone_dtoh(&gy).unwrap()),
+            bits(&y),
+            "forward, {rows} x {c}"
+        );
+        let all = k
+            .layer_norm_backward((&dxs.slice(..), &dws.slice(..), &dgs.slice(..)), c, 1e-5)
+            .unwrap();
+        let want = [dx, dw, db].concat();
+        assert_eq!(
+            bits(&s.clone_dtoh(&all).unwrap()),
+            bits(&want),
+            "backward, {rows} x {c}"
+        );
     }
 }
 
@@ -876,9 +916,9 @@ fn matmul_pieces(dev: &candle_core::Device) -> Vec<Piece> {
 
 /// The fused ops of `model::fused`.
 fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec<Piece> {
-    let (b, t, _, h, v) = SHAPES;
+    let (b, t, c, h, v) = SHAPES;
     let n = b * t;
-    let (p1, p2) = (place.clone(), place.clone());
+    let (p1, p2, p3) = (place.clone(), place.clone(), place.clone());
     let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
     let targets = candle_core::Tensor::from_vec(ids, n, dev).unwrap();
     vec![
@@ -889,6 +929,15 @@ fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec
             work: f32s(b * h * t * t, 2),
             f: Box::new(move |x| {
                 nanodist::model::fused::causal_softmax(&x[0], 0.125, &p1).unwrap()
+            }),
+        },
+        Piece {
+            name: "layer norm (fused)",
+            count: 25,
+            inputs: vec![var(dev, &[n, c]), var(dev, &[c]), var(dev, &[c])],
+            work: f32s(n * c, 2),
+            f: Box::new(move |x| {
+                nanodist::model::fused::layer_norm(&x[0], &x[1], &x[2], 1e-5, &p3).unwrap()
             }),
         },
         Piece {
@@ -906,7 +955,7 @@ fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec
 
 /// The step's other ops, candle's, as the model composes them.
 fn composed_pieces(dev: &candle_core::Device) -> Vec<Piece> {
-    use candle_core::{Tensor, D};
+    use candle_core::Tensor;
     let (b, t, c, h, v) = SHAPES;
     let n = b * t;
     let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
@@ -919,24 +968,6 @@ fn composed_pieces(dev: &candle_core::Device) -> Vec<Piece> {
         f,
     };
     vec![
-        piece(
-            "layer norm (composed)",
-            25,
-            &[&[n, c], &[c], &[c]],
-            f32s(n * c, 2),
-            Box::new(|x| {
-                let mean = x[0].mean_keepdim(D::Minus1).unwrap();
-                let xc = x[0].broadcast_sub(&mean).unwrap();
-                let var = xc.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
-                let xn = xc
-                    .broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
-                    .unwrap();
-                xn.broadcast_mul(&x[1])
-                    .unwrap()
-                    .broadcast_add(&x[2])
-                    .unwrap()
-            }),
-        ),
         piece(
             "bias add (mlp up)",
             12,

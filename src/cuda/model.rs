@@ -1,8 +1,10 @@
-//! Launchers of the model's kernels (kernels/model.cu): the attention's causal softmax and the
-//! cross-entropy, each with its backward; their CPU twins are in `crate::kernels::softmax`.
+//! Launchers of the model's kernels (kernels/model.cu): the attention's causal softmax, the cross-entropy
+//! and the layer norm, each with its backward; their CPU twins are in `crate::kernels::model`.
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, CudaView, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+
+use crate::kernels::{model::LN_ROWS, BLOCK};
 
 use super::{grid, u32_of, Kernels};
 
@@ -17,6 +19,21 @@ fn logit_rows(len: usize, v: usize, targets: usize) -> Result<(usize, u32)> {
         "{targets} rows of logits: the cross-entropy kernels take at most 2^31 - 1 (one block each)"
     );
     Ok((targets, u32_of(v, "vocabulary size")?))
+}
+
+/// The rows of `len` values in rows of c, with per-column vectors of `columns` lengths (each c), and c as
+/// the kernels take it.
+fn norm_rows(len: usize, c: usize, columns: &[usize]) -> Result<(usize, u32)> {
+    ensure!(
+        c > 0 && len.is_multiple_of(c) && columns.iter().all(|&n| n == c),
+        "internal error: layer norm of {len} values in rows of {c} with columns of {columns:?}"
+    );
+    let rows = len / c;
+    ensure!(
+        rows <= i32::MAX as usize,
+        "{rows} rows: the layer norm kernels take at most 2^31 - 1 (one block each)"
+    );
+    Ok((rows, u32_of(c, "width")?))
 }
 
 /// The rows of a (.., t, t) buffer of `len` values: one block each.
@@ -35,7 +52,7 @@ fn rows(len: usize, t: usize) -> Result<usize> {
 
 impl Kernels {
     /// y = the causal softmax of `s` scale over each row of the contiguous (.., t, t) scores `s` (twin:
-    /// `kernels::softmax::causal_softmax`), in a new buffer.
+    /// `kernels::model::causal_softmax`), in a new buffer.
     pub fn causal_softmax(
         &self,
         s: &CudaView<f32>,
@@ -54,7 +71,7 @@ impl Kernels {
     }
 
     /// The gradient at the scores from the softmax's output `y` and the gradient `g` at it, both
-    /// contiguous (.., t, t) (twin: `kernels::softmax::causal_softmax_backward`), in a new buffer.
+    /// contiguous (.., t, t) (twin: `kernels::model::causal_softmax_backward`), in a new buffer.
     pub fn causal_softmax_backward(
         &self,
         y: &CudaView<f32>,
@@ -90,7 +107,7 @@ impl Kernels {
     }
 
     /// Each row's cross-entropy of the (rows, v) logits `x` with its target in `y` (twin:
-    /// `kernels::softmax::cross_entropy`; NaN where a target is not below v), in a new buffer.
+    /// `kernels::model::cross_entropy`; NaN where a target is not below v), in a new buffer.
     pub fn cross_entropy(
         &self,
         x: &CudaView<f32>,
@@ -107,7 +124,7 @@ impl Kernels {
     }
 
     /// The gradient at the logits from `g`, the gradient at each row's loss (twin:
-    /// `kernels::softmax::cross_entropy_backward`), in a new buffer.
+    /// `kernels::model::cross_entropy_backward`), in a new buffer.
     pub fn cross_entropy_backward(
         &self,
         x: &CudaView<f32>,
@@ -138,5 +155,100 @@ impl Kernels {
             )
         };
         Ok(dx)
+    }
+
+    /// The layer norm of each row of c of `x` with gain `w` and bias `b` (twin:
+    /// `kernels::model::layer_norm`), in a new buffer.
+    pub fn layer_norm(
+        &self,
+        x: &CudaView<f32>,
+        (w, b): (&CudaView<f32>, &CudaView<f32>),
+        c: usize,
+        eps: f32,
+    ) -> Result<CudaSlice<f32>> {
+        let (rows, c32) = norm_rows(x.len(), c, &[w.len(), b.len()])?;
+        // SAFETY: uninitialized memory for y, which the kernel writes whole (block r: row r's c entries).
+        let mut y = unsafe { self.stream.alloc::<f32>(x.len())? };
+        // SAFETY: layer_norm(x, w, b, y, c, eps) in model.cu: block r reads row r of x and w, b (c each,
+        // checked) and writes row r of y, x and y rows x c long.
+        unsafe { launch!(self, "layer_norm", grid(rows), x, w, b, &mut y, &c32, &eps) };
+        Ok(y)
+    }
+
+    /// The layer norm's gradients from `g`, the gradient at its output, in one new buffer: dx (as x), then
+    /// dw and db (c each) (twins: `kernels::model::layer_norm_backward`, `layer_norm_columns`).
+    pub fn layer_norm_backward(
+        &self,
+        (x, w, g): (&CudaView<f32>, &CudaView<f32>, &CudaView<f32>),
+        c: usize,
+        eps: f32,
+    ) -> Result<CudaSlice<f32>> {
+        let (rows, c32) = norm_rows(x.len(), c, &[w.len()])?;
+        ensure!(
+            g.len() == x.len(),
+            "internal error: {} gradients for {} values",
+            g.len(),
+            x.len()
+        );
+        let blocks = rows.div_ceil(LN_ROWS);
+        let (rows32, blocks32) = (u32_of(rows, "rows")?, u32_of(blocks, "row blocks")?);
+        let columns = c.div_ceil(BLOCK);
+        let over = LaunchConfig {
+            grid_dim: (blocks32, u32_of(columns, "column blocks")?, 1),
+            ..grid(1)
+        };
+        let s = &self.stream;
+        // SAFETY: uninitialized memory that the kernels below write whole: dx (block r of
+        // layer_norm_backward: row r) then dw and db (layer_norm_column_sums: entries j and c + j for each
+        // column j), the statistics (entries 2 r and 2 r + 1 in block r), and the partial sums (block (k,
+        // l) of layer_norm_columns: rows 2 k and 2 k + 1 of the columns of block l, c of them in all).
+        let (mut out, mut stats, mut partial) = unsafe {
+            (
+                s.alloc::<f32>(x.len() + 2 * c)?,
+                s.alloc::<f32>(2 * rows)?,
+                s.alloc::<f32>(2 * blocks * c)?,
+            )
+        };
+        let (mut dx, mut dwb) = out.split_at_mut(x.len());
+        // SAFETY: model.cu's kernels, with the lengths checked above: layer_norm_backward(x, w, g, dx,
+        // stats, c, eps) reads and writes row r of x, g, dx (rows x c) and w (c) in block r, and entries
+        // 2 r, 2 r + 1 of stats (2 rows); layer_norm_columns(x, g, stats, partial, rows, c) reads rows below
+        // `rows` and columns below c and writes rows 2 k, 2 k + 1 of partial (2 blocks x c);
+        // layer_norm_column_sums(partial, dwb, blocks, c) reads those and writes dwb (2 c).
+        unsafe {
+            launch!(
+                self,
+                "layer_norm_backward",
+                grid(rows),
+                x,
+                w,
+                g,
+                &mut dx,
+                &mut stats,
+                &c32,
+                &eps
+            );
+            launch!(
+                self,
+                "layer_norm_columns",
+                over,
+                x,
+                g,
+                &stats,
+                &mut partial,
+                &rows32,
+                &c32
+            );
+            launch!(
+                self,
+                "layer_norm_column_sums",
+                grid(columns),
+                &partial,
+                &mut dwb,
+                &blocks32,
+                &c32
+            );
+        }
+        Ok(out)
     }
 }

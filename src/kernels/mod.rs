@@ -12,9 +12,9 @@ mod compact;
 #[cfg(test)]
 pub(crate) mod emulate;
 pub mod gemm;
+pub mod model;
 pub mod optim;
 mod segment;
-pub mod softmax;
 mod stream;
 pub use stream::{sign, with_sign_stream, SignStream};
 pub mod thin;

@@ -1,15 +1,16 @@
 //! The model's fused ops on candle's graph, each with its own backward: the attention's causal softmax
-//! (softmax(s scale) over the keys up to each query) and the cross-entropy of the logits. candle's composed
-//! forms (scale, add the mask, max, subtract, exp, sum, log, divide, gather) run a dozen kernels over the
-//! (B, heads, T, T) scores and the (B T, vocab) logits and keep each intermediate for their backward; each
-//! op here runs one kernel forward and one backward and keeps only its inputs or output. On the CPU they
-//! run the kernels' twins (`crate::kernels::softmax`), on a GPU the kernels of kernels/model.cu.
+//! (softmax(s scale) over the keys up to each query), the cross-entropy of the logits, and the layer norm.
+//! candle's composed forms (scale, add the mask, max, subtract, exp, sum, log, divide, gather, mean, square
+//! root) run a dozen kernels over the (B, heads, T, T) scores, the (B T, vocab) logits and the (B T, C)
+//! activations and keep each intermediate for their backward; each op here runs one kernel forward and one
+//! to three backward and keeps only its inputs or output. On the CPU they
+//! run the kernels' twins (`crate::kernels::model`), on a GPU the kernels of kernels/model.cu.
 
 use anyhow::{ensure, Result};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 use crate::flat::Place;
-use crate::kernels::softmax as twin;
+use crate::kernels::model as twin;
 
 /// softmax(scores scale) over the last dim with the keys after each query masked (weight 0), for
 /// `scores` of shape (.., T, T) in f32; differentiable. `place` holds the kernels of the scores' GPU.
@@ -49,6 +50,27 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, place: &Place) -> Result
         place: place.clone(),
     };
     Ok(logits.contiguous()?.apply_op2(&targets.contiguous()?, op)?)
+}
+
+/// The layer norm of each row of `x` (.., c) with gain `w` and bias `b` (c each), all f32:
+/// (x - mean) / sqrt(var + eps) w + b; differentiable in all three.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f32, place: &Place) -> Result<Tensor> {
+    let c = x.dims().last().copied().unwrap_or(0);
+    let f32s = [x, w, b].iter().all(|t| t.dtype() == DType::F32);
+    ensure!(
+        c > 0 && f32s && w.dims() == [c] && b.dims() == [c],
+        "internal error: layer norm of {:?} with gain {:?} and bias {:?} (f32, (.., c), (c) and (c) expected)",
+        x.dims(),
+        w.dims(),
+        b.dims()
+    );
+    let op = LayerNorm {
+        c,
+        eps,
+        place: place.clone(),
+    };
+    Ok(x.contiguous()?
+        .apply_op3(&w.contiguous()?, &b.contiguous()?, op)?)
 }
 
 struct CausalSoftmax {
@@ -259,6 +281,135 @@ impl CustomOp3 for CrossEntropyBackward {
     }
 }
 
+/// The layer norm (`layer_norm`) over rows of c.
+struct LayerNorm {
+    c: usize,
+    eps: f32,
+    place: Place,
+}
+
+/// The backward of `LayerNorm`: (x, w, g) to dx, dw and db in one flat tensor, in that order.
+struct LayerNormBackward {
+    c: usize,
+    eps: f32,
+    /// Read by the GPU path.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    place: Place,
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = host(x, lx)?;
+        let mut y = vec![0.0; x.len()];
+        twin::layer_norm(x, host(w, lw)?, host(b, lb)?, &mut y, self.c, self.eps);
+        Ok((CpuStorage::F32(y), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (xv, wv, bv) = (
+            device::view(x, lx)?,
+            device::view(w, lw)?,
+            device::view(b, lb)?,
+        );
+        let y = device::kernels(&self.place)?
+            .layer_norm(&xv, (&wv, &bv), self.c, self.eps)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((device::wrap(y, x), lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let op = LayerNormBackward {
+            c: self.c,
+            eps: self.eps,
+            place: self.place.clone(),
+        };
+        let all = x.apply_op3_no_bwd(w, &g.contiguous()?, &op)?;
+        let n = x.elem_count();
+        let dx = all.narrow(0, 0, n)?.reshape(x.shape())?;
+        let (dw, db) = (
+            all.narrow(0, n, self.c)?,
+            all.narrow(0, n + self.c, self.c)?,
+        );
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+impl CustomOp3 for LayerNormBackward {
+    fn name(&self) -> &'static str {
+        "layer-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, w, g) = (host(x, lx)?, host(w, lw)?, host(g, lg)?);
+        let mut dx = vec![0.0; x.len() + 2 * self.c];
+        let mut stats = vec![0.0; 2 * (x.len() / self.c)];
+        let (d, _) = dx.split_at_mut(x.len());
+        twin::layer_norm_backward((x, w, g), d, &mut stats, self.c, self.eps);
+        let (dw, db) = twin::layer_norm_columns(x, g, &stats, self.c);
+        dx[x.len()..].copy_from_slice(&[dw, db].concat());
+        let n = dx.len();
+        Ok((CpuStorage::F32(dx), Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (xv, wv, gv) = (
+            device::view(x, lx)?,
+            device::view(w, lw)?,
+            device::view(g, lg)?,
+        );
+        let all = device::kernels(&self.place)?
+            .layer_norm_backward((&xv, &wv, &gv), self.c, self.eps)
+            .map_err(candle_core::Error::wrap)?;
+        let n = all.len();
+        Ok((device::wrap(all, x), Shape::from(n)))
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod device {
     use candle_core::cuda_backend::CudaDType;
@@ -379,8 +530,48 @@ mod tests {
         assert!(norm > 1e-3, "a gradient flows ({norm})");
     }
 
-    /// Scores that are not (.., T, T) f32, and logits and targets of other shapes or types, are refused
-    /// with an error, not a panic.
+    /// The op and candle's composed layer norm (as the model built it before) agree, forward and in the
+    /// gradients at x, w and b (to f32 rounding), on a non-contiguous input of more rows than a block of
+    /// the column sums.
+    #[test]
+    fn the_op_is_candles_composed_layer_norm_forward_and_backward() {
+        let (rows, c) = (130, 40);
+        let dev = Device::Cpu;
+        let randn = |shape: &[usize], s: f32| {
+            Var::from_tensor(&Tensor::randn(0f32, s, shape, &dev).unwrap()).unwrap()
+        };
+        let (x, w, b) = (randn(&[c, rows], 2.0), randn(&[c], 1.0), randn(&[c], 1.0));
+        let up = Tensor::randn(0f32, 1.0, (rows, c), &dev).unwrap();
+        let xt = x.as_tensor().t().unwrap();
+        let ours = layer_norm(&xt, &w, &b, 1e-5, &Place::Host).unwrap();
+        let mean = xt.mean_keepdim(D::Minus1).unwrap();
+        let xc = xt.broadcast_sub(&mean).unwrap();
+        let var = xc.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        let xn = xc
+            .broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
+            .unwrap();
+        let theirs = xn.broadcast_mul(&w).unwrap().broadcast_add(&b).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| -> f32 {
+            let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
+            d.max(0).unwrap().to_scalar().unwrap()
+        };
+        assert!(
+            diff(&ours, &theirs) < 1e-5,
+            "forward: {}",
+            diff(&ours, &theirs)
+        );
+        let grad = |y: &Tensor| (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let (go, gt) = (grad(&ours), grad(&theirs));
+        for (v, what, tol) in [(&x, "x", 1e-5), (&w, "w", 1e-4), (&b, "b", 1e-4)] {
+            let (a, e) = (go.get(v).unwrap(), gt.get(v).unwrap());
+            assert!(diff(a, e) < tol, "gradient at {what}: {}", diff(a, e));
+            let norm: f32 = a.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
+            assert!(norm > 1e-3, "a gradient flows to {what} ({norm})");
+        }
+    }
+
+    /// Scores that are not (.., T, T) f32, logits and targets of other shapes or types, and a gain and
+    /// bias that do not fit the rows, are refused with an error, not a panic.
     #[test]
     fn other_shapes_are_refused() {
         let dev = Device::Cpu;
@@ -396,5 +587,9 @@ mod tests {
         assert!(cross_entropy(&logits, &y, &Place::Host).is_ok());
         assert!(cross_entropy(&logits, &y.to_dtype(DType::F32).unwrap(), &Place::Host).is_err());
         assert!(cross_entropy(&logits.t().unwrap(), &y, &Place::Host).is_err());
+        let w = Tensor::zeros(5, DType::F32, &dev).unwrap();
+        assert!(layer_norm(&logits, &w, &w, 1e-5, &Place::Host).is_ok());
+        assert!(layer_norm(&logits, &w.narrow(0, 0, 4).unwrap(), &w, 1e-5, &Place::Host).is_err());
+        assert!(layer_norm(&logits.t().unwrap(), &w, &w, 1e-5, &Place::Host).is_err());
     }
 }

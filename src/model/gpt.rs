@@ -4,14 +4,15 @@
 //! Parameter names and layout follow Hugging Face's GPT2LMHeadModel, except that the four projection
 //! matrices are stored as nn.Linear ([out, in], as nanoGPT); checkpoints transpose them to HF's Conv1D
 //! orientation ([in, out]). Every op used here has a backward: candle's fused layer_norm and
-//! softmax_last_dim do not, and a model built on them trains silently wrong; the attention's causal
-//! softmax is an op of our own with its backward (`super::fused`), one kernel each on a GPU.
+//! softmax_last_dim do not, and a model built on them trains silently wrong; the layer norm, the
+//! attention's causal softmax and the cross-entropy are ops of our own with their backward
+//! (`super::fused`), one kernel each way on a GPU (three for the layer norm's backward).
 //!
 //! Training and evaluation on CPU run on the hand-written engine of `cpu` (same function, tested against
 //! this graph); the graph runs on GPUs, and serves generation and the tests as the reference.
 
 use anyhow::{Context, Result};
-use candle_core::{DType, Device, IndexOp, Tensor, D};
+use candle_core::{DType, Device, IndexOp, Tensor};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -23,7 +24,7 @@ use crate::config::ModelConfig;
 use crate::data::Batch;
 use crate::flat::{FlatMut, FlatRef, Place};
 
-const LN_EPS: f64 = 1e-5;
+const LN_EPS: f32 = 1e-5;
 
 /// The model: hyper-parameters, context length and parameters. On the CPU engine `params` is the layout
 /// alone and every computation takes the flat weights it computes with; candle's graph (GPUs, `graph()`)
@@ -338,19 +339,18 @@ impl Gpt {
         })
     }
 
-    /// LayerNorm over the last dim.
+    /// LayerNorm over the last dim (a zero bias where the model has none).
     fn layer_norm(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
         let w = self.p(&format!("{prefix}.weight"))?;
-        let b = self.bias(&format!("{prefix}.bias"));
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let xc = x.broadcast_sub(&mean)?;
-        let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-        let xn = xc.broadcast_div(&(var + LN_EPS)?.sqrt()?)?;
-        let y = xn.broadcast_mul(w)?;
-        Ok(match b {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
+        let zero;
+        let b = match self.bias(&format!("{prefix}.bias")) {
+            Some(b) => b,
+            None => {
+                zero = w.zeros_like()?;
+                &zero
+            }
+        };
+        super::fused::layer_norm(x, w, b, LN_EPS, &self.place)
     }
 
     fn attention(&self, x: &Tensor, b: usize, t: usize, prefix: &str) -> Result<Tensor> {

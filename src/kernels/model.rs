@@ -1,7 +1,9 @@
 //! CPU twins of kernels/model.cu: the causal softmax of attention scores and its backward, row by row
-//! over a contiguous (.., T, T) buffer (the query at i = row mod T keeps the keys j <= i), and the
-//! cross-entropy of logits with their targets and its backward, row by row over (rows, vocab). Each row
-//! sums in the kernels' order: BLOCK strided partial sums, then a tree over them.
+//! over a contiguous (.., T, T) buffer (the query at i = row mod T keeps the keys j <= i); the
+//! cross-entropy of logits with their targets and its backward, row by row over (rows, vocab); the layer
+//! norm and its backward over (rows, c). Each row sums in the kernels' order: BLOCK strided partial sums,
+//! then a tree over them; a column sums its rows in blocks of `LN_ROWS` in order, then the blocks in
+//! order.
 
 use rayon::prelude::*;
 
@@ -128,6 +130,89 @@ pub fn cross_entropy_backward(x: &[f32], y: &[u32], g: &[f32], dx: &mut [f32], v
         });
 }
 
+/// Rows per block of the layer norm's column sums (`ROWS` in model.cu).
+pub const LN_ROWS: usize = 64;
+
+/// The row's mean and standard deviation sqrt(var + eps), in the kernels' order (`row_stats`).
+fn row_stats(x: &[f32], eps: f32) -> (f32, f32) {
+    let c = x.len();
+    let mean = block_sum(c, |j| x[j]) / c as f32;
+    let var = block_sum(c, |j| (x[j] - mean) * (x[j] - mean)) / c as f32;
+    (mean, (var + eps).sqrt())
+}
+
+/// `layer_norm` of model.cu: y = (x - mean) / sd w + b over each row of c.
+pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], y: &mut [f32], c: usize, eps: f32) {
+    assert!(
+        c > 0 && x.len().is_multiple_of(c) && y.len() == x.len() && w.len() == c && b.len() == c,
+        "internal error: layer norm of {} values in rows of {c}",
+        x.len()
+    );
+    y.par_chunks_mut(c).zip(x.par_chunks(c)).for_each(|(y, x)| {
+        let (mean, sd) = row_stats(x, eps);
+        for j in 0..c {
+            y[j] = (x[j] - mean) / sd * w[j] + b[j];
+        }
+    });
+}
+
+/// `layer_norm_backward` of model.cu: the gradient at x from g, the gradient at y; each row's mean and
+/// sd into `stats` (two a row).
+pub fn layer_norm_backward(
+    (x, w, g): (&[f32], &[f32], &[f32]),
+    dx: &mut [f32],
+    stats: &mut [f32],
+    c: usize,
+    eps: f32,
+) {
+    assert!(
+        c > 0 && x.len().is_multiple_of(c) && g.len() == x.len() && dx.len() == x.len(),
+        "internal error: layer norm backward of {} values in rows of {c}",
+        x.len()
+    );
+    assert!(w.len() == c && stats.len() == 2 * (x.len() / c));
+    dx.par_chunks_mut(c)
+        .zip(x.par_chunks(c).zip(g.par_chunks(c)))
+        .zip(stats.par_chunks_mut(2))
+        .for_each(|((dx, (x, g)), st)| {
+            let (mean, sd) = row_stats(x, eps);
+            let a = block_sum(c, |j| g[j] * w[j]) / c as f32;
+            let bm = block_sum(c, |j| g[j] * w[j] * ((x[j] - mean) / sd)) / c as f32;
+            for j in 0..c {
+                let xh = (x[j] - mean) / sd;
+                dx[j] = (g[j] * w[j] - a - xh * bm) / sd;
+            }
+            st.copy_from_slice(&[mean, sd]);
+        });
+}
+
+/// `layer_norm_columns` and `layer_norm_column_sums` of model.cu: the gradients at w and b, each column's
+/// sum over the rows of g (x - mean) / sd and of g, in blocks of `LN_ROWS` rows.
+pub fn layer_norm_columns(x: &[f32], g: &[f32], stats: &[f32], c: usize) -> (Vec<f32>, Vec<f32>) {
+    assert!(c > 0 && g.len() == x.len() && stats.len() == 2 * (x.len() / c));
+    let partial: Vec<(Vec<f32>, Vec<f32>)> = x
+        .par_chunks(c * LN_ROWS)
+        .zip(g.par_chunks(c * LN_ROWS))
+        .zip(stats.par_chunks(2 * LN_ROWS))
+        .map(|((x, g), st)| {
+            let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
+            for ((x, g), st) in x.chunks(c).zip(g.chunks(c)).zip(st.chunks(2)) {
+                for j in 0..c {
+                    dw[j] += g[j] * ((x[j] - st[0]) / st[1]);
+                    db[j] += g[j];
+                }
+            }
+            (dw, db)
+        })
+        .collect();
+    let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
+    for (pw, pb) in &partial {
+        dw.iter_mut().zip(pw).for_each(|(a, b)| *a += b);
+        db.iter_mut().zip(pb).for_each(|(a, b)| *a += b);
+    }
+    (dw, db)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,10 +324,148 @@ mod tests {
         );
     }
 
-    /// The four kernels, run on the host with one block a row, give their twins' bits: rows shorter and
-    /// longer than a block, several heads, targets past the vocabulary (NaN losses) among them.
+    /// The layer norm in f64 by definition: (x - mean) / sqrt(var + eps) w + b over rows of c.
+    fn layer_norm_f64(x: &[f64], w: &[f64], b: &[f64], c: usize, eps: f64) -> Vec<f64> {
+        let mut y = vec![0.0; x.len()];
+        for (y, x) in y.chunks_mut(c).zip(x.chunks(c)) {
+            let mean = x.iter().sum::<f64>() / c as f64;
+            let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / c as f64;
+            for j in 0..c {
+                y[j] = (x[j] - mean) / (var + eps).sqrt() * w[j] + b[j];
+            }
+        }
+        y
+    }
+
+    /// The forward is the layer norm by definition (to f32 rounding); the backward's dx, dw and db are
+    /// the central differences of sum(y G) in f64, at entries spread over the rows and columns, more
+    /// rows than a block of the column sums.
     #[test]
-    fn the_model_kernels_are_their_twins() {
+    fn the_layer_norm_twins_are_its_value_and_gradient() {
+        let (rows, c, eps) = (150, 300, 1e-5);
+        let (x, w, b) = (
+            scores(rows * c, 1, 2.0),
+            scores(c, 2, 1.5),
+            scores(c, 3, 0.5),
+        );
+        let g = scores(rows * c, 4, 1.0);
+        let f64s = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<_>>();
+        let mut y = vec![0.0; x.len()];
+        layer_norm(&x, &w, &b, &mut y, c, eps);
+        let want = layer_norm_f64(&f64s(&x), &f64s(&w), &f64s(&b), c, eps as f64);
+        for (got, want) in y.iter().zip(&want) {
+            assert!(
+                (*got as f64 - want).abs() < 2e-6 * want.abs().max(1.0),
+                "{got} vs {want}"
+            );
+        }
+        let (mut dx, mut stats) = (vec![0.0; x.len()], vec![0.0; 2 * rows]);
+        layer_norm_backward((&x, &w, &g), &mut dx, &mut stats, c, eps);
+        let (dw, db) = layer_norm_columns(&x, &g, &stats, c);
+        let objective = |x: &[f64], w: &[f64], b: &[f64]| -> f64 {
+            let y = layer_norm_f64(x, w, b, c, eps as f64);
+            y.iter().zip(&g).map(|(y, &g)| y * g as f64).sum()
+        };
+        let (x64, w64, b64) = (f64s(&x), f64s(&w), f64s(&b));
+        let fd = |which: usize, at: usize| {
+            let h = 1e-4;
+            let mut args = [x64.clone(), w64.clone(), b64.clone()];
+            args[which][at] += h;
+            let up = objective(&args[0], &args[1], &args[2]);
+            args[which][at] -= 2.0 * h;
+            (up - objective(&args[0], &args[1], &args[2])) / (2.0 * h)
+        };
+        for at in [0, 299, 301, 64 * c + 17, rows * c - 1] {
+            assert!(
+                (dx[at] as f64 - fd(0, at)).abs() < 1e-4,
+                "dx at {at}: {} vs {}",
+                dx[at],
+                fd(0, at)
+            );
+        }
+        for at in [0, 150, 299] {
+            assert!(
+                (dw[at] as f64 - fd(1, at)).abs() < 1e-3,
+                "dw at {at}: {} vs {}",
+                dw[at],
+                fd(1, at)
+            );
+            assert!(
+                (db[at] as f64 - fd(2, at)).abs() < 1e-3,
+                "db at {at}: {} vs {}",
+                db[at],
+                fd(2, at)
+            );
+        }
+    }
+
+    /// The layer norm's four kernels, run on the host with the launcher's grids, give their twins' bits:
+    /// rows narrower and wider than a block, a last block of the column sums that is partly empty.
+    #[test]
+    fn the_layer_norm_kernels_are_their_twins() {
+        let Some(e) = Emulator::get(Source::Model) else {
+            return;
+        };
+        for (rows, c) in [(1, 1), (3, 100), (130, 300)] {
+            let (x, w, b) = (
+                scores(rows * c, 5, 3.0),
+                scores(c, 6, 1.0),
+                scores(c, 7, 1.0),
+            );
+            let g = scores(rows * c, 8, 1.0);
+            let mut y = vec![0.0; x.len()];
+            layer_norm(&x, &w, &b, &mut y, c, 1e-5);
+            let (mut dx, mut stats) = (vec![0.0; x.len()], vec![0.0; 2 * rows]);
+            layer_norm_backward((&x, &w, &g), &mut dx, &mut stats, c, 1e-5);
+            let (dw, db) = layer_norm_columns(&x, &g, &stats, c);
+            let nan = |n: usize| Arg::F32s(vec![f32::NAN; n]);
+            let (f, u) = (
+                |v: &[f32]| Arg::F32s(v.to_vec()),
+                |n: usize| Arg::U32(n as u32),
+            );
+            let mut args = [f(&x), f(&w), f(&b), nan(x.len()), u(c), Arg::F32(1e-5)];
+            e.launch("layer_norm", (rows as u32, 1), &mut args);
+            assert_eq!(bits(args[3].f32s()), bits(&y), "layer norm, {rows} x {c}");
+            let mut args = [
+                f(&x),
+                f(&w),
+                f(&g),
+                nan(x.len()),
+                nan(2 * rows),
+                u(c),
+                Arg::F32(1e-5),
+            ];
+            e.launch("layer_norm_backward", (rows as u32, 1), &mut args);
+            assert_eq!(bits(args[3].f32s()), bits(&dx), "backward, {rows} x {c}");
+            assert_eq!(
+                bits(args[4].f32s()),
+                bits(&stats),
+                "row statistics, {rows} x {c}"
+            );
+            let blocks = rows.div_ceil(LN_ROWS);
+            let grid = (blocks as u32, c.div_ceil(BLOCK) as u32);
+            let mut args = [f(&x), f(&g), f(&stats), nan(2 * blocks * c), u(rows), u(c)];
+            e.launch("layer_norm_columns", grid, &mut args);
+            let partial = args[3].f32s().to_vec();
+            let mut args = [f(&partial), nan(2 * c), u(blocks), u(c)];
+            e.launch(
+                "layer_norm_column_sums",
+                (c.div_ceil(BLOCK) as u32, 1),
+                &mut args,
+            );
+            assert_eq!(
+                bits(args[1].f32s()),
+                bits(&[dw, db].concat()),
+                "dw, db, {rows} x {c}"
+            );
+        }
+    }
+
+    /// The softmax and cross-entropy kernels, run on the host with one block a row, give their twins'
+    /// bits: rows shorter and longer than a block, several heads, targets past the vocabulary (NaN
+    /// losses) among them.
+    #[test]
+    fn the_softmax_and_cross_entropy_kernels_are_their_twins() {
         let Some(e) = Emulator::get(Source::Model) else {
             return;
         };
