@@ -1,11 +1,11 @@
 // CUDA kernels of the model on candle's graph: the attention's causal softmax, the cross-entropy of the
-// logits and the layer norm, each with its backward, one pass a row where candle's composed ops (scale,
+// logits, the layer norm and the GELU, each with its backward, one pass a row where candle's composed ops (scale,
 // mask, max, subtract, exp, sum, log, divide, gather, mean, square root, and their backward) take a dozen
 // passes over the (B, heads, T, T) scores, the (B T, vocab) logits and the (B T, C) activations and keep
 // each intermediate for the backward.
 //
-// Every kernel has a CPU twin in src/kernels/model.rs with the same operations in the same order, which
-// the graph runs on the CPU; the tests run each kernel on the host against its twin (emulate.hpp), and
+// Every kernel has a CPU twin with the same operations in the same order, which the graph runs on the CPU
+// (src/kernels/model.rs; the GELU's are the CPU engine's own, src/model/ops.rs); the tests run each kernel on the host against its twin (emulate.hpp), and
 // scripts/gpu/selftest.py compares them on a GPU (to a stated tolerance where expf or logf enters: the
 // GPU's are within 2 and 1 ulp of the host's). Compile with -fmad=false (no contracted multiply-adds).
 //
@@ -203,4 +203,74 @@ extern "C" __global__ void layer_norm_column_sums(const float* partial, float* o
     }
     out[j] = dw;
     out[c + j] = db;
+}
+
+// The CPU engine's e^x (src/model/ops.rs `exp`: Cephes' range reduction by ln 2 and degree-6 polynomial,
+// 2^n through the exponent bits), operation for operation, so that it gives the same floats.
+__device__ float poly_exp(float x) {
+    if (x < -87.3f) x = -87.3f;
+    if (x > 88.3f) x = 88.3f;
+    const float magic = 12582912.0f;
+    float m = x * 1.44269504088896340736f + magic;
+    float n = m - magic;
+    float r = x - n * 0.6933594f - n * -2.1219444e-4f;
+    float p = 1.9875691e-4f;
+    p = p * r + 1.3981999e-3f;
+    p = p * r + 8.333452e-3f;
+    p = p * r + 4.1665796e-2f;
+    p = p * r + 1.6666665e-1f;
+    p = p * r + 5e-1f;
+    float y = p * r * r + r + 1.0f;
+    unsigned biased = __float_as_uint(m) - __float_as_uint(magic) + 127u;
+    return y * __uint_as_float(biased << 23);
+}
+
+// ops.rs `tanh`: 1 - 2 / (e^{2u} + 1).
+__device__ float poly_tanh(float u) { return 1.0f - 2.0f / (poly_exp(2.0f * u) + 1.0f); }
+
+// ops.rs `erf` (Abramowitz & Stegun 7.1.26).
+__device__ float poly_erf(float x) {
+    float a = fabsf(x);
+    float t = 1.0f / (1.0f + 0.3275911f * a);
+    float poly = t * (0.2548296f + t * (-0.28449674f + t * (1.4214138f + t * (-1.4531521f + t * 1.0614054f))));
+    float y = 1.0f - poly * poly_exp(-a * a);
+    return copysignf(y, x);
+}
+
+#define SQRT_2_OVER_PI 0.7978846f
+#define INV_SQRT_2 0.70710678118654752440f
+#define INV_SQRT_2PI 0.3989423f
+
+// GELU and its derivative at x: the erf form (ops.rs `gelu_erf_and_grad`), or the tanh form (`gelu_tanh`,
+// `gelu_tanh_grad`) where tanh_form is set.
+__device__ void gelu_and_grad(float x, bool tanh_form, float* y, float* dy) {
+    if (tanh_form) {
+        *y = 0.5f * x * (1.0f + poly_tanh(SQRT_2_OVER_PI * (x + 0.044715f * x * x * x)));
+        float x2 = x * x;
+        float t = poly_tanh(SQRT_2_OVER_PI * x * (1.0f + 0.044715f * x2));
+        *dy = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * SQRT_2_OVER_PI * (1.0f + 3.0f * 0.044715f * x2);
+    } else {
+        float e = poly_erf(x * INV_SQRT_2);
+        *y = 0.5f * x * (1.0f + e);
+        *dy = 0.5f * (1.0f + e) + x * INV_SQRT_2PI * poly_exp(-0.5f * x * x);
+    }
+}
+
+// y = gelu(x) over the n entries (a grid-stride loop).
+extern "C" __global__ void gelu(const float* x, float* y, unsigned n, unsigned tanh_form) {
+    for (unsigned i = blockIdx.x * BLOCK + threadIdx.x; i < n; i += gridDim.x * BLOCK) {
+        float v, d;
+        gelu_and_grad(x[i], tanh_form != 0, &v, &d);
+        y[i] = v;
+    }
+}
+
+// dx = g gelu'(x) over the n entries (a grid-stride loop).
+extern "C" __global__ void gelu_backward(const float* x, const float* g, float* dx, unsigned n,
+                                         unsigned tanh_form) {
+    for (unsigned i = blockIdx.x * BLOCK + threadIdx.x; i < n; i += gridDim.x * BLOCK) {
+        float v, d;
+        gelu_and_grad(x[i], tanh_form != 0, &v, &d);
+        dx[i] = g[i] * d;
+    }
 }

@@ -372,6 +372,32 @@ fn layer_norm_kernels_equal_their_twins() {
     }
 }
 
+/// The GELU op on the GPU gives the CPU engine's floats bit for bit (the same polynomial erf and exp, no
+/// libm), forward and in the gradient, both forms: the op on the GPU against the op on the host.
+#[test]
+fn gelu_kernels_equal_the_cpu_engines_gelu() {
+    use candle_core::{Device, Tensor, Var};
+    use nanodist::flat::Place;
+    let k = Arc::new(kernels());
+    let gpu = Device::Cuda(k.candle_device().unwrap().clone());
+    let on_gpu = Place::Cuda(k.clone());
+    let x: Vec<f32> = values(1 << 20, 9, false).iter().map(|v| 12.0 * v).collect();
+    let g = values(x.len(), 10, false);
+    for tanh_form in [false, true] {
+        let run = |dev: &Device, place: &Place| {
+            let xv = Var::from_vec(x.clone(), x.len(), dev).unwrap();
+            let y = nanodist::model::fused::gelu(&xv, tanh_form, place).unwrap();
+            let up = Tensor::from_vec(g.clone(), g.len(), dev).unwrap();
+            let grads = (&y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let dx = grads.get(&xv).unwrap().to_vec1::<f32>().unwrap();
+            (bits(&y.to_vec1::<f32>().unwrap()), bits(&dx))
+        };
+        let (host, device) = (run(&Device::Cpu, &Place::Host), run(&gpu, &on_gpu));
+        assert_eq!(device.0, host.0, "forward, tanh form {tanh_form}");
+        assert_eq!(device.1, host.1, "gradient, tanh form {tanh_form}");
+    }
+}
+
 #[test]
 fn nccl_engine_at_world_size_one() {
     let mut c = nanodist::comm::nccl::NcclComm::init(0, 1, 0, Duration::from_secs(30), |_| Ok(()))
@@ -918,7 +944,7 @@ fn matmul_pieces(dev: &candle_core::Device) -> Vec<Piece> {
 fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec<Piece> {
     let (b, t, c, h, v) = SHAPES;
     let n = b * t;
-    let (p1, p2, p3) = (place.clone(), place.clone(), place.clone());
+    let [p1, p2, p3, p4] = [0; 4].map(|_| place.clone());
     let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
     let targets = candle_core::Tensor::from_vec(ids, n, dev).unwrap();
     vec![
@@ -930,6 +956,13 @@ fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec
             f: Box::new(move |x| {
                 nanodist::model::fused::causal_softmax(&x[0], 0.125, &p1).unwrap()
             }),
+        },
+        Piece {
+            name: "gelu, erf form (fused)",
+            count: 12,
+            inputs: vec![var(dev, &[n, 4 * c])],
+            work: f32s(n * 4 * c, 2),
+            f: Box::new(move |x| nanodist::model::fused::gelu(&x[0], false, &p4).unwrap()),
         },
         Piece {
             name: "layer norm (fused)",
@@ -974,13 +1007,6 @@ fn composed_pieces(dev: &candle_core::Device) -> Vec<Piece> {
             &[&[n, 4 * c], &[4 * c]],
             f32s(n * 4 * c, 2),
             Box::new(|x| x[0].broadcast_add(&x[1]).unwrap()),
-        ),
-        piece(
-            "gelu (erf)",
-            12,
-            &[&[n, 4 * c]],
-            f32s(n * 4 * c, 2),
-            Box::new(|x| x[0].gelu_erf().unwrap()),
         ),
         piece(
             "qkv split: permute, contiguous",

@@ -10,9 +10,9 @@ Steps, each bounded in time (the whole run stays within --budget; a step that no
   probe        the GPU (nvidia-smi): name, compute capability, driver, memory
   libraries    each library the binaries need, found on this machine; LD_LIBRARY_PATH for the rest;
                both binaries start (every symbol bound)
-  kernels      tests/gpu.rs: each reducer, optimizer and attention kernel against its CPU twin, bit for bit
-               (the attention's softmax within 1e-6: the GPU's expf); the NCCL engine at world size 1; each
-               backend's GPU state against its host path
+  kernels      tests/gpu.rs: each reducer, optimizer and model kernel against its CPU twin, bit for bit (the
+               softmax and cross-entropy within 1e-6 and 2e-6: the GPU's expf and logf); the NCCL engine at
+               world size 1; each backend's GPU state against its host path
   ops          the GPU time of each piece of a GPT-2 small step (batch 12 x 1024, bf16 matmuls) timed alone,
                forward and backward, times its count a step, the largest first, with its rate (TFLOP/s or
                GB/s); and the whole model's loss and backward (tests/gpu.rs `op_times`; needs no ncu)

@@ -1,12 +1,13 @@
-//! Launchers of the model's kernels (kernels/model.cu): the attention's causal softmax, the cross-entropy
-//! and the layer norm, each with its backward; their CPU twins are in `crate::kernels::model`.
+//! Launchers of the model's kernels (kernels/model.cu): the attention's causal softmax, the cross-entropy,
+//! the layer norm and the GELU, each with its backward; their CPU twins are in `crate::kernels::model`
+//! (the GELU's: the CPU engine's own, `crate::model::ops`).
 
 use anyhow::{ensure, Result};
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
 use crate::kernels::{model::LN_ROWS, BLOCK};
 
-use super::{grid, u32_of, Kernels};
+use super::{grid, per_element, u32_of, Kernels};
 
 /// The rows of `len` logits of `v` entries each, one target a row, with v as the kernels take it.
 fn logit_rows(len: usize, v: usize, targets: usize) -> Result<(usize, u32)> {
@@ -250,5 +251,50 @@ impl Kernels {
             );
         }
         Ok(out)
+    }
+    /// GELU of each entry of `x`, the tanh form where `tanh_form` is set, else the erf form (twins:
+    /// `model::ops::gelu_erf_and_grad`, `gelu_tanh`), in a new buffer.
+    pub fn gelu(&self, x: &CudaView<f32>, tanh_form: bool) -> Result<CudaSlice<f32>> {
+        let (n, form) = (u32_of(x.len(), "length")?, u32::from(tanh_form));
+        // SAFETY: uninitialized memory for y, which the kernel's grid-stride loop writes whole.
+        let mut y = unsafe { self.stream.alloc::<f32>(x.len())? };
+        // SAFETY: gelu(x, y, n, tanh_form) in model.cu: its grid-stride loop reads x and writes y below n,
+        // the length of both.
+        unsafe { launch!(self, "gelu", per_element(x.len()), x, &mut y, &n, &form) };
+        Ok(y)
+    }
+
+    /// The gradient at the GELU's input: `g` times the derivative at `x` (twins:
+    /// `model::ops::gelu_erf_and_grad`, `gelu_tanh_grad`), in a new buffer.
+    pub fn gelu_backward(
+        &self,
+        x: &CudaView<f32>,
+        g: &CudaView<f32>,
+        tanh_form: bool,
+    ) -> Result<CudaSlice<f32>> {
+        ensure!(
+            g.len() == x.len(),
+            "internal error: {} gradients for {} GELU inputs",
+            g.len(),
+            x.len()
+        );
+        let (n, form) = (u32_of(x.len(), "length")?, u32::from(tanh_form));
+        // SAFETY: uninitialized memory for dx, which the kernel's grid-stride loop writes whole.
+        let mut dx = unsafe { self.stream.alloc::<f32>(x.len())? };
+        // SAFETY: gelu_backward(x, g, dx, n, tanh_form) in model.cu: its grid-stride loop reads x and g and
+        // writes dx below n, the length of all three (checked above).
+        unsafe {
+            launch!(
+                self,
+                "gelu_backward",
+                per_element(x.len()),
+                x,
+                g,
+                &mut dx,
+                &n,
+                &form
+            )
+        };
+        Ok(dx)
     }
 }

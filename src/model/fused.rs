@@ -1,5 +1,6 @@
 //! The model's fused ops on candle's graph, each with its own backward: the attention's causal softmax
-//! (softmax(s scale) over the keys up to each query), the cross-entropy of the logits, and the layer norm.
+//! (softmax(s scale) over the keys up to each query), the cross-entropy of the logits, the layer norm, and
+//! the GELU (the CPU engine's, `super::ops`, on both devices).
 //! candle's composed forms (scale, add the mask, max, subtract, exp, sum, log, divide, gather, mean, square
 //! root) run a dozen kernels over the (B, heads, T, T) scores, the (B T, vocab) logits and the (B T, C)
 //! activations and keep each intermediate for their backward; each op here runs one kernel forward and one
@@ -71,6 +72,21 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f32, place: &Place) -
     };
     Ok(x.contiguous()?
         .apply_op3(&w.contiguous()?, &b.contiguous()?, op)?)
+}
+
+/// GELU of each entry of the f32 `x`: the tanh form where `tanh_form` is set, else the erf form, as the
+/// CPU engine computes them (`super::ops`); differentiable.
+pub fn gelu(x: &Tensor, tanh_form: bool, place: &Place) -> Result<Tensor> {
+    ensure!(
+        x.dtype() == DType::F32,
+        "internal error: GELU of {:?} values (f32 expected)",
+        x.dtype()
+    );
+    let op = Gelu {
+        tanh_form,
+        place: place.clone(),
+    };
+    Ok(x.contiguous()?.apply_op1(op)?)
 }
 
 struct CausalSoftmax {
@@ -410,6 +426,92 @@ impl CustomOp3 for LayerNormBackward {
     }
 }
 
+/// The GELU (`gelu`), and its backward (x, g) to g gelu'(x).
+#[derive(Clone)]
+struct Gelu {
+    tanh_form: bool,
+    /// Read by the GPU path.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    place: Place,
+}
+
+impl Gelu {
+    /// The function and its derivative at x, as the CPU engine computes them.
+    fn at(&self, x: f32) -> (f32, f32) {
+        if self.tanh_form {
+            (super::ops::gelu_tanh(x), super::ops::gelu_tanh_grad(x))
+        } else {
+            super::ops::gelu_erf_and_grad(x)
+        }
+    }
+}
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "gelu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        use rayon::prelude::*;
+        let y = host(s, l)?.par_iter().map(|&x| self.at(x).0).collect();
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let y = device::kernels(&self.place)?
+            .gelu(&device::view(s, l)?, self.tanh_form)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((device::wrap(y, s), l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(x.apply_op2_no_bwd(&g.contiguous()?, self)?))
+    }
+}
+
+impl CustomOp2 for Gelu {
+    fn name(&self) -> &'static str {
+        "gelu-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use rayon::prelude::*;
+        let (x, g) = (host(x, lx)?, host(g, lg)?);
+        let dx = x
+            .par_iter()
+            .zip(g)
+            .map(|(&x, &g)| g * self.at(x).1)
+            .collect();
+        Ok((CpuStorage::F32(dx), lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (xv, gv) = (device::view(x, lx)?, device::view(g, lg)?);
+        let dx = device::kernels(&self.place)?
+            .gelu_backward(&xv, &gv, self.tanh_form)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((device::wrap(dx, x), lx.shape().clone()))
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod device {
     use candle_core::cuda_backend::CudaDType;
@@ -567,6 +669,92 @@ mod tests {
             assert!(diff(a, e) < tol, "gradient at {what}: {}", diff(a, e));
             let norm: f32 = a.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
             assert!(norm > 1e-3, "a gradient flows to {what} ({norm})");
+        }
+    }
+
+    /// Values over GELU's whole range: both tails (where exp saturates), the middle, and zero.
+    fn gelu_inputs() -> Vec<f32> {
+        let mut x: Vec<f32> = (0..4000).map(|i| (i as f32 - 2000.0) * 0.005).collect();
+        x.extend([0.0, -0.0, 1e-30, -60.0, 60.0, 9.0, -9.0, 3.3e-3]);
+        x
+    }
+
+    /// Both forms of the op follow candle's GELU (erf and tanh forms) forward and in the gradient, to the
+    /// CPU engine's polynomial erf and exp (1e-6).
+    #[test]
+    fn the_gelu_op_follows_candles_gelu_forward_and_backward() {
+        let dev = Device::Cpu;
+        let xs = gelu_inputs();
+        let x = Var::from_vec(xs.clone(), xs.len(), &dev).unwrap();
+        let up = Tensor::randn(0f32, 1.0, xs.len(), &dev).unwrap();
+        for tanh_form in [false, true] {
+            let ours = gelu(&x, tanh_form, &Place::Host).unwrap();
+            let theirs = if tanh_form {
+                x.gelu().unwrap()
+            } else {
+                x.gelu_erf().unwrap()
+            };
+            let d = |a: &Tensor, b: &Tensor| -> f32 {
+                (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar()
+                    .unwrap()
+            };
+            assert!(
+                d(&ours, &theirs) < 1e-6,
+                "forward, tanh {tanh_form}: {}",
+                d(&ours, &theirs)
+            );
+            let grad = |y: &Tensor| (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let (go, gt) = (grad(&ours), grad(&theirs));
+            let (go, gt) = (go.get(&x).unwrap(), gt.get(&x).unwrap());
+            assert!(
+                d(go, gt) < 1e-5,
+                "backward, tanh {tanh_form}: {}",
+                d(go, gt)
+            );
+        }
+    }
+
+    /// The GELU kernels, run on the host with their launcher's grid, give the CPU engine's floats bit for
+    /// bit (`ops`), in both forms.
+    #[test]
+    fn the_gelu_kernels_are_the_cpu_engines_gelu() {
+        use crate::kernels::emulate::{per_element, Arg, Emulator, Source};
+        let Some(e) = Emulator::get(Source::Model) else {
+            return;
+        };
+        let x = gelu_inputs();
+        let g: Vec<f32> = (0..x.len()).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for tanh_form in [false, true] {
+            let op = Gelu {
+                tanh_form,
+                place: Place::Host,
+            };
+            let y: Vec<f32> = x.iter().map(|&v| op.at(v).0).collect();
+            let dx: Vec<f32> = x.iter().zip(&g).map(|(&v, &g)| g * op.at(v).1).collect();
+            let (n, form) = (Arg::U32(x.len() as u32), Arg::U32(tanh_form as u32));
+            let mut args = [
+                Arg::F32s(x.clone()),
+                Arg::F32s(vec![f32::NAN; x.len()]),
+                n.clone(),
+                form.clone(),
+            ];
+            e.launch("gelu", per_element(x.len()), &mut args);
+            assert_eq!(bits(args[1].f32s()), bits(&y), "forward, tanh {tanh_form}");
+            let nan = Arg::F32s(vec![f32::NAN; x.len()]);
+            let mut args = [Arg::F32s(x.clone()), Arg::F32s(g.clone()), nan, n, form];
+            e.launch("gelu_backward", per_element(x.len()), &mut args);
+            assert_eq!(
+                bits(args[2].f32s()),
+                bits(&dx),
+                "backward, tanh {tanh_form}"
+            );
         }
     }
 

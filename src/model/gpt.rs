@@ -5,7 +5,7 @@
 //! matrices are stored as nn.Linear ([out, in], as nanoGPT); checkpoints transpose them to HF's Conv1D
 //! orientation ([in, out]). Every op used here has a backward: candle's fused layer_norm and
 //! softmax_last_dim do not, and a model built on them trains silently wrong; the layer norm, the
-//! attention's causal softmax and the cross-entropy are ops of our own with their backward
+//! attention's causal softmax, the GELU and the cross-entropy are ops of our own with their backward
 //! (`super::fused`), one kernel each way on a GPU (three for the layer norm's backward).
 //!
 //! Training and evaluation on CPU run on the hand-written engine of `cpu` (same function, tested against
@@ -371,10 +371,8 @@ impl Gpt {
 
     fn mlp(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
         let h = self.linear(x, &format!("{prefix}.c_fc"))?;
-        let h = match self.cfg.activation {
-            crate::config::Activation::Gelu => h.gelu_erf()?,
-            crate::config::Activation::GeluTanh => h.gelu()?,
-        };
+        let tanh_form = self.cfg.activation == crate::config::Activation::GeluTanh;
+        let h = super::fused::gelu(&h, tanh_form, &self.place)?;
         self.linear(&h, &format!("{prefix}.c_proj"))
     }
 
