@@ -146,13 +146,34 @@ def selftest(b):
                       f"fake GPU, {missing} missing: exit {p.returncode}, named in the table")
 
 
-def profile_parser(b):
-    """The profile step's reading of ncu's CSV: ncu's own lines before the header, times in mixed units,
-    template arguments kept and parameters dropped from the names, other metrics ignored."""
+def selftest_module(b):
+    """The bundle's selftest.py as a module, for its parts that need no GPU."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("selftest", os.path.join(b, "selftest.py"))
     st = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(st)
+    return st
+
+
+def read_both(parse, lines, other):
+    """`parse` of a file of `lines`, and what it says of a file of `other` lines: "read" or its error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "log")
+        open(path, "w").write("\n".join(lines) + "\n")
+        got = parse(path)
+        open(path, "w").write("\n".join(other) + "\n")
+        try:
+            parse(path)
+            empty = "read"
+        except ValueError as e:
+            empty = str(e)
+    return got, empty
+
+
+def profile_parser(b):
+    """The profile step's reading of ncu's CSV: ncu's own lines before the header, times in mixed units,
+    template arguments kept and parameters dropped from the names, other metrics ignored."""
+    st = selftest_module(b)
     head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",' \
            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
     def row(i, name, metric, unit, value):
@@ -163,16 +184,7 @@ def profile_parser(b):
              row(1, "void gemm<bf16, 128>(const T *, int)", "gpu__time_duration.sum", "msecond", "2.25"),
              row(2, "ucopy_f32", "gpu__time_duration.sum", "nsecond", "500"),
              row(3, "ucopy_f32", "sm__throughput.avg.pct_of_peak_sustained_elapsed", "%", "80")]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "ncu.csv")
-        open(path, "w").write("\n".join(lines) + "\n")
-        got = st.kernel_times(path)
-        open(path, "w").write("==PROF== Disconnected\n")
-        try:
-            st.kernel_times(path)
-            empty = "read"
-        except ValueError as e:
-            empty = str(e)
+    got, empty = read_both(st.kernel_times, lines, ["==PROF== Disconnected"])
     want = {"ucopy_f32": [1.5005, 2], "void gemm<bf16, 128>": [2.25, 1]}
     same = got.keys() == want.keys() and all(abs(got[k][0] - want[k][0]) < 1e-9 and got[k][1] == want[k][1]
                                              for k in want)
@@ -182,22 +194,10 @@ def profile_parser(b):
 def ops_parser(b):
     """The ops step's reading of tests/gpu.rs `op_times`: its op lines among the test harness's own, the rate
     column empty for the whole model; a log without op lines is refused."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("selftest", os.path.join(b, "selftest.py"))
-    st = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(st)
+    st = selftest_module(b)
     lines = ["running 1 test", "op\tmatmul bf16: mlp up\t12\t0.250\t0.500\t512 TFLOP/s",
              "op\twhole model: loss and its backward\t1\t30.000\t60.000\t", "test op_times ... ok"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "ops.log")
-        open(path, "w").write("\n".join(lines) + "\n")
-        got = st.op_times(path)
-        open(path, "w").write("running 1 test\n")
-        try:
-            st.op_times(path)
-            empty = "read"
-        except ValueError as e:
-            empty = str(e)
+    got, empty = read_both(st.op_times, lines, ["running 1 test"])
     want = [("matmul bf16: mlp up", 12, 0.25, 0.5, "512 TFLOP/s"), ("whole model: loss and its backward", 1, 30.0, 60.0, "")]
     check(got == want and "no op times" in empty, f"ops: op_times read as {got}; a log without them: {empty}")
 

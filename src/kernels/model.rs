@@ -16,14 +16,7 @@ fn block_sum(n: usize, term: impl Fn(usize) -> f32) -> f32 {
     for (lane, s) in sh.iter_mut().enumerate().take(n) {
         *s = (lane..n).step_by(BLOCK).fold(0.0, |a, j| a + term(j));
     }
-    let mut k = BLOCK / 2;
-    while k > 0 {
-        for lane in 0..k {
-            sh[lane] += sh[lane + k];
-        }
-        k /= 2;
-    }
-    sh[0]
+    super::block_sum(&mut sh)
 }
 
 /// Checks that `len` values are whole (.., t, t) rows.
