@@ -1,0 +1,163 @@
+//! The model's fused ops on candle's graph, each with its own backward: the attention's causal softmax
+//! (softmax(s scale) over the keys up to each query), the cross-entropy of the logits, the layer norm, and
+//! the GELU (the CPU engine's, `super::ops`, on both devices). candle's composed forms (scale, add the
+//! mask, max, subtract, exp, sum, log, divide, gather, mean, square root, erf) run up to a dozen kernels
+//! each over the (B, heads, T, T) scores, the (B T, vocab) logits and the activations, and keep each
+//! intermediate for their backward; each op here runs one kernel forward and one to three backward and
+//! keeps only its inputs or output. On the CPU they run the kernels' twins (`crate::kernels::model`; the
+//! GELU's are `super::ops`), on a GPU the kernels of kernels/model.cu. One file an op, each with its
+//! backward op.
+
+use anyhow::{ensure, Result};
+use candle_core::{CpuStorage, DType, Layout, Tensor};
+
+use crate::flat::Place;
+use crate::kernels::model as twin;
+
+mod gelu;
+mod loss;
+mod norm;
+mod softmax;
+#[cfg(test)]
+mod tests;
+
+use gelu::Gelu;
+use loss::CrossEntropy;
+use norm::LayerNorm;
+use softmax::CausalSoftmax;
+
+/// softmax(scores scale) over the last dim with the keys after each query masked (weight 0), for
+/// `scores` of shape (.., T, T) in f32; differentiable. `place` holds the kernels of the scores' GPU.
+pub fn causal_softmax(scores: &Tensor, scale: f32, place: &Place) -> Result<Tensor> {
+    let dims = scores.dims();
+    ensure!(
+        dims.len() >= 2
+            && dims[dims.len() - 1] == dims[dims.len() - 2]
+            && scores.dtype() == DType::F32,
+        "internal error: causal softmax of {:?} {:?} scores (f32 (.., T, T) expected)",
+        scores.dtype(),
+        dims
+    );
+    let op = CausalSoftmax {
+        t: dims[dims.len() - 1],
+        scale,
+        place: place.clone(),
+    };
+    Ok(scores.contiguous()?.apply_op1(op)?)
+}
+
+/// Each row's cross-entropy, -log softmax(logits)_target, of the (rows, vocab) f32 `logits` with the u32
+/// `targets` (rows); NaN where a target is not below vocab; differentiable in the logits.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, place: &Place) -> Result<Tensor> {
+    let (rows, v) = logits.dims2()?;
+    ensure!(
+        logits.dtype() == DType::F32 && targets.dtype() == DType::U32 && targets.dims() == [rows],
+        "internal error: cross-entropy of {:?} {:?} logits with {:?} {:?} targets ((rows, vocab) f32 and \
+         (rows) u32 expected)",
+        logits.dtype(),
+        logits.dims(),
+        targets.dtype(),
+        targets.dims()
+    );
+    let op = CrossEntropy {
+        v,
+        place: place.clone(),
+    };
+    Ok(logits.contiguous()?.apply_op2(&targets.contiguous()?, op)?)
+}
+
+/// The layer norm of each row of `x` (.., c) with gain `w` and bias `b` (c each), all f32:
+/// (x - mean) / sqrt(var + eps) w + b; differentiable in all three.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f32, place: &Place) -> Result<Tensor> {
+    let c = x.dims().last().copied().unwrap_or(0);
+    let f32s = [x, w, b].iter().all(|t| t.dtype() == DType::F32);
+    ensure!(
+        c > 0 && f32s && w.dims() == [c] && b.dims() == [c],
+        "internal error: layer norm of {:?} with gain {:?} and bias {:?} (f32, (.., c), (c) and (c) expected)",
+        x.dims(),
+        w.dims(),
+        b.dims()
+    );
+    let op = LayerNorm {
+        c,
+        eps,
+        place: place.clone(),
+    };
+    Ok(x.contiguous()?
+        .apply_op3(&w.contiguous()?, &b.contiguous()?, op)?)
+}
+
+/// GELU of each entry of the f32 `x`: the tanh form where `tanh_form` is set, else the erf form, as the
+/// CPU engine computes them (`super::ops`); differentiable.
+pub fn gelu(x: &Tensor, tanh_form: bool, place: &Place) -> Result<Tensor> {
+    ensure!(
+        x.dtype() == DType::F32,
+        "internal error: GELU of {:?} values (f32 expected)",
+        x.dtype()
+    );
+    let op = Gelu {
+        tanh_form,
+        place: place.clone(),
+    };
+    Ok(x.contiguous()?.apply_op1(op)?)
+}
+
+/// The part of `v` a contiguous layout covers.
+fn contiguous<'a, T>(v: &'a [T], l: &Layout) -> candle_core::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&v[a..b]),
+        None => candle_core::bail!("internal error: the fused ops take contiguous tensors"),
+    }
+}
+
+/// The f32 values of a contiguous host tensor.
+fn host<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(v) = s else {
+        candle_core::bail!("internal error: the fused ops compute in f32");
+    };
+    contiguous(v, l)
+}
+
+/// The u32 values (targets) of a contiguous host tensor.
+fn host_u32<'a>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [u32]> {
+    let CpuStorage::U32(v) = s else {
+        candle_core::bail!("internal error: the cross-entropy's targets are u32");
+    };
+    contiguous(v, l)
+}
+
+#[cfg(feature = "cuda")]
+pub(super) mod device {
+    use candle_core::cuda_backend::CudaDType;
+    use candle_core::{CudaStorage, Layout};
+    use cudarc::driver::{CudaSlice, CudaView};
+
+    use crate::cuda::Kernels;
+    use crate::flat::Place;
+
+    /// The kernels of the GPU the op's tensors are on.
+    pub fn kernels(place: &Place) -> candle_core::Result<&Kernels> {
+        match place {
+            Place::Cuda(k) => Ok(k),
+            Place::Host => candle_core::bail!(
+                "internal error: a fused op on the GPU from a model placed on the host"
+            ),
+        }
+    }
+
+    /// The values of a contiguous GPU tensor.
+    pub fn view<'a, T: CudaDType>(
+        s: &'a CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<CudaView<'a, T>> {
+        match l.contiguous_offsets() {
+            Some((a, b)) => Ok(s.as_cuda_slice::<T>()?.slice(a..b)),
+            None => candle_core::bail!("internal error: the fused ops take contiguous tensors"),
+        }
+    }
+
+    /// `buf` as a tensor's storage on the device of `like`.
+    pub fn wrap(buf: CudaSlice<f32>, like: &CudaStorage) -> CudaStorage {
+        CudaStorage::wrap_cuda_slice(buf, like.device.clone())
+    }
+}

@@ -1,0 +1,233 @@
+//! The fused ops against candle's composed forms, and the GELU kernels against the CPU engine's GELU.
+
+use super::gelu::Gelu;
+use super::*;
+use candle_core::{Device, Var, D};
+
+/// candle's composed form: scale, add the causal mask, softmax.
+fn composed(s: &Tensor, scale: f64) -> Tensor {
+    let t = s.dim(D::Minus1).unwrap();
+    let mask: Vec<f32> = (0..t * t)
+        .map(|k| {
+            if k % t > k / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), s.device()).unwrap();
+    candle_nn::ops::softmax(
+        &(s * scale).unwrap().broadcast_add(&mask).unwrap(),
+        D::Minus1,
+    )
+    .unwrap()
+}
+
+/// The op and candle's composed softmax agree, forward and in the gradient of a weighted sum of the
+/// output (to f32 rounding: their sums add in different orders), on a non-contiguous input.
+#[test]
+fn the_op_is_candles_composed_masked_softmax_forward_and_backward() {
+    let (b, h, t, scale) = (2, 3, 45, 0.125);
+    let dev = Device::Cpu;
+    let s = Var::from_tensor(&(Tensor::randn(0f32, 3.0, (b, h, t, t), &dev).unwrap())).unwrap();
+    let w = Tensor::randn(0f32, 1.0, (b, h, t, t), &dev).unwrap();
+    let st = s.as_tensor().transpose(2, 3).unwrap();
+    let ours = causal_softmax(&st, scale as f32, &Place::Host).unwrap();
+    let theirs = composed(&st, scale);
+    let diff = |a: &Tensor, b: &Tensor| -> f32 {
+        let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
+        d.max(0).unwrap().to_scalar().unwrap()
+    };
+    assert!(
+        diff(&ours, &theirs) < 1e-6,
+        "forward: {}",
+        diff(&ours, &theirs)
+    );
+    let grad = |y: &Tensor| (y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let (go, gt) = (grad(&ours), grad(&theirs));
+    let (go, gt) = (go.get(&s).unwrap(), gt.get(&s).unwrap());
+    assert!(diff(go, gt) < 1e-6, "backward: {}", diff(go, gt));
+    let zero = (go.abs().unwrap().sum_all().unwrap())
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(zero > 0.1, "a gradient flows ({zero})");
+}
+
+/// The op's mean and candle's cross-entropy (log-softmax, gather, mean) agree in the loss and its
+/// gradient (to f32 rounding), on non-contiguous logits.
+#[test]
+fn the_op_is_candles_cross_entropy_forward_and_backward() {
+    let (rows, v) = (37, 301);
+    let dev = Device::Cpu;
+    let x = Var::from_tensor(&Tensor::randn(0f32, 4.0, (v, rows), &dev).unwrap()).unwrap();
+    let y: Vec<u32> = (0..rows as u32).map(|r| r * 131 % v as u32).collect();
+    let y = Tensor::from_vec(y, rows, &dev).unwrap();
+    let xt = x.as_tensor().t().unwrap();
+    let ours = cross_entropy(&xt, &y, &Place::Host)
+        .unwrap()
+        .mean_all()
+        .unwrap();
+    let theirs = candle_nn::loss::cross_entropy(&xt, &y).unwrap();
+    let (a, b) = (
+        ours.to_scalar::<f32>().unwrap(),
+        theirs.to_scalar::<f32>().unwrap(),
+    );
+    assert!((a - b).abs() < 1e-5 * b.abs(), "loss: {a} vs {b}");
+    let (go, gt) = (ours.backward().unwrap(), theirs.backward().unwrap());
+    let (go, gt) = (go.get(&x).unwrap(), gt.get(&x).unwrap());
+    let d = (go - gt).unwrap().abs().unwrap().flatten_all().unwrap();
+    let d: f32 = d.max(0).unwrap().to_scalar().unwrap();
+    assert!(d < 1e-7, "gradient: {d}");
+    let norm: f32 = go.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
+    assert!(norm > 1e-3, "a gradient flows ({norm})");
+}
+
+/// The op and candle's composed layer norm (as the model built it before) agree, forward and in the
+/// gradients at x, w and b (to f32 rounding), on a non-contiguous input of more rows than a block of
+/// the column sums.
+#[test]
+fn the_op_is_candles_composed_layer_norm_forward_and_backward() {
+    let (rows, c) = (130, 40);
+    let dev = Device::Cpu;
+    let randn = |shape: &[usize], s: f32| {
+        Var::from_tensor(&Tensor::randn(0f32, s, shape, &dev).unwrap()).unwrap()
+    };
+    let (x, w, b) = (randn(&[c, rows], 2.0), randn(&[c], 1.0), randn(&[c], 1.0));
+    let up = Tensor::randn(0f32, 1.0, (rows, c), &dev).unwrap();
+    let xt = x.as_tensor().t().unwrap();
+    let ours = layer_norm(&xt, &w, &b, 1e-5, &Place::Host).unwrap();
+    let mean = xt.mean_keepdim(D::Minus1).unwrap();
+    let xc = xt.broadcast_sub(&mean).unwrap();
+    let var = xc.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    let xn = xc
+        .broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap())
+        .unwrap();
+    let theirs = xn.broadcast_mul(&w).unwrap().broadcast_add(&b).unwrap();
+    let diff = |a: &Tensor, b: &Tensor| -> f32 {
+        let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
+        d.max(0).unwrap().to_scalar().unwrap()
+    };
+    assert!(
+        diff(&ours, &theirs) < 1e-5,
+        "forward: {}",
+        diff(&ours, &theirs)
+    );
+    let grad = |y: &Tensor| (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+    let (go, gt) = (grad(&ours), grad(&theirs));
+    for (v, what, tol) in [(&x, "x", 1e-5), (&w, "w", 1e-4), (&b, "b", 1e-4)] {
+        let (a, e) = (go.get(v).unwrap(), gt.get(v).unwrap());
+        assert!(diff(a, e) < tol, "gradient at {what}: {}", diff(a, e));
+        let norm: f32 = a.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
+        assert!(norm > 1e-3, "a gradient flows to {what} ({norm})");
+    }
+}
+
+/// Values over GELU's whole range: both tails (where exp saturates), the middle, and zero.
+fn gelu_inputs() -> Vec<f32> {
+    let mut x: Vec<f32> = (0..4000).map(|i| (i as f32 - 2000.0) * 0.005).collect();
+    x.extend([0.0, -0.0, 1e-30, -60.0, 60.0, 9.0, -9.0, 3.3e-3]);
+    x
+}
+
+/// Both forms of the op follow candle's GELU (erf and tanh forms) forward and in the gradient, to the
+/// CPU engine's polynomial erf and exp (1e-6).
+#[test]
+fn the_gelu_op_follows_candles_gelu_forward_and_backward() {
+    let dev = Device::Cpu;
+    let xs = gelu_inputs();
+    let x = Var::from_vec(xs.clone(), xs.len(), &dev).unwrap();
+    let up = Tensor::randn(0f32, 1.0, xs.len(), &dev).unwrap();
+    for tanh_form in [false, true] {
+        let ours = gelu(&x, tanh_form, &Place::Host).unwrap();
+        let theirs = if tanh_form {
+            x.gelu().unwrap()
+        } else {
+            x.gelu_erf().unwrap()
+        };
+        let d = |a: &Tensor, b: &Tensor| -> f32 {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap()
+        };
+        assert!(
+            d(&ours, &theirs) < 1e-6,
+            "forward, tanh {tanh_form}: {}",
+            d(&ours, &theirs)
+        );
+        let grad = |y: &Tensor| (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let (go, gt) = (grad(&ours), grad(&theirs));
+        let (go, gt) = (go.get(&x).unwrap(), gt.get(&x).unwrap());
+        assert!(
+            d(go, gt) < 1e-5,
+            "backward, tanh {tanh_form}: {}",
+            d(go, gt)
+        );
+    }
+}
+
+/// The GELU kernels, run on the host with their launcher's grid, give the CPU engine's floats bit for
+/// bit (`ops`), in both forms.
+#[test]
+fn the_gelu_kernels_are_the_cpu_engines_gelu() {
+    use crate::kernels::emulate::{per_element, Arg, Emulator, Source};
+    let Some(e) = Emulator::get(Source::Model) else {
+        return;
+    };
+    let x = gelu_inputs();
+    let g: Vec<f32> = (0..x.len()).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for tanh_form in [false, true] {
+        let op = Gelu {
+            tanh_form,
+            place: Place::Host,
+        };
+        let y: Vec<f32> = x.iter().map(|&v| op.at(v).0).collect();
+        let dx: Vec<f32> = x.iter().zip(&g).map(|(&v, &g)| g * op.at(v).1).collect();
+        let (n, form) = (Arg::U32(x.len() as u32), Arg::U32(tanh_form as u32));
+        let mut args = [
+            Arg::F32s(x.clone()),
+            Arg::F32s(vec![f32::NAN; x.len()]),
+            n.clone(),
+            form.clone(),
+        ];
+        e.launch("gelu", per_element(x.len()), &mut args);
+        assert_eq!(bits(args[1].f32s()), bits(&y), "forward, tanh {tanh_form}");
+        let nan = Arg::F32s(vec![f32::NAN; x.len()]);
+        let mut args = [Arg::F32s(x.clone()), Arg::F32s(g.clone()), nan, n, form];
+        e.launch("gelu_backward", per_element(x.len()), &mut args);
+        assert_eq!(
+            bits(args[2].f32s()),
+            bits(&dx),
+            "backward, tanh {tanh_form}"
+        );
+    }
+}
+
+/// Scores that are not (.., T, T) f32, logits and targets of other shapes or types, and a gain and
+/// bias that do not fit the rows, are refused with an error, not a panic.
+#[test]
+fn other_shapes_are_refused() {
+    let dev = Device::Cpu;
+    for s in [
+        Tensor::zeros((2, 3), DType::F32, &dev).unwrap(),
+        Tensor::zeros(4, DType::F32, &dev).unwrap(),
+        Tensor::zeros((3, 3), DType::BF16, &dev).unwrap(),
+    ] {
+        assert!(causal_softmax(&s, 1.0, &Place::Host).is_err());
+    }
+    let y = Tensor::zeros(2, DType::U32, &dev).unwrap();
+    let logits = Tensor::zeros((2, 5), DType::F32, &dev).unwrap();
+    assert!(cross_entropy(&logits, &y, &Place::Host).is_ok());
+    assert!(cross_entropy(&logits, &y.to_dtype(DType::F32).unwrap(), &Place::Host).is_err());
+    assert!(cross_entropy(&logits.t().unwrap(), &y, &Place::Host).is_err());
+    let w = Tensor::zeros(5, DType::F32, &dev).unwrap();
+    assert!(layer_norm(&logits, &w, &w, 1e-5, &Place::Host).is_ok());
+    assert!(layer_norm(&logits, &w.narrow(0, 0, 4).unwrap(), &w, 1e-5, &Place::Host).is_err());
+    assert!(layer_norm(&logits.t().unwrap(), &w, &w, 1e-5, &Place::Host).is_err());
+}
