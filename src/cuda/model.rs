@@ -62,6 +62,9 @@ impl Kernels {
     ) -> Result<CudaSlice<f32>> {
         let rows = rows(s.len(), t)?;
         let t32 = u32_of(t, "sequence length")?;
+        if rows == 0 {
+            return Ok(self.stream.alloc_zeros::<f32>(0)?); // a grid has at least one block
+        }
         // SAFETY: uninitialized memory for y, which the kernel writes whole: block b writes row b's t
         // entries (the kept ones and the masked zeros) of the rows = s.len() / t the grid has.
         let mut y = unsafe { self.stream.alloc::<f32>(s.len())? };
@@ -88,6 +91,9 @@ impl Kernels {
         );
         let rows = rows(y.len(), t)?;
         let t32 = u32_of(t, "sequence length")?;
+        if rows == 0 {
+            return Ok(self.stream.alloc_zeros::<f32>(0)?);
+        }
         // SAFETY: uninitialized memory for dx, which the kernel writes whole (block b: row b's t entries).
         let mut dx = unsafe { self.stream.alloc::<f32>(y.len())? };
         // SAFETY: causal_softmax_backward(y, g, dx, t, scale) in model.cu: block b reads row b of y
@@ -116,6 +122,9 @@ impl Kernels {
         v: usize,
     ) -> Result<CudaSlice<f32>> {
         let (rows, v32) = logit_rows(x.len(), v, y.len())?;
+        if rows == 0 {
+            return Ok(self.stream.alloc_zeros::<f32>(0)?); // a grid has at least one block
+        }
         // SAFETY: uninitialized memory for the losses, which the kernel writes whole (block b: loss b).
         let mut loss = unsafe { self.stream.alloc::<f32>(rows)? };
         // SAFETY: cross_entropy(x, y, loss, v) in model.cu: block b reads row b of x (rows x v, checked),
@@ -139,6 +148,9 @@ impl Kernels {
             "internal error: {} loss gradients for {rows} rows",
             g.len()
         );
+        if rows == 0 {
+            return Ok(self.stream.alloc_zeros::<f32>(0)?);
+        }
         // SAFETY: uninitialized memory for dx, which the kernel writes whole (block b: row b's v entries).
         let mut dx = unsafe { self.stream.alloc::<f32>(x.len())? };
         // SAFETY: cross_entropy_backward(x, y, g, dx, v) in model.cu: block b reads row b of x, y[b] and
@@ -168,6 +180,9 @@ impl Kernels {
         eps: f32,
     ) -> Result<CudaSlice<f32>> {
         let (rows, c32) = norm_rows(x.len(), c, &[w.len(), b.len()])?;
+        if rows == 0 {
+            return Ok(self.stream.alloc_zeros::<f32>(0)?); // a grid has at least one block
+        }
         // SAFETY: uninitialized memory for y, which the kernel writes whole (block r: row r's c entries).
         let mut y = unsafe { self.stream.alloc::<f32>(x.len())? };
         // SAFETY: layer_norm(x, w, b, y, c, eps) in model.cu: block r reads row r of x and w, b (c each,
@@ -191,6 +206,9 @@ impl Kernels {
             g.len(),
             x.len()
         );
+        if rows == 0 {
+            return Ok(self.stream.alloc_zeros::<f32>(2 * c)?); // no rows: dw and db are 0
+        }
         let blocks = rows.div_ceil(LN_ROWS);
         let (rows32, blocks32) = (u32_of(rows, "rows")?, u32_of(blocks, "row blocks")?);
         let columns = c.div_ceil(BLOCK);
