@@ -95,7 +95,10 @@ impl Channels {
     }
 
     /// Adds the members' messages (`msg(position in the group)`) to the channel of `round`, then the
-    /// consensus step x += gamma (s - x_hat).
+    /// consensus step x += gamma (s - x_hat). The dense formats take each span of every member's message
+    /// in step and update x_hat, s and x there while it is in the core's caches: one pass over the three,
+    /// with each entry's operations in the order of a pass per member and then the step's (the same
+    /// bits). The sparse formats add each message's entries, then step over the whole.
     pub(super) fn absorb<'m>(
         &mut self,
         codec: &Codec,
@@ -106,31 +109,28 @@ impl Channels {
         gamma: f32,
     ) {
         let rank = self.rank;
-        self.step_in(round, x, gamma, |ch, hat, memory| {
-            for (pos, &j) in ch.ranks.iter().enumerate() {
-                let (mine, w) = if j == rank {
-                    (true, ch.own)
-                } else {
-                    (false, ch.other)
-                };
-                if codec.sparse() {
-                    for (t, &(off, _)) in codec.tensors.iter().enumerate() {
-                        let (idx, vals) = codec.sparse_part(msg(pos), step, j, t);
-                        let hat = mine.then_some(&mut *hat);
-                        kernels::choco_absorb(hat, memory, &idx, vals, off, w);
+        self.step_in(round, |ch, hat, memory| {
+            let weight = |j: usize| if j == rank { ch.own } else { ch.other };
+            if !codec.sparse() {
+                let msgs: Vec<&[f32]> = (0..ch.ranks.len()).map(&msg).collect();
+                codec.decode_dense_spans(&msgs, |at, qs| {
+                    let span = at..at + qs[0].len();
+                    let (h, m) = (&mut hat[span.clone()], &mut memory[span.clone()]);
+                    for (&j, q) in ch.ranks.iter().zip(qs) {
+                        super::absorb_span((j == rank).then_some(&mut *h), m, q, weight(j));
                     }
-                } else if mine {
-                    codec.decode_spans(msg(pos), step, j, |at, q| {
-                        let span = at..at + q.len();
-                        let (h, m) = (&mut hat[span.clone()], &mut memory[span]);
-                        super::absorb_span(Some(h), m, q, w);
-                    });
-                } else {
-                    codec.decode_spans(msg(pos), step, j, |at, q| {
-                        super::absorb_span(None, &mut memory[at..at + q.len()], q, w);
-                    });
+                    kernels::choco_step(&mut x[span], m, h, gamma);
+                });
+                return;
+            }
+            for (pos, &j) in ch.ranks.iter().enumerate() {
+                for (t, &(off, _)) in codec.tensors.iter().enumerate() {
+                    let (idx, vals) = codec.sparse_part(msg(pos), step, j, t);
+                    let hat = (j == rank).then_some(&mut *hat);
+                    kernels::choco_absorb(hat, memory, &idx, vals, off, weight(j));
                 }
             }
+            kernels::choco_step(x, memory, hat, gamma);
         });
     }
 
@@ -145,24 +145,19 @@ impl Channels {
         x: &mut [f32],
         gamma: f32,
     ) {
-        self.step_in(round, x, gamma, |ch, hat, memory| {
+        self.step_in(round, |ch, hat, memory| {
             let (other, own) = (ch.other, ch.own - ch.other);
             for (((m, h), &s), &q) in memory.iter_mut().zip(hat.iter_mut()).zip(sum).zip(q) {
                 *m += other * s + own * q;
                 *h += q;
             }
+            kernels::choco_step(x, memory, hat, gamma);
         });
     }
 
     /// With the channel of `round` (none: alone, nothing to do): `add` updates its public copy and
-    /// memory on the host, then the consensus step x += gamma (s - x_hat).
-    fn step_in(
-        &mut self,
-        round: usize,
-        x: &mut [f32],
-        gamma: f32,
-        add: impl FnOnce(&Channel, &mut [f32], &mut [f32]),
-    ) {
+    /// memory on the host and takes the consensus step x += gamma (s - x_hat).
+    fn step_in(&mut self, round: usize, add: impl FnOnce(&Channel, &mut [f32], &mut [f32])) {
         let Some(c) = self.of_round[round] else {
             return;
         };
@@ -172,7 +167,6 @@ impl Channels {
             ch.memory.take_host(self.numel),
         );
         add(ch, &mut hat, &mut memory);
-        kernels::choco_step(x, &memory, &hat, gamma);
         ch.hat.keep_host(hat);
         ch.memory.keep_host(memory);
     }

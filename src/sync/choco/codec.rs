@@ -262,10 +262,7 @@ impl Codec {
         sender: usize,
         mut f: impl FnMut(usize, &[f32]),
     ) {
-        // Dense spans of whole sign words, no longer than the longest tensor needs.
-        let longest = self.tensors.iter().map(|&(_, len)| len).max().unwrap_or(0);
-        let mut buf = vec![0.0f32; longest.next_multiple_of(32).clamp(32, SPAN)];
-        for (t, &(off, len)) in self.tensors.iter().enumerate() {
+        for (t, &(off, _)) in self.tensors.iter().enumerate() {
             let part = &msg[self.parts[t]..self.parts[t + 1]];
             match self.compressor {
                 Compressor::TopK { .. } => {
@@ -280,21 +277,70 @@ impl Codec {
                         f(off + i, std::slice::from_ref(v));
                     }
                 }
-                Compressor::Qsgd {
-                    levels,
-                    biased,
-                    bucket,
-                } => qsgd_spans(part, len, (levels, biased, bucket), &mut buf, |at, q| {
-                    f(off + at, q)
-                }),
-                Compressor::Sign => {
-                    let span = buf.len();
-                    for (s, words) in (0..len).step_by(span).zip(part[1..].chunks(span / 32)) {
-                        let q = &mut buf[..span.min(len - s)];
-                        sign_values(words, part[0], q);
-                        f(off + s, q);
-                    }
+                Compressor::Qsgd { .. } | Compressor::Sign => {}
+            }
+        }
+        if !self.sparse() {
+            self.decode_dense_spans(&[msg], |at, qs| f(at, qs[0]));
+        }
+    }
+
+    /// The dense formats' spans (QSGD, sign) of several messages in step: `f(at, qs)` with each message's
+    /// values of the same span, in the order of `msgs`, so that a caller updates each span from all of
+    /// them while it is in the core's caches. Spans of whole sign words, no longer than the longest tensor
+    /// needs; nothing for the sparse formats.
+    pub fn decode_dense_spans(&self, msgs: &[&[f32]], mut f: impl FnMut(usize, &[&[f32]])) {
+        if self.sparse() {
+            return;
+        }
+        let longest = self.tensors.iter().map(|&(_, len)| len).max().unwrap_or(0);
+        let span = longest.next_multiple_of(32).clamp(32, SPAN);
+        let mut bufs = vec![0.0f32; msgs.len().max(1) * span];
+        let mut codes = vec![0u32; span];
+        for (t, &(off, len)) in self.tensors.iter().enumerate() {
+            for s in (0..len).step_by(span) {
+                let n = span.min(len - s);
+                for (m, buf) in msgs.iter().zip(bufs.chunks_mut(span)) {
+                    let part = &m[self.parts[t]..self.parts[t + 1]];
+                    self.dense_span(part, len, s, &mut codes, &mut buf[..n]);
                 }
+                let qs: Vec<&[f32]> = bufs
+                    .chunks(span)
+                    .take(msgs.len())
+                    .map(|b| &b[..n])
+                    .collect();
+                f(off + s, &qs);
+            }
+        }
+    }
+
+    /// Entries s..s + out.len() of a tensor of `len` entries, from its part of a dense message: QSGD's
+    /// codes read from bit s x bits on (`codes` their scratch), each bucket's piece turned into values
+    /// in a loop that vectorizes; sign's from word s / 32 on (s a whole number of words).
+    fn dense_span(&self, part: &[f32], len: usize, s: usize, codes: &mut [u32], out: &mut [f32]) {
+        match self.compressor {
+            Compressor::Qsgd {
+                levels,
+                biased,
+                bucket,
+            } => {
+                let (b, bits) = (bucket_len(len, bucket), qsgd_bits(levels));
+                let (norms, packed) = part.split_at(len.div_ceil(b));
+                let mut reader = BitReader::at(packed, s as u64 * bits as u64);
+                let (mut at, end) = (s, s + out.len());
+                while at < end {
+                    let k = at / b;
+                    let (upto, size) = (((k + 1) * b).min(end), b.min(len - k * b));
+                    let unit = norms[k] / levels as f32 / qsgd_tau(levels, size, biased);
+                    let c = &mut codes[..upto - at];
+                    reader.get_all(bits, c);
+                    qsgd_values(c, unit, bits, &mut out[at - s..upto - s]);
+                    at = upto;
+                }
+            }
+            Compressor::Sign => sign_values(&part[1 + s / 32..], part[0], out),
+            Compressor::TopK { .. } | Compressor::RandomK { .. } => {
+                unreachable!("a sparse message has no dense spans")
             }
         }
     }
@@ -368,41 +414,6 @@ pub(super) fn below_of(word: u64, bits: u32, range: u64) -> Option<u64> {
 
 /// Entries of a dense format's span in `Codec::decode_spans` (a whole number of sign words).
 pub const SPAN: usize = 4096;
-
-/// One tensor's QSGD part decoded into `buf` a span (its length) at a time: `f(at, q)`, `at` within the
-/// tensor. Each piece of a bucket is unpacked into codes, then turned into values in a loop that
-/// vectorizes.
-fn qsgd_spans(
-    part: &[f32],
-    len: usize,
-    (levels, biased, bucket): (u32, bool, usize),
-    buf: &mut [f32],
-    mut f: impl FnMut(usize, &[f32]),
-) {
-    let ranges = buckets(len, bucket);
-    let (norms, codes) = part.split_at(ranges.len());
-    let (bits, mut reader) = (qsgd_bits(levels), BitReader::new(codes));
-    let mut unpacked = vec![0u32; buf.len()];
-    let (mut start, mut filled) = (0, 0);
-    for (norm, range) in norms.iter().zip(ranges) {
-        let unit = norm / levels as f32 / qsgd_tau(levels, range.len(), biased);
-        let mut left = range.len();
-        while left > 0 {
-            let n = left.min(buf.len() - filled);
-            let c = &mut unpacked[..n];
-            reader.get_all(bits, c);
-            qsgd_values(c, unit, bits, &mut buf[filled..filled + n]);
-            (filled, left) = (filled + n, left - n);
-            if filled == buf.len() {
-                f(start, buf);
-                (start, filled) = (start + filled, 0);
-            }
-        }
-    }
-    if filled > 0 {
-        f(start, &buf[..filled]);
-    }
-}
 
 /// QSGD's values from their codes: unit times the level, negated where the sign bit is set (a flip of
 /// the sign bit, which is what negation is).

@@ -696,6 +696,71 @@ fn absorbing_a_span_adds_as_the_plain_loop_does() {
     }
 }
 
+/// A channel absorbs the dense formats' messages span by span, all members' at once with the consensus
+/// step, and leaves x, the public copy and the memory as a pass per member over the whole model and then
+/// the step's pass do, bit for bit: groups of 2 (exp) and of 8 (complete), the rank first, inside and
+/// last in its group, tensors and QSGD buckets that straddle the spans, the channel's second meeting.
+#[test]
+fn dense_channels_absorb_as_a_pass_per_member_then_the_step() {
+    let tensors = span_shapes();
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+    let qsgd = |levels, bucket| Compressor::Qsgd {
+        levels,
+        biased: true,
+        bucket,
+    };
+    let topos = [Topology::Exp, Topology::Complete];
+    for (topo, c) in topos
+        .into_iter()
+        .flat_map(|t| [qsgd(15, 512), qsgd(7, 100), qsgd(3, 0), Compressor::Sign].map(|c| (t, c)))
+    {
+        let rounds = topology::rounds(topo, 8, 8).unwrap();
+        let codec = Codec::new(c, &tensors, 9);
+        for rank in [0, 3, 7] {
+            let mut channels = Channels::new(&rounds, rank, n).unwrap();
+            let mut x = random_vectors(1, n, rank as u64).remove(0);
+            let (mut want_x, mut h, mut m) = (x.clone(), vec![0.0f32; n], vec![0.0f32; n]);
+            // Round 0 twice: the second time its channel holds the first's public copy and memory.
+            for step in [0, rounds.len() as u64] {
+                let round = 0;
+                let ch = &channels.list[channels.of_round[round].unwrap()];
+                let (ranks, own, other) = (ch.ranks.clone(), ch.own, ch.other);
+                let v = random_vectors(2 * ranks.len(), n, 40 + step);
+                let msgs: Vec<Vec<f32>> = (0..ranks.len())
+                    .map(|p| {
+                        let mut msg = Vec::new();
+                        codec.encode(&v[2 * p], &v[2 * p + 1], step, ranks[p], &mut msg);
+                        msg
+                    })
+                    .collect();
+                channels.absorb(&codec, round, step, |p| &msgs[p], &mut x, 0.3);
+                for (msg, &j) in msgs.iter().zip(&ranks) {
+                    let w = if j == rank { own } else { other };
+                    codec.decode(msg, step, j, |i, q| {
+                        if j == rank {
+                            h[i] += q;
+                        }
+                        m[i] += w * q;
+                    });
+                }
+                kernels::choco_step(&mut want_x, &m, &h, 0.3);
+                let case = format!("{topo:?} {c:?} rank {rank} step {step}");
+                assert_eq!(bits(&x), bits(&want_x), "{case}: x");
+                let state = channels.state().unwrap();
+                let c = channels.of_round[round].unwrap();
+                let of = |name: String| state.iter().find(|(k, _)| *k == name).unwrap().1.clone();
+                assert_eq!(bits(&of(format!("choco.hat.{c}"))), bits(&h), "{case}: hat");
+                assert_eq!(
+                    bits(&of(format!("choco.memory.{c}"))),
+                    bits(&m),
+                    "{case}: memory"
+                );
+            }
+        }
+    }
+}
+
 /// Random-k's index sets kept from the last message encoded are those drawn afresh (a clone of the codec
 /// keeps none), for that message's sender and step; every other sender and step draws its own.
 #[test]
