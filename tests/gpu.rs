@@ -138,46 +138,114 @@ fn segments() -> Vec<Segment> {
     ])
 }
 
-#[test]
-fn optimizer_kernels_equal_their_twins_over_several_steps() {
-    use twin::optim::{AccumStep, AdamWStep, SgdStep};
+/// The optimizer tests' setup: the kernels, the segments, their table on the device, and the initial
+/// parameters.
+fn optimizer_case() -> (
+    Kernels,
+    Vec<Segment>,
+    nanodist::cuda::DeviceSegments,
+    Vec<f32>,
+) {
     let k = kernels();
-    let s = k.stream();
     let segs = segments();
     let n = segs.last().map(|s| s.offset + s.len).unwrap();
     let dsegs = k.segments(&segs).unwrap();
-    let up = |v: &[f32]| s.clone_htod(v).unwrap();
-    let down = |v: &cudarc::driver::CudaSlice<f32>| bits(&s.clone_dtoh(v).unwrap());
-    let p0 = values(n, 7, false);
-    // AdamW, AccumAdamW (k = 2: commits and look-ahead steps), torch SGD (with and without momentum,
-    // Nesterov), decoupled SGD: five steps each, compared after every step.
+    (k, segs, dsegs, values(n, 7, false))
+}
+
+/// Step t's gradient (ties on even steps) and learning rate.
+fn optimizer_step(n: usize, t: u64) -> (Vec<f32>, f64) {
+    (values(n, 100 + t, t.is_multiple_of(2)), 1e-3 * t as f64)
+}
+
+/// Asserts that each (name, device buffer, host buffer) holds the same bits after step t.
+fn same_state(
+    s: &Arc<CudaStream>,
+    t: u64,
+    pairs: &[(&str, &cudarc::driver::CudaSlice<f32>, &[f32])],
+) {
+    for (name, dev, host) in pairs {
+        assert_eq!(
+            bits(&s.clone_dtoh(*dev).unwrap()),
+            bits(host),
+            "{name} after step {t}"
+        );
+    }
+}
+
+/// AdamW (clipping's gradient scale 0.7): five steps, compared after every step.
+#[test]
+fn adamw_kernel_equals_its_twin_over_several_steps() {
+    use twin::optim::AdamWStep;
+    let (k, segs, dsegs, p0) = optimizer_case();
+    let (s, n) = (k.stream(), p0.len());
     let (mut p, mut m, mut v) = (p0.clone(), vec![0.0f32; n], vec![0.0f32; n]);
-    let (mut dp, mut dm, mut dv) = (up(&p), up(&m), up(&v));
-    let (mut q, mut sm, mut sv, mut acc) = (
-        p0.clone(),
-        vec![0.0f32; n],
-        vec![0.0f32; n],
-        vec![0.0f32; n],
+    let (mut dp, mut dm, mut dv) = (
+        s.clone_htod(&p).unwrap(),
+        s.clone_htod(&m).unwrap(),
+        s.clone_htod(&v).unwrap(),
     );
-    let (mut dq, mut dsm, mut dsv, mut dacc) = (up(&q), up(&sm), up(&sv), up(&acc));
-    let (mut r, mut buf) = (p0.clone(), vec![0.0f32; n]);
-    let (mut dr, mut dbuf) = (up(&r), up(&buf));
-    let (mut u, mut w) = (p0.clone(), p0.clone());
-    let (mut du, mut dw) = (up(&u), up(&w));
     for t in 1..=5u64 {
-        let g = values(n, 100 + t, t % 2 == 0);
-        let dg = up(&g);
-        let lr = 1e-3 * t as f64;
+        let (g, lr) = optimizer_step(n, t);
+        let dg = s.clone_htod(&g).unwrap();
         let c = AdamWStep {
             grad_scale: 0.7,
             ..AdamWStep::new([0.9, 0.95], 1e-8, 0.1, lr, t)
         };
         twin::optim::adamw(&mut p, &g, &mut m, &mut v, &segs, &c);
         k.adamw(&mut dp, &dg, &mut dm, &mut dv, &dsegs, &c).unwrap();
+        same_state(
+            s,
+            t,
+            &[
+                ("adamw p", &dp, &p),
+                ("adamw m", &dm, &m),
+                ("adamw v", &dv, &v),
+            ],
+        );
+    }
+}
+
+/// AccumAdamW (k = 2: commits and look-ahead steps): five steps, compared after every step.
+#[test]
+fn accum_adamw_kernel_equals_its_twin_over_several_steps() {
+    use twin::optim::AccumStep;
+    let (k, segs, dsegs, p0) = optimizer_case();
+    let (s, n) = (k.stream(), p0.len());
+    let up = |v: &[f32]| s.clone_htod(v).unwrap();
+    let zeros = || vec![0.0f32; n];
+    let (mut q, mut sm, mut sv, mut acc) = (p0.clone(), zeros(), zeros(), zeros());
+    let (mut dq, mut dsm, mut dsv, mut dacc) = (up(&q), up(&sm), up(&sv), up(&acc));
+    for t in 1..=5u64 {
+        let (g, lr) = optimizer_step(n, t);
+        let dg = up(&g);
         let c = AccumStep::new([0.9, 0.99], 1e-8, 0.1, 2, lr, t);
         twin::optim::accum_adamw(&mut q, &g, &mut sm, &mut sv, &mut acc, &segs, &c);
         k.accum_adamw(&mut dq, &dg, &mut dsm, &mut dsv, &mut dacc, &dsegs, &c)
             .unwrap();
+        let pairs = [
+            ("accumadamw p", &dq, &q[..]),
+            ("accumadamw sm", &dsm, &sm[..]),
+            ("accumadamw sv", &dsv, &sv[..]),
+            ("accumadamw acc", &dacc, &acc[..]),
+        ];
+        same_state(s, t, &pairs);
+    }
+}
+
+/// torch's SGD with Nesterov momentum and without momentum, and decoupled SGD: five steps each,
+/// compared after every step.
+#[test]
+fn sgd_kernels_equal_their_twins_over_several_steps() {
+    use twin::optim::SgdStep;
+    let (k, segs, dsegs, p0) = optimizer_case();
+    let (s, n) = (k.stream(), p0.len());
+    let up = |v: &[f32]| s.clone_htod(v).unwrap();
+    let (mut r, mut buf, mut u, mut w) = (p0.clone(), vec![0.0f32; n], p0.clone(), p0.clone());
+    let (mut dr, mut dbuf, mut du, mut dw) = (up(&r), up(&buf), up(&u), up(&w));
+    for t in 1..=5u64 {
+        let (g, lr) = optimizer_step(n, t);
+        let dg = up(&g);
         let c = SgdStep {
             wd: 0.01,
             momentum: 0.9,
@@ -205,21 +273,13 @@ fn optimizer_kernels_equal_their_twins_over_several_steps() {
             .unwrap();
         twin::optim::sgd(&mut w, &g, &segs, 0.1, lr, 0.9);
         k.sgd(&mut dw, &dg, &dsegs, 0.1, lr, 0.9).unwrap();
-        for (name, dev, host) in [
-            ("adamw p", &dp, &p),
-            ("adamw m", &dm, &m),
-            ("adamw v", &dv, &v),
-            ("accumadamw p", &dq, &q),
-            ("accumadamw sm", &dsm, &sm),
-            ("accumadamw sv", &dsv, &sv),
-            ("accumadamw acc", &dacc, &acc),
-            ("nesterov p", &dr, &r),
-            ("nesterov buf", &dbuf, &buf),
-            ("sgd p", &du, &u),
-            ("decoupled sgd p", &dw, &w),
-        ] {
-            assert_eq!(down(dev), bits(host), "{name} after step {t}");
-        }
+        let pairs = [
+            ("nesterov p", &dr, &r[..]),
+            ("nesterov buf", &dbuf, &buf[..]),
+            ("sgd p", &du, &u[..]),
+            ("decoupled sgd p", &dw, &w[..]),
+        ];
+        same_state(s, t, &pairs);
     }
 }
 
@@ -702,19 +762,81 @@ impl Communicator for Loopback {
     }
 }
 
+/// Parameters and state of each rank after five steps of CHOCO on two ranks (ring, overlap), on the GPU
+/// or on the host.
+type RankEnds = Vec<(Vec<f32>, nanodist::sync::compress::State)>;
+
+/// Two ranks of CHOCO with `plan` over `tensors`, five steps, on the GPU (`device`, through the loopback
+/// engine) or on the host.
+fn choco_ranks(
+    k: &Arc<Kernels>,
+    plan: &nanodist::sync::choco::ChocoPlan,
+    tensors: &[Segment],
+    device: bool,
+) -> RankEnds {
+    let comms = nanodist::comm::local::group(2, Duration::from_secs(60));
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| scope.spawn(move || choco_rank(k, plan, tensors, c, device)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// One rank of `choco_ranks`.
+fn choco_rank(
+    k: &Arc<Kernels>,
+    plan: &nanodist::sync::choco::ChocoPlan,
+    tensors: &[Segment],
+    c: nanodist::comm::local::LocalComm,
+    device: bool,
+) -> (Vec<f32>, nanodist::sync::compress::State) {
+    use nanodist::config::backend::Topology;
+    use nanodist::flat::{DeviceFlat, FlatMut};
+    use nanodist::sync::choco::Choco;
+    use nanodist::sync::{topology, SyncBackend};
+    let (rank, n) = (c.rank(), tensors.iter().map(|t| t.len).sum());
+    let rounds = topology::rounds(Topology::Ring, 2, 1).unwrap();
+    let comm: Box<dyn Communicator> = match device {
+        true => Box::new(Loopback(c)),
+        false => Box::new(c),
+    };
+    let mut choco = Choco::new(comm, rounds, true, plan, tensors).unwrap();
+    let s = k.stream().clone();
+    let mut p = values(n, 300 + rank as u64, false);
+    let mut d = DeviceFlat {
+        buf: s.clone_htod(&p).unwrap(),
+        kernels: k.clone(),
+    };
+    for step in 0..5 {
+        let g = values(n, 400 + step + 10 * rank as u64, false);
+        if device {
+            k.ef_accumulate(&mut d.buf, &s.clone_htod(&g).unwrap())
+                .unwrap();
+            choco.before_step_flat(FlatMut::Cuda(&mut d)).unwrap();
+            choco.after_step_flat(FlatMut::Cuda(&mut d), step).unwrap();
+        } else {
+            twin::ef_accumulate(&mut p, &g);
+            choco.before_step(&mut p).unwrap();
+            choco.after_step(&mut p, step).unwrap();
+        }
+    }
+    if device {
+        p = s.clone_dtoh(&d.buf).unwrap();
+    }
+    (p, choco.state().unwrap())
+}
+
 /// CHOCO's device path (public copies, memories and messages on the GPU; the encoding and absorbing
 /// kernels of every compressor, and `choco_step`) against its host path, two ranks on a ring with
 /// overlap, every compressor (QSGD with codes that straddle words, per bucket and per tensor): the same
 /// parameters and state on both ranks after five steps, bit for bit.
 #[test]
 fn choco_on_the_gpu_equals_its_host_path() {
-    use nanodist::config::backend::Topology;
-    use nanodist::flat::{DeviceFlat, FlatMut};
-    use nanodist::sync::choco::{Choco, ChocoPlan, Compressor};
-    use nanodist::sync::{topology, SyncBackend};
+    use nanodist::sync::choco::{ChocoPlan, Compressor};
     let k = Arc::new(kernels());
     let tensors = Segment::from_shapes(&[(300, 200, true), (777, 1, false), (50, 129, true)]);
-    let n: usize = tensors.iter().map(|t| t.len).sum();
     for compressor in [
         Compressor::TopK { density: 0.05 },
         Compressor::RandomK { density: 0.05 },
@@ -736,52 +858,8 @@ fn choco_on_the_gpu_equals_its_host_path() {
             tuned: false,
             seed: 5,
         };
-        let run = |device: bool| -> Vec<(Vec<f32>, nanodist::sync::compress::State)> {
-            let comms = nanodist::comm::local::group(2, Duration::from_secs(60));
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = comms
-                    .into_iter()
-                    .map(|c| {
-                        let (k, plan, tensors) = (k.clone(), plan.clone(), tensors.clone());
-                        scope.spawn(move || {
-                            let rank = c.rank();
-                            let rounds = topology::rounds(Topology::Ring, 2, 1).unwrap();
-                            let comm: Box<dyn Communicator> = match device {
-                                true => Box::new(Loopback(c)),
-                                false => Box::new(c),
-                            };
-                            let mut choco =
-                                Choco::new(comm, rounds, true, &plan, &tensors).unwrap();
-                            let s = k.stream().clone();
-                            let mut p = values(n, 300 + rank as u64, false);
-                            let mut d = DeviceFlat {
-                                buf: s.clone_htod(&p).unwrap(),
-                                kernels: k.clone(),
-                            };
-                            for step in 0..5 {
-                                let g = values(n, 400 + step + 10 * rank as u64, false);
-                                if device {
-                                    k.ef_accumulate(&mut d.buf, &s.clone_htod(&g).unwrap())
-                                        .unwrap();
-                                    choco.before_step_flat(FlatMut::Cuda(&mut d)).unwrap();
-                                    choco.after_step_flat(FlatMut::Cuda(&mut d), step).unwrap();
-                                } else {
-                                    twin::ef_accumulate(&mut p, &g);
-                                    choco.before_step(&mut p).unwrap();
-                                    choco.after_step(&mut p, step).unwrap();
-                                }
-                            }
-                            if device {
-                                p = s.clone_dtoh(&d.buf).unwrap();
-                            }
-                            (p, choco.state().unwrap())
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
-            })
-        };
-        let (host, dev) = (run(false), run(true));
+        let host = choco_ranks(&k, &plan, &tensors, false);
+        let dev = choco_ranks(&k, &plan, &tensors, true);
         for (rank, ((hp, hs), (dp, ds))) in host.iter().zip(&dev).enumerate() {
             assert_eq!(
                 bits(dp),
