@@ -45,7 +45,19 @@ fn compare_and_plot_read_real_runs() {
         "powersgd",
         &[r#"train.compression={ name = "powersgd", rank = 2, start_iter = 10 }"#],
     );
-    let out = succeed(Command::new(EXE).arg("compare").args([&dense, &ring]));
+    let expected = markdown_table_compares_the_runs(d.path(), &dense, &ring);
+    let all = compare_json(&[&dense, &ring, &powersgd]);
+    json_matches_the_runs_rows(&all, [&dense, &ring, &powersgd], expected);
+    powersgd_phases_are_compared(&all, &dense, &powersgd);
+    plot_draws_the_runs(d.path(), &dense, &ring);
+    plot_panels_frame_the_runs(&dense, &ring, d.path());
+}
+
+/// `compare`'s Markdown table of the dense and ring runs: their rows, the target each reaches, the
+/// comm figures' digits, and bytes per step whose difference is the gradient all-reduce minus the
+/// ring's mix. Returns that difference as the config's size predicts it.
+fn markdown_table_compares_the_runs(dir: &Path, dense: &Path, ring: &Path) -> f64 {
+    let out = succeed(Command::new(EXE).arg("compare").args([dense, ring]));
     let table = String::from_utf8_lossy(&out.stdout).to_string();
     let rows: Vec<Vec<String>> = table
         .lines()
@@ -91,7 +103,7 @@ fn compare_and_plot_read_real_runs() {
         let (v, unit) = cell.split_once(' ').unwrap();
         v.parse::<f64>().unwrap() * if unit == "MB" { 1e6 } else { 1e3 }
     };
-    let src = tiny_config(d.path(), "x");
+    let src = tiny_config(dir, "x");
     let numel = nanodist::plan::load_str(Path::new("t.toml"), &src, &[], &LaunchEnv::default())
         .unwrap()
         .plan
@@ -105,25 +117,35 @@ fn compare_and_plot_read_real_runs() {
         "bytes/step difference {got} vs {expected}: {table}"
     );
 
-    // JSON and CSV: the same fields, unformatted, against the runs' own rows.
-    let json = |args: &[&Path]| -> serde_json::Value {
-        let out = succeed(
-            Command::new(EXE)
-                .arg("compare")
-                .args(args)
-                .args(["--format", "json"]),
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
-    let all = json(&[&dense, &ring, &powersgd]);
+    expected
+}
+
+/// A run's rows.
+fn metrics(run: &Path) -> Vec<nanodist::metrics::Row> {
+    nanodist::metrics::read_rows(&run.join("metrics.jsonl")).unwrap()
+}
+
+/// `compare --format json` of `runs`.
+fn compare_json(runs: &[&Path]) -> serde_json::Value {
+    let out = succeed(
+        Command::new(EXE)
+            .arg("compare")
+            .args(runs)
+            .args(["--format", "json"]),
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// JSON: the same fields as the table, unformatted, against the runs' own rows; `expected` the dense
+/// run's bytes per step above the ring's.
+fn json_matches_the_runs_rows(all: &serde_json::Value, runs: [&Path; 3], expected: f64) {
     let exact =
         all[0]["bytes_per_step"].as_f64().unwrap() - all[1]["bytes_per_step"].as_f64().unwrap();
     assert!(
         (exact / expected - 1.0).abs() < 0.01,
         "{exact} vs {expected}"
     );
-    let metrics = |run: &Path| nanodist::metrics::read_rows(&run.join("metrics.jsonl")).unwrap();
-    for (i, run) in [&dense, &ring, &powersgd].iter().enumerate() {
+    for (i, run) in runs.iter().enumerate() {
         let rows = metrics(run);
         let bytes: u64 = rows.iter().map(|r| r.comm_bytes).sum();
         assert_eq!(all[i]["bytes_per_step"], bytes as f64 / 20.0);
@@ -166,17 +188,21 @@ fn compare_and_plot_read_real_runs() {
         assert_eq!(all[i]["workers"], 4);
         assert_eq!(all[i]["steps"], 20);
     }
-    let last_distance = metrics(&ring)
+    let last_distance = metrics(runs[1])
         .iter()
         .rev()
         .find_map(|r| r.consensus_distance);
     assert_eq!(all[1]["consensus_distance"].as_f64(), last_distance);
     assert!(all[0]["consensus_distance"].is_null());
+}
+
+/// PowerSGD's dense and compressed phases in JSON, CSV and the Markdown table; a target no run reaches.
+fn powersgd_phases_are_compared(all: &serde_json::Value, dense: &Path, powersgd: &Path) {
     // PowerSGD from step 10: dense steps 0-9 send what the dense run sends, the compressed steps less.
     let p = &all[2];
     let dense_per_step = all[0]["bytes_per_step"].as_f64().unwrap();
     assert_eq!(p["dense_bytes_per_step"].as_f64(), Some(dense_per_step));
-    let rows = metrics(&powersgd);
+    let rows = metrics(powersgd);
     let late: u64 = rows
         .iter()
         .filter(|r| r.step > 10)
@@ -191,7 +217,7 @@ fn compare_and_plot_read_real_runs() {
     let out = succeed(
         Command::new(EXE)
             .arg("compare")
-            .args([&dense, &powersgd])
+            .args([dense, powersgd])
             .args(["--format", "csv"]),
     );
     let mut csv = csv::Reader::from_reader(&out.stdout[..]);
@@ -211,7 +237,7 @@ fn compare_and_plot_read_real_runs() {
         dense_per_step
     );
     // The Markdown table adds the phase columns when a run has phases.
-    let out = succeed(Command::new(EXE).arg("compare").args([&dense, &powersgd]));
+    let out = succeed(Command::new(EXE).arg("compare").args([dense, powersgd]));
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
         table.contains("| dense phase | compressed phase |"),
@@ -220,16 +246,19 @@ fn compare_and_plot_read_real_runs() {
     // A target no run reaches.
     let out = Command::new(EXE)
         .args(["compare", "--target", "0.01"])
-        .arg(&dense)
+        .arg(dense)
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("not reached"));
+}
 
-    let png = d.path().join("curves.png");
+/// `plot` of the dense and ring runs: a drawn PNG, one legend, and the title, log axis and smoothing.
+fn plot_draws_the_runs(dir: &Path, dense: &Path, ring: &Path) {
+    let png = dir.join("curves.png");
     succeed(
         Command::new(EXE)
             .arg("plot")
-            .args([&dense, &ring])
+            .args([dense, ring])
             .arg("--output")
             .arg(&png),
     );
@@ -257,18 +286,17 @@ fn compare_and_plot_read_real_runs() {
         assert_eq!(svg.matches(label).count(), 1, "{label}");
     }
     // Title, log axis and smoothing.
-    let styled = d.path().join("styled.png");
+    let styled = dir.join("styled.png");
     succeed(
         Command::new(EXE)
             .arg("plot")
-            .args([&dense, &ring])
+            .args([dense, ring])
             .args(["--title", "dense vs ring", "--log-y", "--smooth", "3"])
             .arg("--output")
             .arg(&styled),
     );
     let svg = std::fs::read_to_string(styled.with_extension("svg")).unwrap();
     assert!(svg.contains("dense vs ring") && svg.contains("log scale"));
-    plot_panels_frame_the_runs(&dense, &ring, d.path());
 }
 
 /// The panels of `plot`: the loss axis frames where the runs differ (not the initial loss) unless

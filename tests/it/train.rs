@@ -190,36 +190,7 @@ fn train_log_has_the_seed_runners_lines() {
         .collect();
     // Step 0, the evaluation at step 10 (first segment), and step 20 after the resume.
     assert_eq!(steps, [0, 10, 20], "{log}");
-    // Each start opens with a header (version, config digest, world, backend, engine, precision); the
-    // resume says where it resumed from, and each segment ends with why it stopped.
-    let header = regex::Regex::new(&format!(
-        r"{prefix}nanodist \d+\.\d+\.\d+ \| config \S+config\.toml sha256 [0-9a-f]{{12}} \| world 1 \(1 per node\) \| backend pytorchddp \| engine local \| [^|]+$"
-    ))
-    .unwrap();
-    let headers: Vec<usize> = (0..lines.len())
-        .filter(|&i| header.is_match(lines[i]))
-        .collect();
-    assert_eq!(headers.len(), 2, "{log}");
-    assert_eq!(headers[0], 0, "{log}");
-    let after = lines[headers[1] + 1];
-    assert!(
-        after.contains("resumed from ") && after.ends_with("step_00000012 (full state) at step 12"),
-        "{after}"
-    );
-    assert!(
-        lines[headers[1] - 1].ends_with("] stopped at train.exit_interval at step 12"),
-        "{log}"
-    );
-    assert!(
-        lines.last().unwrap().ends_with("] finished at step 20"),
-        "{log}"
-    );
-    // Once per segment.
-    let ends = lines
-        .iter()
-        .filter(|l| l.contains("] stopped at ") || l.contains("] finished at "))
-        .count();
-    assert_eq!(ends, 2, "{log}");
+    segments_are_headed_and_ended(&lines, prefix, &log);
     let rows = read_rows(&done.run_dir.join("metrics.jsonl")).unwrap();
     let val = |step: u64| {
         rows.iter()
@@ -251,12 +222,50 @@ fn train_log_has_the_seed_runners_lines() {
             .is_match(log.lines().find(|l| l.contains("Step 10: ")).unwrap_or("")),
         "{log}"
     );
-    // On CPU, MFU is a fraction of the `local` profile's GEMM peak per thread times the threads that
-    // computed (one worker here), and the line says so.
+    mfu_is_of_the_machines_gemm_peak(d.path(), &rows, &log);
+}
+
+/// Each start of `lines` (a `train.log` of two segments) opens with a header (version, config digest,
+/// world, backend, engine, precision); the resume says where it resumed from, and each segment ends with
+/// why it stopped.
+fn segments_are_headed_and_ended(lines: &[&str], prefix: &str, log: &str) {
+    let header = regex::Regex::new(&format!(
+        r"{prefix}nanodist \d+\.\d+\.\d+ \| config \S+config\.toml sha256 [0-9a-f]{{12}} \| world 1 \(1 per node\) \| backend pytorchddp \| engine local \| [^|]+$"
+    ))
+    .unwrap();
+    let headers: Vec<usize> = (0..lines.len())
+        .filter(|&i| header.is_match(lines[i]))
+        .collect();
+    assert_eq!(headers.len(), 2, "{log}");
+    assert_eq!(headers[0], 0, "{log}");
+    let after = lines[headers[1] + 1];
+    assert!(
+        after.contains("resumed from ") && after.ends_with("step_00000012 (full state) at step 12"),
+        "{after}"
+    );
+    assert!(
+        lines[headers[1] - 1].ends_with("] stopped at train.exit_interval at step 12"),
+        "{log}"
+    );
+    assert!(
+        lines.last().unwrap().ends_with("] finished at step 20"),
+        "{log}"
+    );
+    // Once per segment.
+    let ends = lines
+        .iter()
+        .filter(|l| l.contains("] stopped at ") || l.contains("] finished at "))
+        .count();
+    assert_eq!(ends, 2, "{log}");
+}
+
+/// On CPU, MFU is a fraction of the `local` profile's GEMM peak per thread times the threads that
+/// computed (one worker here), and the log's line says so.
+fn mfu_is_of_the_machines_gemm_peak(dir: &Path, rows: &[Row], log: &str) {
     let local = nanodist::predict::profile::load("local").unwrap();
     let loaded = nanodist::plan::load_str(
         Path::new("t.toml"),
-        &config_text(d.path()),
+        &config_text(dir),
         &[],
         &LaunchEnv::default(),
     )
