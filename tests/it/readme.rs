@@ -121,6 +121,16 @@ fn scratch(dir: &Path) {
             ],
         );
     }
+    train_named_runs(dir);
+    let bin = dir.join("bin");
+    for at in [bin.clone(), dir.join("target/release")] {
+        std::fs::create_dir_all(&at).unwrap();
+        std::os::unix::fs::symlink(EXE, at.join("nanodist")).unwrap();
+    }
+}
+
+/// The short runs the README's examples name, in `dir`'s log/.
+fn train_named_runs(dir: &Path) {
     let short = [
         "--set",
         "train.n_steps=30",
@@ -174,11 +184,6 @@ fn scratch(dir: &Path) {
         args.extend(short);
         args.extend(extra);
         nanodist(dir, &args);
-    }
-    let bin = dir.join("bin");
-    for at in [bin.clone(), dir.join("target/release")] {
-        std::fs::create_dir_all(&at).unwrap();
-        std::os::unix::fs::symlink(EXE, at.join("nanodist")).unwrap();
     }
 }
 

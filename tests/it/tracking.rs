@@ -102,28 +102,7 @@ fn wandb_offline_run_reads_back_with_wandbs_own_protobufs_and_resumes_the_same_r
             .collect();
         assert_eq!(order[0], "run");
         assert_eq!(&order[order.len() - 2..], ["exit", "final"]);
-        for h in p["history"].as_array().unwrap() {
-            steps.push(h["_step"].as_u64().unwrap());
-            let row = rows
-                .iter()
-                .find(|r| r.step == h["_step"].as_u64().unwrap())
-                .unwrap();
-            assert_eq!(h["train_loss"].as_f64().unwrap(), row.train_loss);
-            assert!(h["_runtime"].as_f64().unwrap() >= 0.0);
-            // Cumulative bytes, carried across the resume: loss charts against them in W&B.
-            let total: u64 = rows
-                .iter()
-                .filter(|r| r.step <= row.step)
-                .map(|r| r.comm_bytes)
-                .sum();
-            assert!(total > 0);
-            assert_eq!(
-                h["comm_bytes_total"].as_f64().unwrap(),
-                total as f64,
-                "step {}",
-                row.step
-            );
-        }
+        steps.extend(history_matches_the_rows(p, &rows));
     }
     assert_eq!(
         steps,
@@ -138,6 +117,35 @@ fn wandb_offline_run_reads_back_with_wandbs_own_protobufs_and_resumes_the_same_r
         last.val_loss.unwrap()
     );
     assert_eq!(summary["_step"], 20);
+}
+
+/// The steps of one W&B segment's history, each row's train loss, runtime and cumulative bytes
+/// (carried across the resume: loss charts against them in W&B) checked against the run's rows.
+fn history_matches_the_rows(p: &Value, rows: &[nanodist::metrics::Row]) -> Vec<u64> {
+    let mut steps = Vec::new();
+    for h in p["history"].as_array().unwrap() {
+        steps.push(h["_step"].as_u64().unwrap());
+        let row = rows
+            .iter()
+            .find(|r| r.step == h["_step"].as_u64().unwrap())
+            .unwrap();
+        assert_eq!(h["train_loss"].as_f64().unwrap(), row.train_loss);
+        assert!(h["_runtime"].as_f64().unwrap() >= 0.0);
+        // Cumulative bytes, carried across the resume: loss charts against them in W&B.
+        let total: u64 = rows
+            .iter()
+            .filter(|r| r.step <= row.step)
+            .map(|r| r.comm_bytes)
+            .sum();
+        assert!(total > 0);
+        assert_eq!(
+            h["comm_bytes_total"].as_f64().unwrap(),
+            total as f64,
+            "step {}",
+            row.step
+        );
+    }
+    steps
 }
 
 #[test]
@@ -224,37 +232,7 @@ fn wandb_sync_uploads_the_run_to_a_stand_in_server() {
     let d = tempfile::tempdir().unwrap();
     let (run_dir, segments) = resumed_wandb_run(d.path());
     let rows = read_rows(&run_dir.join("metrics.jsonl")).unwrap();
-    // The stand-in server: it prints its port, then logs every request it answers.
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let log = d.path().join("requests.jsonl");
-    let mut server = Command::new("python3")
-        .arg(root.join("scripts/wandb_standin.py"))
-        .arg(&log)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut port = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(server.stdout.take().unwrap()),
-        &mut port,
-    )
-    .unwrap();
-    let sync = Command::new("wandb")
-        .arg("sync")
-        .args(&segments)
-        .env(
-            "WANDB_BASE_URL",
-            format!("http://127.0.0.1:{}", port.trim()),
-        )
-        .env("WANDB_API_KEY", "a".repeat(40))
-        .env("WANDB_DIR", d.path())
-        .output()
-        .unwrap();
-    let _ = server.kill();
-    let _ = server.wait();
-    let out =
-        String::from_utf8_lossy(&sync.stdout).to_string() + &String::from_utf8_lossy(&sync.stderr);
-    assert!(out.contains("done"), "{out}");
+    let (log, out) = sync_to_a_stand_in(d.path(), &segments);
     let requests: Vec<Value> = std::fs::read_to_string(&log)
         .unwrap()
         .lines()
@@ -275,7 +253,48 @@ fn wandb_sync_uploads_the_run_to_a_stand_in_server() {
     let config: Value = serde_json::from_str(vars["config"].as_str().unwrap()).unwrap();
     assert_eq!(config["train"]["value"]["seed"], 3);
     assert_eq!(config["model"]["value"]["n_embd"], 32);
-    // Every history step once, with the values nanodist logged; the summary; a clean exit.
+    streams_hold_every_step_and_a_clean_exit(&requests, &rows);
+}
+
+/// `wandb sync` of `segments` to the stand-in server (scripts/wandb_standin.py), which prints its port,
+/// then logs every request it answers: the log's path, and what `wandb sync` printed.
+fn sync_to_a_stand_in(dir: &Path, segments: &[PathBuf]) -> (PathBuf, String) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let log = dir.join("requests.jsonl");
+    let mut server = Command::new("python3")
+        .arg(root.join("scripts/wandb_standin.py"))
+        .arg(&log)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut port = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+        &mut port,
+    )
+    .unwrap();
+    let sync = Command::new("wandb")
+        .arg("sync")
+        .args(segments)
+        .env(
+            "WANDB_BASE_URL",
+            format!("http://127.0.0.1:{}", port.trim()),
+        )
+        .env("WANDB_API_KEY", "a".repeat(40))
+        .env("WANDB_DIR", dir)
+        .output()
+        .unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    let out =
+        String::from_utf8_lossy(&sync.stdout).to_string() + &String::from_utf8_lossy(&sync.stderr);
+    assert!(out.contains("done"), "{out}");
+    (log, out)
+}
+
+/// Every history step once in the file streams, with the values nanodist logged; the summary; a clean
+/// exit.
+fn streams_hold_every_step_and_a_clean_exit(requests: &[Value], rows: &[nanodist::metrics::Row]) {
     let streams: Vec<&Value> = requests
         .iter()
         .filter(|r| {
