@@ -202,35 +202,40 @@ fn mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology() {
         ),
     ];
     for (i, (np, set)) in cases.into_iter().enumerate() {
-        let name = format!("case{i}");
-        let cfg = write_config(d.path(), &name);
-        let out = run_mpi(np, &cfg, &set);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{set:?} np={np}: {stderr}");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(
-            stdout.matches("finished at step 20 (last val loss").count(),
-            1,
-            "only rank 0 reports: {stdout}"
-        );
-        let mpi = read_rows(&d.path().join("log").join(&name).join("metrics.jsonl")).unwrap();
-        let local = run_local(d.path(), &format!("{name}-local"), np, &set);
-        assert_same(&local, &mpi, &format!("{set:?} np={np}"));
-        // Every step sends (comm_bytes counts the algorithm's traffic only); overlapped gossip (decentdp's
-        // default) sends step t's mix during step t + 1, so its row of step 1 (after the synchronous step
-        // 0) has none, and the evaluation before training trains no step.
-        let silent = mpi.iter().filter(|r| r.comm_bytes == 0).count();
-        let overlap = set.iter().any(|s| s.contains("decentdp"))
-            && !set.iter().any(|s| s.contains("overlap=false"));
-        let at_start = set.iter().any(|s| s.contains("eval_at_start"));
-        assert_eq!(
-            silent,
-            usize::from(overlap) + usize::from(at_start),
-            "{set:?}: rows without traffic"
-        );
-        if at_start {
-            assert_eq!((mpi[0].step, mpi[0].val_loss.is_some()), (0, true));
-        }
+        mpi_case_matches_the_local_engine(d.path(), &format!("case{i}"), np, &set);
+    }
+}
+
+/// One case of `mpi_engine_gives_the_local_engines_losses_for_every_backend_and_topology`: `np` ranks
+/// under mpirun with `set` give the local engine's rows, only rank 0 reports, and every step sends.
+fn mpi_case_matches_the_local_engine(dir: &Path, name: &str, np: usize, set: &[&str]) {
+    let cfg = write_config(dir, name);
+    let out = run_mpi(np, &cfg, set);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{set:?} np={np}: {stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.matches("finished at step 20 (last val loss").count(),
+        1,
+        "only rank 0 reports: {stdout}"
+    );
+    let mpi = read_rows(&dir.join("log").join(name).join("metrics.jsonl")).unwrap();
+    let local = run_local(dir, &format!("{name}-local"), np, set);
+    assert_same(&local, &mpi, &format!("{set:?} np={np}"));
+    // Every step sends (comm_bytes counts the algorithm's traffic only); overlapped gossip (decentdp's
+    // default) sends step t's mix during step t + 1, so its row of step 1 (after the synchronous step
+    // 0) has none, and the evaluation before training trains no step.
+    let silent = mpi.iter().filter(|r| r.comm_bytes == 0).count();
+    let overlap = set.iter().any(|s| s.contains("decentdp"))
+        && !set.iter().any(|s| s.contains("overlap=false"));
+    let at_start = set.iter().any(|s| s.contains("eval_at_start"));
+    assert_eq!(
+        silent,
+        usize::from(overlap) + usize::from(at_start),
+        "{set:?}: rows without traffic"
+    );
+    if at_start {
+        assert_eq!((mpi[0].step, mpi[0].val_loss.is_some()), (0, true));
     }
 }
 

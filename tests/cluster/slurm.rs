@@ -267,41 +267,8 @@ fn a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run
     let cfg_abs = std::fs::canonicalize(&cfg).unwrap();
     let mut tries = Vec::new();
     let (run, log) = loop {
-        let id = sbatch(
-            &cfg,
-            &[
-                "--tasks-per-node",
-                "2",
-                "--time",
-                "00:10:00",
-                "--signal-secs",
-                "540",
-            ],
-        );
-        let run = d.path().join("log").join(&id);
-        let signaller = Command::new("bash")
-            .arg("-c")
-            .arg(
-                r#"for _ in $(seq 1 1800); do grep -q '"step":250' "$RUN/metrics.jsonl" 2>/dev/null && break; sleep 0.1; done
-for _ in $(seq 1 60); do
-    echo "at $(date +%T.%N):"
-    for p in $(pgrep -f "job0*$ID/slurm_script") $(pgrep -f "train $CFG"); do kill -USR1 "$p" && echo "$p $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null)"; done
-    for _ in $(seq 1 30); do cat "$RUN"/slurm-*.out 2>/dev/null | grep -q 'stopped by SIGUSR1' && exit 0; sleep 0.1; done
-done"#,
-            )
-            .env("RUN", &run)
-            .env("ID", &id)
-            .env("CFG", &cfg_abs)
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        wait_job(&id, Duration::from_secs(1200));
-        let signalled = signaller.wait_with_output().unwrap();
-        let log = job_log(&run);
-        tries.push(format!(
-            "job {id}: USR1 sent {}\n{log}",
-            String::from_utf8_lossy(&signalled.stdout)
-        ));
+        let (run, log, tried) = time_limited_job(&cfg, &cfg_abs, &d.path().join("log"));
+        tries.push(tried);
         if log.contains("stopped by SIGUSR1 after saving a checkpoint") || tries.len() == 3 {
             break (run, log);
         }
@@ -321,6 +288,48 @@ done"#,
     assert!(log.contains("finished at step 60000"), "{log}");
     let rows = read_rows(&run.join("metrics.jsonl")).unwrap();
     assert_same_losses(&rows, &local, "requeued job");
+}
+
+/// One submission of the time-limited job of
+/// `a_job_at_its_time_limit_checkpoints_requeues_and_matches_an_uninterrupted_run`, with the shell loop
+/// that delivers USR1 beside it: the run directory, the job's log, and what was sent, for the message.
+fn time_limited_job(cfg: &Path, cfg_abs: &Path, log_dir: &Path) -> (PathBuf, String, String) {
+    let id = sbatch(
+        cfg,
+        &[
+            "--tasks-per-node",
+            "2",
+            "--time",
+            "00:10:00",
+            "--signal-secs",
+            "540",
+        ],
+    );
+    let run = log_dir.join(&id);
+    let signaller = Command::new("bash")
+        .arg("-c")
+        .arg(
+            r#"for _ in $(seq 1 1800); do grep -q '"step":250' "$RUN/metrics.jsonl" 2>/dev/null && break; sleep 0.1; done
+for _ in $(seq 1 60); do
+    echo "at $(date +%T.%N):"
+    for p in $(pgrep -f "job0*$ID/slurm_script") $(pgrep -f "train $CFG"); do kill -USR1 "$p" && echo "$p $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null)"; done
+    for _ in $(seq 1 30); do cat "$RUN"/slurm-*.out 2>/dev/null | grep -q 'stopped by SIGUSR1' && exit 0; sleep 0.1; done
+done"#,
+        )
+        .env("RUN", &run)
+        .env("ID", &id)
+        .env("CFG", cfg_abs)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_job(&id, Duration::from_secs(1200));
+    let signalled = signaller.wait_with_output().unwrap();
+    let log = job_log(&run);
+    let tried = format!(
+        "job {id}: USR1 sent {}\n{log}",
+        String::from_utf8_lossy(&signalled.stdout)
+    );
+    (run, log, tried)
 }
 
 #[test]

@@ -109,44 +109,51 @@ fn every_method_trains_through_leaves_and_returns_and_resumes_mid_absence_bit_fo
         ),
     ];
     for (name, set) in cases {
-        let d = tempfile::tempdir().unwrap();
-        make_data(d.path());
-        let mut set = set.to_vec();
-        set.push(AWAY);
-        let full = rows(d.path(), "full", &set);
-        let workers: Vec<u64> = full.iter().map(|r| r.workers.unwrap()).collect();
-        let want: Vec<u64> = (1..=20)
-            .map(|s| match s {
-                1..=3 => 4,
-                4..=6 => 3,
-                7..=9 => 2,
-                _ => 3,
-            })
-            .collect();
-        assert_eq!(workers, want, "{name}: workers present per row");
-        // Each worker keeps its batch: the global batch shrinks with the workers.
-        assert!(
-            full.iter().all(|r| r.batch_size == 2 * r.workers.unwrap()),
-            "{name}"
-        );
-        let mut first = set.clone();
-        first.push("train.exit_interval=7");
-        let s = common::train_tiny(d.path(), "cut", 4, &first);
-        assert_eq!(s.step, 7, "{name}");
-        let cut = rows(d.path(), "cut", &set);
-        assert_eq!(
-            full.iter().map(exact_in_time).collect::<Vec<_>>(),
-            cut.iter().map(exact_in_time).collect::<Vec<_>>(),
-            "{name}: resumed while workers 2 and 3 were away"
-        );
-        let clock: Vec<f64> = full.iter().map(|r| r.sim_s.unwrap()).collect();
-        assert!(
-            clock[0] > 0.0 && clock.windows(2).all(|w| w[0] <= w[1]),
-            "{name}: {clock:?}"
-        );
-        let last = full.last().unwrap().val_loss.unwrap();
-        assert!(last < full[0].train_loss - 0.3, "{name} learns: {last}");
+        trains_through_churn_and_resumes_mid_absence(name, set);
     }
+}
+
+/// One method of `every_method_trains_through_leaves_and_returns_and_resumes_mid_absence_bit_for_bit`:
+/// its workers per row, the batch that shrinks with them, the resume at step 7, the simulated clock,
+/// and the loss it reaches.
+fn trains_through_churn_and_resumes_mid_absence(name: &str, set: &[&str]) {
+    let d = tempfile::tempdir().unwrap();
+    make_data(d.path());
+    let mut set = set.to_vec();
+    set.push(AWAY);
+    let full = rows(d.path(), "full", &set);
+    let workers: Vec<u64> = full.iter().map(|r| r.workers.unwrap()).collect();
+    let want: Vec<u64> = (1..=20)
+        .map(|s| match s {
+            1..=3 => 4,
+            4..=6 => 3,
+            7..=9 => 2,
+            _ => 3,
+        })
+        .collect();
+    assert_eq!(workers, want, "{name}: workers present per row");
+    // Each worker keeps its batch: the global batch shrinks with the workers.
+    assert!(
+        full.iter().all(|r| r.batch_size == 2 * r.workers.unwrap()),
+        "{name}"
+    );
+    let mut first = set.clone();
+    first.push("train.exit_interval=7");
+    let s = common::train_tiny(d.path(), "cut", 4, &first);
+    assert_eq!(s.step, 7, "{name}");
+    let cut = rows(d.path(), "cut", &set);
+    assert_eq!(
+        full.iter().map(exact_in_time).collect::<Vec<_>>(),
+        cut.iter().map(exact_in_time).collect::<Vec<_>>(),
+        "{name}: resumed while workers 2 and 3 were away"
+    );
+    let clock: Vec<f64> = full.iter().map(|r| r.sim_s.unwrap()).collect();
+    assert!(
+        clock[0] > 0.0 && clock.windows(2).all(|w| w[0] <= w[1]),
+        "{name}: {clock:?}"
+    );
+    let last = full.last().unwrap().val_loss.unwrap();
+    assert!(last < full[0].train_loss - 0.3, "{name} learns: {last}");
 }
 
 fn diloco(c: Box<dyn nanodist::comm::Communicator>) -> Diloco {

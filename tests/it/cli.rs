@@ -3,7 +3,7 @@
 
 use crate::common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use crate::common::{make_data, nanodist, nanodist_with, write_tiny_config};
@@ -177,27 +177,33 @@ fn check_shows_what_each_worker_sends_and_train_says_when_a_reducer_switches() {
         plan.contains("overlap           none (the step waits for its collectives)"),
         "{plan}"
     );
+    train_prints_the_plan_and_the_switch(dir.path(), cfg, &powersgd, &want);
+    let ddp = check(&["--workers", "2"]);
+    assert!(
+        ddp.contains("overlap           gradient buckets with the backward pass"),
+        "{ddp}"
+    );
+}
+
+/// `train` with `args` (PowerSGD from step 10) prints the plan (`want`, its dense phase's line), where
+/// its TensorBoard scalars go, and one line at the step the reducer switches.
+fn train_prints_the_plan_and_the_switch(dir: &Path, cfg: &str, powersgd: &[&str], want: &str) {
     let tensorboard = ["--set", "log.tensorboard=true"];
-    let out = nanodist(&[&["train", cfg], &powersgd[..], &tensorboard[..]].concat());
+    let out = nanodist(&[&["train", cfg], powersgd, &tensorboard[..]].concat());
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let log = text(&out);
-    let logdir = dir.path().join("log");
+    let logdir = dir.join("log");
     let tb = format!(
         "TensorBoard scalars in {}/plan/tb (view: tensorboard --logdir {})",
         logdir.display(),
         logdir.display()
     );
     assert!(log.contains(&tb), "missing {tb:?} in {log}");
-    assert!(log.contains(&want), "train prints the plan: {log}");
+    assert!(log.contains(want), "train prints the plan: {log}");
     let switch =
         "step 10: the reducer switches from dense all-reduce to compressed (powersgd rank 2, \
                   dense until step 10)";
     assert_eq!(log.matches(switch).count(), 1, "{log}");
-    let ddp = check(&["--workers", "2"]);
-    assert!(
-        ddp.contains("overlap           gradient buckets with the backward pass"),
-        "{ddp}"
-    );
 }
 
 /// `sbatch --dry-run` writes the script it would submit, with every flag passed into its `#SBATCH` lines, the
@@ -263,7 +269,14 @@ fn sbatch_dry_run_writes_the_script_with_every_passed_flag() {
         assert!(printed.contains(want), "missing {want:?} in:\n{printed}");
     }
     assert_eq!(printed.matches("--job-name").count(), 1, "{printed}");
-    // Every directive before the first command (sbatch stops reading them there).
+    the_script_is_ordered_written_and_submitted(&printed);
+    bad_sbatch_flags_exit_2(cfg);
+}
+
+/// The dry run's `printed` script: every directive before the first command (sbatch stops reading them
+/// there), the site setup right before the launch, and the script written where the message says, which
+/// the printed command submits.
+fn the_script_is_ordered_written_and_submitted(printed: &str) {
     let first_command = printed.find("\nNANODIST=").unwrap();
     assert!(printed.rfind("#SBATCH").unwrap() < first_command);
     // The site setup runs right before the launch.
@@ -294,7 +307,10 @@ fn sbatch_dry_run_writes_the_script_with_every_passed_flag() {
         .status()
         .unwrap();
     assert!(syntax.success());
-    // Bad flags exit 2 and say what is allowed.
+}
+
+/// Bad `sbatch` flags exit 2 and say what is allowed.
+fn bad_sbatch_flags_exit_2(cfg: &str) {
     for (args, says) in [
         (
             &["--sbatch-arg", "reservation=big"][..],
@@ -380,10 +396,30 @@ fn model_vocabulary_must_cover_the_prepared_data() {
     );
 }
 
+/// A char-level model trained on a small corpus (stopped by its time limit, then resumed to the end)
+/// samples deterministically, evaluates text, and refuses bad input with exit code 2.
 #[test]
 fn char_model_trains_samples_and_evaluates_text() {
     let dir = tempfile::tempdir().unwrap();
-    let corpus = dir.path().join("corpus");
+    let corpus = train_char_model(dir.path());
+    let run = dir.path().join("log/r");
+    sampling_is_deterministic_for_a_seed(&run);
+    let e = nanodist(&[
+        "eval",
+        run.to_str().unwrap(),
+        "--data",
+        corpus.join("0.txt").to_str().unwrap(),
+    ]);
+    assert!(e.status.success(), "{}", String::from_utf8_lossy(&e.stderr));
+    assert!(String::from_utf8_lossy(&e.stdout).contains("perplexity"));
+    a_weights_file_samples_greedily(&run);
+    eval_refuses_what_it_cannot_read(dir.path(), &run, &corpus);
+}
+
+/// Prepares a corpus of 20 documents as char tokens in `dir`/data and trains run "r" on them: a first
+/// segment stopped by `train.exit_duration_mins`, then resumed to step 30. Returns the corpus folder.
+fn train_char_model(dir: &Path) -> PathBuf {
+    let corpus = dir.join("corpus");
     std::fs::create_dir_all(&corpus).unwrap();
     for i in 0..20 {
         let doc: String = (0..200)
@@ -391,7 +427,7 @@ fn char_model_trains_samples_and_evaluates_text() {
             .collect();
         std::fs::write(corpus.join(format!("{i}.txt")), doc).unwrap();
     }
-    let data = dir.path().join("data");
+    let data = dir.join("data");
     let p = nanodist(&[
         "prepare",
         "--input",
@@ -404,10 +440,10 @@ fn char_model_trains_samples_and_evaluates_text() {
         "0.2",
     ]);
     assert!(p.status.success(), "{}", String::from_utf8_lossy(&p.stderr));
-    let cfg = dir.path().join("c.toml");
+    let cfg = dir.join("c.toml");
     let data_dir = format!("data_dir={:?}", data.display().to_string());
     let config_text = common::config(
-        dir.path(),
+        dir,
         Some("r"),
         &[
             &data_dir,
@@ -437,7 +473,12 @@ fn char_model_trains_samples_and_evaluates_text() {
         "{}",
         String::from_utf8_lossy(&t.stdout)
     );
-    let run = dir.path().join("log/r");
+    corpus
+}
+
+/// Sampling from a run: the prompt continued, the same text for the same seed, and characters outside
+/// the vocabulary refused with exit code 2.
+fn sampling_is_deterministic_for_a_seed(run: &Path) {
     let s = nanodist(&[
         "sample",
         run.to_str().unwrap(),
@@ -468,21 +509,16 @@ fn char_model_trains_samples_and_evaluates_text() {
         again.stdout, s.stdout,
         "sampling is deterministic for a seed"
     );
-    let e = nanodist(&[
-        "eval",
-        run.to_str().unwrap(),
-        "--data",
-        corpus.join("0.txt").to_str().unwrap(),
-    ]);
-    assert!(e.status.success(), "{}", String::from_utf8_lossy(&e.stderr));
-    assert!(String::from_utf8_lossy(&e.stdout).contains("perplexity"));
     let bad = nanodist(&["sample", run.to_str().unwrap(), "--prompt", "XYZ"]);
     assert_eq!(
         bad.status.code(),
         Some(2),
         "characters outside the vocabulary are bad input"
     );
-    // A weights file loads too, and says what it loaded; temperature 0 is greedy (seed-independent).
+}
+
+/// A weights file loads too, and says what it loaded; temperature 0 is greedy (seed-independent).
+fn a_weights_file_samples_greedily(run: &Path) {
     let best = run.join("best_model.safetensors");
     let greedy: Vec<Output> = ["1", "2"]
         .iter()
@@ -508,8 +544,13 @@ fn char_model_trains_samples_and_evaluates_text() {
     );
     let want = format!("loaded {} (step 30)", best.display());
     assert!(text(&greedy[0]).contains(&want), "{}", text(&greedy[0]));
+}
+
+/// `eval` of text with a character the model never saw, of a folder, and of a missing run: exit code 2
+/// with the file, line and column where there is one.
+fn eval_refuses_what_it_cannot_read(dir: &Path, run: &Path, corpus: &Path) {
     // Text with a character the model never saw: exit 2 with the file, line and column.
-    let odd = dir.path().join("odd.txt");
+    let odd = dir.join("odd.txt");
     // The training text has no newline: the first unknown character is the one ending line 1.
     std::fs::write(&odd, "the cat\nsat \u{2603} on").unwrap();
     let e = nanodist(&[
@@ -538,7 +579,7 @@ fn char_model_trains_samples_and_evaluates_text() {
     );
     let bad = nanodist(&[
         "eval",
-        dir.path().join("nope").to_str().unwrap(),
+        dir.join("nope").to_str().unwrap(),
         "--data",
         "x.bin",
     ]);
@@ -751,45 +792,7 @@ fn resuming_with_a_changed_config_is_refused_unless_allowed() {
     assert!(nanodist(&["train", cfg]).status.success());
     let run = dir.path().join("log/r");
     let saved = std::fs::read(run.join("config.toml")).unwrap();
-    let changed = nanodist(&[
-        "train",
-        cfg,
-        "--set",
-        "train.n_steps=30",
-        "--set",
-        "train.lr_schedule.lr=3e-2",
-        "--set",
-        "train.optim={ name = \"adamw\", weight_decay = 0.0 }",
-    ]);
-    let err = text(&changed);
-    assert_eq!(changed.status.code(), Some(2), "{err}");
-    for want in [
-        "train.n_steps: 20 in the checkpoint, 30 now",
-        "train.lr_schedule.lr: 0.003 in the checkpoint, 0.03 now",
-        "train.optim.weight_decay: 0.1 in the checkpoint, 0.0 now",
-        "the learning rate at step 20 would jump from 3.000e-4",
-        "--allow-config-change train.lr_schedule.lr train.n_steps train.optim.weight_decay",
-        "nanodist train --fresh",
-    ] {
-        assert!(err.contains(want), "{want:?} missing:\n{err}");
-    }
-    let gossip = nanodist(&[
-        "train",
-        cfg,
-        "--set",
-        "train.backend=\"decentdp\"",
-        "--set",
-        "train.topology=\"ring\"",
-    ]);
-    assert_eq!(gossip.status.code(), Some(2));
-    assert!(
-        text(&gossip).contains("train.backend: \"pytorchddp\" in the checkpoint, \"decentdp\" now")
-    );
-    assert_eq!(
-        std::fs::read(run.join("config.toml")).unwrap(),
-        saved,
-        "refusals write nothing"
-    );
+    changed_configs_are_refused_with_the_differences(cfg, &run, &saved);
     // Log settings are free to change: the finished run is simply finished.
     let logs = nanodist(&[
         "train",
@@ -832,6 +835,50 @@ fn resuming_with_a_changed_config_is_refused_unless_allowed() {
     assert!(text(&fresh).contains("log/r-2"), "{}", text(&fresh));
     let rows = nanodist::metrics::read_rows(&dir.path().join("log/r-2/metrics.jsonl")).unwrap();
     assert_eq!((rows[0].step, rows.last().unwrap().step), (1, 20));
+}
+
+/// Resuming run `run` of `cfg` with changed keys: exit code 2, each difference and the learning-rate
+/// jump named, the flags that would allow it, and nothing written (its config still `saved`).
+fn changed_configs_are_refused_with_the_differences(cfg: &str, run: &Path, saved: &[u8]) {
+    let changed = nanodist(&[
+        "train",
+        cfg,
+        "--set",
+        "train.n_steps=30",
+        "--set",
+        "train.lr_schedule.lr=3e-2",
+        "--set",
+        "train.optim={ name = \"adamw\", weight_decay = 0.0 }",
+    ]);
+    let err = text(&changed);
+    assert_eq!(changed.status.code(), Some(2), "{err}");
+    for want in [
+        "train.n_steps: 20 in the checkpoint, 30 now",
+        "train.lr_schedule.lr: 0.003 in the checkpoint, 0.03 now",
+        "train.optim.weight_decay: 0.1 in the checkpoint, 0.0 now",
+        "the learning rate at step 20 would jump from 3.000e-4",
+        "--allow-config-change train.lr_schedule.lr train.n_steps train.optim.weight_decay",
+        "nanodist train --fresh",
+    ] {
+        assert!(err.contains(want), "{want:?} missing:\n{err}");
+    }
+    let gossip = nanodist(&[
+        "train",
+        cfg,
+        "--set",
+        "train.backend=\"decentdp\"",
+        "--set",
+        "train.topology=\"ring\"",
+    ]);
+    assert_eq!(gossip.status.code(), Some(2));
+    assert!(
+        text(&gossip).contains("train.backend: \"pytorchddp\" in the checkpoint, \"decentdp\" now")
+    );
+    assert_eq!(
+        std::fs::read(run.join("config.toml")).unwrap(),
+        saved,
+        "refusals write nothing"
+    );
 }
 
 /// Messages by exact text: a file that cannot be read, a run directory given as the config, a malformed

@@ -396,6 +396,13 @@ fn predict_compares_entries_on_clusters_in_one_call() {
     );
     let table =
         String::from_utf8_lossy(&with(&["--variant", "train.backend=diloco"]).stdout).to_string();
+    the_table_notes_where_latency_dominates(&table);
+    run_directories_are_priced_to_the_target();
+}
+
+/// `predict`'s Markdown table of gpt2-small with its DiLoCo variant on the two clusters: one note, for
+/// all-reduce's default buckets on the WAN.
+fn the_table_notes_where_latency_dominates(table: &str) {
     assert!(
         table.starts_with("| entry | cluster | ms/step |"),
         "{table}"
@@ -414,8 +421,10 @@ fn predict_compares_entries_on_clusters_in_one_call() {
         notes[0].contains("and 750 ms/step of loss means and stop votes"),
         "{table}"
     );
+}
 
-    // Run directories: the time each is predicted to reach the worse final val loss.
+/// Run directories: the time each is predicted to reach the worse final val loss.
+fn run_directories_are_priced_to_the_target() {
     let d = tempfile::tempdir().unwrap();
     make_data(d.path());
     let dense = train_run(d.path(), "dense", 2, &[]);

@@ -63,75 +63,93 @@ fn logits_loss_and_gradients_match_pytorch() {
         let x = Tensor::from_vec(ids("x"), (B, T), &Device::Cpu).unwrap();
         let y = Tensor::from_vec(ids("y"), (B, T), &Device::Cpu).unwrap();
         let want = &expected[case];
-        let logits = graph
-            .forward(&x, None)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let want_logits: Vec<f64> = serde_json::from_value(want["logits"].clone()).unwrap();
-        assert_eq!(logits.len(), want_logits.len());
-        for (i, (a, b)) in logits.iter().zip(&want_logits).enumerate() {
-            close(*a as f64, *b, &format!("{case} logit {i}"));
-        }
-        let loss = graph.loss(&x, &y, None).unwrap();
-        close(
-            loss.to_scalar::<f32>().unwrap() as f64,
-            want["loss"].as_f64().unwrap(),
-            &format!("{case} loss"),
-        );
-        let grads = loss.backward().unwrap();
-        let norms = want["grad_norms"].as_object().unwrap();
-        assert_eq!(norms.len(), m.params.params.len());
-        for p in &m.params.params {
-            let g = grads.get(graph.params.get(&p.name).unwrap()).unwrap();
-            let n = g
-                .sqr()
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-                .sqrt() as f64;
-            close(
-                n,
-                norms[&p.name].as_f64().unwrap(),
-                &format!("{case} |grad {}|", p.name),
-            );
-        }
-        // The CPU engine.
+        graph_matches(&graph, (&x, &y), want, case);
         let batch = nanodist::data::Batch {
             b: B,
             t: T,
             x: ids("x"),
             y: ids("y"),
         };
-        let mut g = vec![0.0f32; m.params.numel];
-        let loss = m
-            .loss_and_grads(
-                &mut Default::default(),
-                (&flat).into(),
-                &batch,
-                None,
-                1.0,
-                (&mut g).into(),
-            )
-            .unwrap();
+        cpu_engine_matches(&m, &flat, &batch, want, case);
+    }
+}
+
+/// candle's graph of the case's model: its logits, loss and each parameter's gradient norm against
+/// PyTorch's (`want`).
+fn graph_matches(graph: &Gpt, (x, y): (&Tensor, &Tensor), want: &serde_json::Value, case: &str) {
+    let logits = graph
+        .forward(x, None)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let want_logits: Vec<f64> = serde_json::from_value(want["logits"].clone()).unwrap();
+    assert_eq!(logits.len(), want_logits.len());
+    for (i, (a, b)) in logits.iter().zip(&want_logits).enumerate() {
+        close(*a as f64, *b, &format!("{case} logit {i}"));
+    }
+    let loss = graph.loss(x, y, None).unwrap();
+    close(
+        loss.to_scalar::<f32>().unwrap() as f64,
+        want["loss"].as_f64().unwrap(),
+        &format!("{case} loss"),
+    );
+    let grads = loss.backward().unwrap();
+    let norms = want["grad_norms"].as_object().unwrap();
+    assert_eq!(norms.len(), graph.params.params.len());
+    for p in &graph.params.params {
+        let g = grads.get(graph.params.get(&p.name).unwrap()).unwrap();
+        let n = g
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt() as f64;
         close(
-            loss as f64,
-            want["loss"].as_f64().unwrap(),
-            &format!("{case} CPU engine loss"),
+            n,
+            norms[&p.name].as_f64().unwrap(),
+            &format!("{case} |grad {}|", p.name),
         );
-        for p in &m.params.params {
-            let g = &g[p.offset..p.offset + p.len];
-            let n = g.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
-            close(
-                n,
-                norms[&p.name].as_f64().unwrap(),
-                &format!("{case} CPU engine |grad {}|", p.name),
-            );
-        }
+    }
+}
+
+/// The CPU engine from the flat weights: its loss and each parameter's gradient norm against
+/// PyTorch's (`want`).
+fn cpu_engine_matches(
+    m: &Gpt,
+    flat: &[f32],
+    batch: &nanodist::data::Batch,
+    want: &serde_json::Value,
+    case: &str,
+) {
+    let norms = want["grad_norms"].as_object().unwrap();
+    let mut g = vec![0.0f32; m.params.numel];
+    let loss = m
+        .loss_and_grads(
+            &mut Default::default(),
+            flat.into(),
+            batch,
+            None,
+            1.0,
+            (&mut g).into(),
+        )
+        .unwrap();
+    close(
+        loss as f64,
+        want["loss"].as_f64().unwrap(),
+        &format!("{case} CPU engine loss"),
+    );
+    for p in &m.params.params {
+        let g = &g[p.offset..p.offset + p.len];
+        let n = g.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+        close(
+            n,
+            norms[&p.name].as_f64().unwrap(),
+            &format!("{case} CPU engine |grad {}|", p.name),
+        );
     }
 }
 
