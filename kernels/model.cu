@@ -274,3 +274,21 @@ extern "C" __global__ void gelu_backward(const float* x, const float* g, float* 
         dx[i] = g[i] * d;
     }
 }
+
+// The permutation between the attention's rows (B T, C) and its heads (B, nh, T, hs), C = nh hs: entry
+// (b t, h hs + d) of the rows is entry (b, h, t, d) of the heads. to_heads: the heads from the rows (the
+// queries, keys and values); else the rows from the heads (the attention's output). Thread i takes the
+// rows' entry i (a grid-stride loop over n = B T C): coalesced on the rows' side, runs of hs on the heads'.
+extern "C" __global__ void permute_heads(const float* src, float* dst, unsigned n, unsigned t, unsigned nh,
+                                         unsigned hs, unsigned to_heads) {
+    const unsigned c = nh * hs;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        const unsigned row = i / c, col = i % c;
+        const unsigned j = ((row / t * nh + col / hs) * t + row % t) * hs + col % hs;
+        if (to_heads) {
+            dst[j] = src[i];
+        } else {
+            dst[i] = src[j];
+        }
+    }
+}

@@ -458,6 +458,38 @@ fn gelu_kernels_equal_the_cpu_engines_gelu() {
     }
 }
 
+/// The permutation between the attention's rows and heads: the ops on the GPU give the host's values
+/// and gradients bit for bit, both ways, at GPT-2 small's head size and at odd sizes.
+#[test]
+fn heads_kernels_equal_their_twins() {
+    use candle_core::{Device, Tensor, Var};
+    use nanodist::flat::Place;
+    use nanodist::model::fused::{from_heads, to_heads};
+    let k = Arc::new(kernels());
+    let gpu = Device::Cuda(k.candle_device().unwrap().clone());
+    let on_gpu = Place::Cuda(k.clone());
+    for (b, t, nh, hs) in [(2, 1024, 12, 64), (3, 7, 5, 9), (1, 1, 1, 1)] {
+        let x = values(b * t * nh * hs, t as u64, false);
+        let g = values(x.len(), 3, false);
+        let run = |dev: &Device, place: &Place| {
+            let xv = Var::from_vec(x.clone(), (b * t, nh * hs), dev).unwrap();
+            let y = to_heads(&xv, t, nh, place).unwrap();
+            let back = from_heads(&y, place).unwrap();
+            let up = Tensor::from_vec(g.clone(), (b * t, nh * hs), dev).unwrap();
+            let grads = (&back * &up)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let flat = |v: &Tensor| bits(&v.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            (flat(&y), flat(&back), flat(grads.get(&xv).unwrap()))
+        };
+        let (host, device) = (run(&Device::Cpu, &Place::Host), run(&gpu, &on_gpu));
+        assert_eq!(device, host, "({b}, {nh}, {t}, {hs})");
+    }
+}
+
 #[test]
 fn nccl_engine_at_world_size_one() {
     let mut c = nanodist::comm::nccl::NcclComm::init(0, 1, 0, Duration::from_secs(30), |_| Ok(()))
@@ -1003,7 +1035,7 @@ fn matmul_pieces(dev: &candle_core::Device) -> Vec<Piece> {
     };
     let qkv = || var(dev, &[b, h, t, c / h]);
     vec![
-        linear("matmul bf16: attention qkv", 12, c, 3 * c),
+        linear("matmul bf16: attention q, k, v (each)", 36, c, c),
         linear("matmul bf16: attention out", 12, c, c),
         linear("matmul bf16: mlp up", 12, c, 4 * c),
         linear("matmul bf16: mlp down", 12, 4 * c, c),
@@ -1022,7 +1054,7 @@ fn matmul_pieces(dev: &candle_core::Device) -> Vec<Piece> {
 fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec<Piece> {
     let (b, t, c, h, v) = SHAPES;
     let n = b * t;
-    let [p1, p2, p3, p4] = [0; 4].map(|_| place.clone());
+    let [p1, p2, p3, p4, p5, p6] = [0; 6].map(|_| place.clone());
     let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
     let targets = candle_core::Tensor::from_vec(ids, n, dev).unwrap();
     vec![
@@ -1052,6 +1084,20 @@ fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec
             }),
         },
         Piece {
+            name: "rows to heads: q, k, v (fused)",
+            count: 36,
+            inputs: vec![var(dev, &[n, c])],
+            work: f32s(n * c, 2),
+            f: Box::new(move |x| nanodist::model::fused::to_heads(&x[0], t, h, &p5).unwrap()),
+        },
+        Piece {
+            name: "heads to rows: attention output (fused)",
+            count: 12,
+            inputs: vec![var(dev, &[b, h, t, c / h])],
+            work: f32s(n * c, 2),
+            f: Box::new(move |x| nanodist::model::fused::from_heads(&x[0], &p6).unwrap()),
+        },
+        Piece {
             name: "cross-entropy (fused) and mean",
             count: 1,
             inputs: vec![var(dev, &[n, v])],
@@ -1067,7 +1113,7 @@ fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec
 /// The step's other ops, candle's, as the model composes them.
 fn composed_pieces(dev: &candle_core::Device) -> Vec<Piece> {
     use candle_core::Tensor;
-    let (b, t, c, h, v) = SHAPES;
+    let (b, t, c, _, v) = SHAPES;
     let n = b * t;
     let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
     let ids = Tensor::from_vec(ids, n, dev).unwrap();
@@ -1085,23 +1131,6 @@ fn composed_pieces(dev: &candle_core::Device) -> Vec<Piece> {
             &[&[n, 4 * c], &[4 * c]],
             f32s(n * 4 * c, 2),
             Box::new(|x| x[0].broadcast_add(&x[1]).unwrap()),
-        ),
-        piece(
-            "qkv split: permute, contiguous",
-            12,
-            &[&[n, 3 * c]],
-            f32s(n * 3 * c, 2),
-            Box::new(move |x| {
-                let qkv = x[0]
-                    .reshape((b, t, 3, h, c / h))
-                    .unwrap()
-                    .permute((2, 0, 3, 1, 4))
-                    .unwrap();
-                let parts: Vec<_> = (0..3)
-                    .map(|i| qkv.get(i).unwrap().contiguous().unwrap())
-                    .collect();
-                Tensor::cat(&parts, 0).unwrap()
-            }),
         ),
         piece(
             "residual add",

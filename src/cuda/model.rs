@@ -1,5 +1,6 @@
 //! Launchers of the model's kernels (kernels/model.cu): the attention's causal softmax, the cross-entropy,
-//! the layer norm and the GELU, each with its backward; their CPU twins are in `crate::kernels::model`
+//! the layer norm and the GELU, each with its backward, and the permutation between the attention's rows
+//! and heads; their CPU twins are in `crate::kernels::model`
 //! (the GELU's: the CPU engine's own, `crate::model::ops`).
 
 use anyhow::{ensure, Result};
@@ -314,5 +315,51 @@ impl Kernels {
             )
         };
         Ok(dx)
+    }
+
+    /// The attention's heads (B, nh, T, hs) from its rows (B T, C), C = nh hs, where `to_heads` is set,
+    /// else the rows from the heads (twin: `kernels::model::permute_heads`), in a new buffer.
+    pub fn permute_heads(
+        &self,
+        src: &CudaView<f32>,
+        t: usize,
+        nh: usize,
+        hs: usize,
+        to_heads: bool,
+    ) -> Result<CudaSlice<f32>> {
+        ensure!(
+            t > 0 && nh * hs > 0 && src.len().is_multiple_of(t * nh * hs),
+            "internal error: {} values are not rows of {} over {t} positions",
+            src.len(),
+            nh * hs
+        );
+        let n = u32_of(src.len(), "length")?;
+        let (t32, nh32, hs32) = (
+            u32_of(t, "positions")?,
+            u32_of(nh, "heads")?,
+            u32_of(hs, "head size")?,
+        );
+        let to = u32::from(to_heads);
+        // SAFETY: uninitialized memory for dst, which the kernel writes whole: entry i of the rows (the
+        // grid-stride loop over n) and its image j < n under the permutation, one of them each.
+        let mut dst = unsafe { self.stream.alloc::<f32>(src.len())? };
+        // SAFETY: permute_heads(src, dst, n, t, nh, hs, to_heads) in model.cu: it reads and writes src and
+        // dst below n, the length of both, whole rows of nh hs over whole runs of t positions (checked
+        // above).
+        unsafe {
+            launch!(
+                self,
+                "permute_heads",
+                per_element(src.len()),
+                src,
+                &mut dst,
+                &n,
+                &t32,
+                &nh32,
+                &hs32,
+                &to
+            )
+        };
+        Ok(dst)
     }
 }

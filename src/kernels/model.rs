@@ -206,6 +206,28 @@ pub fn layer_norm_columns(x: &[f32], g: &[f32], stats: &[f32], c: usize) -> (Vec
     (dw, db)
 }
 
+/// Twin of `permute_heads`: between the attention's rows (B T, C) and heads (B, nh, T, hs), C = nh hs,
+/// entry (b t, h hs + d) of the rows being entry (b, h, t, d) of the heads; `to_heads` writes the heads
+/// from the rows, else the rows from the heads. A copy of each run of hs entries.
+pub fn permute_heads(src: &[f32], dst: &mut [f32], t: usize, nh: usize, hs: usize, to_heads: bool) {
+    let c = nh * hs;
+    assert!(
+        c > 0 && t > 0 && src.len() == dst.len() && src.len().is_multiple_of(t * c),
+        "internal error: {} values permuted between rows of {c} and {nh} heads over {t} positions",
+        src.len()
+    );
+    for (row, at) in (0..src.len()).step_by(c).enumerate() {
+        let (b, tt) = (row / t, row % t);
+        for h in 0..nh {
+            let (i, j) = (at + h * hs, ((b * nh + h) * t + tt) * hs);
+            match to_heads {
+                true => dst[j..j + hs].copy_from_slice(&src[i..i + hs]),
+                false => dst[i..i + hs].copy_from_slice(&src[j..j + hs]),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -339,6 +339,17 @@ impl Gpt {
         })
     }
 
+    /// The output rows from..from + n of linear layer `prefix`: x W[from..from + n]^T (+ those entries of
+    /// its bias).
+    fn linear_rows(&self, x: &Tensor, prefix: &str, from: usize, n: usize) -> Result<Tensor> {
+        let w = self.p(&format!("{prefix}.weight"))?.narrow(0, from, n)?;
+        let y = self.mm(x, &w.t()?)?;
+        Ok(match self.bias(&format!("{prefix}.bias")) {
+            Some(b) => y.broadcast_add(&b.narrow(0, from, n)?)?,
+            None => y,
+        })
+    }
+
     /// LayerNorm over the last dim (a zero bias where the model has none).
     fn layer_norm(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
         let w = self.p(&format!("{prefix}.weight"))?;
@@ -353,19 +364,23 @@ impl Gpt {
         super::fused::layer_norm(x, w, b, LN_EPS, &self.place)
     }
 
-    fn attention(&self, x: &Tensor, b: usize, t: usize, prefix: &str) -> Result<Tensor> {
+    /// Causal self-attention of x (B T, C). The queries, keys and values are c_attn's three parts (C
+    /// rows of its weight and entries of its bias each), each as (B, nh, T, hs) heads: candle's narrow of
+    /// one (B T, 3 C) product would take its gradient back through a model-wide zero fill, cat and add
+    /// per part, where the weight's parts take that path at the weight's size.
+    fn attention(&self, x: &Tensor, t: usize, prefix: &str) -> Result<Tensor> {
         let (c, nh) = (self.cfg.n_embd, self.cfg.n_heads);
         let hs = c / nh;
-        let qkv = self.linear(x, &format!("{prefix}.c_attn"))?; // (B*T, 3C)
-        let qkv = qkv.reshape((b, t, 3, nh, hs))?.permute((2, 0, 3, 1, 4))?; // (3, B, nh, T, hs)
-        let q = qkv.i(0)?.contiguous()?;
-        let k = qkv.i(1)?.contiguous()?;
-        let v = qkv.i(2)?.contiguous()?;
+        let heads = |part: usize| -> Result<Tensor> {
+            let rows = self.linear_rows(x, &format!("{prefix}.c_attn"), part * c, c)?;
+            super::fused::to_heads(&rows, t, nh, &self.place)
+        };
+        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let scale = 1.0 / (hs as f32).sqrt();
         let scores = self.mm(&q, &k.t()?)?; // (B, nh, T, T)
         let att = super::fused::causal_softmax(&scores, scale, &self.place)?;
         let y = self.mm(&att, &v)?; // (B, nh, T, hs)
-        let y = y.transpose(1, 2)?.reshape((b * t, c))?;
+        let y = super::fused::from_heads(&y, &self.place)?; // (B T, C)
         self.linear(&y, &format!("{prefix}.c_proj"))
     }
 
@@ -379,10 +394,10 @@ impl Gpt {
     /// Logits (B*T, vocab) for token ids `x` of shape (B, T). `dropout` draws its masks from `rng`
     /// when the model trains with dropout > 0.
     pub fn forward(&self, x: &Tensor, mut dropout: Option<&mut ChaCha8Rng>) -> Result<Tensor> {
-        let (b, t) = x.dims2()?;
+        let (_, t) = x.dims2()?;
         let mut h = self.embed(x, &mut dropout)?;
         for i in 0..self.cfg.n_layers {
-            h = self.block(&h, i, b, t, &mut dropout)?;
+            h = self.block(&h, i, t, &mut dropout)?;
         }
         self.head(&h)
     }
@@ -418,14 +433,12 @@ impl Gpt {
         &self,
         h: &Tensor,
         i: usize,
-        b: usize,
         t: usize,
         dropout: &mut Option<&mut ChaCha8Rng>,
     ) -> Result<Tensor> {
         let pre = format!("transformer.h.{i}");
         let a = self.attention(
             &self.layer_norm(h, &format!("{pre}.ln_1"))?,
-            b,
             t,
             &format!("{pre}.attn"),
         )?;
@@ -473,13 +486,13 @@ impl Gpt {
             "internal error: the staged backward runs on candle's graph"
         );
         let (x, y) = self.batch_tensors(batch)?;
-        let (b, t) = x.dims2()?;
+        let (_, t) = x.dims2()?;
         // Each stage's input is a leaf (a detached copy as a Var), so that each backward stops there.
         let leaf = |h: &Tensor| candle_core::Var::from_tensor(&h.detach());
         let h0 = self.embed(&x, &mut dropout)?;
         let (mut inputs, mut outputs) = (vec![leaf(&h0)?], Vec::new());
         for i in 0..self.cfg.n_layers {
-            let h = self.block(inputs[i].as_tensor(), i, b, t, &mut dropout)?;
+            let h = self.block(inputs[i].as_tensor(), i, t, &mut dropout)?;
             inputs.push(leaf(&h)?);
             outputs.push(h);
         }

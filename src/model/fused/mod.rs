@@ -1,6 +1,7 @@
 //! The model's fused ops on candle's graph, each with its own backward: the attention's causal softmax
 //! (softmax(s scale) over the keys up to each query), the cross-entropy of the logits, the layer norm, and
-//! the GELU (the CPU engine's, `super::ops`, on both devices). candle's composed forms (scale, add the
+//! the GELU (the CPU engine's, `super::ops`, on both devices), and the permutation between the attention's
+//! rows and heads. candle's composed forms (scale, add the
 //! mask, max, subtract, exp, sum, log, divide, gather, mean, square root, erf) run up to a dozen kernels
 //! each over the (B, heads, T, T) scores, the (B T, vocab) logits and the activations, and keep each
 //! intermediate for their backward; each op here runs one kernel forward and one to three backward and
@@ -15,6 +16,7 @@ use crate::flat::Place;
 use crate::kernels::model as twin;
 
 mod gelu;
+mod heads;
 mod loss;
 mod norm;
 mod softmax;
@@ -22,6 +24,7 @@ mod softmax;
 mod tests;
 
 use gelu::Gelu;
+use heads::Heads;
 use loss::CrossEntropy;
 use norm::LayerNorm;
 use softmax::CausalSoftmax;
@@ -100,6 +103,51 @@ pub fn gelu(x: &Tensor, tanh_form: bool, place: &Place) -> Result<Tensor> {
         place: place.clone(),
     };
     Ok(x.contiguous()?.apply_op1(op)?)
+}
+
+/// The heads (B, nh, T, hs) of the attention's f32 rows `x` (B T, C), C = nh hs: entry (b t, h hs + d)
+/// of the rows is (b, h, t, d) of the heads, what reshape (B, T, nh, hs), transpose (1, 2) and contiguous
+/// give, in one pass (candle's copy of a strided layout divides each index by every dim); differentiable.
+pub fn to_heads(x: &Tensor, t: usize, nh: usize, place: &Place) -> Result<Tensor> {
+    let (rows, c) = x.dims2()?;
+    ensure!(
+        x.dtype() == DType::F32
+            && t > 0
+            && nh > 0
+            && c.is_multiple_of(nh)
+            && rows.is_multiple_of(t),
+        "internal error: {nh} heads over {t} positions of {:?} {:?} rows (f32 (B T, C) expected)",
+        x.dtype(),
+        x.dims()
+    );
+    let op = Heads {
+        t,
+        nh,
+        hs: c / nh,
+        to_heads: true,
+        place: place.clone(),
+    };
+    Ok(x.contiguous()?.apply_op1(op)?)
+}
+
+/// The rows (B T, C) of the attention's f32 heads `y` (B, nh, T, hs): the inverse of `to_heads`;
+/// differentiable.
+pub fn from_heads(y: &Tensor, place: &Place) -> Result<Tensor> {
+    let (_, nh, t, hs) = y.dims4()?;
+    ensure!(
+        y.dtype() == DType::F32 && t > 0 && nh * hs > 0,
+        "internal error: rows of {:?} {:?} heads (f32 (B, nh, T, hs) expected)",
+        y.dtype(),
+        y.dims()
+    );
+    let op = Heads {
+        t,
+        nh,
+        hs,
+        to_heads: false,
+        place: place.clone(),
+    };
+    Ok(y.contiguous()?.apply_op1(op)?)
 }
 
 /// The part of `v` a contiguous layout covers.

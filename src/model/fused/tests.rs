@@ -1,4 +1,4 @@
-//! The fused ops against candle's composed forms, and the GELU kernels against the CPU engine's GELU.
+//! The fused ops against candle's composed forms, and the GELU and heads kernels against their twins.
 
 use super::gelu::Gelu;
 use super::*;
@@ -209,6 +209,82 @@ fn the_gelu_kernels_are_the_cpu_engines_gelu() {
     }
 }
 
+/// `to_heads` and `from_heads` are candle's reshape, transpose and contiguous, forward and in the
+/// gradient, bit for bit (a permutation moves values, it computes none), on a non-contiguous input; and
+/// `from_heads` undoes `to_heads`.
+#[test]
+fn the_heads_ops_are_candles_reshape_and_transpose_forward_and_backward() {
+    let (b, t, nh, hs) = (2, 5, 3, 7);
+    let (c, dev) = (nh * hs, Device::Cpu);
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (c, b * t), &dev).unwrap()).unwrap();
+    let up = Tensor::randn(0f32, 1.0, (b, nh, t, hs), &dev).unwrap();
+    let xt = x.as_tensor().t().unwrap();
+    let ours = to_heads(&xt, t, nh, &Place::Host).unwrap();
+    let theirs = xt.reshape((b, t, nh, hs)).unwrap().transpose(1, 2).unwrap();
+    let bits = |v: &Tensor| -> Vec<u32> {
+        let v = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    assert_eq!(bits(&ours), bits(&theirs.contiguous().unwrap()), "forward");
+    let back = from_heads(&ours, &Place::Host).unwrap();
+    assert_eq!(back.dims(), [b * t, c]);
+    assert_eq!(bits(&back), bits(&xt.contiguous().unwrap()), "inverse");
+    let grad = |y: &Tensor| (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+    let (go, gt) = (grad(&ours), grad(&theirs));
+    assert_eq!(
+        bits(go.get(&x).unwrap()),
+        bits(gt.get(&x).unwrap()),
+        "to_heads' gradient"
+    );
+    let (go, gt) = (
+        grad(&to_heads(&back, t, nh, &Place::Host).unwrap()),
+        grad(&theirs),
+    );
+    assert_eq!(
+        bits(go.get(&x).unwrap()),
+        bits(gt.get(&x).unwrap()),
+        "from_heads' gradient"
+    );
+}
+
+/// The permutation's kernel, run on the host with its launcher's grid, writes what its twin writes, both
+/// ways, and the twin is the permutation entry for entry.
+#[test]
+fn the_heads_kernel_is_its_twin() {
+    use crate::kernels::emulate::{per_element, Arg, Emulator, Source};
+    let Some(e) = Emulator::get(Source::Model) else {
+        return;
+    };
+    let (b, t, nh, hs) = (3, 11, 4, 9);
+    let n = b * t * nh * hs;
+    let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    for to_heads in [true, false] {
+        let mut want = vec![f32::NAN; n];
+        twin::permute_heads(&src, &mut want, t, nh, hs, to_heads);
+        for (i, (bt, col)) in (0..b * t)
+            .flat_map(|r| (0..nh * hs).map(move |c| (r, c)))
+            .enumerate()
+        {
+            let j = ((bt / t * nh + col / hs) * t + bt % t) * hs + col % hs;
+            let (from, to) = if to_heads { (i, j) } else { (j, i) };
+            assert_eq!(want[to], src[from], "to_heads {to_heads}: entry {i}");
+        }
+        let u = |v: usize| Arg::U32(v as u32);
+        let mut args = [
+            Arg::F32s(src.clone()),
+            Arg::F32s(vec![f32::NAN; n]),
+            u(n),
+            u(t),
+            u(nh),
+            u(hs),
+            u(to_heads as usize),
+        ];
+        e.launch("permute_heads", per_element(n), &mut args);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(args[1].f32s()), bits(&want), "to_heads {to_heads}");
+    }
+}
+
 /// Scores that are not (.., T, T) f32, logits and targets of other shapes or types, and a gain and
 /// bias that do not fit the rows, are refused with an error, not a panic.
 #[test]
@@ -230,4 +306,10 @@ fn other_shapes_are_refused() {
     assert!(layer_norm(&logits, &w, &w, 1e-5, &Place::Host).is_ok());
     assert!(layer_norm(&logits, &w.narrow(0, 0, 4).unwrap(), &w, 1e-5, &Place::Host).is_err());
     assert!(layer_norm(&logits.t().unwrap(), &w, &w, 1e-5, &Place::Host).is_err());
+    let rows = Tensor::zeros((6, 4), DType::F32, &dev).unwrap();
+    assert!(to_heads(&rows, 3, 2, &Place::Host).is_ok());
+    assert!(to_heads(&rows, 4, 2, &Place::Host).is_err());
+    assert!(to_heads(&rows, 3, 3, &Place::Host).is_err());
+    assert!(to_heads(&rows.to_dtype(DType::BF16).unwrap(), 3, 2, &Place::Host).is_err());
+    assert!(from_heads(&rows, &Place::Host).is_err());
 }
