@@ -292,3 +292,26 @@ extern "C" __global__ void permute_heads(const float* src, float* dst, unsigned 
         }
     }
 }
+
+// The token embedding: row r of out is row ids[r] of the table w (rows of c), a thread an entry (a
+// grid-stride loop over n = rows c).
+extern "C" __global__ void embedding(const float* w, const unsigned* ids, float* out, unsigned n, unsigned c) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+        out[i] = w[(size_t)ids[i / c] * c + i % c];
+    }
+}
+
+// The embedding's gradient at the table: block s sums, from +0 and in position order, the rows of g at the
+// positions of token tokens[s] (order[starts[s]] .. order[starts[s + 1] - 1], the positions sorted by token,
+// each token's in position order) into row tokens[s] of dw, thread t its columns t, t + BLOCK, ... The rows
+// of tokens not in the batch are not written (zeros, filled before).
+extern "C" __global__ void embedding_backward(const float* g, const unsigned* order, const unsigned* starts,
+                                              const unsigned* tokens, float* dw, unsigned c) {
+    const unsigned s = blockIdx.x, first = starts[s], end = starts[s + 1];
+    const size_t row = (size_t)tokens[s] * c;
+    for (unsigned j = threadIdx.x; j < c; j += BLOCK) {
+        float acc = 0.0f;
+        for (unsigned k = first; k < end; k++) acc += g[(size_t)order[k] * c + j];
+        dw[row + j] = acc;
+    }
+}

@@ -458,6 +458,32 @@ fn gelu_kernels_equal_the_cpu_engines_gelu() {
     }
 }
 
+/// The token embedding: the op on the GPU gives the host's rows and gradient at the table bit for bit
+/// (each token's rows summed in position order), at GPT-2 small's vocabulary with repeated tokens.
+#[test]
+fn embedding_kernels_equal_their_twins() {
+    use candle_core::{Device, Tensor, Var};
+    use nanodist::flat::Place;
+    let k = Arc::new(kernels());
+    let gpu = Device::Cuda(k.candle_device().unwrap().clone());
+    let on_gpu = Place::Cuda(k.clone());
+    let (v, c) = (50_304, 768);
+    let ids: Vec<u32> = (0..4096u32).map(|i| i * 7919 % 1000 * 50).collect();
+    let w = values(v * c, 5, false);
+    let g = values(ids.len() * c, 6, false);
+    let run = |dev: &Device, place: &Place| {
+        let wv = Var::from_vec(w.clone(), (v, c), dev).unwrap();
+        let y = nanodist::model::fused::embedding(&wv, &ids, place).unwrap();
+        let up = Tensor::from_vec(g.clone(), (ids.len(), c), dev).unwrap();
+        let grads = (&y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let flat = |t: &Tensor| bits(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        (flat(&y), flat(grads.get(&wv).unwrap()))
+    };
+    let (host, device) = (run(&Device::Cpu, &Place::Host), run(&gpu, &on_gpu));
+    assert_eq!(device.0, host.0, "forward");
+    assert_eq!(device.1, host.1, "gradient");
+}
+
 /// The permutation between the attention's rows and heads: the ops on the GPU give the host's values
 /// and gradients bit for bit, both ways, at GPT-2 small's head size and at odd sizes.
 #[test]
@@ -1054,7 +1080,8 @@ fn matmul_pieces(dev: &candle_core::Device) -> Vec<Piece> {
 fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec<Piece> {
     let (b, t, c, h, v) = SHAPES;
     let n = b * t;
-    let [p1, p2, p3, p4, p5, p6] = [0; 6].map(|_| place.clone());
+    let [p1, p2, p3, p4, p5, p6, p7] = [0; 7].map(|_| place.clone());
+    let tokens: Vec<u32> = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
     let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
     let targets = candle_core::Tensor::from_vec(ids, n, dev).unwrap();
     vec![
@@ -1098,6 +1125,13 @@ fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec
             f: Box::new(move |x| nanodist::model::fused::from_heads(&x[0], &p6).unwrap()),
         },
         Piece {
+            name: "token embedding (fused)",
+            count: 1,
+            inputs: vec![var(dev, &[v, c])],
+            work: f32s(n * c, 2),
+            f: Box::new(move |x| nanodist::model::fused::embedding(&x[0], &tokens, &p7).unwrap()),
+        },
+        Piece {
             name: "cross-entropy (fused) and mean",
             count: 1,
             inputs: vec![var(dev, &[n, v])],
@@ -1112,11 +1146,8 @@ fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec
 
 /// The step's other ops, candle's, as the model composes them.
 fn composed_pieces(dev: &candle_core::Device) -> Vec<Piece> {
-    use candle_core::Tensor;
-    let (b, t, c, _, v) = SHAPES;
+    let (b, t, c, _, _) = SHAPES;
     let n = b * t;
-    let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
-    let ids = Tensor::from_vec(ids, n, dev).unwrap();
     let piece = |name, count, shapes: &[&[usize]], work, f: PieceFn| Piece {
         name,
         count,
@@ -1138,13 +1169,6 @@ fn composed_pieces(dev: &candle_core::Device) -> Vec<Piece> {
             &[&[n, c], &[n, c]],
             f32s(n * c, 3),
             Box::new(|x| (&x[0] + &x[1]).unwrap()),
-        ),
-        piece(
-            "token embedding (index_select)",
-            1,
-            &[&[v, c]],
-            f32s(n * c, 2),
-            Box::new(move |x| x[0].index_select(&ids, 0).unwrap()),
         ),
     ]
 }

@@ -1,6 +1,6 @@
 //! Launchers of the model's kernels (kernels/model.cu): the attention's causal softmax, the cross-entropy,
-//! the layer norm and the GELU, each with its backward, and the permutation between the attention's rows
-//! and heads; their CPU twins are in `crate::kernels::model`
+//! the layer norm and the GELU, each with its backward, the permutation between the attention's rows
+//! and heads, and the token embedding and its backward; their CPU twins are in `crate::kernels::model`
 //! (the GELU's: the CPU engine's own, `crate::model::ops`).
 
 use anyhow::{ensure, Result};
@@ -361,5 +361,83 @@ impl Kernels {
             )
         };
         Ok(dst)
+    }
+
+    /// The rows of the table `w` (rows of c) at the token `ids`, each below w's rows (twin:
+    /// `kernels::model::embedding`), in a new buffer.
+    pub fn embedding(&self, w: &CudaView<f32>, ids: &[u32], c: usize) -> Result<CudaSlice<f32>> {
+        let rows = w.len() / c.max(1);
+        ensure!(
+            c > 0 && w.len() == rows * c && ids.iter().all(|&t| (t as usize) < rows),
+            "internal error: token ids past a table of {rows} rows of {c}"
+        );
+        let n = u32_of(ids.len() * c, "embedding length")?;
+        let c32 = u32_of(c, "width")?;
+        let dids = self.stream.clone_htod(ids)?;
+        // SAFETY: uninitialized memory for out, which the kernel's grid-stride loop writes whole.
+        let mut out = unsafe { self.stream.alloc::<f32>(ids.len() * c)? };
+        // SAFETY: embedding(w, ids, out, n, c) in model.cu: entry i < n = ids.len() c of out reads id
+        // i / c, below ids.len(), and row ids[i / c] of w, each below w's rows (checked above).
+        unsafe {
+            launch!(
+                self,
+                "embedding",
+                per_element(ids.len() * c),
+                w,
+                &dids,
+                &mut out,
+                &n,
+                &c32
+            )
+        };
+        Ok(out)
+    }
+
+    /// The embedding's gradient at a table of `rows` rows of c from the gradient `g` at its output, the
+    /// batch's tokens grouped by `runs` (twin: `kernels::model::embedding_backward`), in a new buffer.
+    pub fn embedding_backward(
+        &self,
+        g: &CudaView<f32>,
+        runs: &crate::kernels::model::TokenRuns,
+        rows: usize,
+        c: usize,
+    ) -> Result<CudaSlice<f32>> {
+        let positions = runs.order.len();
+        ensure!(
+            c > 0
+                && g.len() == positions * c
+                && runs.starts.len() == runs.tokens.len() + 1
+                && runs.starts.last() == Some(&(positions as u32))
+                && runs.starts.windows(2).all(|w| w[0] <= w[1])
+                && runs.order.iter().all(|&p| (p as usize) < positions)
+                && runs.tokens.iter().all(|&t| (t as usize) < rows),
+            "internal error: token runs that do not fit {positions} positions of a table of {rows} rows"
+        );
+        let c32 = u32_of(c, "width")?;
+        let mut dw = self.stream.alloc_zeros::<f32>(rows * c)?;
+        if runs.tokens.is_empty() {
+            return Ok(dw); // a grid has at least one block
+        }
+        let order = self.stream.clone_htod(&runs.order)?;
+        let starts = self.stream.clone_htod(&runs.starts)?;
+        let tokens = self.stream.clone_htod(&runs.tokens)?;
+        // SAFETY: embedding_backward(g, order, starts, tokens, dw, c) in model.cu: block s reads
+        // starts[s], starts[s + 1] (starts has a block count + 1 entries), positions order[k] below
+        // g's rows for k inside [0, positions) (ascending starts ending at positions), and writes row
+        // tokens[s] of dw, below its rows (all checked above).
+        unsafe {
+            launch!(
+                self,
+                "embedding_backward",
+                grid(runs.tokens.len()),
+                g,
+                &order,
+                &starts,
+                &tokens,
+                &mut dw,
+                &c32
+            )
+        };
+        Ok(dw)
     }
 }

@@ -228,6 +228,58 @@ pub fn permute_heads(src: &[f32], dst: &mut [f32], t: usize, nh: usize, hs: usiz
     }
 }
 
+/// The positions of a batch's tokens grouped by token, for the embedding's backward: `order` the
+/// positions sorted by token (each token's in position order), `starts` where each token's run begins in
+/// it (one more entry: its length), `tokens` the token of each run, ascending.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenRuns {
+    pub order: Vec<u32>,
+    pub starts: Vec<u32>,
+    pub tokens: Vec<u32>,
+}
+
+impl TokenRuns {
+    pub fn new(ids: &[u32]) -> Self {
+        let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+        order.sort_by_key(|&p| ids[p as usize]); // stable: each token's positions stay in order
+        let (mut starts, mut tokens) = (Vec::new(), Vec::new());
+        for (k, &p) in order.iter().enumerate() {
+            if tokens.last() != Some(&ids[p as usize]) {
+                starts.push(k as u32);
+                tokens.push(ids[p as usize]);
+            }
+        }
+        starts.push(order.len() as u32);
+        Self {
+            order,
+            starts,
+            tokens,
+        }
+    }
+}
+
+/// Twin of `embedding`: row r of `out` is row ids[r] of the table `w` (rows of c).
+pub fn embedding(w: &[f32], ids: &[u32], out: &mut [f32], c: usize) {
+    for (o, &id) in out.chunks_exact_mut(c).zip(ids) {
+        o.copy_from_slice(&w[id as usize * c..][..c]);
+    }
+}
+
+/// Twin of `embedding_backward`: each token's row of `dw` is the sum, from +0 and in position order, of
+/// the rows of g (rows of c) at its positions; the other rows are left as they are.
+pub fn embedding_backward(g: &[f32], runs: &TokenRuns, dw: &mut [f32], c: usize) {
+    for (s, &token) in runs.tokens.iter().enumerate() {
+        let row = &mut dw[token as usize * c..][..c];
+        row.fill(0.0);
+        let positions = &runs.order[runs.starts[s] as usize..runs.starts[s + 1] as usize];
+        for &p in positions {
+            for (d, &v) in row.iter_mut().zip(&g[p as usize * c..][..c]) {
+                *d += v;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

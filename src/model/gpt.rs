@@ -412,7 +412,9 @@ impl Gpt {
         );
         let c = self.cfg.n_embd;
         let wte = self.p("transformer.wte.weight")?;
-        let tok = wte.index_select(&x.flatten_all()?, 0)?; // (B*T, C)
+        // The ids on the host: the backward groups the positions by token (a copy of B T ids).
+        let ids = x.flatten_all()?.to_vec1::<u32>()?;
+        let tok = super::fused::embedding(wte, &ids, &self.place)?; // (B*T, C)
         let pos = self.p("transformer.wpe.weight")?.narrow(0, 0, t)?;
         let h = tok
             .reshape((b, t, c))?

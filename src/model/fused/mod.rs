@@ -1,7 +1,8 @@
 //! The model's fused ops on candle's graph, each with its own backward: the attention's causal softmax
 //! (softmax(s scale) over the keys up to each query), the cross-entropy of the logits, the layer norm, and
-//! the GELU (the CPU engine's, `super::ops`, on both devices), and the permutation between the attention's
-//! rows and heads. candle's composed forms (scale, add the
+//! the GELU (the CPU engine's, `super::ops`, on both devices), the permutation between the attention's
+//! rows and heads, and the token embedding (whose backward candle runs as `index_add`: a thread a column,
+//! each looping over every token of the batch). candle's composed forms (scale, add the
 //! mask, max, subtract, exp, sum, log, divide, gather, mean, square root, erf) run up to a dozen kernels
 //! each over the (B, heads, T, T) scores, the (B T, vocab) logits and the activations, and keep each
 //! intermediate for their backward; each op here runs one kernel forward and one to three backward and
@@ -15,6 +16,7 @@ use candle_core::{CpuStorage, DType, Layout, Tensor};
 use crate::flat::Place;
 use crate::kernels::model as twin;
 
+mod embedding;
 mod gelu;
 mod heads;
 mod loss;
@@ -23,6 +25,7 @@ mod softmax;
 #[cfg(test)]
 mod tests;
 
+use embedding::Embedding;
 use gelu::Gelu;
 use heads::Heads;
 use loss::CrossEntropy;
@@ -148,6 +151,30 @@ pub fn from_heads(y: &Tensor, place: &Place) -> Result<Tensor> {
         place: place.clone(),
     };
     Ok(y.contiguous()?.apply_op1(op)?)
+}
+
+/// The rows of the f32 table `w` (v, c) at the token `ids`: (ids, c); differentiable in `w`, whose
+/// gradient sums each token's rows in position order (as candle's `index_add` on the CPU), a block of
+/// threads a distinct token on a GPU. A token id of v or more is an error.
+pub fn embedding(w: &Tensor, ids: &[u32], place: &Place) -> Result<Tensor> {
+    let (v, c) = w.dims2()?;
+    ensure!(
+        w.dtype() == DType::F32 && c > 0,
+        "internal error: an embedding table of {:?} {:?} (f32 (v, c) expected)",
+        w.dtype(),
+        w.dims()
+    );
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= v) {
+        anyhow::bail!("token id {bad} is past the embedding's {v} rows (model.vocab_size)");
+    }
+    let op = Embedding {
+        runs: std::sync::Arc::new(twin::TokenRuns::new(ids)),
+        ids: std::sync::Arc::new(ids.to_vec()),
+        v,
+        c,
+        place: place.clone(),
+    };
+    Ok(w.contiguous()?.apply_op1(op)?)
 }
 
 /// The part of `v` a contiguous layout covers.

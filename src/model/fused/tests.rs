@@ -285,6 +285,87 @@ fn the_heads_kernel_is_its_twin() {
     }
 }
 
+/// Token ids with repeats, in no order, and tokens of the table no position has.
+fn embedding_ids() -> Vec<u32> {
+    (0..97u32)
+        .map(|i| i * 37 % 23 + (i % 5 == 0) as u32 * 40)
+        .collect()
+}
+
+/// The embedding op is candle's `index_select`, forward and in the gradient at the table (candle's
+/// `index_add` on the CPU adds each position's row in position order, as the op does), bit for bit.
+#[test]
+fn the_embedding_op_is_candles_index_select_forward_and_backward() {
+    let (v, c, dev) = (70, 13, Device::Cpu);
+    let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (v, c), &dev).unwrap()).unwrap();
+    let ids = embedding_ids();
+    let up = Tensor::randn(0f32, 1.0, (ids.len(), c), &dev).unwrap();
+    let ours = embedding(&w, &ids, &Place::Host).unwrap();
+    let idt = Tensor::from_vec(ids.clone(), ids.len(), &dev).unwrap();
+    let theirs = w.index_select(&idt, 0).unwrap();
+    let bits = |v: &Tensor| -> Vec<u32> {
+        let v = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    assert_eq!(bits(&ours), bits(&theirs), "forward");
+    let grad = |y: &Tensor| (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+    let (go, gt) = (grad(&ours), grad(&theirs));
+    assert_eq!(
+        bits(go.get(&w).unwrap()),
+        bits(gt.get(&w).unwrap()),
+        "gradient"
+    );
+    assert!(
+        embedding(&w, &[3, 70], &Place::Host).is_err(),
+        "an id past the table"
+    );
+}
+
+/// The embedding's kernels, run on the host with their launchers' grids, write what their twins write:
+/// the rows of the table forward; backward each token's row of the gradient (the others left as the
+/// zeros they were), bit for bit.
+#[test]
+fn the_embedding_kernels_are_their_twins() {
+    use crate::kernels::emulate::{per_element, Arg, Emulator, Source};
+    let Some(e) = Emulator::get(Source::Model) else {
+        return;
+    };
+    let (v, c, ids) = (70, 300, embedding_ids());
+    let n = ids.len() * c;
+    let w: Vec<f32> = (0..v * c).map(|i| (i as f32 * 0.37).sin()).collect();
+    let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut want = vec![0.0f32; n];
+    twin::embedding(&w, &ids, &mut want, c);
+    let u = |x: usize| Arg::U32(x as u32);
+    let mut args = [
+        Arg::F32s(w.clone()),
+        Arg::U32s(ids.clone()),
+        Arg::F32s(vec![f32::NAN; n]),
+        u(n),
+        u(c),
+    ];
+    e.launch("embedding", per_element(n), &mut args);
+    assert_eq!(bits(args[2].f32s()), bits(&want), "forward");
+    let runs = twin::TokenRuns::new(&ids);
+    let mut want = vec![0.0f32; v * c];
+    twin::embedding_backward(&g, &runs, &mut want, c);
+    let mut args = [
+        Arg::F32s(g),
+        Arg::U32s(runs.order.clone()),
+        Arg::U32s(runs.starts.clone()),
+        Arg::U32s(runs.tokens.clone()),
+        Arg::F32s(vec![0.0; v * c]),
+        u(c),
+    ];
+    e.launch(
+        "embedding_backward",
+        (runs.tokens.len() as u32, 1),
+        &mut args,
+    );
+    assert_eq!(bits(args[4].f32s()), bits(&want), "backward");
+}
+
 /// Scores that are not (.., T, T) f32, logits and targets of other shapes or types, and a gain and
 /// bias that do not fit the rows, are refused with an error, not a panic.
 #[test]
