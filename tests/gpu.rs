@@ -432,27 +432,40 @@ fn layer_norm_kernels_equal_their_twins() {
     }
 }
 
+/// `run` with the host's device and place, then with the GPU's: (the host's result, the GPU's).
+fn on_host_and_gpu<T>(run: impl Fn(&candle_core::Device, &nanodist::flat::Place) -> T) -> (T, T) {
+    use nanodist::flat::Place;
+    let k = Arc::new(kernels());
+    let gpu = candle_core::Device::Cuda(k.candle_device().unwrap().clone());
+    let host = run(&candle_core::Device::Cpu, &Place::Host);
+    (host, run(&gpu, &Place::Cuda(k.clone())))
+}
+
+/// A tensor's values as bits.
+fn tensor_bits(t: &candle_core::Tensor) -> Vec<u32> {
+    bits(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+}
+
+/// The gradient at `x` of sum(y up), as bits.
+fn grad_bits(y: &candle_core::Tensor, up: &candle_core::Tensor, x: &candle_core::Var) -> Vec<u32> {
+    let grads = (y * up).unwrap().sum_all().unwrap().backward().unwrap();
+    tensor_bits(grads.get(x).unwrap())
+}
+
 /// The GELU op on the GPU gives the CPU engine's floats bit for bit (the same polynomial erf and exp, no
 /// libm), forward and in the gradient, both forms: the op on the GPU against the op on the host.
 #[test]
 fn gelu_kernels_equal_the_cpu_engines_gelu() {
-    use candle_core::{Device, Tensor, Var};
-    use nanodist::flat::Place;
-    let k = Arc::new(kernels());
-    let gpu = Device::Cuda(k.candle_device().unwrap().clone());
-    let on_gpu = Place::Cuda(k.clone());
+    use candle_core::{Tensor, Var};
     let x: Vec<f32> = values(1 << 20, 9, false).iter().map(|v| 12.0 * v).collect();
     let g = values(x.len(), 10, false);
     for tanh_form in [false, true] {
-        let run = |dev: &Device, place: &Place| {
+        let (host, device) = on_host_and_gpu(|dev, place| {
             let xv = Var::from_vec(x.clone(), x.len(), dev).unwrap();
             let y = nanodist::model::fused::gelu(&xv, tanh_form, place).unwrap();
             let up = Tensor::from_vec(g.clone(), g.len(), dev).unwrap();
-            let grads = (&y * &up).unwrap().sum_all().unwrap().backward().unwrap();
-            let dx = grads.get(&xv).unwrap().to_vec1::<f32>().unwrap();
-            (bits(&y.to_vec1::<f32>().unwrap()), bits(&dx))
-        };
-        let (host, device) = (run(&Device::Cpu, &Place::Host), run(&gpu, &on_gpu));
+            (tensor_bits(&y), grad_bits(&y, &up, &xv))
+        });
         assert_eq!(device.0, host.0, "forward, tanh form {tanh_form}");
         assert_eq!(device.1, host.1, "gradient, tanh form {tanh_form}");
     }
@@ -462,24 +475,17 @@ fn gelu_kernels_equal_the_cpu_engines_gelu() {
 /// (each token's rows summed in position order), at GPT-2 small's vocabulary with repeated tokens.
 #[test]
 fn embedding_kernels_equal_their_twins() {
-    use candle_core::{Device, Tensor, Var};
-    use nanodist::flat::Place;
-    let k = Arc::new(kernels());
-    let gpu = Device::Cuda(k.candle_device().unwrap().clone());
-    let on_gpu = Place::Cuda(k.clone());
+    use candle_core::{Tensor, Var};
     let (v, c) = (50_304, 768);
     let ids: Vec<u32> = (0..4096u32).map(|i| i * 7919 % 1000 * 50).collect();
     let w = values(v * c, 5, false);
     let g = values(ids.len() * c, 6, false);
-    let run = |dev: &Device, place: &Place| {
+    let (host, device) = on_host_and_gpu(|dev, place| {
         let wv = Var::from_vec(w.clone(), (v, c), dev).unwrap();
         let y = nanodist::model::fused::embedding(&wv, &ids, place).unwrap();
         let up = Tensor::from_vec(g.clone(), (ids.len(), c), dev).unwrap();
-        let grads = (&y * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        let flat = |t: &Tensor| bits(&t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-        (flat(&y), flat(grads.get(&wv).unwrap()))
-    };
-    let (host, device) = (run(&Device::Cpu, &Place::Host), run(&gpu, &on_gpu));
+        (tensor_bits(&y), grad_bits(&y, &up, &wv))
+    });
     assert_eq!(device.0, host.0, "forward");
     assert_eq!(device.1, host.1, "gradient");
 }
@@ -488,30 +494,22 @@ fn embedding_kernels_equal_their_twins() {
 /// and gradients bit for bit, both ways, at GPT-2 small's head size and at odd sizes.
 #[test]
 fn heads_kernels_equal_their_twins() {
-    use candle_core::{Device, Tensor, Var};
-    use nanodist::flat::Place;
+    use candle_core::{Tensor, Var};
     use nanodist::model::fused::{from_heads, to_heads};
-    let k = Arc::new(kernels());
-    let gpu = Device::Cuda(k.candle_device().unwrap().clone());
-    let on_gpu = Place::Cuda(k.clone());
     for (b, t, nh, hs) in [(2, 1024, 12, 64), (3, 7, 5, 9), (1, 1, 1, 1)] {
         let x = values(b * t * nh * hs, t as u64, false);
         let g = values(x.len(), 3, false);
-        let run = |dev: &Device, place: &Place| {
+        let (host, device) = on_host_and_gpu(|dev, place| {
             let xv = Var::from_vec(x.clone(), (b * t, nh * hs), dev).unwrap();
             let y = to_heads(&xv, t, nh, place).unwrap();
             let back = from_heads(&y, place).unwrap();
             let up = Tensor::from_vec(g.clone(), (b * t, nh * hs), dev).unwrap();
-            let grads = (&back * &up)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
-            let flat = |v: &Tensor| bits(&v.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            (flat(&y), flat(&back), flat(grads.get(&xv).unwrap()))
-        };
-        let (host, device) = (run(&Device::Cpu, &Place::Host), run(&gpu, &on_gpu));
+            (
+                tensor_bits(&y),
+                tensor_bits(&back),
+                grad_bits(&back, &up, &xv),
+            )
+        });
         assert_eq!(device, host, "({b}, {nh}, {t}, {hs})");
     }
 }
