@@ -315,3 +315,30 @@ extern "C" __global__ void embedding_backward(const float* g, const unsigned* or
         dw[row + j] = acc;
     }
 }
+
+// A linear layer's bias: y = x + b over rows of n (entry i takes b[i mod n]), a grid-stride loop over len.
+extern "C" __global__ void bias_add(const float* x, const float* b, float* y, unsigned len, unsigned n) {
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < len; i += blockDim.x * gridDim.x) {
+        y[i] = x[i] + b[i % n];
+    }
+}
+
+// Per block of ROWS rows (blockIdx.x) and BLOCK columns (blockIdx.y) of g (rows of n), each column's sum
+// over those rows in order, from +0, into partial[blockIdx.x n + j].
+extern "C" __global__ void column_partials(const float* g, float* partial, unsigned rows, unsigned n) {
+    const unsigned j = blockIdx.y * BLOCK + threadIdx.x;
+    if (j >= n) return;
+    const unsigned first = blockIdx.x * ROWS, end = min(first + ROWS, rows);
+    float s = 0.0f;
+    for (unsigned r = first; r < end; r++) s += g[(size_t)r * n + j];
+    partial[(size_t)blockIdx.x * n + j] = s;
+}
+
+// out[j] = column j's partial sums (column_partials) added in block order, from +0.
+extern "C" __global__ void column_totals(const float* partial, float* out, unsigned blocks, unsigned n) {
+    const unsigned j = blockIdx.x * BLOCK + threadIdx.x;
+    if (j >= n) return;
+    float s = 0.0f;
+    for (unsigned k = 0; k < blocks; k++) s += partial[(size_t)k * n + j];
+    out[j] = s;
+}

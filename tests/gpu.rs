@@ -490,6 +490,28 @@ fn embedding_kernels_equal_their_twins() {
     assert_eq!(device.1, host.1, "gradient");
 }
 
+/// A bias added to each row: the op on the GPU gives the host's values and gradients bit for bit (the
+/// gradient at the bias: column sums in blocks of rows, added in order), at GPT-2 small's MLP width.
+#[test]
+fn bias_kernels_equal_their_twins() {
+    use candle_core::{Tensor, Var};
+    for (rows, n) in [(12 * 1024, 3072), (130, 300), (1, 1)] {
+        let x = values(rows * n, 7, false);
+        let b = values(n, 8, false);
+        let g = values(rows * n, 9, false);
+        let (host, device) = on_host_and_gpu(|dev, place| {
+            let xv = Var::from_vec(x.clone(), (rows, n), dev).unwrap();
+            let bv = Var::from_vec(b.clone(), n, dev).unwrap();
+            let y = nanodist::model::fused::bias_add(&xv, &bv, place).unwrap();
+            let up = Tensor::from_vec(g.clone(), (rows, n), dev).unwrap();
+            let grads = (&y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let at = |v: &Var| tensor_bits(grads.get(v).unwrap());
+            (tensor_bits(&y), at(&xv), at(&bv))
+        });
+        assert_eq!(device, host, "{rows} x {n}");
+    }
+}
+
 /// The permutation between the attention's rows and heads: the ops on the GPU give the host's values
 /// and gradients bit for bit, both ways, at GPT-2 small's head size and at odd sizes.
 #[test]
@@ -1078,7 +1100,7 @@ fn matmul_pieces(dev: &candle_core::Device) -> Vec<Piece> {
 fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec<Piece> {
     let (b, t, c, h, v) = SHAPES;
     let n = b * t;
-    let [p1, p2, p3, p4, p5, p6, p7] = [0; 7].map(|_| place.clone());
+    let [p1, p2, p3, p4, p5, p6, p7, p8] = [0; 8].map(|_| place.clone());
     let tokens: Vec<u32> = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
     let ids = (0..n as u32).map(|i| i * 7919 % v as u32).collect();
     let targets = candle_core::Tensor::from_vec(ids, n, dev).unwrap();
@@ -1123,6 +1145,13 @@ fn fused_pieces(dev: &candle_core::Device, place: &nanodist::flat::Place) -> Vec
             f: Box::new(move |x| nanodist::model::fused::from_heads(&x[0], &p6).unwrap()),
         },
         Piece {
+            name: "bias add, mlp up (fused)",
+            count: 12,
+            inputs: vec![var(dev, &[n, 4 * c]), var(dev, &[4 * c])],
+            work: f32s(n * 4 * c, 2),
+            f: Box::new(move |x| nanodist::model::fused::bias_add(&x[0], &x[1], &p8).unwrap()),
+        },
+        Piece {
             name: "token embedding (fused)",
             count: 1,
             inputs: vec![var(dev, &[v, c])],
@@ -1153,22 +1182,13 @@ fn composed_pieces(dev: &candle_core::Device) -> Vec<Piece> {
         work,
         f,
     };
-    vec![
-        piece(
-            "bias add (mlp up)",
-            12,
-            &[&[n, 4 * c], &[4 * c]],
-            f32s(n * 4 * c, 2),
-            Box::new(|x| x[0].broadcast_add(&x[1]).unwrap()),
-        ),
-        piece(
-            "residual add",
-            24,
-            &[&[n, c], &[n, c]],
-            f32s(n * c, 3),
-            Box::new(|x| (&x[0] + &x[1]).unwrap()),
-        ),
-    ]
+    vec![piece(
+        "residual add",
+        24,
+        &[&[n, c], &[n, c]],
+        f32s(n * c, 3),
+        Box::new(|x| (&x[0] + &x[1]).unwrap()),
+    )]
 }
 
 /// Not a check (run with `--ignored --nocapture`): the GPU time of each piece of a GPT-2 small step,

@@ -1,6 +1,7 @@
 //! Launchers of the model's kernels (kernels/model.cu): the attention's causal softmax, the cross-entropy,
 //! the layer norm and the GELU, each with its backward, the permutation between the attention's rows
-//! and heads, and the token embedding and its backward; their CPU twins are in `crate::kernels::model`
+//! and heads, the token embedding and its backward, and a bias and its backward; their CPU twins are in
+//! `crate::kernels::model`
 //! (the GELU's: the CPU engine's own, `crate::model::ops`).
 
 use anyhow::{ensure, Result};
@@ -439,5 +440,91 @@ impl Kernels {
             )
         };
         Ok(dw)
+    }
+
+    /// y = x + b over rows of b's length (twin: `kernels::model::bias_add`), in a new buffer.
+    pub fn bias_add(&self, x: &CudaView<f32>, b: &CudaView<f32>) -> Result<CudaSlice<f32>> {
+        ensure!(
+            !b.is_empty() && x.len().is_multiple_of(b.len()),
+            "internal error: a bias of {} entries for {} values",
+            b.len(),
+            x.len()
+        );
+        let (len, n) = (u32_of(x.len(), "length")?, u32_of(b.len(), "width")?);
+        // SAFETY: uninitialized memory for y, which the kernel's grid-stride loop writes whole.
+        let mut y = unsafe { self.stream.alloc::<f32>(x.len())? };
+        // SAFETY: bias_add(x, b, y, len, n) in model.cu: entry i < len of x and y, the length of both,
+        // and entry i mod n of b, n long.
+        unsafe {
+            launch!(
+                self,
+                "bias_add",
+                per_element(x.len()),
+                x,
+                b,
+                &mut y,
+                &len,
+                &n
+            )
+        };
+        Ok(y)
+    }
+
+    /// Each column's sum over the rows of `g` (rows of n): blocks of `LN_ROWS` rows, then the blocks in
+    /// order (twin: `kernels::model::column_sums`), in a new buffer of n.
+    pub fn column_sums(&self, g: &CudaView<f32>, n: usize) -> Result<CudaSlice<f32>> {
+        ensure!(
+            n > 0 && g.len().is_multiple_of(n),
+            "internal error: column sums of {} values in rows of {n}",
+            g.len()
+        );
+        let rows = g.len() / n;
+        if rows == 0 {
+            return Ok(self.stream.alloc_zeros::<f32>(n)?); // no rows: the sums are 0
+        }
+        let blocks = rows.div_ceil(LN_ROWS);
+        let (rows32, blocks32, n32) = (
+            u32_of(rows, "rows")?,
+            u32_of(blocks, "row blocks")?,
+            u32_of(n, "width")?,
+        );
+        let columns = n.div_ceil(BLOCK);
+        let over = LaunchConfig {
+            grid_dim: (blocks32, u32_of(columns, "column blocks")?, 1),
+            ..grid(1)
+        };
+        // SAFETY: uninitialized memory that the kernels below write whole: partial (block (k, l) of
+        // column_partials: row k of the columns of block l, n of them in all) and out (column_totals:
+        // entry j for each column j).
+        let (mut partial, mut out) = unsafe {
+            (
+                self.stream.alloc::<f32>(blocks * n)?,
+                self.stream.alloc::<f32>(n)?,
+            )
+        };
+        // SAFETY: model.cu's kernels, with the lengths checked above: column_partials(g, partial, rows, n)
+        // reads rows below `rows` and columns below n of g and writes row k of partial (blocks x n);
+        // column_totals(partial, out, blocks, n) reads those and writes out (n).
+        unsafe {
+            launch!(
+                self,
+                "column_partials",
+                over,
+                g,
+                &mut partial,
+                &rows32,
+                &n32
+            );
+            launch!(
+                self,
+                "column_totals",
+                grid(columns),
+                &partial,
+                &mut out,
+                &blocks32,
+                &n32
+            );
+        }
+        Ok(out)
     }
 }

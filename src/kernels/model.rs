@@ -280,6 +280,35 @@ pub fn embedding_backward(g: &[f32], runs: &TokenRuns, dw: &mut [f32], c: usize)
     }
 }
 
+/// Twin of `bias_add`: y = x + b over rows of b's length.
+pub fn bias_add(x: &[f32], b: &[f32], y: &mut [f32]) {
+    for (y, x) in y.chunks_mut(b.len()).zip(x.chunks(b.len())) {
+        y.iter_mut()
+            .zip(x.iter().zip(b))
+            .for_each(|(y, (x, b))| *y = x + b);
+    }
+}
+
+/// Twin of `column_partials` and `column_totals`: each column's sum over the rows of g (rows of n), in
+/// blocks of `LN_ROWS` rows (each block's rows in order, from +0), then the blocks' sums in order.
+pub fn column_sums(g: &[f32], n: usize) -> Vec<f32> {
+    let partial: Vec<Vec<f32>> = g
+        .par_chunks(n * LN_ROWS)
+        .map(|block| {
+            let mut s = vec![0f32; n];
+            for row in block.chunks(n) {
+                s.iter_mut().zip(row).for_each(|(a, b)| *a += b);
+            }
+            s
+        })
+        .collect();
+    let mut total = vec![0f32; n];
+    for p in &partial {
+        total.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -333,10 +333,10 @@ impl Gpt {
     fn linear(&self, x: &Tensor, prefix: &str) -> Result<Tensor> {
         let w = self.p(&format!("{prefix}.weight"))?;
         let y = self.mm(x, &w.t()?)?;
-        Ok(match self.bias(&format!("{prefix}.bias")) {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
+        match self.bias(&format!("{prefix}.bias")) {
+            Some(b) => super::fused::bias_add(&y, b, &self.place),
+            None => Ok(y),
+        }
     }
 
     /// The output rows from..from + n of linear layer `prefix`: x W[from..from + n]^T (+ those entries of
@@ -344,10 +344,10 @@ impl Gpt {
     fn linear_rows(&self, x: &Tensor, prefix: &str, from: usize, n: usize) -> Result<Tensor> {
         let w = self.p(&format!("{prefix}.weight"))?.narrow(0, from, n)?;
         let y = self.mm(x, &w.t()?)?;
-        Ok(match self.bias(&format!("{prefix}.bias")) {
-            Some(b) => y.broadcast_add(&b.narrow(0, from, n)?)?,
-            None => y,
-        })
+        match self.bias(&format!("{prefix}.bias")) {
+            Some(b) => super::fused::bias_add(&y, &b.narrow(0, from, n)?, &self.place),
+            None => Ok(y),
+        }
     }
 
     /// LayerNorm over the last dim (a zero bias where the model has none).
@@ -416,10 +416,10 @@ impl Gpt {
         let ids = x.flatten_all()?.to_vec1::<u32>()?;
         let tok = super::fused::embedding(wte, &ids, &self.place)?; // (B*T, C)
         let pos = self.p("transformer.wpe.weight")?.narrow(0, 0, t)?;
-        let h = tok
-            .reshape((b, t, c))?
-            .broadcast_add(&pos)?
-            .reshape((b * t, c))?;
+        // The positions' rows added to each sequence's: a bias over rows of t c.
+        let h =
+            super::fused::bias_add(&tok.reshape((b, t * c))?, &pos.flatten_all()?, &self.place)?
+                .reshape((b * t, c))?;
         self.drop(h, dropout)
     }
 

@@ -1,8 +1,10 @@
 //! The model's fused ops on candle's graph, each with its own backward: the attention's causal softmax
 //! (softmax(s scale) over the keys up to each query), the cross-entropy of the logits, the layer norm, and
 //! the GELU (the CPU engine's, `super::ops`, on both devices), the permutation between the attention's
-//! rows and heads, and the token embedding (whose backward candle runs as `index_add`: a thread a column,
-//! each looping over every token of the batch). candle's composed forms (scale, add the
+//! rows and heads, the token embedding (whose backward candle runs as `index_add`: a thread a column,
+//! each looping over every token of the batch), and a bias added to each row (candle's broadcast divides
+//! each index by each dimension in 64 bits, and its gradient's column sums read a column a block).
+//! candle's composed forms (scale, add the
 //! mask, max, subtract, exp, sum, log, divide, gather, mean, square root, erf) run up to a dozen kernels
 //! each over the (B, heads, T, T) scores, the (B T, vocab) logits and the activations, and keep each
 //! intermediate for their backward; each op here runs one kernel forward and one to three backward and
@@ -16,6 +18,7 @@ use candle_core::{CpuStorage, DType, Layout, Tensor};
 use crate::flat::Place;
 use crate::kernels::model as twin;
 
+mod bias;
 mod embedding;
 mod gelu;
 mod heads;
@@ -25,6 +28,7 @@ mod softmax;
 #[cfg(test)]
 mod tests;
 
+use bias::BiasAdd;
 use embedding::Embedding;
 use gelu::Gelu;
 use heads::Heads;
@@ -175,6 +179,29 @@ pub fn embedding(w: &Tensor, ids: &[u32], place: &Place) -> Result<Tensor> {
         place: place.clone(),
     };
     Ok(w.contiguous()?.apply_op1(op)?)
+}
+
+/// x + b with the f32 bias `b` (n) added to each row of the f32 `x` (.., n); differentiable in both (the
+/// gradient at b: each column's sum, in blocks of rows added in order).
+pub fn bias_add(x: &Tensor, b: &Tensor, place: &Place) -> Result<Tensor> {
+    let n = b.elem_count();
+    ensure!(
+        x.dtype() == DType::F32
+            && b.dtype() == DType::F32
+            && b.rank() == 1
+            && x.dims().last() == Some(&n)
+            && n > 0,
+        "internal error: a bias of {:?} {:?} for {:?} {:?} (f32 (.., n) and (n) expected)",
+        b.dtype(),
+        b.dims(),
+        x.dtype(),
+        x.dims()
+    );
+    let op = BiasAdd {
+        n,
+        place: place.clone(),
+    };
+    Ok(x.contiguous()?.apply_op2(&b.contiguous()?, op)?)
 }
 
 /// The part of `v` a contiguous layout covers.

@@ -366,6 +366,77 @@ fn the_embedding_kernels_are_their_twins() {
     assert_eq!(bits(args[4].f32s()), bits(&want), "backward");
 }
 
+/// The bias op is candle's broadcast add: the same values bit for bit, the same gradient at x (the
+/// upstream gradient itself), and at b each column's sum (to f32 rounding: the sums add in blocks of
+/// rows), on more rows than a block of the column sums.
+#[test]
+fn the_bias_op_is_candles_broadcast_add_forward_and_backward() {
+    let (rows, n, dev) = (150, 37, Device::Cpu);
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, rows), &dev).unwrap()).unwrap();
+    let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, n, &dev).unwrap()).unwrap();
+    let up = Tensor::randn(0f32, 1.0, (rows, n), &dev).unwrap();
+    let xt = x.as_tensor().t().unwrap();
+    let ours = bias_add(&xt, &b, &Place::Host).unwrap();
+    let theirs = xt.broadcast_add(&b).unwrap();
+    let bits = |v: &Tensor| -> Vec<u32> {
+        let v = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    assert_eq!(bits(&ours), bits(&theirs), "forward");
+    let grad = |y: &Tensor| (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+    let (go, gt) = (grad(&ours), grad(&theirs));
+    assert_eq!(
+        bits(go.get(&x).unwrap()),
+        bits(gt.get(&x).unwrap()),
+        "gradient at x"
+    );
+    let d = (go.get(&b).unwrap() - gt.get(&b).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap();
+    let d: f32 = d.max(0).unwrap().to_scalar().unwrap();
+    assert!(d < 1e-5, "gradient at b: {d}");
+}
+
+/// The bias kernels, run on the host with their launchers' grids, write what their twins write, bit
+/// for bit: the sums over a last, partial block of rows and columns past a block of threads.
+#[test]
+fn the_bias_kernels_are_their_twins() {
+    use crate::kernels::emulate::{per_element, Arg, Emulator, Source};
+    use crate::kernels::{model::LN_ROWS, BLOCK};
+    let Some(e) = Emulator::get(Source::Model) else {
+        return;
+    };
+    let (rows, n) = (2 * LN_ROWS + 5, BLOCK + 3);
+    let x: Vec<f32> = (0..rows * n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut want = vec![0.0f32; x.len()];
+    twin::bias_add(&x, &b, &mut want);
+    let u = |v: usize| Arg::U32(v as u32);
+    let nan = |len: usize| Arg::F32s(vec![f32::NAN; len]);
+    let mut args = [
+        Arg::F32s(x.clone()),
+        Arg::F32s(b),
+        nan(x.len()),
+        u(x.len()),
+        u(n),
+    ];
+    e.launch("bias_add", per_element(x.len()), &mut args);
+    assert_eq!(bits(args[2].f32s()), bits(&want), "forward");
+    let blocks = rows.div_ceil(LN_ROWS);
+    let mut args = [Arg::F32s(x.clone()), nan(blocks * n), u(rows), u(n)];
+    let columns = n.div_ceil(BLOCK) as u32;
+    e.launch("column_partials", (blocks as u32, columns), &mut args);
+    let mut args = [args[1].clone(), nan(n), u(blocks), u(n)];
+    e.launch("column_totals", (columns, 1), &mut args);
+    assert_eq!(
+        bits(args[1].f32s()),
+        bits(&twin::column_sums(&x, n)),
+        "column sums"
+    );
+}
+
 /// Scores that are not (.., T, T) f32, logits and targets of other shapes or types, and a gain and
 /// bias that do not fit the rows, are refused with an error, not a panic.
 #[test]
@@ -393,4 +464,8 @@ fn other_shapes_are_refused() {
     assert!(to_heads(&rows, 3, 3, &Place::Host).is_err());
     assert!(to_heads(&rows.to_dtype(DType::BF16).unwrap(), 3, 2, &Place::Host).is_err());
     assert!(from_heads(&rows, &Place::Host).is_err());
+    let bias = Tensor::zeros(4, DType::F32, &dev).unwrap();
+    assert!(bias_add(&rows, &bias, &Place::Host).is_ok());
+    assert!(bias_add(&rows.t().unwrap(), &bias, &Place::Host).is_err());
+    assert!(bias_add(&rows, &rows, &Place::Host).is_err());
 }
