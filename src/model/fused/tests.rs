@@ -209,6 +209,12 @@ fn the_gelu_kernels_are_the_cpu_engines_gelu() {
     }
 }
 
+/// A tensor's values as bits.
+fn tensor_bits(v: &Tensor) -> Vec<u32> {
+    let v = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// `to_heads` and `from_heads` are candle's reshape, transpose and contiguous, forward and in the
 /// gradient, bit for bit (a permutation moves values, it computes none), on a non-contiguous input; and
 /// `from_heads` undoes `to_heads`.
@@ -221,10 +227,7 @@ fn the_heads_ops_are_candles_reshape_and_transpose_forward_and_backward() {
     let xt = x.as_tensor().t().unwrap();
     let ours = to_heads(&xt, t, nh, &Place::Host).unwrap();
     let theirs = xt.reshape((b, t, nh, hs)).unwrap().transpose(1, 2).unwrap();
-    let bits = |v: &Tensor| -> Vec<u32> {
-        let v = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    };
+    let bits = tensor_bits;
     assert_eq!(bits(&ours), bits(&theirs.contiguous().unwrap()), "forward");
     let back = from_heads(&ours, &Place::Host).unwrap();
     assert_eq!(back.dims(), [b * t, c]);
@@ -303,10 +306,7 @@ fn the_embedding_op_is_candles_index_select_forward_and_backward() {
     let ours = embedding(&w, &ids, &Place::Host).unwrap();
     let idt = Tensor::from_vec(ids.clone(), ids.len(), &dev).unwrap();
     let theirs = w.index_select(&idt, 0).unwrap();
-    let bits = |v: &Tensor| -> Vec<u32> {
-        let v = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    };
+    let bits = tensor_bits;
     assert_eq!(bits(&ours), bits(&theirs), "forward");
     let grad = |y: &Tensor| (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
     let (go, gt) = (grad(&ours), grad(&theirs));
@@ -378,10 +378,7 @@ fn the_bias_op_is_candles_broadcast_add_forward_and_backward() {
     let xt = x.as_tensor().t().unwrap();
     let ours = bias_add(&xt, &b, &Place::Host).unwrap();
     let theirs = xt.broadcast_add(&b).unwrap();
-    let bits = |v: &Tensor| -> Vec<u32> {
-        let v = v.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    };
+    let bits = tensor_bits;
     assert_eq!(bits(&ours), bits(&theirs), "forward");
     let grad = |y: &Tensor| (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
     let (go, gt) = (grad(&ours), grad(&theirs));
