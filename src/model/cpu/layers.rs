@@ -245,133 +245,176 @@ pub(super) fn att_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
         .map(move |r0| (r0, (r0 + ATT_BLOCK).min(t)))
 }
 
+/// The shape of a causal self-attention: sequence length, width and heads.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Att {
+    pub t: usize,
+    pub c: usize,
+    pub h: usize,
+}
+
+impl Att {
+    fn hs(self) -> usize {
+        self.c / self.h
+    }
+
+    fn scale(self) -> f32 {
+        1.0 / (self.hs() as f32).sqrt()
+    }
+}
+
 /// Causal self-attention of qkv (n, 3C: q | k | v, heads side by side) into y (n, C), saving the
-/// probabilities (B, H, T, T; zero above the diagonal). One task per sequence; per head, one block of
-/// `ATT_BLOCK` query rows at a time against the keys and values up to the block's last row.
-#[multiversion(targets = "simd")]
+/// probabilities (B, H, T, T; zero above the diagonal). One task per head of each sequence, so that a
+/// batch of one sequence (GPT-2 at its full context) still fills every core: each writes its rows to
+/// `heads` (n C floats, as (B, H, T, hs)), which are then laid out as y's.
 pub(super) fn attention_forward(
     qkv: &[f32],
     att: &mut [f32],
     y: &mut [f32],
-    t: usize,
-    c: usize,
-    h: usize,
+    heads: &mut [f32],
+    s: Att,
 ) {
-    let hs = c / h;
-    let scale = 1.0 / (hs as f32).sqrt();
-    att.par_chunks_mut(h * t * t)
-        .zip(y.par_chunks_mut(t * c))
-        .zip(qkv.par_chunks(t * 3 * c))
-        .for_each(|((att, y), qkv)| {
-            for hd in 0..h {
-                for (r0, r1) in att_blocks(t) {
-                    let q = M::strided(&qkv[r0 * 3 * c + hd * hs..], r1 - r0, hs, 3 * c);
-                    let k = M::strided(&qkv[c + hd * hs..], r1, hs, 3 * c);
-                    let v = M::strided(&qkv[2 * c + hd * hs..], r1, hs, 3 * c);
-                    let pr = &mut att[hd * t * t + r0 * t..][..(r1 - r0) * t];
-                    mm(pr, t, q, k.t(), false, scale, Parallelism::None);
-                    for (i, row) in (r0..).zip(pr.chunks_mut(t)) {
-                        let (keep, masked) = row.split_at_mut(i + 1);
-                        let max = row_max(keep);
-                        // The exponentials in a loop of their own (it vectorizes), then their sum in order.
-                        keep.iter_mut()
-                            .for_each(|s| *s = super::super::ops::exp(*s - max));
-                        let inv = 1.0 / keep.iter().sum::<f32>();
-                        keep.iter_mut().for_each(|s| *s *= inv);
-                        masked.iter_mut().for_each(|s| *s = 0.0);
-                    }
-                    mm(
-                        &mut y[r0 * c + hd * hs..],
-                        c,
-                        M::strided(pr, r1 - r0, r1, t),
-                        v,
-                        false,
-                        1.0,
-                        Parallelism::None,
-                    );
-                }
+    let (t, c, h, hs) = (s.t, s.c, s.h, s.hs());
+    assert_eq!(
+        heads.len(),
+        y.len(),
+        "attention: scratch for the heads' rows"
+    );
+    att.par_chunks_mut(t * t)
+        .zip(heads.par_chunks_mut(t * hs))
+        .enumerate()
+        .for_each(|(i, (pr, yh))| {
+            let qkv = &qkv[(i / h) * t * 3 * c + (i % h) * hs..];
+            head_forward(qkv, pr, yh, s);
+        });
+    from_heads(heads, y, s, 1);
+}
+
+/// One head of one sequence: `ATT_BLOCK` query rows at a time against the keys and values up to the
+/// block's last row. `qkv` starts at the head's query columns of the sequence's first row; `pr` is the
+/// head's T x T probabilities, `yh` its output rows (T x hs).
+#[multiversion(targets = "simd")]
+fn head_forward(qkv: &[f32], pr: &mut [f32], yh: &mut [f32], s: Att) {
+    let (t, c, hs) = (s.t, s.c, s.hs());
+    for (r0, r1) in att_blocks(t) {
+        let q = M::strided(&qkv[r0 * 3 * c..], r1 - r0, hs, 3 * c);
+        let k = M::strided(&qkv[c..], r1, hs, 3 * c);
+        let v = M::strided(&qkv[2 * c..], r1, hs, 3 * c);
+        let pb = &mut pr[r0 * t..][..(r1 - r0) * t];
+        mm(pb, t, q, k.t(), false, s.scale(), Parallelism::None);
+        for (i, row) in (r0..).zip(pb.chunks_mut(t)) {
+            let (keep, masked) = row.split_at_mut(i + 1);
+            let max = row_max(keep);
+            // The exponentials in a loop of their own (it vectorizes), then their sum in order.
+            keep.iter_mut()
+                .for_each(|s| *s = super::super::ops::exp(*s - max));
+            let inv = 1.0 / keep.iter().sum::<f32>();
+            keep.iter_mut().for_each(|s| *s *= inv);
+            masked.iter_mut().for_each(|s| *s = 0.0);
+        }
+        let p = M::strided(pb, r1 - r0, r1, t);
+        mm(&mut yh[r0 * hs..], hs, p, v, false, 1.0, Parallelism::None);
+    }
+}
+
+/// Rows kept per head as (B, H, T, parts, hs) laid out as the model's (B T, parts C): part p of head
+/// `hd` at columns p C + hd hs of its row (`parts` 1: the attention's output; 3: q, k and v).
+fn from_heads(heads: &[f32], out: &mut [f32], s: Att, parts: usize) {
+    let (t, h, hs) = (s.t, s.h, s.hs());
+    out.par_chunks_mut(parts * s.c)
+        .enumerate()
+        .with_min_len(64)
+        .for_each(|(i, row)| {
+            let (b, r) = (i / t, i % t);
+            for (p, hd) in (0..parts).flat_map(|p| (0..h).map(move |hd| (p, hd))) {
+                let from = (((b * h + hd) * t + r) * parts + p) * hs;
+                row[(p * h + hd) * hs..][..hs].copy_from_slice(&heads[from..][..hs]);
             }
         });
 }
 
-/// Backward of `attention_forward` given dy (n, C): dqkv (n, 3C) is overwritten. Blocked as the forward:
-/// a row block of dP, dS and dq reaches the block's last column; a column block of dv and dk starts at
-/// the block's first row (P and dS are zero above the diagonal).
-#[allow(clippy::too_many_arguments)]
-#[multiversion(targets = "simd")]
+/// Backward of `attention_forward` given dy (n, C): dqkv (n, 3C) is overwritten. A task per head of
+/// each sequence as the forward, each writing its dq, dk and dv rows to `heads` (3 n C floats, as
+/// (B, H, T, 3, hs)), then laid out as dqkv's.
 pub(super) fn attention_backward(
-    qkv: &[f32],
-    att: &[f32],
-    dy: &[f32],
+    (qkv, att, dy): (&[f32], &[f32], &[f32]),
     dqkv: &mut [f32],
-    t: usize,
-    c: usize,
-    h: usize,
+    heads: &mut [f32],
+    s: Att,
 ) {
-    let hs = c / h;
-    let scale = 1.0 / (hs as f32).sqrt();
-    dqkv.par_chunks_mut(t * 3 * c)
-        .zip(att.par_chunks(h * t * t))
-        .zip(dy.par_chunks(t * c))
-        .zip(qkv.par_chunks(t * 3 * c))
-        .for_each(|(((dqkv, att), dy), qkv)| {
-            let mut ds = vec![0.0f32; t * t];
-            for hd in 0..h {
-                let pr = &att[hd * t * t..][..t * t];
-                let q_from =
-                    |r0: usize| M::strided(&qkv[r0 * 3 * c + hd * hs..], t - r0, hs, 3 * c);
-                let dy_from = |r0: usize| M::strided(&dy[r0 * c + hd * hs..], t - r0, hs, c);
-                for (r0, r1) in att_blocks(t) {
-                    // dP = dy v^T, then dS = P (dP - rowsum(P dP)), zero where P is.
-                    let v = M::strided(&qkv[2 * c + hd * hs..], r1, hs, 3 * c);
-                    let dyh = M::strided(&dy[r0 * c + hd * hs..], r1 - r0, hs, c);
-                    let dsb = &mut ds[r0 * t..][..(r1 - r0) * t];
-                    mm(dsb, t, dyh, v.t(), false, 1.0, Parallelism::None);
-                    for (i, (ds, pr)) in (r0..).zip(dsb.chunks_mut(t).zip(pr[r0 * t..].chunks(t))) {
-                        // P is zero above the diagonal: those terms would add zeros to this serial sum.
-                        let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
-                        ds[..r1]
-                            .iter_mut()
-                            .zip(pr)
-                            .for_each(|(d, &p)| *d = p * (*d - dot));
-                    }
-                    // S = scale q k^T: dq = scale dS k over the keys up to the block's last row.
-                    let k = M::strided(&qkv[c + hd * hs..], r1, hs, 3 * c);
-                    mm(
-                        &mut dqkv[r0 * 3 * c + hd * hs..],
-                        3 * c,
-                        M::strided(&ds[r0 * t..], r1 - r0, r1, t),
-                        k,
-                        false,
-                        scale,
-                        Parallelism::None,
-                    );
-                }
-                for (c0, c1) in att_blocks(t) {
-                    // dv = P^T dy and dk = scale dS^T q, over the rows from the block's first on.
-                    let pcol = M::strided(&pr[c0 * t + c0..], t - c0, c1 - c0, t);
-                    mm(
-                        &mut dqkv[c0 * 3 * c + 2 * c + hd * hs..],
-                        3 * c,
-                        pcol.t(),
-                        dy_from(c0),
-                        false,
-                        1.0,
-                        Parallelism::None,
-                    );
-                    let dscol = M::strided(&ds[c0 * t + c0..], t - c0, c1 - c0, t);
-                    mm(
-                        &mut dqkv[c0 * 3 * c + c + hd * hs..],
-                        3 * c,
-                        dscol.t(),
-                        q_from(c0),
-                        false,
-                        scale,
-                        Parallelism::None,
-                    );
-                }
-            }
-        });
+    let (t, c, h, hs) = (s.t, s.c, s.h, s.hs());
+    assert_eq!(
+        heads.len(),
+        dqkv.len(),
+        "attention: scratch for the heads' rows"
+    );
+    att.par_chunks(t * t)
+        .zip(heads.par_chunks_mut(t * 3 * hs))
+        .enumerate()
+        .for_each_init(
+            || vec![0.0f32; t * t],
+            |ds, (i, (pr, dh))| {
+                let (b, hd) = (i / h, i % h);
+                let qkv = &qkv[b * t * 3 * c + hd * hs..];
+                let dy = &dy[b * t * c + hd * hs..];
+                head_backward((qkv, pr, dy), dh, ds, s);
+            },
+        );
+    from_heads(heads, dqkv, s, 3);
+}
+
+/// One head of one sequence, blocked as the forward: a row block of dP, dS and dq reaches the block's
+/// last column; a column block of dv and dk starts at the block's first row (P and dS are zero above
+/// the diagonal). `qkv` and `dy` start at the head's columns of the sequence's first row; `dh` gets
+/// its rows of (dq | dk | dv) (T x 3 hs); `ds` is T x T scratch.
+#[multiversion(targets = "simd")]
+fn head_backward((qkv, pr, dy): (&[f32], &[f32], &[f32]), dh: &mut [f32], ds: &mut [f32], s: Att) {
+    let (t, c, hs, scale) = (s.t, s.c, s.hs(), s.scale());
+    let none = Parallelism::None;
+    for (r0, r1) in att_blocks(t) {
+        // dP = dy v^T, then dS = P (dP - rowsum(P dP)), zero where P is.
+        let v = M::strided(&qkv[2 * c..], r1, hs, 3 * c);
+        let dyh = M::strided(&dy[r0 * c..], r1 - r0, hs, c);
+        let dsb = &mut ds[r0 * t..][..(r1 - r0) * t];
+        mm(dsb, t, dyh, v.t(), false, 1.0, none);
+        for (i, (ds, pr)) in (r0..).zip(dsb.chunks_mut(t).zip(pr[r0 * t..].chunks(t))) {
+            // P is zero above the diagonal: those terms would add zeros to this serial sum.
+            let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
+            ds[..r1]
+                .iter_mut()
+                .zip(pr)
+                .for_each(|(d, &p)| *d = p * (*d - dot));
+        }
+        // S = scale q k^T: dq = scale dS k over the keys up to the block's last row.
+        let k = M::strided(&qkv[c..], r1, hs, 3 * c);
+        let dsm = M::strided(&ds[r0 * t..], r1 - r0, r1, t);
+        mm(&mut dh[r0 * 3 * hs..], 3 * hs, dsm, k, false, scale, none);
+    }
+    for (c0, c1) in att_blocks(t) {
+        // dv = P^T dy and dk = scale dS^T q, over the rows from the block's first on.
+        let pcol = M::strided(&pr[c0 * t + c0..], t - c0, c1 - c0, t);
+        let dy_from = M::strided(&dy[c0 * c..], t - c0, hs, c);
+        mm(
+            &mut dh[c0 * 3 * hs + 2 * hs..],
+            3 * hs,
+            pcol.t(),
+            dy_from,
+            false,
+            1.0,
+            none,
+        );
+        let dscol = M::strided(&ds[c0 * t + c0..], t - c0, c1 - c0, t);
+        let q_from = M::strided(&qkv[c0 * 3 * c..], t - c0, hs, 3 * c);
+        mm(
+            &mut dh[c0 * 3 * hs + hs..],
+            3 * hs,
+            dscol.t(),
+            q_from,
+            false,
+            scale,
+            none,
+        );
+    }
 }
 
 /// out = a + b.

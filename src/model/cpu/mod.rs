@@ -489,7 +489,8 @@ impl CpuGpt {
         linear(p, layer.attn, xn1, n, qkv);
         let att = &mut a.att[l * b * h * t * t..][..b * h * t * t];
         let atty = &mut a.atty[l * nc..][..nc];
-        attention_forward(qkv, att, atty, t, c, h);
+        // dc is free until the projection's output: the heads' rows are laid out there first.
+        attention_forward(qkv, att, atty, &mut a.dc[..nc], Att { t, c, h });
         linear(p, layer.proj, atty, n, &mut a.dc[..nc]);
         drop.apply(&mut a.dc[..nc], &mut a.masks);
         add(res2, res_in, &a.dc[..nc]);
@@ -645,7 +646,9 @@ impl CpuGpt {
         linear_backward(p, grads, layer.proj, da, atty, n, &mut a.dc2);
         let qkv = &a.qkv[l * 3 * nc..][..3 * nc];
         let att = &a.att[l * b * h * t * t..][..b * h * t * t];
-        attention_backward(qkv, att, &a.dc2, &mut a.dqkv, t, c, h);
+        // d4c is the MLP's scratch, free here.
+        let heads = &mut a.d4c[..3 * nc];
+        attention_backward((qkv, att, &a.dc2), &mut a.dqkv, heads, Att { t, c, h });
         let xn1 = &a.xn1[l * nc..][..nc];
         linear_backward(p, grads, layer.attn, &a.dqkv, xn1, n, &mut a.dc2);
         let (res_l, stats1) = (&a.res[l * nc..][..nc], &a.stats1[l * n..][..n]);

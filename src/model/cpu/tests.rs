@@ -336,7 +336,7 @@ fn full_attention_backward(
 /// The blocked attention computes what the full T x T products give, forward and backward: the blocks
 /// only leave out products with the zeros above the diagonal. Bit for bit up to one block (the same
 /// products); beyond it gemm may pick other kernels for a block's few rows (its last bits), so within
-/// 1e-5 of the largest value. Lengths below, at and across block boundaries.
+/// 1e-5 of the largest value. Lengths below, at and across block boundaries; one thread or several.
 #[test]
 fn blocked_attention_equals_the_full_products() {
     use rand::Rng;
@@ -363,8 +363,10 @@ fn blocked_attention_equals_the_full_products() {
             let mut y = vec![f32::NAN; b * t * c];
             let mut dqkv = vec![f32::NAN; b * t * 3 * c];
             if blocked {
-                attention_forward(&qkv, &mut att, &mut y, t, c, h);
-                attention_backward(&qkv, &att, &dy, &mut dqkv, t, c, h);
+                let s = Att { t, c, h };
+                let mut heads = vec![f32::NAN; 3 * b * t * c];
+                attention_forward(&qkv, &mut att, &mut y, &mut heads[..b * t * c], s);
+                attention_backward((&qkv, &att, &dy), &mut dqkv, &mut heads, s);
             } else {
                 full_attention_forward(&qkv, &mut att, &mut y, t, c, h);
                 full_attention_backward(&qkv, &att, &dy, &mut dqkv, t, c, h);
@@ -372,6 +374,15 @@ fn blocked_attention_equals_the_full_products() {
             [att, y, dqkv]
         };
         let (blocked, full) = (run(true), run(false));
+        // A task per head: the same bits whatever the threads that take them.
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        assert!(
+            one.install(|| run(true)) == blocked,
+            "T = {t}: one thread differs"
+        );
         for (what, (x, want)) in ["probabilities", "output", "gradient"]
             .iter()
             .zip(blocked.iter().zip(&full))
