@@ -4,7 +4,7 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use super::super::matmul::{mm, M};
+use super::super::matmul::{mm, mm_bf16, Bf16Buffers, Bf16Path, M};
 use super::super::ops::{row_max, row_sums_of, rows_lse, rows_per_task, rows_stats, CHUNK, ROWS};
 use super::{Linear, Norm, Params, LN_EPS};
 use gemm::Parallelism;
@@ -245,12 +245,15 @@ pub(super) fn att_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
         .map(move |r0| (r0, (r0 + ATT_BLOCK).min(t)))
 }
 
-/// The shape of a causal self-attention: sequence length, width and heads.
+/// The shape of a causal self-attention (sequence length, width and heads) and its products' precision:
+/// f32, or with `amp` (`train.amp`, as PyTorch's autocast runs SDPA) bf16 operands summed in f32 as the
+/// linear layers' are.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Att {
     pub t: usize,
     pub c: usize,
     pub h: usize,
+    pub amp: Option<Bf16Path>,
 }
 
 impl Att {
@@ -260,6 +263,29 @@ impl Att {
 
     fn scale(self) -> f32 {
         1.0 / (self.hs() as f32).sqrt()
+    }
+}
+
+/// The products of one head's task: f32 on the task's thread, or bf16 operands with f32 sums through
+/// operand buffers of the task's own.
+struct HeadMm(Option<(Bf16Path, Bf16Buffers)>);
+
+impl HeadMm {
+    fn new(amp: Option<Bf16Path>) -> Self {
+        Self(amp.map(|p| (p, Bf16Buffers::default())))
+    }
+
+    /// out (a.rows x b.cols, row stride `rs`) = alpha a b.
+    fn mm(&mut self, out: &mut [f32], rs: usize, a: M, b: M, alpha: f32) {
+        let Some((path, bufs)) = &mut self.0 else {
+            return mm(out, rs, a, b, false, alpha, Parallelism::None);
+        };
+        mm_bf16(*path, bufs, out, rs, a, b, false);
+        if alpha != 1.0 {
+            for row in out.chunks_mut(rs).take(a.rows) {
+                row[..b.cols].iter_mut().for_each(|x| *x *= alpha);
+            }
+        }
     }
 }
 
@@ -283,10 +309,13 @@ pub(super) fn attention_forward(
     att.par_chunks_mut(t * t)
         .zip(heads.par_chunks_mut(t * hs))
         .enumerate()
-        .for_each(|(i, (pr, yh))| {
-            let qkv = &qkv[(i / h) * t * 3 * c + (i % h) * hs..];
-            head_forward(qkv, pr, yh, s);
-        });
+        .for_each_init(
+            || HeadMm::new(s.amp),
+            |m, (i, (pr, yh))| {
+                let qkv = &qkv[(i / h) * t * 3 * c + (i % h) * hs..];
+                head_forward(m, qkv, pr, yh, s);
+            },
+        );
     from_heads(heads, y, s, 1);
 }
 
@@ -294,14 +323,14 @@ pub(super) fn attention_forward(
 /// block's last row. `qkv` starts at the head's query columns of the sequence's first row; `pr` is the
 /// head's T x T probabilities, `yh` its output rows (T x hs).
 #[multiversion(targets = "simd")]
-fn head_forward(qkv: &[f32], pr: &mut [f32], yh: &mut [f32], s: Att) {
+fn head_forward(m: &mut HeadMm, qkv: &[f32], pr: &mut [f32], yh: &mut [f32], s: Att) {
     let (t, c, hs) = (s.t, s.c, s.hs());
     for (r0, r1) in att_blocks(t) {
         let q = M::strided(&qkv[r0 * 3 * c..], r1 - r0, hs, 3 * c);
         let k = M::strided(&qkv[c..], r1, hs, 3 * c);
         let v = M::strided(&qkv[2 * c..], r1, hs, 3 * c);
         let pb = &mut pr[r0 * t..][..(r1 - r0) * t];
-        mm(pb, t, q, k.t(), false, s.scale(), Parallelism::None);
+        m.mm(pb, t, q, k.t(), s.scale());
         for (i, row) in (r0..).zip(pb.chunks_mut(t)) {
             let (keep, masked) = row.split_at_mut(i + 1);
             let max = row_max(keep);
@@ -313,7 +342,7 @@ fn head_forward(qkv: &[f32], pr: &mut [f32], yh: &mut [f32], s: Att) {
             masked.iter_mut().for_each(|s| *s = 0.0);
         }
         let p = M::strided(pb, r1 - r0, r1, t);
-        mm(&mut yh[r0 * hs..], hs, p, v, false, 1.0, Parallelism::None);
+        m.mm(&mut yh[r0 * hs..], hs, p, v, 1.0);
     }
 }
 
@@ -352,12 +381,12 @@ pub(super) fn attention_backward(
         .zip(heads.par_chunks_mut(t * 3 * hs))
         .enumerate()
         .for_each_init(
-            || vec![0.0f32; t * t],
-            |ds, (i, (pr, dh))| {
+            || (HeadMm::new(s.amp), vec![0.0f32; t * t]),
+            |(m, ds), (i, (pr, dh))| {
                 let (b, hd) = (i / h, i % h);
                 let qkv = &qkv[b * t * 3 * c + hd * hs..];
                 let dy = &dy[b * t * c + hd * hs..];
-                head_backward((qkv, pr, dy), dh, ds, s);
+                head_backward(m, (qkv, pr, dy), dh, ds, s);
             },
         );
     from_heads(heads, dqkv, s, 3);
@@ -368,15 +397,20 @@ pub(super) fn attention_backward(
 /// the diagonal). `qkv` and `dy` start at the head's columns of the sequence's first row; `dh` gets
 /// its rows of (dq | dk | dv) (T x 3 hs); `ds` is T x T scratch.
 #[multiversion(targets = "simd")]
-fn head_backward((qkv, pr, dy): (&[f32], &[f32], &[f32]), dh: &mut [f32], ds: &mut [f32], s: Att) {
+fn head_backward(
+    m: &mut HeadMm,
+    (qkv, pr, dy): (&[f32], &[f32], &[f32]),
+    dh: &mut [f32],
+    ds: &mut [f32],
+    s: Att,
+) {
     let (t, c, hs, scale) = (s.t, s.c, s.hs(), s.scale());
-    let none = Parallelism::None;
     for (r0, r1) in att_blocks(t) {
         // dP = dy v^T, then dS = P (dP - rowsum(P dP)), zero where P is.
         let v = M::strided(&qkv[2 * c..], r1, hs, 3 * c);
         let dyh = M::strided(&dy[r0 * c..], r1 - r0, hs, c);
         let dsb = &mut ds[r0 * t..][..(r1 - r0) * t];
-        mm(dsb, t, dyh, v.t(), false, 1.0, none);
+        m.mm(dsb, t, dyh, v.t(), 1.0);
         for (i, (ds, pr)) in (r0..).zip(dsb.chunks_mut(t).zip(pr[r0 * t..].chunks(t))) {
             // P is zero above the diagonal: those terms would add zeros to this serial sum.
             let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
@@ -388,31 +422,27 @@ fn head_backward((qkv, pr, dy): (&[f32], &[f32], &[f32]), dh: &mut [f32], ds: &m
         // S = scale q k^T: dq = scale dS k over the keys up to the block's last row.
         let k = M::strided(&qkv[c..], r1, hs, 3 * c);
         let dsm = M::strided(&ds[r0 * t..], r1 - r0, r1, t);
-        mm(&mut dh[r0 * 3 * hs..], 3 * hs, dsm, k, false, scale, none);
+        m.mm(&mut dh[r0 * 3 * hs..], 3 * hs, dsm, k, scale);
     }
     for (c0, c1) in att_blocks(t) {
         // dv = P^T dy and dk = scale dS^T q, over the rows from the block's first on.
         let pcol = M::strided(&pr[c0 * t + c0..], t - c0, c1 - c0, t);
         let dy_from = M::strided(&dy[c0 * c..], t - c0, hs, c);
-        mm(
+        m.mm(
             &mut dh[c0 * 3 * hs + 2 * hs..],
             3 * hs,
             pcol.t(),
             dy_from,
-            false,
             1.0,
-            none,
         );
         let dscol = M::strided(&ds[c0 * t + c0..], t - c0, c1 - c0, t);
         let q_from = M::strided(&qkv[c0 * 3 * c..], t - c0, hs, 3 * c);
-        mm(
+        m.mm(
             &mut dh[c0 * 3 * hs + hs..],
             3 * hs,
             dscol.t(),
             q_from,
-            false,
             scale,
-            none,
         );
     }
 }

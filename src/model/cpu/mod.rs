@@ -490,7 +490,7 @@ impl CpuGpt {
         let att = &mut a.att[l * b * h * t * t..][..b * h * t * t];
         let atty = &mut a.atty[l * nc..][..nc];
         // dc is free until the projection's output: the heads' rows are laid out there first.
-        attention_forward(qkv, att, atty, &mut a.dc[..nc], Att { t, c, h });
+        attention_forward(qkv, att, atty, &mut a.dc[..nc], self.att(p, t));
         linear(p, layer.proj, atty, n, &mut a.dc[..nc]);
         drop.apply(&mut a.dc[..nc], &mut a.masks);
         add(res2, res_in, &a.dc[..nc]);
@@ -510,6 +510,17 @@ impl CpuGpt {
         linear(p, layer.mproj, g, n, &mut a.dc[..nc]);
         drop.apply(&mut a.dc[..nc], &mut a.masks);
         add(&mut res_rest[..nc], res2, &a.dc[..nc]);
+    }
+
+    /// The attention's shape over sequences of `t`, in the products' precision.
+    fn att(&self, p: &Params, t: usize) -> Att {
+        let amp = (p.mm.prec == Precision::Bf16).then_some(p.mm.path);
+        Att {
+            t,
+            c: self.c,
+            h: self.heads,
+            amp,
+        }
     }
 
     /// Resizes the activation buffers for this model and a b x t batch (a no-op when nothing changed).
@@ -648,7 +659,7 @@ impl CpuGpt {
         let att = &a.att[l * b * h * t * t..][..b * h * t * t];
         // d4c is the MLP's scratch, free here.
         let heads = &mut a.d4c[..3 * nc];
-        attention_backward((qkv, att, &a.dc2), &mut a.dqkv, heads, Att { t, c, h });
+        attention_backward((qkv, att, &a.dc2), &mut a.dqkv, heads, self.att(p, t));
         let xn1 = &a.xn1[l * nc..][..nc];
         linear_backward(p, grads, layer.attn, &a.dqkv, xn1, n, &mut a.dc2);
         let (res_l, stats1) = (&a.res[l * nc..][..nc], &a.stats1[l * n..][..n]);
