@@ -10,7 +10,7 @@ threads ("1xT") and, on the small configs, T local workers of one thread each sp
 `steps` steps of which the first `warmup` are not timed.
 
 Mixed precision ("amp", `train.amp = true`: bf16 matmuls with f32 sums, f32 master weights) is a row of its own
-for both: nanodist's linear layers and lm head in bf16; torch under torch.autocast("cpu", bfloat16), which is not
+for both: nanodist's linear layers, attention products and lm head in bf16; torch under torch.autocast("cpu", bfloat16), which is not
 what nanoGPT runs on CPU (its train.py autocasts on CUDA only), so the ratio column stays against f32 torch SDPA.
 
 The same run measures the machine's f32 GEMM peak with T threads (the best of numpy's BLAS, torch.mm and

@@ -100,8 +100,8 @@ pub struct TrainConfig {
     /// torch.compile in the reference; no meaning for nanodist (reported at start).
     pub compile: bool,
     /// Automatic mixed precision: bf16 matmuls with f32 sums, f32 master weights and optimizer. On CPU
-    /// the linear layers and lm head, where the CPU's AVX512-BF16 outruns its f32 FMA (else f32, said at
-    /// start).
+    /// the linear layers, the attention's products and the lm head, where the CPU's bf16 products outrun
+    /// its f32 FMA (else f32, said at start).
     pub amp: bool,
     /// Stop after this many steps in this invocation (checkpoint first), as Megatron's --exit-interval.
     #[schemars(range(min = 1))]

@@ -219,9 +219,9 @@ impl Gpt {
     }
 
     /// Mixed precision: candle's graph casts every matmul to bf16 (`on`); the CPU engine runs its linear
-    /// layers and lm head in `cpu` (the plan's decision: bf16 only where that is faster than f32; attention
-    /// stays f32), by AMX tiles or vdpbf16ps where this CPU has them, else by bf16-rounded operands in the
-    /// f32 gemm.
+    /// layers, attention products and lm head in `cpu` (the plan's decision: bf16 only where that is
+    /// faster than f32), by AMX tiles or vdpbf16ps where this CPU has them, else by bf16-rounded operands
+    /// in the f32 gemm.
     pub fn with_amp(mut self, on: bool, cpu: Precision) -> Self {
         self.matmul_dtype = if on { DType::BF16 } else { DType::F32 };
         if let Some(engine) = &mut self.cpu {

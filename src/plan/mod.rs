@@ -163,7 +163,7 @@ impl fmt::Display for Plan {
         if self.decisions.cpu_bf16 {
             writeln!(
                 f,
-                "CPU precision     bf16 linear layers and lm head (train.amp; decided once: {})",
+                "CPU precision     bf16 linear layers, attention and lm head (train.amp; decided once: {})",
                 match self.decisions.cpu_bf16_rate {
                     Some(r) => format!("bf16 products at {r:.2}x the f32 FMA's FLOP/s"),
                     None => "recorded".into(),
@@ -561,7 +561,9 @@ mod tests {
                 "{src} at {rate:?}"
             );
         }
-        assert!(a.to_string().contains("bf16 linear layers and lm head"));
+        assert!(a
+            .to_string()
+            .contains("bf16 linear layers, attention and lm head"));
     }
 
     /// CHOCO at its default consensus step gets a note where the consensus simulated at that step does not

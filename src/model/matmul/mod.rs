@@ -141,9 +141,9 @@ impl std::fmt::Display for CpuAmp {
         match self {
             CpuAmp::Bf16 { ratio } => write!(
                 f,
-                "the linear layers and lm head multiply in bf16 with f32 sums (attention, norms, master \
-                 weights and optimizer in f32): this CPU's bf16 products ({BF16_UNITS}) run at \
-                 {ratio:.2}x the FLOP/s of its f32 FMA"
+                "the linear layers, attention products and lm head multiply in bf16 with f32 sums \
+                 (norms, master weights and optimizer in f32): this CPU's bf16 products \
+                 ({BF16_UNITS}) run at {ratio:.2}x the FLOP/s of its f32 FMA"
             ),
             CpuAmp::Slower { ratio } => write!(
                 f,
