@@ -359,18 +359,14 @@ fn blocked_attention_equals_the_full_products() {
             |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
         let (qkv, dy) = (rand(b * t * 3 * c), rand(b * t * c));
         let run = |blocked: bool| {
+            if blocked {
+                return attention_run(&qkv, &dy, b, Att { t, c, h, amp: None });
+            }
             let mut att = vec![f32::NAN; b * h * t * t];
             let mut y = vec![f32::NAN; b * t * c];
             let mut dqkv = vec![f32::NAN; b * t * 3 * c];
-            if blocked {
-                let s = Att { t, c, h, amp: None };
-                let mut heads = vec![f32::NAN; 3 * b * t * c];
-                attention_forward(&qkv, &mut att, &mut y, &mut heads[..b * t * c], s);
-                attention_backward((&qkv, &att, &dy), &mut dqkv, &mut heads, s);
-            } else {
-                full_attention_forward(&qkv, &mut att, &mut y, t, c, h);
-                full_attention_backward(&qkv, &att, &dy, &mut dqkv, t, c, h);
-            }
+            full_attention_forward(&qkv, &mut att, &mut y, t, c, h);
+            full_attention_backward(&qkv, &att, &dy, &mut dqkv, t, c, h);
             [att, y, dqkv]
         };
         let (blocked, full) = (run(true), run(false));
