@@ -1,7 +1,7 @@
 //! The vdpbf16ps GEMM, laid out as BLIS does: B packed into strips of NR columns, A into bf16
 //! pairs along k, an MR x NR micro-kernel keeping its tile of C in registers over KC pairs of k.
 
-use super::{a_stride, fit, pair_along, pair_rows, M, MR, NR};
+use super::{a_stride, pair_along, pair_rows, Lines, M, MR, NR};
 use rayon::prelude::*;
 use std::arch::x86_64::*;
 
@@ -25,8 +25,8 @@ pub fn gemm(
     a: &M,
     b: &M,
     acc: bool,
-    pa: &mut Vec<u32>,
-    pb: &mut Vec<u32>,
+    pa: &mut Lines,
+    pb: &mut Lines,
 ) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let kp = k.div_ceil(2);
@@ -36,7 +36,7 @@ pub fn gemm(
     let out_len = out.len();
     let c = SendPtr(out.as_mut_ptr());
     let (mb, nb) = (m.div_ceil(MC), n.div_ceil(NC));
-    let (pa, pb) = (&pa[..], &pb[..]);
+    let (pa, pb) = (pa.words(), pb.words());
     (0..mb * nb).into_par_iter().for_each(|task| {
         let (ib, jb) = (task / nb, task % nb);
         for p0 in (0..kp).step_by(KC) {
@@ -91,10 +91,10 @@ unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
 /// B (k x n) as strips of NR columns, each kq pairs x NR (columns past n and pairs past kp zero).
-pub(super) fn pack_b(pb: &mut Vec<u32>, b: &M, kp: usize, kq: usize, strips: usize) {
+pub(super) fn pack_b(pb: &mut Lines, b: &M, kp: usize, kq: usize, strips: usize) {
     let (k, n) = (b.rows, b.cols);
-    fit(pb, strips * kq * NR);
-    pb.par_chunks_mut(kq * NR)
+    pb.fit(strips * kq * NR)
+        .par_chunks_mut(kq * NR)
         .enumerate()
         .for_each(|(s, strip)| {
             let j0 = s * NR;
@@ -140,17 +140,15 @@ pub(super) fn transpose_bits(
 }
 
 /// A (m x k) as bf16 pairs along k, rows padded to a multiple of MR with zeros.
-fn pack_a(pa: &mut Vec<u32>, a: &M, kp: usize) -> APack {
+fn pack_a(pa: &mut Lines, a: &M, kp: usize) -> APack {
     let mp = a.rows.div_ceil(MR) * MR;
     if a.cs == 1 || a.rs != 1 {
         // Row i's pairs contiguous (the kernel reads none past kp).
         let is = a_stride(kp);
-        fit(pa, mp * is);
-        pack_rows(pa, a, kp, is, MR, kp);
+        pack_rows(pa.fit(mp * is), a, kp, is, MR, kp);
         APack { is, ps: 1 }
     } else {
-        fit(pa, kp * mp);
-        pack_cols(pa, a, kp, mp);
+        pack_cols(pa.fit(kp * mp), a, kp, mp);
         APack { is: 1, ps: mp }
     }
 }
