@@ -35,6 +35,25 @@ const CONFIG: Config = {
     Config(c)
 };
 
+/// This thread's tile registers configured as `CONFIG`, until the guard drops and releases them. Not
+/// `Send`: the configuration belongs to the thread that loaded it.
+struct Tiles(std::marker::PhantomData<*const ()>);
+
+impl Tiles {
+    fn configure(_: Amx) -> Self {
+        // SAFETY: the `Amx` proves the CPU has AMX-TILE and the process holds the tile data.
+        unsafe { x86::configure() };
+        Tiles(std::marker::PhantomData)
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: `configure` ran on this thread (the guard is not `Send`), so the CPU has AMX-TILE.
+        unsafe { x86::release() };
+    }
+}
+
 impl Amx {
     /// The AMX unit, where the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use its
     /// tile data; asked once per process.
@@ -79,16 +98,21 @@ impl Amx {
             (rows - 1) * c_stride + BLOCK <= c.len(),
             "AMX product: C shorter than its rows"
         );
+        // Configured once for all the blocks: loading the configuration and releasing the tiles take
+        // about 50 ns, as long as a block's products over 64 of k.
+        let tiles = Tiles::configure(self);
         for blk in 0..blocks {
             let a = &a[blk * BLOCK * a_stride..];
             let c = &mut c[blk * BLOCK * c_stride..];
-            // SAFETY: `self` proves the CPU has AMX-TILE and AMX-BF16 and the process holds the tile
-            // data. The asserts above bound every tile access: A's two tiles read rows 0..32 (this
-            // block's, at a_stride) x 64 bytes from pair 16 s for s < steps, that is up to
-            // (31 a_stride + k) u32; B's read pair rows 0..k x 32 u32 at b_stride; C's loads and stores
-            // touch 32 rows of 32 f32 at c_stride, up to (31 c_stride + 32) f32.
+            // SAFETY: `tiles` proves this thread's tiles are configured as `CONFIG`, on a CPU with
+            // AMX-TILE and AMX-BF16 whose process holds the tile data. The asserts above bound every
+            // tile access: A's two tiles read rows 0..32 (this block's, at a_stride) x 64 bytes from
+            // pair 16 s for s < steps, that is up to (31 a_stride + k) u32; B's read pair rows 0..k x
+            // 32 u32 at b_stride; C's loads and stores touch 32 rows of 32 f32 at c_stride, up to
+            // (31 c_stride + 32) f32.
             unsafe {
                 x86::block(
+                    &tiles,
                     steps,
                     (a.as_ptr(), a_stride),
                     (b.as_ptr(), b_stride),
@@ -146,29 +170,47 @@ fn request() -> bool {
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod x86 {
-    use super::{Config, CONFIG};
+    use super::{Config, Tiles, CONFIG};
     use std::arch::asm;
+
+    /// Loads `CONFIG` into this thread's tile configuration.
+    ///
+    /// # Safety
+    /// The CPU has AMX-TILE and the process holds the tile data.
+    pub unsafe fn configure() {
+        let cfg: &Config = &CONFIG;
+        // SAFETY: reads the 64 bytes of `CONFIG` (the caller's contract covers the instruction).
+        unsafe { asm!("ldtilecfg [{cfg}]", cfg = in(reg) cfg.0.as_ptr(), options(nostack)) };
+    }
+
+    /// Releases this thread's tiles (their configuration and data).
+    ///
+    /// # Safety
+    /// The CPU has AMX-TILE.
+    pub unsafe fn release() {
+        // SAFETY: register state only (the caller's contract covers the instruction).
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
 
     /// C (32 x 32 f32) = A B, or C += A B with `add`, over `steps` x 16 pairs: tiles 0-3 hold C's
     /// quarters, 4-5 A's two row halves, 6-7 B's two column halves.
     ///
     /// # Safety
-    /// The CPU has AMX-TILE and AMX-BF16 and the process holds the tile data; `a` has 32 rows at
+    /// The CPU has AMX-BF16, and `_tiles` (this thread's configuration) the tiles; `a` has 32 rows at
     /// `a_stride` u32 of 16 `steps` pairs, `b` 16 `steps` pair rows at `b_stride` u32 of 32 columns, `c`
     /// 32 rows at `c_stride` f32 of 32.
     pub unsafe fn block(
+        _tiles: &Tiles,
         steps: usize,
         (a, a_stride): (*const u32, usize),
         (b, b_stride): (*const u32, usize),
         (c, c_stride): (&mut [f32], usize),
         add: bool,
     ) {
-        let cfg: &Config = &CONFIG;
         let (sa, sb, sc) = (4 * a_stride, 4 * b_stride, 4 * c_stride);
         // SAFETY: the caller's contract bounds the loads and the stores.
         unsafe {
             asm!(
-                "ldtilecfg [{cfg}]",
                 "test {add}, {add}",
                 "jz 4f",
                 "tileloadd tmm0, [{c} + {sc}*1]",
@@ -203,8 +245,6 @@ mod x86 {
                 "tilestored [{c} + {sc}*1 + 64], tmm1",
                 "tilestored [{c2} + {sc}*1], tmm2",
                 "tilestored [{c2} + {sc}*1 + 64], tmm3",
-                "tilerelease",
-                cfg = in(reg) cfg.0.as_ptr(),
                 add = in(reg) add as usize,
                 n = inout(reg) steps => _,
                 a = inout(reg) a => _,
@@ -261,8 +301,18 @@ mod x86 {
 
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
 mod x86 {
+    use super::Tiles;
     /// Never called: no `Amx` exists off x86-64 Linux.
+    pub unsafe fn configure() {
+        unreachable!("no AMX here")
+    }
+    /// Never called, as `configure`.
+    pub unsafe fn release() {
+        unreachable!("no AMX here")
+    }
+    /// Never called, as `configure`.
     pub unsafe fn block(
+        _: &Tiles,
         _: usize,
         _: (*const u32, usize),
         _: (*const u32, usize),
