@@ -31,6 +31,20 @@ impl<'a> M<'a> {
         }
     }
 
+    /// Its `rows` rows from row r0, their first `cols` columns.
+    pub fn part(self, r0: usize, rows: usize, cols: usize) -> Self {
+        assert!(
+            r0 + rows <= self.rows && cols <= self.cols,
+            "part of a matrix past its edge"
+        );
+        Self {
+            d: &self.d[(r0 * self.rs).min(self.d.len())..],
+            rows,
+            cols,
+            ..self
+        }
+    }
+
     pub fn t(self) -> Self {
         Self {
             rows: self.cols,

@@ -4,7 +4,7 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use super::super::matmul::{mm, mm_bf16, Bf16Buffers, Bf16Path, M};
+use super::super::matmul::{mm, mm_bf16_packed, Bf16Buffers, Bf16Path, PackedB, M};
 use super::super::ops::{row_max, row_sums_of, rows_lse, rows_per_task, rows_stats, CHUNK, ROWS};
 use super::{Linear, Norm, Params, LN_EPS};
 use gemm::Parallelism;
@@ -267,23 +267,44 @@ impl Att {
 }
 
 /// The products of one head's task: f32 on the task's thread, or bf16 operands with f32 sums through
-/// operand buffers of the task's own.
-struct HeadMm(Option<(Bf16Path, Bf16Buffers)>);
+/// operand buffers of the task's own, where each B operand (keys, values, ...) is packed once per head
+/// into a slot and each block of rows reads the part it needs.
+struct HeadMm(Option<(Bf16Path, Bf16Buffers, [PackedB; 4])>);
+
+/// A B operand of a head's products, the slot it is packed in, and the part a product reads: rows from
+/// k0 (as many as A has columns) and the first n columns.
+struct HeadB<'a> {
+    b: M<'a>,
+    slot: usize,
+    k0: usize,
+    n: usize,
+}
 
 impl HeadMm {
     fn new(amp: Option<Bf16Path>) -> Self {
-        Self(amp.map(|p| (p, Bf16Buffers::default())))
+        Self(amp.map(|p| (p, Bf16Buffers::default(), Default::default())))
     }
 
-    /// out (a.rows x b.cols, row stride `rs`) = alpha a b.
-    fn mm(&mut self, out: &mut [f32], rs: usize, a: M, b: M, alpha: f32) {
-        let Some((path, bufs)) = &mut self.0 else {
-            return mm(out, rs, a, b, false, alpha, Parallelism::None);
+    /// Packs b into `slot` for the head's bf16 products (nothing to do in f32).
+    fn pack(&mut self, slot: usize, b: M) {
+        if let Some((path, _, packed)) = &mut self.0 {
+            packed[slot].pack(*path, b);
+        }
+    }
+
+    /// out (a.rows x b.n, row stride `rs`) = alpha a (b's part); under bf16 b is read from its slot,
+    /// packed by `pack`.
+    fn mm(&mut self, out: &mut [f32], rs: usize, a: M, b: HeadB, alpha: f32) {
+        let Some((path, bufs, packed)) = &mut self.0 else {
+            let part = b.b.part(b.k0, a.cols, b.n);
+            return mm(out, rs, a, part, false, alpha, Parallelism::None);
         };
-        mm_bf16(*path, bufs, out, rs, a, b, false);
+        let slot = &packed[b.slot];
+        assert!(slot.holds(&b.b), "attention: slot {} is stale", b.slot);
+        mm_bf16_packed(*path, bufs, out, rs, a, (slot, b.k0, b.n));
         if alpha != 1.0 {
             for row in out.chunks_mut(rs).take(a.rows) {
-                row[..b.cols].iter_mut().for_each(|x| *x *= alpha);
+                row[..b.n].iter_mut().for_each(|x| *x *= alpha);
             }
         }
     }
@@ -325,12 +346,22 @@ pub(super) fn attention_forward(
 #[multiversion(targets = "simd")]
 fn head_forward(m: &mut HeadMm, qkv: &[f32], pr: &mut [f32], yh: &mut [f32], s: Att) {
     let (t, c, hs) = (s.t, s.c, s.hs());
+    let (kt, v) = (
+        M::strided(&qkv[c..], t, hs, 3 * c).t(),
+        M::strided(&qkv[2 * c..], t, hs, 3 * c),
+    );
+    m.pack(0, kt);
+    m.pack(1, v);
     for (r0, r1) in att_blocks(t) {
         let q = M::strided(&qkv[r0 * 3 * c..], r1 - r0, hs, 3 * c);
-        let k = M::strided(&qkv[c..], r1, hs, 3 * c);
-        let v = M::strided(&qkv[2 * c..], r1, hs, 3 * c);
         let pb = &mut pr[r0 * t..][..(r1 - r0) * t];
-        m.mm(pb, t, q, k.t(), s.scale());
+        let kt = HeadB {
+            b: kt,
+            slot: 0,
+            k0: 0,
+            n: r1,
+        };
+        m.mm(pb, t, q, kt, s.scale());
         for (i, row) in (r0..).zip(pb.chunks_mut(t)) {
             let (keep, masked) = row.split_at_mut(i + 1);
             let max = row_max(keep);
@@ -342,6 +373,12 @@ fn head_forward(m: &mut HeadMm, qkv: &[f32], pr: &mut [f32], yh: &mut [f32], s: 
             masked.iter_mut().for_each(|s| *s = 0.0);
         }
         let p = M::strided(pb, r1 - r0, r1, t);
+        let v = HeadB {
+            b: v,
+            slot: 1,
+            k0: 0,
+            n: hs,
+        };
         m.mm(&mut yh[r0 * hs..], hs, p, v, 1.0);
     }
 }
@@ -404,13 +441,29 @@ fn head_backward(
     ds: &mut [f32],
     s: Att,
 ) {
-    let (t, c, hs, scale) = (s.t, s.c, s.hs(), s.scale());
+    let (t, c, hs) = (s.t, s.c, s.hs());
+    // The head's B operands, each packed once: v^T (dP), k (dq), dy (dv) and q (dk).
+    let k = M::strided(&qkv[c..], t, hs, 3 * c);
+    let bs = [
+        M::strided(&qkv[2 * c..], t, hs, 3 * c).t(),
+        k,
+        M::strided(dy, t, hs, c),
+        M::strided(qkv, t, hs, 3 * c),
+    ];
+    for (slot, &b) in bs.iter().enumerate() {
+        m.pack(slot, b);
+    }
+    let part = |slot: usize, k0: usize, n: usize| HeadB {
+        b: bs[slot],
+        slot,
+        k0,
+        n,
+    };
     for (r0, r1) in att_blocks(t) {
         // dP = dy v^T, then dS = P (dP - rowsum(P dP)), zero where P is.
-        let v = M::strided(&qkv[2 * c..], r1, hs, 3 * c);
         let dyh = M::strided(&dy[r0 * c..], r1 - r0, hs, c);
         let dsb = &mut ds[r0 * t..][..(r1 - r0) * t];
-        m.mm(dsb, t, dyh, v.t(), 1.0);
+        m.mm(dsb, t, dyh, part(0, 0, r1), 1.0);
         for (i, (ds, pr)) in (r0..).zip(dsb.chunks_mut(t).zip(pr[r0 * t..].chunks(t))) {
             // P is zero above the diagonal: those terms would add zeros to this serial sum.
             let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
@@ -420,30 +473,23 @@ fn head_backward(
                 .for_each(|(d, &p)| *d = p * (*d - dot));
         }
         // S = scale q k^T: dq = scale dS k over the keys up to the block's last row.
-        let k = M::strided(&qkv[c..], r1, hs, 3 * c);
         let dsm = M::strided(&ds[r0 * t..], r1 - r0, r1, t);
-        m.mm(&mut dh[r0 * 3 * hs..], 3 * hs, dsm, k, scale);
+        m.mm(
+            &mut dh[r0 * 3 * hs..],
+            3 * hs,
+            dsm,
+            part(1, 0, hs),
+            s.scale(),
+        );
     }
     for (c0, c1) in att_blocks(t) {
         // dv = P^T dy and dk = scale dS^T q, over the rows from the block's first on.
         let pcol = M::strided(&pr[c0 * t + c0..], t - c0, c1 - c0, t);
-        let dy_from = M::strided(&dy[c0 * c..], t - c0, hs, c);
-        m.mm(
-            &mut dh[c0 * 3 * hs + 2 * hs..],
-            3 * hs,
-            pcol.t(),
-            dy_from,
-            1.0,
-        );
+        let dv = &mut dh[c0 * 3 * hs + 2 * hs..];
+        m.mm(dv, 3 * hs, pcol.t(), part(2, c0, hs), 1.0);
         let dscol = M::strided(&ds[c0 * t + c0..], t - c0, c1 - c0, t);
-        let q_from = M::strided(&qkv[c0 * 3 * c..], t - c0, hs, 3 * c);
-        m.mm(
-            &mut dh[c0 * 3 * hs + hs..],
-            3 * hs,
-            dscol.t(),
-            q_from,
-            scale,
-        );
+        let dk = &mut dh[c0 * 3 * hs + hs..];
+        m.mm(dk, 3 * hs, dscol.t(), part(3, c0, hs), s.scale());
     }
 }
 

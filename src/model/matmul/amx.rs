@@ -6,7 +6,7 @@
 //! per element, whatever the thread count.
 
 use super::avx512::{pack_b, pack_cols, pack_rows, transpose_bits};
-use super::{a_stride, Bf16Buffers, Lines, M, NR};
+use super::{a_stride, Bf16Buffers, Lines, Strips, M, NR};
 use crate::kernels::amx::{Amx, BLOCK, PAIRS};
 use rayon::prelude::*;
 
@@ -18,7 +18,7 @@ const _: () = assert!(NR == BLOCK);
 const MAX_BAND: usize = 256;
 
 /// Pairs along k, and those padded to whole tile rows.
-fn pairs(k: usize) -> (usize, usize) {
+pub(super) fn pairs(k: usize) -> (usize, usize) {
     let kp = k.div_ceil(2);
     (kp, kp.div_ceil(PAIRS) * PAIRS)
 }
@@ -40,19 +40,54 @@ pub(super) fn gemm(
     acc: bool,
     bufs: &mut Bf16Buffers,
 ) {
-    let (m, n, k) = (a.rows, b.cols, a.cols);
-    let (kp, kq) = pairs(k);
-    let strips = n.div_ceil(NR);
+    let (kp, kq) = pairs(a.cols);
     let (pa, pb) = &mut bufs.packed;
-    pack_b(pb, b, kp, kq, strips);
+    pack_b(pb, b, kp, kq, b.cols.div_ceil(NR));
     let is = pack_a(pa, &mut bufs.scratch, a, kp, kq);
+    let b = Strips {
+        words: pb.words(),
+        stride: kq * NR,
+        from: 0,
+        cols: b.cols,
+    };
+    bands(amx, out, out_rs, (pa.words(), is, a.rows), b, kq, acc);
+}
+
+/// out (a.rows x b.cols at stride `out_rs`) = a b over `kq` pairs of b from each strip's `from` (a
+/// multiple of 16 pairs), or += when `acc`, where b was packed once for several products (`PackedB`).
+pub(super) fn gemm_packed(
+    amx: Amx,
+    out: &mut [f32],
+    out_rs: usize,
+    a: &M,
+    b: Strips,
+    acc: bool,
+    bufs: &mut Bf16Buffers,
+) {
+    let (kp, kq) = pairs(a.cols);
+    let (pa, _) = &mut bufs.packed;
+    let is = pack_a(pa, &mut bufs.scratch, a, kp, kq);
+    bands(amx, out, out_rs, (pa.words(), is, a.rows), b, kq, acc);
+}
+
+/// The product of packed operands: A's m rows at stride `is`, B's strips over kq pairs, a band of rows
+/// per task.
+fn bands(
+    amx: Amx,
+    out: &mut [f32],
+    out_rs: usize,
+    (pa, is, m): (&[u32], usize, usize),
+    b: Strips,
+    kq: usize,
+    acc: bool,
+) {
+    let n = b.cols;
     let threads = rayon::current_num_threads().max(1);
     let band = m
         .div_ceil(threads)
         .div_ceil(BLOCK)
         .clamp(1, MAX_BAND / BLOCK)
         * BLOCK;
-    let (pa, pb) = (pa.words(), pb.words());
     out[..out_len(m, n, out_rs)]
         .par_chunks_mut(band * out_rs)
         .enumerate()
@@ -61,8 +96,8 @@ pub(super) fn gemm(
             let rows = band.min(m - i0);
             let a = &pa[i0 * is..];
             let mut edge = vec![0.0f32; BLOCK * BLOCK];
-            for s in 0..strips {
-                let b = (&pb[s * kq * NR..][..kq * NR], NR);
+            for s in 0..n.div_ceil(NR) {
+                let b = (&b.words[s * b.stride + b.from..][..kq * NR], NR);
                 let (j0, cols) = (s * NR, NR.min(n - s * NR));
                 // The whole blocks of a whole strip straight into out; the rest through `edge`.
                 let whole = if cols == NR { rows / BLOCK } else { 0 };

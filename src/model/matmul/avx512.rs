@@ -1,7 +1,7 @@
 //! The vdpbf16ps GEMM, laid out as BLIS does: B packed into strips of NR columns, A into bf16
 //! pairs along k, an MR x NR micro-kernel keeping its tile of C in registers over KC pairs of k.
 
-use super::{a_stride, pair_along, pair_rows, Lines, M, MR, NR};
+use super::{a_stride, pair_along, pair_rows, Lines, Strips, M, MR, NR};
 use rayon::prelude::*;
 use std::arch::x86_64::*;
 
@@ -28,22 +28,47 @@ pub fn gemm(
     pa: &mut Lines,
     pb: &mut Lines,
 ) {
-    let (m, n, k) = (a.rows, b.cols, a.cols);
-    let kp = k.div_ceil(2);
-    let strips = n.div_ceil(NR);
-    pack_b(pb, b, kp, kp, strips);
+    let kp = a.cols.div_ceil(2);
+    pack_b(pb, b, kp, kp, b.cols.div_ceil(NR));
     let ap = pack_a(pa, a, kp);
+    let b = Strips {
+        words: pb.words(),
+        stride: kp * NR,
+        from: 0,
+        cols: b.cols,
+    };
+    run(out, out_rs, (pa.words(), ap, a.rows), b, kp, acc);
+}
+
+/// out (a.rows x b.cols at stride `out_rs`) = a b over the pairs of b from each strip's `from`, or +=
+/// when `acc`, where b was packed once for several products (`PackedB`).
+pub fn gemm_packed(out: &mut [f32], out_rs: usize, a: &M, b: Strips, acc: bool, pa: &mut Lines) {
+    let kp = a.cols.div_ceil(2);
+    let ap = pack_a(pa, a, kp);
+    run(out, out_rs, (pa.words(), ap, a.rows), b, kp, acc);
+}
+
+/// The product of packed operands over kp pairs: tasks of MC rows and NC columns, blocks of KC pairs.
+fn run(
+    out: &mut [f32],
+    out_rs: usize,
+    (pa, ap, m): (&[u32], APack, usize),
+    b: Strips,
+    kp: usize,
+    acc: bool,
+) {
+    let n = b.cols;
+    let strips = n.div_ceil(NR);
     let out_len = out.len();
     let c = SendPtr(out.as_mut_ptr());
     let (mb, nb) = (m.div_ceil(MC), n.div_ceil(NC));
-    let (pa, pb) = (pa.words(), pb.words());
     (0..mb * nb).into_par_iter().for_each(|task| {
         let (ib, jb) = (task / nb, task % nb);
         for p0 in (0..kp).step_by(KC) {
             let kc = KC.min(kp - p0);
             let add = acc || p0 > 0;
             for s in (jb * NC / NR)..((jb + 1) * NC / NR).min(strips) {
-                let bs = &pb[(s * kp + p0) * NR..][..kc * NR];
+                let bs = &b.words[s * b.stride + b.from + p0 * NR..][..kc * NR];
                 let cols = NR.min(n - s * NR);
                 for i0 in (ib * MC..((ib + 1) * MC).min(m)).step_by(MR) {
                     let rows = MR.min(m - i0);

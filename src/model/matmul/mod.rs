@@ -427,6 +427,134 @@ pub fn mm_bf16(
     }
 }
 
+/// B's packed strips as a product reads them: strip s from word `s stride + from`, its first `cols`
+/// columns.
+struct Strips<'a> {
+    words: &'a [u32],
+    stride: usize,
+    from: usize,
+    cols: usize,
+}
+
+/// A B operand packed once for several products, each over a part of it: rows (k) from a multiple of 32
+/// and its first columns (attention packs a head's keys and values once, and each block of rows reads
+/// them up to its diagonal). The products are those `mm_bf16` gives for the same parts.
+#[derive(Default)]
+pub struct PackedB {
+    words: Lines,
+    rounded: Vec<f32>,
+    /// The path that packed it, B's (rows, cols), its pairs per strip, and where B was (what `holds`
+    /// compares).
+    path: Option<Bf16Path>,
+    dims: (usize, usize),
+    kq: usize,
+    from: (usize, usize, usize, usize),
+}
+
+impl PackedB {
+    /// b packed for `path`'s products.
+    pub fn pack(&mut self, path: Bf16Path, b: M) {
+        let (k, n) = (b.rows, b.cols);
+        let strips = n.div_ceil(NR);
+        self.kq = match path.unit {
+            #[cfg(target_arch = "x86_64")]
+            Unit::Amx(_) => {
+                let (kp, kq) = amx::pairs(k);
+                avx512::pack_b(&mut self.words, &b, kp, kq, strips);
+                kq
+            }
+            #[cfg(target_arch = "x86_64")]
+            Unit::Avx512 => {
+                let kp = k.div_ceil(2);
+                avx512::pack_b(&mut self.words, &b, kp, kp, strips);
+                kp
+            }
+            _ => {
+                round_into(&mut self.rounded, &b);
+                0
+            }
+        };
+        (self.path, self.dims, self.from) = (Some(path), (k, n), Self::key(&b));
+    }
+
+    /// Whether it holds `b` as packed last (the same elements of the same slice).
+    pub fn holds(&self, b: &M) -> bool {
+        self.path.is_some() && self.from == Self::key(b) && self.dims == (b.rows, b.cols)
+    }
+
+    fn key(b: &M) -> (usize, usize, usize, usize) {
+        (b.d.as_ptr() as usize, b.d.len(), b.rs, b.cs)
+    }
+}
+
+/// out (a.rows x n, row stride `out_rs`) = a times rows k0 .. k0 + a.cols of `b` and its first n
+/// columns, with a rounded to bf16: `mm_bf16` of that part of b, from b packed once.
+///
+/// Panics unless `path` packed b, k0 is a multiple of 32 and the part lies inside b.
+pub fn mm_bf16_packed(
+    path: Bf16Path,
+    bufs: &mut Bf16Buffers,
+    out: &mut [f32],
+    out_rs: usize,
+    a: M,
+    (b, k0, n): (&PackedB, usize, usize),
+) {
+    let (m, k) = (a.rows, a.cols);
+    assert_eq!(b.path, Some(path), "a B packed for another path");
+    assert!(
+        k0.is_multiple_of(32) && k0 + k <= b.dims.0 && n <= b.dims.1,
+        "part of a packed B past its edge"
+    );
+    assert!(
+        a.fits(a.d.len()) && M::strided(out, m, n, out_rs).fits(out.len()),
+        "matmul operand out of bounds"
+    );
+    if m == 0 || n == 0 || k == 0 {
+        out.chunks_mut(out_rs)
+            .take(m)
+            .for_each(|r| r[..n].fill(0.0));
+        return;
+    }
+    let strips = |stride: usize| Strips {
+        words: b.words.words(),
+        stride,
+        from: k0 / 2 * NR,
+        cols: n,
+    };
+    match path.unit {
+        #[cfg(target_arch = "x86_64")]
+        Unit::Amx(amx) => amx::gemm_packed(amx, out, out_rs, &a, strips(b.kq * NR), false, bufs),
+        #[cfg(target_arch = "x86_64")]
+        Unit::Avx512 => avx512::gemm_packed(
+            out,
+            out_rs,
+            &a,
+            strips(b.kq * NR),
+            false,
+            &mut bufs.packed.0,
+        ),
+        _ => {
+            // The part laid out as `mm_bf16` rounds it (the gemm's order of sums follows the layout).
+            let (ra, rb) = &mut bufs.rounded;
+            round_into(ra, &a);
+            fit(rb, k * n);
+            let all = b.dims.1;
+            for (r, row) in rb.chunks_exact_mut(n).enumerate() {
+                row.copy_from_slice(&b.rounded[(k0 + r) * all..][..n]);
+            }
+            mm(
+                out,
+                out_rs,
+                M::new(ra, m, k),
+                M::new(rb, k, n),
+                false,
+                1.0,
+                par(),
+            );
+        }
+    }
+}
+
 /// `buf` = the rows of `x` rounded to bf16, row-major.
 fn round_into(buf: &mut Vec<f32>, x: &M) {
     fit(buf, x.rows * x.cols);
@@ -565,6 +693,68 @@ mod tests {
                 rs: 2 * cols + 1,
                 cs: 2,
             },
+        }
+    }
+
+    /// A product over a part of a B packed once (rows from a multiple of 32, the first columns) is, bit
+    /// for bit, `mm_bf16` of that part, on every path and layout of A and B, for parts that end inside B,
+    /// at its last row and column, and on odd counts of rows.
+    #[test]
+    fn products_of_a_packed_b_are_those_of_its_parts() {
+        let (mut bufs, mut packed) = (Bf16Buffers::default(), PackedB::default());
+        let (k_all, n_all) = (203, 77);
+        for path in paths() {
+            for (la, lb) in [(0, 0), (1, 1), (2, 0), (0, 2)] {
+                let bd = values(k_all * n_all * 3 + 2 * n_all + 2, 5);
+                let b = view(&bd, k_all, n_all, lb);
+                packed.pack(path, b);
+                assert!(packed.holds(&b) && !packed.holds(&b.part(1, 3, 3)));
+                for (k0, k, n, m) in [
+                    (0, 64, 77, 40),
+                    (64, 139, 33, 3),
+                    (160, 43, 1, 70),
+                    (32, 7, 64, 33),
+                ] {
+                    let ad = values(m * k * 3 + 2 * k + 2, (k0 + k) as u64);
+                    let a = view(&ad, m, k, la);
+                    let rs = n + 5;
+                    let (mut got, mut want) = (vec![7.0f32; m * rs], vec![7.0f32; m * rs]);
+                    mm_bf16_packed(path, &mut bufs, &mut got, rs, a, (&packed, k0, n));
+                    let part = b.part(k0, k, n);
+                    mm_bf16(path, &mut bufs, &mut want, rs, a, part, false);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{path:?} {la}{lb} k0 {k0} {m}x{n}x{k}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A part past the packed B's edge, or from a row not a multiple of 32, panics.
+    #[test]
+    fn a_packed_b_refuses_parts_past_its_edges() {
+        let bd = values(100 * 40, 1);
+        let path = Bf16Path::detect();
+        let mut packed = PackedB::default();
+        packed.pack(path, M::new(&bd, 100, 40));
+        let ad = values(10 * 100, 2);
+        for (k0, k, n) in [(16, 10, 40), (96, 10, 40), (0, 10, 41)] {
+            let r = std::panic::catch_unwind(|| {
+                let mut out = vec![0.0f32; 10 * 41];
+                let a = M::new(&ad, 10, k);
+                mm_bf16_packed(
+                    path,
+                    &mut Bf16Buffers::default(),
+                    &mut out,
+                    41,
+                    a,
+                    (&packed, k0, n),
+                );
+            });
+            assert!(r.is_err(), "k0 {k0} k {k} n {n}");
         }
     }
 
