@@ -12,10 +12,12 @@ use rayon::prelude::*;
 
 const _: () = assert!(NR == BLOCK);
 
-/// Most rows a band takes: its A (1 MB of pairs at k = 2048) stays in the core's L2 while the strips of
-/// B stream past (2048 squares on one core, the tiles alone: 1100-1160 GFLOP/s at 256 rows, 960-1060 at
-/// 512, 970-1070 at 128).
-const MAX_BAND: usize = 256;
+/// Most bytes of A's pairs a band takes in a pass over k: they stay in the core's L2 while the strips of
+/// B stream past.
+const A_BAND_BYTES: usize = 1 << 20;
+/// Pairs of k a pass sums (2048 of k): however long k is, a band of 256 rows fits in A_BAND_BYTES.
+const K_PASS: usize = 1024;
+const _: () = assert!(K_PASS.is_multiple_of(PAIRS));
 
 /// Pairs along k, and those padded to whole tile rows.
 pub(super) fn pairs(k: usize) -> (usize, usize) {
@@ -71,7 +73,8 @@ pub(super) fn gemm_packed(
 }
 
 /// The product of packed operands: A's m rows at stride `is`, B's strips over kq pairs, a band of rows
-/// per task.
+/// per task, k in passes of K_PASS pairs (each block's C reloaded for the next pass, so each element's
+/// sum runs in k's order whatever the passes and bands).
 fn bands(
     amx: Amx,
     out: &mut [f32],
@@ -83,39 +86,55 @@ fn bands(
 ) {
     let n = b.cols;
     let threads = rayon::current_num_threads().max(1);
-    let band = m
-        .div_ceil(threads)
-        .div_ceil(BLOCK)
-        .clamp(1, MAX_BAND / BLOCK)
-        * BLOCK;
+    let fit_l2 = (A_BAND_BYTES / (4 * kq.min(K_PASS)) / BLOCK).max(1);
+    let band = m.div_ceil(threads).div_ceil(BLOCK).clamp(1, fit_l2) * BLOCK;
     out[..out_len(m, n, out_rs)]
         .par_chunks_mut(band * out_rs)
         .enumerate()
         .for_each(|(t, rows_out)| {
-            let i0 = t * band;
+            let (i0, mut edge) = (t * band, vec![0.0f32; BLOCK * BLOCK]);
             let rows = band.min(m - i0);
-            let a = &pa[i0 * is..];
-            let mut edge = vec![0.0f32; BLOCK * BLOCK];
-            for s in 0..n.div_ceil(NR) {
-                let b = (&b.words[s * b.stride + b.from..][..kq * NR], NR);
-                let (j0, cols) = (s * NR, NR.min(n - s * NR));
-                // The whole blocks of a whole strip straight into out; the rest through `edge`.
-                let whole = if cols == NR { rows / BLOCK } else { 0 };
-                let c = (&mut rows_out[j0..], out_rs);
-                amx.product(whole, kq / PAIRS, (a, is), b, c, acc);
-                for i in (whole * BLOCK..rows).step_by(BLOCK) {
-                    let a = (&a[i * is..], is);
-                    amx.product(1, kq / PAIRS, a, b, (&mut edge, BLOCK), false);
-                    for (r, tile_row) in edge.chunks_exact(BLOCK).take(rows - i).enumerate() {
-                        let o = &mut rows_out[(i + r) * out_rs + j0..][..cols];
-                        match acc {
-                            true => o.iter_mut().zip(tile_row).for_each(|(o, v)| *o += v),
-                            false => o.copy_from_slice(&tile_row[..cols]),
-                        }
+            for p0 in (0..kq).step_by(K_PASS) {
+                let (steps, add) = (K_PASS.min(kq - p0) / PAIRS, acc || p0 > 0);
+                let a = &pa[i0 * is + p0..];
+                for s in 0..n.div_ceil(NR) {
+                    let b = &b.words[s * b.stride + b.from + p0 * NR..][..steps * PAIRS * NR];
+                    let (j0, cols) = (s * NR, NR.min(n - s * NR));
+                    // The whole blocks of a whole strip straight into out; the rest through `edge`.
+                    let whole = if cols == NR { rows / BLOCK } else { 0 };
+                    let c = (&mut rows_out[j0..], out_rs);
+                    amx.product(whole, steps, (a, is), (b, NR), c, add);
+                    for i in (whole * BLOCK..rows).step_by(BLOCK) {
+                        let o = &mut rows_out[i * out_rs + j0..];
+                        let a = (&a[i * is..], is);
+                        let shape = (steps, (rows - i).min(BLOCK), cols, out_rs);
+                        edge_block(amx, shape, a, b, (o, &mut edge), add);
                     }
                 }
             }
         });
+}
+
+/// A block of C past out's edges (`rows` x `cols` of it at stride `out_rs` in `o`) through the 32 x 32
+/// `edge`: out's values loaded into it first when adding, so that the sums run as in a whole block.
+fn edge_block(
+    amx: Amx,
+    (steps, rows, cols, out_rs): (usize, usize, usize, usize),
+    a: (&[u32], usize),
+    b: &[u32],
+    (o, edge): (&mut [f32], &mut [f32]),
+    add: bool,
+) {
+    if add {
+        edge.fill(0.0);
+        for (r, e) in edge.chunks_exact_mut(BLOCK).take(rows).enumerate() {
+            e[..cols].copy_from_slice(&o[r * out_rs..][..cols]);
+        }
+    }
+    amx.product(1, steps, a, (b, NR), (edge, BLOCK), add);
+    for (r, e) in edge.chunks_exact(BLOCK).take(rows).enumerate() {
+        o[r * out_rs..][..cols].copy_from_slice(&e[..cols]);
+    }
 }
 
 /// The length of out's m rows of n at stride out_rs: the last row ends at its n-th column.

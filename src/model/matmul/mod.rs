@@ -772,6 +772,8 @@ mod tests {
             (17, 70, 129),
             (130, 260, 257),
             (40, 300, 300),
+            // Three of the AMX GEMM's passes over k, with blocks past the edges.
+            (37, 45, 4200),
         ] {
             for (la, lb) in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 2), (0, 2), (2, 1)] {
                 let ad = values(m * k * 3 + 2 * k + 2, (m * n) as u64);
@@ -853,9 +855,11 @@ mod tests {
     /// The result does not depend on the thread count (the k blocks are summed in one order).
     #[test]
     fn bf16_products_do_not_depend_on_the_thread_count() {
-        let (m, n, k) = (300, 200, 700);
-        let (ad, bd) = (values(m * k, 1), values(k * n, 2));
-        for path in paths() {
+        for (m, n, k, path) in [(300, 200, 700), (70, 50, 4500)]
+            .into_iter()
+            .flat_map(|s| paths().into_iter().map(move |p| (s.0, s.1, s.2, p)))
+        {
+            let (ad, bd) = (values(m * k, 1), values(k * n, 2));
             let runs: Vec<Vec<f32>> = [1, 2, 3]
                 .into_iter()
                 .map(|threads| {
