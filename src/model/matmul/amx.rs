@@ -56,20 +56,19 @@ pub(super) fn gemm(
 }
 
 /// out (a.rows x b.cols at stride `out_rs`) = a b over `kq` pairs of b from each strip's `from` (a
-/// multiple of 16 pairs), or += when `acc`, where b was packed once for several products (`PackedB`).
+/// multiple of 16 pairs), where b was packed once for several products (`PackedB`).
 pub(super) fn gemm_packed(
     amx: Amx,
     out: &mut [f32],
     out_rs: usize,
     a: &M,
     b: Strips,
-    acc: bool,
     bufs: &mut Bf16Buffers,
 ) {
     let (kp, kq) = pairs(a.cols);
     let (pa, _) = &mut bufs.packed;
     let is = pack_a(pa, &mut bufs.scratch, a, kp, kq);
-    bands(amx, out, out_rs, (pa.words(), is, a.rows), b, kq, acc);
+    bands(amx, out, out_rs, (pa.words(), is, a.rows), b, kq, false);
 }
 
 /// The product of packed operands: A's m rows at stride `is`, B's strips over kq pairs, a band of rows

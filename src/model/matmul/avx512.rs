@@ -40,12 +40,12 @@ pub fn gemm(
     run(out, out_rs, (pa.words(), ap, a.rows), b, kp, acc);
 }
 
-/// out (a.rows x b.cols at stride `out_rs`) = a b over the pairs of b from each strip's `from`, or +=
-/// when `acc`, where b was packed once for several products (`PackedB`).
-pub fn gemm_packed(out: &mut [f32], out_rs: usize, a: &M, b: Strips, acc: bool, pa: &mut Lines) {
+/// out (a.rows x b.cols at stride `out_rs`) = a b over the pairs of b from each strip's `from`, where b
+/// was packed once for several products (`PackedB`).
+pub fn gemm_packed(out: &mut [f32], out_rs: usize, a: &M, b: Strips, pa: &mut Lines) {
     let kp = a.cols.div_ceil(2);
     let ap = pack_a(pa, a, kp);
-    run(out, out_rs, (pa.words(), ap, a.rows), b, kp, acc);
+    run(out, out_rs, (pa.words(), ap, a.rows), b, kp, false);
 }
 
 /// The product of packed operands over kp pairs: tasks of MC rows and NC columns, blocks of KC pairs.

@@ -515,42 +515,21 @@ pub fn mm_bf16_packed(
             .for_each(|r| r[..n].fill(0.0));
         return;
     }
-    let strips = |stride: usize| Strips {
+    let strips = Strips {
         words: b.words.words(),
-        stride,
+        stride: b.kq * NR,
         from: k0 / 2 * NR,
         cols: n,
     };
     match path.unit {
         #[cfg(target_arch = "x86_64")]
-        Unit::Amx(amx) => amx::gemm_packed(amx, out, out_rs, &a, strips(b.kq * NR), false, bufs),
+        Unit::Amx(amx) => amx::gemm_packed(amx, out, out_rs, &a, strips, bufs),
         #[cfg(target_arch = "x86_64")]
-        Unit::Avx512 => avx512::gemm_packed(
-            out,
-            out_rs,
-            &a,
-            strips(b.kq * NR),
-            false,
-            &mut bufs.packed.0,
-        ),
+        Unit::Avx512 => avx512::gemm_packed(out, out_rs, &a, strips, &mut bufs.packed.0),
+        // B's part, already rounded, rounds to itself: `mm_bf16` lays it out as for the unpacked part.
         _ => {
-            // The part laid out as `mm_bf16` rounds it (the gemm's order of sums follows the layout).
-            let (ra, rb) = &mut bufs.rounded;
-            round_into(ra, &a);
-            fit(rb, k * n);
-            let all = b.dims.1;
-            for (r, row) in rb.chunks_exact_mut(n).enumerate() {
-                row.copy_from_slice(&b.rounded[(k0 + r) * all..][..n]);
-            }
-            mm(
-                out,
-                out_rs,
-                M::new(ra, m, k),
-                M::new(rb, k, n),
-                false,
-                1.0,
-                par(),
-            );
+            let part = M::new(&b.rounded, b.dims.0, b.dims.1).part(k0, k, n);
+            mm_bf16(path, bufs, out, out_rs, a, part, false);
         }
     }
 }
