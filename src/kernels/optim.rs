@@ -3,6 +3,8 @@
 //! so that a kernel and its twin agree bit for bit. The optimizers in `crate::optim` run these twins on
 //! CPU; the coefficients of a step are computed once on the host (`AdamWStep`, `AccumStep`) for both.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use super::Segment;
@@ -76,7 +78,6 @@ impl AdamWStep {
 
 /// Twin of `adamw`: decoupled weight decay first, exp_avg.lerp_(g, 1 - b1),
 /// exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2), p -= step_size (m / (sqrt(v) / bc2_sqrt + eps)).
-#[multiversion::multiversion(targets = "simd")]
 pub fn adamw(
     p: &mut [f32],
     g: &[f32],
@@ -85,14 +86,31 @@ pub fn adamw(
     segments: &[Segment],
     c: &AdamWStep,
 ) {
-    for s in segments {
-        let r = s.offset..s.offset + s.len;
+    adamw_mixed(p, g, m, v, segments, c, None)
+}
+
+/// `adamw` with gossip's mix around it (`Mixing`), a tile at a time while the tile is in cache: each
+/// element's operations are the mix's, the update's and the scaled copy's, in that order.
+#[multiversion::multiversion(targets = "simd")]
+pub fn adamw_mixed(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    segments: &[Segment],
+    c: &AdamWStep,
+    mut mixing: Option<&mut Mixing>,
+) {
+    for (s, r) in tiles(segments) {
         let (p, g, m, v) = (
             &mut p[r.clone()],
             &g[r.clone()],
             &mut m[r.clone()],
-            &mut v[r],
+            &mut v[r.clone()],
         );
+        if let Some(x) = mixing.as_deref_mut() {
+            x.before(p, r.start);
+        }
         for i in 0..p.len() {
             let pi = if s.decays() { p[i] * c.decay } else { p[i] };
             let gi = g[i] * c.grad_scale;
@@ -101,6 +119,78 @@ pub fn adamw(
             let denom = v[i].sqrt() / c.bc2_sqrt + c.eps;
             p[i] = pi - c.step_size * (m[i] / denom);
         }
+        if let Some(x) = mixing.as_deref_mut() {
+            x.after(p, r.start);
+        }
+    }
+}
+
+/// The segments' elements in tiles of at most `TILE`, each with its segment.
+fn tiles(segments: &[Segment]) -> impl Iterator<Item = (&Segment, Range<usize>)> {
+    segments.iter().flat_map(|s| {
+        (s.offset..s.offset + s.len)
+            .step_by(TILE)
+            .map(move |a| (s, a..(a + TILE).min(s.offset + s.len)))
+    })
+}
+
+/// Gossip's element-wise mix folded into an optimizer's pass over the parameters (see
+/// `crate::optim::Optimizer::step_mixed`): x <- own x + buf before the update (the `mix` kernel's
+/// operation) where `own` is given, buf <- x other after it (`scaled_copy`'s) where `other` is. `buf`
+/// is the whole flat buffer, as long as the parameters.
+pub struct Mixing<'a> {
+    pub buf: &'a mut [f32],
+    pub own: Option<f32>,
+    pub other: Option<f32>,
+}
+
+/// A step's mixing weights without the buffer (`Mixing`'s `own` and `other`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fold {
+    pub own: Option<f32>,
+    pub other: Option<f32>,
+}
+
+impl Fold {
+    /// The mix of these weights over `buf`.
+    pub fn over(self, buf: &mut [f32]) -> Mixing<'_> {
+        Mixing {
+            buf,
+            own: self.own,
+            other: self.other,
+        }
+    }
+}
+
+impl Mixing<'_> {
+    /// The mix of `x`, the parameters from `at` on.
+    #[inline(always)]
+    pub fn before(&mut self, x: &mut [f32], at: usize) {
+        if let Some(own) = self.own {
+            let b = &self.buf[at..at + x.len()];
+            x.iter_mut().zip(b).for_each(|(x, b)| *x = own * *x + b);
+        }
+    }
+
+    /// The scaled copy of `x`, the parameters from `at` on.
+    #[inline(always)]
+    pub fn after(&mut self, x: &[f32], at: usize) {
+        if let Some(other) = self.other {
+            let b = &mut self.buf[at..at + x.len()];
+            b.iter_mut().zip(x).for_each(|(b, x)| *b = x * other);
+        }
+    }
+
+    /// Whether `segments` cover all `n` parameters, in order (then a pass over them mixes every one).
+    pub fn covers(segments: &[Segment], n: usize) -> bool {
+        let mut at = 0;
+        for s in segments {
+            if s.offset != at {
+                return false;
+            }
+            at += s.len;
+        }
+        at == n
     }
 }
 
@@ -144,7 +234,6 @@ impl AccumStep {
 
 /// Twin of `accum_adamw`: the look-ahead step from the committed moments (stored pre-multiplied by the
 /// betas, as Decent-DP's), the running mean `acc` of the gradients, and the commit every k-th step.
-#[multiversion::multiversion(targets = "simd")]
 pub fn accum_adamw(
     p: &mut [f32],
     g: &[f32],
@@ -154,10 +243,26 @@ pub fn accum_adamw(
     segments: &[Segment],
     c: &AccumStep,
 ) {
-    for s in segments {
-        let r = s.offset..s.offset + s.len;
+    accum_adamw_mixed(p, g, [sm, sv, acc], segments, c, None)
+}
+
+/// `accum_adamw` with gossip's mix around it, as `adamw_mixed`; `state` is [sm, sv, acc].
+#[multiversion::multiversion(targets = "simd")]
+pub fn accum_adamw_mixed(
+    p: &mut [f32],
+    g: &[f32],
+    state: [&mut [f32]; 3],
+    segments: &[Segment],
+    c: &AccumStep,
+    mut mixing: Option<&mut Mixing>,
+) {
+    let [sm, sv, acc] = state;
+    for (s, r) in tiles(segments) {
         let (p, g) = (&mut p[r.clone()], &g[r.clone()]);
-        let (sm, sv, acc) = (&mut sm[r.clone()], &mut sv[r.clone()], &mut acc[r]);
+        let (sm, sv, acc) = (&mut sm[r.clone()], &mut sv[r.clone()], &mut acc[r.clone()]);
+        if let Some(x) = mixing.as_deref_mut() {
+            x.before(p, r.start);
+        }
         for i in 0..p.len() {
             let pi = if s.decays() { p[i] * c.decay } else { p[i] };
             let gi = g[i] * c.grad_scale;
@@ -172,6 +277,9 @@ pub fn accum_adamw(
             } else {
                 acc[i] = a;
             }
+        }
+        if let Some(x) = mixing.as_deref_mut() {
+            x.after(p, r.start);
         }
     }
 }
@@ -623,6 +731,42 @@ mod tests {
             }
         }
 
+        /// AdamW and AccumAdamW with gossip's mix folded in, tile by tile, leave the parameters, state and
+        /// send buffer that the mix, the update and the scaled copy leave one after the other, bit for
+        /// bit: with and without each half of the mix, over segments longer than a tile.
+        #[test]
+        fn the_folded_mix_gives_the_passes_bits(lens in prop::collection::vec((0usize..9000, any::<bool>()), 1..4), seed in 0u64..1000, own in prop::option::of(0.1f32..0.9), other in prop::option::of(0.1f32..0.9), t in 1u64..4) {
+            let segs = Segment::end_to_end(lens);
+            let n = numel(&segs);
+            let fold = Fold { own, other };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let start = |k: u64| [vals(n, seed + k, -1.0, 1.0), vals(n, seed + 9, 0.0, 1.0), vals(n, seed + 5, 0.0, 1e-2), vals(n, seed + 6, -1.0, 1.0)];
+            let g = vals(n, seed + 7, -1.0, 1.0);
+            let c = AdamWStep { grad_scale: 0.7, ..AdamWStep::new([0.9, 0.95], 1e-8, 0.1, 1e-2, t) };
+            // [p, m, v, buf], folded and in passes.
+            let [mut p, mut m, mut v, mut b] = start(0);
+            adamw_mixed(&mut p, &g, &mut m, &mut v, &segs, &c, Some(&mut fold.over(&mut b)));
+            let [mut q, mut m2, mut v2, mut b2] = start(0);
+            fold.over(&mut b2).before(&mut q, 0);
+            adamw(&mut q, &g, &mut m2, &mut v2, &segs, &c);
+            fold.over(&mut b2).after(&q, 0);
+            prop_assert_eq!(bits(&p), bits(&q));
+            prop_assert_eq!((bits(&m), bits(&v), bits(&b)), (bits(&m2), bits(&v2), bits(&b2)));
+            for k in [1, 2] {
+                let c = AccumStep { grad_scale: 0.7, ..AccumStep::new([0.9, 0.99], 1e-8, 0.1, k, 1e-2, t) };
+                let [mut p, mut sm, mut sv, mut b] = start(k);
+                let mut acc = vals(n, seed + 8, -0.1, 0.1);
+                accum_adamw_mixed(&mut p, &g, [&mut sm, &mut sv, &mut acc], &segs, &c, Some(&mut fold.over(&mut b)));
+                let [mut q, mut sm2, mut sv2, mut b2] = start(k);
+                let mut acc2 = vals(n, seed + 8, -0.1, 0.1);
+                fold.over(&mut b2).before(&mut q, 0);
+                accum_adamw(&mut q, &g, &mut sm2, &mut sv2, &mut acc2, &segs, &c);
+                fold.over(&mut b2).after(&q, 0);
+                prop_assert_eq!(bits(&p), bits(&q));
+                prop_assert_eq!((bits(&sm), bits(&sv), bits(&acc), bits(&b)), (bits(&sm2), bits(&sv2), bits(&acc2), bits(&b2)));
+            }
+        }
+
         /// Torch's SGD (heavy ball and Nesterov, coupled weight decay) and SGD with decoupled decay,
         /// against their recurrences in f64.
         #[test]
@@ -676,6 +820,17 @@ mod tests {
             let bound = (24.0 + x.len().div_ceil(TILE) as f64) * f64::EPSILON * want;
             prop_assert!((got - want).abs() <= bound, "{got} vs {want}");
         }
+    }
+
+    /// The folded mix reaches every parameter only where the segments cover them all, in order.
+    #[test]
+    fn a_fold_needs_segments_that_cover_the_parameters() {
+        let segs = Segment::end_to_end([(5, true), (0, false), (7, false)]);
+        assert!(Mixing::covers(&segs, 12));
+        assert!(!Mixing::covers(&segs, 13));
+        assert!(!Mixing::covers(&segs[1..], 12));
+        assert!(!Mixing::covers(&[segs[2], segs[0]], 12));
+        assert!(Mixing::covers(&[], 0));
     }
 
     /// The tiles summed in parallel give the tiles' sums added one after the other, bit for bit.

@@ -2,12 +2,13 @@
 
 use anyhow::Result;
 
-use super::optimizer::{take, OptimState, OptimView, Optimizer, Segments, Shard};
+use super::optimizer::{step_unfolded, take, OptimState, OptimView, Optimizer, Segments, Shard};
 use crate::config::{AccumAdamWConfig, AdamWConfig};
 #[cfg(feature = "cuda")]
 use crate::flat::MIXED;
 use crate::flat::{Flat, FlatMut, FlatRef, Place};
 use crate::kernels::optim as kernels;
+use crate::kernels::optim::Mixing;
 
 pub struct AdamW {
     betas: [f64; 2],
@@ -68,6 +69,25 @@ impl Optimizer for AdamW {
             _ => anyhow::bail!(MIXED),
         }
         Ok(())
+    }
+
+    /// One pass: the mix, the update and the scaled copy a tile at a time (`kernels::adamw_mixed`).
+    fn step_mixed(
+        &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        (lr, grad_scale): (f64, f32),
+        mut mixing: Mixing<'_>,
+    ) -> Result<()> {
+        let c = self.coefficients(self.t + 1, lr, grad_scale);
+        match (&mut self.m, &mut self.v) {
+            (Flat::Host(m), Flat::Host(v)) if Mixing::covers(&self.segs.host, params.len()) => {
+                self.t += 1;
+                kernels::adamw_mixed(params, grads, m, v, &self.segs.host, &c, Some(&mut mixing));
+                Ok(())
+            }
+            _ => step_unfolded(self, params, grads, (lr, grad_scale), mixing),
+        }
     }
 
     fn view(&self) -> OptimView<'_> {
@@ -184,6 +204,28 @@ impl Optimizer for AccumAdamW {
             _ => anyhow::bail!(MIXED),
         }
         Ok(())
+    }
+
+    /// One pass, as AdamW's (`kernels::accum_adamw_mixed`).
+    fn step_mixed(
+        &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        (lr, grad_scale): (f64, f32),
+        mut mixing: Mixing<'_>,
+    ) -> Result<()> {
+        let c = self.coefficients(self.t + 1, lr, grad_scale);
+        match (&mut self.sm, &mut self.sv, &mut self.acc) {
+            (Flat::Host(sm), Flat::Host(sv), Flat::Host(acc))
+                if Mixing::covers(&self.segs.host, params.len()) =>
+            {
+                self.t += 1;
+                let (segs, m) = (&self.segs.host, Some(&mut mixing));
+                kernels::accum_adamw_mixed(params, grads, [sm, sv, acc], segs, &c, m);
+                Ok(())
+            }
+            _ => step_unfolded(self, params, grads, (lr, grad_scale), mixing),
+        }
     }
 
     fn view(&self) -> OptimView<'_> {

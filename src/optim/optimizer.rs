@@ -9,6 +9,7 @@ use super::muon::Muon;
 use super::sgd::MomentumSgd;
 use crate::config::OptimConfig;
 use crate::flat::{FlatMut, FlatRef, Place};
+use crate::kernels::optim::Mixing;
 use crate::kernels::Segment;
 /// Optimizer state for checkpoints: the step count and named flat buffers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -103,6 +104,18 @@ pub trait Optimizer: Send + Sync {
         lr: f64,
         grad_scale: f32,
     ) -> Result<()>;
+    /// `step_scaled` on host buffers with gossip's mix around it (`Mixing`): x <- own x + buf before the
+    /// update, buf <- x other after it. The same values as the three passes one after the other, which
+    /// this default makes; the element-wise optimizers fold the two into their own pass.
+    fn step_mixed(
+        &mut self,
+        params: &mut [f32],
+        grads: &[f32],
+        (lr, grad_scale): (f64, f32),
+        mixing: Mixing<'_>,
+    ) -> Result<()> {
+        step_unfolded(self, params, grads, (lr, grad_scale), mixing)
+    }
     /// The step count and buffers, borrowed.
     fn view(&self) -> OptimView<'_>;
     /// The step count and a host copy of the buffers.
@@ -118,6 +131,20 @@ pub trait Optimizer: Send + Sync {
     fn step_shard(&self, shard: Shard<'_>, t: u64, lr: f64, grad_scale: f32) -> Result<()>;
     /// The state's buffers in `view`'s order, for writing (an error on the GPU).
     fn host_state_mut(&mut self) -> Result<Vec<&mut [f32]>>;
+}
+
+/// `Optimizer::step_mixed` as three passes: the mix, `step_scaled`, the scaled copy.
+pub(super) fn step_unfolded<O: Optimizer + ?Sized>(
+    opt: &mut O,
+    params: &mut [f32],
+    grads: &[f32],
+    (lr, grad_scale): (f64, f32),
+    mut mixing: Mixing<'_>,
+) -> Result<()> {
+    mixing.before(params, 0);
+    opt.step_scaled(FlatMut::Host(params), FlatRef::Host(grads), lr, grad_scale)?;
+    mixing.after(params, 0);
+    Ok(())
 }
 
 /// A flat buffer's parameter segments, and their table on the GPU once a step has run there.

@@ -16,7 +16,8 @@ pub mod trace;
 use anyhow::Result;
 
 use crate::comm::{all_reduce_mean, CommStats, Communicator, Parts};
-use crate::flat::{Flat, FlatMut, FlatRef};
+use crate::flat::{Flat, FlatMut, FlatRef, Place};
+use crate::kernels::optim::Fold;
 use plan::SyncPlan;
 use topology::Round;
 use trace::{Collective, Op, Overlap};
@@ -90,6 +91,25 @@ pub trait SyncBackend {
     }
     fn after_step_flat(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
         params.through_host(|p| self.after_step(p, step))
+    }
+    /// The mix of step `step` for the optimizer to fold into its pass over host parameters (gossip:
+    /// `Optimizer::step_mixed`, over `fold_buffer`), in place of the element-wise work of
+    /// `before_step_flat` and `after_step_flat`; the loop then calls `after_fold` instead of
+    /// `after_step_flat`. None: the hooks do it (the default).
+    fn fold_mix(&mut self, _step: u64) -> Result<Option<Fold>> {
+        Ok(None)
+    }
+    /// The buffer `fold_mix`'s weights mix with (host memory, as long as the parameters).
+    fn fold_buffer(&mut self) -> Result<&mut [f32]> {
+        anyhow::bail!(
+            "internal error: {} folds no mix into the update",
+            self.name()
+        )
+    }
+    /// After an update that folded `fold_mix`'s mix: the rest of `after_step_flat` (the send, and
+    /// without overlap the mix of its sum).
+    fn after_fold(&mut self, _params: FlatMut<'_>, _step: u64) -> Result<()> {
+        Ok(())
     }
     /// Mean over workers of a few scalars (losses for logging).
     fn mean_scalars(&mut self, xs: &mut [f32]) -> Result<()> {
@@ -393,6 +413,11 @@ impl Gossip {
         Ok((&group.ranks, own, other))
     }
 
+    /// The round of step `step`.
+    fn round(&self, step: u64) -> usize {
+        (step % self.rounds.len() as u64) as usize
+    }
+
     /// This rank's group in `round`.
     fn group(&self, round: usize) -> Result<&topology::Group> {
         let rank = self.comm.rank();
@@ -500,13 +525,49 @@ impl SyncBackend for Gossip {
     /// x_i <- w x_i + (1 - w) / (|R| - 1) * sum_{j != i} x_j, computed as Decent-DP does: the group
     /// sums x_j (1 - w) / (|R| - 1) over all members, and the local copy is scaled by w - (1 - w) / (|R| - 1).
     fn after_step_flat(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
-        let round = (step % self.rounds.len() as u64) as usize;
+        let round = self.round(step);
         let in_place = !self.overlap && self.group(round)?.sums_in_place();
         let params = match params {
             FlatMut::Host(x) if in_place => return self.mix_in_place(x, round),
             params => params,
         };
         self.prepare(params.as_ref(), round)?;
+        if self.overlap && step > 0 {
+            self.pending = Some((round, false));
+            return Ok(());
+        }
+        self.send(round)?;
+        self.apply(params, round)
+    }
+    /// The pending round's sum mixed in before the update and this round's scaled copy made after it,
+    /// where the parameters are on the host (where `after_step_flat` would sum in place, the hooks run).
+    fn fold_mix(&mut self, step: u64) -> Result<Option<Fold>> {
+        let round = self.round(step);
+        if !self.overlap && self.group(round)?.sums_in_place() {
+            return Ok(None);
+        }
+        self.communicate()?;
+        let own = match self.pending.take() {
+            Some((r, _)) => self
+                .weights(r)
+                .map(|(g, own, _)| (g.len() > 1).then_some(own))?,
+            None => None,
+        };
+        if !matches!(&self.buf, Flat::Host(b) if b.len() == self.numel) {
+            anyhow::ensure!(
+                own.is_none(),
+                "internal error: a pending gossip round without its send buffer in host memory"
+            );
+            self.buf = Place::Host.zeros(self.numel)?;
+        }
+        let other = Some(self.weights(round)?.2);
+        Ok(Some(Fold { own, other }))
+    }
+    fn fold_buffer(&mut self) -> Result<&mut [f32]> {
+        self.buf.host_mut()
+    }
+    fn after_fold(&mut self, params: FlatMut<'_>, step: u64) -> Result<()> {
+        let round = self.round(step);
         if self.overlap && step > 0 {
             self.pending = Some((round, false));
             return Ok(());

@@ -23,7 +23,7 @@ use anyhow::{bail, Result};
 
 use crate::comm::Parts;
 use crate::flat::{Flat, FlatMut, FlatRef};
-use crate::kernels::optim::{tile_sum_squares, TILE};
+use crate::kernels::optim::{tile_sum_squares, Mixing, TILE};
 use crate::kernels::Segment;
 use crate::optim::Shard;
 use crate::optim::{OptimView, Optimizer};
@@ -201,6 +201,39 @@ impl Replica {
         };
         s.opt.step_shard(shard, m.t, lr, grad_scale)?;
         sync.barrier()
+    }
+
+    /// Whether the parameters are this worker's own, in host memory: where an update can fold gossip's
+    /// mix (`step_mixed`).
+    pub fn own_on_host(&self) -> bool {
+        matches!(
+            self,
+            Replica::Own {
+                params: Flat::Host(_),
+                ..
+            }
+        )
+    }
+
+    /// `step` with gossip's mix folded into the optimizer's pass (`Optimizer::step_mixed`), on a replica
+    /// of this worker's own in host memory (`own_on_host`).
+    pub fn step_mixed(
+        &mut self,
+        grads: FlatRef<'_>,
+        (lr, grad_scale): (f64, f32),
+        mixing: Mixing<'_>,
+    ) -> Result<()> {
+        let Replica::Own {
+            params: Flat::Host(params),
+            opt,
+        } = self
+        else {
+            bail!(
+                "internal error: gossip's mix folded into the update of a shared or device replica"
+            )
+        };
+        let g = grads.to_host()?;
+        opt.step_mixed(params, &g, (lr, grad_scale), mixing)
     }
 
     /// The model to evaluate and checkpoint: the backend's average of the replicas (`params` is this

@@ -568,16 +568,33 @@ impl<'s> Worker<'s> {
         let start = self.since_log.sync_start(self.sync.comm_stats());
         let step = self.progress.step;
         let touches = !self.setup.plan.sync.replicas_stay_equal();
-        if touches {
-            self.sync.before_step_flat(self.replica.params_mut()?)?;
+        let fold = match touches && self.replica.own_on_host() {
+            true => self.sync.fold_mix(step)?,
+            false => None,
+        };
+        match fold {
+            Some(fold) => {
+                self.since_log.sync_end(start, self.sync.comm_stats());
+                let mixing = fold.over(self.sync.fold_buffer()?);
+                self.replica
+                    .step_mixed(self.grads.as_ref(), (lr, grad_scale), mixing)?;
+            }
+            None => {
+                if touches {
+                    self.sync.before_step_flat(self.replica.params_mut()?)?;
+                }
+                self.since_log.sync_end(start, self.sync.comm_stats());
+                self.replica
+                    .step(self.grads.as_ref(), lr, grad_scale, self.sync.as_mut())?;
+            }
         }
-        self.since_log.sync_end(start, self.sync.comm_stats());
-        self.replica
-            .step(self.grads.as_ref(), lr, grad_scale, self.sync.as_mut())?;
         let start = self.since_log.sync_start(self.sync.comm_stats());
-        if touches {
-            self.sync
-                .after_step_flat(self.replica.params_mut()?, step)?;
+        match (fold.is_some(), touches) {
+            (true, _) => self.sync.after_fold(self.replica.params_mut()?, step)?,
+            (false, true) => self
+                .sync
+                .after_step_flat(self.replica.params_mut()?, step)?,
+            (false, false) => {}
         }
         self.since_log.sync_end(start, self.sync.comm_stats());
         self.model.load(self.replica.params())?;

@@ -386,6 +386,94 @@ fn synchronous_gossip_mixes_by_the_decent_dp_formula_in_place_or_through_its_buf
     }
 }
 
+/// Gossip's mix folded into the optimizer's pass (`fold_mix`, `Optimizer::step_mixed` over
+/// `fold_buffer`, `after_fold`, as the training loop runs it on host parameters) leaves every rank's
+/// parameters where the hooks around `step_scaled` leave them, bit for bit, step after step:
+/// synchronous and overlapped, a ring over 5 (groups of 3 and a lone rank), exp over 8 and complete over
+/// 4 (a synchronous mix with uniform weights sums in place and is not folded), with AdamW and AccumAdamW (folded in their
+/// own pass) and momentum SGD (the trait's three passes).
+#[test]
+fn gossip_folded_into_the_update_leaves_the_parameters_the_hooks_do() {
+    use nanodist::config::optim::SgdConfig;
+    use nanodist::config::{AccumAdamWConfig, OptimConfig};
+    use nanodist::flat::Place;
+    let segs = nanodist::kernels::Segment::end_to_end([(40, true), (10, false)]);
+    let optims = [
+        OptimConfig::AdamW(Default::default()),
+        OptimConfig::AccumAdamW(AccumAdamWConfig {
+            accum_steps: 2,
+            ..Default::default()
+        }),
+        OptimConfig::Sgd(SgdConfig {
+            momentum: 0.9,
+            ..Default::default()
+        }),
+    ];
+    let cases = [
+        (Topology::Ring, 5),
+        (Topology::Exp, 8),
+        (Topology::Complete, 4),
+    ];
+    let all = cases.iter().flat_map(|&c| [false, true].map(|o| (c, o)));
+    for (((topo, n), overlap), cfg) in all.flat_map(|c| optims.iter().map(move |o| (c, o))) {
+        let rounds = topology::rounds_over(topo, n, n).unwrap();
+        let run = |fold: bool| {
+            on_ranks(n, |c| {
+                let rank = c.rank();
+                let mut g = Gossip::new(c, rounds.clone(), overlap, 50);
+                let mut opt =
+                    nanodist::optim::build(cfg, segs.clone(), &[false; 2], 50, &Place::Host)
+                        .unwrap();
+                let mut p = replica(rank);
+                let mut seen = Vec::new();
+                for step in 0..6u64 {
+                    let grad: Vec<f32> = (0..50)
+                        .map(|i| ((i * 7 + rank * 3 + step as usize * 11) % 13) as f32 * 0.1 - 0.6)
+                        .collect();
+                    let f = if fold {
+                        g.fold_mix(step).unwrap()
+                    } else {
+                        None
+                    };
+                    match f {
+                        Some(f) => {
+                            let mixing = f.over(g.fold_buffer().unwrap());
+                            opt.step_mixed(&mut p, &grad, (0.01, 0.5), mixing).unwrap();
+                            g.after_fold((&mut p[..]).into(), step).unwrap();
+                        }
+                        None => {
+                            g.before_step(&mut p).unwrap();
+                            let (pm, gr) = ((&mut p[..]).into(), (&grad[..]).into());
+                            opt.step_scaled(pm, gr, 0.01, 0.5).unwrap();
+                            g.after_step(&mut p, step).unwrap();
+                        }
+                    }
+                    seen.push((
+                        f.is_some(),
+                        p.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    ));
+                }
+                seen
+            })
+        };
+        let (folded, hooks) = (run(true), run(false));
+        let name = format!("{topo:?} over {n}, overlap {overlap}, {cfg:?}");
+        let params = |r: &[Vec<(bool, Vec<u32>)>]| -> Vec<Vec<Vec<u32>>> {
+            r.iter()
+                .map(|s| s.iter().map(|x| x.1.clone()).collect())
+                .collect()
+        };
+        assert_eq!(params(&folded), params(&hooks), "{name}");
+        // Overlapped, every step folds; synchronous, the groups that sum in place do not (the lone rank
+        // of the ring over 5 does).
+        let steps = folded.iter().flatten();
+        match overlap {
+            true => assert!(steps.clone().all(|x| x.0), "{name}: every step folds"),
+            false => assert_eq!(steps.clone().any(|x| x.0), n == 5, "{name}"),
+        }
+    }
+}
+
 #[test]
 fn ring_gossip_shrinks_consensus_distance_and_keeps_the_mean() {
     let n = 6;
