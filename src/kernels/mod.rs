@@ -552,11 +552,13 @@ pub fn scale(x: &mut [f32], s: f32) {
 }
 
 /// Twin of `mix`: x = own * x + b.
+#[inline(always)]
 pub fn mix(x: &mut [f32], b: &[f32], own: f32) {
     x.iter_mut().zip(b).for_each(|(x, b)| *x = own * *x + b);
 }
 
 /// Twin of `scaled_copy`: dst = src * s.
+#[inline(always)]
 pub fn scaled_copy(dst: &mut [f32], src: &[f32], s: f32) {
     dst.iter_mut().zip(src).for_each(|(d, x)| *d = x * s);
 }

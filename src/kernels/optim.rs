@@ -135,8 +135,8 @@ fn tiles(segments: &[Segment]) -> impl Iterator<Item = (&Segment, Range<usize>)>
 }
 
 /// Gossip's element-wise mix folded into an optimizer's pass over the parameters (see
-/// `crate::optim::Optimizer::step_mixed`): x <- own x + buf before the update (the `mix` kernel's
-/// operation) where `own` is given, buf <- x other after it (`scaled_copy`'s) where `other` is. `buf`
+/// `crate::optim::Optimizer::step_mixed`): x <- own x + buf before the update (the `mix` kernel's twin)
+/// where `own` is given, buf <- x other after it (`scaled_copy`'s) where `other` is. `buf`
 /// is the whole flat buffer, as long as the parameters.
 pub struct Mixing<'a> {
     pub buf: &'a mut [f32],
@@ -167,8 +167,7 @@ impl Mixing<'_> {
     #[inline(always)]
     pub fn before(&mut self, x: &mut [f32], at: usize) {
         if let Some(own) = self.own {
-            let b = &self.buf[at..at + x.len()];
-            x.iter_mut().zip(b).for_each(|(x, b)| *x = own * *x + b);
+            super::mix(x, &self.buf[at..at + x.len()], own);
         }
     }
 
@@ -176,8 +175,7 @@ impl Mixing<'_> {
     #[inline(always)]
     pub fn after(&mut self, x: &[f32], at: usize) {
         if let Some(other) = self.other {
-            let b = &mut self.buf[at..at + x.len()];
-            b.iter_mut().zip(x).for_each(|(b, x)| *b = x * other);
+            super::scaled_copy(&mut self.buf[at..at + x.len()], x, other);
         }
     }
 
