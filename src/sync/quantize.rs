@@ -174,37 +174,44 @@ fn min_of(m: f32, x: f32) -> f32 {
     }
 }
 
-/// The largest magnitude of `row` (NaNs left out; 0 for an empty row), in eight lanes so that it
+/// Lanes of the reductions below: two 512-bit registers' worth, so that a 256- or 512-bit unit keeps
+/// several independent chains of comparisons in flight.
+const LANES: usize = 32;
+
+/// The largest magnitude of `row` (NaNs left out; 0 for an empty row), in `LANES` lanes so that it
 /// vectorizes: the maximum of any grouping is the same.
 #[inline(always)]
 fn max_abs(row: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let blocks = row.chunks_exact(8);
+    let mut lanes = [0.0f32; LANES];
+    let blocks = row.chunks_exact(LANES);
     let rest = blocks
         .remainder()
         .iter()
         .fold(0.0, |m, x| max_of(m, x.abs()));
     for b in blocks {
-        for k in 0..8 {
-            lanes[k] = max_of(lanes[k], b[k].abs());
+        for (l, x) in lanes.iter_mut().zip(b) {
+            *l = max_of(*l, x.abs());
         }
     }
     lanes.into_iter().fold(rest, max_of)
 }
 
-/// The smallest and largest values of `row` (NaNs left out; (f32::MAX, f32::MIN) for none), in eight
+/// The smallest and largest values of `row` (NaNs left out; (f32::MAX, f32::MIN) for none), in `LANES`
 /// lanes. Only the sign of a zero extreme may depend on the grouping, and no decoded value depends on it.
 #[inline(always)]
 fn min_max(row: &[f32]) -> (f32, f32) {
-    let (mut lo, mut hi) = ([f32::MAX; 8], [f32::MIN; 8]);
-    let blocks = row.chunks_exact(8);
+    let (mut lo, mut hi) = ([f32::MAX; LANES], [f32::MIN; LANES]);
+    let blocks = row.chunks_exact(LANES);
     let rest = blocks.remainder().iter();
     let rest = rest.fold((f32::MAX, f32::MIN), |(a, b), &x| {
         (min_of(a, x), max_of(b, x))
     });
     for b in blocks {
-        for k in 0..8 {
-            (lo[k], hi[k]) = (min_of(lo[k], b[k]), max_of(hi[k], b[k]));
+        for (l, &x) in lo.iter_mut().zip(b) {
+            *l = min_of(*l, x);
+        }
+        for (h, &x) in hi.iter_mut().zip(b) {
+            *h = max_of(*h, x);
         }
     }
     (
