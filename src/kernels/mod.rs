@@ -587,6 +587,7 @@ pub fn choco_absorb(
 }
 
 /// Twin of `choco_step`: x += gamma (s - hat).
+#[multiversion::multiversion(targets = "simd")]
 pub fn choco_step(x: &mut [f32], s: &[f32], hat: &[f32], gamma: f32) {
     x.iter_mut()
         .zip(s.iter().zip(hat))

@@ -98,7 +98,8 @@ impl Channels {
     /// consensus step x += gamma (s - x_hat). The dense formats take each span of every member's message
     /// in step and update x_hat, s and x there while it is in the core's caches: one pass over the three,
     /// with each entry's operations in the order of a pass per member and then the step's (the same
-    /// bits). The sparse formats add each message's entries, then step over the whole.
+    /// bits). The sparse formats go tensor by tensor in the same way: each member's entries of the
+    /// tensor, then the step over it, while its part of the three is in the core's caches.
     pub(super) fn absorb<'m>(
         &mut self,
         codec: &Codec,
@@ -123,14 +124,30 @@ impl Channels {
                 });
                 return;
             }
-            for (pos, &j) in ch.ranks.iter().enumerate() {
-                for (t, &(off, _)) in codec.tensors.iter().enumerate() {
+            // The step covers everything up to the end of each tensor (and the rest after the last),
+            // so entries outside every tensor are stepped too, as a whole pass would.
+            let mut stepped = 0;
+            for (t, &(off, len)) in codec.tensors.iter().enumerate() {
+                for (pos, &j) in ch.ranks.iter().enumerate() {
                     let (idx, vals) = codec.sparse_part(msg(pos), step, j, t);
                     let hat = (j == rank).then_some(&mut *hat);
                     kernels::choco_absorb(hat, memory, &idx, vals, off, weight(j));
                 }
+                let span = stepped..(off + len).max(stepped);
+                kernels::choco_step(
+                    &mut x[span.clone()],
+                    &memory[span.clone()],
+                    &hat[span],
+                    gamma,
+                );
+                stepped = stepped.max(off + len);
             }
-            kernels::choco_step(x, memory, hat, gamma);
+            kernels::choco_step(
+                &mut x[stepped..],
+                &memory[stepped..],
+                &hat[stepped..],
+                gamma,
+            );
         });
     }
 

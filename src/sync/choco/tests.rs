@@ -697,11 +697,12 @@ fn absorbing_a_span_adds_as_the_plain_loop_does() {
 }
 
 /// A channel absorbs the dense formats' messages span by span, all members' at once with the consensus
-/// step, and leaves x, the public copy and the memory as a pass per member over the whole model and then
-/// the step's pass do, bit for bit: groups of 2 (exp) and of 8 (complete), the rank first, inside and
-/// last in its group, tensors and QSGD buckets that straddle the spans, the channel's second meeting.
+/// step (the sparse ones tensor by tensor), and leaves x, the public copy and the memory as a pass per
+/// member over the whole model and then the step's pass do, bit for bit: groups of 2 (exp) and of 8
+/// (complete), the rank first, inside and last in its group, tensors and QSGD buckets that straddle the
+/// spans, the channel's second meeting.
 #[test]
-fn dense_channels_absorb_as_a_pass_per_member_then_the_step() {
+fn channels_absorb_as_a_pass_per_member_then_the_step() {
     let tensors = span_shapes();
     let n: usize = tensors.iter().map(|t| t.len).sum();
     let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
@@ -711,10 +712,14 @@ fn dense_channels_absorb_as_a_pass_per_member_then_the_step() {
         bucket,
     };
     let topos = [Topology::Exp, Topology::Complete];
-    for (topo, c) in topos
-        .into_iter()
-        .flat_map(|t| [qsgd(15, 512), qsgd(7, 100), qsgd(3, 0), Compressor::Sign].map(|c| (t, c)))
-    {
+    for (topo, c) in topos.into_iter().flat_map(|t| {
+        let sparse = [
+            Compressor::TopK { density: 0.1 },
+            Compressor::RandomK { density: 0.3 },
+        ];
+        let dense = [qsgd(15, 512), qsgd(7, 100), qsgd(3, 0), Compressor::Sign];
+        sparse.into_iter().chain(dense).map(move |c| (t, c))
+    }) {
         let rounds = topology::rounds(topo, 8, 8).unwrap();
         let codec = Codec::new(c, &tensors, 9);
         for rank in [0, 3, 7] {
