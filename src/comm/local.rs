@@ -73,11 +73,11 @@ fn sum_chunk(views: &[View], mine: std::ops::Range<usize>, ptr: *mut f32, scale:
             if j == 0 {
                 acc.copy_from_slice(src);
             } else {
-                acc.iter_mut().zip(src).for_each(|(a, s)| *a += s);
+                crate::kernels::add_to(acc, src);
             }
         }
         if let Some(s) = scale {
-            acc.iter_mut().for_each(|a| *a *= s);
+            crate::kernels::scale_by(acc, s);
         }
         // SAFETY: this rank's own buffer, chunk `mine`, which nobody else touches in this phase.
         unsafe { std::slice::from_raw_parts_mut(ptr.add(start), n) }.copy_from_slice(acc);
@@ -326,9 +326,7 @@ impl LocalComm {
             .collect();
         buf.copy_from_slice(&guards[0][..buf.len()]);
         for g in &guards[1..] {
-            for (b, s) in buf.iter_mut().zip(g.iter()) {
-                *b += s;
-            }
+            crate::kernels::add_to(buf, &g[..buf.len()]);
         }
     }
 

@@ -475,10 +475,27 @@ pub fn prefetch(x: &[f32], at: usize) {
 
 /// Twin of `ef_accumulate`: acc += g.
 pub fn ef_accumulate(acc: &mut [f32], g: &[f32]) {
-    acc.par_iter_mut()
-        .zip(g.par_iter())
-        .with_min_len(1 << 14)
-        .for_each(|(a, &b)| *a += b);
+    acc.par_chunks_mut(1 << 14)
+        .zip(g.par_chunks(1 << 14))
+        .for_each(|(a, b)| add_to(a, b));
+}
+
+/// a += b, entry by entry, in the widest vectors this processor has.
+#[multiversion::multiversion(targets = "simd")]
+pub fn add_to(a: &mut [f32], b: &[f32]) {
+    a.iter_mut().zip(b).for_each(|(a, &b)| *a += b);
+}
+
+/// a -= b, entry by entry, in the widest vectors this processor has.
+#[multiversion::multiversion(targets = "simd")]
+pub fn subtract_from(a: &mut [f32], b: &[f32]) {
+    a.iter_mut().zip(b).for_each(|(a, &b)| *a -= b);
+}
+
+/// x *= s, entry by entry, in the widest vectors this processor has.
+#[multiversion::multiversion(targets = "simd")]
+pub fn scale_by(x: &mut [f32], s: f32) {
+    x.iter_mut().for_each(|v| *v *= s);
 }
 
 /// `ef_accumulate` (with `feedback`), then `kept = acc`; returns `sum_squares(acc)` (the same tiles and
@@ -548,7 +565,7 @@ fn ef_keep_tile(a: &mut [f32], k: &mut [f32], feedback: bool) -> f64 {
 
 /// Twin of `scale`: x *= s.
 pub fn scale(x: &mut [f32], s: f32) {
-    x.par_iter_mut().with_min_len(1 << 14).for_each(|v| *v *= s);
+    x.par_chunks_mut(1 << 14).for_each(|x| scale_by(x, s));
 }
 
 /// Twin of `mix`: x = own * x + b.

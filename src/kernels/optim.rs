@@ -398,7 +398,7 @@ pub fn subtract(x: &mut [f32], g: &[f32], measure: bool) -> Option<(f64, f64)> {
         .map(|(x, g)| match measure {
             true => subtract_tile(x, g),
             false => {
-                x.iter_mut().zip(g).for_each(|(x, &g)| *x -= g);
+                super::subtract_from(x, g);
                 (0.0, 0.0)
             }
         })
