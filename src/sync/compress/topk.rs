@@ -28,6 +28,8 @@ pub struct TopK {
     /// The last step's message and all-gather buffers, filled again (fresh ones would be mapped anew).
     send: Vec<f32>,
     gathered: Vec<f32>,
+    /// A bit per entry of the tensor being decoded: set where some rank sent it (all clear between uses).
+    touched: Vec<u64>,
 }
 
 impl TopK {
@@ -44,6 +46,7 @@ impl TopK {
             part: None,
             send: Vec::new(),
             gathered: Vec::new(),
+            touched: Vec::new(),
         }
     }
 
@@ -54,10 +57,12 @@ impl TopK {
     /// Decompresses `all`, every rank's [values | indices] (each as `selected` holds this rank's counts),
     /// into `grads` (zeros: the accumulation moved the gradient into the residual), tensor by tensor so
     /// that its scattered additions land in cache: the rank-ordered sum of every rank's values, then the
-    /// mean; vectors from the all-reduced `dense` part. Only the entries in `self.part` where it is set
+    /// mean, taken only where some rank sent an entry (elsewhere the +0 that scaling would leave as it
+    /// is: a pass over the few entries sent instead of the whole tensor); vectors from the all-reduced
+    /// `dense` part. Only the entries in `self.part` where it is set
     /// (each tensor's indices ascend, so a rank's entries there are one run of its part of the message).
     fn decode_mean(
-        &self,
+        &mut self,
         grads: &mut [f32],
         all: &Gathered,
         selected: &[(Vec<u32>, Vec<f32>)],
@@ -65,6 +70,7 @@ impl TopK {
     ) {
         let kk: usize = selected.iter().map(|(i, _)| i.len()).sum();
         let (mut pos, mut at, inv) = (0, 0, 1.0 / all.members() as f32);
+        let touched = &mut self.touched;
         let tensors = self.tensors.iter().zip(per_tensor(grads, &self.tensors));
         for ((t, g), (idx, _)) in tensors.zip(selected) {
             let own = match &self.part {
@@ -80,17 +86,34 @@ impl TopK {
                 pos += t.len;
                 continue;
             }
+            let words = g.len().div_ceil(64);
+            if touched.len() < words {
+                touched.resize(words, 0);
+            }
             for part in all.iter() {
                 let (vals, ids) = part.split_at(kk);
                 let (vals, ids) = (&vals[at..at + idx.len()], &ids[at..at + idx.len()]);
                 let first = ids.partition_point(|i| (i.to_bits() as usize) < own.start);
                 let end = ids.partition_point(|i| (i.to_bits() as usize) < own.end);
                 for (v, i) in vals[first..end].iter().zip(&ids[first..end]) {
-                    g[i.to_bits() as usize - own.start] += v;
+                    let j = i.to_bits() as usize - own.start;
+                    g[j] += v;
+                    touched[j / 64] |= 1 << (j % 64);
                 }
             }
-            kernels::scale(g, inv);
+            scale_marked(g, &mut touched[..words], inv);
             at += idx.len();
+        }
+    }
+}
+
+/// g[i] *= s at each i whose bit is set in `marks` (bit i % 64 of word i / 64), clearing the marks.
+fn scale_marked(g: &mut [f32], marks: &mut [u64], s: f32) {
+    for (w, word) in marks.iter_mut().enumerate() {
+        let mut bits = std::mem::take(word);
+        while bits != 0 {
+            g[64 * w + bits.trailing_zeros() as usize] *= s;
+            bits &= bits - 1;
         }
     }
 }
@@ -340,5 +363,75 @@ mod device {
             at += t.len;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The decoding equals the sum of every rank's values in rank order, times 1 / n, at each entry some
+    /// rank sent (+0 at the others), bit for bit: ranks whose indices overlap in part, at three worlds,
+    /// over two steps (the marks of the first leave none behind), with a vector between two matrices.
+    #[test]
+    fn decoding_scales_every_sent_entry_once() {
+        let tensors = Segment::from_shapes(&[(40, 30, true), (17, 1, false), (9, 70, true)]);
+        let len: usize = tensors.iter().map(|t| t.len).sum();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let mut r = TopK::new(tensors.clone(), 0.1, true);
+        for n in [1, 3, 5, 3] {
+            let mut msgs = vec![Vec::new(); n];
+            let mut want = vec![0.0f32; len];
+            let mut sent = vec![false; len];
+            let mut selected = Vec::new();
+            for t in tensors.iter().filter(|t| t.matrix) {
+                let k = k_of(0.1, t.len);
+                // Half of each rank's indices from a small shared pool, so that ranks overlap.
+                let sets: Vec<Vec<u32>> = (0..n)
+                    .map(|_| {
+                        let mut s = std::collections::BTreeSet::new();
+                        while s.len() < k {
+                            let span = if s.len() < k / 2 { k } else { t.len };
+                            s.insert((t.offset + rng.random_range(0..span)) as u32);
+                        }
+                        s.into_iter().collect()
+                    })
+                    .collect();
+                for (m, idx) in msgs.iter_mut().zip(&sets) {
+                    let vals: Vec<f32> = idx.iter().map(|_| rng.random_range(-1.0..1.0)).collect();
+                    for (&i, &v) in idx.iter().zip(&vals) {
+                        want[i as usize] += v;
+                        sent[i as usize] = true;
+                    }
+                    m.push((idx.clone(), vals));
+                }
+                selected.push((sets[0].clone(), vec![0.0; k]));
+            }
+            let inv = 1.0 / n as f32;
+            want.iter_mut()
+                .zip(&sent)
+                .filter(|(_, &s)| s)
+                .for_each(|(w, _)| *w *= inv);
+            let dense: Vec<f32> = (0..17).map(|i| i as f32 * 0.25).collect();
+            let vector = tensors[1].range();
+            want[vector].copy_from_slice(&dense);
+            // Each message: the values of its tensors, then their indices; `selected` gives the counts,
+            // with an empty entry for the vector.
+            selected.insert(1, (Vec::new(), Vec::new()));
+            let all: Vec<f32> = msgs
+                .iter()
+                .flat_map(|m| {
+                    let vals = m.iter().flat_map(|(_, v)| v.iter().copied());
+                    let ids: Vec<f32> = m.iter().flat_map(|(i, _)| indices_to_f32(i)).collect();
+                    vals.chain(ids).collect::<Vec<_>>()
+                })
+                .collect();
+            let mut g = vec![0.0f32; len];
+            r.decode_mean(&mut g, &Gathered::packed(all, n), &selected, &dense);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&g), bits(&want), "world {n}");
+            assert!(r.touched.iter().all(|&w| w == 0), "world {n}: marks left");
+        }
     }
 }
