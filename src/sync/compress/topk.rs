@@ -149,7 +149,7 @@ impl Reducer for TopK {
             .flat_map(|t| residual[t.range()].iter().copied())
             .collect();
         // The compression error for the metrics rows, which rank 0 writes: what the vectors and the
-        // values sent take from the accumulated gradient's sum of squares (see `unsent_norm`).
+        // values sent take from the accumulated gradient's sum of squares (see `unsent_ratio`).
         let measure = comm.rank() == 0;
         let dense_sq = measure.then(|| sum_squares(&dense));
         all_reduce_mean(comm, &mut dense)?;
@@ -388,8 +388,8 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     /// The decoding equals the sum of every rank's values in rank order, times 1 / n, at each entry some
-    /// rank sent (+0 at the others), bit for bit: ranks whose indices overlap in part, at three worlds,
-    /// over two steps (the marks of the first leave none behind), with a vector between two matrices.
+    /// rank sent (+0 at the others), bit for bit: ranks whose indices overlap in part, at worlds 1, 3, 5
+    /// and 3 again on the same marks (each call leaves none behind), with a vector between two matrices.
     #[test]
     fn decoding_scales_every_sent_entry_once() {
         let tensors = Segment::from_shapes(&[(40, 30, true), (17, 1, false), (9, 70, true)]);
