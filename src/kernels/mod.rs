@@ -511,17 +511,6 @@ pub fn ef_accumulate_move(acc: &mut [f32], kept: &mut [f32], feedback: bool) -> 
     by_tiles(acc, kept, |a, k| ef_move_tile(a, k, feedback))
 }
 
-/// `kept = decay kept + acc`; returns the sum of squares of the new `kept` as `optim::sum_squares` gives
-/// it (the same tiles and order): one pass where the update and the norm took two.
-pub fn decay_add(acc: &[f32], kept: &mut [f32], decay: f32) -> f64 {
-    let tiles = acc.par_chunks(TILE).zip(kept.par_chunks_mut(TILE));
-    optim::add_in_order(
-        tiles
-            .with_min_len(16)
-            .map(|(a, k)| decay_add_tile(a, k, decay)),
-    )
-}
-
 /// `tile` over the `TILE`-long tiles of `acc` and `kept` side by side, in parallel; its sums of squares
 /// added in order (`optim::sum_squares`'s tiles and order).
 fn by_tiles(
@@ -533,9 +522,10 @@ fn by_tiles(
     optim::add_in_order(tiles.with_min_len(16).map(|(a, k)| tile(a, k)))
 }
 
-/// One tile of `decay_add`.
+/// `kept = decay kept + acc` over a slice (a SparseLoCo chunk); returns the sum of squares of the new
+/// `kept` as `optim::tile_sum_squares` gives it: one pass where the update and the norm took two.
 #[multiversion::multiversion(targets = "simd")]
-fn decay_add_tile(a: &[f32], k: &mut [f32], decay: f32) -> f64 {
+pub fn decay_add_tile(a: &[f32], k: &mut [f32], decay: f32) -> f64 {
     k.iter_mut()
         .zip(a.iter())
         .for_each(|(k, &a)| *k = decay * *k + a);
@@ -767,12 +757,19 @@ mod tests {
                     assert_eq!(bits(&into), bits(want));
                 };
                 moves(&want, &|a, k| super::ef_accumulate_move(a, k, feedback));
-                // The decay: kept = decay kept + acc, as the loop wrote it, acc left as it was.
+                // The decay, a slice at a time (SparseLoCo's chunks): kept = decay kept + acc, as the
+                // loop wrote it, and the slice's sum of squares as `tile_sum_squares` gives it.
                 let decay = if feedback { 0.95 } else { 0.0 };
                 let want: Vec<f32> = r.iter().zip(&g).map(|(&k, &a)| decay * k + a).collect();
                 let mut into = r.clone();
-                let sum = super::decay_add(&g, &mut into, decay);
-                assert_eq!(sum.to_bits(), super::optim::sum_squares(&want).to_bits());
+                let slices = g
+                    .chunks(1000)
+                    .zip(into.chunks_mut(1000))
+                    .zip(want.chunks(1000));
+                for ((a, k), w) in slices {
+                    let sum = super::decay_add_tile(a, k, decay);
+                    assert_eq!(sum.to_bits(), super::optim::tile_sum_squares(w).to_bits());
+                }
                 assert_eq!(bits(&into), bits(&want));
             }
         }

@@ -158,11 +158,12 @@ impl SparseLoco {
         self.tensors.len() * self.table_words() + stream.div_ceil(32) as usize
     }
 
-    /// Tensor `t`'s top entries of `e` (the tensor's own entries), chunk by chunk, and their codes; what
-    /// they stand for leaves `e`. Also what that took from the sum of squares of `e`: the f64 sum over
-    /// the picked entries of old² - new².
-    fn pick(&self, t: &Segment, e: &mut [f32]) -> (Picked, f64) {
-        let picked = self.select(t, e);
+    /// Tensor `t`'s entries of e = beta e + d (`e` and `d` the tensor's own entries), then its top
+    /// entries, chunk by chunk, and their codes; what they stand for leaves `e`. Also the sum of squares
+    /// of the accumulated `e` and what the sending took from it: the f64 sum over the picked entries of
+    /// old² - new².
+    fn pick(&self, t: &Segment, e: &mut [f32], d: &[f32], beta: f32) -> (Picked, f64, f64) {
+        let (picked, acc) = self.select(t, e, d, beta);
         let mut removed = 0.0f64;
         for (j, (&i, &v)) in picked.idx.iter().zip(&picked.values).enumerate() {
             if let Some(&ahead) = picked.idx.get(j + AHEAD) {
@@ -173,46 +174,53 @@ impl SparseLoco {
             *e -= v;
             removed += old * old - (*e as f64) * (*e as f64);
         }
-        (picked, removed)
+        (picked, acc, removed)
     }
 
-    /// `pick`'s selection and quantization.
-    fn select(&self, t: &Segment, e: &[f32]) -> Picked {
-        let (mut idx, mut vals) = (Vec::new(), Vec::new());
+    /// `pick`'s accumulation, selection and quantization: each chunk of e = beta e + d accumulated (and
+    /// its sum of squares taken) right before its selection reads it, while it is in the core's cache.
+    fn select(&self, t: &Segment, e: &mut [f32], d: &[f32], beta: f32) -> (Picked, f64) {
+        let (mut idx, mut vals, mut acc) = (Vec::new(), Vec::new(), 0.0f64);
         for c in self.chunks(t) {
-            let at = c.start - t.offset;
-            kernels::top_k(&e[at..at + c.len], c.k, c.start as u32, &mut idx, &mut vals);
+            let span = c.start - t.offset..c.start - t.offset + c.len;
+            acc += kernels::decay_add_tile(&d[span.clone()], &mut e[span.clone()], beta);
+            kernels::top_k(&e[span], c.k, c.start as u32, &mut idx, &mut vals);
         }
         if self.cfg.bits == 32 {
             let codes = vals.iter().map(|v| v.to_bits()).collect();
-            return Picked {
+            let picked = Picked {
                 idx,
                 codes,
                 values: vals,
                 shift: 0.0,
                 table: Vec::new(),
             };
+            return (picked, acc);
         }
         let (shift, table, codes) = quantize(&vals, self.cfg.bits);
         let values = codes.iter().map(|&c| table[c as usize] + shift).collect();
-        Picked {
+        let picked = Picked {
             idx,
             codes,
             values,
             shift,
             table,
-        }
+        };
+        (picked, acc)
     }
 
-    /// This rank's message from the accumulated `e`, which keeps what it did not send; returns what the
-    /// sending took from the sum of squares of `e` (`pick`'s, added in tensor order).
-    fn encode(&self, e: &mut [f32], out: &mut [f32]) -> f64 {
-        let (picked, removed): (Vec<Picked>, Vec<f64>) = self
-            .tensors
-            .par_iter()
-            .zip(per_tensor(e, &self.tensors))
-            .map(|(t, e)| self.pick(t, e))
-            .unzip();
+    /// This rank's message from e = beta e + d, which keeps what it did not send; returns the sum of
+    /// squares of the accumulated `e` and what the sending took from it (`pick`'s, each added in tensor
+    /// order).
+    fn encode(&self, e: &mut [f32], d: &[f32], beta: f32, out: &mut [f32]) -> (f64, f64) {
+        let tensors = self.tensors.par_iter().zip(per_tensor(e, &self.tensors));
+        let picks: Vec<(Picked, f64, f64)> = tensors
+            .map(|(t, e)| self.pick(t, e, &d[t.range()], beta))
+            .collect();
+        let (acc, removed) = picks
+            .iter()
+            .fold((0.0, 0.0), |(a, r), p| (a + p.1, r + p.2));
+        let picked: Vec<Picked> = picks.into_iter().map(|p| p.0).collect();
         let (head, stream) = out.split_at_mut(self.tensors.len() * self.table_words());
         let mut w = BitWriter::new(stream);
         for (i, (t, p)) in self.tensors.iter().zip(&picked).enumerate() {
@@ -231,7 +239,7 @@ impl SparseLoco {
                 at += c.k;
             }
         }
-        removed.into_iter().sum()
+        (acc, removed)
     }
 
     /// Every tensor's chunks in order, each with its tensor and the first bit of its entries in a
@@ -349,18 +357,16 @@ impl Reducer for SparseLoco {
     ) -> Result<Report> {
         let mut e = self.residual.take_host(grads.len());
         let beta = self.cfg.error_decay as f32;
-        // e = beta e + d; the decoding then overwrites grads with the mean of what the ranks sent.
-        let acc_squares = kernels::decay_add(grads, &mut e, beta);
         let words = self.words();
         // The message's bits are set into zeros.
         let mut send = std::mem::take(&mut self.send);
         send.clear();
         send.resize(words, 0.0);
-        // What stays in e: its sum of squares less the part the sent entries took (within rounding of
-        // summing e again, a pass over the whole buffer this saves).
-        let lost = (acc_squares - self.encode(&mut e, &mut send))
-            .max(0.0)
-            .sqrt();
+        // e = beta e + d as it is encoded; the decoding then overwrites grads with the mean of what the
+        // ranks sent. What stays in e: its sum of squares less the part the sent entries took (within
+        // rounding of summing e again, a pass over the whole buffer this saves).
+        let (acc_squares, removed) = self.encode(&mut e, grads, beta, &mut send);
+        let lost = (acc_squares - removed).max(0.0).sqrt();
         let acc_norm = acc_squares.sqrt();
         let all = comm.all_gather_shared(&send, std::mem::take(&mut self.gathered))?;
         self.send = send;
@@ -524,7 +530,8 @@ mod tests {
                 .flat_map(|g| {
                     let r = SparseLoco::new(tensors.clone(), &c);
                     let mut send = vec![0.0f32; r.words()];
-                    r.encode(&mut g.clone(), &mut send);
+                    // A first step's residual: zeros, into which the gradient accumulates.
+                    r.encode(&mut vec![0.0; g.len()], g, 0.95, &mut send);
                     send
                 })
                 .collect();
