@@ -380,36 +380,51 @@ pub fn difference(out: &mut [f32], x: &[f32], g: &[f32], measure: bool) -> Optio
             }
         })
         .collect();
-    measure.then(|| {
-        sums.into_iter()
-            .fold((0.0, 0.0), |(a, b), (c, d)| (a + c, b + d))
-    })
+    measure.then(|| add_pairs_in_order(sums))
 }
 
-/// `difference` in place: x = x - g and, with `measure`, the sums of squares of the new x and of the old,
-/// bit for bit those `difference` gives for out = x - g (the same tiles, added in the same order): one pass
-/// over two buffers instead of three (a tile is summed before and after its subtraction while it is in L1).
-pub fn subtract(x: &mut [f32], g: &[f32], measure: bool) -> Option<(f64, f64)> {
+/// `difference` in place, with g written as it goes: `fill(range, tile)` writes each tile of g (the
+/// entries `range` of g) right before the tile is subtracted from x while both are in the core's first
+/// cache. x = x - g and, with `measure`, the sums of squares of the new x and of the old, bit for bit
+/// those `difference` gives for out = x - g on the g that the fills write (the same tiles, added in the
+/// same order): one pass over two buffers instead of three, and no pass of its own for g's producer.
+pub fn fill_subtract(
+    x: &mut [f32],
+    g: &mut [f32],
+    measure: bool,
+    fill: impl Fn(Range<usize>, &mut [f32]) + Sync,
+) -> Option<(f64, f64)> {
     assert!(x.len() == g.len(), "difference of unequal buffers");
-    let sums: Vec<(f64, f64)> = x
-        .par_chunks_mut(TILE)
-        .zip(g.par_chunks(TILE))
+    let tiles = x.par_chunks_mut(TILE).zip(g.par_chunks_mut(TILE));
+    let sums: Vec<(f64, f64)> = tiles
+        .enumerate()
         .with_min_len(16)
-        .map(|(x, g)| match measure {
-            true => subtract_tile(x, g),
-            false => {
-                super::subtract_from(x, g);
-                (0.0, 0.0)
-            }
+        .map(|(i, (x, g))| {
+            fill(i * TILE..i * TILE + g.len(), g);
+            subtract_one(x, g, measure)
         })
         .collect();
-    measure.then(|| {
-        sums.into_iter()
-            .fold((0.0, 0.0), |(a, b), (c, d)| (a + c, b + d))
-    })
+    measure.then(|| add_pairs_in_order(sums))
 }
 
-/// One tile of `subtract` with `measure`: x -= g, and the sums of squares of the new x and of the old, each
+/// One tile of `fill_subtract`: with `measure` its sums of squares after and before, else (0, 0).
+fn subtract_one(x: &mut [f32], g: &[f32], measure: bool) -> (f64, f64) {
+    match measure {
+        true => subtract_tile(x, g),
+        false => {
+            super::subtract_from(x, g);
+            (0.0, 0.0)
+        }
+    }
+}
+
+/// Pairs of tiles' sums added in the tiles' order.
+fn add_pairs_in_order(sums: Vec<(f64, f64)>) -> (f64, f64) {
+    sums.into_iter()
+        .fold((0.0, 0.0), |(a, b), (c, d)| (a + c, b + d))
+}
+
+/// One tile of `fill_subtract` with `measure`: x -= g, and the sums of squares of the new x and of the old, each
 /// lane's terms in `tile_sum_squares`'s order, formed in the same pass as the subtraction.
 #[multiversion::multiversion(targets = "simd")]
 fn subtract_tile(x: &mut [f32], g: &[f32]) -> (f64, f64) {
@@ -596,7 +611,7 @@ mod tests {
     }
 
     /// `difference` is x - g (as -g + x, the two steps it replaces) and `sum_squares` of it and of x,
-    /// bit for bit, with zeros of both signs, infinities and NaNs among the values; `subtract`, in place,
+    /// bit for bit, with zeros of both signs, infinities and NaNs among the values; `fill_subtract`, in place,
     /// gives the same bits and sums.
     #[test]
     fn difference_is_the_negated_copy_plus_x_and_its_sums_of_squares() {
@@ -627,16 +642,20 @@ mod tests {
             assert_eq!(sums.1.to_bits(), want_sums.1.to_bits(), "{n}");
             assert_eq!(difference(&mut got, &x, &g, false), None);
             assert_eq!(bits(&got), bits(&want));
-            let mut inplace = x.clone();
-            let again = subtract(&mut inplace, &g, true).unwrap();
-            assert_eq!(bits(&inplace), bits(&want), "{n}");
-            assert_eq!(
-                (again.0.to_bits(), again.1.to_bits()),
-                (sums.0.to_bits(), sums.1.to_bits())
-            );
-            let mut inplace = x.clone();
-            assert_eq!(subtract(&mut inplace, &g, false), None);
-            assert_eq!(bits(&inplace), bits(&want));
+            // In place, g written tile by tile as the subtraction reaches it.
+            for measure in [true, false] {
+                let (mut inplace, mut filled) = (x.clone(), vec![f32::NAN; n]);
+                let sums_filled = fill_subtract(&mut inplace, &mut filled, measure, |r, tile| {
+                    tile.copy_from_slice(&g[r])
+                });
+                assert_eq!(bits(&inplace), bits(&want), "{n}");
+                assert_eq!(bits(&filled), bits(&g), "{n}");
+                let want_sums = measure.then_some((sums.0.to_bits(), sums.1.to_bits()));
+                assert_eq!(
+                    sums_filled.map(|s| (s.0.to_bits(), s.1.to_bits())),
+                    want_sums
+                );
+            }
         }
     }
 

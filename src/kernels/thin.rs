@@ -14,6 +14,8 @@ use rayon::prelude::*;
 pub const THIN: usize = 8;
 /// The lanes of `p_of`'s sums.
 const LANES: usize = 16;
+/// How far ahead of its reads of M a product asks for M's lines (entries).
+const AHEAD: usize = 1024;
 
 /// The products run on the current pool's threads from this many multiply-adds on.
 fn threaded(flops: usize) -> bool {
@@ -70,24 +72,124 @@ fn by_rows(
 
 #[multiversion(targets = "simd")]
 fn p_rows<const R: usize>(p: &mut [f32], m: &[f32], qt: &[f32], cols: usize) {
-    let full = cols - cols % LANES;
     for (out, row) in p.chunks_exact_mut(R).zip(m.chunks_exact(cols)) {
-        let mut acc = [[0.0f32; LANES]; R];
-        for k in (0..full).step_by(LANES) {
-            let x: &[f32; LANES] = row[k..k + LANES].try_into().unwrap();
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let y: &[f32; LANES] = qt[j * cols + k..j * cols + k + LANES].try_into().unwrap();
-                for l in 0..LANES {
-                    acc[l] += x[l] * y[l];
-                }
-            }
+        p_row::<R>(out, row, qt, cols);
+    }
+}
+
+/// out (R) = row q: lane l adds the products of the entries l, l + 16, ... one after the other, then the
+/// lanes are added by halves (`block_sum`).
+#[inline(always)]
+fn p_row<const R: usize>(out: &mut [f32], row: &[f32], qt: &[f32], cols: usize) {
+    let full = cols - cols % LANES;
+    let mut acc = [[0.0f32; LANES]; R];
+    for k in (0..full).step_by(LANES) {
+        products(&mut acc, row[k..k + LANES].try_into().unwrap(), qt, cols, k);
+    }
+    finish_row(out, &mut acc, row, qt, cols);
+}
+
+/// `p_row` on row + g, which it leaves in the row: the sum and the products in one loop, so that the
+/// reads of the row and of g stream on while the products are taken.
+#[inline(always)]
+fn accumulate_row<const R: usize>(
+    out: &mut [f32],
+    row: &mut [f32],
+    g: &[f32],
+    qt: &[f32],
+    cols: usize,
+) {
+    let full = cols - cols % LANES;
+    let mut acc = [[0.0f32; LANES]; R];
+    for k in (0..full).step_by(LANES) {
+        let (e, y): (&mut [f32; LANES], &[f32; LANES]) = (
+            (&mut row[k..k + LANES]).try_into().unwrap(),
+            g[k..k + LANES].try_into().unwrap(),
+        );
+        let x: [f32; LANES] = std::array::from_fn(|l| e[l] + y[l]);
+        *e = x;
+        products(&mut acc, &x, qt, cols, k);
+    }
+    row[full..]
+        .iter_mut()
+        .zip(&g[full..])
+        .for_each(|(a, &b)| *a += b);
+    finish_row(out, &mut acc, row, qt, cols);
+}
+
+/// acc[j][l] += x[l] q[k + l][j]: the lanes' products of the entries k..k + 16.
+#[inline(always)]
+fn products<const R: usize>(
+    acc: &mut [[f32; LANES]; R],
+    x: &[f32; LANES],
+    qt: &[f32],
+    cols: usize,
+    k: usize,
+) {
+    for (j, acc) in acc.iter_mut().enumerate() {
+        let y: &[f32; LANES] = qt[j * cols + k..j * cols + k + LANES].try_into().unwrap();
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
         }
-        for (j, acc) in acc.iter_mut().enumerate() {
-            for (l, k) in (full..cols).enumerate() {
-                acc[l] += row[k] * qt[j * cols + k];
-            }
-            out[j] = super::block_sum(acc);
+    }
+}
+
+/// The row's last cols % 16 products into the first lanes, then out[j] = the sum of lane j's terms.
+#[inline(always)]
+fn finish_row<const R: usize>(
+    out: &mut [f32],
+    acc: &mut [[f32; LANES]; R],
+    row: &[f32],
+    qt: &[f32],
+    cols: usize,
+) {
+    let full = cols - cols % LANES;
+    for (j, acc) in acc.iter_mut().enumerate() {
+        for (l, k) in (full..cols).enumerate() {
+            acc[l] += row[k] * qt[j * cols + k];
         }
+        out[j] = super::block_sum(acc);
+    }
+}
+
+/// e (rows x cols, row-major) += g, then p (rows x r) = e q with q given transposed (qt, r x cols): one
+/// pass over e and g where `add_to` and `p_of` take two, each row of e multiplied while it is in the
+/// core's first cache. e and p get the bits that `add_to` then `p_of` give.
+pub fn accumulate_p_of(
+    p: &mut [f32],
+    e: &mut [f32],
+    g: &[f32],
+    qt: &[f32],
+    (rows, cols, r): (usize, usize, usize),
+) {
+    assert!(p.len() == rows * r && e.len() == rows * cols && g.len() == e.len());
+    assert!(qt.len() == r * cols && (1..=THIN).contains(&r));
+    if rows == 0 || cols == 0 {
+        return p.fill(0.0);
+    }
+    let f =
+        |p: &mut [f32], e: &mut [f32], g: &[f32]| by_width!(r, accumulate_rows(p, e, g, qt, cols));
+    match threaded(rows * cols * r) {
+        true => p
+            .par_chunks_mut(r * 64)
+            .zip(e.par_chunks_mut(cols * 64))
+            .zip(g.par_chunks(cols * 64))
+            .for_each(|((p, e), g)| f(p, e, g)),
+        false => f(p, e, g),
+    }
+}
+
+#[multiversion(targets = "simd")]
+fn accumulate_rows<const R: usize>(
+    p: &mut [f32],
+    e: &mut [f32],
+    g: &[f32],
+    qt: &[f32],
+    cols: usize,
+) {
+    let rows = e.chunks_exact_mut(cols).zip(g.chunks_exact(cols));
+    for (out, (row, g)) in p.chunks_exact_mut(R).zip(rows) {
+        accumulate_row::<R>(out, row, g, qt, cols);
     }
 }
 
@@ -138,20 +240,23 @@ fn q_band<const R: usize>(
     (cols, c0, w): (usize, usize, usize),
 ) {
     let full = w - w % LANES;
-    for (row, pi) in m.chunks_exact(cols).zip(p.chunks_exact(R)) {
+    let mut sums: Vec<&mut [f32]> = acc.chunks_exact_mut(w).collect();
+    let sums: &mut [&mut [f32]; R] = sums.as_mut_slice().try_into().unwrap();
+    for (i, (row, pi)) in m.chunks_exact(cols).zip(p.chunks_exact(R)).enumerate() {
         let (x, pi): (&[f32], &[f32; R]) = (&row[c0..c0 + w], pi.try_into().unwrap());
-        for c in (0..full).step_by(LANES) {
-            let x: &[f32; LANES] = x[c..c + LANES].try_into().unwrap();
-            for (j, &pij) in pi.iter().enumerate() {
-                let a: &mut [f32; LANES] = (&mut acc[j * w + c..][..LANES]).try_into().unwrap();
+        for (c, x) in x[..full].chunks_exact(LANES).enumerate() {
+            super::prefetch(m, i * cols + c0 + c * LANES + AHEAD);
+            let x: &[f32; LANES] = x.try_into().unwrap();
+            for (sum, &pij) in sums.iter_mut().zip(pi) {
+                let a: &mut [f32; LANES] = (&mut sum[c * LANES..][..LANES]).try_into().unwrap();
                 for l in 0..LANES {
                     a[l] += pij * x[l];
                 }
             }
         }
         for c in full..w {
-            for (j, &pij) in pi.iter().enumerate() {
-                acc[j * w + c] += pij * x[c];
+            for (sum, &pij) in sums.iter_mut().zip(pi) {
+                sum[c] += pij * x[c];
             }
         }
     }
@@ -174,13 +279,56 @@ pub fn expand(m: &mut [f32], p: &[f32], qt: &[f32], (rows, cols, r): (usize, usi
 #[multiversion(targets = "simd")]
 fn expand_rows<const R: usize>(m: &mut [f32], p: &[f32], qt: &[f32], cols: usize) {
     for (row, p) in m.chunks_exact_mut(cols).zip(p.chunks_exact(R)) {
-        for (c, out) in row.iter_mut().enumerate() {
-            let mut s = 0.0f32;
-            for j in 0..R {
-                s += p[j] * qt[j * cols + c];
-            }
-            *out = s;
+        expand_row::<R>(row, p, qt, cols, 0);
+    }
+}
+
+/// out = the entries c0..c0 + out.len() of a row of p q^T, p its row of p: each the sum over j of
+/// p[j] qt[j][c] in the order of j.
+#[inline(always)]
+fn expand_row<const R: usize>(out: &mut [f32], p: &[f32], qt: &[f32], cols: usize, c0: usize) {
+    for (c, out) in (c0..).zip(out.iter_mut()) {
+        let mut s = 0.0f32;
+        for j in 0..R {
+            s += p[j] * qt[j * cols + c];
         }
+        *out = s;
+    }
+}
+
+/// out = the entries start..start + out.len() of p q^T (rows x cols, row-major; qt is q transposed, r x
+/// cols), bit for bit those `expand` writes there: a part of the expansion, for a pass that consumes it
+/// while it is in cache.
+pub fn expand_part(
+    out: &mut [f32],
+    start: usize,
+    p: &[f32],
+    qt: &[f32],
+    (rows, cols, r): (usize, usize, usize),
+) {
+    assert!(start + out.len() <= rows * cols && p.len() == rows * r && qt.len() == r * cols);
+    if r == 0 {
+        return out.fill(0.0);
+    }
+    by_width!(r, expand_part_rows(out, start, p, qt, cols))
+}
+
+#[multiversion(targets = "simd")]
+fn expand_part_rows<const R: usize>(
+    mut out: &mut [f32],
+    start: usize,
+    p: &[f32],
+    qt: &[f32],
+    cols: usize,
+) {
+    let mut at = start;
+    while !out.is_empty() {
+        let (i, c0) = (at / cols, at % cols);
+        let n = (cols - c0).min(out.len());
+        let (row, rest) = std::mem::take(&mut out).split_at_mut(n);
+        expand_row::<R>(row, &p[i * R..i * R + R], qt, cols, c0);
+        at += row.len();
+        out = rest;
     }
 }
 
@@ -271,6 +419,49 @@ mod tests {
                         }
                         assert_eq!(out[i * cols + c].to_bits(), s.to_bits(), "{dims:?} m");
                     }
+                }
+            }
+        }
+    }
+
+    /// `accumulate_p_of` leaves e and p with the bits of `add_to` then `p_of`, threaded or not, and
+    /// `expand_part` writes any range of p q^T with the bits `expand` gives it (ranges inside a row, across
+    /// rows, whole and empty).
+    #[test]
+    fn fused_products_are_the_passes_they_fuse() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        for (rows, cols) in [(1, 1), (3, 17), (64, 33), (5, 100), (700, 3001)] {
+            for r in 1..=THIN {
+                let dims = (rows, cols, r);
+                let (e0, g, q0) = (
+                    random(rows * cols, &mut rng),
+                    random(rows * cols, &mut rng),
+                    random(cols * r, &mut rng),
+                );
+                let mut qt = Vec::new();
+                transpose(&q0, r, &mut qt);
+                let (mut e, mut p) = (e0.clone(), vec![f32::NAN; rows * r]);
+                accumulate_p_of(&mut p, &mut e, &g, &qt, dims);
+                let (mut want_e, mut want_p) = (e0.clone(), vec![0.0; rows * r]);
+                crate::kernels::add_to(&mut want_e, &g);
+                p_of(&mut want_p, &want_e, &qt, dims);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&e), bits(&want_e), "{dims:?} e");
+                assert_eq!(bits(&p), bits(&want_p), "{dims:?} p");
+                let mut whole = vec![f32::NAN; rows * cols];
+                expand(&mut whole, &p, &qt, dims);
+                let n = rows * cols;
+                for (a, b) in [
+                    (0, n),
+                    (0, 0),
+                    (n / 3, n / 3 + 1),
+                    (1, n),
+                    (n / 2, n),
+                    (cols / 2, n - cols / 3),
+                ] {
+                    let mut part = vec![f32::NAN; b.max(a) - a];
+                    expand_part(&mut part, a, &p, &qt, dims);
+                    assert_eq!(bits(&part), bits(&whole[a..b.max(a)]), "{dims:?} {a}..{b}");
                 }
             }
         }

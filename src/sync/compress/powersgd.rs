@@ -338,52 +338,37 @@ impl PowerSgd {
         step: u64,
     ) -> Result<Report> {
         let place = grads.as_ref().place();
-        let numel = grads.as_ref().len();
         self.p.move_to(&place)?;
         self.q.move_to(&place)?;
-        // The step's input: with error feedback the error buffer itself, plus the gradient (one pass, and
-        // the gradient stays as it came); else a copy when the error is measured (rank 0's metrics rows)
-        // or none (the gradient is read in place).
+        if self.compressed_steps == 0 || !self.cfg.warm_start {
+            self.randomize_q(step)?;
+        }
+        if !self.cfg.single_allreduce || self.compressed_steps == 0 {
+            self.orthogonalize_all(false)?;
+        }
+        // Both variants' first product is P = M Q, save `single_allreduce`'s odd steps.
+        let left = !self.cfg.single_allreduce || self.compressed_steps.is_multiple_of(2);
         let measure = comm.rank() == 0;
-        let input = match (self.cfg.error_feedback, measure) {
-            (true, _) => {
-                let mut error = reuse(&mut self.error, &place, numel)?;
-                error.as_mut().add(grads.as_ref())?;
-                Some(error)
-            }
-            (false, true) => {
-                let mut input = reuse(&mut self.input, &place, numel)?;
-                input.as_mut().copy_from(0, grads.as_ref(), 0..numel)?;
-                Some(input)
-            }
-            (false, false) => None,
-        };
+        let (input, projected) = self.input(grads.as_ref(), measure, left)?;
         let source = match &input {
             Some(input) => input.as_ref(),
             None => grads.as_ref(),
         };
+        if !projected {
+            self.project(source, left)?;
+        }
         let dense_idx = self.uncompressed();
         let dense_len = dense_idx.iter().map(|&i| self.tensors[i].len).sum();
         let mut dense = place.zeros(dense_len)?;
         self.pack(source, &dense_idx, dense.as_mut())?;
-        if self.compressed_steps == 0 || !self.cfg.warm_start {
-            self.randomize_q(step)?;
-        }
         if !self.cfg.single_allreduce {
             all_reduce_mean_flat(comm, dense.as_mut())?;
-            self.orthogonalize_all(false)?;
-            self.project(source, true)?;
             all_reduce_sum_flat(comm, self.p.as_mut())?;
             self.orthogonalize_all(true)?;
             self.project(source, false)?;
             all_reduce_mean_flat(comm, self.q.as_mut())?;
         } else {
-            let left = self.compressed_steps.is_multiple_of(2);
-            if self.compressed_steps == 0 {
-                self.orthogonalize_all(false)?;
-            }
             // The fixed side is orthonormal from the previous step; send the other one with the vectors.
-            self.project(source, left)?;
             let factor = if left { &mut self.p } else { &mut self.q };
             let k = factor.len();
             let mut buf = place.zeros(k + dense_len)?;
@@ -395,22 +380,95 @@ impl PowerSgd {
                 .as_mut()
                 .copy_from(0, buf.as_ref(), k..k + dense_len)?;
         }
-        self.decompress(grads.reborrow())?;
         self.unpack(grads.reborrow(), &dense_idx, dense.as_ref())?;
+        let report = self.apply(grads, input, measure)?;
         if self.cfg.single_allreduce {
             // The averaged side, orthonormalised, is next step's fixed side.
-            self.orthogonalize_all(self.compressed_steps.is_multiple_of(2))?;
+            self.orthogonalize_all(left)?;
         }
         self.compressed_steps += 1;
-        self.new_error(grads.as_ref(), input, measure)
+        Ok(report)
     }
 
-    /// After a step that applied `grads`: the new error feedback (`input` - `grads`, in place: with error
-    /// feedback `input` is the error buffer) and, when `measure`, the compression error
-    /// ||input - grads|| / ||input||.
-    fn new_error(
+    /// The step's input: with error feedback the error buffer itself, plus the gradient (one pass, and the
+    /// gradient stays as it came; on the host, with the first product P = M Q (`left`) taken in the same
+    /// pass, when the second value is true); else a copy when the error is measured (rank 0's metrics
+    /// rows) or none (the gradient is read in place).
+    fn input(
         &mut self,
         grads: FlatRef<'_>,
+        measure: bool,
+        left: bool,
+    ) -> Result<(Option<Flat>, bool)> {
+        let (place, numel) = (grads.place(), grads.len());
+        Ok(match (self.cfg.error_feedback, measure) {
+            (true, _) => {
+                let mut error = reuse(&mut self.error, &place, numel)?;
+                let projected = match (error.as_mut(), grads) {
+                    (FlatMut::Host(e), FlatRef::Host(g)) if left => {
+                        self.accumulate_project(e, g)?;
+                        true
+                    }
+                    (mut e, g) => {
+                        e.add(g)?;
+                        false
+                    }
+                };
+                (Some(error), projected)
+            }
+            (false, true) => {
+                let mut input = reuse(&mut self.input, &place, numel)?;
+                input.as_mut().copy_from(0, grads, 0..numel)?;
+                (Some(input), false)
+            }
+            (false, false) => (None, false),
+        })
+    }
+
+    /// e += g and P = e Q for every compressed matrix, in one pass over e and g where the thin products
+    /// allow it (`thin::accumulate_p_of`; elsewhere `kernels::ef_accumulate`, then the GEMM for a factor
+    /// wider than `THIN`): the bits of `add` then `project_host(e, true)`.
+    fn accumulate_project(&mut self, e: &mut [f32], g: &[f32]) -> Result<()> {
+        let (p, q) = (self.p.host_mut()?, self.q.host_mut()?);
+        let mut order: Vec<&Factor> = self.factors.iter().collect();
+        order.sort_by_key(|f| self.tensors[f.t].offset);
+        let (mut done, mut qt) = (0, Vec::new());
+        for f in order {
+            let t = &self.tensors[f.t];
+            let (rows, cols, r) = (t.rows, t.cols, f.rank);
+            crate::kernels::ef_accumulate(&mut e[done..t.offset], &g[done..t.offset]);
+            done = t.offset + t.len;
+            let (p, q) = (
+                &mut p[f.p_off..f.p_off + rows * r],
+                &q[f.q_off..f.q_off + cols * r],
+            );
+            if r <= THIN {
+                thin::transpose(q, r, &mut qt);
+                thin::accumulate_p_of(p, &mut e[t.range()], &g[t.range()], &qt, (rows, cols, r));
+                continue;
+            }
+            crate::kernels::ef_accumulate(&mut e[t.range()], &g[t.range()]);
+            let m = M::new(&e[t.range()], rows, cols);
+            mm(
+                p,
+                r,
+                m,
+                M::new(q, cols, r),
+                false,
+                1.0,
+                par_for(rows * cols * r),
+            );
+        }
+        crate::kernels::ef_accumulate(&mut e[done..], &g[done..]);
+        Ok(())
+    }
+
+    /// After the uncompressed tensors are in `grads`: grads[M] = P Q^T for every compressed M, then the new
+    /// error feedback (`input` - `grads`, in place: with error feedback `input` is the error buffer) and,
+    /// when `measure`, the compression error ||input - grads|| / ||input||.
+    fn apply(
+        &mut self,
+        mut grads: FlatMut<'_>,
         input: Option<Flat>,
         measure: bool,
     ) -> Result<Report> {
@@ -419,13 +477,20 @@ impl PowerSgd {
             ..Report::default()
         };
         let Some(mut input) = input else {
+            self.decompress(grads)?;
             return Ok(report);
         };
-        let sums = match self.cfg.error_feedback {
-            true => self.subtract(input.as_mut(), grads, measure)?,
-            false => {
-                let mut diff = reuse(&mut self.scratch, &input.place(), input.len())?;
-                let sums = difference(diff.as_mut(), input.as_ref(), grads, measure)?;
+        let sums = match (self.cfg.error_feedback, input.as_mut(), grads.reborrow()) {
+            (true, FlatMut::Host(e), FlatMut::Host(g)) => self.expand_subtract(e, g, measure)?,
+            #[cfg(feature = "cuda")]
+            (true, e, mut g) => {
+                self.decompress(g.reborrow())?;
+                self.subtract(e, g.as_ref(), measure)?
+            }
+            (false, x, mut g) => {
+                self.decompress(g.reborrow())?;
+                let mut diff = reuse(&mut self.scratch, &x.as_ref().place(), x.as_ref().len())?;
+                let sums = difference(diff.as_mut(), x.as_ref(), g.as_ref(), measure)?;
                 self.scratch = diff;
                 sums
             }
@@ -441,29 +506,69 @@ impl PowerSgd {
         Ok(Report { error, ..report })
     }
 
-    /// x -= g and, when `measure`, the sums of squares of x after and before (`kernels::optim::subtract`;
-    /// on the GPU, -g through the scratch buffer, added).
+    /// `decompress_host` and `kernels::optim::subtract(e, g, measure)` in one pass: each tile of g expanded
+    /// from its factors (`thin::expand_part`) right before it is subtracted from e, with the bits of the
+    /// two passes. Factors wider than `THIN` are expanded by the GEMM first.
+    fn expand_subtract(
+        &self,
+        e: &mut [f32],
+        g: &mut [f32],
+        measure: bool,
+    ) -> Result<Option<(f64, f64)>> {
+        let (p, q) = (self.p.to_host()?, self.q.to_host()?);
+        let mut parts = Vec::new();
+        for f in &self.factors {
+            let t = &self.tensors[f.t];
+            let (rows, cols, r) = (t.rows, t.cols, f.rank);
+            let (p, q) = (
+                &p[f.p_off..f.p_off + rows * r],
+                &q[f.q_off..f.q_off + cols * r],
+            );
+            if r > THIN {
+                let (p, q) = (M::new(p, rows, r), M::new(q, cols, r));
+                mm(
+                    &mut g[t.range()],
+                    cols,
+                    p,
+                    q.t(),
+                    false,
+                    1.0,
+                    par_for(rows * cols * r),
+                );
+                continue;
+            }
+            let mut qt = Vec::new();
+            thin::transpose(q, r, &mut qt);
+            parts.push((t.range(), p, qt, (rows, cols, r)));
+        }
+        parts.sort_by_key(|(range, ..)| range.start);
+        let fill = |tile: std::ops::Range<usize>, out: &mut [f32]| {
+            let first = parts.partition_point(|(range, ..)| range.end <= tile.start);
+            for (range, p, qt, dims) in parts[first..].iter().take_while(|x| x.0.start < tile.end) {
+                let (lo, hi) = (tile.start.max(range.start), tile.end.min(range.end));
+                let out = &mut out[lo - tile.start..hi - tile.start];
+                thin::expand_part(out, lo - range.start, p, qt, *dims);
+            }
+        };
+        Ok(crate::kernels::optim::fill_subtract(e, g, measure, fill))
+    }
+
+    /// On the GPU: x -= g (-g through the scratch buffer, added) and, when `measure`, the sums of
+    /// squares of x after and before (the host's is `expand_subtract`).
+    #[cfg(feature = "cuda")]
     fn subtract(
         &mut self,
-        x: FlatMut<'_>,
+        mut x: FlatMut<'_>,
         g: FlatRef<'_>,
         measure: bool,
     ) -> Result<Option<(f64, f64)>> {
-        match (x, g) {
-            (FlatMut::Host(x), FlatRef::Host(g)) => {
-                Ok(crate::kernels::optim::subtract(x, g, measure))
-            }
-            #[cfg(feature = "cuda")]
-            (mut x, g) => {
-                let before = measure.then(|| x.as_ref().sum_squares()).transpose()?;
-                let mut neg = reuse(&mut self.scratch, &g.place(), g.len())?;
-                neg.as_mut().assign_scaled(g, -1.0)?;
-                x.add(neg.as_ref())?;
-                self.scratch = neg;
-                let after = before.map(|_| x.as_ref().sum_squares()).transpose()?;
-                Ok(after.zip(before))
-            }
-        }
+        let before = measure.then(|| x.as_ref().sum_squares()).transpose()?;
+        let mut neg = reuse(&mut self.scratch, &g.place(), g.len())?;
+        neg.as_mut().assign_scaled(g, -1.0)?;
+        x.add(neg.as_ref())?;
+        self.scratch = neg;
+        let after = before.map(|_| x.as_ref().sum_squares()).transpose()?;
+        Ok(after.zip(before))
     }
 }
 
@@ -643,6 +748,73 @@ mod tests {
             );
             assert_ne!(x[..108], g[..108]);
             assert_eq!(x[416..423], g[416..423], "a vector is left alone");
+        }
+    }
+
+    /// The host step's fused passes (e += g with P = e Q; the expansion with e -= P Q^T and its sums of
+    /// squares) leave the gradient, the error buffer, both factors and the reported error with the bits
+    /// of the passes one after the other, over steps whose error and Q carry over: thin factors and ones
+    /// for the GEMM, tensors too small to compress between them.
+    #[test]
+    fn fused_host_step_is_its_passes_one_after_the_other() {
+        let shapes = [
+            (12, 9, true),
+            (7, 1, false),
+            (40, 130, true),
+            (33, 3, true),
+            (2, 2, true),
+        ];
+        let tensors = Segment::from_shapes(&shapes);
+        let n = tensors.iter().map(|t| t.len).sum();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for rank in [3, 12] {
+            let cfg = PowerSgdConfig {
+                rank,
+                start_iter: 0,
+                min_compression_rate: 0.0,
+                ..PowerSgdConfig::default()
+            };
+            let mut fused = PowerSgd::new(tensors.clone(), cfg.clone(), 7);
+            let mut r = PowerSgd::new(tensors.clone(), cfg, 7);
+            let mut e = vec![0.0f32; n];
+            for step in 0..3 {
+                let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let mut out = g.clone();
+                let report = fused
+                    .reduce(&mut crate::comm::Solo, &mut out, step)
+                    .unwrap();
+                if step == 0 {
+                    r.randomize_q(step).unwrap();
+                }
+                r.orthogonalize_all(false).unwrap();
+                crate::kernels::add_to(&mut e, &g);
+                r.project_host(&e, true).unwrap();
+                r.orthogonalize_all(true).unwrap();
+                r.project_host(&e, false).unwrap();
+                let mut want = e.clone();
+                r.decompress_host(&mut want).unwrap();
+                let mut new_e = vec![0.0f32; n];
+                let (lost, total) =
+                    crate::kernels::optim::difference(&mut new_e, &e, &want, true).unwrap();
+                e = new_e;
+                assert_eq!(
+                    bits(&out),
+                    bits(&want),
+                    "rank {rank}, step {step}: the update"
+                );
+                assert_eq!(bits(fused.error.host_mut().unwrap()), bits(&e), "the error");
+                assert_eq!(
+                    bits(fused.p.host_mut().unwrap()),
+                    bits(r.p.host_mut().unwrap())
+                );
+                assert_eq!(
+                    bits(fused.q.host_mut().unwrap()),
+                    bits(r.q.host_mut().unwrap())
+                );
+                assert_eq!(report.error, Some((lost / total).sqrt()));
+                assert_ne!(out[..108], g[..108], "the first matrix is compressed");
+            }
         }
     }
 }
