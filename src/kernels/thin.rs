@@ -1,7 +1,9 @@
 //! PowerSGD's host products with a thin factor of r <= `THIN` columns, for a row-major M (rows x cols):
 //! P = M Q, Q = M^T P and M = P Q^T. Each streams M once, in order, with the factor held in the core's
 //! caches; a general GEMM packs M into panels first (a second pass over it) and fills a register tile
-//! of 6 columns with 4.
+//! of 6 columns with 4. Two of them also come fused with the pass beside them in PowerSGD's step:
+//! `accumulate_p_of` (M += G, then P = M Q, in one pass) and `expand_part` (any range of P Q^T, for a
+//! pass that consumes it tile by tile).
 //!
 //! Every output is a sum in an order fixed by the definitions below, whatever the vector width and the
 //! threads: `q_of` and `expand` add their terms one after the other, as a plain loop would; `p_of` adds
