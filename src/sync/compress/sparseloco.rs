@@ -51,6 +51,13 @@ struct Chunk {
     k: usize,
 }
 
+/// The encoding's input d (the pseudo-gradient): kept as it is, or zeroed chunk by chunk as it is read,
+/// for a decoding that adds into zeros.
+enum Input<'a> {
+    Keep(&'a [f32]),
+    Zero(&'a mut [f32]),
+}
+
 /// One tensor's part of a message: the flat indices sent (chunk by chunk, in index order), their codes,
 /// the values the codes stand for, and the quantizer's shift and table.
 struct Picked {
@@ -162,7 +169,7 @@ impl SparseLoco {
     /// entries, chunk by chunk, and their codes; what they stand for leaves `e`. Also the sum of squares
     /// of the accumulated `e` and what the sending took from it: the f64 sum over the picked entries of
     /// old² - new².
-    fn pick(&self, t: &Segment, e: &mut [f32], d: &[f32], beta: f32) -> (Picked, f64, f64) {
+    fn pick(&self, t: &Segment, e: &mut [f32], d: Input<'_>, beta: f32) -> (Picked, f64, f64) {
         let (picked, acc) = self.select(t, e, d, beta);
         let mut removed = 0.0f64;
         for (j, (&i, &v)) in picked.idx.iter().zip(&picked.values).enumerate() {
@@ -178,13 +185,23 @@ impl SparseLoco {
     }
 
     /// `pick`'s accumulation, selection and quantization: each chunk of e = beta e + d accumulated (and
-    /// its sum of squares taken) right before its selection reads it, while it is in the core's cache.
-    fn select(&self, t: &Segment, e: &mut [f32], d: &[f32], beta: f32) -> (Picked, f64) {
+    /// its sum of squares taken) right before its selection reads it, while it is in the core's cache;
+    /// d's chunk zeroed then, while it is there too, where the input asks for it.
+    fn select(&self, t: &Segment, e: &mut [f32], mut d: Input<'_>, beta: f32) -> (Picked, f64) {
         let (mut idx, mut vals, mut acc) = (Vec::new(), Vec::new(), 0.0f64);
         for c in self.chunks(t) {
             let span = c.start - t.offset..c.start - t.offset + c.len;
-            acc += kernels::decay_add_tile(&d[span.clone()], &mut e[span.clone()], beta);
-            kernels::top_k(&e[span], c.k, c.start as u32, &mut idx, &mut vals);
+            let e_span = &mut e[span.clone()];
+            acc += match &mut d {
+                Input::Keep(d) => kernels::decay_add_tile(&d[span], e_span, beta),
+                Input::Zero(d) => {
+                    let d = &mut d[span];
+                    let sum = kernels::decay_add_tile(d, e_span, beta);
+                    d.fill(0.0);
+                    sum
+                }
+            };
+            kernels::top_k(e_span, c.k, c.start as u32, &mut idx, &mut vals);
         }
         if self.cfg.bits == 32 {
             let codes = vals.iter().map(|v| v.to_bits()).collect();
@@ -212,10 +229,22 @@ impl SparseLoco {
     /// This rank's message from e = beta e + d, which keeps what it did not send; returns the sum of
     /// squares of the accumulated `e` and what the sending took from it (`pick`'s, each added in tensor
     /// order).
-    fn encode(&self, e: &mut [f32], d: &[f32], beta: f32, out: &mut [f32]) -> (f64, f64) {
+    fn encode(&self, e: &mut [f32], d: Input<'_>, beta: f32, out: &mut [f32]) -> (f64, f64) {
+        let ds: Vec<Input<'_>> = match d {
+            Input::Keep(d) => self
+                .tensors
+                .iter()
+                .map(|t| Input::Keep(&d[t.range()]))
+                .collect(),
+            Input::Zero(d) => per_tensor(d, &self.tensors)
+                .into_iter()
+                .map(Input::Zero)
+                .collect(),
+        };
         let tensors = self.tensors.par_iter().zip(per_tensor(e, &self.tensors));
         let picks: Vec<(Picked, f64, f64)> = tensors
-            .map(|(t, e)| self.pick(t, e, &d[t.range()], beta))
+            .zip(ds)
+            .map(|((t, e), d)| self.pick(t, e, d, beta))
             .collect();
         let (acc, removed) = picks
             .iter()
@@ -257,7 +286,8 @@ impl SparseLoco {
         out
     }
 
-    /// The mean of every rank's message into `grads`, whatever it held. Where the ranks share memory,
+    /// The mean of every rank's message into `grads`, which holds zeros in every chunk (`encode` left
+    /// them, or the buffer is fresh). Where the ranks share memory,
     /// each decodes the chunks that start in its 1/N of the buffer and reads the others' parts in place
     /// (N messages decoded in all, not N^2); elsewhere every rank decodes every chunk.
     fn decode_into(
@@ -294,9 +324,9 @@ impl SparseLoco {
     }
 
     /// The mean of every rank's message (`all`) over `chunks` (`stream_chunks`' entries) into `out`, the
-    /// flat entries from `base` on, whatever it held: chunk by chunk, each zeroed, then each rank's values
-    /// added in rank order, then times 1 / N, so that the chunk is in the core's first cache for its
-    /// scattered additions.
+    /// flat entries from `base` on, which hold zeros there: chunk by chunk, each rank's values added in
+    /// rank order, then times 1 / N at the entries some rank sent (a bit each marks them). The others
+    /// keep the +0 that the scaling would leave, so the chunk is never read or written whole.
     fn decode_mean(
         &self,
         all: &Gathered,
@@ -306,17 +336,24 @@ impl SparseLoco {
     ) -> Result<()> {
         let (n, tw) = (all.members(), self.table_words());
         let heads = self.tensors.len() * tw;
+        let mut marks = vec![0u64; self.cfg.chunk.max(1).div_ceil(64)];
         for &(i, c, bit) in chunks {
             let bits = index_bits(self.cfg.chunk.min(self.tensors[i].len));
             let out = &mut out[c.start - base..][..c.len];
-            out.fill(0.0);
             for m in all.iter() {
                 let mut r = BitReader::at(&m[heads..], bit);
-                self.decode_chunk(&c, (&m[i * tw..(i + 1) * tw], bits), &mut r, out)?;
+                let table = (&m[i * tw..(i + 1) * tw], bits);
+                self.decode_chunk(&c, table, &mut r, out, &mut marks)?;
             }
-            if n > 1 {
-                let s = 1.0 / n as f32;
-                out.iter_mut().for_each(|v| *v *= s);
+            let s = 1.0 / n as f32;
+            for (w, word) in marks.iter_mut().enumerate() {
+                while *word != 0 {
+                    let at = 64 * w + word.trailing_zeros() as usize;
+                    *word &= *word - 1;
+                    if n > 1 {
+                        out[at] *= s;
+                    }
+                }
             }
         }
         Ok(())
@@ -330,6 +367,7 @@ impl SparseLoco {
         (h, bits): (&[f32], u32),
         r: &mut BitReader,
         out: &mut [f32],
+        marks: &mut [u64],
     ) -> Result<()> {
         for _ in 0..c.k {
             let (at, code) = (r.get(bits) as usize, r.get(self.cfg.bits));
@@ -339,6 +377,7 @@ impl SparseLoco {
                     c.len
                 );
             }
+            marks[at / 64] |= 1 << (at % 64);
             out[at] += match h {
                 [] => f32::from_bits(code),
                 [shift, table @ ..] => table[code as usize] + shift,
@@ -365,7 +404,14 @@ impl Reducer for SparseLoco {
         // e = beta e + d as it is encoded; the decoding then overwrites grads with the mean of what the
         // ranks sent. What stays in e: its sum of squares less the part the sent entries took (within
         // rounding of summing e again, a pass over the whole buffer this saves).
-        let (acc_squares, removed) = self.encode(&mut e, grads, beta, &mut send);
+        // Where every rank decodes every chunk, the decoding adds into the zeros that the encoding
+        // leaves in each chunk of d as it reads it; where the ranks share memory, each decodes its part
+        // into a fresh buffer, and grads is overwritten whole.
+        let d = match comm.world_size() < 2 || !comm.shares_memory() {
+            true => Input::Zero(&mut *grads),
+            false => Input::Keep(&*grads),
+        };
+        let (acc_squares, removed) = self.encode(&mut e, d, beta, &mut send);
         let lost = (acc_squares - removed).max(0.0).sqrt();
         let acc_norm = acc_squares.sqrt();
         let all = comm.all_gather_shared(&send, std::mem::take(&mut self.gathered))?;
@@ -514,6 +560,61 @@ mod tests {
         assert!(r.residual.host().iter().all(|&x| x == 0.0));
     }
 
+    /// Encoding with d zeroed as it is read sends the message that keeping d sends and leaves zeros in
+    /// d; decoding into zeros gives, bit for bit, each chunk zeroed, every rank's values added in rank
+    /// order and the whole chunk times 1 / N, at worlds of 1 to 6 whose ranks' indices overlap.
+    #[test]
+    fn decoding_is_the_rank_ordered_sum_times_one_over_n() {
+        let tensors = Segment::from_shapes(&[(37, 1, false), (40, 30, true), (9, 70, true)]);
+        let numel: usize = tensors.iter().map(|t| t.len).sum();
+        for (n, bits) in [(1, 2), (2, 32), (3, 4), (6, 8)] {
+            let c = cfg(0.2, 64, bits, 0.95);
+            let r = SparseLoco::new(tensors.clone(), &c);
+            let mut messages = Vec::new();
+            for rank in 0..n {
+                let g = grad(numel, 20 + rank as u32);
+                let (mut kept, mut zeroed) = (vec![0.0f32; r.words()], vec![0.0f32; r.words()]);
+                r.encode(&mut vec![0.0; numel], Input::Keep(&g), 0.95, &mut kept);
+                let mut d = g.clone();
+                r.encode(
+                    &mut vec![0.0; numel],
+                    Input::Zero(&mut d),
+                    0.95,
+                    &mut zeroed,
+                );
+                assert_eq!(bits_of(&kept), bits_of(&zeroed), "the same message");
+                assert!(d.iter().all(|x| x.to_bits() == 0), "d left as +0");
+                messages.extend(kept);
+            }
+            let all = Gathered::packed(messages, n);
+            let mut got = vec![0.0f32; numel];
+            r.decode_mean(&all, &r.stream_chunks(), &mut got, 0)
+                .unwrap();
+            let (mut want, mut marks) = (vec![f32::NAN; numel], vec![0u64; 1]);
+            let tw = r.table_words();
+            let heads = r.tensors.len() * tw;
+            for (i, chunk, bit) in r.stream_chunks() {
+                let out = &mut want[chunk.start..chunk.start + chunk.len];
+                out.fill(0.0);
+                let ib = index_bits(c.chunk.min(r.tensors[i].len));
+                for m in all.iter() {
+                    let mut rd = BitReader::at(&m[heads..], bit);
+                    let h = (&m[i * tw..(i + 1) * tw], ib);
+                    r.decode_chunk(&chunk, h, &mut rd, out, &mut marks).unwrap();
+                }
+                if n > 1 {
+                    out.iter_mut().for_each(|v| *v *= 1.0 / n as f32);
+                }
+            }
+            assert_eq!(bits_of(&got), bits_of(&want), "{n} ranks, {bits} bits");
+            assert!(got.iter().any(|&v| v != 0.0));
+        }
+    }
+
+    fn bits_of(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     /// On the local engine each rank decodes its part and reads the others': every rank gets, bit for
     /// bit, the mean that one rank decoding every message gets, with more ranks than some tensors have
     /// chunks, an odd chunk at each tensor's end and chunks that cross no part's edge; the bytes counted
@@ -531,12 +632,12 @@ mod tests {
                     let r = SparseLoco::new(tensors.clone(), &c);
                     let mut send = vec![0.0f32; r.words()];
                     // A first step's residual: zeros, into which the gradient accumulates.
-                    r.encode(&mut vec![0.0; g.len()], g, 0.95, &mut send);
+                    r.encode(&mut vec![0.0; g.len()], Input::Keep(g), 0.95, &mut send);
                     send
                 })
                 .collect();
             let r = SparseLoco::new(tensors.clone(), &c);
-            let mut want = vec![f32::NAN; numel];
+            let mut want = vec![0.0f32; numel];
             let all = Gathered::packed(messages, n);
             r.decode_mean(&all, &r.stream_chunks(), &mut want, 0)
                 .unwrap();
