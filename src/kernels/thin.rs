@@ -92,18 +92,30 @@ fn p_row<const R: usize>(out: &mut [f32], row: &[f32], qt: &[f32], cols: usize) 
 }
 
 /// `p_row` on row + g, which it leaves in the row: the sum and the products in one loop, so that the
-/// reads of the row and of g stream on while the products are taken.
+/// reads of the row and of g stream on while the products are taken (`next` and `g_next`: the rows
+/// after them, whose lines are asked for ahead).
 #[inline(always)]
 fn accumulate_row<const R: usize>(
     out: &mut [f32],
-    row: &mut [f32],
-    g: &[f32],
+    (row, next): (&mut [f32], &[f32]),
+    (g, g_next): (&[f32], &[f32]),
     qt: &[f32],
     cols: usize,
 ) {
     let full = cols - cols % LANES;
     let mut acc = [[0.0f32; LANES]; R];
     for k in (0..full).step_by(LANES) {
+        // The lines AHEAD entries on, in this row or the rows after it.
+        match (k + AHEAD).checked_sub(cols) {
+            Some(a) => {
+                super::prefetch(next, a);
+                super::prefetch(g_next, a);
+            }
+            None => {
+                super::prefetch(row, k + AHEAD);
+                super::prefetch(g, k + AHEAD);
+            }
+        }
         let (e, y): (&mut [f32; LANES], &[f32; LANES]) = (
             (&mut row[k..k + LANES]).try_into().unwrap(),
             g[k..k + LANES].try_into().unwrap(),
@@ -189,9 +201,12 @@ fn accumulate_rows<const R: usize>(
     qt: &[f32],
     cols: usize,
 ) {
-    let rows = e.chunks_exact_mut(cols).zip(g.chunks_exact(cols));
-    for (out, (row, g)) in p.chunks_exact_mut(R).zip(rows) {
-        accumulate_row::<R>(out, row, g, qt, cols);
+    let (mut e, mut g) = (e, g);
+    for out in p.chunks_exact_mut(R) {
+        let (row, rest) = std::mem::take(&mut e).split_at_mut(cols);
+        let (gr, g_rest) = g.split_at(cols);
+        accumulate_row::<R>(out, (row, &*rest), (gr, g_rest), qt, cols);
+        (e, g) = (rest, g_rest);
     }
 }
 
