@@ -473,6 +473,24 @@ pub fn prefetch(x: &[f32], at: usize) {
     }
 }
 
+/// How far ahead of a streaming loop's loads `streamed` asks for lines (entries).
+pub const STREAM_AHEAD: usize = 1024;
+
+/// `f` over x and y side by side, 16 entries at a time, each time first asking for the lines
+/// `STREAM_AHEAD` entries on: for a pass whose loads the core would otherwise wait on.
+#[inline(always)]
+pub fn streamed(mut x: &mut [f32], mut y: &[f32], f: impl Fn(&mut [f32], &[f32])) {
+    assert_eq!(x.len(), y.len(), "streamed over unequal buffers");
+    while !x.is_empty() {
+        prefetch(x, STREAM_AHEAD);
+        prefetch(y, STREAM_AHEAD);
+        let n = x.len().min(16);
+        let (a, rest) = std::mem::take(&mut x).split_at_mut(n);
+        f(a, &y[..n]);
+        (x, y) = (rest, &y[n..]);
+    }
+}
+
 /// Twin of `ef_accumulate`: acc += g.
 pub fn ef_accumulate(acc: &mut [f32], g: &[f32]) {
     acc.par_chunks_mut(1 << 14)

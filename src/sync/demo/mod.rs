@@ -45,9 +45,11 @@ struct Mix {
 /// delta = decay delta + lr (g clip), entry by entry.
 #[multiversion(targets = "simd")]
 fn mix(m: Mix, delta: &mut [f32], g: &[f32]) {
-    for (d, &g) in delta.iter_mut().zip(g) {
-        *d = m.decay * *d + m.lr * (g * m.clip);
-    }
+    kernels::streamed(delta, g, |delta, g| {
+        for (d, &g) in delta.iter_mut().zip(g) {
+            *d = m.decay * *d + m.lr * (g * m.clip);
+        }
+    });
 }
 
 /// The fewest floats the transform's row passes work on side by side (`Layout::group`).
