@@ -689,6 +689,20 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
+    /// The tensors of `shapes`, their entries and a generator seeded by `seed`.
+    fn layout(
+        shapes: &[(usize, usize, bool)],
+        seed: u64,
+    ) -> (Vec<Segment>, usize, rand_chacha::ChaCha8Rng) {
+        let tensors = Segment::from_shapes(shapes);
+        let n = tensors.iter().map(|t| t.len).sum();
+        (tensors, n, rand_chacha::ChaCha8Rng::seed_from_u64(seed))
+    }
+
+    fn uniform(n: usize, rng: &mut impl Rng) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
     /// The host path's products (each read from and written into the buffers by `kernels::thin` or the
     /// CPU GEMM) equal
     /// candle's (the path the GPU keeps), batched by shape or not, both ways and in the decompression,
@@ -704,10 +718,8 @@ mod tests {
             (33, 3, true),
             (640, 512, true),
         ];
-        let tensors = Segment::from_shapes(&shapes);
-        let n = tensors.iter().map(|t| t.len).sum();
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let (tensors, n, mut rng) = layout(&shapes, 3);
+        let g = uniform(n, &mut rng);
         let close = |a: &[f32], b: &[f32], what: &str| {
             let scale = b.iter().fold(1e-30f32, |m, x| m.max(x.abs()));
             let d = a
@@ -764,9 +776,7 @@ mod tests {
             (33, 3, true),
             (2, 2, true),
         ];
-        let tensors = Segment::from_shapes(&shapes);
-        let n = tensors.iter().map(|t| t.len).sum();
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let (tensors, n, mut rng) = layout(&shapes, 4);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for rank in [3, 12] {
             let cfg = PowerSgdConfig {
@@ -779,7 +789,7 @@ mod tests {
             let mut r = PowerSgd::new(tensors.clone(), cfg, 7);
             let mut e = vec![0.0f32; n];
             for step in 0..3 {
-                let g: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let g = uniform(n, &mut rng);
                 let mut out = g.clone();
                 let report = fused
                     .reduce(&mut crate::comm::Solo, &mut out, step)
