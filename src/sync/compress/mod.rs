@@ -239,6 +239,17 @@ pub fn per_tensor<'a>(mut x: &'a mut [f32], tensors: &[Segment]) -> Vec<&'a mut 
     parts
 }
 
+/// g[i] *= s at each i whose bit is set in `marks` (bit i % 64 of word i / 64), clearing the marks.
+pub(super) fn scale_marked(g: &mut [f32], marks: &mut [u64], s: f32) {
+    for (w, word) in marks.iter_mut().enumerate() {
+        let mut bits = std::mem::take(word);
+        while bits != 0 {
+            g[64 * w + bits.trailing_zeros() as usize] *= s;
+            bits &= bits - 1;
+        }
+    }
+}
+
 /// Number of entries of a matrix tensor that top-k keeps: max(floor(density * len), 1).
 pub fn k_of(density: f64, len: usize) -> usize {
     ((density * len as f64) as usize).clamp(1, len.max(1))

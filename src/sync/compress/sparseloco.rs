@@ -345,15 +345,9 @@ impl SparseLoco {
                 let table = (&m[i * tw..(i + 1) * tw], bits);
                 self.decode_chunk(&c, table, &mut r, out, &mut marks)?;
             }
-            let s = 1.0 / n as f32;
-            for (w, word) in marks.iter_mut().enumerate() {
-                while *word != 0 {
-                    let at = 64 * w + word.trailing_zeros() as usize;
-                    *word &= *word - 1;
-                    if n > 1 {
-                        out[at] *= s;
-                    }
-                }
+            match n > 1 {
+                true => super::scale_marked(out, &mut marks, 1.0 / n as f32),
+                false => marks.fill(0),
             }
         }
         Ok(())

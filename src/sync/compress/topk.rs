@@ -101,7 +101,7 @@ impl TopK {
                     touched[j / 64] |= 1 << (j % 64);
                 }
             }
-            scale_marked(g, &mut touched[..words], inv);
+            super::scale_marked(g, &mut touched[..words], inv);
             at += idx.len();
         }
     }
@@ -116,17 +116,6 @@ fn unsent_ratio(acc_sq: f64, sent_sq: f64, dense_sq: f64) -> f64 {
     match acc_sq > 0.0 {
         true => ((acc_sq - sent_sq - dense_sq).max(0.0) / acc_sq).sqrt(),
         false => 0.0,
-    }
-}
-
-/// g[i] *= s at each i whose bit is set in `marks` (bit i % 64 of word i / 64), clearing the marks.
-fn scale_marked(g: &mut [f32], marks: &mut [u64], s: f32) {
-    for (w, word) in marks.iter_mut().enumerate() {
-        let mut bits = std::mem::take(word);
-        while bits != 0 {
-            g[64 * w + bits.trailing_zeros() as usize] *= s;
-            bits &= bits - 1;
-        }
     }
 }
 
