@@ -278,9 +278,6 @@ mod x86 {
 
     /// Groups of 16 whose room `pack16` reserves at once.
     const BLOCK: usize = 16;
-    /// How far ahead of its loads `pack16` asks for the lines it will read (entries): its loop does
-    /// little else, and waited on its loads for two thirds of its time without.
-    const AHEAD: usize = 1024;
 
     /// `packed` with AVX-512, of whole groups of 16. Room for a block of `BLOCK` groups' entries is
     /// reserved at once, then each group's compressed lanes are stored whether any passed or none (a
@@ -306,7 +303,9 @@ mod x86 {
             val.reserve(xb.len());
             let (pi, pv, mut len) = (idx.as_mut_ptr(), val.as_mut_ptr(), idx.len());
             for (g, (xs, hs)) in xb.chunks_exact(16).zip(hb.chunks_exact(16)).enumerate() {
-                let ahead = 16 * (b * BLOCK + g) + AHEAD;
+                // The loop does little else, and waited on its loads for two thirds of its time
+                // without asking ahead.
+                let ahead = 16 * (b * BLOCK + g) + crate::kernels::STREAM_AHEAD;
                 crate::kernels::prefetch(x, ahead);
                 if DIFF {
                     crate::kernels::prefetch(hat, ahead);

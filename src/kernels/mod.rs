@@ -473,7 +473,8 @@ pub fn prefetch(x: &[f32], at: usize) {
     }
 }
 
-/// How far ahead of a streaming loop's loads `streamed` asks for lines (entries).
+/// How far ahead of its loads a streaming loop asks for the lines it will read (entries): `streamed`,
+/// top-k's selection, PowerSGD's thin products.
 pub const STREAM_AHEAD: usize = 1024;
 
 /// `f` over x and y side by side, 16 entries at a time, each time first asking for the lines

@@ -12,12 +12,13 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+// How far ahead of its reads of M a product asks for M's lines (entries).
+use super::STREAM_AHEAD as AHEAD;
+
 /// The widest factor these products take.
 pub const THIN: usize = 8;
 /// The lanes of `p_of`'s sums.
 const LANES: usize = 16;
-/// How far ahead of its reads of M a product asks for M's lines (entries).
-const AHEAD: usize = 1024;
 
 /// The products run on the current pool's threads from this many multiply-adds on.
 fn threaded(flops: usize) -> bool {
