@@ -193,7 +193,8 @@ impl Codec {
     /// The message of Q(x - hat) that `rank` sends at `step`.
     pub fn encode(&self, x: &[f32], hat: &[f32], step: u64, rank: usize, msg: &mut Vec<f32>) {
         self.keep_drawn(step, rank);
-        msg.clear();
+        // Every word is written below: a buffer of the right length from the last step is used as it
+        // is, not zeroed first (a pass over the message as long as the packing's).
         msg.resize(self.words(), 0.0);
         let mut outs = Vec::with_capacity(self.tensors.len());
         let mut rest = &mut msg[..];

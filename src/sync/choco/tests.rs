@@ -334,6 +334,29 @@ fn tuning_on_the_group_sums_picks_the_backends_consensus_step() {
     }
 }
 
+/// The encoder writes every word of its message: one into last step's buffer, full of other words,
+/// equals one into an empty buffer, for every compressor and tensor lengths that leave partial words.
+#[test]
+fn messages_overwrite_the_buffer_they_are_written_to() {
+    let tensors = span_shapes();
+    let n: usize = tensors.iter().map(|t| t.len).sum();
+    let (x, hat) = (&random_vectors(1, n, 8)[0], &random_vectors(1, n, 9)[0]);
+    for c in COMPRESSORS {
+        let codec = Codec::new(c, &tensors, 5);
+        let mut want = Vec::new();
+        codec.encode(x, hat, 2, 1, &mut want);
+        for fill in [f32::NAN, f32::from_bits(u32::MAX), -1.0] {
+            let mut msg = vec![fill; codec.words()];
+            codec.encode(x, hat, 2, 1, &mut msg);
+            assert_eq!(bits(&msg), bits(&want), "{c:?} over {fill}");
+        }
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// Tensors whose lengths straddle the sign encoding's chunks and the dense decoding's spans.
 fn span_shapes() -> Vec<Segment> {
     let lens = [1, 31, 33, SPAN - 1, SPAN, SPAN + 1, 3 * SPAN + 517];
