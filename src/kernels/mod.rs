@@ -473,6 +473,35 @@ pub fn prefetch(x: &[f32], at: usize) {
     }
 }
 
+/// Where a buffer lies, to ask for its lines while others hold it borrowed (the address alone: it
+/// borrows nothing, and a request for a line changes nothing a program can read).
+#[derive(Debug, Clone, Copy)]
+pub struct Lines {
+    addr: usize,
+    len: usize,
+}
+
+impl Lines {
+    pub fn of(x: &[f32]) -> Self {
+        Self {
+            addr: x.as_ptr() as usize,
+            len: x.len(),
+        }
+    }
+
+    /// Asks for the line of entry `at` (nothing past the end), as `prefetch`.
+    #[inline(always)]
+    pub fn ask(&self, at: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if at < self.len {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // SAFETY: a prefetch only hints: it neither reads into the program nor faults, whatever
+            // the address (here that of entry `at` of the buffer).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>((self.addr + 4 * at) as *const i8) };
+        }
+    }
+}
+
 /// How far ahead of its loads a streaming loop asks for the lines it will read (entries): `streamed`,
 /// top-k's selection, PowerSGD's thin products.
 pub const STREAM_AHEAD: usize = 1024;

@@ -9,7 +9,7 @@ use anyhow::Result;
 
 use crate::comm::Solo;
 use crate::config::backend::{DemoConfig, PowerSgdConfig, Quantize, RadiusConfig};
-use crate::kernels::Segment;
+use crate::kernels::{Lines, Segment};
 use crate::plan::SyncPlan;
 use crate::sync::choco::{absorb_span, Codec, Compressor};
 use crate::sync::compress::sparseloco::SparseLoco;
@@ -224,7 +224,8 @@ fn choco(c: Compressor, tensors: &[Segment]) -> Pass {
     let (mut hat, mut memory, mut msg) = (vec![0.0f32; numel], vec![0.0f32; numel], Vec::new());
     Box::new(move |g, step| {
         codec.encode(g, &zero, step, 0, &mut msg);
-        codec.decode_spans(&msg, step, 0, |at, q| {
+        let ahead = [Lines::of(&hat), Lines::of(&memory)];
+        codec.decode_spans(&msg, step, 0, &ahead, |at, q| {
             let span = at..at + q.len();
             let (h, m) = (&mut hat[span.clone()], &mut memory[span]);
             absorb_span(Some(h), m, q, 0.5);

@@ -4,7 +4,7 @@
 use anyhow::{bail, Result};
 
 use super::Codec;
-use crate::kernels;
+use crate::kernels::{self, Lines};
 use crate::sync::compress::{self, StateBuf};
 use crate::sync::topology::Round;
 
@@ -114,7 +114,8 @@ impl Channels {
             let weight = |j: usize| if j == rank { ch.own } else { ch.other };
             if !codec.sparse() {
                 let msgs: Vec<&[f32]> = (0..ch.ranks.len()).map(&msg).collect();
-                codec.decode_dense_spans(&msgs, |at, qs| {
+                let ahead = [Lines::of(hat), Lines::of(memory), Lines::of(x)];
+                codec.decode_dense_spans(&msgs, &ahead, |at, qs| {
                     let span = at..at + qs[0].len();
                     let (h, m) = (&mut hat[span.clone()], &mut memory[span.clone()]);
                     for (&j, q) in ch.ranks.iter().zip(qs) {

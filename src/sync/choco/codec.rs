@@ -248,7 +248,7 @@ impl Codec {
     /// Calls `f(index, q)` for the entries of the message `msg` that `sender` sent at `step` (every entry
     /// for the dense formats), indices into the flat parameters, ascending within each tensor.
     pub fn decode(&self, msg: &[f32], step: u64, sender: usize, mut f: impl FnMut(usize, f32)) {
-        self.decode_spans(msg, step, sender, |at, q| {
+        self.decode_spans(msg, step, sender, &[], |at, q| {
             q.iter().enumerate().for_each(|(i, &q)| f(at + i, q));
         });
     }
@@ -261,6 +261,7 @@ impl Codec {
         msg: &[f32],
         step: u64,
         sender: usize,
+        ahead: &[kernels::Lines],
         mut f: impl FnMut(usize, &[f32]),
     ) {
         for (t, &(off, _)) in self.tensors.iter().enumerate() {
@@ -282,15 +283,21 @@ impl Codec {
             }
         }
         if !self.sparse() {
-            self.decode_dense_spans(&[msg], |at, qs| f(at, qs[0]));
+            self.decode_dense_spans(&[msg], ahead, |at, qs| f(at, qs[0]));
         }
     }
 
     /// The dense formats' spans (QSGD, sign) of several messages in step: `f(at, qs)` with each message's
     /// values of the same span, in the order of `msgs`, so that a caller updates each span from all of
     /// them while it is in the core's caches. Spans of whole sign words, no longer than the longest tensor
-    /// needs; nothing for the sparse formats.
-    pub fn decode_dense_spans(&self, msgs: &[&[f32]], mut f: impl FnMut(usize, &[&[f32]])) {
+    /// needs; nothing for the sparse formats. `ahead`: the buffers (indexed as the parameters) that `f`
+    /// updates at each span, whose lines the decoding asks for while it computes the span's values.
+    pub fn decode_dense_spans(
+        &self,
+        msgs: &[&[f32]],
+        ahead: &[kernels::Lines],
+        mut f: impl FnMut(usize, &[&[f32]]),
+    ) {
         if self.sparse() {
             return;
         }
@@ -301,9 +308,14 @@ impl Codec {
         for (t, &(off, len)) in self.tensors.iter().enumerate() {
             for s in (0..len).step_by(span) {
                 let n = span.min(len - s);
-                for (m, buf) in msgs.iter().zip(bufs.chunks_mut(span)) {
+                for (i, (m, buf)) in msgs.iter().zip(bufs.chunks_mut(span)).enumerate() {
                     let part = &m[self.parts[t]..self.parts[t + 1]];
-                    self.dense_span(part, len, s, &mut codes, &mut buf[..n]);
+                    // The lines are asked for once, while the first message's values compute.
+                    let ask = Ask {
+                        lines: if i == 0 { ahead } else { &[] },
+                        at: off + s,
+                    };
+                    self.dense_span(part, len, s, &mut codes, (&mut buf[..n], ask));
                 }
                 let qs: Vec<&[f32]> = bufs
                     .chunks(span)
@@ -318,7 +330,14 @@ impl Codec {
     /// Entries s..s + out.len() of a tensor of `len` entries, from its part of a dense message: QSGD's
     /// codes read from bit s x bits on (`codes` their scratch), each bucket's piece turned into values
     /// in a loop that vectorizes; sign's from word s / 32 on (s a whole number of words).
-    fn dense_span(&self, part: &[f32], len: usize, s: usize, codes: &mut [u32], out: &mut [f32]) {
+    fn dense_span(
+        &self,
+        part: &[f32],
+        len: usize,
+        s: usize,
+        codes: &mut [u32],
+        (out, ask): (&mut [f32], Ask),
+    ) {
         match self.compressor {
             Compressor::Qsgd {
                 levels,
@@ -335,11 +354,15 @@ impl Codec {
                     let unit = norms[k] / levels as f32 / qsgd_tau(levels, size, biased);
                     let c = &mut codes[..upto - at];
                     reader.get_all(bits, c);
-                    qsgd_values(c, unit, bits, &mut out[at - s..upto - s]);
+                    let ask = Ask {
+                        at: ask.at + at - s,
+                        ..ask
+                    };
+                    qsgd_values(c, unit, bits, &mut out[at - s..upto - s], ask);
                     at = upto;
                 }
             }
-            Compressor::Sign => sign_values(&part[1 + s / 32..], part[0], out),
+            Compressor::Sign => sign_values(&part[1 + s / 32..], part[0], out, ask),
             Compressor::TopK { .. } | Compressor::RandomK { .. } => {
                 unreachable!("a sparse message has no dense spans")
             }
@@ -419,12 +442,23 @@ pub const SPAN: usize = 4096;
 /// QSGD's values from their codes: unit times the level, negated where the sign bit is set (a flip of
 /// the sign bit, which is what negation is).
 #[multiversion(targets = "simd")]
-fn qsgd_values(codes: &[u32], unit: f32, bits: u32, out: &mut [f32]) {
+fn qsgd_values(codes: &[u32], unit: f32, bits: u32, out: &mut [f32], ask: Ask) {
     let mask = (1u32 << (bits - 1)) - 1;
-    for (o, &c) in out.iter_mut().zip(codes) {
-        let q = unit * (c & mask) as f32;
-        *o = f32::from_bits(q.to_bits() ^ (c >> (bits - 1)) << 31);
+    for (b, (out, codes)) in out.chunks_mut(16).zip(codes.chunks(16)).enumerate() {
+        ask.lines.iter().for_each(|l| l.ask(ask.at + 16 * b));
+        for (o, &c) in out.iter_mut().zip(codes) {
+            let q = unit * (c & mask) as f32;
+            *o = f32::from_bits(q.to_bits() ^ (c >> (bits - 1)) << 31);
+        }
     }
+}
+
+/// Lines to ask for while a span's values compute: entry `at` on of each of `lines`, one line of each
+/// per 16 values (`Codec::decode_dense_spans`).
+#[derive(Clone, Copy)]
+struct Ask<'a> {
+    lines: &'a [kernels::Lines],
+    at: usize,
 }
 
 /// Entries of x - hat formed at a time by the QSGD encoding: whole rows of the kernel's block.
@@ -451,9 +485,10 @@ fn qsgd_encode(
     let bits = qsgd_bits(levels);
     let mut w = BitWriter::new(codes);
     let n = x.len().min(QSGD_CHUNK);
-    let (mut u, mut words, mut c) = (vec![0.0f32; n], vec![0u32; n.div_ceil(2)], vec![0u32; n]);
+    let (mut u, mut words, mut codes) = (vec![0.0f32; n], vec![0u32; n.div_ceil(2)], vec![0u32; n]);
+    let tensor = (x, hat);
     for (norm_out, range) in norms.iter_mut().zip(ranges) {
-        let (x, hat) = (&x[range.clone()], &hat[range]);
+        let (x, hat) = (&x[range.clone()], &hat[range.clone()]);
         let mut lanes = [0.0f64; kernels::BLOCK];
         for (x, hat) in x.chunks(QSGD_CHUNK).zip(hat.chunks(QSGD_CHUNK)) {
             sub_squares(&mut lanes, x, hat, &mut u[..x.len()]);
@@ -461,7 +496,7 @@ fn qsgd_encode(
         let norm = lanes_sum(&mut lanes).sqrt() as f32;
         *norm_out = norm;
         let whole = x.len() <= QSGD_CHUNK;
-        for (x, hat) in x.chunks(QSGD_CHUNK).zip(hat.chunks(QSGD_CHUNK)) {
+        for (c, (x, hat)) in x.chunks(QSGD_CHUNK).zip(hat.chunks(QSGD_CHUNK)).enumerate() {
             let n = x.len();
             if !whole {
                 sub(x, hat, &mut u[..n]);
@@ -470,8 +505,15 @@ fn qsgd_encode(
             let words = &mut words[..n.div_ceil(2)];
             stream.fill(words);
             let halves: &[u16] = bytemuck::cast_slice(words);
-            qsgd_codes(&u[..n], &halves[..n], norm, (levels, bits), &mut c[..n]);
-            w.put_all(&c[..n], bits);
+            // What is read next: the next bucket, or the next chunk of a bucket of several.
+            let next = Next {
+                x: tensor.0,
+                hat: tensor.1,
+                at: range.start + c * QSGD_CHUNK + n,
+            };
+            let codes = &mut codes[..n];
+            qsgd_codes(&u[..n], &halves[..n], norm, (levels, bits), codes, next);
+            w.put_all(codes, bits);
         }
     }
 }
@@ -506,6 +548,13 @@ fn sub_squares(lanes: &mut [f64; kernels::BLOCK], x: &[f32], hat: &[f32], u: &mu
     }
 }
 
+/// The entries of a tensor's x and hat from `at` on, which the QSGD encoding reads next.
+struct Next<'a> {
+    x: &'a [f32],
+    hat: &'a [f32],
+    at: usize,
+}
+
 /// 2^23, the f32 whose unit in the last place is 1.
 const TWO_23: f32 = 8_388_608.0;
 
@@ -513,7 +562,14 @@ const TWO_23: f32 = 8_388_608.0;
 /// 2^-16; rounding up is then biased by less than 2^-16 of a level) is below the level's fraction, and
 /// its sign bit above.
 #[multiversion(targets = "simd")]
-fn qsgd_codes(u: &[f32], halves: &[u16], norm: f32, (levels, bits): (u32, u32), out: &mut [u32]) {
+fn qsgd_codes(
+    u: &[f32],
+    halves: &[u16],
+    norm: f32,
+    (levels, bits): (u32, u32),
+    out: &mut [u32],
+    next: Next,
+) {
     assert!(
         levels < 1 << 23,
         "QSGD levels {levels} (the config allows at most 65535)"
@@ -522,6 +578,26 @@ fn qsgd_codes(u: &[f32], halves: &[u16], norm: f32, (levels, bits): (u32, u32), 
     let usable = norm > 0.0 && norm.is_finite();
     // One division per bucket: lf = |v| (s / norm).
     let per_unit = s / norm;
+    let blocks = out.chunks_mut(16).zip(u.chunks(16)).zip(halves.chunks(16));
+    for (b, ((out, u), halves)) in blocks.enumerate() {
+        // A line of each of x and hat that the pass reads next, per 16 entries coded: they arrive
+        // while the codes compute, where asking for them all at once would stall the core until
+        // its misses drained.
+        kernels::prefetch(next.x, next.at + 16 * b);
+        kernels::prefetch(next.hat, next.at + 16 * b);
+        qsgd_block(out, u, halves, (s, usable, per_unit), bits);
+    }
+}
+
+/// `qsgd_codes` of up to 16 entries (one vector), with the bucket's `(levels, usable, levels / norm)`.
+#[inline(always)]
+fn qsgd_block(
+    out: &mut [u32],
+    u: &[f32],
+    halves: &[u16],
+    (s, usable, per_unit): (f32, bool, f32),
+    bits: u32,
+) {
     for ((o, &v), &half) in out.iter_mut().zip(u).zip(halves) {
         let lf = if usable { v.abs() * per_unit } else { 0.0 };
         // lf >= 0 (infinite when |v| s / norm overflows) and s < 2^23, so m = min(lf, s) rounds to a whole
@@ -570,8 +646,12 @@ fn sign_encode(x: &[f32], hat: &[f32], out: &mut [f32]) {
 
 /// The values of sign's entries from their words (bit set: -scale, else scale), into `out`.
 #[multiversion(targets = "simd")]
-fn sign_values(words: &[f32], scale: f32, out: &mut [f32]) {
-    for (o, w) in out.chunks_mut(32).zip(words) {
+fn sign_values(words: &[f32], scale: f32, out: &mut [f32], ask: Ask) {
+    for (b, (o, w)) in out.chunks_mut(32).zip(words).enumerate() {
+        for l in ask.lines {
+            l.ask(ask.at + 32 * b);
+            l.ask(ask.at + 32 * b + 16);
+        }
         let bits = w.to_bits();
         for (i, o) in o.iter_mut().enumerate() {
             *o = if bits >> i & 1 == 1 { -scale } else { scale };

@@ -511,7 +511,7 @@ fn dense_messages_match_the_reference(tensors: &[Segment]) {
         assert_eq!(bits(&msg), bits(&want), "{c:?}: the message");
         let want = dense_by_reference(&codec, &msg);
         let mut got = Vec::new();
-        codec.decode_spans(&msg, 7, 1, |at, q| {
+        codec.decode_spans(&msg, 7, 1, &[], |at, q| {
             assert_eq!(at, got.len(), "{c:?}: spans in order");
             assert!(!q.is_empty() && q.len() <= SPAN);
             got.extend_from_slice(q);
@@ -578,7 +578,7 @@ fn the_dense_codecs_kernels_give_the_hosts_messages_and_channels() {
         assert_eq!(bits(&dev), bits(&msg), "{c:?}: the message");
         for (w, own) in [(0.625f32, true), (0.1875, false)] {
             let (mut h, mut m) = (v[2].clone(), v[3].clone());
-            codec.decode_spans(&msg, 7, 1, |at, q| {
+            codec.decode_spans(&msg, 7, 1, &[], |at, q| {
                 for (i, &q) in (at..).zip(q) {
                     if own {
                         h[i] += q;

@@ -54,7 +54,7 @@ impl Simulation {
             q.fill(0.0);
             if !self.msgs[rank].is_empty() {
                 self.codec
-                    .decode_spans(&self.msgs[rank], step, rank, |at, v| {
+                    .decode_spans(&self.msgs[rank], step, rank, &[], |at, v| {
                         let q = &mut q[at..at + v.len()];
                         q.iter_mut().zip(v).for_each(|(q, &v)| *q += v);
                     });
