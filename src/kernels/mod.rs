@@ -502,6 +502,15 @@ impl Lines {
     }
 }
 
+/// Lines to ask for while a pass computes from other data: at the pass's entry i, entry `at + i` of each
+/// of `lines` (one request of each per 16 entries), so that what is read next arrives meanwhile. Asked
+/// for all at once they would stall the core until its misses drained.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    pub lines: &'a [Lines],
+    pub at: usize,
+}
+
 /// How far ahead of its loads a streaming loop asks for the lines it will read (entries): `streamed`,
 /// top-k's selection, PowerSGD's thin products.
 pub const STREAM_AHEAD: usize = 1024;

@@ -9,7 +9,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::Compressor;
 use crate::kernels;
-use crate::kernels::Segment;
+use crate::kernels::{Ask, Segment};
 use crate::sync::bits::{self, BitReader, BitWriter};
 use crate::sync::compress::{self, k_of};
 
@@ -453,14 +453,6 @@ fn qsgd_values(codes: &[u32], unit: f32, bits: u32, out: &mut [f32], ask: Ask) {
     }
 }
 
-/// Lines to ask for while a span's values compute: entry `at` on of each of `lines`, one line of each
-/// per 16 values (`Codec::decode_dense_spans`).
-#[derive(Clone, Copy)]
-struct Ask<'a> {
-    lines: &'a [kernels::Lines],
-    at: usize,
-}
-
 /// Entries of x - hat formed at a time by the QSGD encoding: whole rows of the kernel's block.
 const QSGD_CHUNK: usize = 16 * kernels::BLOCK;
 
@@ -486,7 +478,7 @@ fn qsgd_encode(
     let mut w = BitWriter::new(codes);
     let n = x.len().min(QSGD_CHUNK);
     let (mut u, mut words, mut codes) = (vec![0.0f32; n], vec![0u32; n.div_ceil(2)], vec![0u32; n]);
-    let tensor = (x, hat);
+    let tensor = [kernels::Lines::of(x), kernels::Lines::of(hat)];
     for (norm_out, range) in norms.iter_mut().zip(ranges) {
         let (x, hat) = (&x[range.clone()], &hat[range.clone()]);
         let mut lanes = [0.0f64; kernels::BLOCK];
@@ -506,9 +498,8 @@ fn qsgd_encode(
             stream.fill(words);
             let halves: &[u16] = bytemuck::cast_slice(words);
             // What is read next: the next bucket, or the next chunk of a bucket of several.
-            let next = Next {
-                x: tensor.0,
-                hat: tensor.1,
+            let next = Ask {
+                lines: &tensor,
                 at: range.start + c * QSGD_CHUNK + n,
             };
             let codes = &mut codes[..n];
@@ -548,13 +539,6 @@ fn sub_squares(lanes: &mut [f64; kernels::BLOCK], x: &[f32], hat: &[f32], u: &mu
     }
 }
 
-/// The entries of a tensor's x and hat from `at` on, which the QSGD encoding reads next.
-struct Next<'a> {
-    x: &'a [f32],
-    hat: &'a [f32],
-    at: usize,
-}
-
 /// 2^23, the f32 whose unit in the last place is 1.
 const TWO_23: f32 = 8_388_608.0;
 
@@ -568,7 +552,7 @@ fn qsgd_codes(
     norm: f32,
     (levels, bits): (u32, u32),
     out: &mut [u32],
-    next: Next,
+    next: Ask,
 ) {
     assert!(
         levels < 1 << 23,
@@ -583,8 +567,7 @@ fn qsgd_codes(
         // A line of each of x and hat that the pass reads next, per 16 entries coded: they arrive
         // while the codes compute, where asking for them all at once would stall the core until
         // its misses drained.
-        kernels::prefetch(next.x, next.at + 16 * b);
-        kernels::prefetch(next.hat, next.at + 16 * b);
+        next.lines.iter().for_each(|l| l.ask(next.at + 16 * b));
         qsgd_block(out, u, halves, (s, usable, per_unit), bits);
     }
 }
