@@ -461,7 +461,9 @@ pub fn scatter_add(dense: &mut [f32], idx: &[u32], vals: &[f32]) {
 }
 
 /// A hint to the core to fetch the cache line of `x[at]` (nothing where `at` is past the end): for
-/// scattered reads whose places are known ahead of them.
+/// scattered reads whose places are known ahead of them. Its own intrinsic on the slice's pointer, not
+/// `Lines::ask`'s on an address made an integer: through that, PowerSGD's thin products (which call
+/// this in their inner loops) fell from 2.3 to 1.5 GB/s.
 #[inline(always)]
 pub fn prefetch(x: &[f32], at: usize) {
     #[cfg(target_arch = "x86_64")]

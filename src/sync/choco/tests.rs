@@ -507,7 +507,6 @@ fn dense_messages_match_the_reference(tensors: &[Segment]) {
             Compressor::Sign => sign_by_reference(&codec, x, hat),
             _ => qsgd_by_reference(&codec, x, hat, 7, 1),
         };
-        let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&msg), bits(&want), "{c:?}: the message");
         let want = dense_by_reference(&codec, &msg);
         let mut got = Vec::new();
@@ -516,7 +515,6 @@ fn dense_messages_match_the_reference(tensors: &[Segment]) {
             assert!(!q.is_empty() && q.len() <= SPAN);
             got.extend_from_slice(q);
         });
-        let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got), bits(&want), "{c:?}");
         let mut each = vec![f32::NAN; n];
         codec.decode(&msg, 7, 1, |i, q| each[i] = q);
@@ -569,7 +567,6 @@ fn the_dense_codecs_kernels_give_the_hosts_messages_and_channels() {
         qsgd(65535, false, 512),
         Compressor::Sign,
     ];
-    let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
     for c in compressors {
         let codec = Codec::new(c, &tensors, 5);
         let mut msg = Vec::new();
@@ -703,7 +700,6 @@ fn absorb_emulated(
 #[test]
 fn absorbing_a_span_adds_as_the_plain_loop_does() {
     let v = random_vectors(3, 1037, 4);
-    let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
     for (w, own) in [(0.625f32, true), (0.1875, false), (1.0 / 3.0, true)] {
         let (mut h, mut m) = (v[0].clone(), v[1].clone());
         absorb_span(own.then_some(&mut h[..]), &mut m, &v[2], w);
@@ -728,7 +724,6 @@ fn absorbing_a_span_adds_as_the_plain_loop_does() {
 fn channels_absorb_as_a_pass_per_member_then_the_step() {
     let tensors = span_shapes();
     let n: usize = tensors.iter().map(|t| t.len).sum();
-    let bits = |m: &[f32]| m.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
     let qsgd = |levels, bucket| Compressor::Qsgd {
         levels,
         biased: true,
