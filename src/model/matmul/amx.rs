@@ -91,7 +91,8 @@ fn bands(
         .par_chunks_mut(band * out_rs)
         .enumerate()
         .for_each(|(t, rows_out)| {
-            let (i0, mut edge) = (t * band, vec![0.0f32; BLOCK * BLOCK]);
+            // `edge` is allocated at the first block past out's edges (none in most products).
+            let (i0, mut edge) = (t * band, Vec::new());
             let rows = band.min(m - i0);
             for p0 in (0..kq).step_by(K_PASS) {
                 let (steps, add) = (K_PASS.min(kq - p0) / PAIRS, acc || p0 > 0);
@@ -121,9 +122,10 @@ fn edge_block(
     (steps, rows, cols, out_rs): (usize, usize, usize, usize),
     a: (&[u32], usize),
     b: &[u32],
-    (o, edge): (&mut [f32], &mut [f32]),
+    (o, edge): (&mut [f32], &mut Vec<f32>),
     add: bool,
 ) {
+    edge.resize(BLOCK * BLOCK, 0.0);
     if add {
         edge.fill(0.0);
         for (r, e) in edge.chunks_exact_mut(BLOCK).take(rows).enumerate() {

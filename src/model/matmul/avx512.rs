@@ -115,13 +115,16 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as for Send.
 unsafe impl Sync for SendPtr {}
 
+/// Pairs of rows ahead of the one `pack_b` packs whose lines it asks for (a hint: no bit changes).
+const PACK_AHEAD: usize = 4;
+
 /// B (k x n) as strips of NR columns, each kq pairs x NR (columns past n and pairs past kp zero).
 pub(super) fn pack_b(pb: &mut Lines, b: &M, kp: usize, kq: usize, strips: usize) {
     let (k, n) = (b.rows, b.cols);
     pb.fit(strips * kq * NR)
         .par_chunks_mut(kq * NR)
         .enumerate()
-        .for_each(|(s, strip)| {
+        .for_each_init(Vec::new, |by_col, (s, strip)| {
             let j0 = s * NR;
             let cols = NR.min(n - j0);
             let (strip, pad) = strip.split_at_mut(kp * NR);
@@ -129,6 +132,12 @@ pub(super) fn pack_b(pb: &mut Lines, b: &M, kp: usize, kq: usize, strips: usize)
             if b.cs == 1 {
                 // Rows of B are contiguous: pair row 2p with row 2p + 1.
                 for (p, out) in strip.chunks_exact_mut(NR).enumerate() {
+                    // The lines of the rows PACK_AHEAD pairs on asked for now: a strip's rows are
+                    // a row's width apart, too far for the hardware prefetchers to follow.
+                    let ahead = 2 * (p + PACK_AHEAD) * b.rs + j0;
+                    for at in [ahead, ahead + 16, ahead + b.rs, ahead + b.rs + 16] {
+                        crate::kernels::prefetch(b.d, at);
+                    }
                     let r0 = &b.d[2 * p * b.rs + j0..][..cols];
                     let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs + j0..][..cols]);
                     // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
@@ -137,14 +146,17 @@ pub(super) fn pack_b(pb: &mut Lines, b: &M, kp: usize, kq: usize, strips: usize)
                 }
             } else {
                 // Columns of B are contiguous (B = W^T): pair along each column, then transpose.
-                let mut by_col = vec![0u32; NR * kp];
+                // The task's buffer is kept from strip to strip: every word is written below.
+                by_col.resize(NR * kp, 0);
                 for (jj, col) in by_col.chunks_exact_mut(kp).enumerate() {
                     if jj < cols {
                         // SAFETY: as above.
                         unsafe { pair_along_bf16(col, b.d, (j0 + jj) * b.cs, b.rs, k) };
+                    } else {
+                        col.fill(0);
                     }
                 }
-                transpose_bits(&by_col, kp, strip, NR, NR, kp);
+                transpose_bits(by_col, kp, strip, NR, NR, kp);
             }
         });
 }

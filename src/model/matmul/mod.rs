@@ -292,9 +292,14 @@ const LINE: usize = 16;
 
 impl Lines {
     /// `n` words from a line's start (holding what the last use left, or zeros: what is read is
-    /// written first).
+    /// written first). The buffer only grows: consecutive products of different sizes would otherwise
+    /// zero the words between them again at each call (a sixth of a GB a step of the medium config).
     fn fit(&mut self, n: usize) -> &mut [u32] {
-        fit(&mut self.v, n + LINE - 1);
+        let want = n + LINE - 1;
+        if self.v.len() < want {
+            self.v.reserve_exact(want - self.v.len());
+            self.v.resize(want, 0);
+        }
         self.len = n;
         let at = self.start();
         &mut self.v[at..at + n]
@@ -800,6 +805,45 @@ mod tests {
             }
         }
         assert!(rounding_seen, "the operands were not rounded to bf16");
+    }
+
+    /// The packed operands' buffers only grow, so a product finds there what a larger one left (and the
+    /// pairs and rows past its edges are not zero unless it writes them): every product equals, bit for
+    /// bit, the same product through fresh buffers, on every path, with transposed operands too.
+    #[test]
+    fn buffers_a_larger_product_left_change_no_bit() {
+        let mut kept = Bf16Buffers::default();
+        for (m, n, k) in [
+            (130, 260, 257),
+            (5, 7, 3),
+            (70, 33, 129),
+            (1, 1, 1),
+            (33, 65, 31),
+        ] {
+            for (la, lb) in [(0, 0), (1, 1), (0, 1), (1, 0)] {
+                let ad = values(m * k * 3 + 2 * k + 2, (m + k) as u64);
+                let bd = values(k * n * 3 + 2 * n + 2, (n + 2 * k) as u64);
+                let (a, b) = (view(&ad, m, k, la), view(&bd, k, n, lb));
+                for path in paths() {
+                    let (mut fresh, mut again) = (vec![0.0; m * n], vec![0.0; m * n]);
+                    mm_bf16(
+                        path,
+                        &mut Bf16Buffers::default(),
+                        &mut fresh,
+                        n,
+                        a,
+                        b,
+                        false,
+                    );
+                    mm_bf16(path, &mut kept, &mut again, n, a, b, false);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert!(
+                        bits(&again) == bits(&fresh),
+                        "{path:?} {m}x{n}x{k} {la}{lb}"
+                    );
+                }
+            }
+        }
     }
 
     /// The rate probe times real instructions (an optimized-away loop once made it read 2.00 anywhere):
