@@ -8,6 +8,7 @@ use super::super::matmul::{mm, mm_bf16_packed, Bf16Buffers, Bf16Path, PackedB, M
 use super::super::ops::{row_max, row_sums_of, rows_lse, rows_per_task, rows_stats, CHUNK, ROWS};
 use super::{Linear, Norm, Params, LN_EPS};
 use gemm::Parallelism;
+use std::sync::Mutex;
 
 /// Mean cross-entropy of the rows of `logits` (width v) against `y`, saving each row's log-sum-exp; per
 /// task sums in f64 added in task order (deterministic for any thread count).
@@ -267,9 +268,72 @@ impl Att {
 }
 
 /// The products of one head's task: f32 on the task's thread, or bf16 operands with f32 sums through
-/// operand buffers of the task's own, where each B operand (keys, values, ...) is packed once per head
-/// into a slot and each block of rows reads the part it needs.
-struct HeadMm(Option<(Bf16Path, Bf16Buffers, [PackedB; 4])>);
+/// operand buffers of the task's own (from its `HeadScratch`), where each B operand (keys, values, ...)
+/// is packed once per head into a slot and each block of rows reads the part it needs.
+struct HeadMm<'a> {
+    amp: Option<Bf16Path>,
+    bufs: &'a mut Bf16Buffers,
+    packed: &'a mut [PackedB; 4],
+}
+
+/// The attention's tasks' scratch, kept from call to call in the compute slot's activations: a task
+/// takes one (or makes one) and it goes back when the task ends. Made anew for each task, their buffers
+/// were allocated, zeroed and grown again at every call (on the medium config about 50 MB a step).
+#[derive(Default)]
+pub(super) struct HeadPool(Mutex<Vec<HeadScratch>>);
+
+/// One task's scratch: its products' operand buffers and the backward's dS (T x T).
+#[derive(Default)]
+struct HeadScratch {
+    bufs: Bf16Buffers,
+    packed: [PackedB; 4],
+    ds: Vec<f32>,
+}
+
+/// A task's scratch, back in its pool when the task ends.
+struct Taken<'a> {
+    pool: &'a HeadPool,
+    scratch: HeadScratch,
+}
+
+impl HeadPool {
+    fn take(&self) -> Taken<'_> {
+        let scratch = self.lock().pop().unwrap_or_default();
+        Taken {
+            pool: self,
+            scratch,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<HeadScratch>> {
+        // A panicking task poisons the mutex; what it holds is only scratch.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        let scratch = std::mem::take(&mut self.scratch);
+        self.pool.lock().push(scratch);
+    }
+}
+
+impl Taken<'_> {
+    /// The head's products in `amp`'s precision, and `n` floats of dS (what the last task left: the
+    /// backward writes each entry before it reads it).
+    fn parts(&mut self, amp: Option<Bf16Path>, n: usize) -> (HeadMm<'_>, &mut [f32]) {
+        let s = &mut self.scratch;
+        if s.ds.len() < n {
+            s.ds.resize(n, 0.0);
+        }
+        let m = HeadMm {
+            amp,
+            bufs: &mut s.bufs,
+            packed: &mut s.packed,
+        };
+        (m, &mut s.ds[..n])
+    }
+}
 
 /// A B operand of a head's products, the slot it is packed in, and the part a product reads: rows from
 /// k0 (as many as A has columns) and the first n columns.
@@ -280,28 +344,24 @@ struct HeadB<'a> {
     n: usize,
 }
 
-impl HeadMm {
-    fn new(amp: Option<Bf16Path>) -> Self {
-        Self(amp.map(|p| (p, Bf16Buffers::default(), Default::default())))
-    }
-
+impl HeadMm<'_> {
     /// Packs b into `slot` for the head's bf16 products (nothing to do in f32).
     fn pack(&mut self, slot: usize, b: M) {
-        if let Some((path, _, packed)) = &mut self.0 {
-            packed[slot].pack(*path, b);
+        if let Some(path) = self.amp {
+            self.packed[slot].pack(path, b);
         }
     }
 
     /// out (a.rows x b.n, row stride `rs`) = alpha a (b's part); under bf16 b is read from its slot,
     /// packed by `pack`.
     fn mm(&mut self, out: &mut [f32], rs: usize, a: M, b: HeadB, alpha: f32) {
-        let Some((path, bufs, packed)) = &mut self.0 else {
+        let Some(path) = self.amp else {
             let part = b.b.part(b.k0, a.cols, b.n);
             return mm(out, rs, a, part, false, alpha, Parallelism::None);
         };
-        let slot = &packed[b.slot];
+        let slot = &self.packed[b.slot];
         assert!(slot.holds(&b.b), "attention: slot {} is stale", b.slot);
-        mm_bf16_packed(*path, bufs, out, rs, a, (slot, b.k0, b.n));
+        mm_bf16_packed(path, self.bufs, out, rs, a, (slot, b.k0, b.n));
         if alpha != 1.0 {
             for row in out.chunks_mut(rs).take(a.rows) {
                 row[..b.n].iter_mut().for_each(|x| *x *= alpha);
@@ -319,6 +379,7 @@ pub(super) fn attention_forward(
     att: &mut [f32],
     y: &mut [f32],
     heads: &mut [f32],
+    pool: &HeadPool,
     s: Att,
 ) {
     let (t, c, h, hs) = (s.t, s.c, s.h, s.hs());
@@ -331,10 +392,10 @@ pub(super) fn attention_forward(
         .zip(heads.par_chunks_mut(t * hs))
         .enumerate()
         .for_each_init(
-            || HeadMm::new(s.amp),
-            |m, (i, (pr, yh))| {
+            || pool.take(),
+            |scratch, (i, (pr, yh))| {
                 let qkv = &qkv[(i / h) * t * 3 * c + (i % h) * hs..];
-                head_forward(m, qkv, pr, yh, s);
+                head_forward(&mut scratch.parts(s.amp, 0).0, qkv, pr, yh, s);
             },
         );
     from_heads(heads, y, s, 1);
@@ -406,6 +467,7 @@ pub(super) fn attention_backward(
     (qkv, att, dy): (&[f32], &[f32], &[f32]),
     dqkv: &mut [f32],
     heads: &mut [f32],
+    pool: &HeadPool,
     s: Att,
 ) {
     let (t, c, h, hs) = (s.t, s.c, s.h, s.hs());
@@ -418,12 +480,13 @@ pub(super) fn attention_backward(
         .zip(heads.par_chunks_mut(t * 3 * hs))
         .enumerate()
         .for_each_init(
-            || (HeadMm::new(s.amp), vec![0.0f32; t * t]),
-            |(m, ds), (i, (pr, dh))| {
+            || pool.take(),
+            |scratch, (i, (pr, dh))| {
                 let (b, hd) = (i / h, i % h);
                 let qkv = &qkv[b * t * 3 * c + hd * hs..];
                 let dy = &dy[b * t * c + hd * hs..];
-                head_backward(m, (qkv, pr, dy), dh, ds, s);
+                let (mut m, ds) = scratch.parts(s.amp, t * t);
+                head_backward(&mut m, (qkv, pr, dy), dh, ds, s);
             },
         );
     from_heads(heads, dqkv, s, 3);

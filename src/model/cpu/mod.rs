@@ -114,6 +114,8 @@ struct Acts {
     dc2: Vec<f32>,
     d4c: Vec<f32>,
     dqkv: Vec<f32>,
+    /// The attention's tasks' scratch.
+    heads: HeadPool,
 }
 
 /// The memory one forward/backward works in: the activations it saves and the backward's scratch. It
@@ -490,7 +492,7 @@ impl CpuGpt {
         let att = &mut a.att[l * b * h * t * t..][..b * h * t * t];
         let atty = &mut a.atty[l * nc..][..nc];
         // dc is free until the projection's output: the heads' rows are laid out there first.
-        attention_forward(qkv, att, atty, &mut a.dc[..nc], self.att(p, t));
+        attention_forward(qkv, att, atty, &mut a.dc[..nc], &a.heads, self.att(p, t));
         linear(p, layer.proj, atty, n, &mut a.dc[..nc]);
         drop.apply(&mut a.dc[..nc], &mut a.masks);
         add(res2, res_in, &a.dc[..nc]);
@@ -562,6 +564,7 @@ impl CpuGpt {
             dc2: z(dc2),
             d4c: z(d4c),
             dqkv: z(dqkv),
+            heads: HeadPool::default(),
         };
     }
 
@@ -659,7 +662,13 @@ impl CpuGpt {
         let att = &a.att[l * b * h * t * t..][..b * h * t * t];
         // d4c is the MLP's scratch, free here.
         let heads = &mut a.d4c[..3 * nc];
-        attention_backward((qkv, att, &a.dc2), &mut a.dqkv, heads, self.att(p, t));
+        attention_backward(
+            (qkv, att, &a.dc2),
+            &mut a.dqkv,
+            heads,
+            &a.heads,
+            self.att(p, t),
+        );
         let xn1 = &a.xn1[l * nc..][..nc];
         linear_backward(p, grads, layer.attn, &a.dqkv, xn1, n, &mut a.dc2);
         let (res_l, stats1) = (&a.res[l * nc..][..nc], &a.stats1[l * n..][..n]);

@@ -360,7 +360,8 @@ fn blocked_attention_equals_the_full_products() {
         let (qkv, dy) = (rand(b * t * 3 * c), rand(b * t * c));
         let run = |blocked: bool| {
             if blocked {
-                return attention_run(&qkv, &dy, b, Att { t, c, h, amp: None });
+                let pool = HeadPool::default();
+                return attention_run(&qkv, &dy, b, Att { t, c, h, amp: None }, &pool);
             }
             let mut att = vec![f32::NAN; b * h * t * t];
             let mut y = vec![f32::NAN; b * t * c];
@@ -401,14 +402,15 @@ fn blocked_attention_equals_the_full_products() {
 }
 
 /// Attention's forward and backward (probabilities, output, gradient) in `s`'s precision.
-fn attention_run(qkv: &[f32], dy: &[f32], b: usize, s: Att) -> [Vec<f32>; 3] {
+/// `pool` holds the tasks' scratch, as the activations' does in training.
+fn attention_run(qkv: &[f32], dy: &[f32], b: usize, s: Att, pool: &HeadPool) -> [Vec<f32>; 3] {
     let (t, c, h) = (s.t, s.c, s.h);
     let mut att = vec![f32::NAN; b * h * t * t];
     let mut y = vec![f32::NAN; b * t * c];
     let mut dqkv = vec![f32::NAN; b * t * 3 * c];
     let mut heads = vec![f32::NAN; 3 * b * t * c];
-    attention_forward(qkv, &mut att, &mut y, &mut heads[..b * t * c], s);
-    attention_backward((qkv, &att, dy), &mut dqkv, &mut heads, s);
+    attention_forward(qkv, &mut att, &mut y, &mut heads[..b * t * c], pool, s);
+    attention_backward((qkv, &att, dy), &mut dqkv, &mut heads, pool, s);
     [att, y, dqkv]
 }
 
@@ -436,8 +438,9 @@ fn bf16_attention_is_the_f32_products_of_rounded_operands() {
             |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
         let (qkv, dy) = (rand(b * t * 3 * c), rand(b * t * c));
         let s = |amp| Att { t, c, h, amp };
-        let f32_run = attention_run(&qkv, &dy, b, s(None));
-        let emulated = attention_run(&qkv, &dy, b, s(Some(Bf16Path::EMULATED)));
+        let pool = HeadPool::default();
+        let f32_run = attention_run(&qkv, &dy, b, s(None), &pool);
+        let emulated = attention_run(&qkv, &dy, b, s(Some(Bf16Path::EMULATED)), &pool);
         for (what, (x, want)) in ["probabilities", "output", "gradient"]
             .iter()
             .zip(emulated.iter().zip(&f32_run))
@@ -452,7 +455,7 @@ fn bf16_attention_is_the_f32_products_of_rounded_operands() {
             .into_iter()
             .filter(|p| p.is_hardware())
         {
-            let hw = attention_run(&qkv, &dy, b, s(Some(path)));
+            let hw = attention_run(&qkv, &dy, b, s(Some(path)), &pool);
             for (what, (x, want)) in ["probabilities", "output", "gradient"]
                 .iter()
                 .zip(hw.iter().zip(&emulated))
@@ -460,6 +463,34 @@ fn bf16_attention_is_the_f32_products_of_rounded_operands() {
                 let gap = relative_gap(x, want);
                 assert!(gap <= 1e-4, "{what}, T = {t}: {path} vs emulated {gap}");
             }
+        }
+    }
+}
+
+/// The tasks' scratch kept from call to call (`HeadPool`) holds what the last calls left: longer and
+/// shorter sequences, other precisions. Each call gives the bits a fresh pool gives, on every path.
+#[test]
+fn attention_scratch_kept_between_calls_changes_no_bit() {
+    use rand::Rng;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let (b, c, h) = (2, 48, 3);
+    let mut paths: Vec<Option<Bf16Path>> = vec![None];
+    paths.extend(Bf16Path::available().into_iter().map(Some));
+    let kept = HeadPool::default();
+    for t in [3 * ATT_BLOCK + 2, 7, 2 * ATT_BLOCK, 1] {
+        let mut rand =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+        let (qkv, dy) = (rand(b * t * 3 * c), rand(b * t * c));
+        for &amp in paths.iter().chain(paths.iter().rev()) {
+            let s = Att { t, c, h, amp };
+            let fresh = attention_run(&qkv, &dy, b, s, &HeadPool::default());
+            let again = attention_run(&qkv, &dy, b, s, &kept);
+            let bits = |r: &[Vec<f32>; 3]| {
+                r.iter()
+                    .flat_map(|v| v.iter().map(|x| x.to_bits()))
+                    .collect::<Vec<_>>()
+            };
+            assert!(bits(&again) == bits(&fresh), "T = {t}, {amp:?}: differs");
         }
     }
 }
