@@ -293,7 +293,7 @@ const LINE: usize = 16;
 impl Lines {
     /// `n` words from a line's start (holding what the last use left, or zeros: what is read is
     /// written first). The buffer only grows: consecutive products of different sizes would otherwise
-    /// zero the words between them again at each call (a sixth of a GB a step of the medium config).
+    /// zero the words between them again at each call (about 120 MB a step of the medium config).
     fn fit(&mut self, n: usize) -> &mut [u32] {
         let want = n + LINE - 1;
         if self.v.len() < want {
