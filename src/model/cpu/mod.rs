@@ -114,8 +114,8 @@ struct Acts {
     dc2: Vec<f32>,
     d4c: Vec<f32>,
     dqkv: Vec<f32>,
-    /// The attention's tasks' scratch.
-    heads: HeadPool,
+    /// The attention's tasks' scratch (not `heads`, the heads' rows laid out in `dc` and `d4c`).
+    head_pool: HeadPool,
 }
 
 /// The memory one forward/backward works in: the activations it saves and the backward's scratch. It
@@ -492,7 +492,14 @@ impl CpuGpt {
         let att = &mut a.att[l * b * h * t * t..][..b * h * t * t];
         let atty = &mut a.atty[l * nc..][..nc];
         // dc is free until the projection's output: the heads' rows are laid out there first.
-        attention_forward(qkv, att, atty, &mut a.dc[..nc], &a.heads, self.att(p, t));
+        attention_forward(
+            qkv,
+            att,
+            atty,
+            &mut a.dc[..nc],
+            &a.head_pool,
+            self.att(p, t),
+        );
         linear(p, layer.proj, atty, n, &mut a.dc[..nc]);
         drop.apply(&mut a.dc[..nc], &mut a.masks);
         add(res2, res_in, &a.dc[..nc]);
@@ -564,7 +571,7 @@ impl CpuGpt {
             dc2: z(dc2),
             d4c: z(d4c),
             dqkv: z(dqkv),
-            heads: HeadPool::default(),
+            head_pool: HeadPool::default(),
         };
     }
 
@@ -666,7 +673,7 @@ impl CpuGpt {
             (qkv, att, &a.dc2),
             &mut a.dqkv,
             heads,
-            &a.heads,
+            &a.head_pool,
             self.att(p, t),
         );
         let xn1 = &a.xn1[l * nc..][..nc];
