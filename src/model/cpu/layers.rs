@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use super::super::matmul::{mm, mm_bf16_packed, Bf16Buffers, Bf16Path, PackedB, M};
 use super::super::ops::{row_max, row_sums_of, rows_lse, rows_per_task, rows_stats, CHUNK, ROWS};
 use super::{Linear, Norm, Params, LN_EPS};
+use crate::kernels::{self, Lines};
 use gemm::Parallelism;
 use std::sync::Mutex;
 
@@ -556,22 +557,53 @@ fn head_backward(
     }
 }
 
-/// out = a + b.
+/// out = a + b, in parallel chunks.
 #[multiversion(targets = "simd")]
 pub(super) fn add(out: &mut [f32], a: &[f32], b: &[f32]) {
-    out.iter_mut()
-        .zip(a)
-        .zip(b)
-        .for_each(|((o, a), b)| *o = a + b);
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK))
+        .zip(b.par_chunks(CHUNK))
+        .for_each(|((o, a), b)| {
+            ahead(o, [a, b].map(Lines::of), |o, at| {
+                let (a, b) = (&a[at..][..o.len()], &b[at..][..o.len()]);
+                o.iter_mut()
+                    .zip(a)
+                    .zip(b)
+                    .for_each(|((o, a), b)| *o = a + b)
+            })
+        });
 }
 
-/// out = a * b.
+/// out = a * b, in parallel chunks.
 #[multiversion(targets = "simd")]
 pub(super) fn mul(out: &mut [f32], a: &[f32], b: &[f32]) {
-    out.iter_mut()
-        .zip(a)
-        .zip(b)
-        .for_each(|((o, a), b)| *o = a * b);
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK))
+        .zip(b.par_chunks(CHUNK))
+        .for_each(|((o, a), b)| {
+            ahead(o, [a, b].map(Lines::of), |o, at| {
+                let (a, b) = (&a[at..][..o.len()], &b[at..][..o.len()]);
+                o.iter_mut()
+                    .zip(a)
+                    .zip(b)
+                    .for_each(|((o, a), b)| *o = a * b)
+            })
+        });
+}
+
+/// `f(part, at)` over `x` 16 entries at a time (`part` = x[at..at + 16]), each after asking for the
+/// lines `kernels::STREAM_AHEAD` entries on in `x` and in `others` (read beside it): for the
+/// element-wise passes over activations that have left the core's caches, whose loads the hardware
+/// prefetcher (which starts again at each 4 KB page) leaves the core waiting on.
+#[inline(always)]
+fn ahead<const N: usize>(x: &mut [f32], others: [Lines; N], mut f: impl FnMut(&mut [f32], usize)) {
+    let lines = Lines::of(x);
+    for (i, part) in x.chunks_mut(16).enumerate() {
+        let (at, next) = (16 * i, 16 * i + kernels::STREAM_AHEAD);
+        lines.ask(next);
+        others.iter().for_each(|l| l.ask(next));
+        f(part, at);
+    }
 }
 
 /// out = f(x), in parallel chunks.
@@ -579,7 +611,11 @@ pub(super) fn mul(out: &mut [f32], a: &[f32], b: &[f32]) {
 pub(super) fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
-        .for_each(|(o, x)| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x)));
+        .for_each(|(o, x)| {
+            ahead(o, [Lines::of(x)], |o, at| {
+                o.iter_mut().zip(&x[at..]).for_each(|(o, &x)| *o = f(x))
+            })
+        });
 }
 
 /// (out, x) = f(x): a function's value into `out` and its derivative over `x`, in parallel chunks.
@@ -588,9 +624,12 @@ pub(super) fn map_with_grad(out: &mut [f32], x: &mut [f32], f: impl Fn(f32) -> (
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks_mut(CHUNK))
         .for_each(|(o, x)| {
-            o.iter_mut().zip(x).for_each(|(o, x)| {
-                let (v, d) = f(*x);
-                (*o, *x) = (v, d);
+            ahead(x, [Lines::of(o)], |x, at| {
+                let o = &mut o[at..][..x.len()];
+                o.iter_mut().zip(x).for_each(|(o, x)| {
+                    let (v, d) = f(*x);
+                    (*o, *x) = (v, d);
+                })
             })
         });
 }
@@ -600,5 +639,9 @@ pub(super) fn map_with_grad(out: &mut [f32], x: &mut [f32], f: impl Fn(f32) -> (
 pub(super) fn scale_by(g: &mut [f32], d: &[f32]) {
     g.par_chunks_mut(CHUNK)
         .zip(d.par_chunks(CHUNK))
-        .for_each(|(g, d)| g.iter_mut().zip(d).for_each(|(g, &d)| *g *= d));
+        .for_each(|(g, d)| {
+            ahead(g, [Lines::of(d)], |g, at| {
+                g.iter_mut().zip(&d[at..]).for_each(|(g, &d)| *g *= d)
+            })
+        });
 }

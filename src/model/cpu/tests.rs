@@ -543,3 +543,44 @@ fn passes_run_inside_the_pool() {
         assert_eq!(in_pool(|| std::thread::current().id()), here);
     });
 }
+
+/// The element-wise passes that ask for their lines ahead (`add`, `mul`, `map`, `map_with_grad`,
+/// `scale_by`) equal one plain loop over the entries, bit for bit, over lengths that end mid-vector,
+/// mid-line and past a parallel task's chunk.
+#[test]
+fn element_wise_passes_asking_ahead_equal_plain_loops() {
+    use rand::Rng;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
+    use crate::model::ops::CHUNK;
+    for n in [1, 15, 17, 1000, CHUNK - 3, 2 * CHUNK + 1029] {
+        let mut r = |_| rng.random_range(-4.0f32..4.0);
+        let (a, b): (Vec<f32>, Vec<f32>) =
+            ((0..n).map(&mut r).collect(), (0..n).map(&mut r).collect());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let plain = |f: &dyn Fn(f32, f32) -> f32| -> Vec<u32> {
+            bits(&a.iter().zip(&b).map(|(&a, &b)| f(a, b)).collect::<Vec<_>>())
+        };
+        let mut out = vec![f32::NAN; n];
+        layers::add(&mut out, &a, &b);
+        assert_eq!(bits(&out), plain(&|a, b| a + b), "add, {n}");
+        layers::mul(&mut out, &a, &b);
+        assert_eq!(bits(&out), plain(&|a, b| a * b), "mul, {n}");
+        layers::map(&mut out, &a, gelu_tanh);
+        assert_eq!(bits(&out), plain(&|a, _| gelu_tanh(a)), "map, {n}");
+        let mut x = a.clone();
+        layers::map_with_grad(&mut out, &mut x, gelu_erf_and_grad);
+        assert_eq!(
+            bits(&out),
+            plain(&|a, _| gelu_erf_and_grad(a).0),
+            "value, {n}"
+        );
+        assert_eq!(
+            bits(&x),
+            plain(&|a, _| gelu_erf_and_grad(a).1),
+            "derivative, {n}"
+        );
+        let mut g = a.clone();
+        layers::scale_by(&mut g, &b);
+        assert_eq!(bits(&g), plain(&|a, b| a * b), "scale_by, {n}");
+    }
+}
