@@ -558,25 +558,18 @@ fn head_backward(
 }
 
 /// out = a + b, in parallel chunks.
-#[multiversion(targets = "simd")]
 pub(super) fn add(out: &mut [f32], a: &[f32], b: &[f32]) {
-    out.par_chunks_mut(CHUNK)
-        .zip(a.par_chunks(CHUNK))
-        .zip(b.par_chunks(CHUNK))
-        .for_each(|((o, a), b)| {
-            ahead(o, [a, b].map(Lines::of), |o, at| {
-                let (a, b) = (&a[at..][..o.len()], &b[at..][..o.len()]);
-                o.iter_mut()
-                    .zip(a)
-                    .zip(b)
-                    .for_each(|((o, a), b)| *o = a + b)
-            })
-        });
+    zip_map(out, a, b, |a, b| a + b);
 }
 
 /// out = a * b, in parallel chunks.
-#[multiversion(targets = "simd")]
 pub(super) fn mul(out: &mut [f32], a: &[f32], b: &[f32]) {
+    zip_map(out, a, b, |a, b| a * b);
+}
+
+/// out = f(a, b), entry by entry, in parallel chunks.
+#[multiversion(targets = "simd")]
+fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
     out.par_chunks_mut(CHUNK)
         .zip(a.par_chunks(CHUNK))
         .zip(b.par_chunks(CHUNK))
@@ -586,7 +579,7 @@ pub(super) fn mul(out: &mut [f32], a: &[f32], b: &[f32]) {
                 o.iter_mut()
                     .zip(a)
                     .zip(b)
-                    .for_each(|((o, a), b)| *o = a * b)
+                    .for_each(|((o, &a), &b)| *o = f(a, b))
             })
         });
 }
