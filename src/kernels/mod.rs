@@ -520,15 +520,27 @@ pub const STREAM_AHEAD: usize = 1024;
 /// `f` over x and y side by side, 16 entries at a time, each time first asking for the lines
 /// `STREAM_AHEAD` entries on: for a pass whose loads the core would otherwise wait on.
 #[inline(always)]
-pub fn streamed(mut x: &mut [f32], mut y: &[f32], f: impl Fn(&mut [f32], &[f32])) {
+pub fn streamed(x: &mut [f32], y: &[f32], f: impl Fn(&mut [f32], &[f32])) {
     assert_eq!(x.len(), y.len(), "streamed over unequal buffers");
-    while !x.is_empty() {
-        prefetch(x, STREAM_AHEAD);
-        prefetch(y, STREAM_AHEAD);
-        let n = x.len().min(16);
-        let (a, rest) = std::mem::take(&mut x).split_at_mut(n);
-        f(a, &y[..n]);
-        (x, y) = (rest, &y[n..]);
+    ahead(x, [Lines::of(y)], |x, at| f(x, &y[at..][..x.len()]));
+}
+
+/// `f(part, at)` over `x` 16 entries at a time (`part` = x[at..at + 16]), each time first asking for
+/// the lines `STREAM_AHEAD` entries on in `x` and in `others` (read or written beside it, from the
+/// same entry on): for the element-wise passes over data that has left the core's caches, whose loads
+/// the hardware prefetcher (which starts again at each 4 KB page) leaves the core waiting on.
+#[inline(always)]
+pub fn ahead<const N: usize>(
+    x: &mut [f32],
+    others: [Lines; N],
+    mut f: impl FnMut(&mut [f32], usize),
+) {
+    let lines = Lines::of(x);
+    for (i, part) in x.chunks_mut(16).enumerate() {
+        let (at, next) = (16 * i, 16 * i + STREAM_AHEAD);
+        lines.ask(next);
+        others.iter().for_each(|l| l.ask(next));
+        f(part, at);
     }
 }
 

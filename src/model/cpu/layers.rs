@@ -574,7 +574,7 @@ fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + 
         .zip(a.par_chunks(CHUNK))
         .zip(b.par_chunks(CHUNK))
         .for_each(|((o, a), b)| {
-            ahead(o, [a, b].map(Lines::of), |o, at| {
+            kernels::ahead(o, [a, b].map(Lines::of), |o, at| {
                 let (a, b) = (&a[at..][..o.len()], &b[at..][..o.len()]);
                 o.iter_mut()
                     .zip(a)
@@ -584,29 +584,14 @@ fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + 
         });
 }
 
-/// `f(part, at)` over `x` 16 entries at a time (`part` = x[at..at + 16]), each after asking for the
-/// lines `kernels::STREAM_AHEAD` entries on in `x` and in `others` (read beside it): for the
-/// element-wise passes over activations that have left the core's caches, whose loads the hardware
-/// prefetcher (which starts again at each 4 KB page) leaves the core waiting on.
-#[inline(always)]
-fn ahead<const N: usize>(x: &mut [f32], others: [Lines; N], mut f: impl FnMut(&mut [f32], usize)) {
-    let lines = Lines::of(x);
-    for (i, part) in x.chunks_mut(16).enumerate() {
-        let (at, next) = (16 * i, 16 * i + kernels::STREAM_AHEAD);
-        lines.ask(next);
-        others.iter().for_each(|l| l.ask(next));
-        f(part, at);
-    }
-}
-
 /// out = f(x), in parallel chunks.
 #[multiversion(targets = "simd")]
 pub(super) fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(o, x)| {
-            ahead(o, [Lines::of(x)], |o, at| {
-                o.iter_mut().zip(&x[at..]).for_each(|(o, &x)| *o = f(x))
+            kernels::streamed(o, x, |o, x| {
+                o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x))
             })
         });
 }
@@ -617,7 +602,7 @@ pub(super) fn map_with_grad(out: &mut [f32], x: &mut [f32], f: impl Fn(f32) -> (
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks_mut(CHUNK))
         .for_each(|(o, x)| {
-            ahead(x, [Lines::of(o)], |x, at| {
+            kernels::ahead(x, [Lines::of(o)], |x, at| {
                 let o = &mut o[at..][..x.len()];
                 o.iter_mut().zip(x).for_each(|(o, x)| {
                     let (v, d) = f(*x);
@@ -633,8 +618,6 @@ pub(super) fn scale_by(g: &mut [f32], d: &[f32]) {
     g.par_chunks_mut(CHUNK)
         .zip(d.par_chunks(CHUNK))
         .for_each(|(g, d)| {
-            ahead(g, [Lines::of(d)], |g, at| {
-                g.iter_mut().zip(&d[at..]).for_each(|(g, &d)| *g *= d)
-            })
+            kernels::streamed(g, d, |g, d| g.iter_mut().zip(d).for_each(|(g, &d)| *g *= d))
         });
 }
