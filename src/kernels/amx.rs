@@ -8,12 +8,15 @@
 //! process the tile data (Linux asks each process to request it: `arch_prctl(ARCH_REQ_XCOMP_PERM)`), and
 //! `Amx::product` checks its slices before the tiles read or write them.
 
+use std::cell::Cell;
 use std::sync::OnceLock;
 
 /// Pairs of k in one tile row (64 bytes of bf16 pairs).
 pub const PAIRS: usize = 16;
 /// Rows (and columns) of C one `Amx::product` step covers: two tiles a side.
 pub const BLOCK: usize = 32;
+/// Words of A one step of `Amx::product` reads: its two tiles, the block's 32 rows of 16 pairs.
+pub const STEP: usize = BLOCK * PAIRS;
 
 /// Proof that this process may run AMX bf16 instructions: only `Amx::get` makes one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,22 +38,40 @@ const CONFIG: Config = {
     Config(c)
 };
 
-/// This thread's tile registers configured as `CONFIG`, until the guard drops and releases them. Not
-/// `Send`: the configuration belongs to the thread that loaded it.
-struct Tiles(std::marker::PhantomData<*const ()>);
+thread_local! {
+    /// How many `Tiles` guards this thread holds: the first configures the tiles, the last to drop
+    /// releases them.
+    static HELD: Cell<usize> = const { Cell::new(0) };
+}
+
+/// This thread's tile registers configured as `CONFIG` while a guard lives (`Amx::hold`). Not `Send`:
+/// the configuration belongs to the thread that loaded it. Guards nest: only the first loads the
+/// configuration, and only the last releases the tiles.
+pub struct Tiles(std::marker::PhantomData<*const ()>);
 
 impl Tiles {
     fn configure(_: Amx) -> Self {
-        // SAFETY: the `Amx` proves the CPU has AMX-TILE and the process holds the tile data.
-        unsafe { x86::configure() };
+        HELD.with(|held| {
+            if held.get() == 0 {
+                // SAFETY: the `Amx` proves the CPU has AMX-TILE and the process holds the tile data.
+                unsafe { x86::configure() };
+            }
+            held.set(held.get() + 1);
+        });
         Tiles(std::marker::PhantomData)
     }
 }
 
 impl Drop for Tiles {
     fn drop(&mut self) {
-        // SAFETY: `configure` ran on this thread (the guard is not `Send`), so the CPU has AMX-TILE.
-        unsafe { x86::release() };
+        HELD.with(|held| {
+            held.set(held.get() - 1);
+            if held.get() == 0 {
+                // SAFETY: `configure` ran on this thread (the guard is not `Send`), so the CPU has
+                // AMX-TILE.
+                unsafe { x86::release() };
+            }
+        });
     }
 }
 
@@ -62,18 +83,27 @@ impl Amx {
         GRANTED.get_or_init(request).then_some(Amx(()))
     }
 
+    /// This thread's tiles kept configured until the guard drops, so that the products run meanwhile
+    /// do not each load the configuration: loading it waits for the tiles' last stores, and per
+    /// product (a strip of 32 columns) that was a tenth of the medium config's products.
+    pub fn hold(self) -> Tiles {
+        Tiles::configure(self)
+    }
+
     /// C = A B (or C += A B with `add`) for `blocks` row blocks of 32 against one strip of 32 columns,
-    /// over `steps` x 16 pairs of k. `a` holds the row blocks' 32 x `blocks` rows, row i at `i * a_stride`
-    /// u32, each row's pairs contiguous; `b` holds the strip's pair rows, row p at `p * b_stride` u32, its
-    /// 32 columns contiguous (each a bf16 pair: element 2p of the column in the low half, 2p + 1 in the
-    /// high); `c` holds the blocks' 32 x `blocks` rows of 32 f32, row i at `i * c_stride`.
+    /// over `steps` x 16 pairs of k. `a` holds the row blocks tile by tile: block r at `r * a_block` u32,
+    /// its step s (pairs 16 s to 16 s + 15 of its 32 rows) at `s * STEP` from there, row i of the step
+    /// at `i * PAIRS`, so that each tile is 1 KB in one piece; `b` holds the strip's pair rows, row p at
+    /// `p * b_stride` u32, its 32 columns contiguous (each a bf16 pair: element 2p of the column in the
+    /// low half, 2p + 1 in the high); `c` holds the blocks' 32 x `blocks` rows of 32 f32, row i at
+    /// `i * c_stride`.
     ///
-    /// Panics if a slice is shorter than that, or a stride shorter than a row.
+    /// Panics if a slice is shorter than that, or a stride shorter than a block or a row.
     pub fn product(
         self,
         blocks: usize,
         steps: usize,
-        (a, a_stride): (&[u32], usize),
+        (a, a_block): (&[u32], usize),
         (b, b_stride): (&[u32], usize),
         (c, c_stride): (&mut [f32], usize),
         add: bool,
@@ -83,12 +113,12 @@ impl Amx {
         }
         let (k, rows) = (steps * PAIRS, blocks * BLOCK);
         assert!(
-            a_stride >= k && b_stride >= BLOCK && c_stride >= BLOCK,
-            "AMX product: a stride shorter than a row"
+            a_block >= steps * STEP && b_stride >= BLOCK && c_stride >= BLOCK,
+            "AMX product: a stride shorter than a block or a row"
         );
         assert!(
-            k == 0 || (rows - 1) * a_stride + k <= a.len(),
-            "AMX product: A shorter than its rows"
+            (blocks - 1) * a_block + steps * STEP <= a.len(),
+            "AMX product: A shorter than its blocks"
         );
         assert!(
             k == 0 || (k - 1) * b_stride + BLOCK <= b.len(),
@@ -98,23 +128,27 @@ impl Amx {
             (rows - 1) * c_stride + BLOCK <= c.len(),
             "AMX product: C shorter than its rows"
         );
-        // Configured once for all the blocks: loading the configuration and releasing the tiles take
-        // about 50 ns, as long as a block's products over 64 of k.
-        let tiles = Tiles::configure(self);
+        // Configured once for all the blocks, or not at all where the caller holds the tiles.
+        let tiles = self.hold();
         for blk in 0..blocks {
-            let a = &a[blk * BLOCK * a_stride..];
+            let a = &a[blk * a_block..];
+            // The next block of C, its lines asked for while this one computes: out is written once a
+            // pass over k, so its lines are seldom in the cache, and waiting for them stalled the stores
+            // (a sixth of the time of the medium config's fc layer, whose blocks sum 384 of k).
+            let next = (blk + 1 < blocks).then(|| c[(blk + 1) * BLOCK * c_stride..].as_ptr());
             let c = &mut c[blk * BLOCK * c_stride..];
             // SAFETY: `tiles` proves this thread's tiles are configured as `CONFIG`, on a CPU with
             // AMX-TILE and AMX-BF16 whose process holds the tile data. The asserts above bound every
-            // tile access: A's two tiles read rows 0..32 (this block's, at a_stride) x 64 bytes from
-            // pair 16 s for s < steps, that is up to (31 a_stride + k) u32; B's read pair rows 0..k x
-            // 32 u32 at b_stride; C's loads and stores touch 32 rows of 32 f32 at c_stride, up to
-            // (31 c_stride + 32) f32.
+            // tile access: A's two tiles read this block's steps s < steps, STEP u32 each from
+            // s STEP, that is up to steps STEP u32; B's read pair rows 0..k x 32 u32 at b_stride; C's
+            // loads and stores touch 32 rows of 32 f32 at c_stride, up to (31 c_stride + 32) f32; the
+            // requests for the next block's lines read nothing and cannot fault.
             unsafe {
                 x86::block(
                     &tiles,
                     steps,
-                    (a.as_ptr(), a_stride),
+                    a.as_ptr(),
+                    next,
                     (b.as_ptr(), b_stride),
                     (c, c_stride),
                     add,
@@ -128,11 +162,12 @@ impl Amx {
     pub fn peak(self) -> f64 {
         const N: usize = 2_000;
         let mut best = f64::MAX;
+        let tiles = self.hold();
         for _ in 0..3 {
             let t = std::time::Instant::now();
-            // SAFETY: `self` proves the CPU has AMX-TILE and AMX-BF16 and the process holds the tile
-            // data; the loop reads and writes tile registers only.
-            unsafe { x86::dots(std::hint::black_box(N)) };
+            // SAFETY: `tiles` proves this thread's tiles are configured, on a CPU with AMX-BF16; the
+            // loop reads and writes tile registers only.
+            unsafe { x86::dots(&tiles, std::hint::black_box(N)) };
             best = best.min(t.elapsed().as_secs_f64());
         }
         // Four tdpbf16ps a round, each 16 x 16 x 32 products.
@@ -170,7 +205,7 @@ fn request() -> bool {
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod x86 {
-    use super::{Config, Tiles, CONFIG};
+    use super::{Config, Tiles, BLOCK, CONFIG, PAIRS, STEP};
     use std::arch::asm;
 
     /// Loads `CONFIG` into this thread's tile configuration.
@@ -193,21 +228,26 @@ mod x86 {
     }
 
     /// C (32 x 32 f32) = A B, or C += A B with `add`, over `steps` x 16 pairs: tiles 0-3 hold C's
-    /// quarters, 4-5 A's two row halves, 6-7 B's two column halves.
+    /// quarters, 4-5 A's two row halves, 6-7 B's two column halves. Each tile is loaded just before
+    /// its first product, so that the loads of a step overlap the products of the last. The first 8
+    /// steps also ask for 4 rows each of `next`'s (32 rows of 32 f32 at `c_stride`), with the intent
+    /// to write them (prefetchw).
     ///
     /// # Safety
-    /// The CPU has AMX-BF16, and `_tiles` (this thread's configuration) the tiles; `a` has 32 rows at
-    /// `a_stride` u32 of 16 `steps` pairs, `b` 16 `steps` pair rows at `b_stride` u32 of 32 columns, `c`
-    /// 32 rows at `c_stride` f32 of 32.
+    /// The CPU has AMX-BF16, and `_tiles` (this thread's configuration) the tiles; `a` has `steps`
+    /// steps of `STEP` u32 (the 32 rows of 16 pairs, one after another), `b` 16 `steps` pair rows at
+    /// `b_stride` u32 of 32 columns, `c` 32 rows at `c_stride` f32 of 32.
     pub unsafe fn block(
         _tiles: &Tiles,
         steps: usize,
-        (a, a_stride): (*const u32, usize),
+        a: *const u32,
+        next: Option<*const f32>,
         (b, b_stride): (*const u32, usize),
         (c, c_stride): (&mut [f32], usize),
         add: bool,
     ) {
-        let (sa, sb, sc) = (4 * a_stride, 4 * b_stride, 4 * c_stride);
+        let (sb, sc) = (4 * b_stride, 4 * c_stride);
+        let (pf, pf_rows) = next.map_or((c.as_ptr(), 0), |p| (p, BLOCK));
         // SAFETY: the caller's contract bounds the loads and the stores.
         unsafe {
             asm!(
@@ -228,16 +268,29 @@ mod x86 {
                 "jz 3f",
                 "2:",
                 "tileloadd tmm4, [{a} + {sa}*1]",
-                "tileloadd tmm5, [{a2} + {sa}*1]",
                 "tileloadd tmm6, [{b} + {sb}*1]",
-                "tileloadd tmm7, [{b} + {sb}*1 + 64]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
+                "tileloadd tmm7, [{b} + {sb}*1 + 64]",
                 "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{a} + {sa}*1 + {half}]",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
-                "add {a}, 64",
-                "add {a2}, 64",
+                "add {a}, {step}",
                 "add {b}, {bstep}",
+                "test {pfn}, {pfn}",
+                "jz 6f",
+                "prefetchw [{pf}]",
+                "prefetchw [{pf} + 64]",
+                "prefetchw [{pf} + {sc}*1]",
+                "prefetchw [{pf} + {sc}*1 + 64]",
+                "lea {pf}, [{pf} + {sc}*2]",
+                "prefetchw [{pf}]",
+                "prefetchw [{pf} + 64]",
+                "prefetchw [{pf} + {sc}*1]",
+                "prefetchw [{pf} + {sc}*1 + 64]",
+                "lea {pf}, [{pf} + {sc}*2]",
+                "sub {pfn}, 4",
+                "6:",
                 "dec {n}",
                 "jnz 2b",
                 "3:",
@@ -248,9 +301,12 @@ mod x86 {
                 add = in(reg) add as usize,
                 n = inout(reg) steps => _,
                 a = inout(reg) a => _,
-                a2 = inout(reg) a.add(16 * a_stride) => _,
+                pf = inout(reg) pf => _,
+                pfn = inout(reg) pf_rows => _,
                 b = inout(reg) b => _,
-                sa = in(reg) sa,
+                sa = in(reg) 4 * PAIRS,
+                half = const 2 * STEP,
+                step = const 4 * STEP,
                 sb = in(reg) sb,
                 bstep = in(reg) 16 * sb,
                 c = in(reg) c.as_mut_ptr(),
@@ -266,13 +322,11 @@ mod x86 {
     /// `n` rounds of four tdpbf16ps on tiles in registers (the rate probe).
     ///
     /// # Safety
-    /// The CPU has AMX-TILE and AMX-BF16 and the process holds the tile data.
-    pub unsafe fn dots(n: usize) {
-        let cfg: &Config = &CONFIG;
+    /// The CPU has AMX-BF16, and `_tiles` (this thread's configuration) the tiles.
+    pub unsafe fn dots(_tiles: &Tiles, n: usize) {
         // SAFETY: register-only tile instructions (the caller's contract).
         unsafe {
             asm!(
-                "ldtilecfg [{cfg}]",
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
@@ -288,8 +342,6 @@ mod x86 {
                 "tdpbf16ps tmm3, tmm5, tmm7",
                 "dec {n}",
                 "jnz 2b",
-                "tilerelease",
-                cfg = in(reg) cfg.0.as_ptr(),
                 n = inout(reg) n.max(1) => _,
                 out("tmm0") _, out("tmm1") _, out("tmm2") _, out("tmm3") _,
                 out("tmm4") _, out("tmm5") _, out("tmm6") _, out("tmm7") _,
@@ -314,7 +366,8 @@ mod x86 {
     pub unsafe fn block(
         _: &Tiles,
         _: usize,
-        _: (*const u32, usize),
+        _: *const u32,
+        _: Option<*const f32>,
         _: (*const u32, usize),
         _: (&mut [f32], usize),
         _: bool,
@@ -322,7 +375,7 @@ mod x86 {
         unreachable!("no AMX here")
     }
     /// Never called, as `block`.
-    pub unsafe fn dots(_: usize) {
+    pub unsafe fn dots(_: &Tiles, _: usize) {
         unreachable!("no AMX here")
     }
 }
@@ -341,16 +394,20 @@ mod tests {
     }
 
     /// Each tile of C is the sum over k of A's and B's pairs (added to C's values with `add`, in their
-    /// place without), at strides wider than the rows, for several row blocks, and C's entries past its
-    /// 32 columns stay; sums of exact products are exact, so the oracle is equality.
+    /// place without), at strides wider than the blocks and rows, for several row blocks, and C's entries
+    /// past its 32 columns stay; sums of exact products are exact, so the oracle is equality.
     #[test]
     fn tiles_sum_the_products_of_the_pairs() {
         let Some(amx) = Amx::get() else {
             return;
         };
-        let (blocks, steps, a_stride, b_stride) = (2, 3, 3 * PAIRS + 5, BLOCK + 7);
+        let (blocks, steps, a_block, b_stride) = (2, 3, 3 * STEP + 5, BLOCK + 7);
         let k = steps * PAIRS;
-        let a: Vec<u32> = (0..blocks * BLOCK * a_stride)
+        // Pair p of row i: in row i % 32 of step p / 16 of block i / 32.
+        let pair_at = |i: usize, p: usize| {
+            (i / BLOCK) * a_block + (p / PAIRS) * STEP + (i % BLOCK) * PAIRS + p % PAIRS
+        };
+        let a: Vec<u32> = (0..blocks * a_block)
             .map(|i| pair(value(2 * i), value(2 * i + 1)))
             .collect();
         let b: Vec<u32> = (0..k * b_stride)
@@ -361,7 +418,7 @@ mod tests {
         let half = |w: u32, h: u32| f32::from_bits((w >> (16 * h)) << 16);
         for add in [false, true] {
             let mut c = init.clone();
-            let ab = ((&a[..], a_stride), (&b[..], b_stride));
+            let ab = ((&a[..], a_block), (&b[..], b_stride));
             amx.product(blocks, steps, ab.0, ab.1, (&mut c, c_stride), add);
             for i in 0..blocks * BLOCK {
                 for j in 0..c_stride {
@@ -376,7 +433,7 @@ mod tests {
                     }
                     let want: f32 = (0..k)
                         .map(|p| {
-                            let (x, y) = (a[i * a_stride + p], b[p * b_stride + j]);
+                            let (x, y) = (a[pair_at(i, p)], b[p * b_stride + j]);
                             half(x, 0) * half(y, 0) + half(x, 1) * half(y, 1)
                         })
                         .sum();
@@ -387,13 +444,34 @@ mod tests {
         }
     }
 
+    /// Guards nest: a product run while a guard is held leaves the tiles configured for the holder
+    /// (released there, the holder's next tile instruction would fault), and the last guard to drop
+    /// releases them.
+    #[test]
+    fn held_tiles_outlive_the_products_run_inside() {
+        let Some(amx) = Amx::get() else {
+            return;
+        };
+        let outer = amx.hold();
+        let (a, b) = (vec![0u32; STEP], vec![0u32; PAIRS * BLOCK]);
+        let mut c = vec![1.0f32; BLOCK * BLOCK];
+        amx.product(1, 1, (&a, STEP), (&b, BLOCK), (&mut c, BLOCK), false);
+        assert!(c.iter().all(|&x| x == 0.0));
+        assert_eq!(HELD.with(Cell::get), 1);
+        // SAFETY: `outer` keeps this thread's tiles configured (what this test checks), on a CPU with
+        // AMX-BF16.
+        unsafe { x86::dots(&outer, 4) };
+        drop(outer);
+        assert_eq!(HELD.with(Cell::get), 0);
+    }
+
     /// A slice shorter than the product reads panics before any tile touches it.
     #[test]
     fn short_operands_panic() {
         let Some(amx) = Amx::get() else {
             return;
         };
-        let (a, b) = (vec![0u32; BLOCK * PAIRS], vec![0u32; PAIRS * BLOCK]);
+        let (a, b) = (vec![0u32; STEP], vec![0u32; PAIRS * BLOCK]);
         let mut c = vec![0.0f32; BLOCK * BLOCK];
         for (a, b, c_len) in [
             (&a[1..], &b[..], BLOCK * BLOCK),
@@ -402,7 +480,7 @@ mod tests {
         ] {
             let c = &mut c[..c_len];
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                amx.product(1, 1, (a, PAIRS), (b, BLOCK), (c, BLOCK), false)
+                amx.product(1, 1, (a, STEP), (b, BLOCK), (c, BLOCK), false)
             }));
             assert!(r.is_err());
         }

@@ -1,13 +1,14 @@
-//! The AMX GEMM: A packed as bf16 pairs along k, row-major, its rows padded to a multiple of 32 and its
-//! pairs to a multiple of 16 (zeros); B in the vdpbf16ps GEMM's strips of NR = 32 columns (pairs padded
-//! the same way). Each thread takes a band of rows and, strip after strip, sums each 32 x 32 block of C
+//! The AMX GEMM: A packed as bf16 pairs along k in the tiles `kernels::amx` loads (blocks of 32 rows,
+//! each 16 pairs of a block one piece of 2 KB), its rows padded to a multiple of 32 and its pairs to a
+//! multiple of 16 (zeros); B in the vdpbf16ps GEMM's strips of NR = 32 columns (pairs padded the same
+//! way). Each thread takes a band of rows and, strip after strip, sums each 32 x 32 block of C
 //! over all of k in the tile registers (`kernels::amx`), from zero or from out's values when
 //! accumulating, and stores it into out (blocks past out's edges through a buffer): one order of sums
 //! per element, whatever the thread count.
 
-use super::avx512::{pack_b, pack_cols, pack_rows, transpose_bits};
-use super::{a_stride, Bf16Buffers, Lines, Strips, M, NR};
-use crate::kernels::amx::{Amx, BLOCK, PAIRS};
+use super::avx512::{pack_b, pack_cols, pack_row_tiles, transpose_bits};
+use super::{Bf16Buffers, Lines, Strips, M, NR};
+use crate::kernels::amx::{Amx, BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
 
 const _: () = assert!(NR == BLOCK);
@@ -29,7 +30,7 @@ pub(super) fn pairs(k: usize) -> (usize, usize) {
 pub(super) fn words(m: usize, n: usize, k: usize) -> (usize, usize, usize) {
     let (kp, kq) = pairs(k);
     let mp = m.div_ceil(BLOCK) * BLOCK;
-    (mp * a_stride(kq), n.div_ceil(NR) * NR * kq, kp * mp)
+    (mp * kq, n.div_ceil(NR) * NR * kq, kp * mp)
 }
 
 /// out (a.rows x b.cols, row stride `out_rs`) = a b, or += when `acc`, with a and b rounded to bf16.
@@ -45,14 +46,14 @@ pub(super) fn gemm(
     let (kp, kq) = pairs(a.cols);
     let (pa, pb) = &mut bufs.packed;
     pack_b(pb, b, kp, kq, b.cols.div_ceil(NR));
-    let is = pack_a(pa, &mut bufs.scratch, a, kp, kq);
+    pack_a(pa, &mut bufs.scratch, a, kp, kq);
     let b = Strips {
         words: pb.words(),
         stride: kq * NR,
         from: 0,
         cols: b.cols,
     };
-    bands(amx, out, out_rs, (pa.words(), is, a.rows), b, kq, acc);
+    bands(amx, out, out_rs, (pa.words(), a.rows), b, kq, acc);
 }
 
 /// out (a.rows x b.cols at stride `out_rs`) = a b over `kq` pairs of b from each strip's `from` (a
@@ -67,23 +68,23 @@ pub(super) fn gemm_packed(
 ) {
     let (kp, kq) = pairs(a.cols);
     let (pa, _) = &mut bufs.packed;
-    let is = pack_a(pa, &mut bufs.scratch, a, kp, kq);
-    bands(amx, out, out_rs, (pa.words(), is, a.rows), b, kq, false);
+    pack_a(pa, &mut bufs.scratch, a, kp, kq);
+    bands(amx, out, out_rs, (pa.words(), a.rows), b, kq, false);
 }
 
-/// The product of packed operands: A's m rows at stride `is`, B's strips over kq pairs, a band of rows
-/// per task, k in passes of K_PASS pairs (each block's C reloaded for the next pass, so each element's
+/// The product of packed operands: A's m rows in blocks of BLOCK x kq pairs, B's strips over kq pairs, a
+/// band of rows per task, k in passes of K_PASS pairs (each block's C reloaded for the next pass, so each element's
 /// sum runs in k's order whatever the passes and bands).
 fn bands(
     amx: Amx,
     out: &mut [f32],
     out_rs: usize,
-    (pa, is, m): (&[u32], usize, usize),
+    (pa, m): (&[u32], usize),
     b: Strips,
     kq: usize,
     acc: bool,
 ) {
-    let n = b.cols;
+    let (n, ab) = (b.cols, BLOCK * kq);
     let threads = rayon::current_num_threads().max(1);
     let fit_l2 = (A_BAND_BYTES / (4 * kq.min(K_PASS)) / BLOCK).max(1);
     let band = m.div_ceil(threads).div_ceil(BLOCK).clamp(1, fit_l2) * BLOCK;
@@ -93,20 +94,22 @@ fn bands(
         .for_each(|(t, rows_out)| {
             // `edge` is allocated at the first block past out's edges (none in most products).
             let (i0, mut edge) = (t * band, Vec::new());
+            // The tiles configured once for the band's products.
+            let _tiles = amx.hold();
             let rows = band.min(m - i0);
             for p0 in (0..kq).step_by(K_PASS) {
                 let (steps, add) = (K_PASS.min(kq - p0) / PAIRS, acc || p0 > 0);
-                let a = &pa[i0 * is + p0..];
+                let a = &pa[i0 / BLOCK * ab + p0 / PAIRS * STEP..];
                 for s in 0..n.div_ceil(NR) {
                     let b = &b.words[s * b.stride + b.from + p0 * NR..][..steps * PAIRS * NR];
                     let (j0, cols) = (s * NR, NR.min(n - s * NR));
                     // The whole blocks of a whole strip straight into out; the rest through `edge`.
                     let whole = if cols == NR { rows / BLOCK } else { 0 };
                     let c = (&mut rows_out[j0..], out_rs);
-                    amx.product(whole, steps, (a, is), (b, NR), c, add);
+                    amx.product(whole, steps, (a, ab), (b, NR), c, add);
                     for i in (whole * BLOCK..rows).step_by(BLOCK) {
                         let o = &mut rows_out[i * out_rs + j0..];
-                        let a = (&a[i * is..], is);
+                        let a = (&a[i / BLOCK * ab..], ab);
                         let shape = (steps, (rows - i).min(BLOCK), cols, out_rs);
                         edge_block(amx, shape, a, b, (o, &mut edge), add);
                     }
@@ -143,25 +146,32 @@ fn out_len(m: usize, n: usize, out_rs: usize) -> usize {
     (m - 1) * out_rs + n
 }
 
-/// A (m x k) as bf16 pairs along k, row i at i x the returned stride, its pairs past kp and the rows past
-/// m zero up to kq pairs and a multiple of 32 rows.
-fn pack_a(pa: &mut Lines, scratch: &mut Lines, a: &M, kp: usize, kq: usize) -> usize {
+/// A (m x k) as bf16 pairs along k in the tiles `Amx::product` reads: block b of BLOCK rows at b BLOCK kq,
+/// pairs 16 s to 16 s + 15 of its row i at s STEP + i PAIRS; pairs past kp and rows past m zero up to
+/// kq pairs and a multiple of BLOCK rows.
+fn pack_a(pa: &mut Lines, scratch: &mut Lines, a: &M, kp: usize, kq: usize) {
     let mp = a.rows.div_ceil(BLOCK) * BLOCK;
-    let is = a_stride(kq);
-    let pa = pa.fit(mp * is);
+    let pa = pa.fit(mp * kq);
+    if kq == 0 {
+        return;
+    }
     if a.cs != 1 && a.rs == 1 {
-        // Columns of A contiguous (A = X^T): its column pairs (kp x mp), transposed into A's rows, a
-        // block of rows per task.
+        // Columns of A contiguous (A = X^T): its column pairs (kp x mp), each 16 of them transposed
+        // into a block's step, a block per task.
         pack_cols(scratch.fit(kp * mp), a, kp, mp);
         let scratch = scratch.words();
-        pa.par_chunks_mut(is * BLOCK)
+        pa.par_chunks_mut(BLOCK * kq)
             .enumerate()
-            .for_each(|(blk, rows)| {
-                transpose_bits(&scratch[blk * BLOCK..], mp, rows, is, kp, BLOCK);
-                rows.chunks_exact_mut(is).for_each(|r| r[kp..].fill(0));
+            .for_each(|(blk, block)| {
+                for (s, step) in block.chunks_exact_mut(STEP).enumerate() {
+                    let pairs = PAIRS.min(kp - s * PAIRS);
+                    let src = &scratch[s * PAIRS * mp + blk * BLOCK..];
+                    transpose_bits(src, mp, step, PAIRS, pairs, BLOCK);
+                    step.chunks_exact_mut(PAIRS)
+                        .for_each(|r| r[pairs..].fill(0));
+                }
             });
     } else {
-        pack_rows(pa, a, kp, is, BLOCK, is);
+        pack_row_tiles(pa, a, kp, kq);
     }
-    is
 }

@@ -2,6 +2,7 @@
 //! pairs along k, an MR x NR micro-kernel keeping its tile of C in registers over KC pairs of k.
 
 use super::{a_stride, pair_along, pair_rows, Lines, Strips, M, MR, NR};
+use crate::kernels::amx::{BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
 use std::arch::x86_64::*;
 
@@ -182,7 +183,7 @@ fn pack_a(pa: &mut Lines, a: &M, kp: usize) -> APack {
     if a.cs == 1 || a.rs != 1 {
         // Row i's pairs contiguous (the kernel reads none past kp).
         let is = a_stride(kp);
-        pack_rows(pa.fit(mp * is), a, kp, is, MR, kp);
+        pack_rows(pa.fit(mp * is), a, kp, is);
         APack { is, ps: 1 }
     } else {
         pack_cols(pa.fit(kp * mp), a, kp, mp);
@@ -190,21 +191,46 @@ fn pack_a(pa: &mut Lines, a: &M, kp: usize) -> APack {
     }
 }
 
-/// A's rows as bf16 pairs along k in `pa`, row i at i `is`, `group` rows a task: its kp pairs, then
-/// zeros up to word `zero_to` of the row; rows past m zero up to there.
-pub(super) fn pack_rows(pa: &mut [u32], a: &M, kp: usize, is: usize, group: usize, zero_to: usize) {
+/// A's rows as bf16 pairs along k in `pa`, row i's kp pairs at i `is`, MR rows a task; rows past m
+/// zero.
+fn pack_rows(pa: &mut [u32], a: &M, kp: usize, is: usize) {
     let (m, k) = (a.rows, a.cols);
-    pa.par_chunks_mut(is * group)
+    pa.par_chunks_mut(is * MR)
         .enumerate()
         .for_each(|(blk, rows)| {
             for (r, out) in rows.chunks_mut(is).enumerate() {
-                if blk * group + r < m {
-                    let at = (blk * group + r) * a.rs;
+                if blk * MR + r < m {
+                    let at = (blk * MR + r) * a.rs;
                     // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
                     unsafe { pair_along_bf16(&mut out[..kp], a.d, at, a.cs, k) };
-                    out[kp..zero_to].fill(0);
                 } else {
-                    out[..zero_to].fill(0);
+                    out[..kp].fill(0);
+                }
+            }
+        });
+}
+
+/// A's rows as bf16 pairs along k in the AMX GEMM's tiles: block b of BLOCK rows at b BLOCK kq, pairs
+/// 16 s to 16 s + 15 of its row i at s STEP + i PAIRS (`kernels::amx::Amx::product`), a block per task;
+/// pairs past kp and rows past m zero up to kq pairs and the blocks' end. Each row is converted whole
+/// into a buffer of the task's, then copied 16 pairs at a time to its steps.
+pub(super) fn pack_row_tiles(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
+    let (m, k) = (a.rows, a.cols);
+    pa.par_chunks_mut(BLOCK * kq)
+        .enumerate()
+        .for_each_init(Vec::new, |row, (blk, block)| {
+            row.resize(kq, 0);
+            for r in 0..BLOCK {
+                if blk * BLOCK + r < m {
+                    let at = (blk * BLOCK + r) * a.rs;
+                    // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+                    unsafe { pair_along_bf16(&mut row[..kp], a.d, at, a.cs, k) };
+                    row[kp..].fill(0);
+                } else {
+                    row.fill(0);
+                }
+                for (s, pairs) in row.chunks_exact(PAIRS).enumerate() {
+                    block[s * STEP + r * PAIRS..][..PAIRS].copy_from_slice(pairs);
                 }
             }
         });
