@@ -135,7 +135,11 @@ impl Amx {
             // The next block of C, its lines asked for while this one computes: out is written once a
             // pass over k, so its lines are seldom in the cache, and waiting for them stalled the stores
             // (a sixth of the time of the medium config's fc layer, whose blocks sum 384 of k).
-            let next = (blk + 1 < blocks).then(|| c[(blk + 1) * BLOCK * c_stride..].as_ptr());
+            let next = if blk + 1 < blocks {
+                (c[(blk + 1) * BLOCK * c_stride..].as_ptr(), BLOCK)
+            } else {
+                (c.as_ptr(), 0)
+            };
             let c = &mut c[blk * BLOCK * c_stride..];
             // SAFETY: `tiles` proves this thread's tiles are configured as `CONFIG`, on a CPU with
             // AMX-TILE and AMX-BF16 whose process holds the tile data. The asserts above bound every
@@ -205,7 +209,7 @@ fn request() -> bool {
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod x86 {
-    use super::{Config, Tiles, BLOCK, CONFIG, PAIRS, STEP};
+    use super::{Config, Tiles, CONFIG, PAIRS, STEP};
     use std::arch::asm;
 
     /// Loads `CONFIG` into this thread's tile configuration.
@@ -229,9 +233,9 @@ mod x86 {
 
     /// C (32 x 32 f32) = A B, or C += A B with `add`, over `steps` x 16 pairs: tiles 0-3 hold C's
     /// quarters, 4-5 A's two row halves, 6-7 B's two column halves. Each tile is loaded just before
-    /// its first product, so that the loads of a step overlap the products of the last. The first 8
-    /// steps also ask for 4 rows each of `next`'s (32 rows of 32 f32 at `c_stride`), with the intent
-    /// to write them (prefetchw).
+    /// its first product, so that the loads of a step overlap the products of the last. The first
+    /// steps also ask for 4 rows each of `next`'s first rows (of 32 f32 at `c_stride`: up to its
+    /// count, a multiple of 4), with the intent to write them (prefetchw).
     ///
     /// # Safety
     /// The CPU has AMX-BF16, and `_tiles` (this thread's configuration) the tiles; `a` has `steps`
@@ -241,13 +245,12 @@ mod x86 {
         _tiles: &Tiles,
         steps: usize,
         a: *const u32,
-        next: Option<*const f32>,
+        (pf, pf_rows): (*const f32, usize),
         (b, b_stride): (*const u32, usize),
         (c, c_stride): (&mut [f32], usize),
         add: bool,
     ) {
         let (sb, sc) = (4 * b_stride, 4 * c_stride);
-        let (pf, pf_rows) = next.map_or((c.as_ptr(), 0), |p| (p, BLOCK));
         // SAFETY: the caller's contract bounds the loads and the stores.
         unsafe {
             asm!(
@@ -367,7 +370,7 @@ mod x86 {
         _: &Tiles,
         _: usize,
         _: *const u32,
-        _: Option<*const f32>,
+        _: (*const f32, usize),
         _: (*const u32, usize),
         _: (&mut [f32], usize),
         _: bool,
