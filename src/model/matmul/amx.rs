@@ -73,8 +73,8 @@ pub(super) fn gemm_packed(
 }
 
 /// The product of packed operands: A's m rows in blocks of BLOCK x kq pairs, B's strips over kq pairs, a
-/// band of rows per task, k in passes of K_PASS pairs (each block's C reloaded for the next pass, so each element's
-/// sum runs in k's order whatever the passes and bands).
+/// band of rows per task, k in passes of K_PASS pairs (each block's C reloaded for the next pass, so each
+/// element's sum runs in k's order whatever the passes and bands).
 fn bands(
     amx: Amx,
     out: &mut [f32],
