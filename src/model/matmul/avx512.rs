@@ -212,28 +212,72 @@ fn pack_rows(pa: &mut [u32], a: &M, kp: usize, is: usize) {
 
 /// A's rows as bf16 pairs along k in the AMX GEMM's tiles: block b of BLOCK rows at b BLOCK kq, pairs
 /// 16 s to 16 s + 15 of its row i at s STEP + i PAIRS (`kernels::amx::Amx::product`), a block per task;
-/// pairs past kp and rows past m zero up to kq pairs and the blocks' end. Each row is converted whole
-/// into a buffer of the task's, then copied 16 pairs at a time to its steps.
+/// pairs past kp and rows past m zero up to kq pairs and the blocks' end. Contiguous rows are converted
+/// straight into their tile rows (`row_tiles_bf16`); strided ones through a buffer of the task's.
 pub(super) fn pack_row_tiles(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
     let (m, k) = (a.rows, a.cols);
+    debug_assert_eq!(kp, k.div_ceil(2));
     pa.par_chunks_mut(BLOCK * kq)
         .enumerate()
         .for_each_init(Vec::new, |row, (blk, block)| {
-            row.resize(kq, 0);
             for r in 0..BLOCK {
-                if blk * BLOCK + r < m {
-                    let at = (blk * BLOCK + r) * a.rs;
+                let at = (blk * BLOCK + r) * a.rs;
+                if blk * BLOCK + r >= m {
+                    for step in block.chunks_exact_mut(STEP) {
+                        step[r * PAIRS..][..PAIRS].fill(0);
+                    }
+                } else if a.cs == 1 {
                     // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
-                    unsafe { pair_along_bf16(&mut row[..kp], a.d, at, a.cs, k) };
-                    row[kp..].fill(0);
+                    unsafe { row_tiles_bf16(block, r, &a.d[at..][..k]) };
                 } else {
-                    row.fill(0);
-                }
-                for (s, pairs) in row.chunks_exact(PAIRS).enumerate() {
-                    block[s * STEP + r * PAIRS..][..PAIRS].copy_from_slice(pairs);
+                    row.resize(kq, 0);
+                    pair_along(row, a.d, at, a.cs, k);
+                    for (s, pairs) in row.chunks_exact(PAIRS).enumerate() {
+                        block[s * STEP + r * PAIRS..][..PAIRS].copy_from_slice(pairs);
+                    }
                 }
             }
         });
+}
+
+/// Row `r` of a block of A's tiles (`pack_row_tiles`) from its contiguous elements `x`: each 32 of them
+/// converted (as `pair_along_bf16` does) and stored as the row's 16 pairs in its step, zero past x's end.
+/// Panics unless r < BLOCK and the block's steps hold x's pairs.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn row_tiles_bf16(block: &mut [u32], r: usize, x: &[f32]) {
+    let steps = block.len() / STEP;
+    assert!(r < BLOCK && x.len() <= steps * 2 * PAIRS, "row past its block");
+    for s in 0..steps {
+        let c = s * 2 * PAIRS;
+        let left = x.len().saturating_sub(c);
+        let v: __m512i = if left >= 2 * PAIRS {
+            // SAFETY: c + 32 <= x.len(): both 16-element loads stay inside x; the transmute
+            // reinterprets 32 bf16 (512 bits) as the integer vector of the same width.
+            unsafe {
+                let lo = _mm512_loadu_ps(x.as_ptr().add(c));
+                let hi = _mm512_loadu_ps(x.as_ptr().add(c + 16));
+                std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+            }
+        } else if left > 0 {
+            // SAFETY: c < x.len(), and the masks cover only x's left elements from c (masked-off
+            // lanes are neither read nor faulted on, and read as zeros, whose bf16 is zero).
+            unsafe {
+                let p = x.as_ptr().add(c);
+                let lo = _mm512_maskz_loadu_ps(mask(left), p);
+                let hi = _mm512_maskz_loadu_ps(mask(left.saturating_sub(16)), p.wrapping_add(16));
+                std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+            }
+        } else {
+            _mm512_setzero_si512()
+        };
+        let at = s * STEP + r * PAIRS;
+        assert!(at + PAIRS <= block.len());
+        // SAFETY: the 16 words stored from `at` are inside block (asserted above).
+        unsafe { _mm512_storeu_si512(block.as_mut_ptr().add(at) as *mut _, v) };
+    }
 }
 
 /// A with contiguous columns (A = X^T) as its column pairs in `buf` (kp x mp): pair p holds rows 2p and
