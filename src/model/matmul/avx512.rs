@@ -116,49 +116,107 @@ unsafe impl Send for SendPtr {}
 // SAFETY: as for Send.
 unsafe impl Sync for SendPtr {}
 
-/// Pairs of rows ahead of the one `pack_b` packs whose lines it asks for (a hint: no bit changes).
-const PACK_AHEAD: usize = 4;
+/// Pairs of rows a task of `pack_b` converts when B's rows are contiguous.
+const PACK_PAIRS: usize = 32;
 
 /// B (k x n) as strips of NR columns, each kq pairs x NR (columns past n and pairs past kp zero).
 pub(super) fn pack_b(pb: &mut Lines, b: &M, kp: usize, kq: usize, strips: usize) {
+    let pb = pb.fit(strips * kq * NR);
+    if b.cs == 1 {
+        pack_b_rows(pb, b, kp, kq);
+    } else {
+        pack_b_cols(pb, b, kp, kq);
+    }
+}
+
+/// `pack_b` where B's rows are contiguous: each task a range of PACK_PAIRS pairs of rows, each pair
+/// read along its whole width and stored into every strip (the reads one stream, the writes one a
+/// strip, which the hardware prefetchers follow).
+fn pack_b_rows(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
     let (k, n) = (b.rows, b.cols);
-    pb.fit(strips * kq * NR)
-        .par_chunks_mut(kq * NR)
+    // The parts of the strips each task writes: task t's part of every strip, in strip order.
+    let mut tasks: Vec<Vec<&mut [u32]>> = (0..kq.div_ceil(PACK_PAIRS)).map(|_| vec![]).collect();
+    for strip in pb.chunks_exact_mut(kq * NR) {
+        for (t, part) in strip.chunks_mut(PACK_PAIRS * NR).enumerate() {
+            tasks[t].push(part);
+        }
+    }
+    tasks.into_par_iter().enumerate().for_each(|(t, mut parts)| {
+        for pp in 0..parts.first().map_or(0, |p| p.len() / NR) {
+            let (p, at) = (t * PACK_PAIRS + pp, pp * NR);
+            if p >= kp {
+                parts.iter_mut().for_each(|s| s[at..][..NR].fill(0));
+                continue;
+            }
+            let r0 = &b.d[2 * p * b.rs..][..n];
+            let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs..][..n]);
+            // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+            unsafe { pair_rows_strips(&mut parts, at, r0, r1) };
+        }
+    });
+}
+
+/// Rows r0 and r1 (n columns each; r1 None past k: zeros) as bf16 pairs (`pair_rows`) into the NR
+/// words from `at` of each strip's part, strip s taking columns s NR to s NR + NR - 1 (zero past n).
+/// Panics unless the parts cover the columns and each holds NR words from `at`.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pair_rows_strips(parts: &mut [&mut [u32]], at: usize, r0: &[f32], r1: Option<&[f32]>) {
+    let n = r0.len();
+    assert!(
+        n <= parts.len() * NR && r1.is_none_or(|r| r.len() == n),
+        "rows wider than the strips"
+    );
+    // 16 columns from j as bf16 in the low halves of 16 words (masked: zero past n).
+    let widen = |x: &[f32], j: usize| {
+        let k = mask(n.saturating_sub(j));
+        // SAFETY: the masked lanes are the columns from j below n, inside x (masked-off lanes are
+        // neither read nor faulted on); the transmute reinterprets 16 bf16 (256 bits) as the
+        // integer vector of the same width.
+        let h: __m256i = unsafe {
+            let v = _mm512_maskz_loadu_ps(k, x.as_ptr().wrapping_add(j));
+            std::mem::transmute(_mm512_cvtneps_pbh(v))
+        };
+        _mm512_cvtepu16_epi32(h)
+    };
+    for (s, part) in parts.iter_mut().enumerate() {
+        let dst = &mut part[at..][..NR];
+        for h in 0..2 {
+            let j = s * NR + 16 * h;
+            let mut v = widen(r0, j);
+            if let Some(r1) = r1 {
+                v = _mm512_or_si512(v, _mm512_slli_epi32::<16>(widen(r1, j)));
+            }
+            // SAFETY: dst holds NR = 32 words, so the 16 stored from 16 h stay inside it.
+            unsafe { _mm512_storeu_si512(dst.as_mut_ptr().add(16 * h) as *mut _, v) };
+        }
+    }
+}
+
+/// `pack_b` where B's columns are contiguous (B = W^T): each strip's columns paired along, then
+/// transposed into it.
+fn pack_b_cols(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
+    let (k, n) = (b.rows, b.cols);
+    pb.par_chunks_mut(kq * NR)
         .enumerate()
         .for_each_init(Vec::new, |by_col, (s, strip)| {
             let j0 = s * NR;
             let cols = NR.min(n - j0);
             let (strip, pad) = strip.split_at_mut(kp * NR);
             pad.fill(0);
-            if b.cs == 1 {
-                // Rows of B are contiguous: pair row 2p with row 2p + 1.
-                for (p, out) in strip.chunks_exact_mut(NR).enumerate() {
-                    // The lines of the rows PACK_AHEAD pairs on asked for now: a strip's rows are
-                    // a row's width apart, too far for the hardware prefetchers to follow.
-                    let ahead = 2 * (p + PACK_AHEAD) * b.rs + j0;
-                    for at in [ahead, ahead + 16, ahead + b.rs, ahead + b.rs + 16] {
-                        crate::kernels::prefetch(b.d, at);
-                    }
-                    let r0 = &b.d[2 * p * b.rs + j0..][..cols];
-                    let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs + j0..][..cols]);
+            // The task's buffer is kept from strip to strip: every word is written below.
+            by_col.resize(NR * kp, 0);
+            for (jj, col) in by_col.chunks_exact_mut(kp).enumerate() {
+                if jj < cols {
                     // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
-                    unsafe { pair_rows_bf16(&mut out[..cols], r0, r1) };
-                    out[cols..].fill(0);
+                    unsafe { pair_along_bf16(col, b.d, (j0 + jj) * b.cs, b.rs, k) };
+                } else {
+                    col.fill(0);
                 }
-            } else {
-                // Columns of B are contiguous (B = W^T): pair along each column, then transpose.
-                // The task's buffer is kept from strip to strip: every word is written below.
-                by_col.resize(NR * kp, 0);
-                for (jj, col) in by_col.chunks_exact_mut(kp).enumerate() {
-                    if jj < cols {
-                        // SAFETY: as above.
-                        unsafe { pair_along_bf16(col, b.d, (j0 + jj) * b.cs, b.rs, k) };
-                    } else {
-                        col.fill(0);
-                    }
-                }
-                transpose_bits(by_col, kp, strip, NR, NR, kp);
             }
+            transpose_bits(by_col, kp, strip, NR, NR, kp);
         });
 }
 
