@@ -6,7 +6,7 @@
 //! accumulating, and stores it into out (blocks past out's edges through a buffer): one order of sums
 //! per element, whatever the thread count.
 
-use super::avx512::{pack_b, pack_cols, pack_row_tiles, transpose_bits};
+use super::avx512::{pack_b, pack_row_tiles, pair_rows_into, transpose_bits};
 use super::{Bf16Buffers, Lines, Strips, M, NR};
 use crate::kernels::amx::{Amx, BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
@@ -26,11 +26,12 @@ pub(super) fn pairs(k: usize) -> (usize, usize) {
     (kp, kp.div_ceil(PAIRS) * PAIRS)
 }
 
-/// Words of the packed operands of an m x n x k product: A, B, and the scratch of A's transpose.
+/// Words of the packed operands of an m x n x k product: A, B, and the buffer of a task of A's
+/// transpose (`pack_a_cols`; one a thread while it runs).
 pub(super) fn words(m: usize, n: usize, k: usize) -> (usize, usize, usize) {
-    let (kp, kq) = pairs(k);
+    let kq = pairs(k).1;
     let mp = m.div_ceil(BLOCK) * BLOCK;
-    (mp * kq, n.div_ceil(NR) * NR * kq, kp * mp)
+    (mp * kq, n.div_ceil(NR) * NR * kq, PAIRS * mp)
 }
 
 /// out (a.rows x b.cols, row stride `out_rs`) = a b, or += when `acc`, with a and b rounded to bf16.
@@ -46,7 +47,7 @@ pub(super) fn gemm(
     let (kp, kq) = pairs(a.cols);
     let (pa, pb) = &mut bufs.packed;
     pack_b(pb, b, kp, kq, b.cols.div_ceil(NR));
-    pack_a(pa, &mut bufs.scratch, a, kp, kq);
+    pack_a(pa, a, kp, kq);
     let b = Strips {
         words: pb.words(),
         stride: kq * NR,
@@ -68,7 +69,7 @@ pub(super) fn gemm_packed(
 ) {
     let (kp, kq) = pairs(a.cols);
     let (pa, _) = &mut bufs.packed;
-    pack_a(pa, &mut bufs.scratch, a, kp, kq);
+    pack_a(pa, a, kp, kq);
     bands(amx, out, out_rs, (pa.words(), a.rows), b, kq, false);
 }
 
@@ -149,29 +150,49 @@ fn out_len(m: usize, n: usize, out_rs: usize) -> usize {
 /// A (m x k) as bf16 pairs along k in the tiles `Amx::product` reads: block b of BLOCK rows at b BLOCK kq,
 /// pairs 16 s to 16 s + 15 of its row i at s STEP + i PAIRS; pairs past kp and rows past m zero up to
 /// kq pairs and a multiple of BLOCK rows.
-fn pack_a(pa: &mut Lines, scratch: &mut Lines, a: &M, kp: usize, kq: usize) {
+fn pack_a(pa: &mut Lines, a: &M, kp: usize, kq: usize) {
     let mp = a.rows.div_ceil(BLOCK) * BLOCK;
     let pa = pa.fit(mp * kq);
     if kq == 0 {
         return;
     }
     if a.cs != 1 && a.rs == 1 {
-        // Columns of A contiguous (A = X^T): its column pairs (kp x mp), each 16 of them transposed
-        // into a block's step, a block per task.
-        pack_cols(scratch.fit(kp * mp), a, kp, mp);
-        let scratch = scratch.words();
-        pa.par_chunks_mut(BLOCK * kq)
-            .enumerate()
-            .for_each(|(blk, block)| {
-                for (s, step) in block.chunks_exact_mut(STEP).enumerate() {
-                    let pairs = PAIRS.min(kp - s * PAIRS);
-                    let src = &scratch[s * PAIRS * mp + blk * BLOCK..];
-                    transpose_bits(src, mp, step, PAIRS, pairs, BLOCK);
-                    step.chunks_exact_mut(PAIRS)
-                        .for_each(|r| r[pairs..].fill(0));
-                }
-            });
+        pack_a_cols(pa, a, kp, kq);
     } else {
         pack_row_tiles(pa, a, kp, kq);
     }
+}
+
+/// `pack_a` where A's columns are contiguous (A = X^T): each task a step of every block (16 pairs of
+/// X's rows), its X rows paired along their whole width into a buffer of the task's (`pack_cols`' rows),
+/// then each block's BLOCK columns of it transposed into the block's step.
+fn pack_a_cols(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
+    let (m, k) = (a.rows, a.cols);
+    let mp = m.div_ceil(BLOCK) * BLOCK;
+    // Task s's step of every block, in block order.
+    let mut tasks: Vec<Vec<&mut [u32]>> = (0..kq / PAIRS).map(|_| vec![]).collect();
+    for block in pa.chunks_exact_mut(BLOCK * kq) {
+        for (s, step) in block.chunks_exact_mut(STEP).enumerate() {
+            tasks[s].push(step);
+        }
+    }
+    tasks
+        .into_par_iter()
+        .enumerate()
+        .for_each_init(Vec::new, |buf, (s, mut steps)| {
+            let pairs = PAIRS.min(kp - s * PAIRS);
+            buf.resize(PAIRS * mp, 0);
+            for (q, row) in buf.chunks_exact_mut(mp).take(pairs).enumerate() {
+                let p = s * PAIRS + q;
+                let r0 = &a.d[2 * p * a.cs..][..m];
+                let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
+                pair_rows_into(&mut row[..m], r0, r1);
+                row[m..].fill(0);
+            }
+            for (blk, step) in steps.iter_mut().enumerate() {
+                transpose_bits(&buf[blk * BLOCK..], mp, step, PAIRS, pairs, BLOCK);
+                step.chunks_exact_mut(PAIRS)
+                    .for_each(|r| r[pairs..].fill(0));
+            }
+        });
 }

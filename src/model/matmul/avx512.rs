@@ -354,6 +354,13 @@ pub(super) fn pack_cols(buf: &mut [u32], a: &M, kp: usize, mp: usize) {
         });
 }
 
+/// `pair_rows` (through `pair_rows_bf16`) for the AMX GEMM's packing. Panics unless `r0` and `r1`
+/// hold `out.len()` elements or more.
+pub(super) fn pair_rows_into(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
+    // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+    unsafe { pair_rows_bf16(out, r0, r1) }
+}
+
 /// `pair_rows` 16 pairs per conversion (vcvtneps2bf16 rounds to nearest even as `bf16` does, and
 /// reads f32 subnormals as zero, as vdpbf16ps reads bf16 ones). Panics unless `r0` and `r1` hold
 /// `out.len()` elements or more (the vector loads read 16 of them at a time).

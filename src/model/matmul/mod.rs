@@ -262,8 +262,6 @@ pub(crate) fn round_bf16(x: f32) -> f32 {
 pub struct Bf16Buffers {
     packed: (Lines, Lines),
     rounded: (Vec<f32>, Vec<f32>),
-    /// The AMX GEMM's pairs of a transposed A before their transpose.
-    scratch: Lines,
 }
 
 impl Bf16Buffers {
@@ -272,8 +270,7 @@ impl Bf16Buffers {
         4 * (self.packed.0.v.capacity()
             + self.packed.1.v.capacity()
             + self.rounded.0.capacity()
-            + self.rounded.1.capacity()
-            + self.scratch.v.capacity())
+            + self.rounded.1.capacity())
     }
 }
 
