@@ -6,7 +6,7 @@
 //! accumulating, and stores it into out (blocks past out's edges through a buffer): one order of sums
 //! per element, whatever the thread count.
 
-use super::avx512::{pack_b, pack_row_tiles, pair_rows_into, transpose_bits};
+use super::avx512::{pack_b, pack_row_tiles, pair_rows_into, transpose_bits, with_buffer};
 use super::{Bf16Buffers, Lines, Strips, M, NR};
 use crate::kernels::amx::{Amx, BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
@@ -176,12 +176,9 @@ fn pack_a_cols(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
             tasks[s].push(step);
         }
     }
-    tasks
-        .into_par_iter()
-        .enumerate()
-        .for_each_init(Vec::new, |buf, (s, mut steps)| {
-            let pairs = PAIRS.min(kp - s * PAIRS);
-            buf.resize(PAIRS * mp, 0);
+    tasks.into_par_iter().enumerate().for_each(|(s, mut steps)| {
+        let pairs = PAIRS.min(kp - s * PAIRS);
+        with_buffer(PAIRS * mp, |buf| {
             for (q, row) in buf.chunks_exact_mut(mp).take(pairs).enumerate() {
                 let p = s * PAIRS + q;
                 let r0 = &a.d[2 * p * a.cs..][..m];
@@ -191,8 +188,11 @@ fn pack_a_cols(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
             }
             for (blk, step) in steps.iter_mut().enumerate() {
                 transpose_bits(&buf[blk * BLOCK..], mp, step, PAIRS, pairs, BLOCK);
-                step.chunks_exact_mut(PAIRS)
-                    .for_each(|r| r[pairs..].fill(0));
+                if pairs < PAIRS {
+                    step.chunks_exact_mut(PAIRS)
+                        .for_each(|r| r[pairs..].fill(0));
+                }
             }
-        });
+        })
+    });
 }

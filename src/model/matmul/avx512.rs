@@ -5,6 +5,7 @@ use super::{a_stride, pair_along, pair_rows, Lines, Strips, M, MR, NR};
 use crate::kernels::amx::{BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 
 const _: () = assert!(MC.is_multiple_of(MR) && NC.is_multiple_of(NR));
 /// Pairs of k per block: a B micro-strip of KC x NR pairs (16 KB) stays in L1.
@@ -199,15 +200,12 @@ unsafe fn pair_rows_strips(parts: &mut [&mut [u32]], at: usize, r0: &[f32], r1: 
 /// transposed into it.
 fn pack_b_cols(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
     let (k, n) = (b.rows, b.cols);
-    pb.par_chunks_mut(kq * NR)
-        .enumerate()
-        .for_each_init(Vec::new, |by_col, (s, strip)| {
-            let j0 = s * NR;
-            let cols = NR.min(n - j0);
-            let (strip, pad) = strip.split_at_mut(kp * NR);
-            pad.fill(0);
-            // The task's buffer is kept from strip to strip: every word is written below.
-            by_col.resize(NR * kp, 0);
+    pb.par_chunks_mut(kq * NR).enumerate().for_each(|(s, strip)| {
+        let j0 = s * NR;
+        let cols = NR.min(n - j0);
+        let (strip, pad) = strip.split_at_mut(kp * NR);
+        pad.fill(0);
+        with_buffer(NR * kp, |by_col| {
             for (jj, col) in by_col.chunks_exact_mut(kp).enumerate() {
                 if jj < cols {
                     // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
@@ -217,7 +215,24 @@ fn pack_b_cols(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
                 }
             }
             transpose_bits(by_col, kp, strip, NR, NR, kp);
-        });
+        })
+    });
+}
+
+/// f of `n` words of a buffer the calling thread keeps across calls (holding what its last use left:
+/// what is read is written first), so that a packing's tasks neither allocate nor zero one each. A
+/// call nested inside f (none of the packings' makes one) gets a fresh buffer.
+pub(super) fn with_buffer<R>(n: usize, f: impl FnOnce(&mut [u32]) -> R) -> R {
+    thread_local!(static WORDS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) });
+    WORDS.with(|w| match w.try_borrow_mut() {
+        Ok(mut w) => {
+            if w.len() < n {
+                w.resize(n, 0);
+            }
+            f(&mut w[..n])
+        }
+        Err(_) => f(&mut vec![0; n]),
+    })
 }
 
 /// `kernels::transpose` of 32-bit words (dst, c x r at row stride ds, = src^T, src r x c at ss): a
@@ -271,13 +286,13 @@ fn pack_rows(pa: &mut [u32], a: &M, kp: usize, is: usize) {
 /// A's rows as bf16 pairs along k in the AMX GEMM's tiles: block b of BLOCK rows at b BLOCK kq, pairs
 /// 16 s to 16 s + 15 of its row i at s STEP + i PAIRS (`kernels::amx::Amx::product`), a block per task;
 /// pairs past kp and rows past m zero up to kq pairs and the blocks' end. Contiguous rows are converted
-/// straight into their tile rows (`row_tiles_bf16`); strided ones through a buffer of the task's.
+/// straight into their tile rows (`row_tiles_bf16`); strided ones through a buffer (`with_buffer`).
 pub(super) fn pack_row_tiles(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
     let (m, k) = (a.rows, a.cols);
     debug_assert_eq!(kp, k.div_ceil(2));
     pa.par_chunks_mut(BLOCK * kq)
         .enumerate()
-        .for_each_init(Vec::new, |row, (blk, block)| {
+        .for_each(|(blk, block)| {
             for r in 0..BLOCK {
                 let at = (blk * BLOCK + r) * a.rs;
                 if blk * BLOCK + r >= m {
@@ -288,11 +303,12 @@ pub(super) fn pack_row_tiles(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
                     // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
                     unsafe { row_tiles_bf16(block, r, &a.d[at..][..k]) };
                 } else {
-                    row.resize(kq, 0);
-                    pair_along(row, a.d, at, a.cs, k);
-                    for (s, pairs) in row.chunks_exact(PAIRS).enumerate() {
-                        block[s * STEP + r * PAIRS..][..PAIRS].copy_from_slice(pairs);
-                    }
+                    with_buffer(kq, |row| {
+                        pair_along(row, a.d, at, a.cs, k);
+                        for (s, pairs) in row.chunks_exact(PAIRS).enumerate() {
+                            block[s * STEP + r * PAIRS..][..PAIRS].copy_from_slice(pairs);
+                        }
+                    });
                 }
             }
         });
