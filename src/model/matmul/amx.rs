@@ -176,23 +176,26 @@ fn pack_a_cols(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
             tasks[s].push(step);
         }
     }
-    tasks.into_par_iter().enumerate().for_each(|(s, mut steps)| {
-        let pairs = PAIRS.min(kp - s * PAIRS);
-        with_buffer(PAIRS * mp, |buf| {
-            for (q, row) in buf.chunks_exact_mut(mp).take(pairs).enumerate() {
-                let p = s * PAIRS + q;
-                let r0 = &a.d[2 * p * a.cs..][..m];
-                let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
-                pair_rows_into(&mut row[..m], r0, r1);
-                row[m..].fill(0);
-            }
-            for (blk, step) in steps.iter_mut().enumerate() {
-                transpose_bits(&buf[blk * BLOCK..], mp, step, PAIRS, pairs, BLOCK);
-                if pairs < PAIRS {
-                    step.chunks_exact_mut(PAIRS)
-                        .for_each(|r| r[pairs..].fill(0));
+    tasks
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(s, mut steps)| {
+            let pairs = PAIRS.min(kp - s * PAIRS);
+            with_buffer(PAIRS * mp, |buf| {
+                for (q, row) in buf.chunks_exact_mut(mp).take(pairs).enumerate() {
+                    let p = s * PAIRS + q;
+                    let r0 = &a.d[2 * p * a.cs..][..m];
+                    let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
+                    pair_rows_into(&mut row[..m], r0, r1);
+                    row[m..].fill(0);
                 }
-            }
-        })
-    });
+                for (blk, step) in steps.iter_mut().enumerate() {
+                    transpose_bits(&buf[blk * BLOCK..], mp, step, PAIRS, pairs, BLOCK);
+                    if pairs < PAIRS {
+                        step.chunks_exact_mut(PAIRS)
+                            .for_each(|r| r[pairs..].fill(0));
+                    }
+                }
+            })
+        });
 }

@@ -142,19 +142,22 @@ fn pack_b_rows(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
             tasks[t].push(part);
         }
     }
-    tasks.into_par_iter().enumerate().for_each(|(t, mut parts)| {
-        for pp in 0..parts.first().map_or(0, |p| p.len() / NR) {
-            let (p, at) = (t * PACK_PAIRS + pp, pp * NR);
-            if p >= kp {
-                parts.iter_mut().for_each(|s| s[at..][..NR].fill(0));
-                continue;
+    tasks
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(t, mut parts)| {
+            for pp in 0..parts.first().map_or(0, |p| p.len() / NR) {
+                let (p, at) = (t * PACK_PAIRS + pp, pp * NR);
+                if p >= kp {
+                    parts.iter_mut().for_each(|s| s[at..][..NR].fill(0));
+                    continue;
+                }
+                let r0 = &b.d[2 * p * b.rs..][..n];
+                let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs..][..n]);
+                // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+                unsafe { pair_rows_strips(&mut parts, at, r0, r1) };
             }
-            let r0 = &b.d[2 * p * b.rs..][..n];
-            let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs..][..n]);
-            // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
-            unsafe { pair_rows_strips(&mut parts, at, r0, r1) };
-        }
-    });
+        });
 }
 
 /// Rows r0 and r1 (n columns each; r1 None past k: zeros) as bf16 pairs (`pair_rows`) into the NR
@@ -200,23 +203,25 @@ unsafe fn pair_rows_strips(parts: &mut [&mut [u32]], at: usize, r0: &[f32], r1: 
 /// transposed into it.
 fn pack_b_cols(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
     let (k, n) = (b.rows, b.cols);
-    pb.par_chunks_mut(kq * NR).enumerate().for_each(|(s, strip)| {
-        let j0 = s * NR;
-        let cols = NR.min(n - j0);
-        let (strip, pad) = strip.split_at_mut(kp * NR);
-        pad.fill(0);
-        with_buffer(NR * kp, |by_col| {
-            for (jj, col) in by_col.chunks_exact_mut(kp).enumerate() {
-                if jj < cols {
-                    // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
-                    unsafe { pair_along_bf16(col, b.d, (j0 + jj) * b.cs, b.rs, k) };
-                } else {
-                    col.fill(0);
+    pb.par_chunks_mut(kq * NR)
+        .enumerate()
+        .for_each(|(s, strip)| {
+            let j0 = s * NR;
+            let cols = NR.min(n - j0);
+            let (strip, pad) = strip.split_at_mut(kp * NR);
+            pad.fill(0);
+            with_buffer(NR * kp, |by_col| {
+                for (jj, col) in by_col.chunks_exact_mut(kp).enumerate() {
+                    if jj < cols {
+                        // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+                        unsafe { pair_along_bf16(col, b.d, (j0 + jj) * b.cs, b.rs, k) };
+                    } else {
+                        col.fill(0);
+                    }
                 }
-            }
-            transpose_bits(by_col, kp, strip, NR, NR, kp);
-        })
-    });
+                transpose_bits(by_col, kp, strip, NR, NR, kp);
+            })
+        });
 }
 
 /// f of `n` words of a buffer the calling thread keeps across calls (holding what its last use left:
@@ -323,7 +328,10 @@ pub(super) fn pack_row_tiles(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn row_tiles_bf16(block: &mut [u32], r: usize, x: &[f32]) {
     let steps = block.len() / STEP;
-    assert!(r < BLOCK && x.len() <= steps * 2 * PAIRS, "row past its block");
+    assert!(
+        r < BLOCK && x.len() <= steps * 2 * PAIRS,
+        "row past its block"
+    );
     for s in 0..steps {
         let c = s * 2 * PAIRS;
         let left = x.len().saturating_sub(c);
@@ -333,7 +341,7 @@ unsafe fn row_tiles_bf16(block: &mut [u32], r: usize, x: &[f32]) {
             unsafe {
                 let lo = _mm512_loadu_ps(x.as_ptr().add(c));
                 let hi = _mm512_loadu_ps(x.as_ptr().add(c + 16));
-                std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
             }
         } else if left > 0 {
             // SAFETY: c < x.len(), and the masks cover only x's left elements from c (masked-off
@@ -342,7 +350,7 @@ unsafe fn row_tiles_bf16(block: &mut [u32], r: usize, x: &[f32]) {
                 let p = x.as_ptr().add(c);
                 let lo = _mm512_maskz_loadu_ps(mask(left), p);
                 let hi = _mm512_maskz_loadu_ps(mask(left.saturating_sub(16)), p.wrapping_add(16));
-                std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+                std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
             }
         } else {
             _mm512_setzero_si512()
