@@ -424,15 +424,21 @@ fn head_forward(m: &mut HeadMm, qkv: &[f32], pr: &mut [f32], yh: &mut [f32], s: 
             n: r1,
         };
         m.mm(pb, t, q, kt, s.scale());
-        for (i, row) in (r0..).zip(pb.chunks_mut(t)) {
-            let (keep, masked) = row.split_at_mut(i + 1);
-            let max = row_max(keep);
-            // The exponentials in a loop of their own (it vectorizes), then their sum in order.
-            keep.iter_mut()
-                .for_each(|s| *s = super::super::ops::exp(*s - max));
-            let inv = 1.0 / keep.iter().sum::<f32>();
-            keep.iter_mut().for_each(|s| *s *= inv);
-            masked.iter_mut().for_each(|s| *s = 0.0);
+        for (g, rows) in pb.chunks_mut(ROWS * t).enumerate() {
+            let i0 = r0 + g * ROWS;
+            for (i, row) in (i0..).zip(rows.chunks_mut(t)) {
+                let (keep, masked) = row.split_at_mut(i + 1);
+                let max = row_max(keep);
+                // The exponentials in a loop of their own (it vectorizes), their sums after.
+                keep.iter_mut()
+                    .for_each(|s| *s = super::super::ops::exp(*s - max));
+                masked.iter_mut().for_each(|s| *s = 0.0);
+            }
+            let sums = causal_sums(rows.len() / t, i0, |r, j| rows[r * t + j]);
+            for (r, row) in rows.chunks_mut(t).enumerate() {
+                let inv = 1.0 / sums[r];
+                row[..=i0 + r].iter_mut().for_each(|s| *s *= inv);
+            }
         }
         let p = M::strided(pb, r1 - r0, r1, t);
         let v = HeadB {
@@ -443,6 +449,21 @@ fn head_forward(m: &mut HeadMm, qkv: &[f32], pr: &mut [f32], yh: &mut [f32], s: 
         };
         m.mm(&mut yh[r0 * hs..], hs, p, v, 1.0);
     }
+}
+
+/// For k <= ROWS causal rows from row i0 (row i0 + r keeps its first i0 + r + 1 terms), the sums of
+/// `f(r, j)` over each row's terms, each serial in j from -0.0 as `Iterator::sum` adds them: the rows'
+/// chains interleaved over their common i0 + 1 terms (`row_sums_of`), each row's last r after, so the
+/// same bits as one sum a row with ROWS additions in flight instead of one.
+#[inline(always)]
+pub(super) fn causal_sums(k: usize, i0: usize, f: impl Fn(usize, usize) -> f32) -> [f32; ROWS] {
+    let mut s = row_sums_of(k, i0 + 1, -0.0, &f);
+    for (r, s) in s[..k].iter_mut().enumerate() {
+        for j in i0 + 1..=i0 + r {
+            *s += f(r, j);
+        }
+    }
+    s
 }
 
 /// Rows kept per head as (B, H, T, parts, hs) laid out as the model's (B T, parts C): part p of head
@@ -528,13 +549,18 @@ fn head_backward(
         let dyh = M::strided(&dy[r0 * c..], r1 - r0, hs, c);
         let dsb = &mut ds[r0 * t..][..(r1 - r0) * t];
         m.mm(dsb, t, dyh, part(0, 0, r1), 1.0);
-        for (i, (ds, pr)) in (r0..).zip(dsb.chunks_mut(t).zip(pr[r0 * t..].chunks(t))) {
-            // P is zero above the diagonal: those terms would add zeros to this serial sum.
-            let dot: f32 = ds[..=i].iter().zip(pr).map(|(d, p)| d * p).sum();
-            ds[..r1]
-                .iter_mut()
-                .zip(pr)
-                .for_each(|(d, &p)| *d = p * (*d - dot));
+        let groups = dsb.chunks_mut(ROWS * t).zip(pr[r0 * t..].chunks(ROWS * t));
+        for (g, (dsg, prg)) in groups.enumerate() {
+            // P is zero above the diagonal: those terms would add zeros to the rows' sums.
+            let dots = causal_sums(dsg.len() / t, r0 + g * ROWS, |r, j| {
+                dsg[r * t + j] * prg[r * t + j]
+            });
+            for (r, (ds, pr)) in dsg.chunks_mut(t).zip(prg.chunks(t)).enumerate() {
+                ds[..r1]
+                    .iter_mut()
+                    .zip(pr)
+                    .for_each(|(d, &p)| *d = p * (*d - dots[r]));
+            }
         }
         // S = scale q k^T: dq = scale dS k over the keys up to the block's last row.
         let dsm = M::strided(&ds[r0 * t..], r1 - r0, r1, t);

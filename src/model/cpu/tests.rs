@@ -1,7 +1,7 @@
 use super::*;
 use crate::config::ModelConfig;
 use crate::model::matmul::{mm, Bf16Path};
-use crate::model::ops::row_max;
+use crate::model::ops::{row_max, ROWS};
 use candle_core::{Device, Tensor};
 use gemm::Parallelism;
 use rand::SeedableRng;
@@ -582,5 +582,26 @@ fn element_wise_passes_asking_ahead_equal_plain_loops() {
         let mut g = a.clone();
         layers::scale_by(&mut g, &b);
         assert_eq!(bits(&g), plain(&|a, b| a * b), "scale_by, {n}");
+    }
+}
+
+/// `layers::causal_sums` (the softmax's and its backward's row sums, rows interleaved) gives each row's
+/// own serial sum (`Iterator::sum` over its causal terms) bit for bit, for every group size and start.
+#[test]
+fn causal_sums_are_each_rows_serial_sum() {
+    use rand::Rng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let t = 70;
+    let x: Vec<f32> = (0..ROWS * t)
+        .map(|_| rng.random_range(-1.0f32..1.0) * 10f32.powi(rng.random_range(-3..4)))
+        .collect();
+    for i0 in [0, 1, 5, 16, 61] {
+        for k in 1..=ROWS {
+            let got = layers::causal_sums(k, i0, |r, j| x[r * t + j]);
+            for r in 0..k {
+                let want: f32 = x[r * t..][..=i0 + r].iter().sum();
+                assert_eq!(got[r].to_bits(), want.to_bits(), "row {r} of {k} from {i0}");
+            }
+        }
     }
 }
