@@ -6,7 +6,9 @@
 //! accumulating, and stores it into out (blocks past out's edges through a buffer): one order of sums
 //! per element, whatever the thread count.
 
-use super::avx512::{pack_b, pack_row_tiles, pair_rows_into, transpose_bits, with_buffer};
+use super::avx512::{
+    pack_b, pack_row_tiles, pair_rows_into, parts_by_index, transpose_bits, with_buffer,
+};
 use super::{Bf16Buffers, Lines, Strips, M, NR};
 use crate::kernels::amx::{Amx, BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
@@ -159,7 +161,7 @@ fn pack_a(pa: &mut Lines, a: &M, kp: usize, kq: usize) {
     if a.cs != 1 && a.rs == 1 {
         pack_a_cols(pa, a, kp, kq);
     } else {
-        pack_row_tiles(pa, a, kp, kq);
+        pack_row_tiles(pa, a, kq);
     }
 }
 
@@ -169,14 +171,8 @@ fn pack_a(pa: &mut Lines, a: &M, kp: usize, kq: usize) {
 fn pack_a_cols(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
     let (m, k) = (a.rows, a.cols);
     let mp = m.div_ceil(BLOCK) * BLOCK;
-    // Task s's step of every block, in block order.
-    let mut tasks: Vec<Vec<&mut [u32]>> = (0..kq / PAIRS).map(|_| vec![]).collect();
-    for block in pa.chunks_exact_mut(BLOCK * kq) {
-        for (s, step) in block.chunks_exact_mut(STEP).enumerate() {
-            tasks[s].push(step);
-        }
-    }
-    tasks
+    // Task s's step of every block.
+    parts_by_index(pa, BLOCK * kq, STEP)
         .into_par_iter()
         .enumerate()
         .for_each(|(s, mut steps)| {

@@ -1,7 +1,7 @@
 //! The vdpbf16ps GEMM, laid out as BLIS does: B packed into strips of NR columns, A into bf16
 //! pairs along k, an MR x NR micro-kernel keeping its tile of C in registers over KC pairs of k.
 
-use super::{a_stride, pair_along, pair_rows, Lines, Strips, M, MR, NR};
+use super::{a_stride, pair_along, Lines, Strips, M, MR, NR};
 use crate::kernels::amx::{BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
 use std::arch::x86_64::*;
@@ -135,14 +135,8 @@ pub(super) fn pack_b(pb: &mut Lines, b: &M, kp: usize, kq: usize, strips: usize)
 /// strip, which the hardware prefetchers follow).
 fn pack_b_rows(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
     let (k, n) = (b.rows, b.cols);
-    // The parts of the strips each task writes: task t's part of every strip, in strip order.
-    let mut tasks: Vec<Vec<&mut [u32]>> = (0..kq.div_ceil(PACK_PAIRS)).map(|_| vec![]).collect();
-    for strip in pb.chunks_exact_mut(kq * NR) {
-        for (t, part) in strip.chunks_mut(PACK_PAIRS * NR).enumerate() {
-            tasks[t].push(part);
-        }
-    }
-    tasks
+    // Task t's part of every strip.
+    parts_by_index(pb, kq * NR, PACK_PAIRS * NR)
         .into_par_iter()
         .enumerate()
         .for_each(|(t, mut parts)| {
@@ -160,7 +154,20 @@ fn pack_b_rows(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
         });
 }
 
-/// Rows r0 and r1 (n columns each; r1 None past k: zeros) as bf16 pairs (`pair_rows`) into the NR
+/// `buf`'s pieces of `piece` words, each cut into parts of `part` words (the last shorter where
+/// `part` does not divide `piece`), grouped by index: group t holds part t of every piece, in piece
+/// order (what a task writes when it takes the same part of each piece).
+pub(super) fn parts_by_index(buf: &mut [u32], piece: usize, part: usize) -> Vec<Vec<&mut [u32]>> {
+    let mut groups: Vec<Vec<&mut [u32]>> = (0..piece.div_ceil(part)).map(|_| vec![]).collect();
+    for p in buf.chunks_exact_mut(piece) {
+        for (t, part) in p.chunks_mut(part).enumerate() {
+            groups[t].push(part);
+        }
+    }
+    groups
+}
+
+/// Rows r0 and r1 (n columns each; r1 None past k: zeros) as bf16 pairs (`pair16`) into the NR
 /// words from `at` of each strip's part, strip s taking columns s NR to s NR + NR - 1 (zero past n).
 /// Panics unless the parts cover the columns and each holds NR words from `at`.
 ///
@@ -173,26 +180,11 @@ unsafe fn pair_rows_strips(parts: &mut [&mut [u32]], at: usize, r0: &[f32], r1: 
         n <= parts.len() * NR && r1.is_none_or(|r| r.len() == n),
         "rows wider than the strips"
     );
-    // 16 columns from j as bf16 in the low halves of 16 words (masked: zero past n).
-    let widen = |x: &[f32], j: usize| {
-        let k = mask(n.saturating_sub(j));
-        // SAFETY: the masked lanes are the columns from j below n, inside x (masked-off lanes are
-        // neither read nor faulted on); the transmute reinterprets 16 bf16 (256 bits) as the
-        // integer vector of the same width.
-        let h: __m256i = unsafe {
-            let v = _mm512_maskz_loadu_ps(k, x.as_ptr().wrapping_add(j));
-            std::mem::transmute(_mm512_cvtneps_pbh(v))
-        };
-        _mm512_cvtepu16_epi32(h)
-    };
     for (s, part) in parts.iter_mut().enumerate() {
         let dst = &mut part[at..][..NR];
         for h in 0..2 {
-            let j = s * NR + 16 * h;
-            let mut v = widen(r0, j);
-            if let Some(r1) = r1 {
-                v = _mm512_or_si512(v, _mm512_slli_epi32::<16>(widen(r1, j)));
-            }
+            // SAFETY: the CPU has AVX512-BF16 (this function's contract).
+            let v = unsafe { pair16(r0, r1, s * NR + 16 * h) };
             // SAFETY: dst holds NR = 32 words, so the 16 stored from 16 h stay inside it.
             unsafe { _mm512_storeu_si512(dst.as_mut_ptr().add(16 * h) as *mut _, v) };
         }
@@ -292,9 +284,8 @@ fn pack_rows(pa: &mut [u32], a: &M, kp: usize, is: usize) {
 /// 16 s to 16 s + 15 of its row i at s STEP + i PAIRS (`kernels::amx::Amx::product`), a block per task;
 /// pairs past kp and rows past m zero up to kq pairs and the blocks' end. Contiguous rows are converted
 /// straight into their tile rows (`row_tiles_bf16`); strided ones through a buffer (`with_buffer`).
-pub(super) fn pack_row_tiles(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
+pub(super) fn pack_row_tiles(pa: &mut [u32], a: &M, kq: usize) {
     let (m, k) = (a.rows, a.cols);
-    debug_assert_eq!(kp, k.div_ceil(2));
     pa.par_chunks_mut(BLOCK * kq)
         .enumerate()
         .for_each(|(blk, block)| {
@@ -378,16 +369,15 @@ pub(super) fn pack_cols(buf: &mut [u32], a: &M, kp: usize, mp: usize) {
         });
 }
 
-/// `pair_rows` (through `pair_rows_bf16`) for the AMX GEMM's packing. Panics unless `r0` and `r1`
+/// `pair_rows_bf16` for the AMX GEMM's packing. Panics unless `r0` and `r1`
 /// hold `out.len()` elements or more.
 pub(super) fn pair_rows_into(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
     // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
     unsafe { pair_rows_bf16(out, r0, r1) }
 }
 
-/// `pair_rows` 16 pairs per conversion (vcvtneps2bf16 rounds to nearest even as `bf16` does, and
-/// reads f32 subnormals as zero, as vdpbf16ps reads bf16 ones). Panics unless `r0` and `r1` hold
-/// `out.len()` elements or more (the vector loads read 16 of them at a time).
+/// Two rows interleaved into bf16 pairs, 16 pairs per conversion (`pair16`): out[j] = (r0[j], r1[j]).
+/// Panics unless `r0` and `r1` hold `out.len()` elements or more.
 ///
 /// # Safety
 /// The CPU has AVX512F and AVX512-BF16.
@@ -398,23 +388,39 @@ unsafe fn pair_rows_bf16(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
         r0.len() >= n && r1.is_none_or(|r| r.len() >= n),
         "rows shorter than out"
     );
-    let full = n / 16 * 16;
-    let widen = |x: &[f32], j: usize| {
-        // SAFETY: j + 16 <= full <= n <= x.len() (asserted above), so the load stays inside x; the
-        // transmute reinterprets 16 bf16 (256 bits) as the integer vector of the same width.
-        let h: __m256i =
-            unsafe { std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(x[j..].as_ptr()))) };
+    for j in (0..n).step_by(16) {
+        // SAFETY: the CPU has AVX512-BF16 (this function's contract).
+        let v = unsafe { pair16(&r0[..n], r1.map(|r| &r[..n]), j) };
+        // SAFETY: the masked lanes j .. min(j + 16, n) are inside out (n = out.len()).
+        unsafe { _mm512_mask_storeu_epi32(out[j..].as_mut_ptr() as *mut _, mask(n - j), v) };
+    }
+}
+
+/// Columns j to j + 15 of rows r0 and r1 as bf16 pairs: r0's element in the low half of each word,
+/// r1's in the high (zero when r1 is None), zero past r0's end (r1 as long as r0). vcvtneps2bf16
+/// rounds to nearest even as `bf16` does, and reads f32 subnormals as zero, as vdpbf16ps and
+/// tdpbf16ps read bf16 ones.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pair16(r0: &[f32], r1: Option<&[f32]>, j: usize) -> __m512i {
+    let k = mask(r0.len().saturating_sub(j));
+    debug_assert!(r1.is_none_or(|r| r.len() == r0.len()));
+    let widen = |x: &[f32]| {
+        // SAFETY: the masked lanes are the columns from j below x's end, inside x (masked-off lanes
+        // are neither read nor faulted on); the transmute reinterprets 16 bf16 (256 bits) as the
+        // integer vector of the same width.
+        let h: __m256i = unsafe {
+            let v = _mm512_maskz_loadu_ps(k, x.as_ptr().wrapping_add(j));
+            std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v))
+        };
         _mm512_cvtepu16_epi32(h)
     };
-    for j in (0..full).step_by(16) {
-        let mut v = widen(r0, j);
-        if let Some(r1) = r1 {
-            v = _mm512_or_si512(v, _mm512_slli_epi32::<16>(widen(r1, j)));
-        }
-        // SAFETY: j + 16 <= full <= out.len(): the 16 lanes stored stay inside out.
-        unsafe { _mm512_storeu_si512(out[j..].as_mut_ptr() as *mut _, v) };
+    match r1 {
+        Some(r1) => _mm512_or_si512(widen(r0), _mm512_slli_epi32::<16>(widen(r1))),
+        None => widen(r0),
     }
-    pair_rows(&mut out[full..], &r0[full..], r1.map(|r| &r[full..]));
 }
 
 /// `pair_along`, 16 pairs per conversion where the elements are contiguous (see `pair_rows_bf16`).

@@ -561,13 +561,6 @@ fn round_row(out: &mut [f32], x: &[f32]) {
     out.iter_mut().zip(x).for_each(|(o, &v)| *o = round_bf16(v));
 }
 
-/// Two rows interleaved into bf16 pairs: out[j] = (r0[j], r1[j]) (r1 zero when absent).
-fn pair_rows(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = bf16(r0[j]) as u32 | (r1.map_or(0, |r| bf16(r[j]) as u32) << 16);
-    }
-}
-
 /// `len` elements of `d` from `start`, `stride` apart, as bf16 pairs of consecutive elements:
 /// out[p] = (x[2p], x[2p + 1]) (zero past the end).
 fn pair_along(out: &mut [u32], d: &[f32], start: usize, stride: usize, len: usize) {
