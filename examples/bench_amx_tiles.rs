@@ -1,7 +1,8 @@
 //! Benchmark: the AMX tile kernel (`Amx::product`, the inner loop of `train.amp`'s GEMM on Xeons with
 //! AMX) on one core, against the rate of `tdpbf16ps` on tiles already in registers (`Amx::peak`),
 //! measured in the same run. Each row is one product of the medium config's or GPT-2 small's shapes,
-//! cut as `bands` cuts it for a thread (a band of rows against every strip of B), with its operands:
+//! cut as `bands` cuts it for a thread (bands of rows, each against every strip of B over all of k; the
+//! GEMM itself sums a k past 2048 in passes), with its operands:
 //!
 //! - `L1`: one 32 x 32 block over 256 of k, 16 KB of A and of B, repeated (the kernel's own ceiling);
 //! - `L1 unaligned`: the same, A and B 16 bytes past a cache line (every tile row then spans two);
@@ -15,8 +16,8 @@ use std::time::Instant;
 
 use nanodist::kernels::amx::{Amx, BLOCK, PAIRS, STEP};
 
-/// An operand of `words` u32 (bf16 pairs of values in [1, 2) with both signs) starting `skew` words
-/// past a cache line: the vector and the offset of its first word.
+/// An operand of `words` u32 (bf16 pairs of values of magnitude 2^-7 to 2, both signs) starting
+/// `skew` words past a cache line: the vector and the offset of its first word.
 fn operand(words: usize, skew: usize) -> (Vec<u32>, usize) {
     let v: Vec<u32> = (0..words + 32)
         .map(|i| (i as u32).wrapping_mul(2_654_435_761) & 0xbfff_bfff | 0x3c00_3c00)
