@@ -7,8 +7,8 @@
 //! - `L1`: one 32 x 32 block over 256 of k, 16 KB of A and of B, repeated (the kernel's own ceiling);
 //! - `L1 unaligned`: the same, A and B 16 bytes past a cache line (every tile row then spans two);
 //! - `warm`: the band's products repeated, so that what fits of A, B and C stays in the core's caches;
-//! - `cold`: the caches flushed (64 MB written) before each product, as in a training step, where each
-//!   product's operands were last touched by another layer's work.
+//! - `cold`: the caches flushed (64 MB written) before each product, nothing of A, B or C left in them
+//!   (in a training step C was last touched by other layers' work, while A and B were just packed).
 //!
 //!     cargo run --release --example bench_amx_tiles
 
