@@ -126,6 +126,10 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
     // A checkpoint writes the parameters and the optimizer in place; the backend's state is a copy.
     let checkpoint_copy = 4 * sync.kept;
     let m = &cfg.model;
+    let prec = match t.amp && t.device == crate::config::train::Device::Cpu {
+        true => plan.decisions.cpu_precision(),
+        false => Precision::F32,
+    };
     let scratch = crate::model::cpu::scratch_bytes(
         m.n_layers,
         m.n_embd,
@@ -134,10 +138,8 @@ pub fn estimate(cfg: &Config, plan: &Plan) -> Estimate {
         plan.local_batch_size,
         t.context_length,
         m.dropout > 0.0,
-    ) + if t.amp
-        && t.device == crate::config::train::Device::Cpu
-        && plan.decisions.cpu_precision() == Precision::Bf16
-    {
+        prec,
+    ) + if prec == Precision::Bf16 {
         let path = crate::model::matmul::Bf16Path::detect();
         let n = plan.local_batch_size * t.context_length;
         crate::model::matmul::bf16_bytes(path, n, m.n_embd, m.vocab_size)

@@ -4,7 +4,9 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use super::super::matmul::{mm, mm_bf16_packed, Bf16Buffers, Bf16Path, PackedB, M};
+use super::super::matmul::{
+    mm, mm_bf16_packed, to_bf16, Bf16Buffers, Bf16Path, Op, PackedB, Rows16, M,
+};
 use super::super::ops::{row_max, row_sums_of, rows_lse, rows_per_task, rows_stats, CHUNK, ROWS};
 use super::{Linear, Norm, Params, LN_EPS};
 use crate::kernels::{self, Lines};
@@ -58,9 +60,66 @@ pub(super) fn cross_entropy_backward(logits: &mut [f32], lse: &[f32], y: &[u32],
         });
 }
 
+/// A saved output that only the products read: f32, or stored in bf16 (`to_bf16`) under bf16
+/// products (`Products::stores_bf16`), which pack it as it is.
+#[derive(Clone, Copy)]
+pub(super) enum Act<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Act<'a> {
+    /// As a product's operand: `rows` x `cols`, row-major.
+    fn op(self, rows: usize, cols: usize) -> Op<'a> {
+        match self {
+            Act::F32(d) => Op::F32(M::new(d, rows, cols)),
+            Act::Bf16(d) => Op::Bf16(Rows16::new(d, rows, cols)),
+        }
+    }
+}
+
+/// Where a layer writes an output that only the products read (`Act`): f32, or bf16 rounded as
+/// `path`'s products round it.
+pub(super) enum ActMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [u16], Bf16Path),
+}
+
+impl ActMut<'_> {
+    fn len(&self) -> usize {
+        match self {
+            ActMut::F32(d) => d.len(),
+            ActMut::Bf16(d, _) => d.len(),
+        }
+    }
+}
+
+/// The element types of a saved output (`ActMut`).
+pub(super) trait Stored: Copy + Send + Sync {
+    /// Writes `out` with f, which fills an f32 slice of out's length: out itself, or `scratch` then
+    /// rounded into out.
+    fn write(out: &mut [Self], path: Bf16Path, scratch: &mut Vec<f32>, f: impl FnOnce(&mut [f32]));
+}
+
+impl Stored for f32 {
+    #[inline(always)]
+    fn write(out: &mut [f32], _: Bf16Path, _: &mut Vec<f32>, f: impl FnOnce(&mut [f32])) {
+        f(out)
+    }
+}
+
+impl Stored for u16 {
+    #[inline(always)]
+    fn write(out: &mut [u16], path: Bf16Path, scratch: &mut Vec<f32>, f: impl FnOnce(&mut [f32])) {
+        scratch.resize(out.len(), 0.0);
+        f(scratch);
+        to_bf16(path, scratch, out);
+    }
+}
+
 /// out = x W^T + b for x (n, in).
 #[multiversion(targets = "simd")]
-pub(super) fn linear(p: &Params, lin: Linear, x: &[f32], n: usize, out: &mut [f32]) {
+pub(super) fn linear(p: &Params, lin: Linear, x: Act, n: usize, out: &mut [f32]) {
     let w = M::new(p.get(lin.w), lin.out, lin.inp);
     let acc = match lin.b {
         Some(b) => {
@@ -74,7 +133,7 @@ pub(super) fn linear(p: &Params, lin: Linear, x: &[f32], n: usize, out: &mut [f3
         }
         None => false,
     };
-    p.mm.mm(out, lin.out, M::new(x, n, lin.inp), w.t(), acc);
+    p.mm.mm_ops(out, lin.out, x.op(n, lin.inp), Op::F32(w.t()), acc);
 }
 
 /// Backward of `linear` given dy (n, out) and its input x (n, in): dW += dy^T x, db += column sums of
@@ -84,18 +143,13 @@ pub(super) fn linear_backward(
     grads: &mut [f32],
     lin: Linear,
     dy: &[f32],
-    x: &[f32],
+    x: Act,
     n: usize,
     dx: &mut [f32],
 ) {
     let dy_m = M::new(dy, n, lin.out);
-    p.mm.mm(
-        lin.w.of(grads),
-        lin.inp,
-        dy_m.t(),
-        M::new(x, n, lin.inp),
-        true,
-    );
+    let dw = lin.w.of(grads);
+    p.mm.mm_ops(dw, lin.inp, Op::F32(dy_m.t()), x.op(n, lin.inp), true);
     if let Some(b) = lin.b {
         column_sums_into(b.of(grads), dy, lin.out);
     }
@@ -124,13 +178,28 @@ pub(super) fn column_sums_into(acc: &mut [f32], m: &[f32], cols: usize) {
 }
 
 /// LayerNorm of the rows of x (width c) into y, saving each row's (mean, 1/std).
-#[multiversion(targets = "simd")]
 pub(super) fn layer_norm(
     x: &[f32],
     p: &Params,
     norm: Norm,
     c: usize,
-    y: &mut [f32],
+    y: ActMut,
+    stats: &mut [(f32, f32)],
+) {
+    match y {
+        ActMut::F32(y) => layer_norm_of(x, p, norm, c, (y, Bf16Path::EMULATED), stats),
+        ActMut::Bf16(y, path) => layer_norm_of(x, p, norm, c, (y, path), stats),
+    }
+}
+
+/// `layer_norm` into f32 or bf16 rows (`Stored`).
+#[multiversion(targets = "simd")]
+fn layer_norm_of<T: Stored>(
+    x: &[f32],
+    p: &Params,
+    norm: Norm,
+    c: usize,
+    (y, path): (&mut [T], Bf16Path),
     stats: &mut [(f32, f32)],
 ) {
     let w = p.get(norm.w);
@@ -139,7 +208,7 @@ pub(super) fn layer_norm(
     y.par_chunks_mut(per * c)
         .zip(x.par_chunks(per * c))
         .zip(stats.par_chunks_mut(per))
-        .for_each(|((y, x), st)| {
+        .for_each_init(Vec::new, |scratch, ((y, x), st)| {
             // The rows' statistics ROWS at a time (their serial sums interleaved), the rest one by one.
             let full = st.len() / ROWS * ROWS;
             for (x, st) in x.chunks(ROWS * c).zip(st[..full].chunks_mut(ROWS)) {
@@ -149,12 +218,14 @@ pub(super) fn layer_norm(
                 *st = rows_stats::<1>(x, c, LN_EPS)[0];
             }
             for ((y, x), &(mean, rstd)) in y.chunks_mut(c).zip(x.chunks(c)).zip(st.iter()) {
-                for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
-                    *y = (x - mean) * rstd * w;
-                }
-                if let Some(bias) = bias {
-                    y.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
-                }
+                T::write(y, path, scratch, |y| {
+                    for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                        *y = (x - mean) * rstd * w;
+                    }
+                    if let Some(bias) = bias {
+                        y.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
+                    }
+                });
             }
         });
 }
@@ -378,7 +449,7 @@ impl HeadMm<'_> {
 pub(super) fn attention_forward(
     qkv: &[f32],
     att: &mut [f32],
-    y: &mut [f32],
+    y: ActMut,
     heads: &mut [f32],
     pool: &HeadPool,
     s: Att,
@@ -399,7 +470,10 @@ pub(super) fn attention_forward(
                 head_forward(&mut scratch.parts(s.amp, 0).0, qkv, pr, yh, s);
             },
         );
-    from_heads(heads, y, s, 1);
+    match y {
+        ActMut::F32(y) => from_heads(heads, (y, Bf16Path::EMULATED), s, 1),
+        ActMut::Bf16(y, path) => from_heads(heads, (y, path), s, 1),
+    }
 }
 
 /// One head of one sequence: `ATT_BLOCK` query rows at a time against the keys and values up to the
@@ -468,17 +542,19 @@ pub(super) fn causal_sums(k: usize, i0: usize, f: impl Fn(usize, usize) -> f32) 
 
 /// Rows kept per head as (B, H, T, parts, hs) laid out as the model's (B T, parts C): part p of head
 /// `hd` at columns p C + hd hs of its row (`parts` 1: the attention's output; 3: q, k and v).
-fn from_heads(heads: &[f32], out: &mut [f32], s: Att, parts: usize) {
+fn from_heads<T: Stored>(heads: &[f32], (out, path): (&mut [T], Bf16Path), s: Att, parts: usize) {
     let (t, h, hs) = (s.t, s.h, s.hs());
     out.par_chunks_mut(parts * s.c)
         .enumerate()
         .with_min_len(64)
-        .for_each(|(i, row)| {
+        .for_each_init(Vec::new, |scratch, (i, row)| {
             let (b, r) = (i / t, i % t);
-            for (p, hd) in (0..parts).flat_map(|p| (0..h).map(move |hd| (p, hd))) {
-                let from = (((b * h + hd) * t + r) * parts + p) * hs;
-                row[(p * h + hd) * hs..][..hs].copy_from_slice(&heads[from..][..hs]);
-            }
+            T::write(row, path, scratch, |row| {
+                for (p, hd) in (0..parts).flat_map(|p| (0..h).map(move |hd| (p, hd))) {
+                    let from = (((b * h + hd) * t + r) * parts + p) * hs;
+                    row[(p * h + hd) * hs..][..hs].copy_from_slice(&heads[from..][..hs]);
+                }
+            })
         });
 }
 
@@ -511,7 +587,7 @@ pub(super) fn attention_backward(
                 head_backward(&mut m, (qkv, pr, dy), dh, ds, s);
             },
         );
-    from_heads(heads, dqkv, s, 3);
+    from_heads(heads, (dqkv, Bf16Path::EMULATED), s, 3);
 }
 
 /// One head of one sequence, blocked as the forward: a row block of dP, dS and dq reaches the block's
@@ -611,28 +687,53 @@ fn zip_map(out: &mut [f32], a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32 + 
 }
 
 /// out = f(x), in parallel chunks.
+pub(super) fn map(out: ActMut, x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+    match out {
+        ActMut::F32(o) => map_of(o, Bf16Path::EMULATED, x, f),
+        ActMut::Bf16(o, path) => map_of(o, path, x, f),
+    }
+}
+
+/// `map` into f32 or bf16 (`Stored`).
 #[multiversion(targets = "simd")]
-pub(super) fn map(out: &mut [f32], x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
+fn map_of<T: Stored>(out: &mut [T], path: Bf16Path, x: &[f32], f: impl Fn(f32) -> f32 + Sync) {
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
-        .for_each(|(o, x)| {
-            kernels::streamed(o, x, |o, x| {
-                o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x))
+        .for_each_init(Vec::new, |scratch, (o, x)| {
+            T::write(o, path, scratch, |o| {
+                kernels::streamed(o, x, |o, x| {
+                    o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x))
+                })
             })
         });
 }
 
 /// (out, x) = f(x): a function's value into `out` and its derivative over `x`, in parallel chunks.
+pub(super) fn map_with_grad(out: ActMut, x: &mut [f32], f: impl Fn(f32) -> (f32, f32) + Sync) {
+    match out {
+        ActMut::F32(o) => map_with_grad_of(o, Bf16Path::EMULATED, x, f),
+        ActMut::Bf16(o, path) => map_with_grad_of(o, path, x, f),
+    }
+}
+
+/// `map_with_grad` into f32 or bf16 (`Stored`).
 #[multiversion(targets = "simd")]
-pub(super) fn map_with_grad(out: &mut [f32], x: &mut [f32], f: impl Fn(f32) -> (f32, f32) + Sync) {
+fn map_with_grad_of<T: Stored>(
+    out: &mut [T],
+    path: Bf16Path,
+    x: &mut [f32],
+    f: impl Fn(f32) -> (f32, f32) + Sync,
+) {
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks_mut(CHUNK))
-        .for_each(|(o, x)| {
-            kernels::ahead(x, [Lines::of(o)], |x, at| {
-                let o = &mut o[at..][..x.len()];
-                o.iter_mut().zip(x).for_each(|(o, x)| {
-                    let (v, d) = f(*x);
-                    (*o, *x) = (v, d);
+        .for_each_init(Vec::new, |scratch, (o, x)| {
+            T::write(o, path, scratch, |o| {
+                kernels::ahead(x, [Lines::of(o)], |x, at| {
+                    let o = &mut o[at..][..x.len()];
+                    o.iter_mut().zip(x).for_each(|(o, x)| {
+                        let (v, d) = f(*x);
+                        (*o, *x) = (v, d);
+                    })
                 })
             })
         });

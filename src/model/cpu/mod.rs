@@ -84,6 +84,9 @@ struct Acts {
     dims: (usize, usize, usize, usize),
     b: usize,
     t: usize,
+    /// Whether the outputs that only the products read (xn1, xn2, atty, gelu) are stored in bf16, two to
+    /// each f32 of their buffers (`Products::stores_bf16`; see `saved`).
+    half: bool,
     /// Residual stream entering each layer, and entering the final LayerNorm (L + 1) x N x C.
     res: Vec<f32>,
     /// Residual stream after each layer's attention.
@@ -130,21 +133,29 @@ pub struct Scratch {
 
 /// The lengths of a Scratch's buffers for a model (layers, width, heads, vocabulary) and a b x t batch:
 /// f32 buffers in `Acts` field order (res .. dqkv), then the three (mean, 1/std) buffers.
-fn sizes(dims: (usize, usize, usize, usize), b: usize, t: usize, dropout: bool) -> [usize; 21] {
+/// With `half`, xn1, xn2, atty and gelu hold bf16 values, two to an f32.
+fn sizes(
+    dims: (usize, usize, usize, usize),
+    b: usize,
+    t: usize,
+    dropout: bool,
+    half: bool,
+) -> [usize; 21] {
     let (l, c, h, v) = dims;
     let n = b * t;
     let nc = n * c;
     let masks = if dropout { (2 * l + 1) * nc } else { 0 };
+    let saved = |len: usize| if half { len.div_ceil(2) } else { len };
     [
         (l + 1) * nc,      // res
         l * nc,            // res2
-        l * nc,            // xn1
-        l * nc,            // xn2
+        saved(l * nc),     // xn1
+        saved(l * nc),     // xn2
         l * 3 * nc,        // qkv
         l * b * h * t * t, // att
-        l * nc,            // atty
+        saved(l * nc),     // atty
         l * 4 * nc,        // fc
-        l * 4 * nc,        // gelu
+        saved(l * 4 * nc), // gelu
         nc,                // xf
         n * v,             // logits
         n,                 // lse
@@ -161,7 +172,8 @@ fn sizes(dims: (usize, usize, usize, usize), b: usize, t: usize, dropout: bool) 
 }
 
 /// Bytes of the Scratch of one forward/backward of a b x t batch through a model of `n_layers` x
-/// `n_embd` with `n_heads` heads and `vocab` tokens.
+/// `n_embd` with `n_heads` heads and `vocab` tokens, its products in `prec`.
+#[allow(clippy::too_many_arguments)]
 pub fn scratch_bytes(
     n_layers: usize,
     n_embd: usize,
@@ -170,10 +182,32 @@ pub fn scratch_bytes(
     b: usize,
     t: usize,
     dropout: bool,
+    prec: Precision,
 ) -> u64 {
-    let s = sizes((n_layers, n_embd, n_heads, vocab), b, t, dropout);
+    let half = prec == Precision::Bf16;
+    let s = sizes((n_layers, n_embd, n_heads, vocab), b, t, dropout, half);
     let (f32s, stats) = s.split_at(18);
     (4 * f32s.iter().sum::<usize>() + 8 * stats.iter().sum::<usize>()) as u64
+}
+
+/// Layer `l`'s `len` values of a buffer of outputs that only the products read, as stored (bf16 two
+/// to an f32 when `half`).
+fn saved(buf: &[f32], half: bool, l: usize, len: usize) -> Act<'_> {
+    match half {
+        true => Act::Bf16(&bytemuck::cast_slice(buf)[l * len..][..len]),
+        false => Act::F32(&buf[l * len..][..len]),
+    }
+}
+
+/// `saved` to write, rounded as `p`'s products round their operands.
+fn saved_mut<'a>(buf: &'a mut [f32], p: &Params, l: usize, len: usize) -> ActMut<'a> {
+    match p.mm.stores_bf16() {
+        true => ActMut::Bf16(
+            &mut bytemuck::cast_slice_mut(buf)[l * len..][..len],
+            p.mm.path,
+        ),
+        false => ActMut::F32(&mut buf[l * len..][..len]),
+    }
 }
 
 /// Runs `f` on a thread of the current rayon pool (in place when the caller is one of its threads).
@@ -201,6 +235,9 @@ pub struct CpuGpt {
     /// The precision of the linear layers' and lm head's matmuls, and how this CPU runs bf16 ones.
     prec: Precision,
     bf16: Bf16Path,
+    /// Whether the outputs that only bf16 products read are stored in bf16 (`Acts::half`): always but
+    /// in the tests that compare both.
+    half_acts: bool,
 }
 
 /// Dropout at the residual stream's sites in forward order (the embeddings', then each block's two),
@@ -285,6 +322,7 @@ impl CpuGpt {
             lnf: norm("transformer.ln_f")?,
             prec: Precision::F32,
             bf16: Bf16Path::detect(),
+            half_acts: true,
         })
     }
 
@@ -308,6 +346,7 @@ impl CpuGpt {
                 prec: self.prec,
                 path: self.bf16,
                 bufs,
+                half: self.half_acts,
             },
         })
     }
@@ -444,7 +483,7 @@ impl CpuGpt {
             p: self.dropout,
             site: 0,
         };
-        self.shape(a, b, t, drop.rng.is_some());
+        self.shape(a, b, t, drop.rng.is_some(), p.mm.stores_bf16());
         let (c, l_n) = (self.c, self.n_layers);
         let nc = b * t * c;
         // Embeddings.
@@ -464,7 +503,7 @@ impl CpuGpt {
             self.block_forward(a, p, (l, layer), &mut drop, backward);
         }
         let res_f = &a.res[l_n * nc..][..nc];
-        layer_norm(res_f, p, self.lnf, c, &mut a.xf, &mut a.statsf);
+        layer_norm(res_f, p, self.lnf, c, ActMut::F32(&mut a.xf), &mut a.statsf);
         Ok(())
     }
 
@@ -485,29 +524,34 @@ impl CpuGpt {
         let nc = n * c;
         let (res_in, res_rest) = a.res[l * nc..].split_at_mut(nc);
         let res2 = &mut a.res2[l * nc..][..nc];
-        let xn1 = &mut a.xn1[l * nc..][..nc];
+        let xn1 = saved_mut(&mut a.xn1, p, l, nc);
         layer_norm(res_in, p, layer.ln1, c, xn1, &mut a.stats1[l * n..][..n]);
         let qkv = &mut a.qkv[l * 3 * nc..][..3 * nc];
-        linear(p, layer.attn, xn1, n, qkv);
+        linear(p, layer.attn, saved(&a.xn1, a.half, l, nc), n, qkv);
         let att = &mut a.att[l * b * h * t * t..][..b * h * t * t];
-        let atty = &mut a.atty[l * nc..][..nc];
         // dc is free until the projection's output: the heads' rows are laid out there first.
         attention_forward(
             qkv,
             att,
-            atty,
+            saved_mut(&mut a.atty, p, l, nc),
             &mut a.dc[..nc],
             &a.head_pool,
             self.att(p, t),
         );
-        linear(p, layer.proj, atty, n, &mut a.dc[..nc]);
+        linear(
+            p,
+            layer.proj,
+            saved(&a.atty, a.half, l, nc),
+            n,
+            &mut a.dc[..nc],
+        );
         drop.apply(&mut a.dc[..nc], &mut a.masks);
         add(res2, res_in, &a.dc[..nc]);
-        let xn2 = &mut a.xn2[l * nc..][..nc];
+        let xn2 = saved_mut(&mut a.xn2, p, l, nc);
         layer_norm(res2, p, layer.ln2, c, xn2, &mut a.stats2[l * n..][..n]);
         let fc = &mut a.fc[l * 4 * nc..][..4 * nc];
-        linear(p, layer.fc, xn2, n, fc);
-        let g = &mut a.gelu[l * 4 * nc..][..4 * nc];
+        linear(p, layer.fc, saved(&a.xn2, a.half, l, nc), n, fc);
+        let g = saved_mut(&mut a.gelu, p, l, 4 * nc);
         match (self.activation, backward) {
             (Activation::Gelu, false) => map(g, fc, gelu_erf),
             (Activation::GeluTanh, false) => map(g, fc, gelu_tanh),
@@ -516,6 +560,7 @@ impl CpuGpt {
                 map_with_grad(g, fc, |x| (gelu_tanh(x), gelu_tanh_grad(x)))
             }
         }
+        let g = saved(&a.gelu, a.half, l, 4 * nc);
         linear(p, layer.mproj, g, n, &mut a.dc[..nc]);
         drop.apply(&mut a.dc[..nc], &mut a.masks);
         add(&mut res_rest[..nc], res2, &a.dc[..nc]);
@@ -533,22 +578,24 @@ impl CpuGpt {
     }
 
     /// Resizes the activation buffers for this model and a b x t batch (a no-op when nothing changed).
-    fn shape(&self, a: &mut Acts, b: usize, t: usize, dropout: bool) {
+    /// With `half`, the outputs that only the products read are stored in bf16 (`Acts::half`).
+    fn shape(&self, a: &mut Acts, b: usize, t: usize, dropout: bool, half: bool) {
         let (c, l, h, v) = (self.c, self.n_layers, self.heads, self.vocab);
         a.dropped = dropout;
         let masks = if dropout { (2 * l + 1) * b * t * c } else { 0 };
         let dims = (l, c, h, v);
-        if a.dims == dims && a.b == b && a.t == t && a.masks.len() >= masks {
+        if a.dims == dims && a.b == b && a.t == t && a.masks.len() >= masks && a.half == half {
             return;
         }
         let [res, res2, xn1, xn2, qkv, att, atty, fc, gelu, xf, logits, lse, masks, dres, dc, dc2, d4c, dqkv, stats1, stats2, statsf] =
-            sizes(dims, b, t, dropout);
+            sizes(dims, b, t, dropout, half);
         let z = |len: usize| vec![0.0f32; len];
         let s = |len: usize| vec![(0.0f32, 0.0f32); len];
         *a = Acts {
             dims,
             b,
             t,
+            half,
             res: z(res),
             res2: z(res2),
             xn1: z(xn1),
@@ -634,11 +681,11 @@ impl CpuGpt {
         } else {
             &a.dres
         };
-        let gelu = &a.gelu[l * 4 * nc..][..4 * nc];
+        let gelu = saved(&a.gelu, a.half, l, 4 * nc);
         linear_backward(p, grads, layer.mproj, dm, gelu, n, &mut a.d4c);
         // The GELU's derivative at its inputs, which the forward kept in `fc`.
         scale_by(&mut a.d4c, &a.fc[l * 4 * nc..][..4 * nc]);
-        let xn2 = &a.xn2[l * nc..][..nc];
+        let xn2 = saved(&a.xn2, a.half, l, nc);
         linear_backward(p, grads, layer.fc, &a.d4c, xn2, n, &mut a.dc2);
         let (res2, stats2) = (&a.res2[l * nc..][..nc], &a.stats2[l * n..][..n]);
         layer_norm_backward(res2, p, layer.ln2, c, stats2, &a.dc2, &mut a.dres, grads);
@@ -663,7 +710,7 @@ impl CpuGpt {
         } else {
             &a.dres
         };
-        let atty = &a.atty[l * nc..][..nc];
+        let atty = saved(&a.atty, a.half, l, nc);
         linear_backward(p, grads, layer.proj, da, atty, n, &mut a.dc2);
         let qkv = &a.qkv[l * 3 * nc..][..3 * nc];
         let att = &a.att[l * b * h * t * t..][..b * h * t * t];
@@ -676,7 +723,7 @@ impl CpuGpt {
             &a.head_pool,
             self.att(p, t),
         );
-        let xn1 = &a.xn1[l * nc..][..nc];
+        let xn1 = saved(&a.xn1, a.half, l, nc);
         linear_backward(p, grads, layer.attn, &a.dqkv, xn1, n, &mut a.dc2);
         let (res_l, stats1) = (&a.res[l * nc..][..nc], &a.stats1[l * n..][..n]);
         layer_norm_backward(res_l, p, layer.ln1, c, stats1, &a.dc2, &mut a.dres, grads);

@@ -1,6 +1,6 @@
 use super::*;
 use crate::config::ModelConfig;
-use crate::model::matmul::{mm, Bf16Path};
+use crate::model::matmul::{mm, to_bf16, Bf16Path};
 use crate::model::ops::{row_max, ROWS};
 use candle_core::{Device, Tensor};
 use gemm::Parallelism;
@@ -129,14 +129,24 @@ fn loss_and_gradients_match_candle_autograd() {
     }
 }
 
-/// `scratch_bytes` (what `check` budgets per compute slot) is what a forward/backward allocates, and
-/// a scratch moves between models and shapes.
+/// `scratch_bytes` (what `check` budgets per compute slot) is what a forward/backward allocates, in
+/// either precision (bf16 products store some outputs in bf16), and a scratch moves between models,
+/// shapes and precisions.
 #[test]
 fn scratch_bytes_is_the_size_of_the_buffers_a_step_allocates() {
     let mut scratch = Scratch::default();
-    for (layers, c, heads, b, t, dropout) in [(2, 16, 2, 3, 5, 0.0), (1, 8, 4, 2, 16, 0.1)] {
+    let cases = [
+        (2, 16, 2, 3, 5, 0.0),
+        (1, 8, 4, 2, 16, 0.1),
+        (1, 9, 3, 1, 3, 0.0),
+    ];
+    let precs = [Precision::F32, Precision::Bf16, Precision::F32];
+    for ((layers, c, heads, b, t, dropout), prec) in
+        cases.into_iter().flat_map(|k| precs.map(|p| (k, p)))
+    {
         let m = model(true, Activation::Gelu, dropout, layers, c, heads);
-        let cpu = CpuGpt::new(&m).unwrap();
+        let mut cpu = CpuGpt::new(&m).unwrap();
+        cpu.set_precision(prec, Bf16Path::detect());
         let (x, y) = (tokens(b * t, 5, 29), tokens(b * t, 7, 29));
         let mut g = vec![0.0f32; m.params.numel];
         let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -159,8 +169,8 @@ fn scratch_bytes_is_the_size_of_the_buffers_a_step_allocates() {
         ];
         let stats = a.stats1.len() + a.stats2.len() + a.statsf.len();
         let held = 4 * f32s.iter().map(|v| v.len()).sum::<usize>() + 8 * stats;
-        let want = scratch_bytes(layers, c, heads, 29, b, t, dropout > 0.0);
-        assert_eq!(held as u64, want);
+        let want = scratch_bytes(layers, c, heads, 29, b, t, dropout > 0.0, prec);
+        assert_eq!(held as u64, want, "{prec:?} c {c}");
     }
 }
 
@@ -192,6 +202,42 @@ fn bf16_bytes_bounds_the_buffers_of_a_step() {
                 held <= bound && 2 * held >= bound,
                 "{path:?} c {c} vocab {vocab}: {held} bytes held, {bound} estimated"
             );
+        }
+    }
+}
+
+/// Under bf16 products, the outputs that only they read (the LayerNorms', the attention's and the
+/// GELU's) are stored in bf16: the loss, every gradient and the eval loss are, bit for bit, those of
+/// storing them in f32 and rounding them as they are packed, on every path, with dropout and bias or
+/// without, for both GELUs and over widths that end mid-pair and mid-tile.
+#[test]
+fn outputs_stored_in_bf16_change_no_bit() {
+    for path in Bf16Path::available() {
+        for (bias, act, dropout, c, heads) in [
+            (true, Activation::Gelu, 0.1, 48, 4),
+            (false, Activation::GeluTanh, 0.0, 18, 3),
+        ] {
+            let m = model(bias, act, dropout, 2, c, heads);
+            let (b, t) = (3, 16);
+            let (x, y) = (tokens(b * t, 5, 29), tokens(b * t, 7, 29));
+            let w = m.params.to_flat().unwrap();
+            let run = |half: bool| {
+                let mut cpu = CpuGpt::new(&m).unwrap();
+                cpu.set_precision(Precision::Bf16, path);
+                cpu.half_acts = half;
+                let mut scratch = Scratch::default();
+                let mut g = vec![0.0f32; m.params.numel];
+                let mut rng = ChaCha8Rng::seed_from_u64(3);
+                let loss = cpu
+                    .loss_and_grads(&mut scratch, &w, &x, &y, b, t, Some(&mut rng), 1.0, &mut g)
+                    .unwrap();
+                let eval = cpu.loss(&mut scratch, &w, &x, &y, b, t).unwrap();
+                assert_eq!(scratch.acts.half, half);
+                let mut bits = vec![loss.to_bits(), eval.to_bits()];
+                bits.extend(g.iter().map(|v| v.to_bits()));
+                bits
+            };
+            assert!(run(true) == run(false), "{path} c {c} {act:?}");
         }
     }
 }
@@ -409,7 +455,8 @@ fn attention_run(qkv: &[f32], dy: &[f32], b: usize, s: Att, pool: &HeadPool) -> 
     let mut y = vec![f32::NAN; b * t * c];
     let mut dqkv = vec![f32::NAN; b * t * 3 * c];
     let mut heads = vec![f32::NAN; 3 * b * t * c];
-    attention_forward(qkv, &mut att, &mut y, &mut heads[..b * t * c], pool, s);
+    let out = ActMut::F32(&mut y);
+    attention_forward(qkv, &mut att, out, &mut heads[..b * t * c], pool, s);
     attention_backward((qkv, &att, dy), &mut dqkv, &mut heads, pool, s);
     [att, y, dqkv]
 }
@@ -565,10 +612,10 @@ fn element_wise_passes_asking_ahead_equal_plain_loops() {
         assert_eq!(bits(&out), plain(&|a, b| a + b), "add, {n}");
         layers::mul(&mut out, &a, &b);
         assert_eq!(bits(&out), plain(&|a, b| a * b), "mul, {n}");
-        layers::map(&mut out, &a, gelu_tanh);
+        layers::map(ActMut::F32(&mut out), &a, gelu_tanh);
         assert_eq!(bits(&out), plain(&|a, _| gelu_tanh(a)), "map, {n}");
         let mut x = a.clone();
-        layers::map_with_grad(&mut out, &mut x, gelu_erf_and_grad);
+        layers::map_with_grad(ActMut::F32(&mut out), &mut x, gelu_erf_and_grad);
         assert_eq!(
             bits(&out),
             plain(&|a, _| gelu_erf_and_grad(a).0),
@@ -579,6 +626,27 @@ fn element_wise_passes_asking_ahead_equal_plain_loops() {
             plain(&|a, _| gelu_erf_and_grad(a).1),
             "derivative, {n}"
         );
+        // Into bf16: the values rounded as each path's products round them.
+        for path in Bf16Path::available() {
+            let rounded = |v: &[f32]| {
+                let mut h = vec![0u16; v.len()];
+                to_bf16(path, v, &mut h);
+                h
+            };
+            let mut half = vec![0u16; n];
+            layers::map(ActMut::Bf16(&mut half, path), &a, gelu_tanh);
+            let want: Vec<f32> = a.iter().map(|&a| gelu_tanh(a)).collect();
+            assert_eq!(half, rounded(&want), "map into bf16, {n}, {path}");
+            let mut x = a.clone();
+            layers::map_with_grad(ActMut::Bf16(&mut half, path), &mut x, gelu_erf_and_grad);
+            let want: Vec<f32> = a.iter().map(|&a| gelu_erf_and_grad(a).0).collect();
+            assert_eq!(half, rounded(&want), "value into bf16, {n}, {path}");
+            assert_eq!(
+                bits(&x),
+                plain(&|a, _| gelu_erf_and_grad(a).1),
+                "derivative beside bf16, {n}, {path}"
+            );
+        }
         let mut g = a.clone();
         layers::scale_by(&mut g, &b);
         assert_eq!(bits(&g), plain(&|a, b| a * b), "scale_by, {n}");

@@ -7,9 +7,10 @@
 //! per element, whatever the thread count.
 
 use super::avx512::{
-    pack_b, pack_row_tiles, pair_rows_into, parts_by_index, transpose_bits, with_buffer,
+    pack_b, pack_row_tiles, pack_row_tiles16, pair_rows_into, parts_by_index, transpose_bits,
+    with_buffer,
 };
-use super::{Bf16Buffers, Lines, Strips, M, NR};
+use super::{Bf16Buffers, Lines, Op, Strips, M, NR};
 use crate::kernels::amx::{Amx, BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
 
@@ -41,22 +42,22 @@ pub(super) fn gemm(
     amx: Amx,
     out: &mut [f32],
     out_rs: usize,
-    a: &M,
-    b: &M,
+    a: &Op,
+    b: &Op,
     acc: bool,
     bufs: &mut Bf16Buffers,
 ) {
-    let (kp, kq) = pairs(a.cols);
+    let (kp, kq) = pairs(a.cols());
     let (pa, pb) = &mut bufs.packed;
-    pack_b(pb, b, kp, kq, b.cols.div_ceil(NR));
+    pack_b(pb, b, kp, kq, b.cols().div_ceil(NR));
     pack_a(pa, a, kp, kq);
     let b = Strips {
         words: pb.words(),
         stride: kq * NR,
         from: 0,
-        cols: b.cols,
+        cols: b.cols(),
     };
-    bands(amx, out, out_rs, (pa.words(), a.rows), b, kq, acc);
+    bands(amx, out, out_rs, (pa.words(), a.rows()), b, kq, acc);
 }
 
 /// out (a.rows x b.cols at stride `out_rs`) = a b over `kq` pairs of b from each strip's `from` (a
@@ -71,7 +72,7 @@ pub(super) fn gemm_packed(
 ) {
     let (kp, kq) = pairs(a.cols);
     let (pa, _) = &mut bufs.packed;
-    pack_a(pa, a, kp, kq);
+    pack_a(pa, &Op::F32(*a), kp, kq);
     bands(amx, out, out_rs, (pa.words(), a.rows), b, kq, false);
 }
 
@@ -152,16 +153,16 @@ fn out_len(m: usize, n: usize, out_rs: usize) -> usize {
 /// A (m x k) as bf16 pairs along k in the tiles `Amx::product` reads: block b of BLOCK rows at b BLOCK kq,
 /// pairs 16 s to 16 s + 15 of its row i at s STEP + i PAIRS; pairs past kp and rows past m zero up to
 /// kq pairs and a multiple of BLOCK rows.
-fn pack_a(pa: &mut Lines, a: &M, kp: usize, kq: usize) {
-    let mp = a.rows.div_ceil(BLOCK) * BLOCK;
+fn pack_a(pa: &mut Lines, a: &Op, kp: usize, kq: usize) {
+    let mp = a.rows().div_ceil(BLOCK) * BLOCK;
     let pa = pa.fit(mp * kq);
     if kq == 0 {
         return;
     }
-    if a.cs != 1 && a.rs == 1 {
-        pack_a_cols(pa, a, kp, kq);
-    } else {
-        pack_row_tiles(pa, a, kq);
+    match a {
+        Op::F32(a) if a.cs != 1 && a.rs == 1 => pack_a_cols(pa, a, kp, kq),
+        Op::F32(a) => pack_row_tiles(pa, a, kq),
+        Op::Bf16(a) => pack_row_tiles16(pa, a, kq),
     }
 }
 

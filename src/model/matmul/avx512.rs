@@ -1,7 +1,7 @@
 //! The vdpbf16ps GEMM, laid out as BLIS does: B packed into strips of NR columns, A into bf16
 //! pairs along k, an MR x NR micro-kernel keeping its tile of C in registers over KC pairs of k.
 
-use super::{a_stride, pair_along, Lines, Strips, M, MR, NR};
+use super::{a_stride, pair_along, Lines, Op, Rows16, Strips, M, MR, NR};
 use crate::kernels::amx::{BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
 use std::arch::x86_64::*;
@@ -24,29 +24,29 @@ struct APack {
 pub fn gemm(
     out: &mut [f32],
     out_rs: usize,
-    a: &M,
-    b: &M,
+    a: &Op,
+    b: &Op,
     acc: bool,
     pa: &mut Lines,
     pb: &mut Lines,
 ) {
-    let kp = a.cols.div_ceil(2);
-    pack_b(pb, b, kp, kp, b.cols.div_ceil(NR));
+    let kp = a.cols().div_ceil(2);
+    pack_b(pb, b, kp, kp, b.cols().div_ceil(NR));
     let ap = pack_a(pa, a, kp);
     let b = Strips {
         words: pb.words(),
         stride: kp * NR,
         from: 0,
-        cols: b.cols,
+        cols: b.cols(),
     };
-    run(out, out_rs, (pa.words(), ap, a.rows), b, kp, acc);
+    run(out, out_rs, (pa.words(), ap, a.rows()), b, kp, acc);
 }
 
 /// out (a.rows x b.cols at stride `out_rs`) = a b over the pairs of b from each strip's `from`, where b
 /// was packed once for several products (`PackedB`).
 pub fn gemm_packed(out: &mut [f32], out_rs: usize, a: &M, b: Strips, pa: &mut Lines) {
     let kp = a.cols.div_ceil(2);
-    let ap = pack_a(pa, a, kp);
+    let ap = pack_a(pa, &Op::F32(*a), kp);
     run(out, out_rs, (pa.words(), ap, a.rows), b, kp, false);
 }
 
@@ -121,12 +121,12 @@ unsafe impl Sync for SendPtr {}
 const PACK_PAIRS: usize = 32;
 
 /// B (k x n) as strips of NR columns, each kq pairs x NR (columns past n and pairs past kp zero).
-pub(super) fn pack_b(pb: &mut Lines, b: &M, kp: usize, kq: usize, strips: usize) {
+pub(super) fn pack_b(pb: &mut Lines, b: &Op, kp: usize, kq: usize, strips: usize) {
     let pb = pb.fit(strips * kq * NR);
-    if b.cs == 1 {
-        pack_b_rows(pb, b, kp, kq);
-    } else {
-        pack_b_cols(pb, b, kp, kq);
+    match b {
+        Op::F32(b) if b.cs == 1 => pack_b_rows(pb, b, kp, kq),
+        Op::F32(b) => pack_b_cols(pb, b, kp, kq),
+        Op::Bf16(b) => pack_b_rows16(pb, b, kp, kq),
     }
 }
 
@@ -152,6 +152,85 @@ fn pack_b_rows(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
                 unsafe { pair_rows_strips(&mut parts, at, r0, r1) };
             }
         });
+}
+
+/// `pack_b_rows` of a B stored in bf16: each pair of rows interleaved into every strip as they are.
+fn pack_b_rows16(pb: &mut [u32], b: &Rows16, kp: usize, kq: usize) {
+    parts_by_index(pb, kq * NR, PACK_PAIRS * NR)
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(t, mut parts)| {
+            for pp in 0..parts.first().map_or(0, |p| p.len() / NR) {
+                let (p, at) = (t * PACK_PAIRS + pp, pp * NR);
+                if p >= kp {
+                    parts.iter_mut().for_each(|s| s[at..][..NR].fill(0));
+                    continue;
+                }
+                let r1 = (2 * p + 1 < b.rows).then(|| b.row(2 * p + 1));
+                interleave_strips(&mut parts, at, b.row(2 * p), r1);
+            }
+        });
+}
+
+/// Rows r0 and r1 of bf16 values (r1 None: zeros) interleaved into the NR words from `at` of each
+/// strip's part, strip s taking columns s NR to s NR + NR - 1: word j = (r0[j], r1[j]), zero past the
+/// rows' end (`pair_rows_strips` without the rounding). Panics unless the parts cover the columns and
+/// each holds NR words from `at`.
+fn interleave_strips(parts: &mut [&mut [u32]], at: usize, r0: &[u16], r1: Option<&[u16]>) {
+    let n = r0.len();
+    assert!(
+        n <= parts.len() * NR && r1.is_none_or(|r| r.len() == n),
+        "rows wider than the strips"
+    );
+    for (s, part) in parts.iter_mut().enumerate() {
+        let dst: &mut [u32; NR] = (&mut part[at..][..NR]).try_into().expect("NR words");
+        let j0 = s * NR;
+        if j0 + NR <= n {
+            let lo: &[u16; NR] = r0[j0..][..NR].try_into().expect("NR columns");
+            let hi = r1.map(|r1| <&[u16; NR]>::try_from(&r1[j0..][..NR]).expect("NR columns"));
+            // SAFETY: the CPU has AVX512F (this module runs only where it does).
+            unsafe { interleave32(dst, lo, hi) };
+        } else {
+            for (j, d) in dst.iter_mut().enumerate() {
+                let at = |r: &[u16]| r.get(j0 + j).map_or(0, |&v| v as u32);
+                *d = at(r0) | r1.map_or(0, at) << 16;
+            }
+        }
+    }
+}
+
+/// dst[j] = (lo[j], hi[j]) (hi None: zeros), 16 words per instruction.
+///
+/// # Safety
+/// The CPU has AVX512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn interleave32(dst: &mut [u32; NR], lo: &[u16; NR], hi: Option<&[u16; NR]>) {
+    for h in 0..NR / 16 {
+        // SAFETY: each load reads 16 u16 (256 bits) from 16 h of a 32-value array, and each store
+        // writes 16 u32 from 16 h of a 32-word array.
+        unsafe {
+            let widen = |x: &[u16; NR]| {
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(x.as_ptr().add(16 * h) as *const _))
+            };
+            let v = match hi {
+                Some(hi) => _mm512_or_si512(widen(lo), _mm512_slli_epi32::<16>(widen(hi))),
+                None => widen(lo),
+            };
+            _mm512_storeu_si512(dst.as_mut_ptr().add(16 * h) as *mut _, v);
+        }
+    }
+}
+
+/// A row of bf16 values as pairs along it: out[p] = (x[2p], x[2p + 1]), zero past x's end. These are
+/// the row's bytes as they are (x86 words are little-endian: x[2p] is the low half).
+fn pairs_of(out: &mut [u32], x: &[u16]) {
+    let whole = x.len() / 2;
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out[..whole]);
+    bytes.copy_from_slice(bytemuck::cast_slice(&x[..2 * whole]));
+    if x.len() % 2 == 1 {
+        out[whole] = x[2 * whole] as u32;
+    }
+    out[x.len().div_ceil(2)..].fill(0);
 }
 
 /// `buf`'s pieces of `piece` words, each cut into parts of `part` words (the last shorter where
@@ -248,17 +327,19 @@ pub(super) fn transpose_bits(
 }
 
 /// A (m x k) as bf16 pairs along k, rows padded to a multiple of MR with zeros.
-fn pack_a(pa: &mut Lines, a: &M, kp: usize) -> APack {
-    let mp = a.rows.div_ceil(MR) * MR;
-    if a.cs == 1 || a.rs != 1 {
-        // Row i's pairs contiguous (the kernel reads none past kp).
-        let is = a_stride(kp);
-        pack_rows(pa.fit(mp * is), a, kp, is);
-        APack { is, ps: 1 }
-    } else {
-        pack_cols(pa.fit(kp * mp), a, kp, mp);
-        APack { is: 1, ps: mp }
+fn pack_a(pa: &mut Lines, a: &Op, kp: usize) -> APack {
+    let mp = a.rows().div_ceil(MR) * MR;
+    // Row i's pairs contiguous (the kernel reads none past kp).
+    let is = a_stride(kp);
+    match a {
+        Op::F32(a) if a.cs != 1 && a.rs == 1 => {
+            pack_cols(pa.fit(kp * mp), a, kp, mp);
+            return APack { is: 1, ps: mp };
+        }
+        Op::F32(a) => pack_rows(pa.fit(mp * is), a, kp, is),
+        Op::Bf16(a) => pack_rows16(pa.fit(mp * is), a, kp, is),
     }
+    APack { is, ps: 1 }
 }
 
 /// A's rows as bf16 pairs along k in `pa`, row i's kp pairs at i `is`, MR rows a task; rows past m
@@ -275,6 +356,50 @@ fn pack_rows(pa: &mut [u32], a: &M, kp: usize, is: usize) {
                     unsafe { pair_along_bf16(&mut out[..kp], a.d, at, a.cs, k) };
                 } else {
                     out[..kp].fill(0);
+                }
+            }
+        });
+}
+
+/// `pack_rows` of an A stored in bf16: its rows' pairs as they are.
+fn pack_rows16(pa: &mut [u32], a: &Rows16, kp: usize, is: usize) {
+    pa.par_chunks_mut(is * MR)
+        .enumerate()
+        .for_each(|(blk, rows)| {
+            for (r, out) in rows.chunks_mut(is).enumerate() {
+                match blk * MR + r {
+                    i if i < a.rows => pairs_of(&mut out[..kp], a.row(i)),
+                    _ => out[..kp].fill(0),
+                }
+            }
+        });
+}
+
+/// `pack_row_tiles` of an A stored in bf16: each step of a row its 32 values as they are (zero past
+/// the row's end and for rows past m).
+pub(super) fn pack_row_tiles16(pa: &mut [u32], a: &Rows16, kq: usize) {
+    pa.par_chunks_mut(BLOCK * kq)
+        .enumerate()
+        .for_each(|(blk, block)| {
+            for r in 0..BLOCK {
+                let x = match blk * BLOCK + r {
+                    i if i < a.rows => a.row(i),
+                    _ => &[],
+                };
+                for (s, step) in block.chunks_exact_mut(STEP).enumerate() {
+                    let dst = &mut step[r * PAIRS..][..PAIRS];
+                    let x = &x[(2 * PAIRS * s).min(x.len())..];
+                    if x.len() >= 2 * PAIRS {
+                        // A whole tile row: 64 bytes copied (a fixed-size copy, no call).
+                        let src: &[u8; 4 * PAIRS] = bytemuck::cast_slice(&x[..2 * PAIRS])
+                            .try_into()
+                            .expect("a row");
+                        let dst: &mut [u8; 4 * PAIRS] =
+                            bytemuck::cast_slice_mut(dst).try_into().expect("a row");
+                        *dst = *src;
+                    } else {
+                        pairs_of(dst, x);
+                    }
                 }
             }
         });
@@ -420,6 +545,45 @@ unsafe fn pair16(r0: &[f32], r1: Option<&[f32]>, j: usize) -> __m512i {
     match r1 {
         Some(r1) => _mm512_or_si512(widen(r0), _mm512_slli_epi32::<16>(widen(r1))),
         None => widen(r0),
+    }
+}
+
+/// `x` rounded to bf16 (their bits) by vcvtneps2bf16, as the packings round an f32 operand (see
+/// `pair16`). Panics unless `out` and `x` have the same length.
+pub(super) fn to_bf16(x: &[f32], out: &mut [u16]) {
+    // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+    unsafe { to_bf16_hw(x, out) }
+}
+
+/// `to_bf16`, 32 values per conversion.
+///
+/// # Safety
+/// The CPU has AVX512F and AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn to_bf16_hw(x: &[f32], out: &mut [u16]) {
+    assert_eq!(x.len(), out.len(), "bf16 copy of another length");
+    let full = x.len() / 32 * 32;
+    for c in (0..full).step_by(32) {
+        // SAFETY: c + 32 <= full <= x.len() = out.len(): both 16-value loads and the 32-value store
+        // stay inside the slices; the transmute reinterprets 32 bf16 (512 bits) as the integer
+        // vector of the same width.
+        unsafe {
+            let lo = _mm512_loadu_ps(x.as_ptr().add(c));
+            let hi = _mm512_loadu_ps(x.as_ptr().add(c + 16));
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(out.as_mut_ptr().add(c) as *mut _, v);
+        }
+    }
+    for c in (full..x.len()).step_by(16) {
+        let left = x.len() - c;
+        // SAFETY: the masked lanes are x's values from c (fewer than 32 left; masked-off lanes are
+        // neither read nor faulted on); the transmute reinterprets 16 bf16 (256 bits) as 16 u16.
+        let words = unsafe {
+            let v = _mm512_maskz_loadu_ps(mask(left), x.as_ptr().add(c));
+            std::mem::transmute::<__m256bh, [u16; 16]>(_mm512_cvtneps_pbh(v))
+        };
+        let n = left.min(16);
+        out[c..][..n].copy_from_slice(&words[..n]);
     }
 }
 

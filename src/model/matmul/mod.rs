@@ -9,7 +9,6 @@
 //! bf16 product is exact in f32), summed in another order.
 
 use crate::kernels::amx::Amx;
-use crate::kernels::gemm::dims;
 pub use crate::kernels::gemm::{mm, par, M};
 use multiversion::multiversion;
 use rayon::prelude::*;
@@ -367,18 +366,101 @@ pub(super) struct Products<'a> {
     pub prec: Precision,
     pub path: Bf16Path,
     pub bufs: &'a RefCell<Bf16Buffers>,
+    /// Whether bf16 products' operands that only they read are stored in bf16 (`stores_bf16`);
+    /// stored in f32, they are rounded as they are packed, to the same bits.
+    pub half: bool,
 }
 
 impl Products<'_> {
     /// out (a.rows x b.cols, row stride `out_rs`) = a b, or += when `acc`.
     pub fn mm(&self, out: &mut [f32], out_rs: usize, a: M, b: M, acc: bool) {
-        match self.prec {
-            Precision::F32 => mm(out, out_rs, a, b, acc, 1.0, par()),
-            Precision::Bf16 => {
+        self.mm_ops(out, out_rs, Op::F32(a), Op::F32(b), acc);
+    }
+
+    /// `mm` of operands that may be stored in bf16 already (`Products::stores_bf16`).
+    ///
+    /// Panics on a bf16 operand of f32 products: the layers store their outputs in bf16 only for bf16
+    /// products.
+    pub fn mm_ops(&self, out: &mut [f32], out_rs: usize, a: Op, b: Op, acc: bool) {
+        match (self.prec, a, b) {
+            (Precision::F32, Op::F32(a), Op::F32(b)) => mm(out, out_rs, a, b, acc, 1.0, par()),
+            (Precision::F32, ..) => panic!("a bf16 operand of an f32 product"),
+            (Precision::Bf16, ..) => {
                 let mut bufs = self.bufs.borrow_mut();
-                mm_bf16(self.path, &mut bufs, out, out_rs, a, b, acc)
+                mm_bf16_ops(self.path, &mut bufs, out, out_rs, a, b, acc)
             }
         }
+    }
+
+    /// Whether the outputs that only these products read are stored in bf16 (`to_bf16`): under bf16
+    /// products, whose packing would round them to the same bits.
+    pub fn stores_bf16(&self) -> bool {
+        self.prec == Precision::Bf16 && self.half
+    }
+}
+
+/// A row-major matrix of bf16 values (their bits), as the layers store the outputs that only bf16
+/// products read (`to_bf16`): the products pack them as they are, where an f32 operand is rounded first.
+#[derive(Clone, Copy)]
+pub struct Rows16<'a> {
+    pub d: &'a [u16],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> Rows16<'a> {
+    pub fn new(d: &'a [u16], rows: usize, cols: usize) -> Self {
+        Self { d, rows, cols }
+    }
+
+    /// Row i's elements.
+    fn row(&self, i: usize) -> &'a [u16] {
+        &self.d[i * self.cols..][..self.cols]
+    }
+}
+
+/// An operand of a bf16 product: f32 (rounded to bf16 as it is packed) or bf16 already.
+#[derive(Clone, Copy)]
+pub enum Op<'a> {
+    F32(M<'a>),
+    Bf16(Rows16<'a>),
+}
+
+impl Op<'_> {
+    fn rows(&self) -> usize {
+        match self {
+            Op::F32(m) => m.rows,
+            Op::Bf16(h) => h.rows,
+        }
+    }
+
+    fn cols(&self) -> usize {
+        match self {
+            Op::F32(m) => m.cols,
+            Op::Bf16(h) => h.cols,
+        }
+    }
+
+    /// The last element it reads is inside its slice.
+    fn fits(&self) -> bool {
+        match self {
+            Op::F32(m) => m.fits(m.d.len()),
+            Op::Bf16(h) => h.rows * h.cols <= h.d.len(),
+        }
+    }
+}
+
+/// `out` = `x` rounded to bf16 (their bits) as `path`'s packing rounds an f32 operand: round to nearest
+/// even, and on the bf16 hardware paths (vcvtneps2bf16) f32 subnormals read as zero, as vdpbf16ps and
+/// tdpbf16ps read bf16 ones. The products of what it stores are then those of `x`, bit for bit.
+///
+/// Panics unless `out` and `x` have the same length.
+pub fn to_bf16(path: Bf16Path, x: &[f32], out: &mut [u16]) {
+    assert_eq!(x.len(), out.len(), "bf16 copy of another length");
+    match path.unit {
+        #[cfg(target_arch = "x86_64")]
+        Unit::Avx512 | Unit::Amx(_) => avx512::to_bf16(x, out),
+        _ => out.iter_mut().zip(x).for_each(|(o, &v)| *o = bf16(v)),
     }
 }
 
@@ -392,7 +474,25 @@ pub fn mm_bf16(
     b: M,
     acc: bool,
 ) {
-    let (m, n, k) = dims(out, out_rs, &a, &b);
+    mm_bf16_ops(path, bufs, out, out_rs, Op::F32(a), Op::F32(b), acc);
+}
+
+/// `mm_bf16` of operands that may be stored in bf16 already (`Op`).
+pub fn mm_bf16_ops(
+    path: Bf16Path,
+    bufs: &mut Bf16Buffers,
+    out: &mut [f32],
+    out_rs: usize,
+    a: Op,
+    b: Op,
+    acc: bool,
+) {
+    let (m, n, k) = (a.rows(), b.cols(), a.cols());
+    assert_eq!(k, b.rows(), "inner dimensions");
+    assert!(
+        a.fits() && b.fits() && M::strided(out, m, n, out_rs).fits(out.len()),
+        "matmul operand out of bounds"
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -462,17 +562,17 @@ impl PackedB {
             #[cfg(target_arch = "x86_64")]
             Unit::Amx(_) => {
                 let (kp, kq) = amx::pairs(k);
-                avx512::pack_b(&mut self.words, &b, kp, kq, strips);
+                avx512::pack_b(&mut self.words, &Op::F32(b), kp, kq, strips);
                 kq
             }
             #[cfg(target_arch = "x86_64")]
             Unit::Avx512 => {
                 let kp = k.div_ceil(2);
-                avx512::pack_b(&mut self.words, &b, kp, kp, strips);
+                avx512::pack_b(&mut self.words, &Op::F32(b), kp, kp, strips);
                 kp
             }
             _ => {
-                round_into(&mut self.rounded, &b);
+                round_into(&mut self.rounded, &Op::F32(b));
                 0
             }
         };
@@ -536,8 +636,19 @@ pub fn mm_bf16_packed(
     }
 }
 
-/// `buf` = the rows of `x` rounded to bf16, row-major.
-fn round_into(buf: &mut Vec<f32>, x: &M) {
+/// `buf` = the rows of `x` rounded to bf16, row-major (bf16 values widened, which is exact).
+fn round_into(buf: &mut Vec<f32>, x: &Op) {
+    let x = match x {
+        Op::F32(x) => x,
+        Op::Bf16(h) => {
+            fit(buf, h.rows * h.cols);
+            let widen = |v: &u16| f32::from_bits((*v as u32) << 16);
+            buf.par_chunks_mut(1 << 14)
+                .zip(h.d[..h.rows * h.cols].par_chunks(1 << 14))
+                .for_each(|(o, v)| o.iter_mut().zip(v).for_each(|(o, v)| *o = widen(v)));
+            return;
+        }
+    };
     fit(buf, x.rows * x.cols);
     let cols = x.cols;
     buf.par_chunks_mut(cols * 64)
@@ -702,6 +813,83 @@ mod tests {
                         bits(&want),
                         "{path:?} {la}{lb} k0 {k0} {m}x{n}x{k}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Operands stored in bf16 (`Op::Bf16`, as `to_bf16` rounds them) give, bit for bit, the products
+    /// of their f32 sources on every path: as A, as B and both, accumulating or not, over odd k and n,
+    /// rows past a tile's edge, k under a tile row and over three of the AMX GEMM's passes.
+    #[test]
+    fn products_of_bf16_operands_are_those_of_their_f32_sources() {
+        let mut bufs = Bf16Buffers::default();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for path in paths() {
+            for (m, n, k) in [
+                (1, 1, 1),
+                (3, 5, 2),
+                (33, 70, 129),
+                (64, 32, 384),
+                (37, 45, 4200),
+            ] {
+                let (ad, bd) = (values(m * k, (m + k) as u64), values(k * n, (n + k) as u64));
+                let half = |v: &[f32]| {
+                    let mut h = vec![0u16; v.len()];
+                    to_bf16(path, v, &mut h);
+                    h
+                };
+                let (ah, bh) = (half(&ad), half(&bd));
+                let (a, b) = (M::new(&ad, m, k), M::new(&bd, k, n));
+                let (a16, b16) = (Rows16::new(&ah, m, k), Rows16::new(&bh, k, n));
+                for acc in [false, true] {
+                    let init = values(m * n, 4);
+                    let mut want = init.clone();
+                    mm_bf16(path, &mut bufs, &mut want, n, a, b, acc);
+                    for (la, lb) in [(true, false), (false, true), (true, true)] {
+                        let oa = if la { Op::Bf16(a16) } else { Op::F32(a) };
+                        let ob = if lb { Op::Bf16(b16) } else { Op::F32(b) };
+                        let mut got = init.clone();
+                        mm_bf16_ops(path, &mut bufs, &mut got, n, oa, ob, acc);
+                        assert!(
+                            bits(&got) == bits(&want),
+                            "{path} {m}x{n}x{k} bf16 A {la} B {lb} acc {acc}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// `to_bf16` rounds as each path's packing does: to nearest even, and on the hardware paths an f32
+    /// subnormal to zero (what their products read a bf16 subnormal as), over lengths that end
+    /// mid-vector.
+    #[test]
+    fn to_bf16_rounds_as_the_packing_does() {
+        let mut xs = values(1000, 8);
+        xs.extend([
+            0.0,
+            -0.0,
+            1e-40,
+            -1e-40,
+            f32::from_bits(0x007f_ffff),
+            f32::MIN_POSITIVE,
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::INFINITY,
+            f32::MAX,
+        ]);
+        for path in paths() {
+            for len in [xs.len(), 33, 17, 1] {
+                let x = &xs[xs.len() - len..];
+                let mut got = vec![0u16; len];
+                to_bf16(path, x, &mut got);
+                for (&v, &g) in x.iter().zip(&got) {
+                    let want = match path.is_hardware() && v.is_subnormal() {
+                        true => bf16(0.0f32.copysign(v)),
+                        false => bf16(v),
+                    };
+                    assert_eq!(g, want, "{path} {v:e} of {len}");
                 }
             }
         }
