@@ -76,6 +76,14 @@ impl<'a> Act<'a> {
             Act::Bf16(d) => Op::Bf16(Rows16::new(d, rows, cols)),
         }
     }
+
+    /// The transpose of `op(rows, cols)`.
+    fn op_t(self, rows: usize, cols: usize) -> Op<'a> {
+        match self {
+            Act::F32(d) => Op::F32(M::new(d, rows, cols).t()),
+            Act::Bf16(d) => Op::Bf16T(Rows16::new(d, rows, cols)),
+        }
+    }
 }
 
 /// Where a layer writes an output that only the products read (`Act`): f32, or bf16 rounded as
@@ -137,24 +145,24 @@ pub(super) fn linear(p: &Params, lin: Linear, x: Act, n: usize, out: &mut [f32])
 }
 
 /// Backward of `linear` given dy (n, out) and its input x (n, in): dW += dy^T x, db += column sums of
-/// dy, dx = dy W.
+/// dy, dx = dy W. A dy stored in bf16 comes from a producer that added its column sums to db already
+/// (`rows_into`), from its f32 values.
 pub(super) fn linear_backward(
     p: &Params,
     grads: &mut [f32],
     lin: Linear,
-    dy: &[f32],
+    dy: Act,
     x: Act,
     n: usize,
     dx: &mut [f32],
 ) {
-    let dy_m = M::new(dy, n, lin.out);
     let dw = lin.w.of(grads);
-    p.mm.mm_ops(dw, lin.inp, Op::F32(dy_m.t()), x.op(n, lin.inp), true);
-    if let Some(b) = lin.b {
+    p.mm.mm_ops(dw, lin.inp, dy.op_t(n, lin.out), x.op(n, lin.inp), true);
+    if let (Some(b), Act::F32(dy)) = (lin.b, dy) {
         column_sums_into(b.of(grads), dy, lin.out);
     }
     let w = M::new(p.get(lin.w), lin.out, lin.inp);
-    p.mm.mm(dx, lin.inp, dy_m, w, false);
+    p.mm.mm_ops(dx, lin.inp, dy.op(n, lin.out), Op::F32(w), false);
 }
 
 /// acc[j] += sum over rows of m[., j], with per-task partial sums added in task order (the result does
@@ -174,6 +182,39 @@ pub(super) fn column_sums_into(acc: &mut [f32], m: &[f32], cols: usize) {
         .collect();
     for s in partial {
         acc.iter_mut().zip(&s).for_each(|(a, v)| *a += v);
+    }
+}
+
+/// The rows of `out` (width `cols`), row r written by `f(r, row)` as f32 and stored as T (`Stored`);
+/// with `sums`, their f32 column sums added into it as `column_sums_into` adds them (a partial sum per
+/// task of `rows_per_task` rows in row order, the partials added in task order: the same bits).
+#[multiversion(targets = "simd")]
+pub(super) fn rows_into<T: Stored>(
+    (out, path): (&mut [T], Bf16Path),
+    cols: usize,
+    sums: Option<&mut [f32]>,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let per = rows_per_task(out.len() / cols, cols);
+    let width = if sums.is_some() { cols } else { 0 };
+    let partial: Vec<Vec<f32>> = out
+        .par_chunks_mut(per * cols)
+        .enumerate()
+        .map_init(Vec::new, |scratch, (t, rows)| {
+            let mut s = vec![0.0f32; width];
+            for (i, row) in rows.chunks_mut(cols).enumerate() {
+                T::write(row, path, scratch, |row| {
+                    f(t * per + i, row);
+                    s.iter_mut().zip(row.iter()).for_each(|(s, v)| *s += v);
+                });
+            }
+            s
+        })
+        .collect();
+    if let Some(acc) = sums {
+        for s in partial {
+            acc.iter_mut().zip(&s).for_each(|(a, v)| *a += v);
+        }
     }
 }
 
@@ -470,10 +511,7 @@ pub(super) fn attention_forward(
                 head_forward(&mut scratch.parts(s.amp, 0).0, qkv, pr, yh, s);
             },
         );
-    match y {
-        ActMut::F32(y) => from_heads(heads, (y, Bf16Path::EMULATED), s, 1),
-        ActMut::Bf16(y, path) => from_heads(heads, (y, path), s, 1),
-    }
+    from_heads(heads, y, None, s, 1);
 }
 
 /// One head of one sequence: `ATT_BLOCK` query rows at a time against the keys and values up to the
@@ -541,21 +579,21 @@ pub(super) fn causal_sums(k: usize, i0: usize, f: impl Fn(usize, usize) -> f32) 
 }
 
 /// Rows kept per head as (B, H, T, parts, hs) laid out as the model's (B T, parts C): part p of head
-/// `hd` at columns p C + hd hs of its row (`parts` 1: the attention's output; 3: q, k and v).
-fn from_heads<T: Stored>(heads: &[f32], (out, path): (&mut [T], Bf16Path), s: Att, parts: usize) {
+/// `hd` at columns p C + hd hs of its row (`parts` 1: the attention's output; 3: q, k and v), stored
+/// as `out` takes them (`rows_into`; with `sums`, their column sums added).
+fn from_heads(heads: &[f32], out: ActMut, sums: Option<&mut [f32]>, s: Att, parts: usize) {
     let (t, h, hs) = (s.t, s.h, s.hs());
-    out.par_chunks_mut(parts * s.c)
-        .enumerate()
-        .with_min_len(64)
-        .for_each_init(Vec::new, |scratch, (i, row)| {
-            let (b, r) = (i / t, i % t);
-            T::write(row, path, scratch, |row| {
-                for (p, hd) in (0..parts).flat_map(|p| (0..h).map(move |hd| (p, hd))) {
-                    let from = (((b * h + hd) * t + r) * parts + p) * hs;
-                    row[(p * h + hd) * hs..][..hs].copy_from_slice(&heads[from..][..hs]);
-                }
-            })
-        });
+    let row = |i: usize, row: &mut [f32]| {
+        let (b, r) = (i / t, i % t);
+        for (p, hd) in (0..parts).flat_map(|p| (0..h).map(move |hd| (p, hd))) {
+            let from = (((b * h + hd) * t + r) * parts + p) * hs;
+            row[(p * h + hd) * hs..][..hs].copy_from_slice(&heads[from..][..hs]);
+        }
+    };
+    match out {
+        ActMut::F32(o) => rows_into((o, Bf16Path::EMULATED), parts * s.c, sums, row),
+        ActMut::Bf16(o, path) => rows_into((o, path), parts * s.c, sums, row),
+    }
 }
 
 /// Backward of `attention_forward` given dy (n, C): dqkv (n, 3C) is overwritten. A task per head of
@@ -563,7 +601,7 @@ fn from_heads<T: Stored>(heads: &[f32], (out, path): (&mut [T], Bf16Path), s: At
 /// (B, H, T, 3, hs)), then laid out as dqkv's.
 pub(super) fn attention_backward(
     (qkv, att, dy): (&[f32], &[f32], &[f32]),
-    dqkv: &mut [f32],
+    (dqkv, sums): (ActMut, Option<&mut [f32]>),
     heads: &mut [f32],
     pool: &HeadPool,
     s: Att,
@@ -587,7 +625,7 @@ pub(super) fn attention_backward(
                 head_backward(&mut m, (qkv, pr, dy), dh, ds, s);
             },
         );
-    from_heads(heads, (dqkv, Bf16Path::EMULATED), s, 3);
+    from_heads(heads, dqkv, sums, s, 3);
 }
 
 /// One head of one sequence, blocked as the forward: a row block of dP, dS and dq reaches the block's
@@ -737,6 +775,26 @@ fn map_with_grad_of<T: Stored>(
                 })
             })
         });
+}
+
+/// out = g * d, row by row (width `cols`), stored as `out` takes it (`rows_into`), with `sums` the
+/// column sums of g * d in f32 added: `scale_by` and `column_sums_into` in one pass, to the same bits.
+pub(super) fn scaled_rows(
+    out: ActMut,
+    sums: Option<&mut [f32]>,
+    (g, d): (&[f32], &[f32]),
+    cols: usize,
+) {
+    let row = |r: usize, row: &mut [f32]| {
+        let (g, d) = (&g[r * cols..][..cols], &d[r * cols..][..cols]);
+        row.iter_mut()
+            .zip(g.iter().zip(d))
+            .for_each(|(o, (&g, &d))| *o = g * d);
+    };
+    match out {
+        ActMut::F32(o) => rows_into((o, Bf16Path::EMULATED), cols, sums, row),
+        ActMut::Bf16(o, path) => rows_into((o, path), cols, sums, row),
+    }
 }
 
 /// g *= d, in parallel chunks.

@@ -117,6 +117,9 @@ struct Acts {
     dc2: Vec<f32>,
     d4c: Vec<f32>,
     dqkv: Vec<f32>,
+    /// With `half`, the gradients that only the products read (the fc layer's and the QKV layer's dy)
+    /// in bf16, two to an f32; empty otherwise.
+    dyh: Vec<f32>,
     /// The attention's tasks' scratch (not `heads`, the heads' rows laid out in `dc` and `d4c`).
     head_pool: HeadPool,
 }
@@ -140,34 +143,35 @@ fn sizes(
     t: usize,
     dropout: bool,
     half: bool,
-) -> [usize; 21] {
+) -> [usize; 22] {
     let (l, c, h, v) = dims;
     let n = b * t;
     let nc = n * c;
     let masks = if dropout { (2 * l + 1) * nc } else { 0 };
     let saved = |len: usize| if half { len.div_ceil(2) } else { len };
     [
-        (l + 1) * nc,      // res
-        l * nc,            // res2
-        saved(l * nc),     // xn1
-        saved(l * nc),     // xn2
-        l * 3 * nc,        // qkv
-        l * b * h * t * t, // att
-        saved(l * nc),     // atty
-        l * 4 * nc,        // fc
-        saved(l * 4 * nc), // gelu
-        nc,                // xf
-        n * v,             // logits
-        n,                 // lse
-        masks,             // masks
-        nc,                // dres
-        nc,                // dc
-        nc,                // dc2
-        4 * nc,            // d4c
-        3 * nc,            // dqkv
-        l * n,             // stats1
-        l * n,             // stats2
-        n,                 // statsf
+        (l + 1) * nc,                  // res
+        l * nc,                        // res2
+        saved(l * nc),                 // xn1
+        saved(l * nc),                 // xn2
+        l * 3 * nc,                    // qkv
+        l * b * h * t * t,             // att
+        saved(l * nc),                 // atty
+        l * 4 * nc,                    // fc
+        saved(l * 4 * nc),             // gelu
+        nc,                            // xf
+        n * v,                         // logits
+        n,                             // lse
+        masks,                         // masks
+        nc,                            // dres
+        nc,                            // dc
+        nc,                            // dc2
+        4 * nc,                        // d4c
+        3 * nc,                        // dqkv
+        if half { 2 * nc } else { 0 }, // dyh
+        l * n,                         // stats1
+        l * n,                         // stats2
+        n,                             // statsf
     ]
 }
 
@@ -186,7 +190,7 @@ pub fn scratch_bytes(
 ) -> u64 {
     let half = prec == Precision::Bf16;
     let s = sizes((n_layers, n_embd, n_heads, vocab), b, t, dropout, half);
-    let (f32s, stats) = s.split_at(18);
+    let (f32s, stats) = s.split_at(19);
     (4 * f32s.iter().sum::<usize>() + 8 * stats.iter().sum::<usize>()) as u64
 }
 
@@ -587,7 +591,7 @@ impl CpuGpt {
         if a.dims == dims && a.b == b && a.t == t && a.masks.len() >= masks && a.half == half {
             return;
         }
-        let [res, res2, xn1, xn2, qkv, att, atty, fc, gelu, xf, logits, lse, masks, dres, dc, dc2, d4c, dqkv, stats1, stats2, statsf] =
+        let [res, res2, xn1, xn2, qkv, att, atty, fc, gelu, xf, logits, lse, masks, dres, dc, dc2, d4c, dqkv, dyh, stats1, stats2, statsf] =
             sizes(dims, b, t, dropout, half);
         let z = |len: usize| vec![0.0f32; len];
         let s = |len: usize| vec![(0.0f32, 0.0f32); len];
@@ -618,6 +622,7 @@ impl CpuGpt {
             dc2: z(dc2),
             d4c: z(d4c),
             dqkv: z(dqkv),
+            dyh: z(dyh),
             head_pool: HeadPool::default(),
         };
     }
@@ -682,11 +687,23 @@ impl CpuGpt {
             &a.dres
         };
         let gelu = saved(&a.gelu, a.half, l, 4 * nc);
-        linear_backward(p, grads, layer.mproj, dm, gelu, n, &mut a.d4c);
+        linear_backward(p, grads, layer.mproj, Act::F32(dm), gelu, n, &mut a.d4c);
         // The GELU's derivative at its inputs, which the forward kept in `fc`.
-        scale_by(&mut a.d4c, &a.fc[l * 4 * nc..][..4 * nc]);
+        let fc = &a.fc[l * 4 * nc..][..4 * nc];
+        let dy = match p.mm.stores_bf16() {
+            true => {
+                let (d4c, out) = (&a.d4c, saved_mut(&mut a.dyh, p, 0, 4 * nc));
+                let db = layer.fc.b.map(|b| b.of(grads));
+                scaled_rows(out, db, (d4c, fc), 4 * c);
+                saved(&a.dyh, true, 0, 4 * nc)
+            }
+            false => {
+                scale_by(&mut a.d4c, fc);
+                Act::F32(&a.d4c)
+            }
+        };
         let xn2 = saved(&a.xn2, a.half, l, nc);
-        linear_backward(p, grads, layer.fc, &a.d4c, xn2, n, &mut a.dc2);
+        linear_backward(p, grads, layer.fc, dy, xn2, n, &mut a.dc2);
         let (res2, stats2) = (&a.res2[l * nc..][..nc], &a.stats2[l * n..][..n]);
         layer_norm_backward(res2, p, layer.ln2, c, stats2, &a.dc2, &mut a.dres, grads);
     }
@@ -711,20 +728,33 @@ impl CpuGpt {
             &a.dres
         };
         let atty = saved(&a.atty, a.half, l, nc);
-        linear_backward(p, grads, layer.proj, da, atty, n, &mut a.dc2);
+        linear_backward(p, grads, layer.proj, Act::F32(da), atty, n, &mut a.dc2);
         let qkv = &a.qkv[l * 3 * nc..][..3 * nc];
         let att = &a.att[l * b * h * t * t..][..b * h * t * t];
         // d4c is the MLP's scratch, free here.
         let heads = &mut a.d4c[..3 * nc];
+        // Stored in bf16, dqkv's column sums (the bias's gradient) are added as it is laid out.
+        let half = p.mm.stores_bf16();
+        let (dqkv, db) = match half {
+            true => (
+                saved_mut(&mut a.dyh, p, 0, 3 * nc),
+                layer.attn.b.map(|b| b.of(grads)),
+            ),
+            false => (ActMut::F32(&mut a.dqkv), None),
+        };
         attention_backward(
             (qkv, att, &a.dc2),
-            &mut a.dqkv,
+            (dqkv, db),
             heads,
             &a.head_pool,
             self.att(p, t),
         );
+        let dy = match half {
+            true => saved(&a.dyh, true, 0, 3 * nc),
+            false => Act::F32(&a.dqkv),
+        };
         let xn1 = saved(&a.xn1, a.half, l, nc);
-        linear_backward(p, grads, layer.attn, &a.dqkv, xn1, n, &mut a.dc2);
+        linear_backward(p, grads, layer.attn, dy, xn1, n, &mut a.dc2);
         let (res_l, stats1) = (&a.res[l * nc..][..nc], &a.stats1[l * n..][..n]);
         layer_norm_backward(res_l, p, layer.ln1, c, stats1, &a.dc2, &mut a.dres, grads);
     }

@@ -165,7 +165,7 @@ fn scratch_bytes_is_the_size_of_the_buffers_a_step_allocates() {
         let a = &scratch.acts;
         let f32s = [
             &a.res, &a.res2, &a.xn1, &a.xn2, &a.qkv, &a.att, &a.atty, &a.fc, &a.gelu, &a.xf,
-            &a.logits, &a.lse, &a.masks, &a.dres, &a.dc, &a.dc2, &a.d4c, &a.dqkv,
+            &a.logits, &a.lse, &a.masks, &a.dres, &a.dc, &a.dc2, &a.d4c, &a.dqkv, &a.dyh,
         ];
         let stats = a.stats1.len() + a.stats2.len() + a.statsf.len();
         let held = 4 * f32s.iter().map(|v| v.len()).sum::<usize>() + 8 * stats;
@@ -457,7 +457,13 @@ fn attention_run(qkv: &[f32], dy: &[f32], b: usize, s: Att, pool: &HeadPool) -> 
     let mut heads = vec![f32::NAN; 3 * b * t * c];
     let out = ActMut::F32(&mut y);
     attention_forward(qkv, &mut att, out, &mut heads[..b * t * c], pool, s);
-    attention_backward((qkv, &att, dy), &mut dqkv, &mut heads, pool, s);
+    attention_backward(
+        (qkv, &att, dy),
+        (ActMut::F32(&mut dqkv), None),
+        &mut heads,
+        pool,
+        s,
+    );
     [att, y, dqkv]
 }
 

@@ -7,8 +7,8 @@
 //! per element, whatever the thread count.
 
 use super::avx512::{
-    pack_b, pack_row_tiles, pack_row_tiles16, pair_rows_into, parts_by_index, transpose_bits,
-    with_buffer,
+    interleave_rows, pack_b, pack_row_tiles, pack_row_tiles16, pair_rows_into, parts_by_index,
+    transpose_bits, with_buffer,
 };
 use super::{Bf16Buffers, Lines, Op, Strips, M, NR};
 use crate::kernels::amx::{Amx, BLOCK, PAIRS, STEP};
@@ -159,18 +159,31 @@ fn pack_a(pa: &mut Lines, a: &Op, kp: usize, kq: usize) {
     if kq == 0 {
         return;
     }
+    let (m, k) = (a.rows(), a.cols());
     match a {
-        Op::F32(a) if a.cs != 1 && a.rs == 1 => pack_a_cols(pa, a, kp, kq),
+        Op::F32(a) if a.cs != 1 && a.rs == 1 => pack_a_cols(pa, (m, kp, kq), |row, p| {
+            let r0 = &a.d[2 * p * a.cs..][..m];
+            let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
+            pair_rows_into(row, r0, r1);
+        }),
         Op::F32(a) => pack_row_tiles(pa, a, kq),
         Op::Bf16(a) => pack_row_tiles16(pa, a, kq),
+        Op::Bf16T(x) => pack_a_cols(pa, (m, kp, kq), |row, p| {
+            let r1 = (2 * p + 1 < k).then(|| x.row(2 * p + 1));
+            interleave_rows(row, x.row(2 * p), r1);
+        }),
     }
 }
 
-/// `pack_a` where A's columns are contiguous (A = X^T): each task a step of every block (16 pairs of
-/// X's rows), its X rows paired along their whole width into a buffer of the task's (`pack_cols`' rows),
-/// then each block's BLOCK columns of it transposed into the block's step.
-fn pack_a_cols(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
-    let (m, k) = (a.rows, a.cols);
+/// `pack_a` where A's columns are contiguous (A = X^T, m = X's width): each task a step of every block
+/// (16 pairs of X's rows), `pair(row, p)` writing X's rows 2p and 2p + 1 paired along their width into
+/// a row of the task's buffer (`pack_cols`' rows), then each block's BLOCK columns of it transposed into
+/// the block's step.
+fn pack_a_cols(
+    pa: &mut [u32],
+    (m, kp, kq): (usize, usize, usize),
+    pair: impl Fn(&mut [u32], usize) + Sync,
+) {
     let mp = m.div_ceil(BLOCK) * BLOCK;
     // Task s's step of every block.
     parts_by_index(pa, BLOCK * kq, STEP)
@@ -180,10 +193,7 @@ fn pack_a_cols(pa: &mut [u32], a: &M, kp: usize, kq: usize) {
             let pairs = PAIRS.min(kp - s * PAIRS);
             with_buffer(PAIRS * mp, |buf| {
                 for (q, row) in buf.chunks_exact_mut(mp).take(pairs).enumerate() {
-                    let p = s * PAIRS + q;
-                    let r0 = &a.d[2 * p * a.cs..][..m];
-                    let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
-                    pair_rows_into(&mut row[..m], r0, r1);
+                    pair(&mut row[..m], s * PAIRS + q);
                     row[m..].fill(0);
                 }
                 for (blk, step) in steps.iter_mut().enumerate() {

@@ -1,7 +1,7 @@
 //! The vdpbf16ps GEMM, laid out as BLIS does: B packed into strips of NR columns, A into bf16
 //! pairs along k, an MR x NR micro-kernel keeping its tile of C in registers over KC pairs of k.
 
-use super::{a_stride, pair_along, Lines, Op, Rows16, Strips, M, MR, NR};
+use super::{a_stride, pair_along, widened, Lines, Op, Rows16, Strips, M, MR, NR};
 use crate::kernels::amx::{BLOCK, PAIRS, STEP};
 use rayon::prelude::*;
 use std::arch::x86_64::*;
@@ -127,6 +127,11 @@ pub(super) fn pack_b(pb: &mut Lines, b: &Op, kp: usize, kq: usize, strips: usize
         Op::F32(b) if b.cs == 1 => pack_b_rows(pb, b, kp, kq),
         Op::F32(b) => pack_b_cols(pb, b, kp, kq),
         Op::Bf16(b) => pack_b_rows16(pb, b, kp, kq),
+        // No layer stores a B transposed; its values widened to f32 pack to the same words.
+        Op::Bf16T(x) => {
+            let w = widened(x);
+            pack_b_cols(pb, &M::new(&w, x.rows, x.cols).t(), kp, kq)
+        }
     }
 }
 
@@ -218,6 +223,23 @@ unsafe fn interleave32(dst: &mut [u32; NR], lo: &[u16; NR], hi: Option<&[u16; NR
             };
             _mm512_storeu_si512(dst.as_mut_ptr().add(16 * h) as *mut _, v);
         }
+    }
+}
+
+/// Two rows of bf16 values (r1 None: zeros) interleaved: out[j] = (r0[j], r1[j]) (`pair_rows_bf16`
+/// without the rounding). Panics unless the rows hold `out.len()` values.
+pub(super) fn interleave_rows(out: &mut [u32], r0: &[u16], r1: Option<&[u16]>) {
+    let n = out.len();
+    let (r0, r1) = (&r0[..n], r1.map(|r| &r[..n]));
+    let whole = n / NR * NR;
+    for (j, dst) in out[..whole].chunks_exact_mut(NR).enumerate() {
+        let lo: &[u16; NR] = r0[j * NR..][..NR].try_into().expect("NR values");
+        let hi = r1.map(|r| <&[u16; NR]>::try_from(&r[j * NR..][..NR]).expect("NR values"));
+        // SAFETY: the CPU has AVX512F (this module runs only where it does).
+        unsafe { interleave32(dst.try_into().expect("NR words"), lo, hi) };
+    }
+    for j in whole..n {
+        out[j] = r0[j] as u32 | r1.map_or(0, |r| r[j] as u32) << 16;
     }
 }
 
@@ -331,15 +353,31 @@ fn pack_a(pa: &mut Lines, a: &Op, kp: usize) -> APack {
     let mp = a.rows().div_ceil(MR) * MR;
     // Row i's pairs contiguous (the kernel reads none past kp).
     let is = a_stride(kp);
+    let (m, k) = (a.rows(), a.cols());
     match a {
         Op::F32(a) if a.cs != 1 && a.rs == 1 => {
-            pack_cols(pa.fit(kp * mp), a, kp, mp);
-            return APack { is: 1, ps: mp };
+            pack_cols(pa.fit(kp * mp), m, |out, p| {
+                let r0 = &a.d[2 * p * a.cs..][..m];
+                let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
+                pair_rows_into(out, r0, r1);
+            });
         }
-        Op::F32(a) => pack_rows(pa.fit(mp * is), a, kp, is),
-        Op::Bf16(a) => pack_rows16(pa.fit(mp * is), a, kp, is),
+        Op::Bf16T(x) => {
+            pack_cols(pa.fit(kp * mp), m, |out, p| {
+                let r1 = (2 * p + 1 < k).then(|| x.row(2 * p + 1));
+                interleave_rows(out, x.row(2 * p), r1);
+            });
+        }
+        Op::F32(a) => {
+            pack_rows(pa.fit(mp * is), a, kp, is);
+            return APack { is, ps: 1 };
+        }
+        Op::Bf16(a) => {
+            pack_rows16(pa.fit(mp * is), a, kp, is);
+            return APack { is, ps: 1 };
+        }
     }
-    APack { is, ps: 1 }
+    APack { is: 1, ps: mp }
 }
 
 /// A's rows as bf16 pairs along k in `pa`, row i's kp pairs at i `is`, MR rows a task; rows past m
@@ -478,24 +516,18 @@ unsafe fn row_tiles_bf16(block: &mut [u32], r: usize, x: &[f32]) {
     }
 }
 
-/// A with contiguous columns (A = X^T) as its column pairs in `buf` (kp x mp): pair p holds rows 2p and
-/// 2p + 1 of X for every i, zero past m.
-pub(super) fn pack_cols(buf: &mut [u32], a: &M, kp: usize, mp: usize) {
-    let (m, k) = (a.rows, a.cols);
-    buf[..kp * mp]
-        .par_chunks_mut(mp)
-        .enumerate()
-        .for_each(|(p, out)| {
-            let r0 = &a.d[2 * p * a.cs..][..m];
-            let r1 = (2 * p + 1 < k).then(|| &a.d[(2 * p + 1) * a.cs..][..m]);
-            // SAFETY: the CPU has AVX512-BF16.
-            unsafe { pair_rows_bf16(&mut out[..m], r0, r1) };
-            out[m..].fill(0);
-        });
+/// A with contiguous columns (A = X^T, m = X's width) as its column pairs in `buf` (rows of mp):
+/// `pair(row, p)` writes pair p, rows 2p and 2p + 1 of X paired along their width; zero past m.
+fn pack_cols(buf: &mut [u32], m: usize, pair: impl Fn(&mut [u32], usize) + Sync) {
+    let mp = m.div_ceil(MR) * MR;
+    buf.par_chunks_mut(mp).enumerate().for_each(|(p, out)| {
+        pair(&mut out[..m], p);
+        out[m..].fill(0);
+    });
 }
 
-/// `pair_rows_bf16` for the AMX GEMM's packing. Panics unless `r0` and `r1`
-/// hold `out.len()` elements or more.
+/// `pair_rows_bf16` for the packings of a transposed A. Panics unless `r0` and `r1` hold `out.len()`
+/// elements or more.
 pub(super) fn pair_rows_into(out: &mut [u32], r0: &[f32], r1: Option<&[f32]>) {
     // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
     unsafe { pair_rows_bf16(out, r0, r1) }

@@ -419,11 +419,13 @@ impl<'a> Rows16<'a> {
     }
 }
 
-/// An operand of a bf16 product: f32 (rounded to bf16 as it is packed) or bf16 already.
+/// An operand of a bf16 product: f32 (rounded to bf16 as it is packed), or bf16 already: rows, or the
+/// transpose of rows (a weight gradient's dy^T).
 #[derive(Clone, Copy)]
 pub enum Op<'a> {
     F32(M<'a>),
     Bf16(Rows16<'a>),
+    Bf16T(Rows16<'a>),
 }
 
 impl Op<'_> {
@@ -431,6 +433,7 @@ impl Op<'_> {
         match self {
             Op::F32(m) => m.rows,
             Op::Bf16(h) => h.rows,
+            Op::Bf16T(h) => h.cols,
         }
     }
 
@@ -438,6 +441,7 @@ impl Op<'_> {
         match self {
             Op::F32(m) => m.cols,
             Op::Bf16(h) => h.cols,
+            Op::Bf16T(h) => h.rows,
         }
     }
 
@@ -445,9 +449,19 @@ impl Op<'_> {
     fn fits(&self) -> bool {
         match self {
             Op::F32(m) => m.fits(m.d.len()),
-            Op::Bf16(h) => h.rows * h.cols <= h.d.len(),
+            Op::Bf16(h) | Op::Bf16T(h) => h.rows * h.cols <= h.d.len(),
         }
     }
+}
+
+/// bf16 bits widened to the f32 of the same value (exact).
+fn widen(v: u16) -> f32 {
+    f32::from_bits((v as u32) << 16)
+}
+
+/// The f32 values of bf16 rows, row-major.
+fn widened(h: &Rows16) -> Vec<f32> {
+    h.d[..h.rows * h.cols].iter().map(|&v| widen(v)).collect()
 }
 
 /// `out` = `x` rounded to bf16 (their bits) as `path`'s packing rounds an f32 operand: round to nearest
@@ -642,10 +656,18 @@ fn round_into(buf: &mut Vec<f32>, x: &Op) {
         Op::F32(x) => x,
         Op::Bf16(h) => {
             fit(buf, h.rows * h.cols);
-            let widen = |v: &u16| f32::from_bits((*v as u32) << 16);
             buf.par_chunks_mut(1 << 14)
                 .zip(h.d[..h.rows * h.cols].par_chunks(1 << 14))
-                .for_each(|(o, v)| o.iter_mut().zip(v).for_each(|(o, v)| *o = widen(v)));
+                .for_each(|(o, v)| o.iter_mut().zip(v).for_each(|(o, &v)| *o = widen(v)));
+            return;
+        }
+        Op::Bf16T(h) => {
+            fit(buf, h.rows * h.cols);
+            buf.par_chunks_mut(h.rows).enumerate().for_each(|(j, o)| {
+                o.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, o)| *o = widen(h.d[i * h.cols + j]))
+            });
             return;
         }
     };
@@ -818,14 +840,25 @@ mod tests {
         }
     }
 
-    /// Operands stored in bf16 (`Op::Bf16`, as `to_bf16` rounds them) give, bit for bit, the products
-    /// of their f32 sources on every path: as A, as B and both, accumulating or not, over odd k and n,
-    /// rows past a tile's edge, k under a tile row and over three of the AMX GEMM's passes.
+    /// Operands stored in bf16 (`Op::Bf16`, and transposed rows, `Op::Bf16T`, as `to_bf16` rounds them)
+    /// give, bit for bit, the products of their f32 sources on every path: as A, as B and both,
+    /// accumulating or not, over odd k and n, rows past a tile's edge, k under a tile row and over three
+    /// of the AMX GEMM's passes.
     #[test]
     fn products_of_bf16_operands_are_those_of_their_f32_sources() {
         let mut bufs = Bf16Buffers::default();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let transposed = |d: &[f32], rows: usize, cols: usize| -> Vec<f32> {
+            (0..cols)
+                .flat_map(|j| (0..rows).map(move |i| d[i * cols + j]))
+                .collect()
+        };
         for path in paths() {
+            let half = |v: &[f32]| {
+                let mut h = vec![0u16; v.len()];
+                to_bf16(path, v, &mut h);
+                h
+            };
             for (m, n, k) in [
                 (1, 1, 1),
                 (3, 5, 2),
@@ -834,26 +867,29 @@ mod tests {
                 (37, 45, 4200),
             ] {
                 let (ad, bd) = (values(m * k, (m + k) as u64), values(k * n, (n + k) as u64));
-                let half = |v: &[f32]| {
-                    let mut h = vec![0u16; v.len()];
-                    to_bf16(path, v, &mut h);
-                    h
-                };
                 let (ah, bh) = (half(&ad), half(&bd));
+                let (ath, bth) = (half(&transposed(&ad, m, k)), half(&transposed(&bd, k, n)));
                 let (a, b) = (M::new(&ad, m, k), M::new(&bd, k, n));
-                let (a16, b16) = (Rows16::new(&ah, m, k), Rows16::new(&bh, k, n));
+                let a_ops = [
+                    Op::F32(a),
+                    Op::Bf16(Rows16::new(&ah, m, k)),
+                    Op::Bf16T(Rows16::new(&ath, k, m)),
+                ];
+                let b_ops = [
+                    Op::F32(b),
+                    Op::Bf16(Rows16::new(&bh, k, n)),
+                    Op::Bf16T(Rows16::new(&bth, n, k)),
+                ];
                 for acc in [false, true] {
                     let init = values(m * n, 4);
                     let mut want = init.clone();
                     mm_bf16(path, &mut bufs, &mut want, n, a, b, acc);
-                    for (la, lb) in [(true, false), (false, true), (true, true)] {
-                        let oa = if la { Op::Bf16(a16) } else { Op::F32(a) };
-                        let ob = if lb { Op::Bf16(b16) } else { Op::F32(b) };
+                    for (ia, ib) in (0..3).flat_map(|i| (0..3).map(move |j| (i, j))).skip(1) {
                         let mut got = init.clone();
-                        mm_bf16_ops(path, &mut bufs, &mut got, n, oa, ob, acc);
+                        mm_bf16_ops(path, &mut bufs, &mut got, n, a_ops[ia], b_ops[ib], acc);
                         assert!(
                             bits(&got) == bits(&want),
-                            "{path} {m}x{n}x{k} bf16 A {la} B {lb} acc {acc}"
+                            "{path} {m}x{n}x{k} A {ia} B {ib} acc {acc}"
                         );
                     }
                 }
