@@ -5,7 +5,9 @@
 //! GFLOP/s of each, the fastest path's ratio to f32, and its fraction of the bf16 instruction peak of
 //! this many threads (the rate of one core's fastest bf16 instruction, measured in the same run, times
 //! the threads). The twin row (operands rounded to bf16, f32 gemm) is what CPUs without AVX512-BF16
-//! would compute.
+//! would compute. The "stored" column is the fastest path with the operands that training stores in
+//! bf16 given so (the layers' inputs but the lm head's, and the qkv and fc layers' dy): their packing
+//! copies or interleaves bf16 instead of rounding f32 ("-" where the product has none).
 //!
 //!     cargo run --release --example bench_bf16_gemm [-- --threads 2]
 //!
@@ -16,7 +18,9 @@
 
 use std::time::Instant;
 
-use nanodist::model::matmul::{mm, mm_bf16, par, rate, Bf16Buffers, Bf16Path, M};
+use nanodist::model::matmul::{
+    mm, mm_bf16, mm_bf16_ops, par, rate, to_bf16, Bf16Buffers, Bf16Path, Op, Rows16, M,
+};
 use rand::{Rng, SeedableRng};
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -115,7 +119,10 @@ fn products(pool: &rayon::ThreadPool, peak: f64) {
         .collect();
     print!("{:<24} {:>16} {:>9}", "product", "m x n x k", "f32");
     names.iter().for_each(|n| print!(" {n:>9}"));
-    println!(" {:>7} {:>10} {:>9}", "ratio", "bf16 peak", "twin");
+    println!(
+        " {:>7} {:>10} {:>9} {:>9}",
+        "ratio", "bf16 peak", "twin", "stored"
+    );
     // (config, tokens, width, vocab)
     let configs = [
         ("cpu", 12 * 64, 128, 65),
@@ -146,15 +153,29 @@ fn products(pool: &rayon::ThreadPool, peak: f64) {
                     format!("{name} {layer} {label}"),
                     format!("{m}x{cols}x{k}")
                 );
-                pool.install(|| row(&hw, kind, (m, cols, k), peak));
+                // Training stores the layers' inputs in bf16 but the lm head's, and the qkv and fc
+                // layers' dy: which of this product's operands (A, B) they are.
+                let (x16, dy16) = (layer != "lm head", layer == "qkv" || layer == "fc");
+                let stored = match kind {
+                    Kind::Forward => (x16, false),
+                    Kind::InputGrad => (dy16, false),
+                    Kind::WeightGrad => (dy16, x16),
+                };
+                pool.install(|| row(&hw, kind, (m, cols, k), peak, stored));
             }
         }
     }
 }
 
 /// The rest of one product's row: f32, each bf16 hardware path, the fastest's ratio to f32 and
-/// fraction of `peak`, and the twin.
-fn row(hw: &[Bf16Path], kind: Kind, (m, cols, k): (usize, usize, usize), peak: f64) {
+/// fraction of `peak`, the twin, and the fastest with the `stored` operands (A, B) in bf16.
+fn row(
+    hw: &[Bf16Path],
+    kind: Kind,
+    (m, cols, k): (usize, usize, usize),
+    peak: f64,
+    stored: (bool, bool),
+) {
     let (ad, bd) = (values(m * k, 1), values(k * cols, 2));
     let a = match kind {
         Kind::WeightGrad => M::new(&ad, k, m).t(),
@@ -177,10 +198,35 @@ fn row(hw: &[Bf16Path], kind: Kind, (m, cols, k): (usize, usize, usize), peak: f
     t16.iter().for_each(|t| print!(" {:>9.1}", flops / t / 1e9));
     // The fastest path's (the last: `available` lists them slowest first).
     let best = t16[t16.len() - 1];
+    let stored = match stored {
+        (false, false) => "-".to_string(),
+        (sa, sb) => {
+            let path = hw[hw.len() - 1];
+            // The bf16 operands as training stores them: x and dy row-major (A = dy^T transposed).
+            let half = |v: &[f32]| {
+                let mut h = vec![0u16; v.len()];
+                to_bf16(path, v, &mut h);
+                h
+            };
+            let (ah, bh) = (half(&ad), half(&bd));
+            let oa = match (sa, kind) {
+                (false, _) => Op::F32(a),
+                (true, Kind::WeightGrad) => Op::Bf16T(Rows16::new(&ah, k, m)),
+                (true, _) => Op::Bf16(Rows16::new(&ah, m, k)),
+            };
+            let ob = match sb {
+                false => Op::F32(b),
+                true => Op::Bf16(Rows16::new(&bh, k, cols)),
+            };
+            let t = time(&mut || mm_bf16_ops(path, &mut bufs, &mut o, cols, oa, ob, false));
+            format!("{:.1}", flops / t / 1e9)
+        }
+    };
     println!(
-        " {:>6.2}x {:>9.1}% {:>9.1}",
+        " {:>6.2}x {:>9.1}% {:>9.1} {:>9}",
         t32 / best,
         100.0 * flops / best / peak,
         flops / twin / 1e9,
+        stored,
     );
 }
