@@ -116,6 +116,7 @@ struct Acts {
     dc: Vec<f32>,
     dc2: Vec<f32>,
     d4c: Vec<f32>,
+    /// The QKV layer's dy; empty with `half`, where `dyh` holds it.
     dqkv: Vec<f32>,
     /// With `half`, the gradients that only the products read (the fc layer's and the QKV layer's dy)
     /// in bf16, two to an f32; empty otherwise.
@@ -135,7 +136,7 @@ pub struct Scratch {
 }
 
 /// The lengths of a Scratch's buffers for a model (layers, width, heads, vocabulary) and a b x t batch:
-/// f32 buffers in `Acts` field order (res .. dqkv), then the three (mean, 1/std) buffers.
+/// f32 buffers in `Acts` field order (res .. dyh), then the three (mean, 1/std) buffers.
 /// With `half`, xn1, xn2, atty and gelu hold bf16 values, two to an f32.
 fn sizes(
     dims: (usize, usize, usize, usize),
@@ -167,7 +168,7 @@ fn sizes(
         nc,                            // dc
         nc,                            // dc2
         4 * nc,                        // d4c
-        3 * nc,                        // dqkv
+        if half { 0 } else { 3 * nc }, // dqkv
         if half { 2 * nc } else { 0 }, // dyh
         l * n,                         // stats1
         l * n,                         // stats2
