@@ -140,6 +140,30 @@ pub(super) fn pack_b(pb: &mut Lines, b: &Op, kp: usize, kq: usize, strips: usize
 /// strip, which the hardware prefetchers follow).
 fn pack_b_rows(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
     let (k, n) = (b.rows, b.cols);
+    pack_pairs_of_rows(pb, kp, kq, |parts, at, p| {
+        let r0 = &b.d[2 * p * b.rs..][..n];
+        let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs..][..n]);
+        // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
+        unsafe { pair_rows_strips(parts, at, r0, r1) };
+    });
+}
+
+/// `pack_b_rows` of a B stored in bf16: each pair of rows interleaved into every strip as they are.
+fn pack_b_rows16(pb: &mut [u32], b: &Rows16, kp: usize, kq: usize) {
+    pack_pairs_of_rows(pb, kp, kq, |parts, at, p| {
+        let r1 = (2 * p + 1 < b.rows).then(|| b.row(2 * p + 1));
+        interleave_strips(parts, at, b.row(2 * p), r1);
+    });
+}
+
+/// B's strips by pairs of its rows: each task PACK_PAIRS pairs, `pair(parts, at, p)` storing pair p
+/// into the NR words from `at` of every strip's part; pairs past kp zero up to kq.
+fn pack_pairs_of_rows(
+    pb: &mut [u32],
+    kp: usize,
+    kq: usize,
+    pair: impl Fn(&mut [&mut [u32]], usize, usize) + Sync,
+) {
     // Task t's part of every strip.
     parts_by_index(pb, kq * NR, PACK_PAIRS * NR)
         .into_par_iter()
@@ -149,30 +173,9 @@ fn pack_b_rows(pb: &mut [u32], b: &M, kp: usize, kq: usize) {
                 let (p, at) = (t * PACK_PAIRS + pp, pp * NR);
                 if p >= kp {
                     parts.iter_mut().for_each(|s| s[at..][..NR].fill(0));
-                    continue;
+                } else {
+                    pair(&mut parts, at, p);
                 }
-                let r0 = &b.d[2 * p * b.rs..][..n];
-                let r1 = (2 * p + 1 < k).then(|| &b.d[(2 * p + 1) * b.rs..][..n]);
-                // SAFETY: the CPU has AVX512-BF16 (this module runs only where it does).
-                unsafe { pair_rows_strips(&mut parts, at, r0, r1) };
-            }
-        });
-}
-
-/// `pack_b_rows` of a B stored in bf16: each pair of rows interleaved into every strip as they are.
-fn pack_b_rows16(pb: &mut [u32], b: &Rows16, kp: usize, kq: usize) {
-    parts_by_index(pb, kq * NR, PACK_PAIRS * NR)
-        .into_par_iter()
-        .enumerate()
-        .for_each(|(t, mut parts)| {
-            for pp in 0..parts.first().map_or(0, |p| p.len() / NR) {
-                let (p, at) = (t * PACK_PAIRS + pp, pp * NR);
-                if p >= kp {
-                    parts.iter_mut().for_each(|s| s[at..][..NR].fill(0));
-                    continue;
-                }
-                let r1 = (2 * p + 1 < b.rows).then(|| b.row(2 * p + 1));
-                interleave_strips(&mut parts, at, b.row(2 * p), r1);
             }
         });
 }
