@@ -5,13 +5,17 @@
 //! threads and a `Scratch` (the activations of one forward/backward). A worker borrows a slot for each
 //! computation and gives it back before it communicates, so a worker never holds a slot while it waits
 //! for another, and the other workers' waits cost no memory. A single worker (one process of an MPI or
-//! NCCL job, or a run with one worker) has one slot that computes on the calling thread, in the
-//! process's rayon pool.
+//! NCCL job, or a run with one worker) has one slot that computes in the process's rayon pool (on the
+//! calling thread where the model is on a GPU).
+//!
+//! While a slot computes on the CPU, its pool's other threads wait for its parallel work awake
+//! (`busy`), as OpenMP's threads spin between parallel regions, rather than asleep in the kernel.
 //!
 //! Results do not depend on which slot computes: every slot has the same number of threads, and the CPU
 //! engine's reductions are ordered by task, not by thread (tests/it/distributed.rs checks 64 workers
 //! against the rows of the engine that gave every worker its own pool and buffers).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 
 use anyhow::{Context, Result};
@@ -26,19 +30,23 @@ struct Slot {
 pub(crate) struct Compute {
     free: Mutex<Vec<Slot>>,
     returned: Condvar,
+    /// The model computes on the CPU: while a slot computes, its other threads wait for its parallel
+    /// work awake (`busy`). A GPU's host threads sleep instead.
+    awake: bool,
 }
 
 impl Compute {
-    /// One slot that computes on the calling thread (its process's rayon pool).
-    pub fn here() -> Self {
-        Self::of(vec![Slot {
+    /// One slot that computes in its process's rayon pool; `awake`: the model computes on the CPU.
+    pub fn here(awake: bool) -> Self {
+        let slot = Slot {
             pool: None,
             scratch: Scratch::default(),
-        }])
+        };
+        Self::of(vec![slot], awake)
     }
 
-    /// `slots` slots of `threads` threads each, for the workers of the local engine.
-    pub fn pools(slots: usize, threads: usize) -> Result<Self> {
+    /// `slots` slots of `threads` threads each, for the workers of the local engine; `awake` as `here`.
+    pub fn pools(slots: usize, threads: usize, awake: bool) -> Result<Self> {
         let slots = (0..slots.max(1))
             .map(|i| {
                 let pool = rayon::ThreadPoolBuilder::new()
@@ -52,13 +60,14 @@ impl Compute {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self::of(slots))
+        Ok(Self::of(slots, awake))
     }
 
-    fn of(slots: Vec<Slot>) -> Self {
+    fn of(slots: Vec<Slot>, awake: bool) -> Self {
         Self {
             free: Mutex::new(slots),
             returned: Condvar::new(),
+            awake,
         }
     }
 
@@ -68,12 +77,16 @@ impl Compute {
     pub fn run<T: Send>(&self, f: impl FnOnce(&mut Scratch) -> T + Send) -> T {
         let mut lease = self.hold();
         let s = lease.slot.as_mut().expect("a leased slot");
-        match &s.pool {
-            Some(pool) => {
-                let scratch = &mut s.scratch;
-                pool.install(|| f(scratch))
-            }
-            None => f(&mut s.scratch),
+        let scratch = &mut s.scratch;
+        // A slot's own pool computes nothing else.
+        let own = AtomicBool::new(false);
+        match (&s.pool, self.awake) {
+            (Some(pool), awake) => pool.install(|| busy(awake.then_some(&own), || f(scratch))),
+            // On the CPU, in the process's pool rather than on the calling thread, which would wait
+            // asleep for the end of each parallel operation.
+            (None, true) => rayon::scope(|_| busy(Some(&GLOBAL_SPINS), || f(scratch))),
+            // A GPU's work stays on the thread that holds its context.
+            (None, false) => f(scratch),
         }
     }
 
@@ -99,6 +112,52 @@ impl Compute {
     }
 }
 
+/// Whether a computation's threads spin in the process's rayon pool: one computation at a time does
+/// (two trainings in one process, as the tests run them, share that pool; see `busy`).
+static GLOBAL_SPINS: AtomicBool = AtomicBool::new(false);
+
+/// Sets its flag when dropped: on return and on unwinding alike.
+struct SetOnDrop<'a>(&'a AtomicBool, bool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(self.1, Ordering::Release);
+    }
+}
+
+/// `f` on this thread of a rayon pool. Where `token` (the pool's) is given and free, the pool's other
+/// threads meanwhile wait for `f`'s parallel work spinning on `rayon::yield_now`, not asleep: a
+/// parallel operation wakes a sleeping thread through the kernel, and on nanoGPT's CPU config, whose
+/// operations are small, that cost a tenth of the step. The spinners are spawned before `f` pushes
+/// work and thieves take the oldest job first, so that `f` never waits for a job below a spinner on a
+/// thread's stack; the token keeps a second computation in the same pool from spinning meanwhile.
+fn busy<T: Send>(token: Option<&AtomicBool>, f: impl FnOnce() -> T + Send) -> T {
+    let acquired = |t: &&AtomicBool| {
+        t.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    };
+    let Some(token) = token.filter(acquired) else {
+        return f();
+    };
+    // Released once the scope has waited for every spinner.
+    let _release = SetOnDrop(token, false);
+    let done = AtomicBool::new(false);
+    let spin = || {
+        while !done.load(Ordering::Acquire) {
+            if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                std::thread::yield_now();
+            }
+        }
+    };
+    rayon::scope(|s| {
+        for _ in 1..rayon::current_num_threads() {
+            s.spawn(|_| spin());
+        }
+        let _stop = SetOnDrop(&done, true);
+        f()
+    })
+}
+
 /// A borrowed slot, returned when dropped (also when the computation panics).
 pub(crate) struct Lease<'c> {
     compute: &'c Compute,
@@ -118,11 +177,11 @@ impl Drop for Lease<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
 
     #[test]
     fn no_more_computations_run_at_once_than_there_are_slots_and_each_has_its_threads() {
-        let compute = Compute::pools(2, 3).unwrap();
+        let compute = Compute::pools(2, 3, true).unwrap();
         let (now, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
         std::thread::scope(|s| {
             for _ in 0..16 {
@@ -142,11 +201,86 @@ mod tests {
 
     #[test]
     fn a_computation_that_panics_gives_its_slot_back() {
-        let compute = Compute::pools(1, 1).unwrap();
+        for threads in [1, 3] {
+            let compute = Compute::pools(1, threads, true).unwrap();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                compute.run(|_| panic!("boom"))
+            }));
+            assert!(r.is_err());
+            assert_eq!(compute.run(|_| 7), 7);
+        }
+        let here = Compute::here(true);
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            compute.run(|_| panic!("boom"))
+            here.run(|_| panic!("boom"))
         }));
         assert!(r.is_err());
-        assert_eq!(compute.run(|_| 7), 7);
+    }
+
+    /// The slot's other threads, spinning while a computation runs, take its parallel work (nested
+    /// too) and stop when it returns: its results are those of the plain loop, on every thread count.
+    #[test]
+    fn parallel_work_in_a_slot_completes_on_its_threads() {
+        use rayon::prelude::*;
+        let work = || {
+            (0..64u64)
+                .into_par_iter()
+                .map(|i| (0..1000u64).into_par_iter().map(|j| i * j % 7).sum::<u64>())
+                .collect::<Vec<_>>()
+        };
+        let want: Vec<u64> = (0..64u64)
+            .map(|i| (0..1000u64).map(|j| i * j % 7).sum())
+            .collect();
+        for threads in [1, 2, 3] {
+            let compute = Compute::pools(1, threads, true).unwrap();
+            let seen = Mutex::new(std::collections::HashSet::new());
+            let got = compute.run(|_| {
+                (0..256).into_par_iter().for_each(|_| {
+                    let id = std::thread::current().id();
+                    seen.lock().unwrap().insert(id);
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                });
+                work()
+            });
+            assert_eq!(got, want, "{threads} threads");
+            let used = seen.into_inner().unwrap().len();
+            assert!(used >= 1 && used <= threads, "{used} of {threads} threads");
+            assert_eq!(compute.run(|_| 7), 7);
+        }
+        assert_eq!(Compute::here(true).run(|_| work()), want);
+    }
+
+    /// Computations of several trainings at once in the process's pool (as the tests run them), one of
+    /// them with spinners at a time, all finish with the plain loop's results (a watchdog fails the
+    /// test where they would hang).
+    #[test]
+    fn computations_sharing_the_process_pool_all_finish() {
+        use rayon::prelude::*;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            std::thread::scope(|s| {
+                for t in 0..4u64 {
+                    s.spawn(move || {
+                        let compute = Compute::here(true);
+                        for round in 0..50u64 {
+                            let got: u64 = compute.run(|_| {
+                                (0..64u64)
+                                    .into_par_iter()
+                                    .map(|i| {
+                                        (0..64u64).into_par_iter().map(|j| i ^ j ^ t).sum::<u64>()
+                                    })
+                                    .sum()
+                            });
+                            let want: u64 = (0..64u64)
+                                .flat_map(|i| (0..64u64).map(move |j| i ^ j ^ t))
+                                .sum();
+                            assert_eq!(got, want, "training {t}, round {round}");
+                        }
+                    });
+                }
+            });
+            tx.send(()).unwrap();
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(120))
+            .expect("the computations finished");
     }
 }

@@ -181,11 +181,12 @@ pub fn run_with(loaded: &Loaded, opts: &RunOptions) -> Result<Summary> {
     write_atomic(&run_dir.join("config.toml"), resolved.to_toml().as_bytes())?;
     // The plan as `check` prints it, with what was decided from the machine.
     write_atomic(&run_dir.join("plan.txt"), format!("{plan}\n").as_bytes())?;
+    let on_cpu = crate::device::check(t.device)?.is_none();
     let compute = match plan.threads {
         Some(threads) if plan.engine == Engine::Local && plan.world_size > 1 => {
-            compute::Compute::pools(plan.compute_slots, threads)?
+            compute::Compute::pools(plan.compute_slots, threads, on_cpu)?
         }
-        _ => compute::Compute::here(),
+        _ => compute::Compute::here(on_cpu),
     };
     let world = plan.world_size;
     let setup = Setup {
