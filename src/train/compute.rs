@@ -5,8 +5,8 @@
 //! threads and a `Scratch` (the activations of one forward/backward). A worker borrows a slot for each
 //! computation and gives it back before it communicates, so a worker never holds a slot while it waits
 //! for another, and the other workers' waits cost no memory. A single worker (one process of an MPI or
-//! NCCL job, or a run with one worker) has one slot that computes in the process's rayon pool (on the
-//! calling thread where the model is on a GPU).
+//! NCCL job, or a run with one worker) has one slot that computes on the calling thread, in the
+//! process's rayon pool.
 //!
 //! While a slot computes on the CPU, its pool's other threads wait for its parallel work awake
 //! (`busy`), as OpenMP's threads spin between parallel regions, rather than asleep in the kernel.
@@ -82,11 +82,9 @@ impl Compute {
         let own = AtomicBool::new(false);
         match (&s.pool, self.awake) {
             (Some(pool), awake) => pool.install(|| busy(awake.then_some(&own), || f(scratch))),
-            // On the CPU, in the process's pool rather than on the calling thread, which would wait
-            // asleep for the end of each parallel operation.
-            (None, true) => rayon::scope(|_| busy(Some(&GLOBAL_SPINS), || f(scratch))),
-            // A GPU's work stays on the thread that holds its context.
-            (None, false) => f(scratch),
+            // `busy` enters the process's pool (a scope); a GPU's work stays on the thread that holds
+            // its context.
+            (None, awake) => busy(awake.then_some(&GLOBAL_SPINS), || f(scratch)),
         }
     }
 
@@ -125,12 +123,13 @@ impl Drop for SetOnDrop<'_> {
     }
 }
 
-/// `f` on this thread of a rayon pool. Where `token` (the pool's) is given and free, the pool's other
-/// threads meanwhile wait for `f`'s parallel work spinning on `rayon::yield_now`, not asleep: a
-/// parallel operation wakes a sleeping thread through the kernel, and on nanoGPT's CPU config, whose
-/// operations are small, that cost a tenth of the step. The spinners are spawned before `f` pushes
-/// work and thieves take the oldest job first, so that `f` never waits for a job below a spinner on a
-/// thread's stack; the token keeps a second computation in the same pool from spinning meanwhile.
+/// `f`. Where `token` (the current rayon pool's) is given and free, `f` runs on a thread of that pool
+/// (a scope enters it) and the pool's other threads meanwhile wait for `f`'s parallel work spinning on
+/// `rayon::yield_now`, not asleep: a parallel operation wakes a sleeping thread through the kernel,
+/// and on nanoGPT's CPU config, whose operations are small, that cost a tenth of the step. The spinners
+/// are spawned before `f` pushes work and thieves take the oldest job first, so that `f` never waits
+/// for a job below a spinner on a thread's stack; the token keeps a second computation in the same
+/// pool from spinning meanwhile.
 fn busy<T: Send>(token: Option<&AtomicBool>, f: impl FnOnce() -> T + Send) -> T {
     let acquired = |t: &&AtomicBool| {
         t.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
