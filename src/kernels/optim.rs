@@ -90,9 +90,26 @@ pub fn adamw(
 }
 
 /// `adamw` with gossip's mix around it (`Mixing`), a tile at a time while the tile is in cache: each
-/// element's operations are the mix's, the update's and the scaled copy's, in that order.
-#[multiversion::multiversion(targets = "simd")]
+/// element's operations are the mix's, the update's and the scaled copy's, in that order. The parts of
+/// the parameters go to the current rayon pool's threads (`in_parts`).
 pub fn adamw_mixed(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    segments: &[Segment],
+    c: &AdamWStep,
+    mixing: Option<&mut Mixing>,
+) {
+    let (weights, buf) = Mixing::split(mixing);
+    in_parts([p, m, v, buf], g, segments, |[p, m, v, buf], g, segs| {
+        let mut mixing = weights.map(|w| w.over(buf));
+        adamw_part(p, g, m, v, segs, c, mixing.as_mut())
+    })
+}
+
+#[multiversion::multiversion(targets = "simd")]
+fn adamw_part(
     p: &mut [f32],
     g: &[f32],
     m: &mut [f32],
@@ -123,6 +140,47 @@ pub fn adamw_mixed(
             x.after(p, r.start);
         }
     }
+}
+
+/// The fewest elements that `in_parts` hands to one task: 16 tiles, 256 KiB of each buffer.
+const PART: usize = 16 * TILE;
+
+/// `update` over the parameters, as parts in parallel on the current rayon pool's threads (up to four
+/// parts a thread, each of whole tiles and at least `PART` elements), or in one call where the pool has
+/// one thread or the parameters are fewer. A part gets its range of each of `bufs` (each as long as the
+/// parameters, or empty: it stays empty) and of `g`, and `segments` cut to it (`Segment::cut`, offsets
+/// from the part's start). The updates are element-wise, so every element goes through the operations
+/// of the single pass: the same bits on any number of threads.
+fn in_parts<const N: usize>(
+    bufs: [&mut [f32]; N],
+    g: &[f32],
+    segments: &[Segment],
+    update: impl Fn([&mut [f32]; N], &[f32], &[Segment]) + Sync,
+) {
+    let parts = (g.len() / PART).min(4 * rayon::current_num_threads());
+    if parts < 2 || rayon::current_num_threads() < 2 {
+        return update(bufs, g, segments);
+    }
+    let size = g.len().div_ceil(parts).next_multiple_of(TILE);
+    let mut rest = bufs;
+    let work: Vec<_> = (0..g.len())
+        .step_by(size)
+        .map(|start| {
+            let r = start..(start + size).min(g.len());
+            let part: [&mut [f32]; N] = std::array::from_fn(|i| {
+                let b = std::mem::take(&mut rest[i]);
+                if b.is_empty() {
+                    return b;
+                }
+                let (head, tail) = b.split_at_mut(r.len());
+                rest[i] = tail;
+                head
+            });
+            (part, &g[r.clone()], Segment::cut(segments, r))
+        })
+        .collect();
+    work.into_par_iter()
+        .for_each(|(part, g, segs)| update(part, g, &segs));
 }
 
 /// The segments' elements in tiles of at most `TILE`, each with its segment.
@@ -163,6 +221,20 @@ impl Fold {
 }
 
 impl Mixing<'_> {
+    /// The weights and the buffer of an optional mix (an empty buffer without one), for `in_parts`.
+    fn split<'b>(mixing: Option<&'b mut Mixing<'_>>) -> (Option<Fold>, &'b mut [f32]) {
+        match mixing {
+            Some(x) => {
+                let weights = Fold {
+                    own: x.own,
+                    other: x.other,
+                };
+                (Some(weights), &mut *x.buf)
+            }
+            None => (None, &mut []),
+        }
+    }
+
     /// The mix of `x`, the parameters from `at` on.
     #[inline(always)]
     pub fn before(&mut self, x: &mut [f32], at: usize) {
@@ -245,8 +317,29 @@ pub fn accum_adamw(
 }
 
 /// `accum_adamw` with gossip's mix around it, as `adamw_mixed`; `state` is [sm, sv, acc].
-#[multiversion::multiversion(targets = "simd")]
 pub fn accum_adamw_mixed(
+    p: &mut [f32],
+    g: &[f32],
+    state: [&mut [f32]; 3],
+    segments: &[Segment],
+    c: &AccumStep,
+    mixing: Option<&mut Mixing>,
+) {
+    let (weights, buf) = Mixing::split(mixing);
+    let [sm, sv, acc] = state;
+    in_parts(
+        [p, sm, sv, acc, buf],
+        g,
+        segments,
+        |[p, sm, sv, acc, buf], g, segs| {
+            let mut mixing = weights.map(|w| w.over(buf));
+            accum_adamw_part(p, g, [sm, sv, acc], segs, c, mixing.as_mut())
+        },
+    )
+}
+
+#[multiversion::multiversion(targets = "simd")]
+fn accum_adamw_part(
     p: &mut [f32],
     g: &[f32],
     state: [&mut [f32]; 3],
@@ -282,9 +375,16 @@ pub fn accum_adamw_mixed(
     }
 }
 
-/// Twin of `sgd`: p = p (1 - lr wd) - lr (g grad_scale), the decay on decaying segments.
-#[multiversion::multiversion(targets = "simd")]
+/// Twin of `sgd`: p = p (1 - lr wd) - lr (g grad_scale), the decay on decaying segments; in parts on
+/// the current pool's threads (`in_parts`).
 pub fn sgd(p: &mut [f32], g: &[f32], segments: &[Segment], wd: f64, lr: f64, grad_scale: f32) {
+    in_parts([p], g, segments, |[p], g, segs| {
+        sgd_part(p, g, segs, wd, lr, grad_scale)
+    })
+}
+
+#[multiversion::multiversion(targets = "simd")]
+fn sgd_part(p: &mut [f32], g: &[f32], segments: &[Segment], wd: f64, lr: f64, grad_scale: f32) {
     let (decay, lr32) = (decay_factor(lr, wd), lr as f32);
     for s in segments {
         let r = s.offset..s.offset + s.len;
@@ -310,9 +410,16 @@ pub struct SgdStep {
 
 /// Twin of `momentum_sgd` (torch.optim.SGD, foreach=False): g' = g + wd p (decaying segments); with a
 /// momentum buffer (non-empty `buf`), b = g' at the first step, then b = mu b + g', and the direction is
-/// g' + mu b with Nesterov, else b; without one, g'; p -= lr d.
-#[multiversion::multiversion(targets = "simd")]
+/// g' + mu b with Nesterov, else b; without one, g'; p -= lr d. In parts on the current pool's threads
+/// (`in_parts`).
 pub fn momentum_sgd(p: &mut [f32], g: &[f32], buf: &mut [f32], segments: &[Segment], c: &SgdStep) {
+    in_parts([p, buf], g, segments, |[p, buf], g, segs| {
+        momentum_sgd_part(p, g, buf, segs, c)
+    })
+}
+
+#[multiversion::multiversion(targets = "simd")]
+fn momentum_sgd_part(p: &mut [f32], g: &[f32], buf: &mut [f32], segments: &[Segment], c: &SgdStep) {
     for s in segments {
         let r = s.offset..s.offset + s.len;
         let wd = if s.decays() { c.wd } else { 0.0 };
@@ -848,6 +955,141 @@ mod tests {
         assert!(!Mixing::covers(&segs[1..], 12));
         assert!(!Mixing::covers(&[segs[2], segs[0]], 12));
         assert!(Mixing::covers(&[], 0));
+    }
+
+    /// Parameters of 5 parts and a bit, in segments with gaps between them (as a shard's may have),
+    /// one longer than a part and one that is not a matrix (no decay).
+    fn gapped() -> (Vec<Segment>, usize) {
+        let segs = vec![
+            Segment::flat(3, 2 * PART + 77, true),
+            Segment::flat(2 * PART + 100, 900, false),
+            Segment::flat(2 * PART + 1000, 3 * PART, true),
+        ];
+        (segs, 5 * PART + 1321)
+    }
+
+    fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build();
+        pool.expect("a test pool").install(f)
+    }
+
+    /// A pool of several threads cuts the parameters into parts of whole tiles, each with the segments'
+    /// pieces inside it counted from its start; a pool of one thread, or fewer elements than two parts,
+    /// make one call over everything.
+    #[test]
+    fn in_parts_cuts_whole_tiles_and_the_segments_with_them() {
+        let (segs, n) = gapped();
+        let calls = |threads: usize, n: usize| {
+            let seen = std::sync::Mutex::new(Vec::new());
+            let (mut p, g) = (vec![0.0f32; n], vec![0.0f32; n]);
+            in_pool(threads, || {
+                in_parts([&mut p[..], &mut []], &g, &segs, |[p, e], g, s| {
+                    assert!(e.is_empty() && g.len() == p.len());
+                    seen.lock()
+                        .unwrap()
+                        .push((p.as_ptr() as usize, p.len(), s.to_vec()));
+                })
+            });
+            let mut seen = seen.into_inner().unwrap();
+            seen.sort_by_key(|c| c.0);
+            (p.as_ptr() as usize, seen)
+        };
+        let (base, parts) = calls(3, n);
+        assert!(
+            parts.len() > 1 && parts.len() <= 12,
+            "{} parts",
+            parts.len()
+        );
+        let mut start = 0;
+        for (i, (addr, len, cut)) in parts.iter().enumerate() {
+            assert_eq!(
+                (addr - base) / 4,
+                start,
+                "part {i} starts where the last ended"
+            );
+            assert!(i + 1 == parts.len() || len % TILE == 0, "part {i}: {len}");
+            assert_eq!(*cut, Segment::cut(&segs, start..start + len));
+            start += len;
+        }
+        assert_eq!(start, n);
+        for (threads, n) in [(1, n), (3, 2 * PART - 1)] {
+            let (_, one) = calls(threads, n);
+            assert_eq!(one.len(), 1);
+            assert_eq!(one[0].2, segs);
+        }
+    }
+
+    /// Every update in parts on 3 threads leaves the bits of its single pass on 1 thread: AdamW with each
+    /// half of the mix, AccumAdamW committing and not, SGD, and momentum SGD without a buffer, at its
+    /// first step, and with Nesterov.
+    #[test]
+    fn the_updates_in_parts_give_the_single_passs_bits() {
+        let (segs, n) = gapped();
+        let g = vals(n, 7, -1.0, 1.0);
+        let start = || [0, 1, 2, 3].map(|k| vals(n, k, if k == 2 { 0.0 } else { -1.0 }, 1.0));
+        let run = |threads: usize, update: &(dyn Fn(&mut [Vec<f32>; 4]) + Sync)| {
+            let mut bufs = start();
+            in_pool(threads, || update(&mut bufs));
+            bufs.map(|b| bits(&b))
+        };
+        let same = |what: &str, update: &(dyn Fn(&mut [Vec<f32>; 4]) + Sync)| {
+            assert_eq!(run(1, update), run(3, update), "{what}");
+        };
+        let c = AdamWStep {
+            grad_scale: 0.7,
+            ..AdamWStep::new([0.9, 0.95], 1e-8, 0.1, 1e-2, 3)
+        };
+        for (own, other) in [
+            (None, None),
+            (Some(0.5), None),
+            (None, Some(0.25)),
+            (Some(0.5), Some(0.5)),
+        ] {
+            same("adamw", &|[p, m, v, b]| {
+                let mut mix = Fold { own, other }.over(b);
+                adamw_mixed(p, &g, m, v, &segs, &c, own.or(other).map(|_| &mut mix));
+            });
+        }
+        for (k, t) in [(2, 3), (2, 4)] {
+            let c = AccumStep {
+                grad_scale: 0.7,
+                ..AccumStep::new([0.9, 0.99], 1e-8, 0.1, k, 1e-2, t)
+            };
+            let fold = Fold {
+                own: Some(0.5),
+                other: Some(0.5),
+            };
+            same("accum_adamw", &|[p, sm, sv, acc]| {
+                let mut b = vals(n, 9, -1.0, 1.0);
+                accum_adamw_mixed(
+                    p,
+                    &g,
+                    [sm, sv, acc],
+                    &segs,
+                    &c,
+                    Some(&mut fold.over(&mut b)),
+                );
+                p.iter_mut().zip(&b).for_each(|(p, b)| *p += b);
+            });
+        }
+        same("sgd", &|[p, ..]| sgd(p, &g, &segs, 0.1, 1e-2, 0.7));
+        for (first, nesterov, buf) in [
+            (false, false, false),
+            (true, false, true),
+            (false, true, true),
+        ] {
+            let c = SgdStep {
+                wd: 0.1,
+                momentum: 0.9,
+                lr: 1e-2,
+                nesterov,
+                first,
+                grad_scale: 0.7,
+            };
+            same("momentum_sgd", &|[p, b, ..]| {
+                momentum_sgd(p, &g, if buf { b } else { &mut [] }, &segs, &c)
+            });
+        }
     }
 
     /// The tiles summed in parallel give the tiles' sums added one after the other, bit for bit.

@@ -1,4 +1,5 @@
-//! The compute slots of a process: where workers run their forward/backward passes.
+//! The compute slots of a process: where workers run their forward/backward passes and their optimizer
+//! updates (whose kernels cut the parameters into parts for the slot's threads).
 //!
 //! N local workers on C cores cannot compute more than C at a time, so the memory of computing belongs
 //! to the cores, not to the workers: a `Compute` holds C / threads slots, each a thread pool of `threads`

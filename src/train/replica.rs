@@ -21,6 +21,7 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::{bail, Result};
 
+use super::compute::Compute;
 use crate::comm::Parts;
 use crate::flat::{Flat, FlatMut, FlatRef};
 use crate::kernels::optim::{tile_sum_squares, Mixing, TILE};
@@ -166,18 +167,19 @@ impl Replica {
         Ok(sum.sqrt())
     }
 
-    /// The optimizer's step with the gradient times `grad_scale`: on a shared replica, this member's
-    /// range, then a barrier.
+    /// The optimizer's step with the gradient times `grad_scale`, in a compute slot (on its threads):
+    /// on a shared replica, this member's range, then a barrier (outside the slot).
     pub fn step(
         &mut self,
         grads: FlatRef<'_>,
-        lr: f64,
-        grad_scale: f32,
+        (lr, grad_scale): (f64, f32),
         sync: &mut dyn SyncBackend,
+        compute: &Compute,
     ) -> Result<()> {
         let m = match self {
             Replica::Own { params, opt } => {
-                return opt.step_scaled(params.as_mut(), grads, lr, grad_scale)
+                let params = params.as_mut();
+                return compute.run(|_| opt.step_scaled(params, grads, lr, grad_scale));
             }
             Replica::Shared(m) => m,
         };
@@ -199,7 +201,8 @@ impl Replica {
                     .collect(),
             }
         };
-        s.opt.step_shard(shard, m.t, lr, grad_scale)?;
+        let t = m.t;
+        compute.run(|_| s.opt.step_shard(shard, t, lr, grad_scale))?;
         sync.barrier()
     }
 
@@ -216,12 +219,13 @@ impl Replica {
     }
 
     /// `step` with gossip's mix folded into the optimizer's pass (`Optimizer::step_mixed`), on a replica
-    /// of this worker's own in host memory (`own_on_host`).
+    /// of this worker's own in host memory (`own_on_host`), in a compute slot.
     pub fn step_mixed(
         &mut self,
         grads: FlatRef<'_>,
         (lr, grad_scale): (f64, f32),
         mixing: Mixing<'_>,
+        compute: &Compute,
     ) -> Result<()> {
         let Replica::Own {
             params: Flat::Host(params),
@@ -233,7 +237,7 @@ impl Replica {
             )
         };
         let g = grads.to_host()?;
-        opt.step_mixed(params, &g, (lr, grad_scale), mixing)
+        compute.run(|_| opt.step_mixed(params, &g, (lr, grad_scale), mixing))
     }
 
     /// The model to evaluate and checkpoint: the backend's average of the replicas (`params` is this

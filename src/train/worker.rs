@@ -576,16 +576,18 @@ impl<'s> Worker<'s> {
             Some(fold) => {
                 self.since_log.sync_end(start, self.sync.comm_stats());
                 let mixing = fold.over(self.sync.fold_buffer()?);
+                let compute = &self.setup.compute;
                 self.replica
-                    .step_mixed(self.grads.as_ref(), (lr, grad_scale), mixing)?;
+                    .step_mixed(self.grads.as_ref(), (lr, grad_scale), mixing, compute)?;
             }
             None => {
                 if touches {
                     self.sync.before_step_flat(self.replica.params_mut()?)?;
                 }
                 self.since_log.sync_end(start, self.sync.comm_stats());
+                let (grads, sync) = (self.grads.as_ref(), self.sync.as_mut());
                 self.replica
-                    .step(self.grads.as_ref(), lr, grad_scale, self.sync.as_mut())?;
+                    .step(grads, (lr, grad_scale), sync, &self.setup.compute)?;
             }
         }
         let start = self.since_log.sync_start(self.sync.comm_stats());
