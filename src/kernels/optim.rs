@@ -677,19 +677,8 @@ mod tests {
         ];
         assert_eq!(u.run("sgd", args.concat(), 2), [bits(&pw), bits(g)], "sgd");
         let flag = |b: bool| Arg::U32(b.into());
-        for (first, nesterov, has_buf) in [
-            (true, false, true),
-            (false, true, true),
-            (false, false, false),
-        ] {
-            let c = SgdStep {
-                wd: 0.01,
-                momentum: 0.9,
-                lr: 0.7,
-                nesterov,
-                first,
-                grad_scale: 0.5,
-            };
+        for (c, has_buf) in sgd_cases() {
+            let (first, nesterov) = (c.first, c.nesterov);
             let (mut pw, mut bw) = (p.clone(), if has_buf { m.clone() } else { Vec::new() });
             momentum_sgd(&mut pw, g, &mut bw, &u.segs, &c);
             let buf = if has_buf { bw.clone() } else { vec![0.0] };
@@ -957,6 +946,27 @@ mod tests {
         assert!(Mixing::covers(&[], 0));
     }
 
+    /// Momentum SGD's steps, each with whether it keeps a buffer: its first step, Nesterov's, and one
+    /// without a buffer.
+    fn sgd_cases() -> [(SgdStep, bool); 3] {
+        [
+            (true, false, true),
+            (false, true, true),
+            (false, false, false),
+        ]
+        .map(|(first, nesterov, buf)| {
+            let c = SgdStep {
+                wd: 0.01,
+                momentum: 0.9,
+                lr: 0.7,
+                nesterov,
+                first,
+                grad_scale: 0.5,
+            };
+            (c, buf)
+        })
+    }
+
     /// Parameters of 5 parts and a bit, in segments with gaps between them (as a shard's may have),
     /// one longer than a part and one that is not a matrix (no decay).
     fn gapped() -> (Vec<Segment>, usize) {
@@ -1073,19 +1083,7 @@ mod tests {
             });
         }
         same("sgd", &|[p, ..]| sgd(p, &g, &segs, 0.1, 1e-2, 0.7));
-        for (first, nesterov, buf) in [
-            (false, false, false),
-            (true, false, true),
-            (false, true, true),
-        ] {
-            let c = SgdStep {
-                wd: 0.1,
-                momentum: 0.9,
-                lr: 1e-2,
-                nesterov,
-                first,
-                grad_scale: 0.7,
-            };
+        for (c, buf) in sgd_cases() {
             same("momentum_sgd", &|[p, b, ..]| {
                 momentum_sgd(p, &g, if buf { b } else { &mut [] }, &segs, &c)
             });
