@@ -157,8 +157,9 @@ fn in_parts<const N: usize>(
     segments: &[Segment],
     update: impl Fn([&mut [f32]; N], &[f32], &[Segment]) + Sync,
 ) {
-    let parts = (g.len() / PART).min(4 * rayon::current_num_threads());
-    if parts < 2 || rayon::current_num_threads() < 2 {
+    let threads = rayon::current_num_threads();
+    let parts = (g.len() / PART).min(4 * threads);
+    if threads < 2 || parts < 2 {
         return update(bufs, g, segments);
     }
     let size = g.len().div_ceil(parts).next_multiple_of(TILE);

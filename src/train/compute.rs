@@ -6,8 +6,8 @@
 //! threads and a `Scratch` (the activations of one forward/backward). A worker borrows a slot for each
 //! computation and gives it back before it communicates, so a worker never holds a slot while it waits
 //! for another, and the other workers' waits cost no memory. A single worker (one process of an MPI or
-//! NCCL job, or a run with one worker) has one slot that computes on the calling thread, in the
-//! process's rayon pool.
+//! NCCL job, or a run with one worker) has one slot that computes in the process's rayon pool (a GPU's
+//! work on the calling thread, which holds its context).
 //!
 //! While a slot computes on the CPU, its pool's other threads wait for its parallel work awake
 //! (`busy`), as OpenMP's threads spin between parallel regions, rather than asleep in the kernel.
