@@ -626,7 +626,8 @@ impl SyncBackend for Demo {
         self.delta.move_to(&Place::Host)?;
         let mut delta = match std::mem::replace(&mut self.delta, Flat::Host(Vec::new())) {
             Flat::Host(d) if d.len() == grads.len() => d,
-            _ => vec![0.0; grads.len()],
+            // Read before it is written (the mix), so with its pages mapped: `flat::mapped_zeros`.
+            _ => crate::flat::mapped_zeros(grads.len()),
         };
         // The local gradient is clipped as torch's clip_grad_norm_ before the optimizer step would (by
         // its factor as it enters delta; `grads` is left as it is); the sign direction that leaves this
@@ -878,6 +879,54 @@ mod tests {
             let left = demo.delta.to_host().unwrap().into_owned();
             assert_eq!(bits(&left), bits(&delta), "step {step}: the momentum left");
         }
+    }
+
+    /// Minor page faults of the calling thread so far.
+    #[cfg(target_os = "linux")]
+    fn thread_faults() -> i64 {
+        let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+        // SAFETY: getrusage fills the struct it is given (zeroed, so initialized either way).
+        unsafe {
+            libc::getrusage(libc::RUSAGE_THREAD, u.as_mut_ptr());
+            u.assume_init().ru_minflt
+        }
+    }
+
+    /// The momentum that the first step creates is read before it is written (the mix), so its pages
+    /// are mapped as it is allocated (`flat::mapped_zeros`): the first step faults once per page of it,
+    /// where fresh zeros would fault twice (the shared zero page, then its copy, whose flush of every
+    /// core's TLB was most of a 512-worker first step). The steps run on a pool of one thread, whose
+    /// faults are all of theirs; the momentum (42 MB) is above glibc's largest mmap threshold, so it is
+    /// fresh from the OS.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn the_first_step_maps_the_momentum_once_per_page() {
+        let tensors =
+            Segment::from_shapes(&[(2048, 2048, true), (2048, 2048, true), (1024, 2048, true)]);
+        let n: usize = tensors.iter().map(|t| t.len).sum();
+        let g: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+        let (mut g0, mut g1) = (g.clone(), g);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let (first, second) = pool.install(|| {
+            let comm = Box::new(crate::comm::Solo);
+            let mut demo = Demo::new(comm, DemoConfig::default(), 0.0, &tensors);
+            let mut faults_of_step = |g: &mut [f32], step| {
+                let before = thread_faults();
+                demo.reduce_grads(g, step, 1e-3).unwrap();
+                thread_faults() - before
+            };
+            (faults_of_step(&mut g0, 0), faults_of_step(&mut g1, 1))
+        });
+        // SAFETY: sysconf only reads a setting.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as i64;
+        let pages = 4 * n as i64 / page;
+        assert!(
+            first - second < pages + pages / 2,
+            "the first step faulted {first} times, the second {second}; the momentum has {pages} pages"
+        );
     }
 
     /// With every coefficient kept and one worker nothing is dropped: the direction is the momentum
