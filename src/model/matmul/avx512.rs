@@ -50,7 +50,8 @@ pub fn gemm_packed(out: &mut [f32], out_rs: usize, a: &M, b: Strips, pa: &mut Li
     run(out, out_rs, (pa.words(), ap, a.rows), b, kp, false);
 }
 
-/// The product of packed operands over kp pairs: tasks of MC rows and NC columns, blocks of KC pairs.
+/// The product of packed operands over kp pairs: tasks of up to MC rows and NC columns (`task_shape`),
+/// blocks of KC pairs.
 fn run(
     out: &mut [f32],
     out_rs: usize,
@@ -63,16 +64,17 @@ fn run(
     let strips = n.div_ceil(NR);
     let out_len = out.len();
     let c = SendPtr(out.as_mut_ptr());
-    let (mb, nb) = (m.div_ceil(MC), n.div_ceil(NC));
+    let (mc, nc) = task_shape(m, n, rayon::current_num_threads());
+    let (mb, nb) = (m.div_ceil(mc), n.div_ceil(nc));
     (0..mb * nb).into_par_iter().for_each(|task| {
         let (ib, jb) = (task / nb, task % nb);
         for p0 in (0..kp).step_by(KC) {
             let kc = KC.min(kp - p0);
             let add = acc || p0 > 0;
-            for s in (jb * NC / NR)..((jb + 1) * NC / NR).min(strips) {
+            for s in (jb * nc / NR)..((jb + 1) * nc / NR).min(strips) {
                 let bs = &b.words[s * b.stride + b.from + p0 * NR..][..kc * NR];
                 let cols = NR.min(n - s * NR);
-                for i0 in (ib * MC..((ib + 1) * MC).min(m)).step_by(MR) {
+                for i0 in (ib * mc..((ib + 1) * mc).min(m)).step_by(MR) {
                     let rows = MR.min(m - i0);
                     let a0 = i0 * ap.is + p0 * ap.ps;
                     // Rows past m read the zeroed padding of the packed A.
@@ -99,6 +101,40 @@ fn run(
             }
         }
     });
+}
+
+/// Tasks per thread that `task_shape` asks for at least: with fewer, a thread that draws the last
+/// task leaves the others waiting for up to a task's time.
+const TASKS_PER_THREAD: usize = 3;
+
+/// The rows and columns of `run`'s tasks for an m x n product on `threads` threads: MC x NC where that
+/// makes TASKS_PER_THREAD tasks a thread; else halved (columns first, down to a strip; then rows, down
+/// to a micro-tile) until it does, and evened out (384 columns as two tasks of 192, not 256 and 128).
+/// The weight gradients of a small model (n_embd x n_embd over a batch's tokens: one MC x NC task)
+/// would otherwise run on one thread while the others wait. Every tile of C is computed by the same
+/// kernel calls in the same order whatever the shape: the same bits.
+fn task_shape(m: usize, n: usize, threads: usize) -> (usize, usize) {
+    let want = TASKS_PER_THREAD * threads;
+    let tasks = |mc: usize, nc: usize| m.div_ceil(mc) * n.div_ceil(nc);
+    if tasks(MC, NC) >= want {
+        return (MC, NC);
+    }
+    let mut mc = m.next_multiple_of(MR).clamp(MR, MC);
+    let mut nc = n.next_multiple_of(NR).clamp(NR, NC);
+    while tasks(mc, nc) < want {
+        if nc > NR {
+            nc = (nc / 2).next_multiple_of(NR);
+        } else if mc > MR {
+            mc = (mc / 2).next_multiple_of(MR);
+        } else {
+            break;
+        }
+    }
+    let even = |len: usize, c: usize, unit: usize| match len {
+        0 => c,
+        _ => len.div_ceil(len.div_ceil(c)).next_multiple_of(unit),
+    };
+    (even(m, mc, MR), even(n, nc, NR))
 }
 
 #[derive(Clone, Copy)]
@@ -716,5 +752,56 @@ fn mask(n: usize) -> __mmask16 {
         0xffff
     } else {
         ((1u32 << n) - 1) as __mmask16
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tasks tile the product in whole micro-tiles and strips; there are TASKS_PER_THREAD a thread
+    /// wherever micro-tiles and strips allow; a product with that many MC x NC tasks keeps them, and
+    /// one cut finer has fewer than twice that many (each halving at most doubles the tasks), evened.
+    #[test]
+    fn products_are_cut_into_enough_tasks_for_the_threads() {
+        for (m, n) in [
+            (768, 384),
+            (128, 128),
+            (128, 384),
+            (128, 85),
+            (512, 128),
+            (8, 32),
+            (3, 5),
+        ] {
+            for threads in 1..=8 {
+                let (mc, nc) = task_shape(m, n, threads);
+                assert!(
+                    mc % MR == 0 && nc % NR == 0 && mc <= MC && nc <= NC,
+                    "{m}x{n}"
+                );
+                let tasks = m.div_ceil(mc) * n.div_ceil(nc);
+                let (finest, want) = (m.div_ceil(MR) * n.div_ceil(NR), TASKS_PER_THREAD * threads);
+                assert!(
+                    tasks >= want.min(finest),
+                    "{m}x{n} on {threads}: {tasks} tasks"
+                );
+                if m.div_ceil(MC) * n.div_ceil(NC) >= want {
+                    assert_eq!((mc, nc), (MC, NC), "{m}x{n} on {threads}");
+                    continue;
+                }
+                assert!(tasks < 2 * want, "{m}x{n} on {threads}: {tasks} tasks");
+                // Even: the tasks' rows (columns) exceed m (n) by less than a micro-tile (strip) each.
+                let (mb, nb) = (m.div_ceil(mc), n.div_ceil(nc));
+                assert!(
+                    mb * mc - m < mb * MR && nb * nc - n < nb * NR,
+                    "{m}x{n}: {mc}x{nc}"
+                );
+            }
+        }
+        // An empty product has no tasks to cut.
+        assert_eq!(task_shape(0, 5, 2).0 % MR + task_shape(5, 0, 2).1 % NR, 0);
+        // The weight gradient of nanoGPT's CPU config (n_embd 128): six tasks on two threads, not one.
+        let (mc, nc) = task_shape(128, 128, 2);
+        assert!(128usize.div_ceil(mc) * 128usize.div_ceil(nc) >= 6);
     }
 }

@@ -1089,15 +1089,22 @@ mod tests {
         }
     }
 
-    /// The result does not depend on the thread count (the k blocks are summed in one order).
+    /// The result does not depend on the thread count (the k blocks are summed in one order), nor on
+    /// the tasks the threads split the product into (a small model's weight gradient, 128 x 128 over
+    /// 768 tokens, is cut into more of them the more threads there are).
     #[test]
     fn bf16_products_do_not_depend_on_the_thread_count() {
-        for (m, n, k, path) in [(300, 200, 700), (70, 50, 4500)]
-            .into_iter()
-            .flat_map(|s| paths().into_iter().map(move |p| (s.0, s.1, s.2, p)))
+        for (m, n, k, path) in [
+            (300, 200, 700),
+            (70, 50, 4500),
+            (128, 128, 768),
+            (128, 384, 768),
+        ]
+        .into_iter()
+        .flat_map(|s| paths().into_iter().map(move |p| (s.0, s.1, s.2, p)))
         {
             let (ad, bd) = (values(m * k, 1), values(k * n, 2));
-            let runs: Vec<Vec<f32>> = [1, 2, 3]
+            let runs: Vec<Vec<f32>> = [1, 2, 3, 4]
                 .into_iter()
                 .map(|threads| {
                     let pool = rayon::ThreadPoolBuilder::new()
