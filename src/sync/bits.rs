@@ -32,8 +32,8 @@ impl<'a> BitWriter<'a> {
     }
 
     /// `put` of each code in turn, with the writer's state in registers for the run: with AVX-512 and
-    /// codes of up to 16 bits, 32 codes at a time packed in the vector lanes (`wide::put`); else 32 at
-    /// a time packed into `bits` whole words with shifts fixed at compile time (`pack`), each word then
+    /// codes of up to 16 bits, 32 codes at a time packed in the vector lanes (`wide::put`); else runs
+    /// of whole blocks of 32 packed into `bits` whole words a block (`pack_run`), each word then
     /// shifted past the bits already pending; the rest one at a time.
     pub fn put_all(&mut self, codes: &[u32], bits: u32) {
         #[cfg(target_arch = "x86_64")]
@@ -42,16 +42,17 @@ impl<'a> BitWriter<'a> {
         let b = bits as usize;
         let mut rest = codes;
         if let Some(pack) = block(bits).map(|f| f.0) {
-            let mut packed = [0u32; 32];
+            let mut packed = [0u32; RUN + 4];
             let whole = codes.len() / 32 * 32;
-            for block in codes[..whole].chunks_exact(32) {
-                pack(block, &mut packed[..b]);
-                for (o, &p) in self.out[word..word + b].iter_mut().zip(&packed[..b]) {
+            for run in codes[..whole].chunks(RUN) {
+                let n = run.len() / 32 * b;
+                pack_run(run, bits, pack, &mut packed);
+                for (o, &p) in self.out[word..word + n].iter_mut().zip(&packed[..n]) {
                     let x = acc | (p as u64) << used;
                     *o = f32::from_bits(x as u32);
                     acc = x >> 32;
                 }
-                word += b;
+                word += n;
             }
             rest = &codes[whole..];
         }
@@ -174,29 +175,27 @@ impl<'a> BitReader<'a> {
         (self.acc, self.have, self.word) = (acc, have, word);
     }
 
-    /// With AVX-512, the first codes of `out` in blocks of 32 (`wide::unpack`) straight from the words,
-    /// while 32 words lie at and past the next code's word; the rest of `out`.
+    /// The first codes of `out` straight from the words, in vectors: with AVX-512, in blocks of 32
+    /// (`wide::unpack`) while 32 words lie at and past the next code's word; else with AVX2 and codes of
+    /// up to `narrow::MAX_BITS` bits, in groups of 8 (`narrow::unpack`) while 16 bytes lie at and past
+    /// the group's first byte. The rest of `out`.
     #[cfg(target_arch = "x86_64")]
     fn get_blocks<'o>(&mut self, bits: u32, out: &'o mut [u32]) -> &'o mut [u32] {
-        if bits > wide::MAX_BITS || !is_x86_feature_detected!("avx512f") {
-            return out;
-        }
         // The next code's bit: `acc` holds the `have` bits before word `word`.
-        let mut at = self.word * 32 - self.have as usize;
-        let room = |at: usize| at / 32 + 32 <= self.words.len();
-        if out.len() < 32 || !room(at) {
+        let at = self.word * 32 - self.have as usize;
+        let done = if bits <= wide::MAX_BITS && is_x86_feature_detected!("avx512f") {
+            self.wide_blocks(at, bits, out)
+        } else if narrow::usable(bits) {
+            // SAFETY: this processor has AVX2, and bits is 1 to MAX_BITS (`usable`).
+            unsafe { narrow::unpack(self.words, at, bits, out) }
+        } else {
+            0
+        };
+        if done == 0 {
             return out;
         }
-        let mut rest = out;
-        while rest.len() >= 32 && room(at) {
-            let (block, tail) = std::mem::take(&mut rest).split_at_mut(32);
-            let block: &mut [u32; 32] = block.try_into().expect("32 codes");
-            // SAFETY: this processor has AVX-512F (checked above), and bits is at most MAX_BITS.
-            unsafe { wide::unpack(self.words, at, bits, block) };
-            at += 32 * bits as usize;
-            rest = tail;
-        }
-        // At least one block was read: word `at / 32` lies inside the words.
+        // Codes were read: word `at / 32` after them lies inside the words.
+        let at = at + done * bits as usize;
         let (word, off) = (at / 32, (at % 32) as u32);
         (self.word, self.have, self.acc) = match off {
             0 => (word, 0, 0),
@@ -206,7 +205,27 @@ impl<'a> BitReader<'a> {
                 (self.words[word].to_bits() >> off) as u64,
             ),
         };
-        rest
+        &mut out[done..]
+    }
+
+    /// `wide::unpack` of blocks of 32 codes from bit `at` on into `out`, while 32 words lie at and past
+    /// the block's first word; how many codes that was. Only where the processor has AVX-512F, with
+    /// bits at most `wide::MAX_BITS`.
+    #[cfg(target_arch = "x86_64")]
+    fn wide_blocks(&self, mut at: usize, bits: u32, out: &mut [u32]) -> usize {
+        let room = |at: usize| at / 32 + 32 <= self.words.len();
+        let mut done = 0;
+        for block in out.chunks_exact_mut(32) {
+            if !room(at) {
+                break;
+            }
+            let block: &mut [u32; 32] = block.try_into().expect("32 codes");
+            // SAFETY: the caller checked AVX-512F and the width.
+            unsafe { wide::unpack(self.words, at, bits, block) };
+            at += 32 * bits as usize;
+            done += 32;
+        }
+        done
     }
 }
 
@@ -428,6 +447,123 @@ mod wide {
     }
 }
 
+/// Codes packed at a time by `BitWriter::put_all` before they are shifted into place: whole blocks of 32.
+/// The words a run's vector stores leave are read back after the whole run is packed, not while the
+/// stores are in flight (a load from two stores in flight waits for both to complete).
+const RUN: usize = 256;
+
+/// `run` (whole blocks of 32, at most `RUN` codes) of `bits` bits packed into `packed`, `bits` words a
+/// block: with AVX2 and codes of up to `narrow::MAX_BITS` bits 8 at a time (`narrow::pack`), else by
+/// `pack`, the unrolled block.
+fn pack_run(run: &[u32], bits: u32, pack: fn(&[u32], &mut [u32]), packed: &mut [u32; RUN + 4]) {
+    #[cfg(target_arch = "x86_64")]
+    if narrow::usable(bits) {
+        // SAFETY: this processor has AVX2, and bits is 1 to MAX_BITS (`usable`).
+        unsafe { narrow::pack(run, bits, packed) };
+        return;
+    }
+    let words = packed.chunks_mut(bits as usize);
+    run.chunks_exact(32)
+        .zip(words)
+        .for_each(|(c, w)| pack(c, w));
+}
+
+/// Packing and unpacking with AVX2, 8 codes at a time: 8 codes of `bits` bits fill `bits` whole bytes,
+/// so every group of 8 starts in its first byte at the bit the run's first code starts at there.
+#[cfg(target_arch = "x86_64")]
+mod narrow {
+    use super::RUN;
+    use std::arch::x86_64::*;
+
+    /// The widest codes packed and unpacked here: a group's 8 codes from a first bit anywhere in a byte
+    /// end inside its 16 bytes (7 + 8 x 15 < 128), and 4 of them fit in 64 bits.
+    pub const MAX_BITS: u32 = 15;
+
+    /// Whether this processor has AVX2 and codes of `bits` bits are packed and unpacked here.
+    pub fn usable(bits: u32) -> bool {
+        (1..=MAX_BITS).contains(&bits) && is_x86_feature_detected!("avx2")
+    }
+
+    /// `super::pack` of `codes` (whole groups of 8, at most `RUN`) of `bits` bits (1 to `MAX_BITS`):
+    /// `bits` words per 32 codes from the first word of `words` on, a group at a time: its codes joined
+    /// pairwise into 64-bit lanes, the pairs joined in each 128-bit half, the halves joined into the
+    /// group's 8 bits bits, stored from its first byte (the zeros above them overwritten by the next
+    /// group's). Only where the processor has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn pack(codes: &[u32], bits: u32, words: &mut [u32; RUN + 4]) {
+        assert!(codes.len() <= RUN && codes.len().is_multiple_of(8));
+        let count = |n: u32| _mm_cvtsi32_si128(n as i32);
+        let (one, two, four, rest) = (
+            count(bits),
+            count(2 * bits),
+            count(4 * bits),
+            count(64 - 4 * bits),
+        );
+        let low = _mm256_set1_epi64x(u32::MAX as i64);
+        let out = words.as_mut_ptr().cast::<u8>();
+        for (g, group) in codes.chunks_exact(8).enumerate() {
+            // SAFETY: an unaligned load of the group's 8 codes.
+            let x = unsafe { _mm256_loadu_si256(group.as_ptr().cast()) };
+            // Pairs of 2 bits bits in the 64-bit lanes, then pairs of pairs in each half's low lane.
+            let pairs = _mm256_or_si256(
+                _mm256_and_si256(x, low),
+                _mm256_sll_epi64(_mm256_srli_epi64::<32>(x), one),
+            );
+            let quads =
+                _mm256_or_si256(pairs, _mm256_sll_epi64(_mm256_srli_si256::<8>(pairs), two));
+            let (lo, hi) = (
+                _mm256_castsi256_si128(quads),
+                _mm256_extracti128_si256::<1>(quads),
+            );
+            // lo + hi 2^(4 bits) in 128 bits (4 bits < 64).
+            let group = _mm_or_si128(
+                _mm_move_epi64(_mm_or_si128(lo, _mm_sll_epi64(hi, four))),
+                _mm_slli_si128::<8>(_mm_srl_epi64(hi, rest)),
+            );
+            // SAFETY: 16 bytes from byte g bits < (RUN / 8) 15 of the 4 (RUN + 4) bytes of `words`.
+            unsafe { _mm_storeu_si128(out.add(g * bits as usize).cast(), group) };
+        }
+    }
+
+    /// The codes of `bits` bits (1 to `MAX_BITS`) from bit `at` of `words` on into `out`, 8 at a time
+    /// while the 16 bytes from the group's first byte lie inside the words: each lane shuffled the 4
+    /// bytes from its code's first byte, shifted by the code's bit there and masked. How many codes
+    /// that was (a multiple of 8). Only where the processor has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn unpack(words: &[f32], at: usize, bits: u32, out: &mut [u32]) -> usize {
+        let bytes: &[u8] = bytemuck::cast_slice(words);
+        let (first, b) = (at / 8, bits as usize);
+        let fit = bytes
+            .len()
+            .checked_sub(first + 16)
+            .map_or(0, |room| room / b + 1);
+        let groups = (out.len() / 8).min(fit);
+        // Lane i's first bit from its group's first byte, at % 8 + i bits: its byte (a lane's shuffle
+        // takes that byte and the three after it, those past 15 wrapping onto bytes below, whose bits
+        // lie above the code and are masked off) and its bit there.
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let bit = _mm256_add_epi32(
+            _mm256_set1_epi32((at % 8) as i32),
+            _mm256_mullo_epi32(lanes, _mm256_set1_epi32(bits as i32)),
+        );
+        let take = _mm256_add_epi32(
+            _mm256_mullo_epi32(_mm256_srli_epi32::<3>(bit), _mm256_set1_epi32(0x0101_0101)),
+            _mm256_set1_epi32(0x0302_0100),
+        );
+        let shift = _mm256_and_si256(bit, _mm256_set1_epi32(7));
+        let mask = _mm256_set1_epi32((1 << bits) - 1);
+        for (g, codes) in out.chunks_exact_mut(8).take(groups).enumerate() {
+            // SAFETY: the group's 16 bytes lie inside the words (`fit`).
+            let v = unsafe { _mm_loadu_si128(bytes.as_ptr().add(first + g * b).cast()) };
+            let lanes = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(v), take);
+            let c = _mm256_and_si256(_mm256_srlv_epi32(lanes, shift), mask);
+            // SAFETY: an unaligned store of 8 u32 into a chunk of 8.
+            unsafe { _mm256_storeu_si256(codes.as_mut_ptr().cast(), c) };
+        }
+        8 * groups
+    }
+}
+
 /// Packs 32 codes of `B` bits into `B` words, code i at bit i B (as `put` in turn from bit 0). Unrolled,
 /// so that every shift and every word's end is fixed at compile time.
 #[allow(clippy::erasing_op, clippy::identity_op)] // the copies for I = 0 and 1 multiply by 0 and 1
@@ -543,6 +679,58 @@ mod tests {
                 }
             }
             assert_eq!(got, codes, "{bits} bits");
+        }
+    }
+
+    /// The AVX2 packing and unpacking alone (where the processor has AVX2; `put_all` and `get_all` take
+    /// AVX-512's where it has that too) are the unrolled blocks' words and one `get` per code: runs of
+    /// every length up to `RUN`, every width they take, first codes at every bit of a byte and word,
+    /// and words that end right after the last group's 16 bytes.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_groups_are_the_blocks_and_the_single_codes() {
+        if !is_x86_feature_detected!("avx2") {
+            eprintln!("no AVX2 here: the groups of 8 are not run");
+            return;
+        }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for bits in 1..=narrow::MAX_BITS {
+            let b = bits as usize;
+            for blocks in 1..=RUN / 32 {
+                let codes: Vec<u32> = (0..32 * blocks)
+                    .map(|_| rng.random::<u32>() >> (32 - bits))
+                    .collect();
+                let mut want = [0u32; RUN + 4];
+                let scalar = block(bits).expect("a block of this width").0;
+                codes
+                    .chunks_exact(32)
+                    .zip(want.chunks_mut(b))
+                    .for_each(|(c, w)| scalar(c, w));
+                let mut got = [u32::MAX; RUN + 4];
+                // SAFETY: this processor has AVX2 (checked above), and bits is 1 to MAX_BITS.
+                unsafe { narrow::pack(&codes, bits, &mut got) };
+                assert_eq!(
+                    got[..blocks * b],
+                    want[..blocks * b],
+                    "{bits} bits, {blocks} blocks"
+                );
+            }
+            let words: Vec<f32> = (0..40).map(|_| f32::from_bits(rng.random())).collect();
+            for at in 0..64 {
+                let mut got = vec![0u32; 8 * 40];
+                // SAFETY: as above.
+                let n = unsafe { narrow::unpack(&words, at, bits, &mut got) };
+                // Every group that fits in the 160 bytes, or every code asked for.
+                let end = |groups: usize| at / 8 + groups * b + 16;
+                let fits = n > 0 && end(n / 8 - 1) <= 160;
+                assert!(
+                    fits && (n == got.len() || end(n / 8) > 160),
+                    "{bits} bits, {at}: {n}"
+                );
+                let mut one = BitReader::at(&words, at as u64);
+                let want: Vec<u32> = (0..n).map(|_| one.get(bits)).collect();
+                assert_eq!(got[..n], want[..], "{bits} bits from bit {at}");
+            }
         }
     }
 

@@ -444,13 +444,18 @@ pub const SPAN: usize = 4096;
 #[multiversion(targets = "simd")]
 fn qsgd_values(codes: &[u32], unit: f32, bits: u32, out: &mut [f32], ask: Ask) {
     let mask = (1u32 << (bits - 1)) - 1;
-    for (b, (out, codes)) in out.chunks_mut(16).zip(codes.chunks(16)).enumerate() {
+    let value = |o: &mut f32, c: u32| {
+        let q = unit * (c & mask) as f32;
+        *o = f32::from_bits(q.to_bits() ^ (c >> (bits - 1)) << 31);
+    };
+    // Whole groups of 16 (a fixed count the loop unrolls to whole vectors), then the rest.
+    let (mut outs, mut groups) = (out.chunks_exact_mut(16), codes.chunks_exact(16));
+    for (b, (out, codes)) in (&mut outs).zip(&mut groups).enumerate() {
         ask.lines.iter().for_each(|l| l.ask(ask.at + 16 * b));
-        for (o, &c) in out.iter_mut().zip(codes) {
-            let q = unit * (c & mask) as f32;
-            *o = f32::from_bits(q.to_bits() ^ (c >> (bits - 1)) << 31);
-        }
+        out.iter_mut().zip(codes).for_each(|(o, &c)| value(o, c));
     }
+    let rest = outs.into_remainder().iter_mut();
+    rest.zip(groups.remainder()).for_each(|(o, &c)| value(o, c));
 }
 
 /// Entries of x - hat formed at a time by the QSGD encoding: whole rows of the kernel's block.
@@ -562,14 +567,21 @@ fn qsgd_codes(
     let usable = norm > 0.0 && norm.is_finite();
     // One division per bucket: lf = |v| (s / norm).
     let per_unit = s / norm;
-    let blocks = out.chunks_mut(16).zip(u.chunks(16)).zip(halves.chunks(16));
-    for (b, ((out, u), halves)) in blocks.enumerate() {
+    // Whole groups of 16 (a fixed count the loop unrolls to whole vectors), then the rest.
+    let (mut outs, mut us, mut hs) = (
+        out.chunks_exact_mut(16),
+        u.chunks_exact(16),
+        halves.chunks_exact(16),
+    );
+    for (b, ((out, u), halves)) in (&mut outs).zip(&mut us).zip(&mut hs).enumerate() {
         // A line of each of x and hat that the pass reads next, per 16 entries coded: they arrive
         // while the codes compute, where asking for them all at once would stall the core until
         // its misses drained.
         next.lines.iter().for_each(|l| l.ask(next.at + 16 * b));
         qsgd_block(out, u, halves, (s, usable, per_unit), bits);
     }
+    let (out, u, halves) = (outs.into_remainder(), us.remainder(), hs.remainder());
+    qsgd_block(out, u, halves, (s, usable, per_unit), bits);
 }
 
 /// `qsgd_codes` of up to 16 entries (one vector), with the bucket's `(levels, usable, levels / norm)`.
@@ -583,15 +595,14 @@ fn qsgd_block(
 ) {
     for ((o, &v), &half) in out.iter_mut().zip(u).zip(halves) {
         let lf = if usable { v.abs() * per_unit } else { 0.0 };
-        // lf >= 0 (infinite when |v| s / norm overflows) and s < 2^23, so m = min(lf, s) rounds to a whole
-        // number by adding and taking away 2^23, and its floor is that or one less. A whole level in
-        // [0, 2^23) plus 2^23 has the level in its low bits. Float operations only: the loop
-        // vectorizes, where conversions to integers (saturating, in Rust) do not.
+        // lf >= 0 (infinite when |v| s / norm overflows) and s < 2^23, so m = min(lf, s) has an exact
+        // floor (one instruction where the core has SSE4.1, as every clone but the baseline's does),
+        // and a whole level in [0, 2^23) plus 2^23 has the level in its low bits. Float operations
+        // only: the loop vectorizes, where conversions to integers (saturating, in Rust) do not.
         // The minima are compares (one vector instruction each, where `f32::min` also tests for NaN;
         // lf is never NaN, since a NaN or infinite entry leaves the norm unusable).
         let m = if lf < s { lf } else { s };
-        let near = (m + TWO_23) - TWO_23;
-        let lo = if near > m { near - 1.0 } else { near };
+        let lo = m.floor();
         let r = half as f32 * (1.0 / 65_536.0);
         let up = lo + if r < lf - lo { 1.0 } else { 0.0 };
         let level = if up < s { up } else { s };
