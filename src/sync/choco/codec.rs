@@ -11,7 +11,7 @@ use super::Compressor;
 use crate::kernels;
 use crate::kernels::{Ask, Segment};
 use crate::sync::bits::{self, BitReader, BitWriter};
-use crate::sync::compress::{self, k_of};
+use crate::sync::compress::k_of;
 
 pub(super) const RANDOMK_KEY: u64 = 0x0072_616e_646f_6d6b; // "randomk"
 pub(super) const QSGD_KEY: u64 = 0x7173_6764; // "qsgd"
@@ -54,6 +54,23 @@ pub fn qsgd_tau(levels: u32, d: usize, biased: bool) -> f32 {
 /// Bits of one QSGD entry: a sign and a level in 0..=levels.
 pub fn qsgd_bits(levels: u32) -> u32 {
     1 + (32 - levels.leading_zeros())
+}
+
+/// A tensor's indices in a sparse message: top-k's, read in place (sent as f32 bits), or random-k's,
+/// drawn from the sender's seed.
+pub(super) enum Indices<'m> {
+    Sent(&'m [u32]),
+    Drawn(Arc<[u32]>),
+}
+
+impl std::ops::Deref for Indices<'_> {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        match self {
+            Indices::Sent(i) => i,
+            Indices::Drawn(i) => i,
+        }
+    }
 }
 
 /// A compressor over a model's tensors: every rank's message has the same size, set by the tensors.
@@ -175,11 +192,13 @@ impl Codec {
         step: u64,
         sender: usize,
         t: usize,
-    ) -> (Arc<[u32]>, &'m [f32]) {
+    ) -> (Indices<'m>, &'m [f32]) {
         let (part, k) = (&msg[self.parts[t]..self.parts[t + 1]], self.ks[t]);
         match self.compressor {
-            Compressor::TopK { .. } => (compress::f32_to_indices(&part[k..]).into(), &part[..k]),
-            _ => (self.random_indices(step, sender, t), part),
+            Compressor::TopK { .. } => {
+                (Indices::Sent(bytemuck::cast_slice(&part[k..])), &part[..k])
+            }
+            _ => (Indices::Drawn(self.random_indices(step, sender, t)), part),
         }
     }
 
