@@ -399,7 +399,7 @@ mod x86 {
 
     /// `packed` with AVX2, of whole groups of 8, as `pack16` does it: room for a block of `BLOCK`
     /// groups' entries reserved at once, then each group's packed lanes stored whether any passed or
-    /// none. CHOCO's top-10% passes about a seventh of the entries, so a group is empty about a third
+    /// none. CHOCO's top-10% passes about an eighth of the entries, so a group is empty about a third
     /// of the time, and a branch on it mispredicted.
     ///
     /// # Safety
