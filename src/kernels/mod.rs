@@ -642,7 +642,9 @@ pub fn scaled_copy(dst: &mut [f32], src: &[f32], s: f32) {
 }
 
 /// Twin of `choco_absorb`: one member's sparse message into a channel (its public copy `hat` only when
-/// the member is this rank).
+/// the member is this rank). The lines of the entry `ABSORB_AHEAD` on are asked for before each entry
+/// is added: the entries are scattered over model-sized buffers that many workers' buffers have pushed
+/// out of the caches, and each addition waited on its loads.
 pub fn choco_absorb(
     hat: Option<&mut [f32]>,
     memory: &mut [f32],
@@ -651,18 +653,28 @@ pub fn choco_absorb(
     off: usize,
     w: f32,
 ) {
+    let ahead = |n: usize| idx.get(n + ABSORB_AHEAD).map(|&i| off + i as usize);
     match hat {
-        Some(hat) => idx.iter().zip(vals).for_each(|(&i, &q)| {
+        Some(hat) => idx.iter().zip(vals).enumerate().for_each(|(n, (&i, &q))| {
+            if let Some(a) = ahead(n) {
+                prefetch(hat, a);
+                prefetch(memory, a);
+            }
             let i = off + i as usize;
             hat[i] += q;
             memory[i] += w * q;
         }),
-        None => idx
-            .iter()
-            .zip(vals)
-            .for_each(|(&i, &q)| memory[off + i as usize] += w * q),
+        None => idx.iter().zip(vals).enumerate().for_each(|(n, (&i, &q))| {
+            if let Some(a) = ahead(n) {
+                prefetch(memory, a);
+            }
+            memory[off + i as usize] += w * q
+        }),
     }
 }
+
+/// Entries ahead whose lines `choco_absorb` asks for.
+const ABSORB_AHEAD: usize = 32;
 
 /// Twin of `choco_step`: x += gamma (s - hat).
 #[multiversion::multiversion(targets = "simd")]
