@@ -455,8 +455,11 @@ pub(super) fn below_of(word: u64, bits: u32, range: u64) -> Option<u64> {
     Some(m >> bits)
 }
 
-/// Entries of a dense format's span in `Codec::decode_spans` (a whole number of sign words).
-pub const SPAN: usize = 4096;
+/// Entries of a dense format's span in `Codec::decode_spans` (a whole number of sign words): a span's
+/// codes and each message's values (4 KB each) stay in a 32 KB L1 beside the lines the caller updates.
+/// Spans of 4096 made the decoding's side of `bench_reducers --only qsgd sign` an eighth slower on a
+/// Zen 3 core; spans of 512 measured as 1024.
+pub const SPAN: usize = 1024;
 
 /// QSGD's values from their codes: unit times the level, negated where the sign bit is set (a flip of
 /// the sign bit, which is what negation is).
