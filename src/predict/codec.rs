@@ -220,7 +220,9 @@ fn reducer(mut r: Box<dyn Reducer>, stable: bool) -> Pass {
 fn choco(c: Compressor, tensors: &[Segment]) -> Pass {
     let codec = Codec::new(c, tensors, 0);
     let numel: usize = tensors.iter().map(|t| t.len).sum();
-    let zero = vec![0.0f32; numel];
+    // The public copy x_hat the message encodes x - x_hat against, zeros in pages of their own: memory never
+    // written reads as the OS's one shared zero page, from the cache, where CHOCO's x_hat is read from memory.
+    let zero = crate::flat::mapped_zeros(numel);
     let (mut hat, mut memory, mut msg) = (vec![0.0f32; numel], vec![0.0f32; numel], Vec::new());
     Box::new(move |g, step| {
         codec.encode(g, &zero, step, 0, &mut msg);
