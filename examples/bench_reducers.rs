@@ -5,7 +5,9 @@
 //! network. `nanodist calibrate` measures the same codecs on one GPT-2-small block for a profile's
 //! `[device.codec_gbps]`.
 //!
-//!     cargo run --release --example bench_reducers [-- --runs 3] [--only fp8 topk ...]
+//! The row `demo-dct` times DeMo's transform apart from the rest of its codec.
+//!
+//!     cargo run --release --example bench_reducers [-- --runs 3] [--only fp8 topk demo-dct ...]
 
 use std::time::Instant;
 
@@ -93,6 +95,16 @@ fn main() -> anyhow::Result<()> {
             "| {} | {} | {s:.2} | {m:.2} | {:.3} |",
             c.key(),
             c.measured_as(),
+            s / m
+        );
+    }
+    // DeMo's transform apart from its codec: the DCT of every chunk forward and back (dense).
+    if only.is_empty() || only.contains(&"demo-dct") {
+        let before = memcpy();
+        let s = codec::measure_demo_transform(&tensors, runs)?;
+        let m = (before + memcpy()) / 2.0;
+        println!(
+            "| demo-dct | DeMo's transform alone (each 64x64 chunk's DCT and its inverse) | {s:.2} | {m:.2} | {:.3} |",
             s / m
         );
     }

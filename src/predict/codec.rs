@@ -136,13 +136,29 @@ pub fn gpt2_block() -> Vec<Segment> {
 /// `codec`'s median throughput over `runs` timed calls (after one untimed) on a gradient laid out as
 /// `tensors`: GB/s of f32 gradient, 4 bytes a parameter.
 pub fn measure(codec: CodecName, tensors: &[Segment], runs: usize) -> Result<f64> {
+    timed(passes(codec, tensors), tensors, runs)
+}
+
+/// DeMo's transform alone (`Demo::transform_round_trip`: every chunk's 2-D DCT and its inverse of every
+/// coefficient), timed as `measure` times a codec: GB/s of f32 gradient.
+pub fn measure_demo_transform(tensors: &[Segment], runs: usize) -> Result<f64> {
+    let demo = crate::sync::demo::Demo::new(Box::new(Solo), DemoConfig::default(), 0.0, tensors);
+    timed(
+        Box::new(move |g, _| demo.transform_round_trip(g)),
+        tensors,
+        runs,
+    )
+}
+
+/// The median throughput of `pass` over `runs` timed calls (after one untimed) on a gradient laid out as
+/// `tensors`.
+fn timed(mut pass: Pass, tensors: &[Segment], runs: usize) -> Result<f64> {
     let numel: usize = tensors.iter().map(|t| t.len).sum();
     // Spread evenly over +-0.005 (in f64: in f32 the fraction of i x 0.618 runs out of bits past 2^24 and
     // most of a model's gradient would be one value).
     let grad: Vec<f32> = (0..numel)
         .map(|i| (((i as f64 * 0.618_033_988_749_895).fract() - 0.5) * 1e-2) as f32)
         .collect();
-    let mut pass = passes(codec, tensors);
     let mut work = grad.clone();
     let mut times = Vec::with_capacity(runs);
     for step in 0..=runs as u64 {
@@ -258,6 +274,8 @@ mod tests {
             let r = measure(c, &small, 2).unwrap();
             assert!(r.is_finite() && r > 0.0, "{c:?}: {r}");
         }
+        let r = measure_demo_transform(&small, 2).unwrap();
+        assert!(r.is_finite() && r > 0.0, "DeMo's transform: {r}");
     }
 
     /// A plan's codec: what its steps compress with.
