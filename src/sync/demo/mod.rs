@@ -1038,7 +1038,7 @@ mod tests {
     }
 
     /// The transform's round trip is each chunk's `transformed` forward and back, bit for bit (each lane
-    /// of a group computes its own vector), and the input up to rounding; chunk sides of 64, 29, 7 and 1.
+    /// of a group computes its own vector), and the input up to rounding; chunk sides of 64, 60, 58, 7, 1.
     #[test]
     fn the_transforms_round_trip_is_each_chunks_forward_and_inverse() {
         let tensors = Segment::from_shapes(&[
