@@ -79,23 +79,49 @@ impl Dct {
     }
 }
 
+/// Lanes a pass's step takes of each row it reads (`lanes`), in a function multiversioned for the vector
+/// unit: 16 where it has AVX-512 (a row's lanes in one of its 32 registers), 8 elsewhere (the passes that
+/// read 8 or 15 rows would spill AVX2's 16 registers at 16 lanes, two registers a row).
+macro_rules! lanes_per_step {
+    () => {
+        if multiversion::target::target_cfg_f!(target_feature = "avx512f") {
+            16
+        } else {
+            8
+        }
+    };
+}
+
 /// Each of `g` chunks side by side in p (r rows of g c, r = a.n and c = b.n) transformed in place:
 /// D_r x D_c^T, or with `inverse` D_r^T x D_c; q is scratch of p's length. Every column of the block is
 /// one vector of the first stage; for the second the block is transposed so that lane (chunk, row)
 /// holds that chunk row's c entries, g r lanes wide.
 #[multiversion::multiversion(targets = "simd")]
 pub(super) fn transform(p: &mut [f32], q: &mut [f32], a: &Dct, b: &Dct, g: usize, inverse: bool) {
+    transform_in::<{ lanes_per_step!() }>(p, q, a, b, g, inverse)
+}
+
+/// `transform`, its passes taking L lanes a step (`lanes`): the same floats at any L.
+#[inline(always)]
+fn transform_in<const L: usize>(
+    p: &mut [f32],
+    q: &mut [f32],
+    a: &Dct,
+    b: &Dct,
+    g: usize,
+    inverse: bool,
+) {
     let (r, c) = (a.n, b.n);
     // Each stage leaves its result in its block or its scratch (`lee`); the transposes go from the one
     // that holds it to the other.
-    let first = stage(a, p, q, g * c, inverse);
+    let first = stage::<L>(a, p, q, g * c, inverse);
     let (x, y) = if first {
         (&mut *q, &mut *p)
     } else {
         (&mut *p, &mut *q)
     };
     transpose(x, y, r, c, g, false);
-    let second = stage(b, y, x, g * r, inverse);
+    let second = stage::<L>(b, y, x, g * r, inverse);
     let (x, y) = if second { (x, y) } else { (y, x) };
     transpose(y, x, r, c, g, true);
     if first != second {
@@ -130,7 +156,7 @@ pub(super) fn kept_inverse<'a>(
             add_scaled(&mut p[u * w + jc * c..][..c], &b.basis[f * c..], v);
         }
     }
-    match stage(a, p, q, w, true) {
+    match stage::<{ lanes_per_step!() }>(a, p, q, w, true) {
         true => q,
         false => p,
     }
@@ -168,7 +194,7 @@ pub(super) fn sparse_inverse<'a>(
             }
         }
     }
-    match stage(a, q, p, w, true) {
+    match stage::<{ lanes_per_step!() }>(a, q, p, w, true) {
         true => p,
         false => q,
     }
@@ -190,13 +216,19 @@ pub(super) fn mark(marks: &mut [u64], at: usize, w: usize) {
 /// D x of each column of x (d.n rows of w): C, then S; with `inverse` D^T x: S, then C^T (S in a pass
 /// of its own unless `lee` applies it). True where the result is in `scratch` rather than x (`lee`).
 #[inline(always)]
-fn stage(d: &Dct, x: &mut [f32], scratch: &mut [f32], w: usize, inverse: bool) -> bool {
+fn stage<const L: usize>(
+    d: &Dct,
+    x: &mut [f32],
+    scratch: &mut [f32],
+    w: usize,
+    inverse: bool,
+) -> bool {
     if inverse && !d.folds {
         scale_rows(x, &d.scale, w);
     }
     let moved = match w {
-        64 => lee::<64>(d, x, scratch, w, inverse),
-        _ => lee::<0>(d, x, scratch, w, inverse),
+        64 => lee::<64, L>(d, x, scratch, w, inverse),
+        _ => lee::<0, L>(d, x, scratch, w, inverse),
     };
     if !inverse && !d.folds {
         scale_rows(if moved { scratch } else { x }, &d.scale, w);
@@ -210,6 +242,27 @@ pub(super) fn transformed(x: &[f32], a: &Dct, b: &Dct, g: usize, inverse: bool) 
     let (mut p, mut q) = (x.to_vec(), vec![0.0; x.len()]);
     transform(&mut p, &mut q, a, b, g, inverse);
     p
+}
+
+/// `transform_in` at L lanes of a copy of x, whatever this machine's vector unit would take.
+#[cfg(test)]
+fn transformed_at<const L: usize>(
+    x: &[f32],
+    a: &Dct,
+    b: &Dct,
+    g: usize,
+    inverse: bool,
+) -> Vec<f32> {
+    let (mut p, mut q) = (x.to_vec(), vec![0.0; x.len()]);
+    transform_in::<L>(&mut p, &mut q, a, b, g, inverse);
+    p
+}
+
+/// The lanes a step `transform` takes on this machine.
+#[cfg(test)]
+#[multiversion::multiversion(targets = "simd")]
+fn lanes_here() -> usize {
+    lanes_per_step!()
 }
 
 /// A chunk's message of its nonzero entries: their indices as f32 bits, then their values.
@@ -255,7 +308,13 @@ fn transpose(x: &mut [f32], y: &mut [f32], r: usize, c: usize, g: usize, back: b
 /// passes), false where it is in p. Where `d.folds`, S x too (S first with `inverse`), in the pass on
 /// the whole vector: the same products as a pass of their own.
 #[inline(always)]
-fn lee<const W: usize>(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse: bool) -> bool {
+fn lee<const W: usize, const L: usize>(
+    d: &Dct,
+    p: &mut [f32],
+    q: &mut [f32],
+    w: usize,
+    inverse: bool,
+) -> bool {
     let w = if W > 0 { W } else { w };
     let (n, m) = (d.n, d.base);
     let (mut src, mut dst, mut swaps) = (p, q, 0);
@@ -269,20 +328,20 @@ fn lee<const W: usize>(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse:
     while b > if fused { 8 } else { m } {
         let levels = levels_left(b / m);
         match (inverse, levels) {
-            (false, 3) => split3(src, dst, b, [t(b), t(b / 2), t(b / 4)], w),
-            (false, 2) => split2(src, dst, b, [t(b), t(b / 2)], w),
-            (false, _) => split(src, dst, b, t(b), w),
-            (true, 3) if d.folds && b == n => unmerge3::<true>(src, dst, b, w, &d.scale),
-            (true, 3) => unmerge3::<false>(src, dst, b, w, &[]),
-            (true, 2) => unmerge2(src, dst, b, w),
-            (true, _) => unmerge(src, dst, b, w),
+            (false, 3) => split3::<L>(src, dst, b, [t(b), t(b / 2), t(b / 4)], w),
+            (false, 2) => split2::<L>(src, dst, b, [t(b), t(b / 2)], w),
+            (false, _) => split::<L>(src, dst, b, t(b), w),
+            (true, 3) if d.folds && b == n => unmerge3::<L, true>(src, dst, b, w, &d.scale),
+            (true, 3) => unmerge3::<L, false>(src, dst, b, w, &[]),
+            (true, 2) => unmerge2::<L>(src, dst, b, w),
+            (true, _) => unmerge::<L>(src, dst, b, w),
         }
         (src, dst, swaps, b) = (dst, src, swaps + 1, b >> levels);
     }
     if fused {
         match inverse {
-            false => split_merge3(src, dst, [t(8), t(4), t(2)], w),
-            true => unmerge_unsplit3(src, dst, [t(8), t(4), t(2)], w),
+            false => split_merge3::<L>(src, dst, [t(8), t(4), t(2)], w),
+            true => unmerge_unsplit3::<L>(src, dst, [t(8), t(4), t(2)], w),
         }
         (src, dst, swaps) = (dst, src, swaps + 1);
     } else if m > 1 {
@@ -293,13 +352,13 @@ fn lee<const W: usize>(d: &Dct, p: &mut [f32], q: &mut [f32], w: usize, inverse:
         let levels = levels_left(n / b);
         b <<= levels;
         match (inverse, levels) {
-            (false, 3) if d.folds && b == n => merge3::<true>(src, dst, b, w, &d.scale),
-            (false, 3) => merge3::<false>(src, dst, b, w, &[]),
-            (false, 2) => merge2(src, dst, b, w),
-            (false, _) => merge(src, dst, b, w),
-            (true, 3) => unsplit3(src, dst, b, [t(b), t(b / 2), t(b / 4)], w),
-            (true, 2) => unsplit2(src, dst, b, [t(b), t(b / 2)], w),
-            (true, _) => unsplit(src, dst, b, t(b), w),
+            (false, 3) if d.folds && b == n => merge3::<L, true>(src, dst, b, w, &d.scale),
+            (false, 3) => merge3::<L, false>(src, dst, b, w, &[]),
+            (false, 2) => merge2::<L>(src, dst, b, w),
+            (false, _) => merge::<L>(src, dst, b, w),
+            (true, 3) => unsplit3::<L>(src, dst, b, [t(b), t(b / 2), t(b / 4)], w),
+            (true, 2) => unsplit2::<L>(src, dst, b, [t(b), t(b / 2)], w),
+            (true, _) => unsplit::<L>(src, dst, b, t(b), w),
         }
         (src, dst, swaps) = (dst, src, swaps + 1);
     }
@@ -358,15 +417,14 @@ fn row(x: &[f32], i: usize, w: usize) -> &[f32] {
     &x[i * w..(i + 1) * w]
 }
 
-/// out_j = f(in_0, ..., in_{I-1})_j lane by lane. Lanes go 16 at a time through arrays held in
-/// registers, so that they vectorize without the checks for overlap that keep a plain loop scalar.
+/// out_j = f(in_0, ..., in_{I-1})_j lane by lane. Lanes go L at a time (`lanes_per_step`) through
+/// arrays held in registers, so that they vectorize without the checks for overlap that keep a plain loop scalar.
 #[inline(always)]
-fn lanes<const I: usize, const O: usize>(
+fn lanes<const L: usize, const I: usize, const O: usize>(
     mut out: [&mut [f32]; O],
     ins: [&[f32]; I],
     f: impl Fn([f32; I]) -> [f32; O],
 ) {
-    const L: usize = 16;
     let w = out[0].len();
     let whole = w / L * L;
     // Plain loops over the arrays, not `array::from_fn` or `map`, which are not always inlined.
@@ -403,14 +461,14 @@ fn lanes<const I: usize, const O: usize>(
 /// The forward halving of each block of b rows: g_i = x_i + x_{b-1-i} to rows [0, h), (x_i - x_{b-1-i})
 /// t_i to rows [h, b).
 #[inline(always)]
-fn split(x: &[f32], y: &mut [f32], b: usize, t: &[f32], w: usize) {
+fn split<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: &[f32], w: usize) {
     let h = b / 2;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let [g, u] = halves(yb, h * w);
         for (i, &t) in t.iter().enumerate() {
             let ins = [row(xb, i, w), row(xb, b - 1 - i, w)];
             let out = [row_mut(g, i, w), row_mut(u, i, w)];
-            lanes(out, ins, |[l, h]| [l + h, (l - h) * t]);
+            lanes::<L, _, _>(out, ins, |[l, h]| [l + h, (l - h) * t]);
         }
     }
 }
@@ -418,15 +476,17 @@ fn split(x: &[f32], y: &mut [f32], b: usize, t: &[f32], w: usize) {
 /// The forward merge of each block of b rows (G: rows [0, h), H: rows [h, b)): row 2k = G_k,
 /// row 2k + 1 = H_k + H_{k+1}, the last row H_{h-1}.
 #[inline(always)]
-fn merge(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+fn merge<const L: usize>(x: &[f32], y: &mut [f32], b: usize, w: usize) {
     let h = b / 2;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         for (k, pair) in yb.chunks_exact_mut(2 * w).enumerate() {
             let out = halves(pair, w);
             let (g, a) = (row(xb, k, w), row(xb, h + k, w));
             match k + 1 < h {
-                true => lanes(out, [g, a, row(xb, h + k + 1, w)], |[g, a, z]| [g, a + z]),
-                false => lanes(out, [g, a], |[g, a]| [g, a]),
+                true => {
+                    lanes::<L, _, _>(out, [g, a, row(xb, h + k + 1, w)], |[g, a, z]| [g, a + z])
+                }
+                false => lanes::<L, _, _>(out, [g, a], |[g, a]| [g, a]),
             }
         }
     }
@@ -435,7 +495,7 @@ fn merge(x: &[f32], y: &mut [f32], b: usize, w: usize) {
 /// `merge` transposed: G'_k = row 2k to rows [0, h); H'_0 = row 1 and H'_k = row 2k + 1 + row 2k - 1
 /// to rows [h, b).
 #[inline(always)]
-fn unmerge(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+fn unmerge<const L: usize>(x: &[f32], y: &mut [f32], b: usize, w: usize) {
     let h = b / 2;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let [lo, hi] = halves(yb, h * w);
@@ -443,8 +503,10 @@ fn unmerge(x: &[f32], y: &mut [f32], b: usize, w: usize) {
             let out = [row_mut(lo, k, w), row_mut(hi, k, w)];
             let (g, a) = (row(xb, 2 * k, w), row(xb, 2 * k + 1, w));
             match k > 0 {
-                true => lanes(out, [g, a, row(xb, 2 * k - 1, w)], |[g, a, z]| [g, a + z]),
-                false => lanes(out, [g, a], |[g, a]| [g, a]),
+                true => {
+                    lanes::<L, _, _>(out, [g, a, row(xb, 2 * k - 1, w)], |[g, a, z]| [g, a + z])
+                }
+                false => lanes::<L, _, _>(out, [g, a], |[g, a]| [g, a]),
             }
         }
     }
@@ -453,14 +515,14 @@ fn unmerge(x: &[f32], y: &mut [f32], b: usize, w: usize) {
 /// `split` transposed: with v_i = u_i t_i (g: rows [0, h), u: rows [h, b)), row i = g_i + v_i and
 /// row b - 1 - i = g_i - v_i.
 #[inline(always)]
-fn unsplit(x: &[f32], y: &mut [f32], b: usize, t: &[f32], w: usize) {
+fn unsplit<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: &[f32], w: usize) {
     let h = b / 2;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let [lo, hi] = halves(yb, h * w);
         for (i, &t) in t.iter().enumerate() {
             let ins = [row(xb, i, w), row(xb, h + i, w)];
             let out = [row_mut(lo, i, w), row_mut(hi, h - 1 - i, w)];
-            lanes(out, ins, |[g, u]| [g + u * t, g - u * t]);
+            lanes::<L, _, _>(out, ins, |[g, u]| [g + u * t, g - u * t]);
         }
     }
 }
@@ -468,7 +530,7 @@ fn unsplit(x: &[f32], y: &mut [f32], b: usize, t: &[f32], w: usize) {
 /// `split` at b, then at b / 2 on both halves, in one pass (q = b / 4, t = [t_b, t_{b/2}]): rows i,
 /// h - 1 - i, h + i and b - 1 - i of the block (i < q) make its rows i, q + i, h + i and h + q + i.
 #[inline(always)]
-fn split2(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
+fn split2<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
     let (h, q) = (b / 2, b / 4);
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let [gg, gu, ug, uu] = quarters(yb, q * w);
@@ -481,7 +543,7 @@ fn split2(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
                 row_mut(ug, i, w),
                 row_mut(uu, i, w),
             ];
-            lanes(out, ins, |[a, z, c, e]| {
+            lanes::<L, _, _>(out, ins, |[a, z, c, e]| {
                 let (gi, ui) = (a + z, (a - z) * ti);
                 let (gj, uj) = (c + e, (c - e) * tj);
                 [gi + gj, (gi - gj) * t2, ui + uj, (ui - uj) * t2]
@@ -493,7 +555,7 @@ fn split2(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
 /// `merge` at b / 2 on both halves, then at b, in one pass (q = b / 4): rows 4j..4j + 4 of the
 /// block from rows j, q + j, h + j and h + q + j (and the next of each but the first).
 #[inline(always)]
-fn merge2(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+fn merge2<const L: usize>(x: &[f32], y: &mut [f32], b: usize, w: usize) {
     let (h, q) = (b / 2, b / 4);
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         for (j, four) in yb.chunks_exact_mut(4 * w).enumerate() {
@@ -509,14 +571,14 @@ fn merge2(x: &[f32], y: &mut [f32], b: usize, w: usize) {
                         h + q + j + 1,
                         h + j + 1,
                     ];
-                    lanes(out, rows(xb, ins, w), |[ag, a0, a1, bg, b0, b1, bn]| {
+                    lanes::<L, _, _>(out, rows(xb, ins, w), |[ag, a0, a1, bg, b0, b1, bn]| {
                         let hb = b0 + b1;
                         [ag, bg + hb, a0 + a1, hb + bn]
                     })
                 }
                 false => {
                     let ins = rows(xb, [j, q + j, h + j, h + q + j], w);
-                    lanes(out, ins, |[ag, a0, bg, b0]| [ag, bg + b0, a0, b0])
+                    lanes::<L, _, _>(out, ins, |[ag, a0, bg, b0]| [ag, bg + b0, a0, b0])
                 }
             }
         }
@@ -526,7 +588,7 @@ fn merge2(x: &[f32], y: &mut [f32], b: usize, w: usize) {
 /// `unmerge` at b, then at b / 2 on both halves, in one pass (q = b / 4): rows j, q + j, h + j and
 /// h + q + j of the block from rows 4j - 3..4j + 4.
 #[inline(always)]
-fn unmerge2(x: &[f32], y: &mut [f32], b: usize, w: usize) {
+fn unmerge2<const L: usize>(x: &[f32], y: &mut [f32], b: usize, w: usize) {
     let q = b / 4;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let [o0, o1, o2, o3] = quarters(yb, q * w);
@@ -548,13 +610,13 @@ fn unmerge2(x: &[f32], y: &mut [f32], b: usize, w: usize) {
                         4 * j - 2,
                         4 * j - 3,
                     ];
-                    lanes(out, rows(xb, ins, w), |[x0, x1, x2, x3, p1, p2, p3]| {
+                    lanes::<L, _, _>(out, rows(xb, ins, w), |[x0, x1, x2, x3, p1, p2, p3]| {
                         [x0, x2 + p2, x1 + p1, (x3 + x1) + (p1 + p3)]
                     })
                 }
                 false => {
                     let ins = rows(xb, [0, 1, 2, 3], w);
-                    lanes(out, ins, |[x0, x1, x2, x3]| [x0, x2, x1, x3 + x1])
+                    lanes::<L, _, _>(out, ins, |[x0, x1, x2, x3]| [x0, x2, x1, x3 + x1])
                 }
             }
         }
@@ -564,7 +626,7 @@ fn unmerge2(x: &[f32], y: &mut [f32], b: usize, w: usize) {
 /// `unsplit` at b / 2 on both halves, then at b, in one pass (q = b / 4, t = [t_b, t_{b/2}]): rows
 /// i, q + i, h + i and h + q + i of the block (i < q) make its rows i, h - 1 - i, h + i and b - 1 - i.
 #[inline(always)]
-fn unsplit2(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
+fn unsplit2<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
     let (h, q) = (b / 2, b / 4);
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let [y0, y1, y2, y3] = quarters(yb, q * w);
@@ -577,7 +639,7 @@ fn unsplit2(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 2], w: usize) {
                 row_mut(y2, i, w),
                 row_mut(y3, q - 1 - i, w),
             ];
-            lanes(out, ins, |[gg, gu, ug, uu]| {
+            lanes::<L, _, _>(out, ins, |[gg, gu, ug, uu]| {
                 let (gi, gj) = (gg + gu * t2, gg - gu * t2);
                 let (ui, uj) = (ug + uu * t2, ug - uu * t2);
                 [gi + ui * ti, gj + uj * tj, gj - uj * tj, gi - ui * ti]
@@ -599,7 +661,7 @@ fn factors3(t: [&[f32]; 3], b: usize, i: usize) -> ([f32; 4], [f32; 2], f32) {
 /// i, b - 1 - i, h - 1 - i, h + i, q - 1 - i, b - q + i, h - q + i and h + q - 1 - i of the block make
 /// row i of each of its eighths.
 #[inline(always)]
-fn split3(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
+fn split3<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
     let (h, q, e) = (b / 2, b / 4, b / 8);
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let mut ys = eighths(yb, e * w);
@@ -608,7 +670,7 @@ fn split3(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
             let (j, k, l) = (h - 1 - i, q - 1 - i, h - q + i);
             let at = [i, b - 1 - i, j, h + i, k, b - q + i, l, h + q - 1 - i];
             let out = part_rows(&mut ys, [i; 8], w);
-            lanes(out, rows(xb, at, w), |v| split3_lane(v, ts));
+            lanes::<L, _, _>(out, rows(xb, at, w), |v| split3_lane(v, ts));
         }
     }
 }
@@ -632,21 +694,21 @@ fn split3_lane(x: [f32; 8], (t1, t2, t3): ([f32; 4], [f32; 2], f32)) -> [f32; 8]
 /// half the loads and stores. Block b = 8 has e = 1: `split3` reads its rows in the order below and
 /// writes rows 0..8, which `merge3`'s last (only) j reads in order.
 #[inline(always)]
-fn split_merge3(x: &[f32], y: &mut [f32], t: [&[f32]; 3], w: usize) {
+fn split_merge3<const L: usize>(x: &[f32], y: &mut [f32], t: [&[f32]; 3], w: usize) {
     let ts = factors3(t, 8, 0);
     for (xb, yb) in x.chunks_exact(8 * w).zip(y.chunks_exact_mut(8 * w)) {
         let ins = rows(xb, [0, 7, 3, 4, 1, 6, 2, 5], w);
-        lanes(eighths(yb, w), ins, |v| merge3_last(split3_lane(v, ts)));
+        lanes::<L, _, _>(eighths(yb, w), ins, |v| merge3_last(split3_lane(v, ts)));
     }
 }
 
 /// `unmerge3` then `unsplit3` on each block of 8 rows, in one pass (`split_merge3` transposed).
 #[inline(always)]
-fn unmerge_unsplit3(x: &[f32], y: &mut [f32], t: [&[f32]; 3], w: usize) {
+fn unmerge_unsplit3<const L: usize>(x: &[f32], y: &mut [f32], t: [&[f32]; 3], w: usize) {
     let ts = factors3(t, 8, 0);
     for (xb, yb) in x.chunks_exact(8 * w).zip(y.chunks_exact_mut(8 * w)) {
         let ins = rows(xb, [0, 1, 2, 3, 4, 5, 6, 7], w);
-        lanes(eighths(yb, w), ins, |v| {
+        lanes::<L, _, _>(eighths(yb, w), ins, |v| {
             unsplit3_lane(unmerge3_first(v), ts)
         });
     }
@@ -673,7 +735,7 @@ fn part_rows<'a>(parts: &'a mut [&mut [f32]; 8], at: [usize; 8], w: usize) -> [&
 /// j, row j + 1 of all but the first. With S each row written is times its s (the block is the
 /// whole vector).
 #[inline(always)]
-fn merge3<const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f32]) {
+fn merge3<const L: usize, const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f32]) {
     let e = b / 8;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         for (j, eight) in yb.chunks_exact_mut(8 * w).enumerate() {
@@ -699,7 +761,7 @@ fn merge3<const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f32]
                         r(6, 1),
                         r(4, 1),
                     ];
-                    lanes(out, rows(xb, at, w), |v: [f32; 15]| {
+                    lanes::<L, _, _>(out, rows(xb, at, w), |v: [f32; 15]| {
                         let [e0, e1, e1n, e2, e3, e3n, e2n, e4, e5, e5n, e6, e7, e7n, e6n, e4n] = v;
                         let (a1, c1) = (e1 + e1n, e3 + e3n);
                         let (d1, f1) = (e5 + e5n, e7 + e7n);
@@ -719,7 +781,7 @@ fn merge3<const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f32]
                         r(6, 0),
                         r(7, 0),
                     ];
-                    lanes(out, rows(xb, at, w), |v| times::<S, 8>(merge3_last(v), sj))
+                    lanes::<L, _, _>(out, rows(xb, at, w), |v| times::<S, 8>(merge3_last(v), sj))
                 }
             }
         }
@@ -760,7 +822,13 @@ fn merge3_last([e0, e1, e2, e3, e4, e5, e6, e7]: [f32; 8]) -> [f32; 8] {
 /// j of each of the block's eighths from rows 8j - 7..8j + 8 (rows 0..8 for j = 0). With S each row
 /// read is times its s first (the block is the whole vector).
 #[inline(always)]
-fn unmerge3<const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f32]) {
+fn unmerge3<const L: usize, const S: bool>(
+    x: &[f32],
+    y: &mut [f32],
+    b: usize,
+    w: usize,
+    s: &[f32],
+) {
     let e = b / 8;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let mut ys = eighths(yb, e * w);
@@ -778,7 +846,7 @@ fn unmerge3<const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f3
                         *o -= d;
                     }
                     let sa = scales::<S, 15>(s, at);
-                    lanes(out, rows(xb, at, w), |v: [f32; 15]| {
+                    lanes::<L, _, _>(out, rows(xb, at, w), |v: [f32; 15]| {
                         let v = times::<S, 15>(v, sa);
                         let [x0, x1, x2, x3, x4, x5, x6, x7, p7, p6, p5, p4, p3, p2, p1] = v;
                         let (y31, q13) = (x3 + x1, p1 + p3);
@@ -797,7 +865,7 @@ fn unmerge3<const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f3
                 false => {
                     let at = [0, 1, 2, 3, 4, 5, 6, 7];
                     let s0 = scales::<S, 8>(s, at);
-                    lanes(out, rows(xb, at, w), |v| {
+                    lanes::<L, _, _>(out, rows(xb, at, w), |v| {
                         unmerge3_first(times::<S, 8>(v, s0))
                     })
                 }
@@ -817,7 +885,7 @@ fn unmerge3_first([x0, x1, x2, x3, x4, x5, x6, x7]: [f32; 8]) -> [f32; 8] {
 /// t = [t_b, t_{b/2}, t_{b/4}]): for i < e, row i of each of the block's eighths makes its rows i,
 /// q - 1 - i, q + i, h - 1 - i, h + i, h + q - 1 - i, h + q + i and b - 1 - i.
 #[inline(always)]
-fn unsplit3(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
+fn unsplit3<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
     let (h, q, e) = (b / 2, b / 4, b / 8);
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let mut ys = eighths(yb, e * w);
@@ -835,7 +903,7 @@ fn unsplit3(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
             ];
             let (ii, jj) = (i, e - 1 - i);
             let out = part_rows(&mut ys, [ii, jj, ii, jj, ii, jj, ii, jj], w);
-            lanes(out, rows(xb, at, w), |v| unsplit3_lane(v, ts));
+            lanes::<L, _, _>(out, rows(xb, at, w), |v| unsplit3_lane(v, ts));
         }
     }
 }
@@ -1109,11 +1177,26 @@ mod tests {
         }
     }
 
+    /// The passes take 16 lanes a step where the vector unit has AVX-512 and 8 elsewhere.
+    #[test]
+    fn the_lanes_a_step_follow_the_vector_unit() {
+        #[cfg(target_arch = "x86_64")]
+        let want = if std::arch::is_x86_feature_detected!("avx512f") {
+            16
+        } else {
+            8
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let want = 8;
+        assert_eq!(lanes_here(), want);
+    }
+
     /// The row-wise transform of g chunks side by side (vectorized across the block's columns, then
-    /// across the lanes of the transposed block) adds and scales the same floats in the same order as
-    /// the kernels' thread per vector does for each chunk alone: bit for bit, both ways, on every chunk
-    /// shape DeMo makes, one to five chunks at a time, dense and sparse, zeros of either sign. The
-    /// inverse as sparse rows of g chunks is each chunk's `kept_inverse` of its nonzeros, bit for bit.
+    /// across the lanes of the transposed block, at this machine's lanes a step and at 8 and 16) adds and
+    /// scales the same floats in the same order as the kernels' thread per vector does for each chunk
+    /// alone: bit for bit, both ways, on every chunk shape DeMo makes, one to five chunks at a time,
+    /// dense and sparse, zeros of either sign. The inverse as sparse rows of g chunks is each chunk's
+    /// `kept_inverse` of its nonzeros, bit for bit.
     #[test]
     fn the_row_wise_transform_equals_the_vector_at_a_time_one_bit_for_bit() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
@@ -1146,8 +1229,15 @@ mod tests {
                     let want = kept_inverted(ch, &a, &b);
                     assert_eq!(bits(&got), bits(&want), "{r} x {c}, {g}: {j}, sparse");
                 }
-                for inverse in [false, true] {
-                    let fast = transformed(&x, &a, &b, g, inverse);
+                for (inverse, at) in [false, true]
+                    .into_iter()
+                    .flat_map(|i| [(i, 0), (i, 8), (i, 16)])
+                {
+                    let fast = match at {
+                        8 => transformed_at::<8>(&x, &a, &b, g, inverse),
+                        16 => transformed_at::<16>(&x, &a, &b, g, inverse),
+                        _ => transformed(&x, &a, &b, g, inverse),
+                    };
                     for (j, ch) in chunks.iter().enumerate() {
                         let slow = transform_by_vectors(ch, &a, &b, inverse);
                         let got: Vec<f32> = (0..r)
@@ -1156,7 +1246,7 @@ mod tests {
                         assert_eq!(
                             bits(&got),
                             bits(&slow),
-                            "{r} x {c}, {g}: {j}, {kept}, {inverse}"
+                            "{r} x {c}, {g}: {j}, {kept}, {inverse}, lanes {at}"
                         );
                     }
                 }
