@@ -657,11 +657,29 @@ fn factors3(t: [&[f32]; 3], b: usize, i: usize) -> ([f32; 4], [f32; 2], f32) {
     (t1, [t[1][i], t[1][q - 1 - i]], t[2][i])
 }
 
+/// `split3_at` with b and w constants where they are a 64 x 64 chunk's (`fixed`).
+#[inline(always)]
+fn split3<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
+    match fixed(b, w) {
+        true => split3_at::<L>(x, y, 64, t, 64),
+        false => split3_at::<L>(x, y, b, t, w),
+    }
+}
+
+/// Whether a pass on blocks of b rows of w is on a 64 x 64 chunk's block (b and w 64), which the
+/// three-level passes then take as constants: every row they read or write is then at a fixed offset
+/// from the block's start, where otherwise they would hold 8 or 15 row addresses, more than the
+/// registers left beside the lanes.
+#[inline(always)]
+fn fixed(b: usize, w: usize) -> bool {
+    b == 64 && w == 64
+}
+
 /// `split` at b, b / 2 and b / 4 in one pass (e = b / 8, t = [t_b, t_{b/2}, t_{b/4}]): for i < e, rows
 /// i, b - 1 - i, h - 1 - i, h + i, q - 1 - i, b - q + i, h - q + i and h + q - 1 - i of the block make
 /// row i of each of its eighths.
 #[inline(always)]
-fn split3<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
+fn split3_at<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
     let (h, q, e) = (b / 2, b / 4, b / 8);
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let mut ys = eighths(yb, e * w);
@@ -730,12 +748,27 @@ fn part_rows<'a>(parts: &'a mut [&mut [f32]; 8], at: [usize; 8], w: usize) -> [&
     ]
 }
 
+/// `merge3_at` with b and w constants where they are a 64 x 64 chunk's (`fixed`).
+#[inline(always)]
+fn merge3<const L: usize, const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f32]) {
+    match fixed(b, w) {
+        true => merge3_at::<L, S>(x, y, 64, 64, s),
+        false => merge3_at::<L, S>(x, y, b, w, s),
+    }
+}
+
 /// `merge` at b / 4 on the quarters, at b / 2 on the halves, then at b, in one pass (e = b / 8, E_k
 /// the block's eighths): rows 8j..8j + 8 of the block from row j of each eighth and, but for the last
 /// j, row j + 1 of all but the first. With S each row written is times its s (the block is the
 /// whole vector).
 #[inline(always)]
-fn merge3<const L: usize, const S: bool>(x: &[f32], y: &mut [f32], b: usize, w: usize, s: &[f32]) {
+fn merge3_at<const L: usize, const S: bool>(
+    x: &[f32],
+    y: &mut [f32],
+    b: usize,
+    w: usize,
+    s: &[f32],
+) {
     let e = b / 8;
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         for (j, eight) in yb.chunks_exact_mut(8 * w).enumerate() {
@@ -818,11 +851,26 @@ fn merge3_last([e0, e1, e2, e3, e4, e5, e6, e7]: [f32; 8]) -> [f32; 8] {
     [e0, e4 + n1, m1, n1 + e5, e1, e5 + e7, e3, e7]
 }
 
+/// `unmerge3_at` with b and w constants where they are a 64 x 64 chunk's (`fixed`).
+#[inline(always)]
+fn unmerge3<const L: usize, const S: bool>(
+    x: &[f32],
+    y: &mut [f32],
+    b: usize,
+    w: usize,
+    s: &[f32],
+) {
+    match fixed(b, w) {
+        true => unmerge3_at::<L, S>(x, y, 64, 64, s),
+        false => unmerge3_at::<L, S>(x, y, b, w, s),
+    }
+}
+
 /// `unmerge` at b, at b / 2 on the halves, then at b / 4 on the quarters, in one pass (e = b / 8): row
 /// j of each of the block's eighths from rows 8j - 7..8j + 8 (rows 0..8 for j = 0). With S each row
 /// read is times its s first (the block is the whole vector).
 #[inline(always)]
-fn unmerge3<const L: usize, const S: bool>(
+fn unmerge3_at<const L: usize, const S: bool>(
     x: &[f32],
     y: &mut [f32],
     b: usize,
@@ -881,11 +929,20 @@ fn unmerge3_first([x0, x1, x2, x3, x4, x5, x6, x7]: [f32; 8]) -> [f32; 8] {
     [x0, x4, x2, x6 + x2, x1, x5 + x3, y31, (x7 + x5) + y31]
 }
 
+/// `unsplit3_at` with b and w constants where they are a 64 x 64 chunk's (`fixed`).
+#[inline(always)]
+fn unsplit3<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
+    match fixed(b, w) {
+        true => unsplit3_at::<L>(x, y, 64, t, 64),
+        false => unsplit3_at::<L>(x, y, b, t, w),
+    }
+}
+
 /// `unsplit` at b / 4 on the quarters, at b / 2 on the halves, then at b, in one pass (e = b / 8,
 /// t = [t_b, t_{b/2}, t_{b/4}]): for i < e, row i of each of the block's eighths makes its rows i,
 /// q - 1 - i, q + i, h - 1 - i, h + i, h + q - 1 - i, h + q + i and b - 1 - i.
 #[inline(always)]
-fn unsplit3<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
+fn unsplit3_at<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
     let (h, q, e) = (b / 2, b / 4, b / 8);
     for (xb, yb) in x.chunks_exact(b * w).zip(y.chunks_exact_mut(b * w)) {
         let mut ys = eighths(yb, e * w);
