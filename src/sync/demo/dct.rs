@@ -418,7 +418,8 @@ fn row(x: &[f32], i: usize, w: usize) -> &[f32] {
 }
 
 /// out_j = f(in_0, ..., in_{I-1})_j lane by lane. Lanes go L at a time (`lanes_per_step`) through
-/// arrays held in registers, so that they vectorize without the checks for overlap that keep a plain loop scalar.
+/// arrays held in registers, so that they vectorize without the checks for overlap that keep a plain
+/// loop scalar.
 #[inline(always)]
 fn lanes<const L: usize, const I: usize, const O: usize>(
     mut out: [&mut [f32]; O],
@@ -657,15 +658,6 @@ fn factors3(t: [&[f32]; 3], b: usize, i: usize) -> ([f32; 4], [f32; 2], f32) {
     (t1, [t[1][i], t[1][q - 1 - i]], t[2][i])
 }
 
-/// `split3_at` with b and w constants where they are a 64 x 64 chunk's (`fixed`).
-#[inline(always)]
-fn split3<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
-    match fixed(b, w) {
-        true => split3_at::<L>(x, y, 64, t, 64),
-        false => split3_at::<L>(x, y, b, t, w),
-    }
-}
-
 /// Whether a pass on blocks of b rows of w is on a 64 x 64 chunk's block (b and w 64), which the
 /// three-level passes then take as constants: every row they read or write is then at a fixed offset
 /// from the block's start, where otherwise they would hold 8 or 15 row addresses, more than the
@@ -673,6 +665,15 @@ fn split3<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w:
 #[inline(always)]
 fn fixed(b: usize, w: usize) -> bool {
     b == 64 && w == 64
+}
+
+/// `split3_at` with b and w constants where they are a 64 x 64 chunk's (`fixed`).
+#[inline(always)]
+fn split3<const L: usize>(x: &[f32], y: &mut [f32], b: usize, t: [&[f32]; 3], w: usize) {
+    match fixed(b, w) {
+        true => split3_at::<L>(x, y, 64, t, 64),
+        false => split3_at::<L>(x, y, b, t, w),
+    }
 }
 
 /// `split` at b, b / 2 and b / 4 in one pass (e = b / 8, t = [t_b, t_{b/2}, t_{b/4}]): for i < e, rows
