@@ -1,15 +1,45 @@
 //! Signs written past the caches, for a destination that is not read again soon.
 
-/// Writes signs, with non-temporal stores where asked and the CPU has AVX-512 (`with_sign_stream`).
+/// Writes signs, with non-temporal stores where asked and the CPU has AVX2 or AVX-512
+/// (`with_sign_stream`).
 pub struct SignStream {
     #[cfg(target_arch = "x86_64")]
-    avx512: bool,
+    past: Past,
+}
+
+/// How a `SignStream` writes: through the caches, or past them 32 or 64 bytes a store.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Past {
+    No,
+    Avx2,
+    Avx512,
 }
 
 /// Runs `f` with a `SignStream` that writes past the caches when `past_caches` (for a destination too
 /// large to stay in them until it is read); the stores it made are fenced (`sfence`) before this
 /// returns or unwinds, so that every later access, from any thread, sees them.
 pub fn with_sign_stream<R>(past_caches: bool, f: impl FnOnce(&mut SignStream) -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    let past = match past_caches {
+        false => Past::No,
+        true if std::arch::is_x86_feature_detected!("avx512f") => Past::Avx512,
+        true if std::arch::is_x86_feature_detected!("avx2") => Past::Avx2,
+        true => Past::No,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = past_caches;
+    fenced(
+        SignStream {
+            #[cfg(target_arch = "x86_64")]
+            past,
+        },
+        f,
+    )
+}
+
+/// Runs `f` with `stream`, its stores fenced (`sfence`) before this returns or unwinds.
+fn fenced<R>(mut stream: SignStream, f: impl FnOnce(&mut SignStream) -> R) -> R {
     /// Fences on drop: on return and on unwind alike.
     struct Fence;
     impl Drop for Fence {
@@ -22,28 +52,24 @@ pub fn with_sign_stream<R>(past_caches: bool, f: impl FnOnce(&mut SignStream) ->
         }
     }
     let _fence = Fence;
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = past_caches;
-    f(&mut SignStream {
-        #[cfg(target_arch = "x86_64")]
-        avx512: past_caches && std::arch::is_x86_feature_detected!("avx512f"),
-    })
+    f(&mut stream)
 }
 
 impl SignStream {
-    /// `dst[i] = sign(src[i])`: +1, -1, or +0 for zeros and NaN. Past the caches with AVX-512, the
-    /// whole 64-byte lines of `dst` are written with non-temporal stores, which skip reading each line
-    /// into the cache before overwriting it (and leave it out of the cache). Inlined, so that the
-    /// plain loop takes the caller's target features (the decoding's `multiversion`).
+    /// `dst[i] = sign(src[i])`: +1, -1, or +0 for zeros and NaN. Past the caches (with AVX2 or
+    /// AVX-512), the whole 64-byte lines of `dst` are written with non-temporal stores, which skip
+    /// reading each line into the cache before overwriting it (and leave it out of the cache). Inlined,
+    /// so that the plain loop takes the caller's target features (the decoding's `multiversion`).
     #[inline(always)]
     pub fn store(&mut self, dst: &mut [f32], src: &[f32]) {
         assert_eq!(dst.len(), src.len(), "SignStream::store: lengths differ");
         #[cfg(target_arch = "x86_64")]
-        if self.avx512 {
-            // SAFETY: the CPU has AVX-512F (probed by `with_sign_stream`); the fence that the
-            // non-temporal stores need runs when `with_sign_stream` ends.
-            unsafe { x86::store_signs(dst, src) };
-            return;
+        match self.past {
+            // SAFETY (both): the CPU has the feature (probed by `with_sign_stream`); the fence that
+            // the non-temporal stores need runs when `with_sign_stream` ends.
+            Past::Avx512 => return unsafe { x86::store_signs(dst, src) },
+            Past::Avx2 => return unsafe { x86::store_signs_avx2(dst, src) },
+            Past::No => {}
         }
         dst.iter_mut().zip(src).for_each(|(o, &d)| *o = sign(d));
     }
@@ -90,11 +116,53 @@ mod x86 {
             .zip(&src[at..])
             .for_each(|(o, &d)| *o = sign(d));
     }
+
+    /// `store_signs` with AVX2: each whole line as two 32-byte non-temporal stores, which the core
+    /// joins into one write of the line.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, and an `_mm_sfence` runs before any other access to `dst`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn store_signs_avx2(dst: &mut [f32], src: &[f32]) {
+        let head = dst.as_ptr().align_offset(64).min(dst.len());
+        let lines = (dst.len() - head) / 16;
+        let (a, rest) = dst.split_at_mut(head);
+        let (mid, tail) = rest.split_at_mut(16 * lines);
+        a.iter_mut().zip(src).for_each(|(o, &d)| *o = sign(d));
+        let (one, zero) = (_mm256_set1_ps(1.0), _mm256_setzero_ps());
+        let vs = src[head..head + 16 * lines].chunks_exact(8);
+        for (o, v) in mid.chunks_exact_mut(8).zip(vs) {
+            // SAFETY: `v` holds 8 floats; `o` holds 8 and starts at a 32-byte boundary (`head` is a
+            // line's start and the halves follow it).
+            let d = unsafe { _mm256_loadu_ps(v.as_ptr()) };
+            // (d > 0) - (d < 0), as `sign`: NaN compares false both ways and gives +0.
+            let pos = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(d, zero), one);
+            let neg = _mm256_and_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(d, zero), one);
+            // SAFETY: as above; the caller fences these stores before `dst` is read.
+            unsafe { _mm256_stream_ps(o.as_mut_ptr(), _mm256_sub_ps(pos, neg)) };
+        }
+        let at = head + 16 * lines;
+        tail.iter_mut()
+            .zip(&src[at..])
+            .for_each(|(o, &d)| *o = sign(d));
+    }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    /// Every way this CPU can write signs.
+    fn ways() -> Vec<Past> {
+        let mut ways = vec![Past::No];
+        if std::arch::is_x86_feature_detected!("avx2") {
+            ways.push(Past::Avx2);
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            ways.push(Past::Avx512);
+        }
+        ways
+    }
 
     #[test]
     fn streamed_signs_equal_the_scalar_signs_at_every_offset_and_length() {
@@ -118,18 +186,17 @@ mod tests {
         let mut dst = vec![7.0f32; 300];
         for at in 0..20 {
             for len in [0, 1, 15, 16, 17, 33, 64, 100, 280 - at] {
-                for past in [false, true] {
+                for past in ways() {
                     dst.fill(7.0);
                     let (d, s) = (&mut dst[at..at + len], &src[at..at + len]);
-                    with_sign_stream(past, |stream| stream.store(d, s));
+                    fenced(SignStream { past }, |stream| stream.store(d, s));
                     for (i, &o) in dst.iter().enumerate() {
                         let want = if (at..at + len).contains(&i) {
                             sign(src[i])
                         } else {
                             7.0
                         };
-                        let what =
-                            format!("entry {i}, offset {at}, length {len}, past caches {past}");
+                        let what = format!("entry {i}, offset {at}, length {len}, {past:?}");
                         assert_eq!(o.to_bits(), want.to_bits(), "{what}");
                     }
                 }
