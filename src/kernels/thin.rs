@@ -19,6 +19,8 @@ use super::STREAM_AHEAD as AHEAD;
 pub const THIN: usize = 8;
 /// The lanes of `p_of`'s sums.
 const LANES: usize = 16;
+/// The most accumulators `q_of` sums a band of columns into: 16 KiB, half of a core's first cache.
+const BAND_FLOATS: usize = 4096;
 
 /// The products run on the current pool's threads from this many multiply-adds on.
 fn threaded(flops: usize) -> bool {
@@ -217,26 +219,28 @@ pub fn q_of(q: &mut [f32], m: &[f32], p: &[f32], (rows, cols, r): (usize, usize,
     if cols == 0 || r == 0 {
         return;
     }
-    // Per thread a band of columns, summed over every row into its transposed accumulators (r x band).
-    let bands = match threaded(rows * cols * r) {
+    // Bands of columns, each summed over every row into its transposed accumulators (r x band): one a
+    // thread, and none wider than the first cache holds beside the rows' reads.
+    let threads = match threaded(rows * cols * r) {
         true => rayon::current_num_threads().min(cols.div_ceil(LANES)),
         false => 1,
     };
-    let band = cols.div_ceil(bands).next_multiple_of(LANES).min(cols);
+    let cap = (BAND_FLOATS / r).max(LANES) / LANES * LANES;
+    let band = cols
+        .div_ceil(threads)
+        .next_multiple_of(LANES)
+        .min(cap)
+        .min(cols);
     let sums = |c0: usize| {
         let w = band.min(cols - c0);
         let mut acc = vec![0.0f32; r * w];
         by_width!(r, q_band(&mut acc, m, p, (cols, c0, w)));
         (c0, w, acc)
     };
-    let done: Vec<_> = match bands {
-        1 => vec![sums(0)],
-        _ => (0..cols)
-            .step_by(band)
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .map(sums)
-            .collect(),
+    let starts: Vec<usize> = (0..cols).step_by(band).collect();
+    let done: Vec<_> = match threads {
+        1 => starts.into_iter().map(sums).collect(),
+        _ => starts.into_par_iter().map(sums).collect(),
     };
     for (c0, w, acc) in done {
         for (j, col) in acc.chunks_exact(w).enumerate() {
@@ -250,6 +254,7 @@ pub fn q_of(q: &mut [f32], m: &[f32], p: &[f32], (rows, cols, r): (usize, usize,
 /// acc (R x w, row-major) += the columns c0..c0 + w of m^T p, a row of m after the other. The rows are
 /// read in memory order, one at a time: the accumulators stay in the core's first cache, and the reads
 /// of m are one stream (several rows at a time, with their terms in registers, ran at half the speed).
+/// A band narrower than m asks for the next row's part of it as it reads this row's.
 #[multiversion(targets = "simd")]
 fn q_band<const R: usize>(
     acc: &mut [f32],
@@ -257,24 +262,24 @@ fn q_band<const R: usize>(
     p: &[f32],
     (cols, c0, w): (usize, usize, usize),
 ) {
+    assert!(acc.len() == R * w && c0 + w <= cols);
     let full = w - w % LANES;
-    let mut sums: Vec<&mut [f32]> = acc.chunks_exact_mut(w).collect();
-    let sums: &mut [&mut [f32]; R] = sums.as_mut_slice().try_into().unwrap();
+    let ahead = if w == cols { AHEAD } else { cols };
     for (i, (row, pi)) in m.chunks_exact(cols).zip(p.chunks_exact(R)).enumerate() {
         let (x, pi): (&[f32], &[f32; R]) = (&row[c0..c0 + w], pi.try_into().unwrap());
-        for (c, x) in x[..full].chunks_exact(LANES).enumerate() {
-            super::prefetch(m, i * cols + c0 + c * LANES + AHEAD);
-            let x: &[f32; LANES] = x.try_into().unwrap();
-            for (sum, &pij) in sums.iter_mut().zip(pi) {
-                let a: &mut [f32; LANES] = (&mut sum[c * LANES..][..LANES]).try_into().unwrap();
+        for c in (0..full).step_by(LANES) {
+            super::prefetch(m, i * cols + c0 + c + ahead);
+            let x: &[f32; LANES] = x[c..c + LANES].try_into().unwrap();
+            for (j, &pij) in pi.iter().enumerate() {
+                let a: &mut [f32; LANES] = (&mut acc[j * w + c..][..LANES]).try_into().unwrap();
                 for l in 0..LANES {
                     a[l] += pij * x[l];
                 }
             }
         }
         for c in full..w {
-            for (sum, &pij) in sums.iter_mut().zip(pi) {
-                sum[c] += pij * x[c];
+            for (j, &pij) in pi.iter().enumerate() {
+                acc[j * w + c] += pij * x[c];
             }
         }
     }
