@@ -65,10 +65,15 @@ impl SignStream {
         assert_eq!(dst.len(), src.len(), "SignStream::store: lengths differ");
         #[cfg(target_arch = "x86_64")]
         match self.past {
-            // SAFETY (both): the CPU has the feature (probed by `with_sign_stream`); the fence that
-            // the non-temporal stores need runs when `with_sign_stream` ends.
-            Past::Avx512 => return unsafe { x86::store_signs(dst, src) },
-            Past::Avx2 => return unsafe { x86::store_signs_avx2(dst, src) },
+            Past::Avx512 => {
+                // SAFETY: the CPU has AVX-512F (probed by `with_sign_stream`); the fence that the
+                // non-temporal stores need runs when `with_sign_stream` ends.
+                return unsafe { x86::store_signs(dst, src) };
+            }
+            Past::Avx2 => {
+                // SAFETY: the CPU has AVX2 (probed by `with_sign_stream`); fenced as above.
+                return unsafe { x86::store_signs_avx2(dst, src) };
+            }
             Past::No => {}
         }
         dst.iter_mut().zip(src).for_each(|(o, &d)| *o = sign(d));
