@@ -92,23 +92,32 @@ mod x86 {
     use super::sign;
     use std::arch::x86_64::*;
 
+    /// The entries of `dst` before its first 64-byte line, and those of its whole lines after them.
+    fn lines(dst: &[f32]) -> (usize, usize) {
+        let head = dst.as_ptr().align_offset(64).min(dst.len());
+        (head, (dst.len() - head) / 16 * 16)
+    }
+
+    /// Signs with plain stores (the entries outside whole lines).
+    fn plain(dst: &mut [f32], src: &[f32]) {
+        dst.iter_mut().zip(src).for_each(|(o, &d)| *o = sign(d));
+    }
+
     /// # Safety
     /// The CPU has AVX-512F, and an `_mm_sfence` runs before any other access to `dst`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn store_signs(dst: &mut [f32], src: &[f32]) {
-        let head = dst.as_ptr().align_offset(64).min(dst.len());
-        let lines = (dst.len() - head) / 16;
-        let (a, rest) = dst.split_at_mut(head);
-        let (mid, tail) = rest.split_at_mut(16 * lines);
-        a.iter_mut().zip(src).for_each(|(o, &d)| *o = sign(d));
+        let (head, whole) = lines(dst);
+        let end = head + whole;
+        plain(&mut dst[..head], &src[..head]);
         let (one, minus, zero) = (
             _mm512_set1_ps(1.0),
             _mm512_set1_ps(-1.0),
             _mm512_setzero_ps(),
         );
-        let vs = src[head..head + 16 * lines].chunks_exact(16);
-        for (o, v) in mid.chunks_exact_mut(16).zip(vs) {
-            // SAFETY: `v` holds 16 floats; `o` holds 16 and starts a 64-byte line (`head`).
+        let vs = src[head..end].chunks_exact(16);
+        for (o, v) in dst[head..end].chunks_exact_mut(16).zip(vs) {
+            // SAFETY: `v` holds 16 floats; `o` holds 16 and starts a 64-byte line (`lines`).
             let d = unsafe { _mm512_loadu_ps(v.as_ptr()) };
             let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(d, zero);
             let neg = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(d, zero);
@@ -116,10 +125,7 @@ mod x86 {
             // SAFETY: as above; the caller fences these stores before `dst` is read.
             unsafe { _mm512_stream_ps(o.as_mut_ptr(), s) };
         }
-        let at = head + 16 * lines;
-        tail.iter_mut()
-            .zip(&src[at..])
-            .for_each(|(o, &d)| *o = sign(d));
+        plain(&mut dst[end..], &src[end..]);
     }
 
     /// `store_signs` with AVX2: each whole line as two 32-byte non-temporal stores, which the core
@@ -129,16 +135,14 @@ mod x86 {
     /// The CPU has AVX2, and an `_mm_sfence` runs before any other access to `dst`.
     #[target_feature(enable = "avx2")]
     pub unsafe fn store_signs_avx2(dst: &mut [f32], src: &[f32]) {
-        let head = dst.as_ptr().align_offset(64).min(dst.len());
-        let lines = (dst.len() - head) / 16;
-        let (a, rest) = dst.split_at_mut(head);
-        let (mid, tail) = rest.split_at_mut(16 * lines);
-        a.iter_mut().zip(src).for_each(|(o, &d)| *o = sign(d));
+        let (head, whole) = lines(dst);
+        let end = head + whole;
+        plain(&mut dst[..head], &src[..head]);
         let (one, zero) = (_mm256_set1_ps(1.0), _mm256_setzero_ps());
-        let vs = src[head..head + 16 * lines].chunks_exact(8);
-        for (o, v) in mid.chunks_exact_mut(8).zip(vs) {
-            // SAFETY: `v` holds 8 floats; `o` holds 8 and starts at a 32-byte boundary (`head` is a
-            // line's start and the halves follow it).
+        let vs = src[head..end].chunks_exact(8);
+        for (o, v) in dst[head..end].chunks_exact_mut(8).zip(vs) {
+            // SAFETY: `v` holds 8 floats; `o` holds 8 and starts at a 32-byte boundary (the halves
+            // of the lines `lines` found).
             let d = unsafe { _mm256_loadu_ps(v.as_ptr()) };
             // (d > 0) - (d < 0), as `sign`: NaN compares false both ways and gives +0.
             let pos = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(d, zero), one);
@@ -146,10 +150,7 @@ mod x86 {
             // SAFETY: as above; the caller fences these stores before `dst` is read.
             unsafe { _mm256_stream_ps(o.as_mut_ptr(), _mm256_sub_ps(pos, neg)) };
         }
-        let at = head + 16 * lines;
-        tail.iter_mut()
-            .zip(&src[at..])
-            .for_each(|(o, &d)| *o = sign(d));
+        plain(&mut dst[end..], &src[end..]);
     }
 }
 
