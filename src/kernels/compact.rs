@@ -174,11 +174,12 @@ mod x86 {
         t
     };
 
-    /// The widest vectors this processor compresses in: 16 lanes (AVX-512), 8 (AVX2) or none.
+    /// The widest vectors this processor compresses in: 16 lanes (AVX-512), 8 (AVX2, with the POPCNT
+    /// that every AVX2 processor has) or none.
     pub fn lanes() -> usize {
         if is_x86_feature_detected!("avx512f") {
             16
-        } else if is_x86_feature_detected!("avx2") {
+        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("popcnt") {
             8
         } else {
             0
@@ -211,7 +212,7 @@ mod x86 {
             // SAFETY: a width of 16 is at most what `lanes` found, so the processor has AVX-512F; the
             // kernel reads x and hat, whole groups of 16.
             16 => unsafe { pack16::<DIFF>(x, hat, start, floor, idx, val) },
-            // SAFETY: as above, with AVX2 and groups of 8.
+            // SAFETY: as above, with AVX2 and POPCNT and groups of 8.
             8 => unsafe { pack8::<DIFF>(x, hat, start, floor, idx, val) },
             _ => return 0,
         }
@@ -239,7 +240,7 @@ mod x86 {
             // SAFETY: a width of 16 is at most what `lanes` found, so the processor has AVX-512F; the
             // kernel reads cand_i and cand_v, whole groups of 16.
             16 => unsafe { take16(cand_i, cand_v, t, base, idx, val) },
-            // SAFETY: as above, with AVX2 and groups of 8.
+            // SAFETY: as above, with AVX2 and POPCNT and groups of 8.
             8 => unsafe { take8(cand_i, cand_v, t, base, idx, val) },
             _ => return 0,
         }
@@ -374,8 +375,8 @@ mod x86 {
     /// Appends the lanes of `ids` and `v` whose bit of `mask` is set, in order.
     ///
     /// # Safety
-    /// The processor has AVX2.
-    #[target_feature(enable = "avx2")]
+    /// The processor has AVX2 and POPCNT.
+    #[target_feature(enable = "avx2,popcnt")]
     unsafe fn push8(mask: usize, ids: __m256i, v: __m256, idx: &mut Vec<u32>, val: &mut Vec<f32>) {
         // SAFETY: an unaligned load of PACK's row of 8 u32.
         let perm = unsafe { _mm256_loadu_si256(PACK[mask].as_ptr().cast()) };
@@ -402,9 +403,11 @@ mod x86 {
     /// none. CHOCO's top-10% passes about an eighth of the entries, so a group is empty about a third
     /// of the time, and a branch on it mispredicted.
     ///
+    /// A group's entry ids are its first id plus PACK's row: the row is the packed lanes' positions.
+    ///
     /// # Safety
-    /// The processor has AVX2.
-    #[target_feature(enable = "avx2")]
+    /// The processor has AVX2 and POPCNT.
+    #[target_feature(enable = "avx2,popcnt")]
     unsafe fn pack8<const DIFF: bool>(
         x: &[f32],
         hat: &[f32],
@@ -415,12 +418,13 @@ mod x86 {
     ) {
         let below = _mm256_set1_epi32(below(floor));
         let abs = _mm256_set1_epi32(0x7fff_ffff);
-        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         let blocks = x.chunks(8 * BLOCK).zip(hat.chunks(8 * BLOCK));
         for (b, (xb, hb)) in blocks.enumerate() {
             idx.reserve(xb.len());
             val.reserve(xb.len());
             let (pi, pv, mut len) = (idx.as_mut_ptr(), val.as_mut_ptr(), idx.len());
+            // The id of the group's first entry, in every lane.
+            let mut at = _mm256_set1_epi32((start + 8 * b * BLOCK) as i32);
             for (g, (xs, hs)) in xb.chunks_exact(8).zip(hb.chunks_exact(8)).enumerate() {
                 let ahead = 8 * (b * BLOCK + g) + crate::kernels::STREAM_AHEAD;
                 crate::kernels::prefetch(x, ahead);
@@ -435,15 +439,16 @@ mod x86 {
                 }
                 let key = _mm256_and_si256(_mm256_castps_si256(v), abs);
                 let mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below)));
-                let at = start + 8 * (b * BLOCK + g);
-                let ids = _mm256_add_epi32(_mm256_set1_epi32(at as i32), lanes);
                 // SAFETY: an unaligned load of PACK's row of 8 u32 (mask < 256).
                 let perm = unsafe { _mm256_loadu_si256(PACK[mask as usize].as_ptr().cast()) };
+                // The first (set bits of the mask) lanes: the passing entries' ids, in order.
+                let ids = _mm256_add_epi32(at, perm);
+                at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
                 // SAFETY: both vectors had room for xb.len() entries past their length before this
                 // block (reserved above) and `len` has grown by at most 8 a group before this one, so
                 // the 8 lanes stored at `len` stay inside both allocations.
                 unsafe {
-                    _mm256_storeu_si256(pi.add(len).cast(), _mm256_permutevar8x32_epi32(ids, perm));
+                    _mm256_storeu_si256(pi.add(len).cast(), ids);
                     _mm256_storeu_ps(pv.add(len), _mm256_permutevar8x32_ps(v, perm));
                 }
                 len += mask.count_ones() as usize;
@@ -460,8 +465,8 @@ mod x86 {
     /// `taken` with AVX2, of whole groups of 8.
     ///
     /// # Safety
-    /// The processor has AVX2.
-    #[target_feature(enable = "avx2")]
+    /// The processor has AVX2 and POPCNT.
+    #[target_feature(enable = "avx2,popcnt")]
     unsafe fn take8(
         cand_i: &[u32],
         cand_v: &[f32],
@@ -485,7 +490,7 @@ mod x86 {
             };
             let key = _mm256_and_si256(_mm256_castps_si256(v), abs);
             let mask = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(key, below)));
-            // SAFETY: this processor has AVX2 (this function's contract).
+            // SAFETY: this processor has AVX2 and POPCNT (this function's contract).
             unsafe { push8(mask as usize, _mm256_add_epi32(i, base), v, idx, val) };
         }
     }
