@@ -530,16 +530,26 @@ pub fn streamed(x: &mut [f32], y: &[f32], f: impl Fn(&mut [f32], &[f32])) {
 /// same entry on): for the element-wise passes over data that has left the core's caches, whose loads
 /// the hardware prefetcher (which starts again at each 4 KB page) leaves the core waiting on.
 #[inline(always)]
-pub fn ahead<const N: usize>(
+pub fn ahead<const N: usize>(x: &mut [f32], others: [Lines; N], f: impl FnMut(&mut [f32], usize)) {
+    ahead_by::<16, N>(x, others, f)
+}
+
+/// `ahead` in parts of W entries (a multiple of 16): before each part's `f`, the W / 16 lines that
+/// the part's entries `STREAM_AHEAD` on span are asked for, in x and in `others`.
+#[inline(always)]
+pub fn ahead_by<const W: usize, const N: usize>(
     x: &mut [f32],
     others: [Lines; N],
     mut f: impl FnMut(&mut [f32], usize),
 ) {
+    const { assert!(W > 0 && W % 16 == 0) };
     let lines = Lines::of(x);
-    for (i, part) in x.chunks_mut(16).enumerate() {
-        let (at, next) = (16 * i, 16 * i + STREAM_AHEAD);
-        lines.ask(next);
-        others.iter().for_each(|l| l.ask(next));
+    for (i, part) in x.chunks_mut(W).enumerate() {
+        let at = W * i;
+        for next in (at + STREAM_AHEAD..at + W + STREAM_AHEAD).step_by(16) {
+            lines.ask(next);
+            others.iter().for_each(|l| l.ask(next));
+        }
         f(part, at);
     }
 }

@@ -35,18 +35,37 @@ pub(crate) fn exp(x: f32) -> f32 {
 /// tanh through the exponential: 1 - 2 / (e^{2u} + 1) (absolute error ~1e-7).
 #[inline(always)]
 fn tanh(u: f32) -> f32 {
-    1.0 - 2.0 / (exp(2.0 * u) + 1.0)
+    tanh_of_exp(exp(2.0 * u))
+}
+
+/// tanh(u) from e = e^{2u}.
+#[inline(always)]
+fn tanh_of_exp(e: f32) -> f32 {
+    1.0 - 2.0 / (e + 1.0)
 }
 
 /// erf (Abramowitz & Stegun 7.1.26, absolute error below 1.5e-7).
 #[inline(always)]
 fn erf(x: f32) -> f32 {
+    erf_with(x, erf_exp(x))
+}
+
+/// The exponential in erf(x): e^{-x^2}.
+#[inline(always)]
+fn erf_exp(x: f32) -> f32 {
+    let a = x.abs();
+    exp(-a * a)
+}
+
+/// erf(x) from its exponential `ex` (`erf_exp`).
+#[inline(always)]
+fn erf_with(x: f32, ex: f32) -> f32 {
     let a = x.abs();
     let t = 1.0 / (1.0 + 0.327_591_1 * a);
     let poly = t
         * (0.254_829_6
             + t * (-0.284_496_74 + t * (1.421_413_8 + t * (-1.453_152_1 + t * 1.061_405_4))));
-    let y = 1.0 - poly * exp(-a * a);
+    let y = 1.0 - poly * ex;
     y.copysign(x)
 }
 
@@ -54,16 +73,33 @@ const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const INV_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 const INV_SQRT_2PI: f32 = 0.398_942_3;
 
+/// The tanh's argument in `gelu_tanh`.
+#[inline(always)]
+fn gelu_tanh_arg(x: f32) -> f32 {
+    SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)
+}
+
+/// The tanh's argument in `gelu_tanh_grad`.
+#[inline(always)]
+fn gelu_tanh_grad_arg(x: f32) -> f32 {
+    SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * (x * x))
+}
+
 /// GELU and its derivative.
 #[inline(always)]
 pub(crate) fn gelu_tanh(x: f32) -> f32 {
-    0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)))
+    0.5 * x * (1.0 + tanh(gelu_tanh_arg(x)))
 }
 
 #[inline(always)]
 pub(crate) fn gelu_tanh_grad(x: f32) -> f32 {
+    gelu_tanh_grad_with(x, tanh(gelu_tanh_grad_arg(x)))
+}
+
+/// `gelu_tanh_grad(x)` from its tanh `t`.
+#[inline(always)]
+fn gelu_tanh_grad_with(x: f32, t: f32) -> f32 {
     let x2 = x * x;
-    let t = tanh(SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x2));
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * x2)
 }
 
@@ -81,11 +117,51 @@ fn gelu_erf_grad(x: f32) -> f32 {
 /// (`gelu_erf(x)`, `gelu_erf_grad(x)`) from one erf, the same floats.
 #[inline(always)]
 pub(crate) fn gelu_erf_and_grad(x: f32) -> (f32, f32) {
-    let e = erf(x * INV_SQRT_2);
-    (
-        0.5 * x * (1.0 + e),
-        0.5 * (1.0 + e) + x * INV_SQRT_2PI * exp(-0.5 * x * x),
-    )
+    gelu_erf_and_grad_with(x, erf_exp(x * INV_SQRT_2), exp(-0.5 * x * x))
+}
+
+/// `gelu_erf_and_grad(x)` from its two exponentials: erf's (`erf_exp`) and the derivative's.
+#[inline(always)]
+fn gelu_erf_and_grad_with(x: f32, erf_ex: f32, ex: f32) -> (f32, f32) {
+    let e = erf_with(x * INV_SQRT_2, erf_ex);
+    (0.5 * x * (1.0 + e), 0.5 * (1.0 + e) + x * INV_SQRT_2PI * ex)
+}
+
+/// Entries of a strip of a GELU's value and derivative (`gelu_tanh_strip`, `gelu_erf_strip`).
+pub(crate) const STRIP: usize = 256;
+
+/// (`gelu_tanh(x)`, `gelu_tanh_grad(x)`) of each entry of x (at most `STRIP` of them): the value into
+/// `v` and the derivative over x, the same floats. The strip's exponentials are computed first (the
+/// value's into `v` itself), then the rest: each entry is a long chain of dependent operations, and a
+/// loop that computed everything entry by entry kept only a few chains in flight (the core's window
+/// held about one pass of its body); two short loops over the strip keep many.
+#[multiversion::multiversion(targets = "simd")]
+pub(crate) fn gelu_tanh_strip(x: &mut [f32], v: &mut [f32]) {
+    let mut eg = [0.0f32; STRIP];
+    let eg = &mut eg[..x.len()];
+    for ((ev, eg), &x) in v.iter_mut().zip(eg.iter_mut()).zip(&*x) {
+        *ev = exp(2.0 * gelu_tanh_arg(x));
+        *eg = exp(2.0 * gelu_tanh_grad_arg(x));
+    }
+    for ((x, v), &eg) in x.iter_mut().zip(v).zip(&*eg) {
+        *v = 0.5 * *x * (1.0 + tanh_of_exp(*v));
+        *x = gelu_tanh_grad_with(*x, tanh_of_exp(eg));
+    }
+}
+
+/// `gelu_erf_and_grad` of each entry of x (at most `STRIP`) as `gelu_tanh_strip` does it: the value
+/// into `v`, the derivative over x.
+#[multiversion::multiversion(targets = "simd")]
+pub(crate) fn gelu_erf_strip(x: &mut [f32], v: &mut [f32]) {
+    let mut eb = [0.0f32; STRIP];
+    let eb = &mut eb[..x.len()];
+    for ((ea, eb), &x) in v.iter_mut().zip(eb.iter_mut()).zip(&*x) {
+        *ea = erf_exp(x * INV_SQRT_2);
+        *eb = exp(-0.5 * x * x);
+    }
+    for ((x, v), &eb) in x.iter_mut().zip(v).zip(&*eb) {
+        (*v, *x) = gelu_erf_and_grad_with(*x, *v, eb);
+    }
 }
 
 /// Rows per parallel task of the row-wise ops (a fixed split, so sums do not depend on the thread count).
@@ -248,6 +324,47 @@ mod tests {
                 (gelu_erf_and_grad(x).1 as f64 - slope).abs() < 1e-3,
                 "slope at {x}"
             );
+        }
+    }
+
+    /// The strips are the value and derivative one entry at a time, bit for bit, in strips whole and
+    /// short (each entry's floats do not depend on where it sits in the strip).
+    #[test]
+    fn gelu_strips_are_the_functions_entry_by_entry() {
+        let special = [
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            30.0,
+            -30.0,
+            f32::MAX,
+            f32::MIN,
+            f32::NAN,
+        ];
+        let range = (-1_000_000..1_000_000).map(|i| i as f32 * 1e-5);
+        let x: Vec<f32> = range.chain(special).collect();
+        let tanh_pair = |x| (gelu_tanh(x), gelu_tanh_grad(x));
+        let forms: [(fn(&mut [f32], &mut [f32]), fn(f32) -> (f32, f32)); 2] = [
+            (gelu_tanh_strip, tanh_pair),
+            (gelu_erf_strip, gelu_erf_and_grad),
+        ];
+        for (strip, pair) in forms {
+            for len in [STRIP, STRIP - 1, 17, 1] {
+                let (mut d, mut v) = (x.clone(), vec![0.0f32; x.len()]);
+                for (d, v) in d.chunks_mut(len).zip(v.chunks_mut(len)) {
+                    strip(d, v);
+                }
+                for ((&x, &v), &d) in x.iter().zip(&v).zip(&d) {
+                    let (wv, wd) = pair(x);
+                    assert_eq!(v.to_bits(), wv.to_bits(), "value at {x}, strips of {len}");
+                    assert_eq!(
+                        d.to_bits(),
+                        wd.to_bits(),
+                        "derivative at {x}, strips of {len}"
+                    );
+                }
+            }
         }
     }
 

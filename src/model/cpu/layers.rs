@@ -7,7 +7,9 @@ use rayon::prelude::*;
 use super::super::matmul::{
     mm, mm_bf16_packed, to_bf16, Bf16Buffers, Bf16Path, Op, PackedB, Rows16, M,
 };
-use super::super::ops::{row_max, row_sums_of, rows_lse, rows_per_task, rows_stats, CHUNK, ROWS};
+use super::super::ops::{
+    row_max, row_sums_of, rows_lse, rows_per_task, rows_stats, CHUNK, ROWS, STRIP,
+};
 use super::{Linear, Norm, Params, LN_EPS};
 use crate::kernels::{self, Lines};
 use gemm::Parallelism;
@@ -746,32 +748,28 @@ fn map_of<T: Stored>(out: &mut [T], path: Bf16Path, x: &[f32], f: impl Fn(f32) -
         });
 }
 
-/// (out, x) = f(x): a function's value into `out` and its derivative over `x`, in parallel chunks.
-pub(super) fn map_with_grad(out: ActMut, x: &mut [f32], f: impl Fn(f32) -> (f32, f32) + Sync) {
+/// (out, x) = f(x): a function's value into `out` and its derivative over `x`, in parallel chunks;
+/// `f(x, v)` computes a strip of at most `ops::STRIP` entries (`ops::gelu_tanh_strip`).
+pub(super) fn map_with_grad(out: ActMut, x: &mut [f32], f: impl Fn(&mut [f32], &mut [f32]) + Sync) {
     match out {
         ActMut::F32(o) => map_with_grad_of(o, Bf16Path::EMULATED, x, f),
         ActMut::Bf16(o, path) => map_with_grad_of(o, path, x, f),
     }
 }
 
-/// `map_with_grad` into f32 or bf16 (`Stored`).
-#[multiversion(targets = "simd")]
+/// `map_with_grad` into f32 or bf16 (`Stored`); `f` is compiled for the vector unit itself.
 fn map_with_grad_of<T: Stored>(
     out: &mut [T],
     path: Bf16Path,
     x: &mut [f32],
-    f: impl Fn(f32) -> (f32, f32) + Sync,
+    f: impl Fn(&mut [f32], &mut [f32]) + Sync,
 ) {
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks_mut(CHUNK))
         .for_each_init(Vec::new, |scratch, (o, x)| {
             T::write(o, path, scratch, |o| {
-                kernels::ahead(x, [Lines::of(o)], |x, at| {
-                    let o = &mut o[at..][..x.len()];
-                    o.iter_mut().zip(x).for_each(|(o, x)| {
-                        let (v, d) = f(*x);
-                        (*o, *x) = (v, d);
-                    })
+                kernels::ahead_by::<STRIP, 1>(x, [Lines::of(o)], |x, at| {
+                    f(x, &mut o[at..][..x.len()])
                 })
             })
         });

@@ -14,7 +14,7 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 use super::matmul::{Bf16Buffers, Bf16Path, Precision, Products, M};
-use super::ops::{gelu_erf, gelu_erf_and_grad, gelu_tanh, gelu_tanh_grad};
+use super::ops::{gelu_erf, gelu_erf_strip, gelu_tanh, gelu_tanh_strip};
 use super::{Gpt, ParamSet};
 use crate::config::Activation;
 use std::cell::RefCell;
@@ -560,10 +560,8 @@ impl CpuGpt {
         match (self.activation, backward) {
             (Activation::Gelu, false) => map(g, fc, gelu_erf),
             (Activation::GeluTanh, false) => map(g, fc, gelu_tanh),
-            (Activation::Gelu, true) => map_with_grad(g, fc, gelu_erf_and_grad),
-            (Activation::GeluTanh, true) => {
-                map_with_grad(g, fc, |x| (gelu_tanh(x), gelu_tanh_grad(x)))
-            }
+            (Activation::Gelu, true) => map_with_grad(g, fc, gelu_erf_strip),
+            (Activation::GeluTanh, true) => map_with_grad(g, fc, gelu_tanh_strip),
         }
         let g = saved(&a.gelu, a.half, l, 4 * nc);
         linear(p, layer.mproj, g, n, &mut a.dc[..nc]);

@@ -1,7 +1,7 @@
 use super::*;
 use crate::config::ModelConfig;
 use crate::model::matmul::{mm, to_bf16, Bf16Path};
-use crate::model::ops::{row_max, ROWS};
+use crate::model::ops::{gelu_erf_and_grad, gelu_tanh_grad, row_max, ROWS};
 use candle_core::{Device, Tensor};
 use gemm::Parallelism;
 use rand::SeedableRng;
@@ -597,6 +597,15 @@ fn passes_run_inside_the_pool() {
     });
 }
 
+/// Each GELU's strip function beside its value and derivative one entry at a time.
+#[allow(clippy::type_complexity)]
+const GELU_PAIRS: [(&str, fn(&mut [f32], &mut [f32]), fn(f32) -> (f32, f32)); 2] = [
+    ("erf", gelu_erf_strip, gelu_erf_and_grad),
+    ("tanh", gelu_tanh_strip, |x| {
+        (gelu_tanh(x), gelu_tanh_grad(x))
+    }),
+];
+
 /// The element-wise passes that ask for their lines ahead (`add`, `mul`, `map`, `map_with_grad`,
 /// `scale_by`) equal one plain loop over the entries, bit for bit, over lengths that end mid-vector,
 /// mid-line and past a parallel task's chunk.
@@ -620,18 +629,12 @@ fn element_wise_passes_asking_ahead_equal_plain_loops() {
         assert_eq!(bits(&out), plain(&|a, b| a * b), "mul, {n}");
         layers::map(ActMut::F32(&mut out), &a, gelu_tanh);
         assert_eq!(bits(&out), plain(&|a, _| gelu_tanh(a)), "map, {n}");
-        let mut x = a.clone();
-        layers::map_with_grad(ActMut::F32(&mut out), &mut x, gelu_erf_and_grad);
-        assert_eq!(
-            bits(&out),
-            plain(&|a, _| gelu_erf_and_grad(a).0),
-            "value, {n}"
-        );
-        assert_eq!(
-            bits(&x),
-            plain(&|a, _| gelu_erf_and_grad(a).1),
-            "derivative, {n}"
-        );
+        for (form, strip, pair) in GELU_PAIRS {
+            let mut x = a.clone();
+            layers::map_with_grad(ActMut::F32(&mut out), &mut x, strip);
+            assert_eq!(bits(&out), plain(&|a, _| pair(a).0), "{form} value, {n}");
+            assert_eq!(bits(&x), plain(&|a, _| pair(a).1), "{form} derivative, {n}");
+        }
         // Into bf16: the values rounded as each path's products round them.
         for path in Bf16Path::available() {
             let rounded = |v: &[f32]| {
@@ -644,7 +647,7 @@ fn element_wise_passes_asking_ahead_equal_plain_loops() {
             let want: Vec<f32> = a.iter().map(|&a| gelu_tanh(a)).collect();
             assert_eq!(half, rounded(&want), "map into bf16, {n}, {path}");
             let mut x = a.clone();
-            layers::map_with_grad(ActMut::Bf16(&mut half, path), &mut x, gelu_erf_and_grad);
+            layers::map_with_grad(ActMut::Bf16(&mut half, path), &mut x, gelu_erf_strip);
             let want: Vec<f32> = a.iter().map(|&a| gelu_erf_and_grad(a).0).collect();
             assert_eq!(half, rounded(&want), "value into bf16, {n}, {path}");
             assert_eq!(
