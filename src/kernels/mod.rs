@@ -542,7 +542,7 @@ pub fn ahead_by<const W: usize, const N: usize>(
     others: [Lines; N],
     mut f: impl FnMut(&mut [f32], usize),
 ) {
-    const { assert!(W > 0 && W % 16 == 0) };
+    const { assert!(W > 0 && W.is_multiple_of(16)) };
     let lines = Lines::of(x);
     for (i, part) in x.chunks_mut(W).enumerate() {
         let at = W * i;

@@ -345,7 +345,9 @@ mod tests {
         let range = (-1_000_000..1_000_000).map(|i| i as f32 * 1e-5);
         let x: Vec<f32> = range.chain(special).collect();
         let tanh_pair = |x| (gelu_tanh(x), gelu_tanh_grad(x));
-        let forms: [(fn(&mut [f32], &mut [f32]), fn(f32) -> (f32, f32)); 2] = [
+        type Strip = fn(&mut [f32], &mut [f32]);
+        type Pair = fn(f32) -> (f32, f32);
+        let forms: [(Strip, Pair); 2] = [
             (gelu_tanh_strip, tanh_pair),
             (gelu_erf_strip, gelu_erf_and_grad),
         ];

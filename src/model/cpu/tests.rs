@@ -597,9 +597,12 @@ fn passes_run_inside_the_pool() {
     });
 }
 
+/// A GELU's strip function (`ops::gelu_tanh_strip`), and its value and derivative at one entry.
+type Strip = fn(&mut [f32], &mut [f32]);
+type Pair = fn(f32) -> (f32, f32);
+
 /// Each GELU's strip function beside its value and derivative one entry at a time.
-#[allow(clippy::type_complexity)]
-const GELU_PAIRS: [(&str, fn(&mut [f32], &mut [f32]), fn(f32) -> (f32, f32)); 2] = [
+const GELU_PAIRS: [(&str, Strip, Pair); 2] = [
     ("erf", gelu_erf_strip, gelu_erf_and_grad),
     ("tanh", gelu_tanh_strip, |x| {
         (gelu_tanh(x), gelu_tanh_grad(x))
