@@ -131,36 +131,50 @@ fn gelu_erf_and_grad_with(x: f32, erf_ex: f32, ex: f32) -> (f32, f32) {
 pub(crate) const STRIP: usize = 256;
 
 /// (`gelu_tanh(x)`, `gelu_tanh_grad(x)`) of each entry of x (at most `STRIP` of them): the value into
-/// `v` and the derivative over x, the same floats. The strip's exponentials are computed first (the
-/// value's into `v` itself), then the rest: each entry is a long chain of dependent operations, and a
-/// loop that computed everything entry by entry kept only a few chains in flight (the core's window
-/// held about one pass of its body); two short loops over the strip keep many.
+/// `v` and the derivative over x, the same floats (`two_loops`).
 #[multiversion::multiversion(targets = "simd")]
 pub(crate) fn gelu_tanh_strip(x: &mut [f32], v: &mut [f32]) {
-    let mut eg = [0.0f32; STRIP];
-    let eg = &mut eg[..x.len()];
-    for ((ev, eg), &x) in v.iter_mut().zip(eg.iter_mut()).zip(&*x) {
-        *ev = exp(2.0 * gelu_tanh_arg(x));
-        *eg = exp(2.0 * gelu_tanh_grad_arg(x));
-    }
-    for ((x, v), &eg) in x.iter_mut().zip(v).zip(&*eg) {
-        *v = 0.5 * *x * (1.0 + tanh_of_exp(*v));
-        *x = gelu_tanh_grad_with(*x, tanh_of_exp(eg));
-    }
+    two_loops(
+        (x, v),
+        |x| {
+            let value = exp(2.0 * gelu_tanh_arg(x));
+            (value, exp(2.0 * gelu_tanh_grad_arg(x)))
+        },
+        |x, value, slope| {
+            let v = 0.5 * x * (1.0 + tanh_of_exp(value));
+            (v, gelu_tanh_grad_with(x, tanh_of_exp(slope)))
+        },
+    )
 }
 
-/// `gelu_erf_and_grad` of each entry of x (at most `STRIP`) as `gelu_tanh_strip` does it: the value
-/// into `v`, the derivative over x.
+/// `gelu_erf_and_grad` of each entry of x (at most `STRIP`): the value into `v`, the derivative over
+/// x (`two_loops`).
 #[multiversion::multiversion(targets = "simd")]
 pub(crate) fn gelu_erf_strip(x: &mut [f32], v: &mut [f32]) {
-    let mut eb = [0.0f32; STRIP];
-    let eb = &mut eb[..x.len()];
-    for ((ea, eb), &x) in v.iter_mut().zip(eb.iter_mut()).zip(&*x) {
-        *ea = erf_exp(x * INV_SQRT_2);
-        *eb = exp(-0.5 * x * x);
+    two_loops(
+        (x, v),
+        |x| (erf_exp(x * INV_SQRT_2), exp(-0.5 * x * x)),
+        gelu_erf_and_grad_with,
+    )
+}
+
+/// A strip's value (into v) and derivative (over x) in two loops: first `exps(x)`, each entry's two
+/// exponentials (the first into v), then `rest(x, first, second)`. Each entry is a long chain of
+/// dependent operations, and one loop that computed everything entry by entry kept only a few chains in
+/// flight (the core's window held about one pass of its body); two short loops over the strip keep many.
+#[inline(always)]
+fn two_loops(
+    (x, v): (&mut [f32], &mut [f32]),
+    exps: impl Fn(f32) -> (f32, f32),
+    rest: impl Fn(f32, f32, f32) -> (f32, f32),
+) {
+    let mut second = [0.0f32; STRIP];
+    let second = &mut second[..x.len()];
+    for ((a, b), &x) in v.iter_mut().zip(second.iter_mut()).zip(&*x) {
+        (*a, *b) = exps(x);
     }
-    for ((x, v), &eb) in x.iter_mut().zip(v).zip(&*eb) {
-        (*v, *x) = gelu_erf_and_grad_with(*x, *v, eb);
+    for ((x, v), &b) in x.iter_mut().zip(v).zip(&*second) {
+        (*v, *x) = rest(*x, *v, b);
     }
 }
 
