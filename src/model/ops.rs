@@ -88,7 +88,13 @@ fn gelu_tanh_grad_arg(x: f32) -> f32 {
 /// GELU and its derivative.
 #[inline(always)]
 pub(crate) fn gelu_tanh(x: f32) -> f32 {
-    0.5 * x * (1.0 + tanh(gelu_tanh_arg(x)))
+    gelu_tanh_with(x, tanh(gelu_tanh_arg(x)))
+}
+
+/// `gelu_tanh(x)` from its tanh `t`.
+#[inline(always)]
+fn gelu_tanh_with(x: f32, t: f32) -> f32 {
+    0.5 * x * (1.0 + t)
 }
 
 #[inline(always)]
@@ -141,7 +147,7 @@ pub(crate) fn gelu_tanh_strip(x: &mut [f32], v: &mut [f32]) {
             (value, exp(2.0 * gelu_tanh_grad_arg(x)))
         },
         |x, value, slope| {
-            let v = 0.5 * x * (1.0 + tanh_of_exp(value));
+            let v = gelu_tanh_with(x, tanh_of_exp(value));
             (v, gelu_tanh_grad_with(x, tanh_of_exp(slope)))
         },
     )
