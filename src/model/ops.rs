@@ -91,15 +91,15 @@ pub(crate) fn gelu_tanh(x: f32) -> f32 {
     gelu_tanh_with(x, tanh(gelu_tanh_arg(x)))
 }
 
+#[inline(always)]
+pub(crate) fn gelu_tanh_grad(x: f32) -> f32 {
+    gelu_tanh_grad_with(x, tanh(gelu_tanh_grad_arg(x)))
+}
+
 /// `gelu_tanh(x)` from its tanh `t`.
 #[inline(always)]
 fn gelu_tanh_with(x: f32, t: f32) -> f32 {
     0.5 * x * (1.0 + t)
-}
-
-#[inline(always)]
-pub(crate) fn gelu_tanh_grad(x: f32) -> f32 {
-    gelu_tanh_grad_with(x, tanh(gelu_tanh_grad_arg(x)))
 }
 
 /// `gelu_tanh_grad(x)` from its tanh `t`.
@@ -132,6 +132,21 @@ fn gelu_erf_and_grad_with(x: f32, erf_ex: f32, ex: f32) -> (f32, f32) {
     let e = erf_with(x * INV_SQRT_2, erf_ex);
     (0.5 * x * (1.0 + e), 0.5 * (1.0 + e) + x * INV_SQRT_2PI * ex)
 }
+
+/// A GELU's strip function (`gelu_tanh_strip`), and its value and derivative at one entry.
+#[cfg(test)]
+pub(crate) type Strip = fn(&mut [f32], &mut [f32]);
+#[cfg(test)]
+pub(crate) type Pair = fn(f32) -> (f32, f32);
+
+/// Each GELU's strip function beside its value and derivative one entry at a time (the tests' list).
+#[cfg(test)]
+pub(crate) const GELU_FORMS: [(&str, Strip, Pair); 2] = [
+    ("erf", gelu_erf_strip, gelu_erf_and_grad),
+    ("tanh", gelu_tanh_strip, |x| {
+        (gelu_tanh(x), gelu_tanh_grad(x))
+    }),
+];
 
 /// Entries of a strip of a GELU's value and derivative (`gelu_tanh_strip`, `gelu_erf_strip`).
 pub(crate) const STRIP: usize = 256;
@@ -364,14 +379,7 @@ mod tests {
         ];
         let range = (-1_000_000..1_000_000).map(|i| i as f32 * 1e-5);
         let x: Vec<f32> = range.chain(special).collect();
-        let tanh_pair = |x| (gelu_tanh(x), gelu_tanh_grad(x));
-        type Strip = fn(&mut [f32], &mut [f32]);
-        type Pair = fn(f32) -> (f32, f32);
-        let forms: [(Strip, Pair); 2] = [
-            (gelu_tanh_strip, tanh_pair),
-            (gelu_erf_strip, gelu_erf_and_grad),
-        ];
-        for (strip, pair) in forms {
+        for (_, strip, pair) in GELU_FORMS {
             for len in [STRIP, STRIP - 1, 17, 1] {
                 let (mut d, mut v) = (x.clone(), vec![0.0f32; x.len()]);
                 for (d, v) in d.chunks_mut(len).zip(v.chunks_mut(len)) {

@@ -1,7 +1,7 @@
 use super::*;
 use crate::config::ModelConfig;
 use crate::model::matmul::{mm, to_bf16, Bf16Path};
-use crate::model::ops::{gelu_erf_and_grad, gelu_tanh_grad, row_max, ROWS};
+use crate::model::ops::{gelu_erf_and_grad, row_max, GELU_FORMS, ROWS};
 use candle_core::{Device, Tensor};
 use gemm::Parallelism;
 use rand::SeedableRng;
@@ -597,18 +597,6 @@ fn passes_run_inside_the_pool() {
     });
 }
 
-/// A GELU's strip function (`ops::gelu_tanh_strip`), and its value and derivative at one entry.
-type Strip = fn(&mut [f32], &mut [f32]);
-type Pair = fn(f32) -> (f32, f32);
-
-/// Each GELU's strip function beside its value and derivative one entry at a time.
-const GELU_PAIRS: [(&str, Strip, Pair); 2] = [
-    ("erf", gelu_erf_strip, gelu_erf_and_grad),
-    ("tanh", gelu_tanh_strip, |x| {
-        (gelu_tanh(x), gelu_tanh_grad(x))
-    }),
-];
-
 /// The element-wise passes that ask for their lines ahead (`add`, `mul`, `map`, `map_with_grad`,
 /// `scale_by`) equal one plain loop over the entries, bit for bit, over lengths that end mid-vector,
 /// mid-line and past a parallel task's chunk.
@@ -632,7 +620,7 @@ fn element_wise_passes_asking_ahead_equal_plain_loops() {
         assert_eq!(bits(&out), plain(&|a, b| a * b), "mul, {n}");
         layers::map(ActMut::F32(&mut out), &a, gelu_tanh);
         assert_eq!(bits(&out), plain(&|a, _| gelu_tanh(a)), "map, {n}");
-        for (form, strip, pair) in GELU_PAIRS {
+        for (form, strip, pair) in GELU_FORMS {
             let mut x = a.clone();
             layers::map_with_grad(ActMut::F32(&mut out), &mut x, strip);
             assert_eq!(bits(&out), plain(&|a, _| pair(a).0), "{form} value, {n}");
