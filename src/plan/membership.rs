@@ -138,12 +138,6 @@ pub(super) fn problems(doc: &Node, engine: Engine, sync: &SyncPlan) -> Vec<Probl
         );
     }
     match sync {
-        SyncPlan::Compressed(_) | SyncPlan::Diloco { reducer: Some(_), .. } => add(
-            "train.compression",
-            "membership with a compressed reducer is not supported yet: a rejoining worker's error \
-             feedback has no defined state; remove [train.compression] or [train.membership]"
-                .into(),
-        ),
         SyncPlan::Diloco { cfg, .. } if cfg.group_size > 1 => add(
             "train.diloco.group_size",
             "membership with hierarchical DiLoCo is not supported yet: a group that loses a member no \

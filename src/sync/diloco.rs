@@ -45,6 +45,9 @@ use crate::kernels::optim as kernels;
 use crate::kernels::Segment;
 use crate::optim::norm;
 
+/// The prefix of the compressed reducer's buffers in DiLoCo's state.
+const REDUCER: &str = "compress.";
+
 struct Fragment {
     range: Range<usize>,
     /// Quantization rows, relative to the fragment's start.
@@ -599,14 +602,29 @@ impl SyncBackend for Diloco {
         ];
         let mut s = self.state()?;
         s.retain(|(n, _)| GLOBAL.contains(&n.as_str()));
+        if let Some(r) = self.reducer.as_ref().filter(|_| !s.is_empty()) {
+            let shared = r.shared_state()?.into_iter();
+            s.extend(shared.map(|(n, b)| (format!("{REDUCER}{n}"), b)));
+        }
         Ok(s)
     }
-    /// The worker continues from the global model.
+    /// The worker continues from the global model; its reducer takes the peer's shared state, and its
+    /// own error feedback restarts at zero (`Reducer::rejoined`).
     fn recovered(&mut self, state: State, params: &mut [f32]) -> Result<()> {
         if state.is_empty() {
             return Ok(());
         }
-        self.load_state(state)?;
+        let (shared, global): (State, State) =
+            state.into_iter().partition(|(n, _)| n.starts_with(REDUCER));
+        self.load_state(global)?;
+        if let Some(r) = &mut self.reducer {
+            let shared = shared.into_iter();
+            r.rejoined(
+                shared
+                    .map(|(n, b)| (n[REDUCER.len()..].to_string(), b))
+                    .collect(),
+            )?;
+        }
         params.copy_from_slice(&self.backup.to_host()?);
         Ok(())
     }
@@ -640,7 +658,7 @@ impl SyncBackend for Diloco {
             s.extend(
                 r.state()?
                     .into_iter()
-                    .map(|(n, b)| (format!("compress.{n}"), b)),
+                    .map(|(n, b)| (format!("{REDUCER}{n}"), b)),
             );
         }
         Ok(s)
@@ -649,12 +667,12 @@ impl SyncBackend for Diloco {
         let numel = self.fragments.last().map_or(0, |f| f.range.end);
         let (inner, rest): (State, State) = std::mem::take(&mut state)
             .into_iter()
-            .partition(|(n, _)| n.starts_with("compress."));
+            .partition(|(n, _)| n.starts_with(REDUCER));
         state = rest;
         if let Some(r) = &mut self.reducer {
             let inner = inner
                 .into_iter()
-                .map(|(n, b)| (n["compress.".len()..].to_string(), b))
+                .map(|(n, b)| (n[REDUCER.len()..].to_string(), b))
                 .collect();
             r.load_state(inner)?;
         }

@@ -703,6 +703,14 @@ impl SyncBackend for Compressed {
     fn load_state(&mut self, state: compress::State) -> Result<()> {
         self.reducer.load_state(state)
     }
+    /// The reducer's state that every rank holds alike (`Reducer::shared_state`).
+    fn recovery_state(&self) -> Result<compress::State> {
+        self.reducer.shared_state()
+    }
+    /// The peer's shared reducer state; this rank's error feedback restarts at zero.
+    fn recovered(&mut self, state: compress::State, _params: &mut [f32]) -> Result<()> {
+        self.reducer.rejoined(state)
+    }
     fn take_metrics(&mut self) -> Metrics {
         self.tally.take()
     }

@@ -15,17 +15,17 @@ use crate::common;
 use crate::common::{make_data, on_ranks, tiny_config};
 
 /// A vector, two matrices of different shapes and one of the same shape as the first.
-fn tensors() -> Vec<Segment> {
+pub(crate) fn tensors() -> Vec<Segment> {
     let shapes: [(usize, usize, bool); 4] =
         [(7, 1, false), (12, 9, true), (6, 20, true), (12, 9, true)];
     Segment::from_shapes(&shapes)
 }
 
-fn numel() -> usize {
+pub(crate) fn numel() -> usize {
     tensors().iter().map(|t| t.len).sum()
 }
 
-fn gradient(rank: usize, step: u64) -> Vec<f32> {
+pub(crate) fn gradient(rank: usize, step: u64) -> Vec<f32> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rank as u64 * 1000 + step);
     (0..numel())
         .map(|_| rng.random_range(-1.0f32..1.0))
@@ -61,6 +61,17 @@ fn run(
             .collect();
         (outs, r.state().unwrap())
     })
+}
+
+/// Radius at density 0.1 with +-1 windows, dense at step 0 and re-selecting at steps 1, 4, 7, ...
+pub(crate) fn reselecting_radius() -> RadiusConfig {
+    RadiusConfig {
+        density: 0.1,
+        interval: 3,
+        threshold: 1,
+        range: 1,
+        ..RadiusConfig::default()
+    }
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -184,13 +195,7 @@ fn error_feedback_conserves_mass() {
         "residual",
     );
     // Re-selections at steps 1 and 4 clear the residual; the last step (5) is a stable one.
-    let radius = RadiusConfig {
-        density: 0.1,
-        interval: 3,
-        threshold: 1,
-        range: 1,
-        ..RadiusConfig::default()
-    };
+    let radius = reselecting_radius();
     check(
         "radius",
         run(n, steps, || {

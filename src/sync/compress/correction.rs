@@ -112,12 +112,32 @@ impl Reducer for Corrected {
     }
 
     fn load_state(&mut self, state: State) -> Result<()> {
+        let rest = self.load_adam(state)?;
+        self.inner.load_state(rest)
+    }
+
+    /// The inner reducer's shared part and Adam, which every rank steps alike on the reduced gradient.
+    fn shared_state(&self) -> Result<State> {
+        let mut state = self.inner.shared_state()?;
+        push_adam(&mut state, self.adam.state()?);
+        Ok(state)
+    }
+
+    fn rejoined(&mut self, shared: State) -> Result<()> {
+        let rest = self.load_adam(shared)?;
+        self.inner.rejoined(rest)
+    }
+}
+
+impl Corrected {
+    /// Adam's part of `state` (none: a fresh Adam); returns the rest, the inner reducer's.
+    fn load_adam(&mut self, state: State) -> Result<State> {
         let (saved, rest) = split_adam(state)?;
         match saved {
             Some(s) => self.adam.load_state(s)?,
             None => self.adam = adam(self.numel, self.betas, self.eps, &self.direction.place())?,
         }
-        self.inner.load_state(rest)
+        Ok(rest)
     }
 }
 

@@ -172,6 +172,17 @@ pub trait Reducer {
     fn state(&self) -> Result<State>;
     /// Restores `state()`; an empty state (a dense checkpoint) starts the reducer fresh.
     fn load_state(&mut self, state: State) -> Result<()>;
+    /// Live recovery (`train.membership`): the part of the state that every rank holds alike, which a
+    /// rank coming back copies from a live peer (PowerSGD's factors, Radius's mask, the correction's
+    /// Adam). None by default: error feedback is each rank's own.
+    fn shared_state(&self) -> Result<State> {
+        Ok(Vec::new())
+    }
+    /// On the rank that came back: takes a live peer's `shared_state`. What is the rank's own (its error
+    /// feedback: the part of gradients of a model it no longer holds that it never sent) restarts at zero.
+    fn rejoined(&mut self, shared: State) -> Result<()> {
+        self.load_state(shared)
+    }
 }
 
 /// The planned reducer (its rules were checked when the plan was resolved).

@@ -658,6 +658,16 @@ impl Reducer for PowerSgd {
         ])
     }
 
+    /// The factors and the count of compressed steps (P and Q are the same on every rank after their
+    /// all-reduces); the error buffer, the rank's own, goes empty: zeros at the next step.
+    fn shared_state(&self) -> Result<State> {
+        let mut s = self.state()?;
+        s.iter_mut()
+            .filter(|(n, _)| n == "error")
+            .for_each(|(_, b)| b.clear());
+        Ok(s)
+    }
+
     fn load_state(&mut self, mut state: State) -> Result<()> {
         if state.is_empty() {
             *self = Self::new(

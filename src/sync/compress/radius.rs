@@ -18,6 +18,10 @@ use crate::kernels;
 use crate::optim::global_norm;
 use crate::sync::trace::Collective;
 
+/// The key of `shared_state` that says the peer has no mask yet and selects one at its next compressed
+/// step (it was restored from a dense checkpoint).
+const UNSELECTED: &str = "unselected";
+
 pub struct Radius {
     tensors: Vec<Segment>,
     cfg: RadiusConfig,
@@ -295,6 +299,29 @@ impl Reducer for Radius {
         ])
     }
 
+    /// The mask and its core, which every rank adopts from the same averaged gradient, and whether a
+    /// mask is still to be selected after a dense checkpoint; the residual is the rank's own.
+    fn shared_state(&self) -> Result<State> {
+        let mut s = self.state()?;
+        s.retain(|(n, _)| n != "residual");
+        if self.unselected && self.mask.is_empty() {
+            s.push((UNSELECTED.into(), Vec::new()));
+        }
+        Ok(s)
+    }
+
+    /// The peer's mask, with no residual (zeros).
+    fn rejoined(&mut self, mut shared: State) -> Result<()> {
+        let unselected = shared.iter().any(|(n, _)| n == UNSELECTED);
+        shared.retain(|(n, _)| n != UNSELECTED);
+        if !shared.is_empty() {
+            shared.push(("residual".into(), Vec::new()));
+        }
+        self.load_state(shared)?;
+        self.unselected = unselected;
+        Ok(())
+    }
+
     fn load_state(&mut self, mut state: State) -> Result<()> {
         if state.is_empty() {
             *self = Self::new(std::mem::take(&mut self.tensors), self.cfg.clone());
@@ -306,8 +333,15 @@ impl Reducer for Radius {
             self.device_mask = None;
         }
         let numel = self.numel();
-        self.residual
-            .restore(take(&mut state, "residual", Some(numel))?);
+        // No values: no residual kept (zeros), as `state` writes one that is not.
+        let residual = take(&mut state, "residual", None)?;
+        if !residual.is_empty() && residual.len() != numel {
+            anyhow::bail!(crate::error::BadInput(format!(
+                "checkpoint: the Radius residual holds {} values, this model needs {numel}",
+                residual.len()
+            )));
+        }
+        self.residual.restore(residual);
         self.mask = f32_to_indices(&take(&mut state, "mask", None)?);
         self.core = f32_to_indices(&take(&mut state, "core", None)?);
         if self.mask.iter().any(|&i| i as usize >= numel)
