@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """What unreliable and unequal workers cost each method (`[train.membership]`): the quick-start model
 (config/quickstart-char.toml, global batch 16) on 8 local workers, for all-reduce, DiLoCo, streaming DiLoCo,
-gossip (exp) and CHOCO, with no churn, with 10% and 30% of the worker-steps away (the seeded random process:
+gossip (exp), CHOCO, top-k and PowerSGD, with no churn, with 10% and 30% of the worker-steps away (the seeded random process:
 every worker but 0 stays an exponential number of steps, then is away `--down` steps), and with one worker
 3x slower. Runs with churn train more steps, so that every run sees about the same tokens (each worker keeps
 its batch, so the global batch shrinks while workers are away). Per run: the tokens seen, the final val
 loss, and the simulated seconds on the cluster profile `--cluster` (the rows' `sim_s`: each worker's compute
 and communication there, synchronous steps waiting for their slowest member).
 
-    python3 scripts/bench/churn.py [--steps 600] [--cluster t4-ib] [--down 20] [--nanodist PATH]
+    python3 scripts/bench/churn.py [--steps 600] [--cluster t4-ib] [--down 20] [--only METHOD ...]
+                                   [--nanodist PATH]
 
 Needs a release build (cargo build --release) and data/shakespeare_char (scripts/quickstart.sh).
 """
@@ -31,6 +32,8 @@ METHODS = [
     ("gossip exp", ['train.backend="decentdp"', 'train.topology="exp"']),
     ("CHOCO top-10% exp", ['train.backend="decentdp"', 'train.topology="exp"',
                            'train.compression={ name = "topk", density = 0.1 }']),
+    ("top-k 1%", ['train.compression={ name = "topk", density = 0.01 }']),
+    ("PowerSGD r4", ['train.compression={ name = "powersgd", rank = 4, start_iter = 60 }']),
 ]
 
 
@@ -66,14 +69,18 @@ def main():
     ap.add_argument("--steps", type=int, default=600, help="steps of the runs without churn")
     ap.add_argument("--cluster", default="t4-ib")
     ap.add_argument("--down", type=int, default=20)
+    ap.add_argument("--only", nargs="+", metavar="METHOD", help="these methods alone (their names in the table)")
     ap.add_argument("--nanodist", default=os.path.join(ROOT, "target", "release", "nanodist"))
     a = ap.parse_args()
+    methods = [m for m in METHODS if not a.only or m[0] in a.only]
+    if a.only and len(methods) != len(a.only):
+        raise SystemExit(f"--only: methods are {', '.join(m[0] for m in METHODS)}")
     out = tempfile.mkdtemp(prefix="nanodist-churn-")
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     print(f"quick-start model, {WORKERS} workers, global batch 16, simulated on {a.cluster}")
     print("| method | setting | steps | tokens | final val loss | simulated time | vs no churn |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for method, sets in METHODS:
+    for method, sets in methods:
         base = None
         for i, (setting, keys, away) in enumerate(settings(a.down)):
             steps = round(a.steps / (1 - away))
